@@ -1,0 +1,1 @@
+"""The snapshot core: CRIU engine, manifest and stores, with no Jupyter imports."""

@@ -1,0 +1,238 @@
+"""Finding and running CRIU.
+
+CRIU is looked for, in this order: an explicit path (a config trait), the
+``JUPYTER_SNAPSHOT_CRIU`` environment variable, the private prefix that
+``scripts/install-criu.sh`` fills (``/opt/jupyter-kernel-snapshots/criu``, or
+``JUPYTER_SNAPSHOT_CRIU_PREFIX``), then ``PATH``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CriuError, CriuNotFoundError, DumpError, IncompatibleSnapshotError, RestoreError
+
+MIN_VERSION = (4, 2)
+ENV_CRIU = "JUPYTER_SNAPSHOT_CRIU"
+ENV_PREFIX = "JUPYTER_SNAPSHOT_CRIU_PREFIX"
+DEFAULT_PREFIX = Path("/opt/jupyter-kernel-snapshots/criu")
+INSTALL_HINT = (
+    "Install CRIU >= 4.2 with 'sudo scripts/install-criu.sh' from the jupyter-kernel-snapshots "
+    "source tree (it uses a private prefix and leaves the system's packages alone), or point "
+    f"{ENV_CRIU} at a criu binary."
+)
+
+
+def _parse_version(text: str) -> tuple[int, ...] | None:
+    match = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not match:
+        return None
+    return tuple(int(part) for part in match.groups() if part is not None)
+
+
+def criu_candidates(configured: str | os.PathLike[str] | None = None) -> list[tuple[str, Path]]:
+    """Where CRIU may be, in the order it is looked for, each with where the idea came from."""
+    found: list[tuple[str, Path]] = []
+    if configured:
+        found.append(("configuration", Path(configured)))
+    if os.environ.get(ENV_CRIU):
+        found.append((f"${ENV_CRIU}", Path(os.environ[ENV_CRIU])))
+    prefix = Path(os.environ.get(ENV_PREFIX) or DEFAULT_PREFIX)
+    found.append(("private prefix", prefix / "bin" / "criu"))
+    on_path = shutil.which("criu")
+    if on_path:
+        found.append(("PATH", Path(on_path)))
+    return found
+
+
+@dataclass(frozen=True)
+class Criu:
+    """A CRIU binary known to start, with its version."""
+
+    path: Path
+    version: tuple[int, ...]
+    source: str
+
+    @property
+    def version_text(self) -> str:
+        return ".".join(str(part) for part in self.version)
+
+    @classmethod
+    def locate(cls, configured: str | os.PathLike[str] | None = None) -> Criu:
+        """The first usable CRIU >= 4.2; raises CriuNotFoundError naming what was tried."""
+        tried: list[str] = []
+        for source, path in criu_candidates(configured):
+            if not os.access(path, os.X_OK):
+                tried.append(f"{path} ({source}): not found")
+                if source in ("configuration", f"${ENV_CRIU}"):
+                    break
+                continue
+            try:
+                out = subprocess.run(
+                    [str(path), "--version"], capture_output=True, text=True, timeout=10
+                )
+            except OSError as exc:
+                tried.append(f"{path} ({source}): does not start: {exc}")
+                continue
+            version = _parse_version(out.stdout)
+            if out.returncode != 0 or version is None:
+                tried.append(f"{path} ({source}): does not start: {out.stderr.strip()[:200]}")
+                continue
+            if version < MIN_VERSION:
+                tried.append(f"{path} ({source}): version {'.'.join(map(str, version))} < 4.2")
+                continue
+            return cls(path, version, source)
+        raise CriuNotFoundError(
+            "No usable CRIU >= 4.2 was found (tried: " + "; ".join(tried) + ").",
+            hint=INSTALL_HINT,
+        )
+
+    def check(self) -> tuple[bool, str]:
+        """Run ``criu check``: whether it passed, and what it printed."""
+        out = subprocess.run(
+            [str(self.path), "check"], capture_output=True, text=True, timeout=60
+        )
+        text = (out.stdout + out.stderr).strip()
+        return out.returncode == 0 and "Looks good" in text, text
+
+    async def dump(
+        self, pid: int, images_dir: Path, work_dir: Path, *, leave_running: bool
+    ) -> None:
+        """Dump the process tree rooted at ``pid`` into ``images_dir``."""
+        args = ["dump", "-t", str(pid), "-D", str(images_dir), "-W", str(work_dir)]
+        args += ["-o", "dump.log", "-v4", "--file-locks"]
+        if leave_running:
+            args.append("--leave-running")
+        rc, output = await self._run(args)
+        if rc != 0:
+            excerpt = log_excerpt(work_dir / "dump.log", output)
+            message, hint = explain_failure(excerpt, restoring=False)
+            raise DumpError(message, hint=hint, log_excerpt=excerpt)
+
+    async def restore(
+        self,
+        images_dir: Path,
+        work_dir: Path,
+        *,
+        inherit_fds: Sequence[tuple[int, str]] = (),
+    ) -> int:
+        """Restore the tree in ``images_dir`` as a sibling of this process; returns its pid.
+
+        ``inherit_fds`` pairs an fd of this process with the resource it replaces in the
+        image (``pipe:[INODE]``), so the restored kernel writes to our pipes, not dead ones.
+        """
+        pidfile = work_dir / "restored.pid"
+        args = ["restore", "-D", str(images_dir), "-W", str(work_dir), "-o", "restore.log"]
+        args += ["-v4", "--file-locks", "--restore-detached", "--restore-sibling"]
+        args += ["--pidfile", str(pidfile)]
+        for fd, resource in inherit_fds:
+            args += ["--inherit-fd", f"fd[{fd}]:{resource}"]
+        rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
+        if rc != 0:
+            excerpt = log_excerpt(work_dir / "restore.log", output)
+            message, hint = explain_failure(excerpt, restoring=True)
+            error_cls = (
+                IncompatibleSnapshotError if hint.startswith("incompatible:") else RestoreError
+            )
+            raise error_cls(message, hint=hint.removeprefix("incompatible:"), log_excerpt=excerpt)
+        return int(pidfile.read_text().strip())
+
+    async def _run(self, args: list[str], pass_fds: Sequence[int] = ()) -> tuple[int, str]:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                str(self.path),
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                pass_fds=pass_fds,
+            )
+        except OSError as exc:
+            raise CriuError(f"Could not start {self.path}: {exc}", hint=INSTALL_HINT) from exc
+        out, _ = await proc.communicate()
+        return proc.returncode or 0, out.decode(errors="replace")
+
+
+def log_excerpt(log_file: Path, output: str, limit: int = 20) -> str:
+    """The lines of a CRIU log that explain a failure: its errors, and what led to them."""
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = output.splitlines()
+    picked = [line for line in lines if "Error" in line or "error" in line or "Warn" in line]
+    if not picked:
+        picked = lines[-limit:]
+    return "\n".join(line.strip() for line in picked[-limit:])
+
+
+# (pattern in the log, message, hint). A hint starting with "incompatible:" marks
+# restore failures that come from the snapshot not fitting this machine.
+_KNOWN_FAILURES: list[tuple[str, str, str]] = [
+    (
+        r"has bad size|bad mode|size mismatch",
+        "A file the kernel had open has changed since the snapshot.",
+        "incompatible:Restore the file to the state it had when the snapshot was taken, or "
+        "take snapshots of kernels that do not keep growing files open.",
+    ),
+    (
+        r"Can't open (?:file|vma|mapping|fd).*No such file|No such file or directory",
+        "A file the kernel had open at the snapshot is missing on this machine.",
+        "incompatible:Make the file named in the log available at the same path, then restore.",
+    ),
+    (
+        r"cpu(?:info)?.*(?:mismatch|not supported|compat)|CPU feature",
+        "This machine's CPU lacks features the snapshot's CPU had.",
+        "incompatible:Restore on a machine with the same (or a newer) CPU model.",
+    ),
+    (
+        r"Connected TCP socket|tcp-established",
+        "The kernel holds an open TCP connection, which cannot be saved.",
+        "Close network connections held by the kernel (database clients, HTTP sessions) "
+        "before taking a snapshot.",
+    ),
+    (
+        r"half of stream unix|unix.*external|External socket",
+        "The kernel holds a unix socket connected to a process outside it.",
+        "Close connections to outside processes (for example a connection to a local "
+        "database server) before taking a snapshot.",
+    ),
+    (
+        r"Can't dump.*device|Unsupported .* device|can't dump.*chrdev|Unsupported chr",
+        "The kernel holds a device file CRIU cannot save.",
+        "Close the device (for example a GPU opened without CUDA checkpoint support).",
+    ),
+    (
+        r"Can't .*pid.*busy|PID .* is busy|pid .* is in use",
+        "A process id the snapshot needs is taken on this machine.",
+        "Retry; restores run in a fresh PID namespace, so this points to a CRIU problem.",
+    ),
+    (
+        r"Operation not permitted|EPERM|Permission denied",
+        "CRIU lacked a privilege it needs.",
+        "Run Jupyter as root (or with CAP_CHECKPOINT_RESTORE and CAP_SYS_ADMIN); see "
+        "'jupyter snapshot doctor'.",
+    ),
+]
+
+
+def explain_failure(excerpt: str, *, restoring: bool) -> tuple[str, str]:
+    """A plain message and hint for a failed dump or restore, from its log excerpt."""
+    for pattern, message, hint in _KNOWN_FAILURES:
+        if re.search(pattern, excerpt, re.IGNORECASE):
+            return message, hint
+    if restoring:
+        return (
+            "CRIU could not restore the snapshot.",
+            "Read the CRIU log lines below; 'jupyter snapshot doctor' checks this machine.",
+        )
+    return (
+        "CRIU could not dump the kernel; the kernel keeps running unharmed.",
+        "Read the CRIU log lines below; 'jupyter snapshot doctor' checks this machine.",
+    )

@@ -1,0 +1,116 @@
+"""Every error the snapshot core raises, in one small hierarchy.
+
+Each error says what went wrong, why, and what to do about it, so that the server
+extension, the CLI and the panel can show it as it is::
+
+    SnapshotError                 base class; ``.hint`` says what to do
+    ├── CriuError                 CRIU is missing, too old, or failed
+    │   ├── CriuNotFoundError     no usable criu binary
+    │   ├── DumpError             ``criu dump`` failed (the kernel keeps running)
+    │   └── RestoreError          ``criu restore`` failed
+    ├── SnapshotCorruptError      a file's sha256 differs from the manifest, or files are missing
+    ├── IncompatibleSnapshotError the snapshot cannot run here (kernel, CPU, missing files)
+    ├── SnapshotBusyError         another snapshot or restore of this kernel is in progress
+    ├── KernelNotRunningError     there is no kernel process to snapshot
+    ├── WrapperUnavailableError   the kernel is not a snapshot kernel, or its wrapper is gone
+    └── SnapshotNotFoundError     no snapshot with that id
+"""
+
+from __future__ import annotations
+
+
+class SnapshotError(Exception):
+    """Base class: a message that names the cause, and a hint that says what to do."""
+
+    code = "snapshot-error"
+
+    def __init__(self, message: str, *, hint: str = "", log_excerpt: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.log_excerpt = log_excerpt
+
+    def __str__(self) -> str:
+        parts = [self.message]
+        if self.hint:
+            parts.append(f"What to do: {self.hint}")
+        if self.log_excerpt:
+            parts.append(f"CRIU log:\n{self.log_excerpt}")
+        return "\n".join(parts)
+
+    def to_dict(self) -> dict[str, str]:
+        """The error as sent over the wrapper's control socket and the REST API."""
+        return {
+            "code": self.code,
+            "message": self.message,
+            "hint": self.hint,
+            "log_excerpt": self.log_excerpt,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, str]) -> SnapshotError:
+        """Rebuild the error raised on the other side of the control socket."""
+        error_cls = _BY_CODE.get(data.get("code", ""), SnapshotError)
+        return error_cls(
+            data.get("message", "unknown error"),
+            hint=data.get("hint", ""),
+            log_excerpt=data.get("log_excerpt", ""),
+        )
+
+
+class CriuError(SnapshotError):
+    code = "criu-error"
+
+
+class CriuNotFoundError(CriuError):
+    code = "criu-not-found"
+
+
+class DumpError(CriuError):
+    code = "dump-failed"
+
+
+class RestoreError(CriuError):
+    code = "restore-failed"
+
+
+class SnapshotCorruptError(SnapshotError):
+    code = "snapshot-corrupt"
+
+
+class IncompatibleSnapshotError(SnapshotError):
+    code = "snapshot-incompatible"
+
+
+class SnapshotBusyError(SnapshotError):
+    code = "kernel-busy"
+
+
+class KernelNotRunningError(SnapshotError):
+    code = "kernel-not-running"
+
+
+class WrapperUnavailableError(SnapshotError):
+    code = "wrapper-unavailable"
+
+
+class SnapshotNotFoundError(SnapshotError):
+    code = "snapshot-not-found"
+
+
+_BY_CODE: dict[str, type[SnapshotError]] = {
+    cls.code: cls
+    for cls in (
+        SnapshotError,
+        CriuError,
+        CriuNotFoundError,
+        DumpError,
+        RestoreError,
+        SnapshotCorruptError,
+        IncompatibleSnapshotError,
+        SnapshotBusyError,
+        KernelNotRunningError,
+        WrapperUnavailableError,
+        SnapshotNotFoundError,
+    )
+}

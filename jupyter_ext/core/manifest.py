@@ -1,0 +1,249 @@
+"""The snapshot directory and its manifest.
+
+A snapshot is a directory holding CRIU's images under ``images/`` and ``manifest.json``,
+which names every file with its size and sha256. The directory is built under a hidden
+staging name and renamed into place only once the manifest is written, so a snapshot is
+complete or absent. Hashes are checked before CRIU ever reads a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import sys
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .errors import IncompatibleSnapshotError, SnapshotCorruptError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+IMAGES_DIR = "images"
+SNAPSHOT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+TRIGGERS = ("manual", "periodic", "idle-suspend", "before-shutdown")
+
+
+def new_snapshot_id() -> str:
+    return uuid.uuid4().hex
+
+
+def product_version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def cpu_flags() -> list[str]:
+    """The CPU feature flags of this machine (first processor in /proc/cpuinfo)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return []
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@dataclass
+class FileEntry:
+    path: str
+    """Relative to the snapshot directory, '/'-separated."""
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    """Everything known about one snapshot; ``manifest.json`` is its JSON form."""
+
+    id: str
+    lineage: str
+    """The kernel this snapshot descends from (stable across restores)."""
+    sequence: int
+    created: str
+    trigger: str
+    runtime_dir: str
+    """Where the inner kernel's channels live; the same path is needed on restore."""
+    stdio_pipe: str
+    """The ``pipe:[INODE]`` the kernel writes its stdout/stderr to (re-attached on restore)."""
+    kernel_spec: dict[str, Any] = field(default_factory=dict)
+    notebook_path: str | None = None
+    kernel_info: dict[str, Any] = field(default_factory=dict)
+    parent_id: str | None = None
+    product_version: str = ""
+    criu_version: str = ""
+    kernel_release: str = field(default_factory=platform.release)
+    host: str = field(default_factory=socket.gethostname)
+    cpu_model: str = field(default_factory=cpu_model)
+    cpu_flags: list[str] = field(default_factory=cpu_flags)
+    machine: str = field(default_factory=platform.machine)
+    python_version: str = field(default_factory=lambda: sys.version.split()[0])
+    needed_files: list[dict[str, Any]] = field(default_factory=list)
+    """Regular files the kernel had open or mapped: a restore needs them unchanged."""
+    disconnect_seconds: float = 0.0
+    dump_seconds: float = 0.0
+    pause_seconds: float = 0.0
+    total_bytes: int = 0
+    files: list[FileEntry] = field(default_factory=list)
+    gpu: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        if data.get("format_version") != FORMAT_VERSION:
+            raise SnapshotCorruptError(
+                f"Snapshot format {data.get('format_version')!r} is not supported "
+                f"(this version reads format {FORMAT_VERSION}).",
+                hint="Restore it with the version of jupyter-kernel-snapshots that took it.",
+            )
+        known = {f for f in cls.__dataclass_fields__}
+        values = {k: v for k, v in data.items() if k in known}
+        values["files"] = [FileEntry(**entry) for entry in data.get("files", [])]
+        return cls(**values)
+
+    @classmethod
+    def read(cls, snapshot_dir: Path) -> Manifest:
+        path = snapshot_dir / MANIFEST_NAME
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise SnapshotCorruptError(
+                f"{snapshot_dir} is not a complete snapshot: it has no {MANIFEST_NAME}.",
+                hint="Pick another snapshot; incomplete ones are never listed.",
+            ) from exc
+        except (OSError, ValueError) as exc:
+            raise SnapshotCorruptError(
+                f"The manifest of {snapshot_dir} cannot be read: {exc}",
+                hint="The snapshot is damaged; pick another one.",
+            ) from exc
+        return cls.from_dict(data)
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def hash_files(root: Path, paths: Iterable[Path]) -> list[FileEntry]:
+    """Size and sha256 of each file, hashed in parallel (hashlib releases the GIL)."""
+    paths = sorted(paths)
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        digests = list(pool.map(_sha256, paths))
+    return [
+        FileEntry(p.relative_to(root).as_posix(), p.stat().st_size, digest)
+        for p, digest in zip(paths, digests, strict=True)
+    ]
+
+
+def seal(staging: Path, manifest: Manifest, final: Path) -> Manifest:
+    """Hash every file in ``staging``, write the manifest last, and rename into place."""
+    files = [p for p in staging.rglob("*") if p.is_file() and p.name != MANIFEST_NAME]
+    manifest.files = hash_files(staging, files)
+    manifest.total_bytes = sum(entry.size for entry in manifest.files)
+    tmp = staging / (MANIFEST_NAME + ".tmp")
+    with tmp.open("w") as fh:
+        fh.write(manifest.to_json())
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp.rename(staging / MANIFEST_NAME)
+    staging.rename(final)
+    return manifest
+
+
+def verify(snapshot_dir: Path) -> Manifest:
+    """Read the manifest and check every file's size and sha256 against it.
+
+    Raises SnapshotCorruptError naming the first file that is missing, changed, or extra.
+    """
+    manifest = Manifest.read(snapshot_dir)
+    listed = {entry.path for entry in manifest.files}
+    for entry in manifest.files:
+        path = snapshot_dir / entry.path
+        if ".." in Path(entry.path).parts or not path.is_file():
+            raise SnapshotCorruptError(
+                f"Snapshot {manifest.id} is damaged: its file {entry.path} is missing.",
+                hint="Pick another snapshot; this one cannot be restored.",
+            )
+        if path.stat().st_size != entry.size:
+            raise SnapshotCorruptError(
+                f"Snapshot {manifest.id} is damaged: {entry.path} has "
+                f"{path.stat().st_size} bytes, the manifest says {entry.size}.",
+                hint="Pick another snapshot; this one cannot be restored.",
+            )
+    actual = hash_files(snapshot_dir, [snapshot_dir / e.path for e in manifest.files])
+    expected = {entry.path: entry.sha256 for entry in manifest.files}
+    for entry in actual:
+        if expected[entry.path] != entry.sha256:
+            raise SnapshotCorruptError(
+                f"Snapshot {manifest.id} is damaged: the sha256 of {entry.path} is "
+                f"{entry.sha256[:12]}…, the manifest says {expected[entry.path][:12]}….",
+                hint="Pick another snapshot; this one cannot be restored.",
+            )
+    images = snapshot_dir / IMAGES_DIR
+    for path in images.rglob("*") if images.is_dir() else []:
+        if path.is_file() and path.relative_to(snapshot_dir).as_posix() not in listed:
+            raise SnapshotCorruptError(
+                f"Snapshot {manifest.id} is damaged: {path.name} is not in its manifest.",
+                hint="Pick another snapshot; this one cannot be restored.",
+            )
+    return manifest
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def check_compatible(manifest: Manifest) -> None:
+    """Refuse, before CRIU starts, a snapshot that cannot run on this machine."""
+    from .proctree import missing_files
+
+    if manifest.machine != platform.machine():
+        raise IncompatibleSnapshotError(
+            f"The snapshot was taken on {manifest.machine}; this machine is {platform.machine()}.",
+            hint="Restore it on a machine of the same architecture.",
+        )
+    missing_flags = set(manifest.cpu_flags) - set(cpu_flags())
+    important = sorted(f for f in missing_flags if f.startswith(_INSTRUCTION_SET_FLAGS))
+    if important:
+        raise IncompatibleSnapshotError(
+            f"This CPU lacks instruction sets the snapshot's CPU ({manifest.cpu_model}) had: "
+            + ", ".join(important[:8]),
+            hint="Restore on a machine with the same or a newer CPU model.",
+        )
+    problems = missing_files(manifest.needed_files)
+    if problems:
+        raise IncompatibleSnapshotError(
+            "Files the kernel had open are missing or changed here: " + "; ".join(problems[:5]),
+            hint="Make those files available at the same paths (same content), then restore.",
+        )
+
+
+#: CPU flags whose absence breaks code already compiled or selected for them.
+_INSTRUCTION_SET_FLAGS = ("avx", "sse", "fma", "amx", "bmi", "f16c", "popcnt", "aes", "sha_ni")

@@ -1,0 +1,130 @@
+"""Process-tree helpers (Linux /proc) for the kernel's inner process tree."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+from pathlib import Path
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (all its threads' children)."""
+    result: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return result
+    for task in tasks:
+        try:
+            result.extend(int(p) for p in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return result
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it, parents before children."""
+    order = [pid]
+    index = 0
+    while index < len(order):
+        order.extend(children(order[index]))
+        index += 1
+    return order
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """Send ``sig`` to ``pid`` and all its descendants; processes already gone are skipped."""
+    for member in descendants(pid):
+        try:
+            os.kill(member, sig)
+        except ProcessLookupError:
+            pass
+
+
+def stop_tree(pid: int) -> None:
+    """Stop the tree with SIGSTOP (it cannot be caught, also not by a namespace's init)."""
+    signal_tree(pid, signal.SIGSTOP)
+
+
+def continue_tree(pid: int) -> None:
+    signal_tree(pid, signal.SIGCONT)
+
+
+def process_start_time(pid: int) -> str | None:
+    """The start time field of /proc/PID/stat: with the pid, a process's unique name."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()[19]
+
+
+def is_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def needed_files(pids: list[int]) -> list[dict[str, object]]:
+    """Regular files a restore of these processes needs at the same path and size.
+
+    Open file descriptors, file-backed memory mappings (the interpreter, its libraries)
+    and working directories. Deleted files are left out: CRIU carries them in the image.
+    """
+    seen: dict[str, dict[str, object]] = {}
+
+    def add(path: str, kind: str) -> None:
+        if path in seen or not path.startswith("/") or path.endswith(" (deleted)"):
+            return
+        try:
+            st = os.stat(path)
+        except OSError:
+            return
+        if kind == "cwd":
+            seen[path] = {"path": path, "kind": kind, "size": None}
+        elif stat.S_ISREG(st.st_mode):
+            seen[path] = {"path": path, "kind": kind, "size": st.st_size}
+
+    for pid in pids:
+        try:
+            add(os.readlink(f"/proc/{pid}/cwd"), "cwd")
+        except OSError:
+            pass
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            fds = []
+        for fd in fds:
+            try:
+                add(os.readlink(f"/proc/{pid}/fd/{fd}"), "open")
+            except OSError:
+                continue
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:
+            maps = []
+        for line in maps:
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].startswith("/"):
+                add(parts[5], "mapped")
+    return sorted(seen.values(), key=lambda entry: str(entry["path"]))
+
+
+def missing_files(entries: list[dict[str, object]]) -> list[str]:
+    """Which needed files are absent or changed here, in words (empty when all is well)."""
+    problems: list[str] = []
+    for entry in entries:
+        path = str(entry["path"])
+        try:
+            st = os.stat(path)
+        except OSError:
+            problems.append(f"{path} ({entry['kind']}) does not exist")
+            continue
+        size = entry.get("size")
+        if size is not None and st.st_size != size:
+            problems.append(f"{path} ({entry['kind']}) has {st.st_size} bytes, expected {size}")
+    return problems

@@ -1,0 +1,1 @@
+"""The kernel wrapper: runs a snapshot-ready ipykernel behind stable Jupyter channels."""

@@ -1,0 +1,58 @@
+"""``python -m kernel_wrapper -f CONNECTION_FILE``: the argv of the snapshot kernelspec."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from jupyter_ext.core.errors import SnapshotError
+
+from .wrapper import DEFAULT_RUNTIME_ROOT, KernelWrapper
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kernel_wrapper",
+        description="Run a snapshot-ready ipykernel behind stable Jupyter channels.",
+    )
+    parser.add_argument("-f", "--connection-file", required=True, type=Path)
+    parser.add_argument(
+        "--restore-from",
+        type=Path,
+        default=None,
+        help="start by restoring this snapshot directory instead of a fresh kernel",
+    )
+    parser.add_argument(
+        "--on-inner-death",
+        choices=("exit", "wait"),
+        default="exit",
+        help="when the kernel process dies unexpectedly: exit like ipykernel (the server "
+        "restarts it), or wait for a restore and answer requests with an error (default: exit)",
+    )
+    parser.add_argument("--runtime-dir", type=Path, default=DEFAULT_RUNTIME_ROOT)
+    parser.add_argument("--criu", default=None, help="path of the criu binary")
+    args, kernel_args = parser.parse_known_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="[kernel_wrapper %(levelname)s] %(message)s", stream=sys.stderr
+    )
+    restore_from = args.restore_from
+    wrapper = KernelWrapper(
+        args.connection_file,
+        runtime_root=args.runtime_dir,
+        on_inner_death=args.on_inner_death,
+        criu_path=args.criu,
+        restore_from=restore_from,
+        kernel_args=kernel_args,
+    )
+    try:
+        return asyncio.run(wrapper.run())
+    except SnapshotError as exc:
+        print(f"kernel_wrapper: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

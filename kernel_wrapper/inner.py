@@ -1,0 +1,95 @@
+"""The inner kernel: ipykernel, made ready to be dumped and restored by CRIU.
+
+It runs as PID 1 of its own PID and time namespaces (started by the wrapper) and differs
+from a plain ipykernel in three ways, each needed for a clean CRIU image:
+
+* its ZMQ sockets *connect* to endpoints that the wrapper binds in a private directory,
+  so that while the wrapper is away (during a dump, after a restore elsewhere) messages
+  queue inside the kernel and the sockets reconnect by themselves;
+* it has no heartbeat of its own (the wrapper answers heartbeats for the kernel's whole
+  life) and keeps IPython's history in memory (a growing SQLite file would break restore);
+* a watcher thread ends the kernel when its wrapper is gone, so no kernel is orphaned,
+  also after a restore into a new wrapper (it follows ``wrapper.pid`` in the directory).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+from ipykernel.kernelapp import IPKernelApp
+
+from jupyter_ext.core.proctree import process_start_time
+
+#: How often the orphan watcher looks for the wrapper, in seconds.
+WATCH_INTERVAL = 0.5
+#: ZMQ reconnect interval (ms) toward the wrapper: short, so a restored kernel is back fast.
+RECONNECT_IVL_MS = 10
+RECONNECT_IVL_MAX_MS = 200
+
+
+def wrapper_alive(runtime_dir: Path) -> bool:
+    """Whether the wrapper named in ``runtime_dir/wrapper.pid`` ("PID STARTTIME") still runs."""
+    try:
+        pid_text, start = (runtime_dir / "wrapper.pid").read_text().split()
+    except (OSError, ValueError):
+        return False
+    return process_start_time(int(pid_text)) == start
+
+
+def _watch_wrapper(runtime_dir: Path) -> None:
+    misses = 0
+    while True:
+        time.sleep(WATCH_INTERVAL)
+        # Two misses in a row: the wrapper rewrites the file (atomically) during a restore.
+        misses = 0 if wrapper_alive(runtime_dir) else misses + 1
+        if misses >= 2:
+            os._exit(0)
+
+
+class SnapshotReadyKernelApp(IPKernelApp):  # type: ignore[misc]
+    """IPKernelApp whose channels connect to the wrapper instead of binding."""
+
+    name = "snapshot-ready-kernel"
+
+    def _try_bind_socket(self, s: zmq.Socket[Any], port: int) -> int:
+        s.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        s.connect(f"ipc://{self.ip}-{port}")
+        return port
+
+    def init_control(self, context: zmq.Context[Any]) -> None:
+        super().init_control(context)
+        # ipykernel points its debugger's shell socket at LAST_ENDPOINT, which for a
+        # connecting socket is the wrapper: that would inject messages into the wrapper.
+        self.debug_shell_socket.close(linger=0)
+        self.debug_shell_socket = context.socket(zmq.DEALER)
+
+    def init_heartbeat(self) -> None:
+        """The wrapper answers heartbeats; the inner kernel has none."""
+        self.heartbeat = None
+
+
+def main() -> None:
+    os.setsid()  # CRIU wants the root task to lead its own session.
+    runtime_dir = Path(os.environ.pop("JUPYTER_SNAPSHOT_INNER_DIR"))
+    threading.Thread(
+        target=_watch_wrapper, args=(runtime_dir,), name="snapshot-wrapper-watch", daemon=True
+    ).start()
+    SnapshotReadyKernelApp.launch_instance(
+        argv=[
+            *sys.argv[1:],
+            "--HistoryManager.hist_file=:memory:",
+            # A parent handle of 1 means "managed": no banner, and no parent poller.
+            "--IPKernelApp.parent_handle=1",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main()

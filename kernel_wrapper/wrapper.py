@@ -1,0 +1,850 @@
+"""The kernel wrapper: one stable kernel for jupyter_server, a dumpable kernel inside.
+
+jupyter_server starts the wrapper with the kernel's connection file. The wrapper binds the
+five server-facing channels and keeps them for its whole life, while the process that
+really computes (the *inner* kernel, see :mod:`kernel_wrapper.inner`) runs in its own PID
+and time namespaces and is dumped, killed and restored underneath. Messages pass through
+unchanged in both directions, so their signatures stay valid.
+
+Snapshots and restores are asked for over a private control socket
+(:mod:`jupyter_ext.core.protocol`). A dump goes like this:
+
+1. stop reading requests from the server (they wait in the server-facing sockets);
+2. stop the inner tree (SIGSTOP), read everything it already sent, close the wrapper's
+   ends of the inner channels, continue it: its sockets see EOF and go back to
+   reconnecting, keeping unsent messages queued inside the kernel;
+3. ``criu dump --leave-running`` (the kernel is frozen only while CRIU dumps);
+4. bind the inner channels again: the kernel reconnects and delivers what it queued;
+5. hash the images and write the manifest, while the kernel runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import enum
+import fcntl
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from jupyter_client.session import Session
+
+from jupyter_ext import __version__
+from jupyter_ext.core import proctree, sockdiag
+from jupyter_ext.core.criu import Criu
+from jupyter_ext.core.errors import (
+    IncompatibleSnapshotError,
+    KernelNotRunningError,
+    SnapshotBusyError,
+    SnapshotError,
+)
+from jupyter_ext.core.manifest import (
+    IMAGES_DIR,
+    Manifest,
+    check_compatible,
+    new_snapshot_id,
+    remove_tree,
+    seal,
+    utc_now,
+    verify,
+)
+from jupyter_ext.core.protocol import WrapperInfo, info_path
+
+log = logging.getLogger("kernel_wrapper")
+
+#: Inner channel "ports": the inner kernel connects to ``ipc://<runtime dir>/ch-<port>``.
+INNER_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5}
+#: The routing id of the wrapper's sockets toward the inner kernel, the same forever,
+#: so replies the kernel routes after a restore still reach us.
+INNER_ROUTING_ID = b"kernel-snapshot-wrapper"
+DEFAULT_RUNTIME_ROOT = Path(
+    os.environ.get("JUPYTER_SNAPSHOT_RUNTIME_DIR")
+    or ("/run/jupyter-kernel-snapshots" if os.geteuid() == 0 else f"/tmp/jks-{os.geteuid()}")
+)
+#: How long the wrapper waits for the inner kernel to drop its connections before a dump.
+DISCONNECT_TIMEOUT = 5.0
+PR_SET_PDEATHSIG = 1
+
+
+class State(str, enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    SNAPSHOTTING = "snapshotting"
+    RESTORING = "restoring"
+    DEAD = "dead"
+    """The inner kernel died; the wrapper waits for a restore (``--on-inner-death=wait``)."""
+    SUSPENDED = "suspended"
+    """The inner kernel was dumped and stopped; it comes back on the next request."""
+    STOPPING = "stopping"
+
+
+def _set_parent_death_signal() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class InnerChannels:
+    """The wrapper's ends of the channels to the inner kernel, bound in the runtime dir."""
+
+    def __init__(self, runtime_dir: Path) -> None:
+        self.context = zmq.asyncio.Context()
+        self.sockets: dict[str, zmq.asyncio.Socket] = {}
+        for name in ("shell", "stdin", "control"):
+            sock = self.context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.ROUTING_ID, INNER_ROUTING_ID)
+            self.sockets[name] = sock
+        iopub = self.context.socket(zmq.XSUB)
+        self.sockets["iopub"] = iopub
+        for name, sock in self.sockets.items():
+            sock.setsockopt(zmq.LINGER, 1000)
+            path = runtime_dir / f"ch-{INNER_PORTS[name]}"
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            sock.bind(f"ipc://{path}")
+        iopub.send(b"\x01")  # subscribe to everything the kernel publishes
+
+    def close(self) -> None:
+        """Close every socket and wait until libzmq has really closed their descriptors."""
+        for sock in self.sockets.values():
+            sock.close()
+        self.context.term()
+
+
+class KernelWrapper:
+    def __init__(
+        self,
+        connection_file: Path,
+        *,
+        runtime_root: Path = DEFAULT_RUNTIME_ROOT,
+        on_inner_death: str = "exit",
+        criu_path: str | None = None,
+        restore_from: Path | None = None,
+        kernel_args: list[str] | None = None,
+    ) -> None:
+        self.connection_file = connection_file.resolve()
+        self.connection = json.loads(connection_file.read_text())
+        self.session = Session(
+            key=self.connection["key"].encode(),
+            signature_scheme=self.connection.get("signature_scheme", "hmac-sha256"),
+        )
+        self.runtime_root = runtime_root
+        self.on_inner_death = on_inner_death
+        self.criu_path = criu_path
+        self.restore_from = restore_from
+        self.kernel_args = kernel_args or []
+        self.state = State.STARTING
+        self.lineage = secrets.token_hex(8)
+        self.runtime_dir = runtime_root / self.lineage
+        self.sequence = 0
+        self.parent_snapshot: str | None = None
+        self.inner_pid: int | None = None
+        self.launcher: subprocess.Popen[bytes] | None = None
+        self.kernel_info: dict[str, Any] = {}
+        self.execution_state = "starting"
+        self.last_activity = time.time()
+        self.executions_since_snapshot = 0
+        self.exit_code: int | None = None
+        self._expected_exit = False
+        self._op_lock = asyncio.Lock()
+        self._lock_fd: int | None = None
+        self._inner: InnerChannels | None = None
+        self._pumps: list[asyncio.Task[None]] = []
+        self._stand_in: list[asyncio.Task[None]] = []
+        self._held: dict[str, list[list[bytes]]] = {"shell": [], "stdin": [], "control": []}
+        self._done = asyncio.Event()
+        self._pidfd: int | None = None
+        self._stdio_r, self._stdio_w = os.pipe()
+        os.set_blocking(self._stdio_r, False)
+        self._criu: Criu | None = None
+        self._control_path = self.runtime_root / f"control-{secrets.token_hex(8)}"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> int:
+        """Serve until the kernel is shut down; returns the process exit code."""
+        loop = asyncio.get_running_loop()
+        self.runtime_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._bind_server_channels()
+        loop.add_reader(self._stdio_r, self._forward_stdio)
+        loop.add_signal_handler(signal.SIGINT, self._interrupt)
+        loop.add_signal_handler(signal.SIGTERM, self._terminate)
+        server = await asyncio.start_unix_server(self._handle_control, path=str(self._control_path))
+        os.chmod(self._control_path, 0o600)
+        WrapperInfo(self._control_path, os.getpid()).write(self.connection_file)
+        self._subscription_task = asyncio.create_task(self._forward_subscriptions())
+        try:
+            if self.restore_from is not None:
+                await self._restore(self.restore_from, lambda _: None)
+            else:
+                self._claim_runtime_dir(self.lineage)
+                await self._launch_inner()
+            await self._done.wait()
+        finally:
+            server.close()
+            await self._shutdown_inner()
+            with contextlib.suppress(OSError):
+                self._control_path.unlink()
+            with contextlib.suppress(OSError):
+                info_path(self.connection_file).unlink()
+            self._release_runtime_dir()
+        return self.exit_code or 0
+
+    def _bind_server_channels(self) -> None:
+        c = self.connection
+        self.context = zmq.asyncio.Context()
+        url = f"{c.get('transport', 'tcp')}://{c['ip']}"
+        self.server: dict[str, zmq.asyncio.Socket] = {}
+        for name, kind in (
+            ("shell", zmq.ROUTER),
+            ("stdin", zmq.ROUTER),
+            ("control", zmq.ROUTER),
+            ("iopub", zmq.XPUB),
+        ):
+            sock = self.context.socket(kind)
+            sock.setsockopt(zmq.LINGER, 1000)
+            if kind == zmq.XPUB:
+                sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+            else:
+                sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            sock.bind(self._endpoint(url, c[f"{name}_port"]))
+            self.server[name] = sock
+        # The heartbeat echoes in its own thread and context, whatever the kernel does.
+        hb_context = zmq.Context()
+        hb = hb_context.socket(zmq.ROUTER)
+        hb.setsockopt(zmq.LINGER, 0)
+        hb.bind(self._endpoint(url, c["hb_port"]))
+        threading.Thread(target=self._heartbeat, args=(hb,), daemon=True, name="hb").start()
+
+    @staticmethod
+    def _endpoint(url: str, port: int) -> str:
+        return f"{url}-{port}" if url.startswith("ipc://") else f"{url}:{port}"
+
+    @staticmethod
+    def _heartbeat(sock: zmq.Socket[bytes]) -> None:
+        with contextlib.suppress(zmq.ContextTerminated):
+            zmq.proxy(sock, sock)
+
+    def _claim_runtime_dir(self, lineage: str) -> None:
+        """Take the inner channels' directory; refuse if a live kernel of this lineage has it."""
+        runtime_dir = self.runtime_root / lineage
+        runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(runtime_dir / "wrapper.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SnapshotBusyError(
+                "Another kernel restored from the same original kernel is running on this "
+                f"machine and holds {runtime_dir}.",
+                hint="Restore into that kernel instead (in place), or shut it down first.",
+            ) from None
+        self._release_runtime_dir()
+        self._lock_fd = fd
+        self.lineage = lineage
+        self.runtime_dir = runtime_dir
+        pid_file = runtime_dir / "wrapper.pid"
+        tmp = runtime_dir / "wrapper.pid.tmp"
+        tmp.write_text(f"{os.getpid()} {proctree.process_start_time(os.getpid())}\n")
+        os.replace(tmp, pid_file)
+
+    def _release_runtime_dir(self) -> None:
+        if self._lock_fd is None:
+            return
+        with contextlib.suppress(OSError):
+            (self.runtime_dir / "wrapper.pid").unlink()
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+    def _inner_connection_file(self) -> Path:
+        path = self.runtime_dir / "inner.json"
+        info = {
+            "transport": "ipc",
+            "ip": str(self.runtime_dir / "ch"),
+            "key": self.connection["key"],
+            "signature_scheme": self.connection.get("signature_scheme", "hmac-sha256"),
+            "kernel_name": self.connection.get("kernel_name", ""),
+        }
+        info.update({f"{name}_port": port for name, port in INNER_PORTS.items()})
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(info, fh)
+        return path
+
+    async def _launch_inner(self) -> None:
+        """Start a fresh inner kernel in new PID and time namespaces."""
+        self._inner = InnerChannels(self.runtime_dir)
+        env = dict(os.environ)
+        env.pop("JPY_PARENT_PID", None)  # ipykernel would exit when its parent changes
+        env["JUPYTER_SNAPSHOT_INNER_DIR"] = str(self.runtime_dir)
+        argv = ["unshare", "--pid", "--fork"]
+        if Path("/proc/self/ns/time").exists():
+            argv.append("--time")  # monotonic clocks continue across restores elsewhere
+        argv += [sys.executable, "-m", "kernel_wrapper.inner"]
+        argv += ["-f", str(self._inner_connection_file()), *self.kernel_args]
+        self.launcher = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._stdio_w,
+            stderr=self._stdio_w,
+            env=env,
+            preexec_fn=_set_parent_death_signal,
+        )
+        inner = await self._wait_for_child(self.launcher.pid)
+        self.inner_pid = inner
+        self._watch(self.launcher.pid)
+        self._set_state(State.RUNNING)
+
+    @staticmethod
+    async def _wait_for_child(pid: int, timeout: float = 10.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            kids = proctree.children(pid)
+            if kids:
+                return kids[0]
+            if not proctree.is_alive(pid):
+                break
+            await asyncio.sleep(0.005)
+        raise KernelNotRunningError(
+            "The inner kernel did not start.", hint="See the kernel's output in the server log."
+        )
+
+    def _watch(self, pid: int) -> None:
+        """Call :meth:`_on_inner_exit` when ``pid`` (our child) exits."""
+        loop = asyncio.get_running_loop()
+        self._unwatch()
+        self._pidfd = os.pidfd_open(pid)
+        watched = self._pidfd
+
+        def ready() -> None:
+            if self._pidfd != watched:
+                return
+            self._unwatch()
+            if self.launcher is not None and self.launcher.pid == pid:
+                code = self.launcher.wait()
+            else:
+                _, status = os.waitpid(pid, 0)
+                code = os.waitstatus_to_exitcode(status)
+            self._on_inner_exit(code)
+
+        loop.add_reader(watched, ready)
+
+    def _unwatch(self) -> None:
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def _on_inner_exit(self, code: int) -> None:
+        self.inner_pid = None
+        self.launcher = None
+        if self._expected_exit:
+            self._expected_exit = False
+            return
+        if code == 0 or self.state == State.STOPPING or self.on_inner_death == "exit":
+            log.info("inner kernel exited with %s; the wrapper exits too", code)
+            self.exit_code = 0 if code == 0 else 1
+            self._set_state(State.STOPPING)
+            self._done.set()
+            return
+        log.warning("inner kernel died (%s); waiting for a restore", code)
+        self._set_state(State.DEAD)
+
+    async def _shutdown_inner(self) -> None:
+        self._stop_pumps()
+        if self.inner_pid is not None:
+            self._expected_exit = True
+            await self._kill_inner()
+        if self._inner is not None:
+            await asyncio.to_thread(self._inner.close)
+            self._inner = None
+
+    async def _kill_inner(self) -> None:
+        """SIGKILL the inner tree (its namespace dies with its init) and reap it."""
+        pid = self.inner_pid
+        if pid is None:
+            return
+        self._expected_exit = True
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        if self.launcher is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.launcher.kill()
+        deadline = time.monotonic() + 10
+        while self.inner_pid is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        self._expected_exit = False
+
+    def _interrupt(self) -> None:
+        """SIGINT from the server: interrupt the inner kernel's process group."""
+        if self.inner_pid is not None and self.state == State.RUNNING:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.inner_pid, signal.SIGINT)
+
+    def _terminate(self) -> None:
+        self.exit_code = 0
+        self._set_state(State.STOPPING)
+        self._done.set()
+
+    def _forward_stdio(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            data = os.read(self._stdio_r, 65536)
+            if data:
+                sys.stderr.buffer.write(data)
+                sys.stderr.buffer.flush()
+
+    # ------------------------------------------------------------------ forwarding
+
+    def _set_state(self, state: State) -> None:
+        self.state = state
+        self._stop_pumps()
+        if state == State.RUNNING and self._inner is not None:
+            self._start_pumps()
+        elif state in (State.DEAD, State.SUSPENDED):
+            self._start_stand_in()
+
+    def _start_pumps(self) -> None:
+        assert self._inner is not None
+        inner = self._inner.sockets
+        # Requests held while the kernel was away go first, in order.
+        for name, held in self._held.items():
+            for frames in held:
+                inner[name].send_multipart(frames)
+            held.clear()
+        for name in ("shell", "stdin", "control"):
+            self._pumps.append(asyncio.create_task(self._pump(name, self.server[name], inner[name])))
+            self._pumps.append(
+                asyncio.create_task(self._pump(name, inner[name], self.server[name], reply=True))
+            )
+        self._pumps.append(
+            asyncio.create_task(self._pump("iopub", inner["iopub"], self.server["iopub"]))
+        )
+
+    def _stop_pumps(self) -> None:
+        for task in self._pumps + self._stand_in:
+            task.cancel()
+        self._pumps.clear()
+        self._stand_in.clear()
+
+    async def _pump(
+        self,
+        name: str,
+        source: zmq.asyncio.Socket,
+        sink: zmq.asyncio.Socket,
+        reply: bool = False,
+    ) -> None:
+        with contextlib.suppress(asyncio.CancelledError, zmq.ContextTerminated):
+            while True:
+                frames = await source.recv_multipart()
+                self._observe(name, frames, reply)
+                await sink.send_multipart(frames)
+
+    def _observe(self, name: str, frames: list[bytes], reply: bool) -> None:
+        """Keep what the wrapper must know without the kernel: activity, state, kernel info."""
+        try:
+            header_at = frames.index(Session.DELIM if hasattr(Session, "DELIM") else b"<IDS|MSG>")
+        except ValueError:
+            return
+        header = frames[header_at + 2] if len(frames) > header_at + 2 else b""
+        if name == "shell" and not reply and b'"execute_request"' in header:
+            self.last_activity = time.time()
+            self.executions_since_snapshot += 1
+        elif name == "iopub" and b'"status"' in header:
+            with contextlib.suppress(ValueError, IndexError, KeyError):
+                content = json.loads(frames[header_at + 5])
+                self.execution_state = content["execution_state"]
+                self.last_activity = time.time()
+        elif reply and b'"kernel_info_reply"' in header:
+            with contextlib.suppress(ValueError, IndexError):
+                self.kernel_info = json.loads(frames[header_at + 5])
+
+    async def _forward_subscriptions(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError, zmq.ContextTerminated):
+            while True:
+                frames = await self.server["iopub"].recv_multipart()
+                if self._inner is not None:
+                    await self._inner.sockets["iopub"].send_multipart(frames)
+
+    async def _drain_inner(self) -> None:
+        """Forward everything the (stopped) inner kernel has sent, to the last byte."""
+        assert self._inner is not None
+        inner_pids = proctree.descendants(self.inner_pid or 0)
+        inner_sockets: set[int] = set()
+        for pid in inner_pids:
+            inner_sockets |= sockdiag.socket_inodes(pid)
+        quiet_rounds = 0
+        deadline = time.monotonic() + DISCONNECT_TIMEOUT
+        while quiet_rounds < 2 and time.monotonic() < deadline:
+            moved = 0
+            for name, sock in self._inner.sockets.items():
+                sync = zmq.Socket.shadow(sock.underlying)
+                while True:
+                    try:
+                        frames = sync.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._observe(name, frames, reply=name != "iopub")
+                    await self.server[name].send_multipart(frames)
+                    moved += 1
+            ours = sockdiag.socket_inodes("self")
+            table = sockdiag.unix_sockets()
+            unread = sum(
+                s.recv_queue for s in table.values() if s.inode in ours and s.peer in inner_sockets
+            )
+            quiet_rounds = quiet_rounds + 1 if moved == 0 and unread == 0 else 0
+            if quiet_rounds < 2:
+                await asyncio.sleep(0.0005)
+
+    async def _wait_disconnected(self) -> None:
+        """Wait until no socket of the inner tree is connected to a process outside it."""
+        deadline = time.monotonic() + DISCONNECT_TIMEOUT
+        while True:
+            pids = proctree.descendants(self.inner_pid or 0)
+            held: set[int] = set()
+            for pid in pids:
+                held |= sockdiag.socket_inodes(pid)
+            table = sockdiag.unix_sockets()
+            outside = [
+                i for i in held if i in table and table[i].peer and table[i].peer not in held
+            ]
+            if not outside:
+                return
+            if time.monotonic() > deadline:
+                raise SnapshotError(
+                    "The kernel still holds connections to processes outside it "
+                    f"(unix sockets {sorted(outside)[:5]}), so CRIU cannot dump it.",
+                    hint="Close connections to outside processes in the kernel and retry.",
+                )
+            await asyncio.sleep(0.0005)
+
+    # ------------------------------------------------------------------ stand-in
+
+    def _start_stand_in(self) -> None:
+        for name in ("shell", "control", "stdin"):
+            self._stand_in.append(asyncio.create_task(self._answer_for_kernel(name)))
+
+    async def _answer_for_kernel(self, name: str) -> None:
+        """Answer requests while there is no inner kernel (dead or suspended)."""
+        sock = self.server[name]
+        with contextlib.suppress(asyncio.CancelledError, zmq.ContextTerminated):
+            while True:
+                frames = await sock.recv_multipart()
+                idents, msg_list = self.session.feed_identities(frames)
+                try:
+                    msg = self.session.deserialize(msg_list)
+                except ValueError:
+                    log.warning("dropping a message with a bad signature on %s", name)
+                    continue
+                await self._stand_in_reply(name, sock, idents, msg, frames)
+
+    async def _stand_in_reply(
+        self,
+        name: str,
+        sock: zmq.asyncio.Socket,
+        idents: list[bytes],
+        msg: dict[str, Any],
+        frames: list[bytes],
+    ) -> None:
+        msg_type = msg["header"]["msg_type"]
+        if self.state == State.SUSPENDED and msg_type not in (
+            "kernel_info_request",
+            "shutdown_request",
+        ):
+            # Keep it for the kernel; a request that needs the kernel brings it back.
+            self._held[name].append(frames)
+            if msg_type in ("execute_request", "complete_request", "inspect_request"):
+                asyncio.create_task(self._resume_for_request())
+            return
+        iopub = self.server["iopub"]
+        self.session.send(iopub, "status", {"execution_state": "busy"}, parent=msg)
+        reply_type = msg_type.replace("_request", "_reply")
+        if msg_type == "kernel_info_request":
+            content = dict(self.kernel_info) or {
+                "status": "ok",
+                "protocol_version": "5.3",
+                "implementation": "kernel_wrapper",
+                "implementation_version": __version__,
+                "language_info": {"name": "python"},
+                "banner": "",
+            }
+        elif msg_type == "shutdown_request":
+            content = {"status": "ok", "restart": msg["content"].get("restart", False)}
+        elif msg_type == "interrupt_request":
+            content = {"status": "ok"}
+        else:
+            text = (
+                "The kernel process died. Restore a snapshot (Kernel Snapshots panel or "
+                "'jupyter snapshot restore') or restart the kernel."
+            )
+            if msg_type == "execute_request":
+                self.session.send(
+                    iopub, "stream", {"name": "stderr", "text": text + "\n"}, parent=msg
+                )
+            content = {
+                "status": "error",
+                "ename": "KernelDied",
+                "evalue": text,
+                "traceback": [],
+                "execution_count": 0,
+            }
+        self.session.send(sock, reply_type, content, parent=msg, ident=idents)
+        self.session.send(iopub, "status", {"execution_state": "idle"}, parent=msg)
+        if msg_type == "shutdown_request":
+            self.exit_code = 0
+            self._set_state(State.STOPPING)
+            self._done.set()
+
+    async def _resume_for_request(self) -> None:
+        """Bring a suspended kernel back (issue: idle GPU suspend)."""
+        if self.state != State.SUSPENDED or self._op_lock.locked():
+            return
+        source = getattr(self, "suspended_snapshot", None)
+        if source is not None:
+            await self._restore(Path(source), lambda _: None)
+
+    # ------------------------------------------------------------------ control socket
+
+    async def _handle_control(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        def send(message: dict[str, Any]) -> None:
+            writer.write(json.dumps(message).encode() + b"\n")
+
+        try:
+            line = await reader.readline()
+            request = json.loads(line)
+            op = request.get("op")
+            args = request.get("args") or {}
+            handlers: dict[str, Callable[..., Awaitable[Any]]] = {
+                "status": self._op_status,
+                "snapshot": self._op_snapshot,
+                "restore": self._op_restore,
+            }
+            if op not in handlers:
+                raise SnapshotError(f"Unknown control operation {op!r}.")
+
+            def progress(event: dict[str, Any]) -> None:
+                send({"event": "progress", **event})
+
+            result = await handlers[op](progress=progress, **args)
+            send({"ok": True, "result": result})
+        except SnapshotError as exc:
+            send({"ok": False, "error": exc.to_dict()})
+        except (ValueError, TypeError) as exc:
+            send({"ok": False, "error": SnapshotError(f"Bad control request: {exc}").to_dict()})
+        except Exception as exc:  # noqa: BLE001 - the caller gets every failure, in words
+            log.exception("control request failed")
+            send({"ok": False, "error": SnapshotError(f"Internal error: {exc!r}").to_dict()})
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+
+    async def _op_status(self, progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "inner_pid": self.inner_pid,
+            "wrapper_pid": os.getpid(),
+            "lineage": self.lineage,
+            "runtime_dir": str(self.runtime_dir),
+            "execution_state": self.execution_state,
+            "last_activity": self.last_activity,
+            "executions_since_snapshot": self.executions_since_snapshot,
+            "sequence": self.sequence,
+            "busy": self._op_lock.locked(),
+        }
+
+    def _criu_binary(self) -> Criu:
+        if self._criu is None:
+            self._criu = Criu.locate(self.criu_path)
+        return self._criu
+
+    async def _op_snapshot(
+        self,
+        progress: Callable[[dict[str, Any]], None],
+        dest: str,
+        trigger: str = "manual",
+        leave_running: bool = True,
+        metadata: dict[str, Any] | None = None,
+        sequence: int | None = None,
+    ) -> dict[str, Any]:
+        if self._op_lock.locked():
+            raise SnapshotBusyError(
+                "A snapshot or restore of this kernel is already in progress.",
+                hint="Wait for it to finish, then try again.",
+            )
+        async with self._op_lock:
+            manifest = await self._snapshot(
+                Path(dest), trigger, leave_running, metadata or {}, sequence, progress
+            )
+            return json.loads(manifest.to_json())
+
+    async def _snapshot(
+        self,
+        dest: Path,
+        trigger: str,
+        leave_running: bool,
+        metadata: dict[str, Any],
+        sequence: int | None,
+        progress: Callable[[dict[str, Any]], None],
+    ) -> Manifest:
+        if self.state != State.RUNNING or self.inner_pid is None or self._inner is None:
+            raise KernelNotRunningError(
+                f"There is no running kernel process to snapshot (the kernel is {self.state.value}).",
+                hint="Start or restore the kernel first.",
+            )
+        if dest.exists():
+            raise SnapshotError(f"The snapshot directory {dest} already exists.")
+        criu = self._criu_binary()
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = dest.parent / f".{dest.name}.partial-{secrets.token_hex(4)}"
+        work_dir = staging / "work"
+        (staging / IMAGES_DIR).mkdir(parents=True)
+        work_dir.mkdir()
+        inner_pid = self.inner_pid
+        stdio_pipe = f"pipe:[{os.fstat(self._stdio_r).st_ino}]"
+        progress({"phase": "dumping"})
+        self._set_state(State.SNAPSHOTTING)
+        await asyncio.sleep(0)  # let the cancelled pumps let go of their sockets
+        started = time.monotonic()
+        try:
+            proctree.stop_tree(inner_pid)
+            try:
+                await self._drain_inner()
+                await asyncio.to_thread(self._inner.close)
+                self._inner = None
+            finally:
+                proctree.continue_tree(inner_pid)
+            needed = proctree.needed_files(proctree.descendants(inner_pid))
+            await self._wait_disconnected()
+            disconnect_seconds = time.monotonic() - started
+            if not leave_running:
+                self._expected_exit = True
+            dump_started = time.monotonic()
+            await criu.dump(inner_pid, staging / IMAGES_DIR, work_dir, leave_running=leave_running)
+            dump_seconds = time.monotonic() - dump_started
+        except BaseException:
+            self._expected_exit = False
+            remove_tree(staging)
+            raise
+        finally:
+            if self.inner_pid is not None and self.state == State.SNAPSHOTTING:
+                self._inner = self._inner or InnerChannels(self.runtime_dir)
+                self._set_state(State.RUNNING)
+        pause_seconds = time.monotonic() - started
+        if not leave_running:
+            while self.inner_pid is not None:
+                await asyncio.sleep(0.005)
+            self._set_state(State.SUSPENDED)
+        self.sequence = sequence if sequence is not None else self.sequence + 1
+        manifest = Manifest(
+            id=new_snapshot_id(),
+            lineage=self.lineage,
+            sequence=self.sequence,
+            created=utc_now(),
+            trigger=trigger,
+            runtime_dir=str(self.runtime_dir),
+            stdio_pipe=stdio_pipe,
+            kernel_spec=metadata.get("kernel_spec", {}),
+            notebook_path=metadata.get("notebook_path"),
+            kernel_info=self.kernel_info,
+            parent_id=self.parent_snapshot,
+            product_version=__version__,
+            criu_version=criu.version_text,
+            needed_files=needed,
+            disconnect_seconds=round(disconnect_seconds, 4),
+            dump_seconds=round(dump_seconds, 4),
+            pause_seconds=round(pause_seconds, 4),
+        )
+        progress({"phase": "hashing"})
+        shutil.rmtree(work_dir, ignore_errors=True)
+        try:
+            manifest = await asyncio.to_thread(seal, staging, manifest, dest)
+        except BaseException:
+            remove_tree(staging)
+            raise
+        self.parent_snapshot = manifest.id
+        self.executions_since_snapshot = 0
+        progress({"phase": "done", "bytes": manifest.total_bytes})
+        return manifest
+
+    async def _op_restore(
+        self, progress: Callable[[dict[str, Any]], None], source: str
+    ) -> dict[str, Any]:
+        if self._op_lock.locked():
+            raise SnapshotBusyError(
+                "A snapshot or restore of this kernel is already in progress.",
+                hint="Wait for it to finish, then try again.",
+            )
+        manifest = await self._restore(Path(source), progress)
+        return {"inner_pid": self.inner_pid, "id": manifest.id, "lineage": manifest.lineage}
+
+    async def _restore(
+        self, source: Path, progress: Callable[[dict[str, Any]], None]
+    ) -> Manifest:
+        async with self._op_lock:
+            progress({"phase": "verifying"})
+            manifest = await asyncio.to_thread(verify, source)
+            check_compatible(manifest)
+            criu = self._criu_binary()
+            progress({"phase": "restoring"})
+            previous = self.state
+            self._set_state(State.RESTORING)
+            try:
+                await self._kill_inner()
+                if self._inner is not None:
+                    await asyncio.to_thread(self._inner.close)
+                    self._inner = None
+                if manifest.lineage != self.lineage or self._lock_fd is None:
+                    self._claim_runtime_dir(manifest.lineage)
+                if str(self.runtime_dir) != manifest.runtime_dir:
+                    raise IncompatibleSnapshotError(
+                        f"The snapshot's channels live in {manifest.runtime_dir}, but this "
+                        f"wrapper uses {self.runtime_dir}.",
+                        hint="Set JUPYTER_SNAPSHOT_RUNTIME_DIR to the same directory on every "
+                        "machine (the default is /run/jupyter-kernel-snapshots).",
+                    )
+                self._inner = InnerChannels(self.runtime_dir)
+                work_dir = Path(tempfile.mkdtemp(prefix="restore-", dir=self.runtime_dir))
+                try:
+                    pid = await criu.restore(
+                        source / IMAGES_DIR,
+                        work_dir,
+                        inherit_fds=[(self._stdio_w, manifest.stdio_pipe)],
+                    )
+                finally:
+                    shutil.rmtree(work_dir, ignore_errors=True)
+            except BaseException:
+                if self._inner is not None and self.inner_pid is None:
+                    await asyncio.to_thread(self._inner.close)
+                    self._inner = None
+                self._set_state(
+                    State.SUSPENDED if previous == State.SUSPENDED else State.DEAD
+                    if self.inner_pid is None
+                    else State.RUNNING
+                )
+                raise
+            self.inner_pid = pid
+            self.launcher = None
+            self._watch(pid)
+            self.sequence = max(self.sequence, manifest.sequence)
+            self.parent_snapshot = manifest.id
+            self.kernel_info = manifest.kernel_info or self.kernel_info
+            self.executions_since_snapshot = 0
+            self._set_state(State.RUNNING)
+            progress({"phase": "done"})
+            return manifest
+
