@@ -22,24 +22,31 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from ipykernel.iostream import IOPubThread
 from ipykernel.kernelapp import IPKernelApp
-
-from jupyter_ext.core.proctree import process_start_time
 
 #: How often the orphan watcher looks for the wrapper, in seconds.
 WATCH_INTERVAL = 0.5
 #: ZMQ reconnect interval (ms) toward the wrapper: short, so a restored kernel is back fast.
 RECONNECT_IVL_MS = 10
 RECONNECT_IVL_MAX_MS = 200
+#: The channel "port" on which forked subprocesses send output (see ForkPipeToWrapper).
+FORK_PIPE_PORT = 6
 
 
 def wrapper_alive(runtime_dir: Path) -> bool:
-    """Whether the wrapper named in ``runtime_dir/wrapper.pid`` ("PID STARTTIME") still runs."""
+    """Whether the wrapper named in ``runtime_dir/wrapper.pid`` ("PID DIRFD") still runs.
+
+    It is alive if process PID holds this very directory open at DIRFD: that survives
+    PID reuse and, unlike start times, reads the same from inside our time namespace.
+    """
     try:
-        pid_text, start = (runtime_dir / "wrapper.pid").read_text().split()
+        pid_text, fd_text = (runtime_dir / "wrapper.pid").read_text().split()
+        theirs = os.stat(f"/proc/{int(pid_text)}/fd/{int(fd_text)}")
+        ours = os.stat(runtime_dir)
     except (OSError, ValueError):
         return False
-    return process_start_time(int(pid_text)) == start
+    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
 
 
 def _watch_wrapper(runtime_dir: Path) -> None:
@@ -52,10 +59,42 @@ def _watch_wrapper(runtime_dir: Path) -> None:
             os._exit(0)
 
 
+class ForkPipeToWrapper(IOPubThread):  # type: ignore[misc]
+    """IOPub thread whose forked children send their output to the wrapper.
+
+    ipykernel listens on a random loopback TCP port for output of forked subprocesses.
+    A listening port in the image would have to be free again on restore (it is not
+    while another kernel from the same snapshot runs); children connect to the wrapper
+    over the runtime directory instead, like the kernel's own channels.
+    """
+
+    pipe_endpoint = ""
+
+    def _setup_pipe_in(self) -> None:
+        self._pipe_uuid = os.urandom(16)
+
+    def _setup_pipe_out(self) -> tuple[zmq.Context[Any], zmq.Socket[Any]]:
+        ctx: zmq.Context[Any] = zmq.Context()
+        pipe_out = ctx.socket(zmq.PUSH)
+        pipe_out.linger = 3000
+        pipe_out.connect(self.pipe_endpoint)
+        return ctx, pipe_out
+
+
 class SnapshotReadyKernelApp(IPKernelApp):  # type: ignore[misc]
     """IPKernelApp whose channels connect to the wrapper instead of binding."""
 
     name = "snapshot-ready-kernel"
+
+    def init_iopub(self, context: zmq.Context[Any]) -> None:
+        self.iopub_socket = context.socket(zmq.XPUB)
+        self.iopub_socket.linger = 1000
+        self.iopub_port = self._try_bind_socket(self.iopub_socket, self.iopub_port)
+        self.configure_tornado_logger()
+        ForkPipeToWrapper.pipe_endpoint = f"ipc://{self.ip}-{FORK_PIPE_PORT}"
+        self.iopub_thread = ForkPipeToWrapper(self.iopub_socket, pipe=True, session=self.session)
+        self.iopub_thread.start()
+        self.iopub_socket = self.iopub_thread.background_socket
 
     def _try_bind_socket(self, s: zmq.Socket[Any], port: int) -> int:
         s.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import ctypes
 import enum
-import fcntl
+import hmac
 import json
 import logging
 import os
@@ -42,11 +42,11 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-from jupyter_client.session import Session
+from jupyter_client.session import DELIM, Session
 
 from jupyter_ext import __version__
 from jupyter_ext.core import proctree, sockdiag
-from jupyter_ext.core.criu import Criu
+from jupyter_ext.core.criu import Criu, external_file_key
 from jupyter_ext.core.errors import (
     IncompatibleSnapshotError,
     KernelNotRunningError,
@@ -68,13 +68,13 @@ from jupyter_ext.core.protocol import WrapperInfo, info_path
 log = logging.getLogger("kernel_wrapper")
 
 #: Inner channel "ports": the inner kernel connects to ``ipc://<runtime dir>/ch-<port>``.
-INNER_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5}
+INNER_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5, "fork_pipe": 6}
 #: The routing id of the wrapper's sockets toward the inner kernel, the same forever,
 #: so replies the kernel routes after a restore still reach us.
 INNER_ROUTING_ID = b"kernel-snapshot-wrapper"
 DEFAULT_RUNTIME_ROOT = Path(
     os.environ.get("JUPYTER_SNAPSHOT_RUNTIME_DIR")
-    or ("/run/jupyter-kernel-snapshots" if os.geteuid() == 0 else f"/tmp/jks-{os.geteuid()}")
+    or ("/run/jupyter-kernel-snapshots" if os.geteuid() == 0 else f"/tmp/jupyter-snapshots-{os.geteuid()}")
 )
 #: How long the wrapper waits for the inner kernel to drop its connections before a dump.
 DISCONNECT_TIMEOUT = 5.0
@@ -110,6 +110,8 @@ class InnerChannels:
             self.sockets[name] = sock
         iopub = self.context.socket(zmq.XSUB)
         self.sockets["iopub"] = iopub
+        # Output of forked subprocesses: [pipe uuid, *iopub message] (kernel_wrapper.inner).
+        self.sockets["fork_pipe"] = self.context.socket(zmq.PULL)
         for name, sock in self.sockets.items():
             sock.setsockopt(zmq.LINGER, 1000)
             path = runtime_dir / f"ch-{INNER_PORTS[name]}"
@@ -149,7 +151,8 @@ class KernelWrapper:
         self.kernel_args = kernel_args or []
         self.state = State.STARTING
         self.lineage = secrets.token_hex(8)
-        self.runtime_dir = runtime_root / self.lineage
+        self.runtime_dir = runtime_root / secrets.token_hex(8)
+        self._dir_fd: int | None = None
         self.sequence = 0
         self.parent_snapshot: str | None = None
         self.inner_pid: int | None = None
@@ -161,7 +164,6 @@ class KernelWrapper:
         self.exit_code: int | None = None
         self._expected_exit = False
         self._op_lock = asyncio.Lock()
-        self._lock_fd: int | None = None
         self._inner: InnerChannels | None = None
         self._pumps: list[asyncio.Task[None]] = []
         self._stand_in: list[asyncio.Task[None]] = []
@@ -171,14 +173,15 @@ class KernelWrapper:
         self._stdio_r, self._stdio_w = os.pipe()
         os.set_blocking(self._stdio_r, False)
         self._criu: Criu | None = None
-        self._control_path = self.runtime_root / f"control-{secrets.token_hex(8)}"
+        self._control_path = self.runtime_dir / "control"
 
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self) -> int:
         """Serve until the kernel is shut down; returns the process exit code."""
         loop = asyncio.get_running_loop()
-        self.runtime_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.runtime_root.mkdir(mode=0o711, parents=True, exist_ok=True)
+        self._make_runtime_dir()
         self._bind_server_channels()
         loop.add_reader(self._stdio_r, self._forward_stdio)
         loop.add_signal_handler(signal.SIGINT, self._interrupt)
@@ -191,17 +194,14 @@ class KernelWrapper:
             if self.restore_from is not None:
                 await self._restore(self.restore_from, lambda _: None)
             else:
-                self._claim_runtime_dir(self.lineage)
                 await self._launch_inner()
             await self._done.wait()
         finally:
             server.close()
             await self._shutdown_inner()
             with contextlib.suppress(OSError):
-                self._control_path.unlink()
-            with contextlib.suppress(OSError):
                 info_path(self.connection_file).unlink()
-            self._release_runtime_dir()
+            self._remove_runtime_dir()
         return self.exit_code or 0
 
     def _bind_server_channels(self) -> None:
@@ -239,43 +239,37 @@ class KernelWrapper:
         with contextlib.suppress(zmq.ContextTerminated):
             zmq.proxy(sock, sock)
 
-    def _claim_runtime_dir(self, lineage: str) -> None:
-        """Take the inner channels' directory; refuse if a live kernel of this lineage has it."""
-        runtime_dir = self.runtime_root / lineage
-        runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(runtime_dir / "wrapper.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise SnapshotBusyError(
-                "Another kernel restored from the same original kernel is running on this "
-                f"machine and holds {runtime_dir}.",
-                hint="Restore into that kernel instead (in place), or shut it down first.",
-            ) from None
-        self._release_runtime_dir()
-        self._lock_fd = fd
-        self.lineage = lineage
-        self.runtime_dir = runtime_dir
-        pid_file = runtime_dir / "wrapper.pid"
-        tmp = runtime_dir / "wrapper.pid.tmp"
-        tmp.write_text(f"{os.getpid()} {proctree.process_start_time(os.getpid())}\n")
-        os.replace(tmp, pid_file)
+    def _make_runtime_dir(self) -> None:
+        """Create this wrapper's private directory for the inner channels.
 
-    def _release_runtime_dir(self) -> None:
-        if self._lock_fd is None:
-            return
-        with contextlib.suppress(OSError):
-            (self.runtime_dir / "wrapper.pid").unlink()
-        os.close(self._lock_fd)
-        self._lock_fd = None
+        The inner kernel reaches it only through an inherited directory descriptor
+        (``/proc/self/fd/N``), never by its path: on restore CRIU hands the restored
+        kernel this wrapper's descriptor in place of the old one, so any number of kernels
+        restored from one snapshot can run side by side, on any machine.
+        """
+        self.runtime_dir.mkdir(mode=0o700, parents=True)
+        self._dir_fd = os.open(self.runtime_dir, os.O_RDONLY | os.O_DIRECTORY)
+        tmp = self.runtime_dir / "wrapper.pid.tmp"
+        tmp.write_text(f"{os.getpid()} {self._dir_fd}\n")
+        os.replace(tmp, self.runtime_dir / "wrapper.pid")
+
+    def _remove_runtime_dir(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    @property
+    def _inner_dir(self) -> str:
+        """The runtime directory as the inner kernel names it."""
+        return f"/proc/self/fd/{self._dir_fd}"
 
     def _inner_connection_file(self) -> Path:
         path = self.runtime_dir / "inner.json"
         info = {
             "transport": "ipc",
-            "ip": str(self.runtime_dir / "ch"),
-            "key": self.connection["key"],
+            "ip": f"{self._inner_dir}/ch",
+            "key": "",  # the wrapper checks and signs every message; see _unsign
             "signature_scheme": self.connection.get("signature_scheme", "hmac-sha256"),
             "kernel_name": self.connection.get("kernel_name", ""),
         }
@@ -290,7 +284,7 @@ class KernelWrapper:
         self._inner = InnerChannels(self.runtime_dir)
         env = dict(os.environ)
         env.pop("JPY_PARENT_PID", None)  # ipykernel would exit when its parent changes
-        env["JUPYTER_SNAPSHOT_INNER_DIR"] = str(self.runtime_dir)
+        env["JUPYTER_SNAPSHOT_INNER_DIR"] = self._inner_dir
         argv = ["unshare", "--pid", "--fork"]
         if Path("/proc/self/ns/time").exists():
             argv.append("--time")  # monotonic clocks continue across restores elsewhere
@@ -302,6 +296,7 @@ class KernelWrapper:
             stdout=self._stdio_w,
             stderr=self._stdio_w,
             env=env,
+            pass_fds=(self._dir_fd,),
             preexec_fn=_set_parent_death_signal,
         )
         inner = await self._wait_for_child(self.launcher.pid)
@@ -423,15 +418,24 @@ class KernelWrapper:
         # Requests held while the kernel was away go first, in order.
         for name, held in self._held.items():
             for frames in held:
-                inner[name].send_multipart(frames)
+                checked = self._unsign(name, frames)
+                if checked is not None:
+                    inner[name].send_multipart(checked)
             held.clear()
         for name in ("shell", "stdin", "control"):
-            self._pumps.append(asyncio.create_task(self._pump(name, self.server[name], inner[name])))
             self._pumps.append(
-                asyncio.create_task(self._pump(name, inner[name], self.server[name], reply=True))
+                asyncio.create_task(self._pump(name, self.server[name], inner[name], False))
+            )
+            self._pumps.append(
+                asyncio.create_task(self._pump(name, inner[name], self.server[name], True))
             )
         self._pumps.append(
-            asyncio.create_task(self._pump("iopub", inner["iopub"], self.server["iopub"]))
+            asyncio.create_task(self._pump("iopub", inner["iopub"], self.server["iopub"], True))
+        )
+        self._pumps.append(
+            asyncio.create_task(
+                self._pump("fork_pipe", inner["fork_pipe"], self.server["iopub"], True)
+            )
         )
 
     def _stop_pumps(self) -> None:
@@ -445,18 +449,51 @@ class KernelWrapper:
         name: str,
         source: zmq.asyncio.Socket,
         sink: zmq.asyncio.Socket,
-        reply: bool = False,
+        outward: bool,
     ) -> None:
         with contextlib.suppress(asyncio.CancelledError, zmq.ContextTerminated):
             while True:
                 frames = await source.recv_multipart()
-                self._observe(name, frames, reply)
-                await sink.send_multipart(frames)
+                if name == "fork_pipe":
+                    frames = frames[1:]  # the kernel's pipe uuid
+                checked = self._sign(frames) if outward else self._unsign(name, frames)
+                if checked is not None:
+                    self._observe(name, checked, outward)
+                    await sink.send_multipart(checked)
+
+    def _unsign(self, name: str, frames: list[bytes]) -> list[bytes] | None:
+        """Check a server message's signature and strip it for the inner kernel.
+
+        The inner kernel runs with an empty key: it never holds the connection's secret,
+        so snapshot images do not contain it, and a kernel restored under a new connection
+        file (new server, new key) keeps working. The wrapper checks every request.
+        """
+        try:
+            at = frames.index(DELIM)
+        except ValueError:
+            return None
+        signature = frames[at + 1] if len(frames) > at + 1 else b""
+        if self.session.auth is not None and not hmac.compare_digest(
+            signature, self.session.sign(frames[at + 2 : at + 6])
+        ):
+            log.warning("dropping a %s message with an invalid signature", name)
+            return None
+        return [*frames[: at + 1], b"", *frames[at + 2 :]]
+
+    def _sign(self, frames: list[bytes]) -> list[bytes]:
+        """Sign a message from the inner kernel with the connection's key."""
+        try:
+            at = frames.index(DELIM)
+        except ValueError:
+            return frames
+        if self.session.auth is None:
+            return frames
+        return [*frames[: at + 1], self.session.sign(frames[at + 2 : at + 6]), *frames[at + 2 :]]
 
     def _observe(self, name: str, frames: list[bytes], reply: bool) -> None:
         """Keep what the wrapper must know without the kernel: activity, state, kernel info."""
         try:
-            header_at = frames.index(Session.DELIM if hasattr(Session, "DELIM") else b"<IDS|MSG>")
+            header_at = frames.index(DELIM)
         except ValueError:
             return
         header = frames[header_at + 2] if len(frames) > header_at + 2 else b""
@@ -497,8 +534,12 @@ class KernelWrapper:
                         frames = sync.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._observe(name, frames, reply=name != "iopub")
-                    await self.server[name].send_multipart(frames)
+                    if name == "fork_pipe":
+                        frames = frames[1:]
+                    frames = self._sign(frames)
+                    self._observe(name, frames, reply=True)
+                    sink = "iopub" if name == "fork_pipe" else name
+                    await self.server[sink].send_multipart(frames)
                     moved += 1
             ours = sockdiag.socket_inodes("self")
             table = sockdiag.unix_sockets()
@@ -716,6 +757,7 @@ class KernelWrapper:
         work_dir.mkdir()
         inner_pid = self.inner_pid
         stdio_pipe = f"pipe:[{os.fstat(self._stdio_r).st_ino}]"
+        runtime_dir_key = external_file_key(self._dir_fd)
         progress({"phase": "dumping"})
         self._set_state(State.SNAPSHOTTING)
         await asyncio.sleep(0)  # let the cancelled pumps let go of their sockets
@@ -734,7 +776,13 @@ class KernelWrapper:
             if not leave_running:
                 self._expected_exit = True
             dump_started = time.monotonic()
-            await criu.dump(inner_pid, staging / IMAGES_DIR, work_dir, leave_running=leave_running)
+            await criu.dump(
+                inner_pid,
+                staging / IMAGES_DIR,
+                work_dir,
+                leave_running=leave_running,
+                externals=[runtime_dir_key],
+            )
             dump_seconds = time.monotonic() - dump_started
         except BaseException:
             self._expected_exit = False
@@ -757,6 +805,7 @@ class KernelWrapper:
             created=utc_now(),
             trigger=trigger,
             runtime_dir=str(self.runtime_dir),
+            runtime_dir_key=runtime_dir_key,
             stdio_pipe=stdio_pipe,
             kernel_spec=metadata.get("kernel_spec", {}),
             notebook_path=metadata.get("notebook_path"),
@@ -808,22 +857,16 @@ class KernelWrapper:
                 if self._inner is not None:
                     await asyncio.to_thread(self._inner.close)
                     self._inner = None
-                if manifest.lineage != self.lineage or self._lock_fd is None:
-                    self._claim_runtime_dir(manifest.lineage)
-                if str(self.runtime_dir) != manifest.runtime_dir:
-                    raise IncompatibleSnapshotError(
-                        f"The snapshot's channels live in {manifest.runtime_dir}, but this "
-                        f"wrapper uses {self.runtime_dir}.",
-                        hint="Set JUPYTER_SNAPSHOT_RUNTIME_DIR to the same directory on every "
-                        "machine (the default is /run/jupyter-kernel-snapshots).",
-                    )
                 self._inner = InnerChannels(self.runtime_dir)
                 work_dir = Path(tempfile.mkdtemp(prefix="restore-", dir=self.runtime_dir))
                 try:
                     pid = await criu.restore(
                         source / IMAGES_DIR,
                         work_dir,
-                        inherit_fds=[(self._stdio_w, manifest.stdio_pipe)],
+                        inherit_fds=[
+                            (self._stdio_w, manifest.stdio_pipe),
+                            (self._dir_fd, manifest.runtime_dir_key),
+                        ],
                     )
                 finally:
                     shutil.rmtree(work_dir, ignore_errors=True)
@@ -839,6 +882,7 @@ class KernelWrapper:
                 raise
             self.inner_pid = pid
             self.launcher = None
+            self.lineage = manifest.lineage
             self._watch(pid)
             self.sequence = max(self.sequence, manifest.sequence)
             self.parent_snapshot = manifest.id

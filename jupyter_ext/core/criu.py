@@ -103,11 +103,23 @@ class Criu:
         return out.returncode == 0 and "Looks good" in text, text
 
     async def dump(
-        self, pid: int, images_dir: Path, work_dir: Path, *, leave_running: bool
+        self,
+        pid: int,
+        images_dir: Path,
+        work_dir: Path,
+        *,
+        leave_running: bool,
+        externals: Sequence[str] = (),
     ) -> None:
-        """Dump the process tree rooted at ``pid`` into ``images_dir``."""
+        """Dump the process tree rooted at ``pid`` into ``images_dir``.
+
+        ``externals`` are CRIU external-resource keys (``file[MNT:INODE]``) that the
+        restore will hand over with ``--inherit-fd`` instead of reopening them.
+        """
         args = ["dump", "-t", str(pid), "-D", str(images_dir), "-W", str(work_dir)]
         args += ["-o", "dump.log", "-v4", "--file-locks"]
+        for key in externals:
+            args += ["--external", key]
         if leave_running:
             args.append("--leave-running")
         rc, output = await self._run(args)
@@ -126,7 +138,8 @@ class Criu:
         """Restore the tree in ``images_dir`` as a sibling of this process; returns its pid.
 
         ``inherit_fds`` pairs an fd of this process with the resource it replaces in the
-        image (``pipe:[INODE]``), so the restored kernel writes to our pipes, not dead ones.
+        image (``pipe:[INODE]``, or an external ``file[MNT:INODE]``), so the restored
+        kernel uses our pipes and directories, not those of the process that was dumped.
         """
         pidfile = work_dir / "restored.pid"
         args = ["restore", "-D", str(images_dir), "-W", str(work_dir), "-o", "restore.log"]
@@ -209,6 +222,12 @@ _KNOWN_FAILURES: list[tuple[str, str, str]] = [
         "Close the device (for example a GPU opened without CUDA checkpoint support).",
     ),
     (
+        r"Address already in use",
+        "A network port the kernel was listening on is taken on this machine.",
+        "incompatible:Stop the process that uses the port (the CRIU log names the socket), "
+        "or close listening sockets in the kernel before taking snapshots.",
+    ),
+    (
         r"Can't .*pid.*busy|PID .* is busy|pid .* is in use",
         "A process id the snapshot needs is taken on this machine.",
         "Retry; restores run in a fresh PID namespace, so this points to a CRIU problem.",
@@ -222,10 +241,15 @@ _KNOWN_FAILURES: list[tuple[str, str, str]] = [
 ]
 
 
+#: Error lines CRIU prints on success too; they explain nothing.
+_HARMLESS = re.compile(r"RLIMIT_NOFILE|Can't keep kdat cache")
+
+
 def explain_failure(excerpt: str, *, restoring: bool) -> tuple[str, str]:
     """A plain message and hint for a failed dump or restore, from its log excerpt."""
+    meaningful = "\n".join(line for line in excerpt.splitlines() if not _HARMLESS.search(line))
     for pattern, message, hint in _KNOWN_FAILURES:
-        if re.search(pattern, excerpt, re.IGNORECASE):
+        if re.search(pattern, meaningful, re.IGNORECASE):
             return message, hint
     if restoring:
         return (
@@ -236,3 +260,12 @@ def explain_failure(excerpt: str, *, restoring: bool) -> tuple[str, str]:
         "CRIU could not dump the kernel; the kernel keeps running unharmed.",
         "Read the CRIU log lines below; 'jupyter snapshot doctor' checks this machine.",
     )
+
+
+def external_file_key(fd: int) -> str:
+    """CRIU's key for the file open at ``fd`` of this process: ``file[MNT_ID:INODE]``."""
+    mnt_id = -1
+    for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
+        if line.startswith("mnt_id:"):
+            mnt_id = int(line.split()[1])
+    return f"file[{mnt_id:x}:{os.fstat(fd).st_ino:x}]"

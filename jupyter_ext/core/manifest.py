@@ -83,7 +83,9 @@ class Manifest:
     created: str
     trigger: str
     runtime_dir: str
-    """Where the inner kernel's channels live; the same path is needed on restore."""
+    """The wrapper's directory the inner kernel's channels lived in (for the record)."""
+    runtime_dir_key: str
+    """CRIU's external key for that directory: a restore hands over its own instead."""
     stdio_pipe: str
     """The ``pipe:[INODE]`` the kernel writes its stdout/stderr to (re-attached on restore)."""
     kernel_spec: dict[str, Any] = field(default_factory=dict)

@@ -51,15 +51,6 @@ def continue_tree(pid: int) -> None:
     signal_tree(pid, signal.SIGCONT)
 
 
-def process_start_time(pid: int) -> str | None:
-    """The start time field of /proc/PID/stat: with the pid, a process's unique name."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()[19]
-
-
 def is_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:

@@ -1,0 +1,145 @@
+"""Real snapshot kernels for tests and benchmarks: a wrapper process and a jupyter_client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from jupyter_client import BlockingKernelClient
+from jupyter_client.connect import write_connection_file
+
+from jupyter_ext.core import proctree
+from jupyter_ext.core.protocol import WrapperClient, WrapperInfo
+
+
+class KernelProcess:
+    """One snapshot kernel (``python -m kernel_wrapper``) and a client connected to it."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        restore_from: Path | None = None,
+        on_inner_death: str = "wait",
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.connection_file = Path(
+            write_connection_file(
+                str(workdir / f"kernel-{uuid.uuid4()}.json"), key=uuid.uuid4().hex.encode()
+            )[0]
+        )
+        argv = [sys.executable, "-m", "kernel_wrapper", "-f", str(self.connection_file)]
+        argv += ["--on-inner-death", on_inner_death, *(extra_args or [])]
+        if restore_from is not None:
+            argv += ["--restore-from", str(restore_from)]
+        self.log_path = workdir / f"{self.connection_file.stem}.log"
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            cwd=workdir,
+        )
+        self.client = BlockingKernelClient(connection_file=str(self.connection_file))
+        self.client.load_connection_file()
+        self.client.start_channels()
+        try:
+            self.client.wait_for_ready(timeout=60)
+        except RuntimeError as exc:
+            raise RuntimeError(f"kernel did not start: {self.log()}") from exc
+        self.control = WrapperClient(WrapperInfo.for_connection_file(self.connection_file).control)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def execute(self, code: str, timeout: float = 120) -> str:
+        """Run ``code``; return its stdout; raise with the traceback if it failed."""
+        out: list[str] = []
+        errors: list[str] = []
+
+        def hook(msg: dict[str, Any]) -> None:
+            if msg["msg_type"] == "stream":
+                (out if msg["content"]["name"] == "stdout" else errors).append(
+                    msg["content"]["text"]
+                )
+            elif msg["msg_type"] == "error":
+                errors.append("\n".join(msg["content"]["traceback"]))
+
+        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=hook)
+        if reply["content"]["status"] != "ok":
+            raise AssertionError(f"cell failed: {''.join(errors)}\n{reply['content']}")
+        return "".join(out)
+
+    def status(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.control.request_sync("status", timeout=30)
+        return result
+
+    def snapshot(self, dest: Path, **args: Any) -> dict[str, Any]:
+        result: dict[str, Any] = self.control.request_sync(
+            "snapshot", {"dest": str(dest), **args}, timeout=300
+        )
+        return result
+
+    def restore(
+        self, source: Path, on_progress: Callable[[dict[str, Any]], None] | None = None
+    ) -> dict[str, Any]:
+        result: dict[str, Any] = self.control.request_sync(
+            "restore", {"source": str(source)}, on_progress=on_progress, timeout=300
+        )
+        return result
+
+    def inner_pids(self) -> list[int]:
+        pid = self.status()["inner_pid"]
+        return proctree.descendants(pid) if pid else []
+
+    def kill_inner(self) -> None:
+        """kill -9 the inner kernel (the whole tree dies with its namespace's init)."""
+        pid = self.status()["inner_pid"]
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: self.status()["state"] == "dead", what="inner kernel to die")
+
+    def kill_all(self) -> None:
+        """kill -9 the wrapper and every process of the kernel, as a node failure would."""
+        pids = [self.process.pid, *proctree.descendants(self.process.pid)]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait(10)
+        wait_until(lambda: not any(proctree.is_alive(p) for p in pids), what="kernel to die")
+        self.close()
+
+    def shutdown(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.client.shutdown()
+                self.process.wait(15)
+            except (subprocess.TimeoutExpired, RuntimeError):
+                self.process.kill()
+                self.process.wait(10)
+        self.close()
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        self._log.close()
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 30, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out waiting for {what}")

@@ -1,0 +1,388 @@
+"""Whole-kernel snapshot and restore with real CRIU, ipykernel and jupyter_client.
+
+Like CRIU's zdtm: each test builds state in a kernel, snapshots it, kills the kernel,
+restores it, and lets the restored kernel check its own state.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from jupyter_ext.core.errors import (
+    CriuNotFoundError,
+    DumpError,
+    IncompatibleSnapshotError,
+    SnapshotBusyError,
+    SnapshotCorruptError,
+)
+from jupyter_ext.core.manifest import MANIFEST_NAME, Manifest, verify
+
+from .harness import KernelProcess, wait_until
+
+Factory = Callable[..., KernelProcess]
+
+STATE_SETUP = r"""
+import random, threading, time, subprocess, sys, numpy as np, hashlib, copy
+
+big = np.random.default_rng(7).random(512 * 1024 * 1024 // 8)   # 512 MiB
+big_digest = hashlib.sha256(big.tobytes()).hexdigest()
+
+counter = [0]
+def count():
+    while True:
+        counter[0] += 1
+        time.sleep(0.01)
+threading.Thread(target=count, daemon=True).start()
+
+with open(DATA_PATH, "w") as fh:
+    fh.write("".join(f"line {i}\n" for i in range(100)))
+data_file = open(DATA_PATH)
+first_lines = [data_file.readline() for _ in range(10)]
+data_offset = data_file.tell()
+
+child = subprocess.Popen(
+    [sys.executable, "-u", "-c", "import sys\nfor l in sys.stdin: print(int(l) * 2, flush=True)"],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+squares = (i * i for i in range(100))
+seen_squares = [next(squares) for _ in range(5)]
+
+rng = random.Random(1234); rng.random()
+np_rng = np.random.default_rng(99); np_rng.random(3)
+expected_rng = copy.deepcopy(rng).random()
+expected_np = copy.deepcopy(np_rng).random(4).tolist()
+time.sleep(0.2)
+counter_at_snapshot = counter[0]
+print("ready")
+"""
+
+STATE_CHECK = r"""
+assert hashlib.sha256(big.tobytes()).hexdigest() == big_digest, "array changed"
+c1 = counter[0]; time.sleep(0.3); c2 = counter[0]
+assert c1 >= counter_at_snapshot and c2 > c1, ("thread stopped", counter_at_snapshot, c1, c2)
+assert data_file.tell() == data_offset, "file offset lost"
+assert data_file.readline() == "line 10\n", "file content after offset wrong"
+child.stdin.write("21\n"); child.stdin.flush()
+assert child.stdout.readline() == "42\n", "child process lost"
+assert child.poll() is None
+assert next(squares) == 25, "generator lost its place"
+assert rng.random() == expected_rng, "random state lost"
+assert np_rng.random(4).tolist() == expected_np, "numpy rng state lost"
+print("state ok")
+"""
+
+
+def setup_state(kernel: KernelProcess, tmp_path: Path) -> None:
+    code = f"DATA_PATH = {str(tmp_path / 'data.txt')!r}\n" + STATE_SETUP
+    assert kernel.execute(code).strip() == "ready"
+
+
+def take_pid(pid: int) -> subprocess.Popen[bytes]:
+    """Start a process that gets exactly ``pid`` (via ns_last_pid)."""
+    for _ in range(100):
+        if Path(f"/proc/{pid}").exists():  # not yet reaped
+            time.sleep(0.05)
+            continue
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        proc = subprocess.Popen(["sleep", "600"])
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    raise AssertionError(f"could not take PID {pid} for the test")
+
+
+def test_state_survives_kill_and_restore_into_new_wrapper(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    kernel = kernel_factory()
+    setup_state(kernel, tmp_path)
+    manifest = kernel.snapshot(tmp_path / "snap", metadata={"notebook_path": "work/a.ipynb"})
+    assert manifest["total_bytes"] > 512 * 1024 * 1024
+    assert manifest["notebook_path"] == "work/a.ipynb"
+    info = kernel.client.get_connection_info()
+    old_ports = [v for k, v in info.items() if k.endswith("_port")]
+    old_inner = kernel.status()["inner_pid"]
+    kernel.kill_all()
+
+    # Take the old kernel's host PID and server ports with unrelated processes.
+    squatter = take_pid(old_inner)
+    listeners = []
+    for port in old_ports:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        listeners.append(s)
+    try:
+        restored = kernel_factory(restore_from=tmp_path / "snap")
+        assert restored.execute(STATE_CHECK).strip() == "state ok"
+        assert restored.status()["lineage"] == manifest["lineage"]
+    finally:
+        squatter.kill()
+        for s in listeners:
+            s.close()
+
+
+def test_snapshot_keeps_kernel_running_undisturbed(kernel_factory: Factory, tmp_path: Path) -> None:
+    kernel = kernel_factory()
+    kernel.execute("import os; x = [1, 2, 3]; pid = os.getpid()")
+    kernel.snapshot(tmp_path / "s1")
+    assert kernel.execute("x.append(4); print(x, pid)").strip() == "[1, 2, 3, 4] 1"
+    assert kernel.status()["state"] == "running"
+
+
+def test_busy_cell_continues_after_restore(kernel_factory: Factory, tmp_path: Path) -> None:
+    kernel = kernel_factory()
+    kernel.execute("import time")
+    kernel.execute("1")
+    msg_id = kernel.client.execute(
+        "for i in range(25):\n    print(i, flush=True)\n    time.sleep(0.1)\n'done'"
+    )
+    seen: list[str] = []
+
+    def collect(until: Callable[[], bool], timeout: float = 60) -> dict | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not until():
+            try:
+                msg = kernel.client.get_iopub_msg(timeout=0.2)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                continue
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                seen.extend(msg["content"]["text"].split())
+        return None
+
+    collect(lambda: len(seen) >= 5)
+    kernel.snapshot(tmp_path / "busy")
+    kernel.kill_inner()
+    progress: list[str] = []
+    kernel.restore(tmp_path / "busy", on_progress=lambda e: progress.append(e["phase"]))
+    assert progress == ["verifying", "restoring", "done"]
+    reply = kernel.client.get_shell_msg(timeout=60)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "ok"
+    assert reply["content"]["execution_count"] == 3
+    collect(lambda: "24" in seen, timeout=10)
+    numbers = [int(s) for s in seen]
+    # Output from before the snapshot may repeat (the kernel resumes from the snapshot),
+    # but the tail must be complete and in order.
+    assert numbers[-1] == 24
+    tail_start = len(numbers) - 1 - numbers[::-1].index(numbers[-1] - 0)
+    assert sorted(set(numbers)) == list(range(25))
+    assert tail_start >= 0
+    assert kernel.execute("print('after')").strip() == "after"
+    assert kernel.client.execute_interactive("2", timeout=30)["content"]["execution_count"] == 5
+
+
+def test_output_during_repeated_snapshots_is_not_lost(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    kernel = kernel_factory()
+    msg_id = kernel.client.execute(
+        "import time\nfor i in range(400):\n    print(i, flush=True)\n    time.sleep(0.005)"
+    )
+    for n in range(5):
+        time.sleep(0.15)
+        kernel.snapshot(tmp_path / f"s{n}")
+    numbers: list[int] = []
+    while True:
+        msg = kernel.client.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            numbers += [int(s) for s in msg["content"]["text"].split()]
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    assert numbers == list(range(400))
+
+
+def test_snapshot_restore_snapshot_restore(kernel_factory: Factory, tmp_path: Path) -> None:
+    kernel = kernel_factory()
+    kernel.execute("n = 1")
+    first = kernel.snapshot(tmp_path / "a")
+    kernel.kill_all()
+    second_kernel = kernel_factory(restore_from=tmp_path / "a")
+    second_kernel.execute("n += 1")
+    second = second_kernel.snapshot(tmp_path / "b")
+    assert second["parent_id"] == first["id"]
+    assert second["lineage"] == first["lineage"]
+    assert second["sequence"] == first["sequence"] + 1
+    second_kernel.kill_all()
+    third = kernel_factory(restore_from=tmp_path / "b")
+    assert third.execute("print(n)").strip() == "2"
+
+
+def test_two_kernels_restored_from_one_snapshot_side_by_side(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    original = kernel_factory()
+    original.execute("v = 'shared'")
+    original.snapshot(tmp_path / "s")
+    one = kernel_factory(restore_from=tmp_path / "s")
+    two = kernel_factory(restore_from=tmp_path / "s")
+    one.execute("v += '-one'")
+    two.execute("v += '-two'")
+    assert original.execute("print(v)").strip() == "shared"
+    assert one.execute("print(v)").strip() == "shared-one"
+    assert two.execute("print(v)").strip() == "shared-two"
+
+
+def test_corrupted_snapshot_is_refused_before_criu(kernel_factory: Factory, tmp_path: Path) -> None:
+    kernel = kernel_factory()
+    kernel.execute("import numpy as np; a = np.ones(1000)")
+    kernel.snapshot(tmp_path / "s")
+    pages = max((tmp_path / "s" / "images").glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    data = bytearray(pages.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pages.write_bytes(bytes(data))
+    with pytest.raises(SnapshotCorruptError, match="sha256 of images/pages-"):
+        kernel.restore(tmp_path / "s")
+    # The running kernel was not touched.
+    assert kernel.execute("print(a.sum())").strip() == "1000.0"
+
+
+def test_snapshot_without_manifest_is_not_a_snapshot(tmp_path: Path) -> None:
+    (tmp_path / "half" / "images").mkdir(parents=True)
+    with pytest.raises(SnapshotCorruptError, match="no manifest.json"):
+        verify(tmp_path / "half")
+
+
+def test_failed_dump_leaves_kernel_running_and_no_snapshot(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    kernel = kernel_factory()
+    kernel.execute(f"import socket; conn = socket.create_connection(('127.0.0.1', {port})); k = 7")
+    with pytest.raises(DumpError) as info:
+        kernel.snapshot(tmp_path / "snaps" / "s")
+    assert "TCP connection" in info.value.message
+    assert info.value.log_excerpt
+    assert list((tmp_path / "snaps").iterdir()) == []
+    assert kernel.execute("print(k)").strip() == "7"
+    kernel.execute("conn.close()")
+    kernel.snapshot(tmp_path / "snaps" / "s")
+    assert (tmp_path / "snaps" / "s" / MANIFEST_NAME).exists()
+    server.close()
+
+
+def test_missing_criu_is_a_clear_error(kernel_factory: Factory, tmp_path: Path) -> None:
+    kernel = kernel_factory(extra_args=["--criu", "/nonexistent/criu"])
+    with pytest.raises(CriuNotFoundError, match="install-criu.sh"):
+        kernel.snapshot(tmp_path / "s")
+    assert kernel.execute("print(1)").strip() == "1"
+
+
+def test_changed_open_file_refused_before_restore(kernel_factory: Factory, tmp_path: Path) -> None:
+    data = tmp_path / "log.txt"
+    data.write_text("one\n")
+    kernel = kernel_factory()
+    kernel.execute(f"fh = open({str(data)!r})")
+    kernel.snapshot(tmp_path / "s")
+    data.write_text("one\ntwo\n")
+    kernel.kill_inner()
+    with pytest.raises(IncompatibleSnapshotError, match=str(data)):
+        kernel.restore(tmp_path / "s")
+    data.write_text("one\n")
+    kernel.restore(tmp_path / "s")
+    assert kernel.execute("print(fh.read())").strip() == "one"
+
+
+def test_concurrent_snapshots_are_refused(kernel_factory: Factory, tmp_path: Path) -> None:
+    import threading
+
+    kernel = kernel_factory()
+    kernel.execute("import numpy as np; a = np.random.random(64 * 1024 * 1024 // 8)")
+    errors: list[Exception] = []
+    results: list[dict] = []
+
+    def take(name: str) -> None:
+        try:
+            results.append(kernel.snapshot(tmp_path / name))
+        except SnapshotBusyError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=take, args=(f"s{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 1 and len(errors) == 1
+    assert "already in progress" in str(errors[0])
+    verify(Path(tmp_path / ("s0" if (tmp_path / "s0").exists() else "s1")))
+
+
+def test_manifest_records_the_machine(kernel_factory: Factory, tmp_path: Path) -> None:
+    kernel = kernel_factory()
+    data = kernel.snapshot(
+        tmp_path / "s", trigger="periodic", metadata={"kernel_spec": {"name": "python3-snapshot"}}
+    )
+    manifest = Manifest.read(tmp_path / "s")
+    assert manifest.id == data["id"]
+    assert manifest.trigger == "periodic"
+    assert manifest.kernel_spec == {"name": "python3-snapshot"}
+    assert manifest.kernel_release == os.uname().release
+    assert manifest.python_version == sys.version.split()[0]
+    assert manifest.criu_version.startswith("4.")
+    assert manifest.cpu_flags and manifest.host
+    assert manifest.kernel_info["language_info"]["name"] == "python"
+    assert all(len(f.sha256) == 64 for f in manifest.files)
+    assert manifest.total_bytes == sum(f.size for f in manifest.files)
+
+
+def test_interrupt_restart_shutdown_like_ipykernel(kernel_factory: Factory, tmp_path: Path) -> None:
+    import signal
+
+    kernel = kernel_factory()
+    msg_id = kernel.client.execute("import time; time.sleep(60)")
+    time.sleep(0.5)
+    os.kill(kernel.process.pid, signal.SIGINT)  # jupyter_server's signal interrupt mode
+    reply = kernel.client.get_shell_msg(timeout=30)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    # Interrupt through the control channel (interrupt_mode "message").
+    msg_id = kernel.client.execute("import time; time.sleep(60)")
+    time.sleep(0.5)
+    kernel.client.control_channel.send(kernel.client.session.msg("interrupt_request", {}))
+    reply = kernel.client.get_shell_msg(timeout=30)
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    inner = kernel.inner_pids()
+    kernel.client.shutdown()
+    assert kernel.process.wait(30) == 0
+    wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in inner), what="inner exit")
+
+
+def test_killed_wrapper_leaves_no_orphans(kernel_factory: Factory) -> None:
+    kernel = kernel_factory()
+    kernel.execute("import subprocess; p = subprocess.Popen(['sleep', '600'])")
+    inner = kernel.inner_pids()
+    assert len(inner) >= 2
+    os.kill(kernel.process.pid, 9)
+    kernel.process.wait(10)
+    wait_until(
+        lambda: not any(os.path.exists(f"/proc/{p}") for p in inner), timeout=10, what="orphans"
+    )
+
+
+def test_inner_death_with_exit_policy_ends_the_wrapper(kernel_factory: Factory) -> None:
+    kernel = kernel_factory(on_inner_death="exit")
+    os.kill(kernel.status()["inner_pid"], 9)
+    assert kernel.process.wait(15) != 0
+
+
+def test_dead_kernel_answers_with_a_clear_error(kernel_factory: Factory) -> None:
+    kernel = kernel_factory()
+    kernel.kill_inner()
+    reply = kernel.client.execute_interactive("1", timeout=30)
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "KernelDied"
+    info = kernel.client.kernel_info(reply=True, timeout=30)
+    assert info["content"]["language_info"]["name"] == "python"
