@@ -59,7 +59,7 @@ def _watch_wrapper(runtime_dir: Path) -> None:
             os._exit(0)
 
 
-class ForkPipeToWrapper(IOPubThread):  # type: ignore[misc]
+class ForkPipeToWrapper(IOPubThread):
     """IOPub thread whose forked children send their output to the wrapper.
 
     ipykernel listens on a random loopback TCP port for output of forked subprocesses.
@@ -81,7 +81,7 @@ class ForkPipeToWrapper(IOPubThread):  # type: ignore[misc]
         return ctx, pipe_out
 
 
-class SnapshotReadyKernelApp(IPKernelApp):  # type: ignore[misc]
+class SnapshotReadyKernelApp(IPKernelApp):
     """IPKernelApp whose channels connect to the wrapper instead of binding."""
 
     name = "snapshot-ready-kernel"

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,6 @@ from jupyter_ext import __version__
 from jupyter_ext.core import proctree, sockdiag
 from jupyter_ext.core.criu import Criu, external_file_key
 from jupyter_ext.core.errors import (
-    IncompatibleSnapshotError,
     KernelNotRunningError,
     SnapshotBusyError,
     SnapshotError,
@@ -63,7 +62,7 @@ from jupyter_ext.core.manifest import (
     utc_now,
     verify,
 )
-from jupyter_ext.core.protocol import WrapperInfo, info_path
+from jupyter_ext.core.protocol import DEFAULT_RUNTIME_ROOT, WrapperInfo, info_path
 
 log = logging.getLogger("kernel_wrapper")
 
@@ -72,10 +71,6 @@ INNER_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5, "fork_
 #: The routing id of the wrapper's sockets toward the inner kernel, the same forever,
 #: so replies the kernel routes after a restore still reach us.
 INNER_ROUTING_ID = b"kernel-snapshot-wrapper"
-DEFAULT_RUNTIME_ROOT = Path(
-    os.environ.get("JUPYTER_SNAPSHOT_RUNTIME_DIR")
-    or ("/run/jupyter-kernel-snapshots" if os.geteuid() == 0 else f"/tmp/jupyter-snapshots-{os.geteuid()}")
-)
 #: How long the wrapper waits for the inner kernel to drop its connections before a dump.
 DISCONNECT_TIMEOUT = 5.0
 PR_SET_PDEATHSIG = 1
@@ -136,6 +131,7 @@ class KernelWrapper:
         on_inner_death: str = "exit",
         criu_path: str | None = None,
         restore_from: Path | None = None,
+        restore_verified: bool = False,
         kernel_args: list[str] | None = None,
     ) -> None:
         self.connection_file = connection_file.resolve()
@@ -148,11 +144,12 @@ class KernelWrapper:
         self.on_inner_death = on_inner_death
         self.criu_path = criu_path
         self.restore_from = restore_from
+        self.restore_verified = restore_verified
         self.kernel_args = kernel_args or []
         self.state = State.STARTING
         self.lineage = secrets.token_hex(8)
         self.runtime_dir = runtime_root / secrets.token_hex(8)
-        self._dir_fd: int | None = None
+        self._dir_fd = self._make_runtime_dir()
         self.sequence = 0
         self.parent_snapshot: str | None = None
         self.inner_pid: int | None = None
@@ -173,6 +170,10 @@ class KernelWrapper:
         self._stdio_r, self._stdio_w = os.pipe()
         os.set_blocking(self._stdio_r, False)
         self._criu: Criu | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.suspended_snapshot: Path | None = None
+        """The snapshot a suspended kernel comes back from."""
+        self._discard_after_resume = False
         self._control_path = self.runtime_dir / "control"
 
     # ------------------------------------------------------------------ lifecycle
@@ -180,8 +181,6 @@ class KernelWrapper:
     async def run(self) -> int:
         """Serve until the kernel is shut down; returns the process exit code."""
         loop = asyncio.get_running_loop()
-        self.runtime_root.mkdir(mode=0o711, parents=True, exist_ok=True)
-        self._make_runtime_dir()
         self._bind_server_channels()
         loop.add_reader(self._stdio_r, self._forward_stdio)
         loop.add_signal_handler(signal.SIGINT, self._interrupt)
@@ -192,7 +191,9 @@ class KernelWrapper:
         self._subscription_task = asyncio.create_task(self._forward_subscriptions())
         try:
             if self.restore_from is not None:
-                await self._restore(self.restore_from, lambda _: None)
+                await self._restore(
+                    self.restore_from, lambda _: None, verified=self.restore_verified
+                )
             else:
                 await self._launch_inner()
             await self._done.wait()
@@ -217,6 +218,7 @@ class KernelWrapper:
         ):
             sock = self.context.socket(kind)
             sock.setsockopt(zmq.LINGER, 1000)
+            self._apply_curve(sock)
             if kind == zmq.XPUB:
                 sock.setsockopt(zmq.XPUB_VERBOSE, 1)
             else:
@@ -227,8 +229,17 @@ class KernelWrapper:
         hb_context = zmq.Context()
         hb = hb_context.socket(zmq.ROUTER)
         hb.setsockopt(zmq.LINGER, 0)
+        self._apply_curve(hb)
         hb.bind(self._endpoint(url, c["hb_port"]))
         threading.Thread(target=self._heartbeat, args=(hb,), daemon=True, name="hb").start()
+
+    def _apply_curve(self, sock: zmq.Socket[Any]) -> None:
+        """CurveZMQ on the server-facing channels when the server provisioned keys."""
+        secret = self.connection.get("curve_secretkey")
+        if secret:
+            sock.curve_secretkey = secret.encode("ascii")
+            sock.curve_publickey = self.connection["curve_publickey"].encode("ascii")
+            sock.curve_server = True
 
     @staticmethod
     def _endpoint(url: str, port: int) -> str:
@@ -239,7 +250,7 @@ class KernelWrapper:
         with contextlib.suppress(zmq.ContextTerminated):
             zmq.proxy(sock, sock)
 
-    def _make_runtime_dir(self) -> None:
+    def _make_runtime_dir(self) -> int:
         """Create this wrapper's private directory for the inner channels.
 
         The inner kernel reaches it only through an inherited directory descriptor
@@ -247,16 +258,16 @@ class KernelWrapper:
         kernel this wrapper's descriptor in place of the old one, so any number of kernels
         restored from one snapshot can run side by side, on any machine.
         """
-        self.runtime_dir.mkdir(mode=0o700, parents=True)
-        self._dir_fd = os.open(self.runtime_dir, os.O_RDONLY | os.O_DIRECTORY)
+        self.runtime_root.mkdir(mode=0o711, parents=True, exist_ok=True)
+        self.runtime_dir.mkdir(mode=0o700)
+        dir_fd = os.open(self.runtime_dir, os.O_RDONLY | os.O_DIRECTORY)
         tmp = self.runtime_dir / "wrapper.pid.tmp"
-        tmp.write_text(f"{os.getpid()} {self._dir_fd}\n")
+        tmp.write_text(f"{os.getpid()} {dir_fd}\n")
         os.replace(tmp, self.runtime_dir / "wrapper.pid")
+        return dir_fd
 
     def _remove_runtime_dir(self) -> None:
-        if self._dir_fd is not None:
-            os.close(self._dir_fd)
-            self._dir_fd = None
+        os.close(self._dir_fd)
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
     @property
@@ -412,6 +423,10 @@ class KernelWrapper:
         elif state in (State.DEAD, State.SUSPENDED):
             self._start_stand_in()
 
+    def _still(self, state: State) -> bool:
+        """Whether the state is still ``state`` (it changes under awaits; mypy can't see it)."""
+        return self.state == state
+
     def _start_pumps(self) -> None:
         assert self._inner is not None
         inner = self._inner.sockets
@@ -528,7 +543,7 @@ class KernelWrapper:
         while quiet_rounds < 2 and time.monotonic() < deadline:
             moved = 0
             for name, sock in self._inner.sockets.items():
-                sync = zmq.Socket.shadow(sock.underlying)
+                sync: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
                 while True:
                     try:
                         frames = sync.recv_multipart(zmq.NOBLOCK)
@@ -608,7 +623,7 @@ class KernelWrapper:
             # Keep it for the kernel; a request that needs the kernel brings it back.
             self._held[name].append(frames)
             if msg_type in ("execute_request", "complete_request", "inspect_request"):
-                asyncio.create_task(self._resume_for_request())
+                self._background(self._resume_for_request())
             return
         iopub = self.server["iopub"]
         self.session.send(iopub, "status", {"execution_state": "busy"}, parent=msg)
@@ -653,9 +668,16 @@ class KernelWrapper:
         """Bring a suspended kernel back (issue: idle GPU suspend)."""
         if self.state != State.SUSPENDED or self._op_lock.locked():
             return
-        source = getattr(self, "suspended_snapshot", None)
-        if source is not None:
-            await self._restore(Path(source), lambda _: None)
+        if self.suspended_snapshot is not None:
+            try:
+                await self._restore(self.suspended_snapshot, lambda _: None)
+            except SnapshotError as exc:
+                log.error("resuming the suspended kernel failed: %s", exc)
+
+    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------ control socket
 
@@ -674,6 +696,8 @@ class KernelWrapper:
                 "status": self._op_status,
                 "snapshot": self._op_snapshot,
                 "restore": self._op_restore,
+                "suspend": self._op_suspend,
+                "resume": self._op_resume,
             }
             if op not in handlers:
                 raise SnapshotError(f"Unknown control operation {op!r}.")
@@ -687,7 +711,7 @@ class KernelWrapper:
             send({"ok": False, "error": exc.to_dict()})
         except (ValueError, TypeError) as exc:
             send({"ok": False, "error": SnapshotError(f"Bad control request: {exc}").to_dict()})
-        except Exception as exc:  # noqa: BLE001 - the caller gets every failure, in words
+        except Exception as exc:
             log.exception("control request failed")
             send({"ok": False, "error": SnapshotError(f"Internal error: {exc!r}").to_dict()})
         with contextlib.suppress(ConnectionError):
@@ -731,7 +755,8 @@ class KernelWrapper:
             manifest = await self._snapshot(
                 Path(dest), trigger, leave_running, metadata or {}, sequence, progress
             )
-            return json.loads(manifest.to_json())
+            result: dict[str, Any] = json.loads(manifest.to_json())
+            return result
 
     async def _snapshot(
         self,
@@ -744,7 +769,8 @@ class KernelWrapper:
     ) -> Manifest:
         if self.state != State.RUNNING or self.inner_pid is None or self._inner is None:
             raise KernelNotRunningError(
-                f"There is no running kernel process to snapshot (the kernel is {self.state.value}).",
+                "There is no running kernel process to snapshot "
+                f"(the kernel is {self.state.value}).",
                 hint="Start or restore the kernel first.",
             )
         if dest.exists():
@@ -770,6 +796,7 @@ class KernelWrapper:
                 self._inner = None
             finally:
                 proctree.continue_tree(inner_pid)
+                stopped_seconds = time.monotonic() - started
             needed = proctree.needed_files(proctree.descendants(inner_pid))
             await self._wait_disconnected()
             disconnect_seconds = time.monotonic() - started
@@ -789,7 +816,7 @@ class KernelWrapper:
             remove_tree(staging)
             raise
         finally:
-            if self.inner_pid is not None and self.state == State.SNAPSHOTTING:
+            if self.inner_pid is not None and self._still(State.SNAPSHOTTING):
                 self._inner = self._inner or InnerChannels(self.runtime_dir)
                 self._set_state(State.RUNNING)
         pause_seconds = time.monotonic() - started
@@ -815,6 +842,7 @@ class KernelWrapper:
             criu_version=criu.version_text,
             needed_files=needed,
             disconnect_seconds=round(disconnect_seconds, 4),
+            stopped_seconds=round(stopped_seconds, 4),
             dump_seconds=round(dump_seconds, 4),
             pause_seconds=round(pause_seconds, 4),
         )
@@ -830,23 +858,62 @@ class KernelWrapper:
         progress({"phase": "done", "bytes": manifest.total_bytes})
         return manifest
 
+    async def _op_suspend(
+        self,
+        progress: Callable[[dict[str, Any]], None],
+        dest: str,
+        metadata: dict[str, Any] | None = None,
+        discard_after_resume: bool = True,
+    ) -> dict[str, Any]:
+        """Snapshot the kernel and end its process; the next request brings it back."""
+        if self.execution_state == "busy":
+            raise SnapshotBusyError(
+                "The kernel is running a cell; a busy kernel is never suspended.",
+                hint="Wait until the cell finishes, or interrupt it.",
+            )
+        result = await self._op_snapshot(
+            progress, dest, trigger="idle-suspend", leave_running=False, metadata=metadata
+        )
+        self.suspended_snapshot = Path(dest)
+        self._discard_after_resume = discard_after_resume
+        return result
+
+    async def _op_resume(self, progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        if self.state != State.SUSPENDED or self.suspended_snapshot is None:
+            raise KernelNotRunningError(
+                f"The kernel is not suspended (it is {self.state.value}).",
+                hint="Only suspended kernels can be resumed.",
+            )
+        return await self._op_restore(progress, str(self.suspended_snapshot))
+
     async def _op_restore(
-        self, progress: Callable[[dict[str, Any]], None], source: str
+        self, progress: Callable[[dict[str, Any]], None], source: str, verified: bool = False
     ) -> dict[str, Any]:
         if self._op_lock.locked():
             raise SnapshotBusyError(
                 "A snapshot or restore of this kernel is already in progress.",
                 hint="Wait for it to finish, then try again.",
             )
-        manifest = await self._restore(Path(source), progress)
+        manifest = await self._restore(Path(source), progress, verified=verified)
         return {"inner_pid": self.inner_pid, "id": manifest.id, "lineage": manifest.lineage}
 
     async def _restore(
-        self, source: Path, progress: Callable[[dict[str, Any]], None]
+        self,
+        source: Path,
+        progress: Callable[[dict[str, Any]], None],
+        verified: bool = False,
     ) -> Manifest:
+        """Replace the inner kernel (if any) by the snapshot in ``source``.
+
+        ``verified`` skips re-hashing files the caller has just checked (the server
+        extension verifies every download); the manifest and compatibility are still read.
+        """
         async with self._op_lock:
             progress({"phase": "verifying"})
-            manifest = await asyncio.to_thread(verify, source)
+            if verified:
+                manifest = Manifest.read(source)
+            else:
+                manifest = await asyncio.to_thread(verify, source)
             check_compatible(manifest)
             criu = self._criu_binary()
             progress({"phase": "restoring"})
@@ -875,7 +942,9 @@ class KernelWrapper:
                     await asyncio.to_thread(self._inner.close)
                     self._inner = None
                 self._set_state(
-                    State.SUSPENDED if previous == State.SUSPENDED else State.DEAD
+                    State.SUSPENDED
+                    if previous == State.SUSPENDED
+                    else State.DEAD
                     if self.inner_pid is None
                     else State.RUNNING
                 )
@@ -888,7 +957,10 @@ class KernelWrapper:
             self.parent_snapshot = manifest.id
             self.kernel_info = manifest.kernel_info or self.kernel_info
             self.executions_since_snapshot = 0
+            if self.suspended_snapshot is not None:
+                if self._discard_after_resume and self.suspended_snapshot == source:
+                    shutil.rmtree(source, ignore_errors=True)
+                self.suspended_snapshot = None
             self._set_state(State.RUNNING)
             progress({"phase": "done"})
             return manifest
-

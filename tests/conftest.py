@@ -39,3 +39,5 @@ def kernel_factory(tmp_path: Path, criu: Criu) -> Iterator[Callable[..., KernelP
         if kernel.process.poll() is None:
             kernel.kill_all()
 
+
+pytest_plugins = ["pytest_jupyter.jupyter_server"]

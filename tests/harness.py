@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -113,10 +114,8 @@ class KernelProcess:
         """kill -9 the wrapper and every process of the kernel, as a node failure would."""
         pids = [self.process.pid, *proctree.descendants(self.process.pid)]
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.process.wait(10)
         wait_until(lambda: not any(proctree.is_alive(p) for p in pids), what="kernel to die")
         self.close()

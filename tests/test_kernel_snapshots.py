@@ -251,7 +251,7 @@ def test_corrupted_snapshot_is_refused_before_criu(kernel_factory: Factory, tmp_
 
 def test_snapshot_without_manifest_is_not_a_snapshot(tmp_path: Path) -> None:
     (tmp_path / "half" / "images").mkdir(parents=True)
-    with pytest.raises(SnapshotCorruptError, match="no manifest.json"):
+    with pytest.raises(SnapshotCorruptError, match=r"no manifest\.json"):
         verify(tmp_path / "half")
 
 
@@ -276,7 +276,7 @@ def test_failed_dump_leaves_kernel_running_and_no_snapshot(
 
 def test_missing_criu_is_a_clear_error(kernel_factory: Factory, tmp_path: Path) -> None:
     kernel = kernel_factory(extra_args=["--criu", "/nonexistent/criu"])
-    with pytest.raises(CriuNotFoundError, match="install-criu.sh"):
+    with pytest.raises(CriuNotFoundError, match=r"install-criu\.sh"):
         kernel.snapshot(tmp_path / "s")
     assert kernel.execute("print(1)").strip() == "1"
 
@@ -315,7 +315,8 @@ def test_concurrent_snapshots_are_refused(kernel_factory: Factory, tmp_path: Pat
         t.start()
     for t in threads:
         t.join()
-    assert len(results) == 1 and len(errors) == 1
+    assert len(results) == 1
+    assert len(errors) == 1
     assert "already in progress" in str(errors[0])
     verify(Path(tmp_path / ("s0" if (tmp_path / "s0").exists() else "s1")))
 
@@ -332,7 +333,8 @@ def test_manifest_records_the_machine(kernel_factory: Factory, tmp_path: Path) -
     assert manifest.kernel_release == os.uname().release
     assert manifest.python_version == sys.version.split()[0]
     assert manifest.criu_version.startswith("4.")
-    assert manifest.cpu_flags and manifest.host
+    assert manifest.cpu_flags
+    assert manifest.host
     assert manifest.kernel_info["language_info"]["name"] == "python"
     assert all(len(f.sha256) == 64 for f in manifest.files)
     assert manifest.total_bytes == sum(f.size for f in manifest.files)

@@ -96,9 +96,7 @@ class Criu:
 
     def check(self) -> tuple[bool, str]:
         """Run ``criu check``: whether it passed, and what it printed."""
-        out = subprocess.run(
-            [str(self.path), "check"], capture_output=True, text=True, timeout=60
-        )
+        out = subprocess.run([str(self.path), "check"], capture_output=True, text=True, timeout=60)
         text = (out.stdout + out.stderr).strip()
         return out.returncode == 0 and "Looks good" in text, text
 

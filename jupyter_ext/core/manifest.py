@@ -103,6 +103,9 @@ class Manifest:
     needed_files: list[dict[str, Any]] = field(default_factory=list)
     """Regular files the kernel had open or mapped: a restore needs them unchanged."""
     disconnect_seconds: float = 0.0
+    """From stopping the kernel to CRIU's start: draining and dropping the channels."""
+    stopped_seconds: float = 0.0
+    """How long the kernel was stopped (SIGSTOP) while its channels were drained."""
     dump_seconds: float = 0.0
     pause_seconds: float = 0.0
     total_bytes: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
@@ -36,10 +37,8 @@ def descendants(pid: int) -> list[int]:
 def signal_tree(pid: int, sig: int) -> None:
     """Send ``sig`` to ``pid`` and all its descendants; processes already gone are skipped."""
     for member in descendants(pid):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(member, sig)
-        except ProcessLookupError:
-            pass
 
 
 def stop_tree(pid: int) -> None:
@@ -81,10 +80,8 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
             seen[path] = {"path": path, "kind": kind, "size": st.st_size}
 
     for pid in pids:
-        try:
+        with contextlib.suppress(OSError):
             add(os.readlink(f"/proc/{pid}/cwd"), "cwd")
-        except OSError:
-            pass
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:

@@ -21,6 +21,15 @@ from typing import Any
 from .errors import SnapshotError, WrapperUnavailableError
 
 INFO_PREFIX = "snapshot-wrapper-"
+#: Where wrappers make their private directories (JUPYTER_SNAPSHOT_RUNTIME_DIR overrides).
+DEFAULT_RUNTIME_ROOT = Path(
+    os.environ.get("JUPYTER_SNAPSHOT_RUNTIME_DIR")
+    or (
+        "/run/jupyter-kernel-snapshots"
+        if os.geteuid() == 0
+        else f"/tmp/jupyter-kernel-snapshots-{os.geteuid()}"
+    )
+)
 ProgressCallback = Callable[[dict[str, Any]], None]
 
 

@@ -1,0 +1,218 @@
+"""The server extension: snapshot manager, REST API, events and policies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import getpass
+import os
+from pathlib import Path
+from typing import Any
+
+from jupyter_core.paths import jupyter_data_dir
+from jupyter_server.extension.application import ExtensionApp
+from traitlets import Bool, Float, Int, Unicode, default
+
+from .core.store import LocalStore, S3Store, SnapshotStore
+from .handlers import route_table
+from .manager import SnapshotManager, user_prefix
+
+EVENT_SCHEMA = Path(__file__).parent / "events" / "snapshot.yaml"
+EVENT_SCHEMA_ID = "https://events.jupyter.org/jupyter_kernel_snapshots/snapshot/v1"
+
+
+class SnapshotExtensionApp(ExtensionApp):  # type: ignore[misc]
+    """Snapshots of whole kernel processes, periodically and on demand."""
+
+    name = "jupyter_ext"
+    description = __doc__
+
+    owner = Unicode(
+        config=True,
+        help="""Whose snapshots this server keeps: the store prefix users/<owner>. Default: the
+        JupyterHub user of this single-user server ($JUPYTERHUB_USER), else the system user.""",
+    )
+    store = Unicode(
+        "local",
+        config=True,
+        help="""Where snapshots are kept: "local" (a directory, see local_store_dir) or "s3"
+        (see the s3_* options). Default: "local". Use "s3" to restore on another node.""",
+    )
+    local_store_dir = Unicode(
+        config=True,
+        help="""Directory of the local store. Default: <Jupyter data dir>/kernel_snapshots/store.
+        Each user gets a sub-directory named after the server's identity.""",
+    )
+    s3_bucket = Unicode("", config=True, help="S3 bucket for the s3 store (required for s3).")
+    s3_prefix = Unicode(
+        "kernel-snapshots",
+        config=True,
+        help="""Key prefix in the bucket. Default: "kernel-snapshots". The user's own prefix
+        (users/<name>) is appended from the server's identity, never from a request.""",
+    )
+    s3_endpoint_url = Unicode(
+        "",
+        config=True,
+        help="""Endpoint of an S3-compatible service (MinIO, Ceph, moto). Default: "" (AWS).
+        Credentials come from boto3's standard chain (environment, files, instance role).""",
+    )
+    s3_region = Unicode("", config=True, help='S3 region. Default: "" (boto3 decides).')
+    work_dir = Unicode(
+        config=True,
+        help="""Fast local directory where kernels are dumped before upload and snapshots are
+        downloaded before restore. Default: <Jupyter data dir>/kernel_snapshots/work.""",
+    )
+    periodic_interval = Float(
+        0.0,
+        config=True,
+        help="""Seconds between periodic snapshots of each snapshot kernel that ran something
+        since its last snapshot. Default: 0, which turns periodic snapshots off.""",
+    )
+    keep_last = Int(
+        10,
+        config=True,
+        help="""Snapshots kept per notebook (by sequence number; the newest is never deleted).
+        Default: 10. 0 keeps all.""",
+    )
+    max_store_bytes = Int(
+        0,
+        config=True,
+        help="""Byte budget of a user's store; older snapshots are deleted past it (never the
+        newest of a notebook). Default: 0, no budget.""",
+    )
+    snapshot_before_shutdown = Bool(
+        True,
+        config=True,
+        help="""Snapshot every running snapshot kernel when the server is asked to stop.
+        Default: True.""",
+    )
+    shutdown_snapshot_timeout = Float(
+        60.0,
+        config=True,
+        help="""Seconds the server waits for the snapshots taken at shutdown. Default: 60.""",
+    )
+    idle_suspend_after = Float(
+        1800.0,
+        config=True,
+        help="""Seconds a kernel holding GPU memory may stay idle before it is suspended
+        (snapshot, process ended, GPU freed); the next cell brings it back. Default: 1800
+        (30 minutes). 0 turns idle suspend off.""",
+    )
+    suspend_cpu_kernels = Bool(
+        False,
+        config=True,
+        help="""Also suspend idle kernels that hold no GPU memory. Default: False.""",
+    )
+    upload_retry_interval = Float(
+        60.0,
+        config=True,
+        help="""Seconds between retries of uploads that failed. Default: 60.""",
+    )
+    policy_tick = Float(
+        10.0,
+        config=True,
+        help="""Seconds between two looks at the kernels for periodic snapshots, idle suspend
+        and upload retries. Default: 10.""",
+    )
+
+    @default("owner")
+    def _default_owner(self) -> str:
+        return os.environ.get("JUPYTERHUB_USER") or getpass.getuser()
+
+    @default("local_store_dir")
+    def _default_local_store_dir(self) -> str:
+        return os.path.join(jupyter_data_dir(), "kernel_snapshots", "store")
+
+    @default("work_dir")
+    def _default_work_dir(self) -> str:
+        return os.path.join(jupyter_data_dir(), "kernel_snapshots", "work")
+
+    def make_store(self) -> SnapshotStore:
+        """The owner's store: its prefix comes from the server's identity, not a request."""
+        prefix = user_prefix(self.owner)
+        if self.store == "s3":
+            if not self.s3_bucket:
+                raise ValueError("SnapshotExtensionApp.s3_bucket must be set for the s3 store.")
+            return S3Store(
+                self.s3_bucket,
+                f"{self.s3_prefix.strip('/')}/{prefix}".strip("/"),
+                endpoint_url=self.s3_endpoint_url or None,
+                region=self.s3_region or None,
+            )
+        if self.store != "local":
+            raise ValueError(f'SnapshotExtensionApp.store must be "local" or "s3", not {self.store!r}.')
+        return LocalStore(Path(self.local_store_dir) / prefix)
+
+    def policy(self) -> dict[str, Any]:
+        """The server-side policy, shown read-only in the panel."""
+        return {
+            "store": self.store,
+            "location": (
+                f"s3://{self.s3_bucket}/{self.s3_prefix}" if self.store == "s3"
+                else self.local_store_dir
+            ),
+            "periodic_interval": self.periodic_interval,
+            "keep_last": self.keep_last,
+            "max_store_bytes": self.max_store_bytes,
+            "snapshot_before_shutdown": self.snapshot_before_shutdown,
+            "idle_suspend_after": self.idle_suspend_after,
+            "suspend_cpu_kernels": self.suspend_cpu_kernels,
+        }
+
+    def initialize_settings(self) -> None:
+        self.serverapp.event_logger.register_event_schema(EVENT_SCHEMA)
+        self.manager = SnapshotManager(
+            kernel_manager=self.serverapp.kernel_manager,
+            session_manager=self.serverapp.session_manager,
+            store=self.make_store(),
+            work_dir=Path(self.work_dir),
+            emit=self.emit,
+        )
+        self.manager.keep_last = self.keep_last
+        self.manager.max_bytes = self.max_store_bytes
+        self._policy_task: asyncio.Task[None] | None = None
+
+    def initialize_handlers(self) -> None:
+        self.handlers.extend(route_table(self.manager, self.policy()))
+
+    def emit(self, action: str, data: dict[str, Any]) -> None:
+        payload = {"action": action, **{k: v for k, v in data.items() if v is not None}}
+        with contextlib.suppress(Exception):  # an event must never break the work itself
+            self.serverapp.event_logger.emit(schema_id=EVENT_SCHEMA_ID, data=payload)
+
+    async def _policy_loop(self) -> None:
+        """Periodic snapshots, idle suspend and upload retries, one tick at a time."""
+        last_periodic = asyncio.get_running_loop().time()
+        last_retry = last_periodic
+        while True:
+            await asyncio.sleep(self.policy_tick)
+            now = asyncio.get_running_loop().time()
+            try:
+                if self.periodic_interval > 0 and now - last_periodic >= self.periodic_interval:
+                    last_periodic = now
+                    await self.manager.periodic_pass()
+                if self.idle_suspend_after > 0:
+                    await self.manager.suspend_idle(
+                        self.idle_suspend_after,
+                        gpu_only=not self.suspend_cpu_kernels,
+                        gpu_kernels=lambda status: bool(status.get("gpu_bytes")),
+                    )
+                if now - last_retry >= self.upload_retry_interval:
+                    last_retry = now
+                    await self.manager.retry_uploads()
+            except Exception:  # noqa: BLE001 - a policy tick must never end the loop
+                self.log.exception("snapshot policy tick failed")
+
+    async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
+        """Called by jupyter_server once its event loop runs: start the policies."""
+        self._policy_task = asyncio.ensure_future(self._policy_loop())
+
+    async def stop_extension(self) -> None:
+        if self._policy_task is not None:
+            self._policy_task.cancel()
+        if self.snapshot_before_shutdown:
+            jobs = await self.manager.snapshot_all(
+                "before-shutdown", self.shutdown_snapshot_timeout
+            )
+            if jobs:
+                self.log.info("snapshots before shutdown: %s", [j.status for j in jobs])

@@ -1,0 +1,1054 @@
+"""Where snapshots are kept: a local directory or an S3 bucket, in one format.
+
+Layout under a store's root (a directory, or ``<bucket>/<prefix>``)::
+
+    chunks/<hh>/<sha256>    one piece of an image file, zstd-compressed; keyed by the sha256
+                            of its uncompressed bytes, so equal pieces are stored once
+    snapshots/<id>.json     the snapshot's record: its manifest and the chunks of each file
+
+Images are cut with page-aligned content-defined chunking (``chunking.py``), so successive
+snapshots of one kernel share most chunks. A put uploads the chunks first and writes the
+record last, without overwriting (S3: ``If-None-Match: *``; locally: a hard link), so a
+snapshot is listed complete or not at all. Chunks no longer referenced are swept after a
+grace period; a put refreshes the timestamp of old chunks it reuses, so a concurrent sweep
+leaves them alone.
+"""
+
+from __future__ import annotations
+
+import abc
+import builtins
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
+
+import zstandard
+
+from . import manifest as manifest_mod
+from .chunking import ChunkParams, iter_chunks
+from .errors import SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
+from .manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+RECORD_FORMAT = 1
+DEFAULT_GRACE_SECONDS = 3600.0
+ZSTD_LEVEL = 1
+"""zstd level 1: ~500 MB/s a core on memory images; level 3 halves that for ~1 % less."""
+
+Progress = Callable[[dict[str, Any]], None]
+_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+_T = TypeVar("_T")
+
+
+class StoreError(SnapshotError):
+    """The store could not be read or written (network, permissions, disk, bucket)."""
+
+    code = "store-error"
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """One chunk of a file, in file order."""
+
+    hash: str
+    """sha256 of the uncompressed bytes."""
+    size: int
+    stored_size: int
+
+
+@dataclass
+class StoredSnapshot:
+    """A complete snapshot in a store."""
+
+    manifest: Manifest
+    stored_bytes: int
+    """Compressed bytes of its distinct chunks (shared ones included)."""
+    new_bytes: int
+    """Compressed bytes the put that stored it actually added."""
+    chunk_count: int
+    """Distinct chunks."""
+    location: str
+    """Where its record is: a path or an ``s3://`` URL."""
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    snapshot_count: int
+    chunk_count: int
+    stored_bytes: int
+    """Compressed bytes of all chunks, unreferenced ones not yet swept included."""
+
+
+class SnapshotStore(Protocol):
+    """What the snapshot manager needs from a store."""
+
+    def put(self, snapshot_dir: Path, progress: Progress | None = None) -> StoredSnapshot: ...
+
+    def list(self) -> builtins.list[StoredSnapshot]: ...
+
+    def get(self, snapshot_id: str) -> StoredSnapshot: ...
+
+    def fetch(self, snapshot_id: str, dest_dir: Path, progress: Progress | None = None) -> Path: ...
+
+    def delete(self, snapshot_id: str) -> None: ...
+
+    def stats(self) -> StoreStats: ...
+
+
+class _ChunkStat(NamedTuple):
+    stored_size: int
+    mtime: float
+    """Seconds since the epoch; the store's clock (S3's LastModified)."""
+
+
+@dataclass(frozen=True)
+class _Record:
+    raw_manifest: dict[str, Any]
+    """As read from manifest.json: written back unchanged by fetch."""
+    manifest: Manifest
+    chunks: dict[str, builtins.list[ChunkRef]]
+    stored_bytes: int
+    new_bytes: int
+
+    def distinct(self) -> dict[str, int]:
+        """hash -> stored size of each distinct chunk."""
+        return {ref.hash: ref.stored_size for refs in self.chunks.values() for ref in refs}
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "format": RECORD_FORMAT,
+                "manifest": self.raw_manifest,
+                "chunks": {
+                    path: [
+                        {"hash": r.hash, "size": r.size, "stored_size": r.stored_size} for r in refs
+                    ]
+                    for path, refs in self.chunks.items()
+                },
+                "stored_bytes": self.stored_bytes,
+                "new_bytes": self.new_bytes,
+            },
+            sort_keys=True,
+        ).encode()
+
+    @classmethod
+    def parse(cls, snapshot_id: str, data: bytes) -> _Record:
+        """Check everything that later becomes a path or a key: records may be tampered with."""
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != RECORD_FORMAT:
+                raise ValueError(f"record format {doc.get('format')!r}, expected {RECORD_FORMAT}")
+            manifest = Manifest.from_dict(doc["manifest"])
+            if manifest.id != snapshot_id:
+                raise ValueError(f"it holds the manifest of {manifest.id}")
+            chunks = {
+                path: [
+                    ChunkRef(str(c["hash"]), int(c["size"]), int(c["stored_size"])) for c in refs
+                ]
+                for path, refs in doc["chunks"].items()
+            }
+            _check_chunk_map(manifest, chunks)
+            return cls(
+                doc["manifest"], manifest, chunks, int(doc["stored_bytes"]), int(doc["new_bytes"])
+            )
+        except SnapshotCorruptError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SnapshotCorruptError(
+                f"The store's record of snapshot {snapshot_id} is damaged: {exc}",
+                hint="Delete this snapshot and pick another one.",
+            ) from exc
+
+
+def _check_chunk_map(manifest: Manifest, chunks: dict[str, builtins.list[ChunkRef]]) -> None:
+    expected = {entry.path: entry.size for entry in manifest.files}
+    if set(chunks) != set(expected):
+        raise ValueError("its chunk lists do not match the manifest's files")
+    for path, refs in chunks.items():
+        _safe_relpath(path)
+        if sum(r.size for r in refs) != expected[path]:
+            raise ValueError(f"the chunks of {path} do not add up to its size")
+        for ref in refs:
+            if not _HASH_RE.match(ref.hash) or ref.size <= 0 or ref.stored_size <= 0:
+                raise ValueError(f"a chunk of {path} is malformed")
+
+
+def _safe_relpath(path: str) -> PurePosixPath:
+    """A manifest path as a relative path that stays inside the snapshot directory."""
+    pure = PurePosixPath(path)
+    if (
+        not path
+        or pure.is_absolute()
+        or any(part in ("", ".", "..") for part in path.split("/"))
+        or "\\" in path
+        or path == manifest_mod.MANIFEST_NAME
+    ):
+        raise ValueError(f"file path {path!r} is not allowed in a snapshot")
+    return pure
+
+
+def _check_id(snapshot_id: str) -> None:
+    if not isinstance(snapshot_id, str) or not manifest_mod.SNAPSHOT_ID_RE.match(snapshot_id):
+        raise SnapshotNotFoundError(
+            f"{snapshot_id!r} is not a snapshot id (32 lowercase hex digits).",
+            hint="Use an id as listed by the store.",
+        )
+
+
+def _sha256(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class _Codec(threading.local):
+    """zstd (de)compressor objects are not thread-safe: one pair per worker thread."""
+
+    def __init__(self) -> None:
+        self.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        self.decompressor = zstandard.ZstdDecompressor()
+
+
+class _Bounded:
+    """Runs tasks on a pool with at most ``limit`` in flight; results come back in order.
+
+    The bound keeps memory at a few chunks a worker; taking results in order lets the
+    calling thread alone report progress.
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor, limit: int) -> None:
+        self._pool = pool
+        self._limit = limit
+        self._pending: deque[Future[Any]] = deque()
+
+    def submit(self, fn: Callable[..., _T], *args: Any) -> Iterator[_T]:
+        """Queue a task; yield the results of the oldest tasks that had to finish first."""
+        self._pending.append(self._pool.submit(fn, *args))
+        while len(self._pending) > self._limit:
+            yield self._pending.popleft().result()
+
+    def drain(self) -> Iterator[Any]:
+        while self._pending:
+            yield self._pending.popleft().result()
+
+    def cancel(self) -> None:
+        for future in self._pending:
+            future.cancel()
+        self._pending.clear()
+
+
+class _ChunkStore(abc.ABC):
+    """The format and the algorithms; subclasses only move bytes (``_``-methods below)."""
+
+    def __init__(
+        self,
+        *,
+        max_workers: int,
+        grace_seconds: float = DEFAULT_GRACE_SECONDS,
+        chunking: ChunkParams | None = None,
+    ) -> None:
+        self.max_workers = max_workers
+        self.grace_seconds = grace_seconds
+        self.chunking = chunking or ChunkParams()
+        self._codec = _Codec()
+        self._cache: dict[str, _Record] = {}
+        self._cache_lock = threading.Lock()
+
+    # -- the backend -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _location(self, snapshot_id: str) -> str: ...
+
+    @abc.abstractmethod
+    def _record_ids(self) -> builtins.list[str]:
+        """Ids of all records (names that are not snapshot ids are ignored)."""
+
+    @abc.abstractmethod
+    def _read_record(self, snapshot_id: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    def _create_record(self, snapshot_id: str, data: bytes) -> bool:
+        """Write a record durably unless one exists; False if one did."""
+
+    @abc.abstractmethod
+    def _delete_record(self, snapshot_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def _stat_chunk(self, digest: str) -> _ChunkStat | None: ...
+
+    @abc.abstractmethod
+    def _write_chunk(self, digest: str, data: bytes) -> None:
+        """Store a chunk durably; overwriting an equal one is harmless."""
+
+    @abc.abstractmethod
+    def _read_chunk(self, digest: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    def _touch_chunk(self, digest: str) -> None:
+        """Make the chunk's timestamp now, so that a sweep leaves it alone for a while."""
+
+    @abc.abstractmethod
+    def _list_chunks(self) -> Iterator[tuple[str, _ChunkStat]]: ...
+
+    @abc.abstractmethod
+    def _delete_chunk(self, digest: str, older_than: float) -> None:
+        """Delete the chunk if its timestamp (read again now) is still before ``older_than``."""
+
+    # -- the API ---------------------------------------------------------------------
+
+    def put(self, snapshot_dir: Path, progress: Progress | None = None) -> StoredSnapshot:
+        """Store a sealed snapshot directory; checks every file against its manifest.
+
+        Putting a snapshot that is already stored returns it as it is.
+        """
+        raw = _read_manifest(snapshot_dir)
+        manifest = Manifest.from_dict(raw)
+        if not manifest_mod.SNAPSHOT_ID_RE.match(manifest.id):
+            raise SnapshotCorruptError(
+                f"{snapshot_dir} has an invalid snapshot id {manifest.id!r}.",
+                hint="Take a new snapshot.",
+            )
+        existing = self._load(manifest.id)
+        if existing is not None:
+            return self._same_or_conflict(existing, raw)
+        upload = _Upload(self, snapshot_dir, manifest, progress)
+        chunks, new_bytes = upload.run()
+        distinct = {ref.hash: ref.stored_size for refs in chunks.values() for ref in refs}
+        record = _Record(raw, manifest, chunks, sum(distinct.values()), new_bytes)
+        if not self._create_record(manifest.id, record.to_json()):
+            raced = self._load(manifest.id)
+            if raced is None:  # created and deleted again meanwhile: retry from the start
+                return self.put(snapshot_dir, progress)
+            return self._same_or_conflict(raced, raw)
+        with self._cache_lock:
+            self._cache[manifest.id] = record
+        _report(progress, "done", manifest.total_bytes, manifest.total_bytes)
+        return self._stored(record)
+
+    def list(self) -> builtins.list[StoredSnapshot]:
+        """Complete snapshots, by (lineage, sequence); unreadable records are logged, skipped."""
+        records = self._all_records(strict=False)
+        return sorted(
+            (self._stored(r) for r in records.values()),
+            key=lambda s: (s.manifest.lineage, s.manifest.sequence, s.manifest.id),
+        )
+
+    def get(self, snapshot_id: str) -> StoredSnapshot:
+        return self._stored(self._require(snapshot_id))
+
+    def fetch(self, snapshot_id: str, dest_dir: Path, progress: Progress | None = None) -> Path:
+        """Rebuild the snapshot directory at ``dest_dir`` (which must not exist), verified.
+
+        Everything is written to a hidden sibling and renamed into place, so ``dest_dir``
+        is complete or absent.
+        """
+        record = self._require(snapshot_id)
+        dest_dir = Path(dest_dir)
+        if dest_dir.exists():
+            raise StoreError(
+                f"Cannot fetch snapshot {snapshot_id} to {dest_dir}: it already exists.",
+                hint="Remove it or choose another destination.",
+            )
+        staging = dest_dir.parent / f".{dest_dir.name}.fetching-{uuid.uuid4().hex[:8]}"
+        try:
+            staging.mkdir(parents=True)
+            _Download(self, record, staging, progress).run()
+            (staging / manifest_mod.MANIFEST_NAME).write_text(
+                json.dumps(record.raw_manifest, indent=1, sort_keys=True)
+            )
+            _report(progress, "verifying", record.manifest.total_bytes, record.manifest.total_bytes)
+            manifest_mod.verify(staging)
+            staging.rename(dest_dir)
+            _fsync_dir(dest_dir.parent)
+        except OSError as exc:
+            manifest_mod.remove_tree(staging)
+            raise StoreError(
+                f"Cannot write snapshot {snapshot_id} to {dest_dir}: {exc}",
+                hint=_os_hint(exc),
+            ) from exc
+        except BaseException:
+            manifest_mod.remove_tree(staging)
+            raise
+        _report(progress, "done", record.manifest.total_bytes, record.manifest.total_bytes)
+        return dest_dir
+
+    def delete(self, snapshot_id: str) -> None:
+        """Remove the record, then sweep chunks nothing references (past the grace period)."""
+        self._require(snapshot_id)
+        self._delete_record(snapshot_id)
+        with self._cache_lock:
+            self._cache.pop(snapshot_id, None)
+        try:
+            self._sweep()
+        except SnapshotError as exc:
+            logger.warning(
+                "Snapshot %s deleted, but its chunks were not swept: %s", snapshot_id, exc
+            )
+
+    def stats(self) -> StoreStats:
+        chunks = builtins.list(self._list_chunks())
+        return StoreStats(
+            snapshot_count=len(self._record_ids()),
+            chunk_count=len(chunks),
+            stored_bytes=sum(stat.stored_size for _, stat in chunks),
+        )
+
+    # -- internals -------------------------------------------------------------------
+
+    def _sweep(self) -> None:
+        """Delete unreferenced chunks older than the grace period.
+
+        Chunks are listed before records: a put that reuses a listed chunk refreshes its
+        timestamp before writing its record, and ``_delete_chunk`` reads the timestamp again.
+        """
+        chunks = builtins.list(self._list_chunks())
+        referenced: set[str] = set()
+        for record in self._all_records(strict=True).values():
+            referenced.update(record.distinct())
+        cutoff = time.time() - self.grace_seconds
+        for digest, stat in chunks:
+            if digest not in referenced and stat.mtime <= cutoff:
+                self._delete_chunk(digest, cutoff)
+
+    def _all_records(self, *, strict: bool) -> dict[str, _Record]:
+        ids = self._record_ids()
+        with self._cache_lock:
+            self._cache = {i: r for i, r in self._cache.items() if i in ids}
+            missing = [i for i in ids if i not in self._cache]
+            records = {i: self._cache[i] for i in ids if i in self._cache}
+        with ThreadPoolExecutor(max_workers=self.max_workers) as pool:
+            loaded = pool.map(self._try_load, missing)
+            for snapshot_id, result in zip(missing, loaded, strict=True):
+                if isinstance(result, _Record):
+                    records[snapshot_id] = result
+                elif isinstance(result, SnapshotCorruptError):
+                    if strict:
+                        raise result
+                    logger.warning("Skipping snapshot %s: %s", snapshot_id, result)
+        return records
+
+    def _try_load(self, snapshot_id: str) -> _Record | SnapshotCorruptError | None:
+        try:
+            return self._load(snapshot_id)
+        except SnapshotCorruptError as exc:
+            return exc
+
+    def _load(self, snapshot_id: str) -> _Record | None:
+        """The record, read fresh (it may have been deleted elsewhere), or None."""
+        data = self._read_record(snapshot_id)
+        if data is None:
+            with self._cache_lock:
+                self._cache.pop(snapshot_id, None)
+            return None
+        with self._cache_lock:
+            cached = self._cache.get(snapshot_id)
+        if cached is not None:
+            return cached
+        record = _Record.parse(snapshot_id, data)
+        with self._cache_lock:
+            self._cache[snapshot_id] = record
+        return record
+
+    def _require(self, snapshot_id: str) -> _Record:
+        _check_id(snapshot_id)
+        record = self._load(snapshot_id)
+        if record is None:
+            raise SnapshotNotFoundError(
+                f"There is no snapshot {snapshot_id} in {self._location(snapshot_id)}.",
+                hint="List the snapshots to see which exist.",
+            )
+        return record
+
+    def _same_or_conflict(self, record: _Record, raw: dict[str, Any]) -> StoredSnapshot:
+        if record.raw_manifest != raw:
+            raise StoreError(
+                f"A different snapshot with id {record.manifest.id} is already stored.",
+                hint="Snapshot ids must be unique; take a new snapshot.",
+            )
+        return self._stored(record)
+
+    def _stored(self, record: _Record) -> StoredSnapshot:
+        return StoredSnapshot(
+            manifest=record.manifest,
+            stored_bytes=record.stored_bytes,
+            new_bytes=record.new_bytes,
+            chunk_count=len(record.distinct()),
+            location=self._location(record.manifest.id),
+        )
+
+    def _compress_and_write(self, digest: str, data: bytes | memoryview) -> int:
+        compressed = self._codec.compressor.compress(data)
+        self._write_chunk(digest, compressed)
+        return len(compressed)
+
+    def _decompress(self, data: bytes, size: int) -> bytes:
+        """Refuse a frame that claims another size before allocating for it."""
+        if zstandard.frame_content_size(data) != size:
+            raise ValueError("the compressed frame holds another size")
+        return self._codec.decompressor.decompress(data, max_output_size=size)
+
+
+class _Upload:
+    """One put: chunk, hash and check each file; upload new chunks on a pool."""
+
+    def __init__(
+        self, store: _ChunkStore, root: Path, manifest: Manifest, progress: Progress | None
+    ) -> None:
+        self.store = store
+        self.root = root
+        self.manifest = manifest
+        self.progress = progress
+        self.claimed: set[str] = set()
+        """Chunks this put has already handled (or is handling)."""
+        self.lock = threading.Lock()
+        self.reused: set[str] = set()
+        self.new_bytes = 0
+        self.done_bytes = 0
+
+    def run(self) -> tuple[dict[str, builtins.list[ChunkRef]], int]:
+        chunks: dict[str, builtins.list[ChunkRef]] = {}
+        total = self.manifest.total_bytes
+        _report(self.progress, "uploading", 0, total)
+        with ThreadPoolExecutor(max_workers=self.store.max_workers) as pool:
+            tasks = _Bounded(pool, 2 * self.store.max_workers)
+            try:
+                for entry in self.manifest.files:
+                    refs = chunks[entry.path] = []
+                    for data in self._read_checked(entry):
+                        for ref in tasks.submit(self._chunk, data):
+                            self._done(ref, refs, total)
+                    for ref in tasks.drain():
+                        self._done(ref, refs, total)
+                _report(self.progress, "committing", total, total)
+                self._recheck_reused(pool)
+            except BaseException:
+                tasks.cancel()
+                raise
+        sizes = {
+            ref.hash: ref.stored_size for refs in chunks.values() for ref in refs if ref.stored_size
+        }
+        for path, refs in chunks.items():
+            chunks[path] = [ChunkRef(r.hash, r.size, sizes[r.hash]) for r in refs]
+        return chunks, self.new_bytes
+
+    def _done(self, ref: ChunkRef, refs: builtins.list[ChunkRef], total: int) -> None:
+        refs.append(ref)
+        self.done_bytes += ref.size
+        _report(self.progress, "uploading", self.done_bytes, total)
+
+    def _read_checked(self, entry: manifest_mod.FileEntry) -> Iterator[bytes | memoryview]:
+        """The file's chunks; raises at the end if its size or sha256 is not the manifest's."""
+        try:
+            path = self.root / _safe_relpath(entry.path)
+        except ValueError as exc:
+            raise _corrupt(self.manifest.id, str(exc)) from exc
+        try:
+            with path.open("rb") as fh:
+                digest = hashlib.sha256()
+                size = 0
+                for data in iter_chunks(fh, self.store.chunking):
+                    digest.update(data)
+                    size += len(data)
+                    yield data
+        except FileNotFoundError as exc:
+            raise _corrupt(self.manifest.id, f"{entry.path} is missing") from exc
+        except OSError as exc:
+            raise StoreError(f"Cannot read {path}: {exc}", hint=_os_hint(exc)) from exc
+        if size != entry.size or digest.hexdigest() != entry.sha256:
+            raise _corrupt(self.manifest.id, f"{entry.path} differs from its manifest entry")
+
+    def _chunk(self, data: bytes | memoryview) -> ChunkRef:
+        """Upload one chunk unless the store (or this put) has it; stored_size 0 = not known yet."""
+        digest = _sha256(data)
+        with self.lock:
+            first = digest not in self.claimed
+            self.claimed.add(digest)
+        if not first:
+            return ChunkRef(digest, len(data), 0)
+        stat = self.store._stat_chunk(digest)
+        if stat is not None:
+            if stat.mtime < time.time() - self.store.grace_seconds / 2:
+                self.store._touch_chunk(digest)
+            with self.lock:
+                self.reused.add(digest)
+            return ChunkRef(digest, len(data), stat.stored_size)
+        stored = self.store._compress_and_write(digest, data)
+        with self.lock:
+            self.new_bytes += stored
+        return ChunkRef(digest, len(data), stored)
+
+    def _recheck_reused(self, pool: ThreadPoolExecutor) -> None:
+        """Fail rather than record a chunk that a concurrent sweep removed after all."""
+        reused = sorted(self.reused)
+        for digest, stat in zip(reused, pool.map(self.store._stat_chunk, reused), strict=True):
+            if stat is None:
+                raise StoreError(
+                    f"Chunk {digest[:12]}… of snapshot {self.manifest.id} was deleted while it "
+                    "was being stored (a concurrent delete swept it).",
+                    hint="Store the snapshot again.",
+                )
+
+
+class _Download:
+    """One fetch: GET chunks on a pool, check each sha256, write them at their offsets."""
+
+    def __init__(
+        self, store: _ChunkStore, record: _Record, staging: Path, progress: Progress | None
+    ) -> None:
+        self.store = store
+        self.record = record
+        self.staging = staging
+        self.progress = progress
+
+    def run(self) -> None:
+        total = self.record.manifest.total_bytes
+        done = 0
+        _report(self.progress, "downloading", 0, total)
+        with ThreadPoolExecutor(max_workers=self.store.max_workers) as pool:
+            tasks = _Bounded(pool, 2 * self.store.max_workers)
+            try:
+                for path, refs in self.record.chunks.items():
+                    target = self.staging / _safe_relpath(path)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    try:
+                        offset = 0
+                        for ref in refs:
+                            for size in tasks.submit(self._chunk, fd, path, ref, offset):
+                                done += size
+                                _report(self.progress, "downloading", done, total)
+                            offset += ref.size
+                        for size in tasks.drain():
+                            done += size
+                            _report(self.progress, "downloading", done, total)
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            except BaseException:
+                tasks.cancel()
+                raise
+
+    def _chunk(self, fd: int, path: str, ref: ChunkRef, offset: int) -> int:
+        data = self.store._read_chunk(ref.hash)
+        where = f"chunk {ref.hash[:12]}… of {path} (offset {offset})"
+        if data is None:
+            raise _corrupt(self.record.manifest.id, f"{where} is missing from the store")
+        try:
+            raw = self.store._decompress(data, ref.size)
+        except (zstandard.ZstdError, ValueError) as exc:
+            raise _corrupt(self.record.manifest.id, f"{where} cannot be decompressed") from exc
+        if len(raw) != ref.size or _sha256(raw) != ref.hash:
+            raise _corrupt(self.record.manifest.id, f"{where} has the wrong sha256")
+        os.pwrite(fd, raw, offset)
+        return ref.size
+
+
+def _corrupt(snapshot_id: str, what: str) -> SnapshotCorruptError:
+    return SnapshotCorruptError(
+        f"Snapshot {snapshot_id} is damaged: {what}.",
+        hint="Pick another snapshot; this one cannot be restored.",
+    )
+
+
+def _report(progress: Progress | None, phase: str, done: int, total: int) -> None:
+    if progress is not None:
+        progress({"phase": phase, "done_bytes": done, "total_bytes": total})
+
+
+def _read_manifest(snapshot_dir: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads((snapshot_dir / manifest_mod.MANIFEST_NAME).read_text())
+    except FileNotFoundError as exc:
+        raise SnapshotCorruptError(
+            f"{snapshot_dir} is not a complete snapshot: it has no manifest.",
+            hint="Only sealed snapshot directories can be stored.",
+        ) from exc
+    except (OSError, ValueError) as exc:
+        raise SnapshotCorruptError(
+            f"The manifest of {snapshot_dir} cannot be read: {exc}",
+            hint="The snapshot is damaged; take a new one.",
+        ) from exc
+    if not isinstance(raw, dict):
+        raise SnapshotCorruptError(
+            f"The manifest of {snapshot_dir} is not a JSON object.",
+            hint="The snapshot is damaged; take a new one.",
+        )
+    return raw
+
+
+def _os_hint(exc: OSError) -> str:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "Free some disk space (or delete old snapshots), then retry."
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return "Check that this user may write there, then retry."
+    return "Check the directory and retry."
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStore(_ChunkStore):
+    """A store in a local directory (or any mounted file system)."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        grace_seconds: float = DEFAULT_GRACE_SECONDS,
+        chunking: ChunkParams | None = None,
+        max_workers: int | None = None,
+    ) -> None:
+        super().__init__(
+            max_workers=max_workers or min(8, os.cpu_count() or 2),
+            grace_seconds=grace_seconds,
+            chunking=chunking,
+        )
+        self.root = Path(root)
+
+    def _chunk_path(self, digest: str) -> Path:
+        return self.root / "chunks" / digest[:2] / digest
+
+    def _record_path(self, snapshot_id: str) -> Path:
+        return self.root / "snapshots" / f"{snapshot_id}.json"
+
+    def _error(self, what: str, exc: OSError) -> StoreError:
+        return StoreError(
+            f"The snapshot store {self.root} cannot {what}: {exc.strerror or exc}",
+            hint=_os_hint(exc),
+        )
+
+    def _write_new(self, path: Path, data: bytes) -> Path:
+        """Write a uniquely named temporary file next to ``path``, durably."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        with tmp.open("wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return tmp
+
+    def _location(self, snapshot_id: str) -> str:
+        return str(self._record_path(snapshot_id))
+
+    def _record_ids(self) -> builtins.list[str]:
+        try:
+            names = os.listdir(self.root / "snapshots")
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise self._error("list its snapshots", exc) from exc
+        ids = (name.removesuffix(".json") for name in names if name.endswith(".json"))
+        return sorted(i for i in ids if manifest_mod.SNAPSHOT_ID_RE.match(i))
+
+    def _read_record(self, snapshot_id: str) -> bytes | None:
+        try:
+            return self._record_path(snapshot_id).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._error(f"read the record of {snapshot_id}", exc) from exc
+
+    def _create_record(self, snapshot_id: str, data: bytes) -> bool:
+        path = self._record_path(snapshot_id)
+        try:
+            tmp = self._write_new(path, data)
+            try:
+                os.link(tmp, path)  # unlike rename, never replaces an existing record
+            except FileExistsError:
+                return False
+            finally:
+                tmp.unlink()
+            _fsync_dir(path.parent)
+        except OSError as exc:
+            raise self._error(f"write the record of {snapshot_id}", exc) from exc
+        return True
+
+    def _delete_record(self, snapshot_id: str) -> None:
+        path = self._record_path(snapshot_id)
+        try:
+            path.unlink(missing_ok=True)
+            _fsync_dir(path.parent)
+        except OSError as exc:
+            raise self._error(f"delete the record of {snapshot_id}", exc) from exc
+
+    def _stat_chunk(self, digest: str) -> _ChunkStat | None:
+        try:
+            st = self._chunk_path(digest).stat()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._error(f"look up chunk {digest}", exc) from exc
+        return _ChunkStat(st.st_size, st.st_mtime)
+
+    def _write_chunk(self, digest: str, data: bytes) -> None:
+        path = self._chunk_path(digest)
+        try:
+            os.replace(self._write_new(path, data), path)
+            _fsync_dir(path.parent)
+        except OSError as exc:
+            raise self._error(f"write chunk {digest}", exc) from exc
+
+    def _read_chunk(self, digest: str) -> bytes | None:
+        try:
+            return self._chunk_path(digest).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._error(f"read chunk {digest}", exc) from exc
+
+    def _touch_chunk(self, digest: str) -> None:
+        try:
+            os.utime(self._chunk_path(digest))
+        except OSError as exc:
+            raise self._error(f"touch chunk {digest}", exc) from exc
+
+    def _list_chunks(self) -> Iterator[tuple[str, _ChunkStat]]:
+        try:
+            for sub in _scandir(self.root / "chunks"):
+                for entry in _scandir(Path(sub.path)):
+                    if _HASH_RE.match(entry.name):
+                        st = entry.stat()
+                        yield entry.name, _ChunkStat(st.st_size, st.st_mtime)
+        except OSError as exc:
+            raise self._error("list its chunks", exc) from exc
+
+    def _delete_chunk(self, digest: str, older_than: float) -> None:
+        path = self._chunk_path(digest)
+        try:
+            if path.stat().st_mtime <= older_than:
+                path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self._error(f"delete chunk {digest}", exc) from exc
+
+    def _sweep(self) -> None:
+        """Also remove temporary files that a killed put left behind."""
+        super()._sweep()
+        cutoff = time.time() - self.grace_seconds
+        for tmp in self.root.glob("*/*/.*.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                if tmp.stat().st_mtime <= cutoff:
+                    tmp.unlink()
+
+
+def _scandir(path: Path) -> builtins.list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as entries:
+            return builtins.list(entries)
+    except FileNotFoundError:
+        return []
+
+
+_NETWORK_HINT = "Check that {endpoint} is reachable from this machine, then retry."
+_CREDENTIALS_HINT = (
+    "Check the AWS credentials (environment variables, ~/.aws/credentials or the instance "
+    "role) and that they may list, read, write and delete under s3://{bucket}/{prefix}."
+)
+_CREDENTIAL_CODES = {
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+}
+
+
+class S3Store(_ChunkStore):
+    """A store in an S3 bucket under a prefix (one prefix per user keeps users apart).
+
+    Credentials come from boto3's standard chain. Chunks are at most
+    ``ChunkParams.max_size`` (4 MiB), so every object is a single PUT: no multipart
+    uploads, whose ETags are not content hashes (none are used as one here anyway).
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        client: Any = None,
+        max_workers: int = 8,
+        *,
+        grace_seconds: float = DEFAULT_GRACE_SECONDS,
+        chunking: ChunkParams | None = None,
+    ) -> None:
+        super().__init__(max_workers=max_workers, grace_seconds=grace_seconds, chunking=chunking)
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        if client is None:
+            import boto3
+            from botocore.config import Config
+
+            client = boto3.session.Session().client(
+                "s3",
+                endpoint_url=endpoint_url,
+                region_name=region,
+                config=Config(
+                    max_pool_connections=max_workers + 4,
+                    retries={"mode": "standard", "max_attempts": 3},
+                    connect_timeout=10,
+                    read_timeout=60,
+                ),
+            )
+        self.client = client
+        put_object = client.meta.service_model.operation_model("PutObject")
+        if "IfNoneMatch" not in put_object.input_shape.members:
+            raise StoreError(
+                "This boto3 cannot write S3 objects conditionally (If-None-Match), which the "
+                "store needs so that a snapshot is complete or absent.",
+                hint="Upgrade boto3 and botocore to 1.35 or newer.",
+            )
+
+    def _key(self, *parts: str) -> str:
+        return "/".join((self.prefix, *parts) if self.prefix else parts)
+
+    def _chunk_key(self, digest: str) -> str:
+        return self._key("chunks", digest[:2], digest)
+
+    def _record_key(self, snapshot_id: str) -> str:
+        return self._key("snapshots", f"{snapshot_id}.json")
+
+    def _call(
+        self, op: str, key: str, *, missing_ok: bool = False, exists_ok: bool = False, **kw: Any
+    ) -> Any:
+        """One S3 request; None for an expected 404 (missing_ok) or 412 (exists_ok)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return getattr(self.client, op)(Bucket=self.bucket, Key=key, **kw)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            if missing_ok and code in ("404", "NoSuchKey", "NotFound"):
+                return None
+            if exists_ok and code in ("412", "PreconditionFailed"):
+                return None
+            self._raise(op, key, exc)
+        except BotoCoreError as exc:
+            self._raise(op, key, exc)
+
+    def _raise(self, op: str, key: str, exc: Exception) -> NoReturn:
+        from botocore.exceptions import (
+            ClientError,
+            ConnectionError,
+            HTTPClientError,
+            NoCredentialsError,
+            PartialCredentialsError,
+        )
+
+        code = exc.response.get("Error", {}).get("Code", "") if isinstance(exc, ClientError) else ""
+        if isinstance(exc, ConnectionError | HTTPClientError):
+            hint = _NETWORK_HINT.format(endpoint=self.client.meta.endpoint_url)
+        elif isinstance(exc, NoCredentialsError | PartialCredentialsError) or (
+            code in _CREDENTIAL_CODES
+        ):
+            hint = _CREDENTIALS_HINT.format(bucket=self.bucket, prefix=self.prefix)
+        elif code == "NoSuchBucket":
+            hint = f"Create the bucket {self.bucket!r}, or correct the bucket name."
+        else:
+            hint = "Retry; if it keeps failing, check the S3 service and this store's settings."
+        raise StoreError(f"S3 {op} of s3://{self.bucket}/{key} failed: {exc}", hint=hint) from exc
+
+    def _read(self, key: str) -> bytes | None:
+        from botocore.exceptions import BotoCoreError
+
+        response = self._call("get_object", key, missing_ok=True)
+        if response is None:
+            return None
+        try:
+            data: bytes = response["Body"].read()
+        except BotoCoreError as exc:
+            self._raise("get_object", key, exc)
+        return data
+
+    def _list(self, under: str) -> Iterator[dict[str, Any]]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self._key(under) + "/"
+        )
+        try:
+            for page in pages:
+                yield from page.get("Contents", [])
+        except (BotoCoreError, ClientError) as exc:
+            self._raise("list_objects_v2", self._key(under) + "/", exc)
+
+    def _head(self, digest: str) -> _ChunkStat | None:
+        response = self._call("head_object", self._chunk_key(digest), missing_ok=True)
+        if response is None:
+            return None
+        return _ChunkStat(int(response["ContentLength"]), response["LastModified"].timestamp())
+
+    def _location(self, snapshot_id: str) -> str:
+        return f"s3://{self.bucket}/{self._record_key(snapshot_id)}"
+
+    def _record_ids(self) -> builtins.list[str]:
+        names = (obj["Key"].rsplit("/", 1)[-1] for obj in self._list("snapshots"))
+        ids = (name.removesuffix(".json") for name in names if name.endswith(".json"))
+        return sorted(i for i in ids if manifest_mod.SNAPSHOT_ID_RE.match(i))
+
+    def _read_record(self, snapshot_id: str) -> bytes | None:
+        return self._read(self._record_key(snapshot_id))
+
+    def _create_record(self, snapshot_id: str, data: bytes) -> bool:
+        response = self._call(
+            "put_object",
+            self._record_key(snapshot_id),
+            exists_ok=True,
+            Body=data,
+            IfNoneMatch="*",
+            ContentType="application/json",
+        )
+        return response is not None
+
+    def _delete_record(self, snapshot_id: str) -> None:
+        self._call("delete_object", self._record_key(snapshot_id))
+
+    def _stat_chunk(self, digest: str) -> _ChunkStat | None:
+        return self._head(digest)
+
+    def _write_chunk(self, digest: str, data: bytes) -> None:
+        self._call("put_object", self._chunk_key(digest), Body=data)
+
+    def _read_chunk(self, digest: str) -> bytes | None:
+        return self._read(self._chunk_key(digest))
+
+    def _touch_chunk(self, digest: str) -> None:
+        key = self._chunk_key(digest)
+        self._call(
+            "copy_object",
+            key,
+            CopySource={"Bucket": self.bucket, "Key": key},
+            MetadataDirective="REPLACE",
+            Metadata={"touched": str(int(time.time()))},
+        )
+
+    def _list_chunks(self) -> Iterator[tuple[str, _ChunkStat]]:
+        for obj in self._list("chunks"):
+            digest = obj["Key"].rsplit("/", 1)[-1]
+            if _HASH_RE.match(digest):
+                yield digest, _ChunkStat(int(obj["Size"]), obj["LastModified"].timestamp())
+
+    def _delete_chunk(self, digest: str, older_than: float) -> None:
+        stat = self._head(digest)
+        if stat is not None and stat.mtime <= older_than:
+            self._call("delete_object", self._chunk_key(digest))

@@ -1,0 +1,651 @@
+"""The snapshot manager: takes, lists, restores and deletes snapshots for one server.
+
+It joins the core (wrapper control client, store) to jupyter_server's kernel and session
+managers. Long work runs as :class:`Job` objects that report progress, so the REST API
+can return at once. Handlers never touch kernels or stores directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .core.errors import (
+    KernelNotRunningError,
+    SnapshotBusyError,
+    SnapshotError,
+    SnapshotNotFoundError,
+    WrapperUnavailableError,
+)
+from .core.manifest import SNAPSHOT_ID_RE, Manifest, check_compatible, new_snapshot_id, verify
+from .core.protocol import WrapperClient, WrapperInfo
+from .core.store import SnapshotStore, StoredSnapshot
+
+log = logging.getLogger("jupyter_ext")
+
+KERNEL_ID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+#: Environment variable naming a one-shot restore request for a new kernel (see wrapper).
+RESTORE_ENV = "JUPYTER_SNAPSHOT_RESTORE_REQUEST"
+
+EmitEvent = Callable[[str, dict[str, Any]], None]
+
+
+def validate_snapshot_id(snapshot_id: str) -> str:
+    if not SNAPSHOT_ID_RE.match(snapshot_id):
+        raise ValueError(f"{snapshot_id!r} is not a snapshot id (32 lowercase hex digits).")
+    return snapshot_id
+
+
+def validate_kernel_id(kernel_id: str) -> str:
+    if not KERNEL_ID_RE.match(kernel_id):
+        raise ValueError(f"{kernel_id!r} is not a kernel id (a UUID).")
+    return kernel_id
+
+
+def validate_notebook_path(path: str) -> str:
+    """A notebook path relative to the server root, with no way out of it."""
+    parts = [p for p in path.replace("\\", "/").split("/") if p not in ("", ".")]
+    if path.startswith("/") or any(p == ".." for p in parts) or "\x00" in path:
+        raise ValueError(f"{path!r} is not a notebook path relative to the server root.")
+    return "/".join(parts)
+
+
+def user_prefix(username: str) -> str:
+    """The store prefix of a user: from the server's identity, safe as a path and S3 key."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", username) or "anonymous"
+    return f"users/{safe}"
+
+
+@dataclass
+class Job:
+    """A snapshot, restore, suspend or resume in progress (or done)."""
+
+    id: str
+    kind: str
+    kernel_id: str | None
+    status: str = "running"  # running | done | failed
+    phase: str = "queued"
+    done_bytes: int = 0
+    total_bytes: int = 0
+    started: float = field(default_factory=time.time)
+    finished: float | None = None
+    result: dict[str, Any] | None = None
+    error: dict[str, str] | None = None
+    checked: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    """Set once a restore has checked the snapshot (hashes, compatibility)."""
+    done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    exception: SnapshotError | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            name: getattr(self, name)
+            for name in (
+                "id", "kind", "kernel_id", "status", "phase", "done_bytes", "total_bytes",
+                "started", "finished", "result", "error",
+            )
+        }
+
+
+@dataclass
+class PendingUpload:
+    """A snapshot dumped and sealed locally whose upload to the store has not succeeded."""
+
+    manifest: Manifest
+    directory: Path
+    error: str = ""
+    attempts: int = 0
+
+
+class SnapshotManager:
+    """One per server: jobs, policies and the store of each user."""
+
+    def __init__(
+        self,
+        *,
+        kernel_manager: Any,
+        session_manager: Any,
+        store: SnapshotStore,
+        work_dir: Path,
+        emit: EmitEvent,
+        kernel_name: str = "python3-snapshot",
+    ) -> None:
+        self.kernel_manager = kernel_manager
+        self.session_manager = session_manager
+        self.store = store
+        self.work_dir = work_dir
+        self.emit = emit
+        self.kernel_name = kernel_name
+        self.jobs: dict[str, Job] = {}
+        self._kernel_jobs: dict[str, Job] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.pending: dict[str, PendingUpload] = {}
+        self.periodic_opt_out: set[str] = set()
+        self.staging_dir.mkdir(parents=True, exist_ok=True)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def staging_dir(self) -> Path:
+        return self.work_dir / "staging"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.work_dir / "cache"
+
+    # ---------------------------------------------------------------- kernels
+
+    def _kernel(self, kernel_id: str) -> Any:
+        validate_kernel_id(kernel_id)
+        if kernel_id not in self.kernel_manager:
+            raise SnapshotNotFoundError(f"There is no kernel {kernel_id} on this server.")
+        return self.kernel_manager.get_kernel(kernel_id)
+
+    def wrapper(self, kernel_id: str) -> WrapperClient:
+        km = self._kernel(kernel_id)
+        return WrapperClient(WrapperInfo.for_connection_file(Path(km.connection_file)).control)
+
+    async def notebook_path(self, kernel_id: str) -> str | None:
+        with contextlib.suppress(Exception):
+            for session in await self.session_manager.list_sessions():
+                if session.get("kernel", {}).get("id") == kernel_id:
+                    return str(session.get("path"))
+        return None
+
+    async def kernel_status(self, kernel_id: str) -> dict[str, Any]:
+        """The wrapper's view of a kernel: state, activity, whether a job runs on it."""
+        try:
+            status: dict[str, Any] = await self.wrapper(kernel_id).request("status", timeout=10)
+        except WrapperUnavailableError as exc:
+            return {"kernel_id": kernel_id, "snapshots": False, "reason": exc.message}
+        job = self._kernel_jobs.get(kernel_id)
+        status.update(
+            kernel_id=kernel_id,
+            snapshots=True,
+            job=job.to_dict() if job else None,
+            periodic=kernel_id not in self.periodic_opt_out,
+        )
+        return status
+
+    async def kernels(self) -> list[dict[str, Any]]:
+        return [await self.kernel_status(kid) for kid in list(self.kernel_manager.list_kernel_ids())]
+
+    # ---------------------------------------------------------------- listing
+
+    def list(self, **filters: str | None) -> list[dict[str, Any]]:
+        """Complete snapshots in the store, plus local ones waiting for upload."""
+        entries = [self._describe(s, "complete") for s in self.store.list()]
+        for pending in self.pending.values():
+            status = "upload-failed" if pending.error else "uploading"
+            entries.append(self._describe_manifest(pending.manifest, status, pending.error))
+        kernel_id = filters.get("kernel_id")
+        path = filters.get("path")
+        trigger = filters.get("trigger")
+        if kernel_id:
+            entries = [e for e in entries if e.get("kernel_id") == kernel_id]
+        if path:
+            entries = [e for e in entries if e.get("notebook_path") == path]
+        if trigger:
+            entries = [e for e in entries if e.get("trigger") == trigger]
+        entries.sort(key=lambda e: (e["created"], e["sequence"]), reverse=True)
+        return entries
+
+    def get(self, snapshot_id: str) -> dict[str, Any]:
+        validate_snapshot_id(snapshot_id)
+        pending = self.pending.get(snapshot_id)
+        if pending is not None:
+            status = "upload-failed" if pending.error else "uploading"
+            return self._describe_manifest(pending.manifest, status, pending.error)
+        return self._describe(self.store.get(snapshot_id), "complete")
+
+    @staticmethod
+    def _describe_manifest(manifest: Manifest, status: str, error: str = "") -> dict[str, Any]:
+        data = asdict(manifest)
+        data.pop("files", None)
+        data.pop("needed_files", None)
+        data.pop("cpu_flags", None)
+        data.update(
+            status=status,
+            error=error,
+            kernel_id=manifest.kernel_spec.get("kernel_id"),
+            gpu_bytes=int(manifest.gpu.get("total_bytes", 0)) if manifest.gpu else 0,
+        )
+        return data
+
+    def _describe(self, stored: StoredSnapshot, status: str) -> dict[str, Any]:
+        data = self._describe_manifest(stored.manifest, status)
+        data.update(stored_bytes=stored.stored_bytes, new_bytes=stored.new_bytes)
+        return data
+
+    # ---------------------------------------------------------------- jobs
+
+    def _start_job(self, kind: str, kernel_id: str | None, work: Callable[[Job], Any]) -> Job:
+        job = Job(id=secrets.token_hex(8), kind=kind, kernel_id=kernel_id)
+        self.jobs[job.id] = job
+        if kernel_id is not None:
+            self._kernel_jobs[kernel_id] = job
+
+        async def run() -> None:
+            try:
+                job.result = await work(job)
+                job.status = "done"
+                job.phase = "done"
+            except SnapshotError as exc:
+                job.status = "failed"
+                job.error = exc.to_dict()
+                job.exception = exc
+                self.emit("failed", {"job_id": job.id, "kind": kind, "kernel_id": kernel_id,
+                                     "message": exc.message, "hint": exc.hint})
+                log.warning("%s of kernel %s failed: %s", kind, kernel_id, exc)
+            except Exception as exc:  # noqa: BLE001 - every failure reaches the user, in words
+                job.status = "failed"
+                job.error = SnapshotError(f"Internal error: {exc!r}").to_dict()
+                self.emit("failed", {"job_id": job.id, "kind": kind, "kernel_id": kernel_id,
+                                     "message": repr(exc), "hint": ""})
+                log.exception("%s of kernel %s failed", kind, kernel_id)
+            finally:
+                job.finished = time.time()
+                job.done.set()
+                if kernel_id is not None and self._kernel_jobs.get(kernel_id) is job:
+                    del self._kernel_jobs[kernel_id]
+                self._forget_old_jobs()
+
+        task = asyncio.ensure_future(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return job
+
+    def _forget_old_jobs(self, keep: int = 200) -> None:
+        done = [j for j in self.jobs.values() if j.finished is not None]
+        for job in sorted(done, key=lambda j: j.finished or 0)[:-keep]:
+            self.jobs.pop(job.id, None)
+
+    def job(self, job_id: str) -> Job:
+        if not re.fullmatch(r"[0-9a-f]{16}", job_id) or job_id not in self.jobs:
+            raise SnapshotNotFoundError(f"There is no job {job_id!r}.")
+        return self.jobs[job_id]
+
+    async def wait(self, job: Job, timeout: float | None = None) -> Job:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(job.done.wait(), timeout)
+        return job
+
+    async def wait_checked(self, job: Job) -> None:
+        """Wait until a restore has checked its snapshot; raise its error if that failed."""
+        checked = asyncio.ensure_future(job.checked.wait())
+        done = asyncio.ensure_future(job.done.wait())
+        await asyncio.wait([checked, done], return_when=asyncio.FIRST_COMPLETED)
+        checked.cancel()
+        done.cancel()
+        if job.exception is not None:
+            raise job.exception
+
+    def _busy(self, kernel_id: str) -> None:
+        running = self._kernel_jobs.get(kernel_id)
+        if running is not None and running.status == "running":
+            raise SnapshotBusyError(
+                f"A {running.kind} of kernel {kernel_id} is already in progress (job {running.id}).",
+                hint="Wait for it to finish; its progress is at /api/snapshots/jobs/" + running.id,
+            )
+
+    # ---------------------------------------------------------------- create
+
+    def create(self, kernel_id: str, trigger: str = "manual") -> Job:
+        """Snapshot a running kernel; the kernel is frozen only while CRIU dumps."""
+        self._kernel(kernel_id)
+        self._busy(kernel_id)
+        return self._start_job(
+            "snapshot", kernel_id, lambda job: self._snapshot(job, kernel_id, trigger)
+        )
+
+    async def _snapshot(
+        self, job: Job, kernel_id: str, trigger: str, leave_running: bool = True
+    ) -> dict[str, Any]:
+        km = self._kernel(kernel_id)
+        path = await self.notebook_path(kernel_id)
+        dest = self.staging_dir / new_snapshot_id()
+        self.emit("started", {"kernel_id": kernel_id, "trigger": trigger, "job_id": job.id})
+
+        def on_progress(event: dict[str, Any]) -> None:
+            job.phase = str(event.get("phase", job.phase))
+            self.emit("progress", {"job_id": job.id, "kernel_id": kernel_id, "phase": job.phase})
+
+        spec = {"name": km.kernel_name, "kernel_id": kernel_id}
+        data = await self.wrapper(kernel_id).request(
+            "snapshot",
+            {
+                "dest": str(dest),
+                "trigger": trigger,
+                "leave_running": leave_running,
+                "metadata": {"kernel_spec": spec, "notebook_path": path},
+            },
+            on_progress=on_progress,
+        )
+        manifest = Manifest.from_dict(data)
+        stored = await self._upload(job, manifest, dest)
+        result = stored if stored is not None else self.get(manifest.id)
+        self.emit(
+            "created",
+            {"kernel_id": kernel_id, "snapshot_id": manifest.id, "trigger": trigger,
+             "bytes": manifest.total_bytes, "status": result["status"]},
+        )
+        return result
+
+    async def _upload(
+        self, job: Job | None, manifest: Manifest, directory: Path
+    ) -> dict[str, Any] | None:
+        """Put a sealed snapshot into the store; keep it locally (pending) if that fails."""
+        store = self.store
+        pending = self.pending.setdefault(
+            manifest.id, PendingUpload(manifest, directory)
+        )
+        pending.attempts += 1
+
+        def on_progress(event: dict[str, Any]) -> None:
+            if job is not None:
+                job.phase = str(event.get("phase", "uploading"))
+                job.done_bytes = int(event.get("done_bytes", job.done_bytes))
+                job.total_bytes = int(event.get("total_bytes", job.total_bytes))
+
+        if job is not None:
+            job.phase = "uploading"
+        try:
+            stored = await asyncio.to_thread(store.put, directory, on_progress)
+        except SnapshotError as exc:
+            pending.error = exc.message
+            log.warning("upload of snapshot %s failed (kept locally): %s", manifest.id, exc)
+            return None
+        del self.pending[manifest.id]
+        shutil.rmtree(directory, ignore_errors=True)
+        await asyncio.to_thread(self.apply_retention, stored.manifest)
+        return self._describe(stored, "complete")
+
+    async def retry_uploads(self) -> None:
+        """Try failed uploads again (called periodically by the extension)."""
+        for pending in list(self.pending.values()):
+            if pending.error:
+                pending.error = ""
+                await self._upload(None, pending.manifest, pending.directory)
+
+    # ---------------------------------------------------------------- retention
+
+    keep_last: int = 0
+    max_bytes: int = 0
+
+    def apply_retention(self, newest: Manifest) -> list[str]:
+        """Keep the last N per notebook and a total byte budget; never the newest of any."""
+        store = self.store
+        snapshots = store.list()
+        removed: list[str] = []
+
+        def group(s: StoredSnapshot) -> str:
+            return s.manifest.notebook_path or f"lineage:{s.manifest.lineage}"
+
+        by_group: dict[str, list[StoredSnapshot]] = {}
+        for s in snapshots:
+            by_group.setdefault(group(s), []).append(s)
+        for items in by_group.values():
+            items.sort(key=lambda s: (s.manifest.lineage == newest.lineage, s.manifest.sequence,
+                                      s.manifest.created))
+        protected = {items[-1].manifest.id for items in by_group.values()} | {newest.id}
+        if self.keep_last > 0:
+            for items in by_group.values():
+                for s in items[: max(0, len(items) - self.keep_last)]:
+                    if s.manifest.id not in protected:
+                        store.delete(s.manifest.id)
+                        removed.append(s.manifest.id)
+        if self.max_bytes > 0:
+            remaining = [s for s in snapshots if s.manifest.id not in removed]
+            total = sum(s.stored_bytes for s in remaining)
+            candidates = sorted(
+                (s for s in remaining if s.manifest.id not in protected),
+                key=lambda s: (-len(by_group[group(s)]), s.manifest.sequence),
+            )
+            for s in candidates:
+                if total <= self.max_bytes:
+                    break
+                store.delete(s.manifest.id)
+                removed.append(s.manifest.id)
+                total -= s.stored_bytes
+        for snapshot_id in removed:
+            self.emit("deleted", {"snapshot_id": snapshot_id, "reason": "retention"})
+        return removed
+
+    # ---------------------------------------------------------------- restore
+
+    def restore(
+        self,
+        snapshot_id: str,
+        *,
+        kernel_id: str | None = None,
+        path: str | None = None,
+    ) -> Job:
+        """Restore into the running kernel ``kernel_id`` (in place), or into a new kernel.
+
+        A new kernel is attached to the notebook ``path`` (default: the snapshot's own).
+        """
+        validate_snapshot_id(snapshot_id)
+        if path is not None:
+            path = validate_notebook_path(path)
+        if kernel_id is not None:
+            self._kernel(kernel_id)
+            self._busy(kernel_id)
+        return self._start_job(
+            "restore",
+            kernel_id,
+            lambda job: self._restore(job, snapshot_id, kernel_id, path),
+        )
+
+    async def _local_copy(self, job: Job, snapshot_id: str) -> tuple[Path, bool]:
+        """A verified local directory of the snapshot, and whether it is a temporary copy."""
+        pending = self.pending.get(snapshot_id)
+        if pending is not None:
+            return pending.directory, False
+        store = self.store
+        store.get(snapshot_id)  # 404 before any work
+        dest = self.cache_dir / f"{snapshot_id}-{secrets.token_hex(4)}"
+
+        def on_progress(event: dict[str, Any]) -> None:
+            job.phase = str(event.get("phase", "downloading"))
+            job.done_bytes = int(event.get("done_bytes", job.done_bytes))
+            job.total_bytes = int(event.get("total_bytes", job.total_bytes))
+
+        job.phase = "downloading"
+        await asyncio.to_thread(store.fetch, snapshot_id, dest, on_progress)
+        return dest, True
+
+    async def _restore(
+        self, job: Job, snapshot_id: str, kernel_id: str | None, path: str | None
+    ) -> dict[str, Any]:
+        directory, temporary = await self._local_copy(job, snapshot_id)
+        try:
+            job.phase = "verifying"
+            manifest = await asyncio.to_thread(verify, directory)
+            check_compatible(manifest)
+            job.checked.set()
+            job.phase = "restoring"
+            if kernel_id is not None:
+                await self.wrapper(kernel_id).request(
+                    "restore", {"source": str(directory), "verified": True}
+                )
+            else:
+                kernel_id = await self._start_restored_kernel(manifest, directory)
+            target_path = path or manifest.notebook_path
+            session = await self._attach(kernel_id, target_path) if target_path else None
+        finally:
+            if temporary:
+                shutil.rmtree(directory, ignore_errors=True)
+        self.emit("restored", {"snapshot_id": snapshot_id, "kernel_id": kernel_id,
+                               "path": target_path})
+        return {"kernel_id": kernel_id, "snapshot_id": snapshot_id, "session": session}
+
+    async def _start_restored_kernel(self, manifest: Manifest, directory: Path) -> str:
+        """Start a new kernel whose wrapper restores ``directory`` instead of starting fresh."""
+        request = self.work_dir / f"restore-{secrets.token_hex(8)}.json"
+        report = Path(f"{request}.result")
+        request.write_text(json.dumps({"source": str(directory), "verified": True}))
+        notebook_dir = None
+        if manifest.notebook_path:
+            notebook_dir = str(Path(manifest.notebook_path).parent)
+        env = {**os.environ, RESTORE_ENV: str(request)}
+        kernel_name = manifest.kernel_spec.get("name") or self.kernel_name
+        try:
+            kernel_id: str = await self.kernel_manager.start_kernel(
+                kernel_name=kernel_name, path=notebook_dir, env=env
+            )
+            await self._wait_restored(kernel_id, manifest, report)
+        finally:
+            request.unlink(missing_ok=True)
+            report.unlink(missing_ok=True)
+        return kernel_id
+
+    async def _wait_restored(self, kernel_id: str, manifest: Manifest, report: Path) -> None:
+        km = self._kernel(kernel_id)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if report.exists():
+                await self.kernel_manager.shutdown_kernel(kernel_id, now=True)
+                raise SnapshotError.from_dict(json.loads(report.read_text())["error"])
+            if not await km.is_alive():
+                await self.kernel_manager.shutdown_kernel(kernel_id, now=True)
+                raise KernelNotRunningError(
+                    "The kernel started for the restore exited before it was restored.",
+                    hint="See the server log for the kernel's output.",
+                )
+            status = await self.kernel_status(kernel_id)
+            if status.get("state") == "running" and status.get("lineage") == manifest.lineage:
+                return
+            await asyncio.sleep(0.05)
+        await self.kernel_manager.shutdown_kernel(kernel_id, now=True)
+        raise KernelNotRunningError("The restored kernel did not come up within 10 minutes.")
+
+    async def _attach(self, kernel_id: str, path: str) -> dict[str, Any]:
+        """Point the notebook's session at the kernel (create the session if needed)."""
+        sm = self.session_manager
+        for session in await sm.list_sessions():
+            if session.get("path") == path:
+                await sm.update_session(session["id"], kernel_id=kernel_id)
+                updated: dict[str, Any] = await sm.get_session(session_id=session["id"])
+                return updated
+        created: dict[str, Any] = await sm.create_session(
+            path=path, name=Path(path).name, type="notebook", kernel_id=kernel_id
+        )
+        return created
+
+    # ---------------------------------------------------------------- delete
+
+    def delete(self, snapshot_id: str) -> None:
+        validate_snapshot_id(snapshot_id)
+        pending = self.pending.get(snapshot_id)
+        if pending is not None:
+            del self.pending[snapshot_id]
+            shutil.rmtree(pending.directory, ignore_errors=True)
+        else:
+            self.store.delete(snapshot_id)
+        self.emit("deleted", {"snapshot_id": snapshot_id, "reason": "request"})
+
+    # ---------------------------------------------------------------- suspend
+
+    def suspend(self, kernel_id: str, trigger: str = "idle-suspend") -> Job:
+        """Snapshot the kernel and end its process (its GPU memory is freed)."""
+        self._kernel(kernel_id)
+        self._busy(kernel_id)
+        return self._start_job(
+            "suspend", kernel_id, lambda job: self._suspend(job, kernel_id)
+        )
+
+    async def _suspend(self, job: Job, kernel_id: str) -> dict[str, Any]:
+        km = self._kernel(kernel_id)
+        path = await self.notebook_path(kernel_id)
+        suspended_dir = self.work_dir / "suspended"
+        suspended_dir.mkdir(parents=True, exist_ok=True)
+        dest = suspended_dir / new_snapshot_id()
+        job.phase = "dumping"
+        data = await self.wrapper(kernel_id).request(
+            "suspend",
+            {
+                "dest": str(dest),
+                "metadata": {
+                    "kernel_spec": {"name": km.kernel_name, "kernel_id": kernel_id},
+                    "notebook_path": path,
+                },
+            },
+        )
+        manifest = Manifest.from_dict(data)
+        self.emit("suspended", {"kernel_id": kernel_id, "snapshot_id": manifest.id})
+        # The wrapper resumes from `dest` and then deletes it; the store gets its own copy
+        # (hard links: no extra space, independent lifetimes).
+        upload_dir = self.staging_dir / manifest.id
+        await asyncio.to_thread(shutil.copytree, dest, upload_dir, copy_function=os.link)
+        stored = await self._upload(job, manifest, upload_dir)
+        return stored if stored is not None else self.get(manifest.id)
+
+    def resume(self, kernel_id: str) -> Job:
+        self._kernel(kernel_id)
+        self._busy(kernel_id)
+
+        async def work(job: Job) -> dict[str, Any]:
+            job.phase = "restoring"
+            result: dict[str, Any] = await self.wrapper(kernel_id).request("resume")
+            self.emit("resumed", {"kernel_id": kernel_id, "snapshot_id": result.get("id")})
+            return result
+
+        return self._start_job("resume", kernel_id, work)
+
+    async def suspend_idle(self, idle_seconds: float, gpu_only: bool,
+                           gpu_kernels: Callable[[dict[str, Any]], bool]) -> list[Job]:
+        """Suspend kernels idle for longer than ``idle_seconds`` (never busy ones)."""
+        jobs: list[Job] = []
+        now = time.time()
+        for kernel_id in list(self.kernel_manager.list_kernel_ids()):
+            if kernel_id in self._kernel_jobs:
+                continue
+            status = await self.kernel_status(kernel_id)
+            if not status.get("snapshots") or status.get("state") != "running":
+                continue
+            if status.get("execution_state") != "idle":
+                continue
+            if now - float(status.get("last_activity", now)) < idle_seconds:
+                continue
+            if gpu_only and not gpu_kernels(status):
+                continue
+            jobs.append(self.suspend(kernel_id))
+        return jobs
+
+    # ---------------------------------------------------------------- periodic
+
+    async def periodic_pass(self) -> list[Job]:
+        """Snapshot every snapshot kernel that ran something since its last snapshot."""
+        jobs: list[Job] = []
+        for kernel_id in list(self.kernel_manager.list_kernel_ids()):
+            if kernel_id in self.periodic_opt_out or kernel_id in self._kernel_jobs:
+                continue
+            status = await self.kernel_status(kernel_id)
+            if not status.get("snapshots") or status.get("state") != "running":
+                continue
+            if status.get("executions_since_snapshot", 0) <= 0:
+                continue
+            jobs.append(self.create(kernel_id, trigger="periodic"))
+        return jobs
+
+    async def snapshot_all(self, trigger: str, timeout: float) -> list[Job]:
+        """Snapshot every running snapshot kernel, bounded in time (server shutdown)."""
+        jobs: list[Job] = []
+        for kernel_id in list(self.kernel_manager.list_kernel_ids()):
+            status = await self.kernel_status(kernel_id)
+            if status.get("snapshots") and status.get("state") == "running":
+                with contextlib.suppress(SnapshotError):
+                    jobs.append(self.create(kernel_id, trigger=trigger))
+        deadline = time.monotonic() + timeout
+        for job in jobs:
+            await self.wait(job, max(0.0, deadline - time.monotonic()))
+        return jobs

@@ -1,0 +1,259 @@
+"""The server extension against a real jupyter_server, real kernels and real CRIU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_client.asynchronous import AsyncKernelClient
+from tornado.httpclient import HTTPClientError
+
+from jupyter_ext.cli import install_kernelspec
+
+Fetch = Callable[..., Awaitable[Any]]
+
+pytestmark = pytest.mark.usefixtures("criu")
+
+
+@pytest.fixture(autouse=True)
+def snapshot_kernelspec(jp_environ: None) -> str:
+    """The server's kernels come from an isolated data dir: install ours there."""
+    return install_kernelspec(user=True)
+
+
+@pytest.fixture
+def jp_server_config(tmp_path: Path) -> dict[str, Any]:
+    return {
+        "ServerApp": {
+            "jpserver_extensions": {"jupyter_ext": True},
+            "allow_unauthenticated_access": False,
+        },
+        "SnapshotExtensionApp": {
+            "local_store_dir": str(tmp_path / "store"),
+            "work_dir": str(tmp_path / "work"),
+            "idle_suspend_after": 0,
+            "snapshot_before_shutdown": False,
+            "keep_last": 0,
+        },
+    }
+
+
+async def call(jp_fetch: Fetch, method: str, *path: str, body: Any = None, **params: str) -> Any:
+    kwargs: dict[str, Any] = {"method": method, "params": params}
+    if body is not None:
+        kwargs["body"] = json.dumps(body)
+    elif method in ("POST", "PATCH"):
+        kwargs["body"] = "{}"
+    response = await jp_fetch("api", "snapshots", *path, **kwargs)
+    return json.loads(response.body) if response.body else None
+
+
+async def error_of(jp_fetch: Fetch, method: str, *path: str, body: Any = None) -> tuple[int, dict]:
+    with pytest.raises(HTTPClientError) as info:
+        await call(jp_fetch, method, *path, body=body)
+    assert info.value.response is not None
+    return info.value.code, json.loads(info.value.response.body)
+
+
+async def wait_job(jp_fetch: Fetch, job: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+    for _ in range(int(timeout * 20)):
+        job = await call(jp_fetch, "GET", "jobs", job["id"])
+        if job["status"] != "running":
+            return job
+        await asyncio.sleep(0.05)
+    raise TimeoutError(job)
+
+
+class Kernel:
+    def __init__(self, kernel_id: str, client: AsyncKernelClient) -> None:
+        self.id = kernel_id
+        self.client = client
+
+    async def run(self, code: str) -> str:
+        out: list[str] = []
+
+        def hook(msg: dict[str, Any]) -> None:
+            if msg["msg_type"] == "stream":
+                out.append(msg["content"]["text"])
+
+        reply = await self.client.execute_interactive(code, timeout=60, output_hook=hook)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        return "".join(out)
+
+
+@pytest.fixture
+def start_kernel(jp_fetch: Fetch, jp_serverapp: Any, jp_asyncio_loop: Any) -> Any:
+    clients: list[AsyncKernelClient] = []
+
+    async def start(kernel_id: str | None = None) -> Kernel:
+        if kernel_id is None:
+            response = await jp_fetch(
+                "api", "kernels", method="POST", body=json.dumps({"name": "python3-snapshot"})
+            )
+            kernel_id = json.loads(response.body)["id"]
+        km = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+        client = AsyncKernelClient(connection_file=km.connection_file)
+        client.load_connection_file()
+        client.start_channels()
+        await client.wait_for_ready(timeout=60)
+        clients.append(client)
+        return Kernel(kernel_id, client)
+
+    yield start
+    for client in clients:
+        client.stop_channels()
+    jp_asyncio_loop.run_until_complete(jp_serverapp.kernel_manager.shutdown_all(now=True))
+
+
+async def test_create_list_restore_in_place_delete(jp_fetch: Fetch, start_kernel: Any) -> None:
+    kernel = await start_kernel()
+    await kernel.run("state = {'answer': 42}")
+    started = await call(jp_fetch, "POST", body={"kernel_id": kernel.id})
+    job = await wait_job(jp_fetch, started["job"])
+    assert job["status"] == "done", job
+    snapshot = job["result"]
+    assert snapshot["status"] == "complete"
+    assert snapshot["trigger"] == "manual"
+    assert snapshot["stored_bytes"] > 0
+
+    listed = (await call(jp_fetch, "GET"))["snapshots"]
+    assert [s["id"] for s in listed] == [snapshot["id"]]
+    assert (await call(jp_fetch, "GET", kernel_id=kernel.id))["snapshots"][0]["id"] == snapshot["id"]
+    assert (await call(jp_fetch, "GET", trigger="periodic"))["snapshots"] == []
+    assert (await call(jp_fetch, "GET", snapshot["id"]))["lineage"] == snapshot["lineage"]
+
+    await kernel.run("state['answer'] = 0")
+    restored = await call(jp_fetch, "POST", snapshot["id"], "restore", body={"kernel_id": kernel.id})
+    job = await wait_job(jp_fetch, restored["job"])
+    assert job["status"] == "done", job
+    assert (await kernel.run("print(state['answer'])")).strip() == "42"
+
+    await call(jp_fetch, "DELETE", snapshot["id"])
+    assert (await call(jp_fetch, "GET"))["snapshots"] == []
+    code, error = await error_of(jp_fetch, "GET", snapshot["id"])
+    assert code == 404
+
+
+async def test_restore_into_new_kernel_attached_to_notebook(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any, jp_root_dir: Path
+) -> None:
+    (jp_root_dir / "work").mkdir()
+    response = await jp_fetch(
+        "api",
+        "sessions",
+        method="POST",
+        body=json.dumps(
+            {"path": "work/a.ipynb", "type": "notebook", "kernel": {"name": "python3-snapshot"}}
+        ),
+    )
+    session = json.loads(response.body)
+    kernel = await start_kernel(session["kernel"]["id"])
+    await kernel.run("import os; where = os.getcwd(); value = 'kept'")
+    job = await wait_job(jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"])
+    snapshot = job["result"]
+    assert snapshot["notebook_path"] == "work/a.ipynb"
+    assert (await call(jp_fetch, "GET", path="work/a.ipynb"))["snapshots"][0]["id"] == snapshot["id"]
+
+    await jp_serverapp.kernel_manager.shutdown_kernel(kernel.id, now=True)
+    job = await wait_job(jp_fetch, (await call(jp_fetch, "POST", snapshot["id"], "restore"))["job"])
+    assert job["status"] == "done", job
+    new_kernel_id = job["result"]["kernel_id"]
+    assert new_kernel_id != kernel.id
+    assert job["result"]["session"]["path"] == "work/a.ipynb"
+    sessions = json.loads((await jp_fetch("api", "sessions")).body)
+    assert [s["kernel"]["id"] for s in sessions if s["path"] == "work/a.ipynb"] == [new_kernel_id]
+    restored = await start_kernel(new_kernel_id)
+    assert (await restored.run("print(value, where == os.getcwd())")).strip() == "kept True"
+
+
+async def test_bad_requests_get_clear_errors(jp_fetch: Fetch, start_kernel: Any) -> None:
+    kernel = await start_kernel()
+    code, error = await error_of(jp_fetch, "GET", "0" * 32)
+    assert code == 404
+    code, error = await error_of(jp_fetch, "GET", "not-an-id")
+    assert code == 400
+    assert "not a snapshot id" in error["message"]
+    code, error = await error_of(jp_fetch, "POST", body={"kernel_id": "../../etc"})
+    assert code == 400
+    code, error = await error_of(jp_fetch, "POST", body={"kernel_id": "0" * 8 + "-0000-0000-0000-" + "0" * 12})
+    assert code == 404
+    code, error = await error_of(jp_fetch, "POST", body=["not", "an", "object"])
+    assert code == 400
+    code, _ = await error_of(jp_fetch, "GET", "jobs", "nope")
+    assert code == 404
+    with pytest.raises(HTTPClientError) as info:
+        await call(jp_fetch, "GET", path="../secret.ipynb")
+    assert info.value.code == 400
+    with pytest.raises(HTTPClientError) as info:
+        await call(jp_fetch, "GET", path="/etc/passwd")
+    assert info.value.code == 400
+
+    # A second create on a busy kernel: 409 while the first runs.
+    await kernel.run("import numpy as np; a = np.random.random(64 * 1024 * 1024 // 8)")
+    first = await call(jp_fetch, "POST", body={"kernel_id": kernel.id})
+    code, error = await error_of(jp_fetch, "POST", body={"kernel_id": kernel.id})
+    assert code == 409
+    assert first["job"]["id"] in error["hint"]
+    assert (await wait_job(jp_fetch, first["job"]))["status"] == "done"
+
+
+async def test_corrupt_snapshot_restore_is_422(
+    jp_fetch: Fetch, start_kernel: Any, tmp_path: Path
+) -> None:
+    kernel = await start_kernel()
+    await kernel.run("x = 1")
+    job = await wait_job(jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"])
+    chunks = sorted((tmp_path / "store").rglob("chunks/*/*"), key=lambda p: p.stat().st_size)
+    biggest = chunks[-1]
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    biggest.write_bytes(bytes(data))
+    code, error = await error_of(
+        jp_fetch, "POST", job["result"]["id"], "restore", body={"kernel_id": kernel.id}
+    )
+    assert code == 422
+    assert error["code"] == "snapshot-corrupt"
+    assert (await kernel.run("print(x)")).strip() == "1"
+
+
+async def test_every_endpoint_needs_authentication(jp_fetch: Fetch) -> None:
+    kernel = "00000000-0000-0000-0000-000000000000"
+    for method, path in [
+        ("GET", ""),
+        ("POST", ""),
+        ("GET", "/policy"),
+        ("GET", "/kernels"),
+        ("GET", f"/kernels/{kernel}"),
+        ("PATCH", f"/kernels/{kernel}"),
+        ("POST", f"/kernels/{kernel}/suspend"),
+        ("POST", f"/kernels/{kernel}/resume"),
+        ("GET", "/jobs/0123456789abcdef"),
+        ("GET", "/" + "0" * 32),
+        ("DELETE", "/" + "0" * 32),
+        ("POST", "/" + "0" * 32 + "/restore"),
+    ]:
+        body = "{}" if method in ("POST", "PATCH") else None
+        with pytest.raises(HTTPClientError) as info:
+            await jp_fetch(
+                "api/snapshots" + path, method=method, body=body, headers={"Authorization": ""}
+            )
+        assert info.value.code == 403, (method, path, info.value.code)
+
+
+async def test_policy_and_kernel_status(jp_fetch: Fetch, start_kernel: Any) -> None:
+    policy = await call(jp_fetch, "GET", "policy")
+    assert policy["store"] == "local"
+    assert policy["idle_suspend_after"] == 0
+    kernel = await start_kernel()
+    status = await call(jp_fetch, "GET", "kernels", kernel.id)
+    assert status["snapshots"] is True
+    assert status["state"] == "running"
+    assert status["periodic"] is True
+    status = await call(jp_fetch, "PATCH", "kernels", kernel.id, body={"periodic": False})
+    assert status["periodic"] is False
+    kernels = (await call(jp_fetch, "GET", "kernels"))["kernels"]
+    assert [k["kernel_id"] for k in kernels] == [kernel.id]

@@ -1,0 +1,479 @@
+"""The snapshot stores, local and S3 (moto's real server on 127.0.0.1), with one suite.
+
+Snapshot directories are built here without CRIU: random page-aligned "memory" and a
+few small files, sealed with ``manifest.seal`` like the wrapper does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from jupyter_ext.core import manifest as manifest_mod
+from jupyter_ext.core.chunking import PAGE_SIZE, ChunkParams
+from jupyter_ext.core.errors import SnapshotCorruptError, SnapshotNotFoundError
+from jupyter_ext.core.manifest import Manifest
+from jupyter_ext.core.store import LocalStore, S3Store, StoreError, StoredSnapshot
+
+from .s3server import CuttableProxy, MotoServer, free_port
+
+BUCKET = "snapshots"
+SMALL_CHUNKS = ChunkParams(min_size=16 * 1024, normal_size=64 * 1024, max_size=256 * 1024)
+"""Scaled down so that test-sized images hold hundreds of chunks."""
+
+Store = LocalStore | S3Store
+MakeStore = Callable[..., Store]
+
+
+# -- fixtures ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """moto's standalone server with the bucket, and credentials in boto3's standard chain."""
+    patch = pytest.MonkeyPatch()
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": "/nonexistent",
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
+        patch.setenv(name, value)
+    patch.delenv("AWS_SESSION_TOKEN", raising=False)
+    patch.delenv("AWS_PROFILE", raising=False)
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    try:
+        boto3.client("s3", endpoint_url=server.url).create_bucket(Bucket=BUCKET)
+        yield server
+    finally:
+        server.stop()
+        patch.undo()
+
+
+@pytest.fixture(params=["local", "s3"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def make_store(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> MakeStore:
+    """Make stores of one backend; each call gets a root (or prefix) of its own."""
+
+    def make(**kwargs: Any) -> Store:
+        name = uuid.uuid4().hex[:8]
+        if backend == "local":
+            return LocalStore(tmp_path / "stores" / name, **kwargs)
+        server: MotoServer = request.getfixturevalue("moto")
+        kwargs.setdefault("endpoint_url", server.url)
+        return S3Store(BUCKET, f"users/{name}", region="us-east-1", **kwargs)
+
+    return make
+
+
+@pytest.fixture
+def store(make_store: MakeStore) -> Store:
+    return make_store(grace_seconds=0)
+
+
+@pytest.fixture
+def proxy(moto: MotoServer) -> Iterator[CuttableProxy]:
+    forwarder = CuttableProxy(moto.port)
+    yield forwarder
+    forwarder.close()
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def random_pages(rng: random.Random, pages: int) -> bytes:
+    """Page-aligned 'memory': mostly random pages, some zero and some repetitive ones."""
+    out = []
+    for _ in range(pages):
+        kind = rng.random()
+        if kind < 0.1:
+            out.append(bytes(PAGE_SIZE))
+        elif kind < 0.3:
+            out.append(rng.randbytes(16) * (PAGE_SIZE // 16))
+        else:
+            out.append(rng.randbytes(PAGE_SIZE))
+    return b"".join(out)
+
+
+def make_snapshot(
+    root: Path,
+    pages: bytes,
+    *,
+    lineage: str = "0" * 32,
+    sequence: int = 1,
+    extra: dict[str, bytes] | None = None,
+) -> Path:
+    """A sealed snapshot directory, as the kernel wrapper leaves it."""
+    snapshot_id = manifest_mod.new_snapshot_id()
+    staging = root / f".{snapshot_id}.staging"
+    images = staging / manifest_mod.IMAGES_DIR
+    images.mkdir(parents=True)
+    files = {"pages-1.img": pages, "core-1.img": b"core" * 300, "inventory.img": b""}
+    for name, data in {**files, **(extra or {})}.items():
+        (images / name).write_bytes(data)
+    manifest = Manifest(
+        id=snapshot_id,
+        lineage=lineage,
+        sequence=sequence,
+        created=manifest_mod.utc_now(),
+        trigger="manual",
+        runtime_dir="/run/dummy",
+        runtime_dir_key="dummy",
+        stdio_pipe="pipe:[1]",
+        notebook_path="work/analysis.ipynb",
+    )
+    final = root / snapshot_id
+    manifest_mod.seal(staging, manifest, final)
+    return final
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()
+    }
+
+
+def chunk_key(store: Store, digest: str) -> str:
+    return store._chunk_key(digest) if isinstance(store, S3Store) else digest
+
+
+def read_object(store: Store, digest: str) -> bytes:
+    if isinstance(store, S3Store):
+        body: bytes = store.client.get_object(Bucket=BUCKET, Key=chunk_key(store, digest))[
+            "Body"
+        ].read()
+        return body
+    return store._chunk_path(digest).read_bytes()
+
+
+def write_object(store: Store, digest: str, data: bytes) -> None:
+    if isinstance(store, S3Store):
+        store.client.put_object(Bucket=BUCKET, Key=chunk_key(store, digest), Body=data)
+    else:
+        store._chunk_path(digest).write_bytes(data)
+
+
+def delete_object(store: Store, digest: str) -> None:
+    if isinstance(store, S3Store):
+        store.client.delete_object(Bucket=BUCKET, Key=chunk_key(store, digest))
+    else:
+        store._chunk_path(digest).unlink()
+
+
+def chunks_of(store: Store, stored: StoredSnapshot, path: str = "images/pages-1.img") -> list[str]:
+    record = store._load(stored.manifest.id)
+    assert record is not None
+    return [ref.hash for ref in record.chunks[path]]
+
+
+def mutate(pages: bytes, rng: random.Random, *, inserts: int, changes: int) -> bytes:
+    """Insert single random pages and overwrite others, as a kernel between snapshots."""
+    data = bytearray(pages)
+    count = len(data) // PAGE_SIZE
+    for _ in range(inserts):
+        at = rng.randrange(1, count) * PAGE_SIZE
+        data[at:at] = rng.randbytes(PAGE_SIZE)
+        count += 1
+    for _ in range(changes):
+        at = rng.randrange(count) * PAGE_SIZE
+        data[at : at + PAGE_SIZE] = rng.randbytes(PAGE_SIZE)
+    return bytes(data)
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+
+def test_round_trip_is_byte_identical(store: Store, tmp_path: Path) -> None:
+    source = make_snapshot(tmp_path, random_pages(random.Random(1), 2048))
+    events: list[dict[str, Any]] = []
+
+    stored = store.put(source, progress=events.append)
+
+    manifest = manifest_mod.Manifest.read(source)
+    assert stored.manifest == manifest
+    assert stored.new_bytes == stored.stored_bytes > 0
+    assert stored.chunk_count > 1
+    assert stored.location.endswith(f"snapshots/{manifest.id}.json")
+    assert [s.manifest.id for s in store.list()] == [manifest.id]
+    assert store.get(manifest.id) == stored
+    uploading = [e["done_bytes"] for e in events if e["phase"] == "uploading"]
+    assert uploading == sorted(uploading)
+    assert uploading[-1] == manifest.total_bytes
+    assert events[-1] == {
+        "phase": "done",
+        "done_bytes": manifest.total_bytes,
+        "total_bytes": manifest.total_bytes,
+    }
+
+    events.clear()
+    dest = store.fetch(manifest.id, tmp_path / "restored" / "snap", progress=events.append)
+
+    assert dest == tmp_path / "restored" / "snap"
+    assert tree(dest) == tree(source)
+    assert manifest_mod.verify(dest) == manifest
+    assert os.listdir(dest.parent) == ["snap"]
+    assert {e["phase"] for e in events} == {"downloading", "verifying", "done"}
+    stats = store.stats()
+    assert (stats.snapshot_count, stats.chunk_count) == (1, stored.chunk_count)
+    assert stats.stored_bytes == stored.stored_bytes
+
+
+def test_put_again_returns_the_stored_snapshot(store: Store, tmp_path: Path) -> None:
+    source = make_snapshot(tmp_path, random_pages(random.Random(2), 256))
+    first = store.put(source)
+    assert store.put(source) == first
+    assert len(store.list()) == 1
+
+
+def test_identical_second_snapshot_adds_no_chunks(store: Store, tmp_path: Path) -> None:
+    pages = random_pages(random.Random(3), 2048)
+    first = store.put(make_snapshot(tmp_path, pages, sequence=1))
+    second = store.put(make_snapshot(tmp_path, pages, sequence=2))
+    assert second.new_bytes == 0
+    assert second.stored_bytes == first.stored_bytes
+    assert store.stats().chunk_count == first.chunk_count
+
+
+def test_changed_kernel_stores_under_two_percent(make_store: MakeStore, tmp_path: Path) -> None:
+    """Pages inserted (shifting all later offsets) and changed: only nearby chunks are new."""
+    store = make_store(chunking=SMALL_CHUNKS)
+    rng = random.Random(4)
+    pages = rng.randbytes(48 << 20)  # random, so compression cannot hide anything
+    first = store.put(make_snapshot(tmp_path, pages, sequence=1))
+    changed = mutate(pages, rng, inserts=3, changes=3)
+    second = store.put(make_snapshot(tmp_path, changed, sequence=2))
+
+    ratio = second.new_bytes / second.stored_bytes
+    print(f"new bytes after 3 inserted + 3 changed pages: {ratio:.2%}")
+    assert ratio <= 0.02
+    assert [s.manifest.sequence for s in store.list()] == [1, 2]
+    assert first.new_bytes == first.stored_bytes
+    dest = store.fetch(second.manifest.id, tmp_path / "second")
+    assert (dest / "images/pages-1.img").read_bytes() == changed
+
+
+@pytest.mark.parametrize("damage", ["flip-byte", "other-content"])
+def test_corrupt_chunk_fails_fetch_and_leaves_nothing(
+    store: Store, tmp_path: Path, damage: str
+) -> None:
+    pages = random_pages(random.Random(5), 1024)
+    stored = store.put(make_snapshot(tmp_path, pages))
+    digest = chunks_of(store, stored)[1]
+    data = bytearray(read_object(store, digest))
+    if damage == "flip-byte":
+        data[len(data) // 2] ^= 0x01
+    else:  # a valid zstd frame of other bytes: only the sha256 check can tell
+        data = bytearray(read_object(store, chunks_of(store, stored)[2]))
+    write_object(store, digest, bytes(data))
+    dest = tmp_path / "out" / "snap"
+
+    with pytest.raises(SnapshotCorruptError) as caught:
+        store.fetch(stored.manifest.id, dest)
+
+    assert "images/pages-1.img" in str(caught.value)
+    assert digest[:12] in str(caught.value)
+    assert not dest.exists()
+    assert os.listdir(dest.parent) == []
+
+
+def test_missing_chunk_fails_fetch(store: Store, tmp_path: Path) -> None:
+    stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(6), 512)))
+    delete_object(store, chunks_of(store, stored)[0])
+    with pytest.raises(SnapshotCorruptError, match="missing from the store"):
+        store.fetch(stored.manifest.id, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_delete_removes_only_unreferenced_chunks(store: Store, tmp_path: Path) -> None:
+    rng = random.Random(7)
+    pages = random_pages(rng, 2048)
+    first = store.put(make_snapshot(tmp_path, pages, sequence=1))
+    second = store.put(make_snapshot(tmp_path, mutate(pages, rng, inserts=2, changes=2)))
+    only_first = set(chunks_of(store, first)) - set(chunks_of(store, second))
+    assert only_first
+    before = store.stats().chunk_count
+
+    store.delete(first.manifest.id)
+
+    assert [s.manifest.id for s in store.list()] == [second.manifest.id]
+    with pytest.raises(SnapshotNotFoundError):
+        store.get(first.manifest.id)
+    with pytest.raises(SnapshotNotFoundError):
+        store.delete(first.manifest.id)
+    assert store.stats().chunk_count == before - len(only_first)
+    dest = store.fetch(second.manifest.id, tmp_path / "second")
+    assert manifest_mod.verify(dest).id == second.manifest.id
+
+    store.delete(second.manifest.id)
+    assert store.stats() == type(store.stats())(0, 0, 0)
+
+
+def test_delete_keeps_chunks_within_the_grace_period(
+    make_store: MakeStore, tmp_path: Path
+) -> None:
+    store = make_store()  # default grace: one hour
+    stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(8), 256)))
+    store.delete(stored.manifest.id)
+    assert store.list() == []
+    assert store.stats().chunk_count == stored.chunk_count
+
+
+def test_put_refreshes_reused_chunks_against_a_sweep(store: Store, tmp_path: Path) -> None:
+    pages = random_pages(random.Random(9), 512)
+    first = store.put(make_snapshot(tmp_path, pages))
+    before = dict(store._list_chunks())
+    time.sleep(1.1)  # S3 timestamps have a resolution of one second
+    store.put(make_snapshot(tmp_path, pages, sequence=2))
+    after = dict(store._list_chunks())
+    assert set(after) == set(before) == set(chunks_of(store, first)) | set(
+        chunks_of(store, first, "images/core-1.img")
+    )
+    assert all(after[d].mtime > before[d].mtime for d in before)
+
+
+def test_chunk_swept_during_put_leaves_no_record(store: Store, tmp_path: Path) -> None:
+    pages = random_pages(random.Random(10), 512)
+    first = store.put(make_snapshot(tmp_path, pages))
+    victim = chunks_of(store, first)[0]
+    second = make_snapshot(tmp_path, pages, sequence=2)
+
+    def sweep_now(event: dict[str, Any]) -> None:
+        if event["phase"] == "committing":
+            delete_object(store, victim)
+
+    with pytest.raises(StoreError, match="deleted while it was being stored"):
+        store.put(second, progress=sweep_now)
+    assert [s.manifest.sequence for s in store.list()] == [1]
+
+
+def test_damaged_source_is_refused(store: Store, tmp_path: Path) -> None:
+    source = make_snapshot(tmp_path, random_pages(random.Random(11), 256))
+    image = source / "images/pages-1.img"
+    data = bytearray(image.read_bytes())
+    data[100] ^= 0xFF
+    image.write_bytes(bytes(data))
+    with pytest.raises(SnapshotCorruptError, match="differs from its manifest"):
+        store.put(source)
+    assert store.list() == []
+
+
+def test_traversal_paths_in_a_manifest_are_refused(store: Store, tmp_path: Path) -> None:
+    source = make_snapshot(tmp_path, random_pages(random.Random(12), 16))
+    raw = json.loads((source / "manifest.json").read_text())
+    raw["files"][0]["path"] = "../outside.img"
+    (source / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(SnapshotCorruptError, match="not allowed"):
+        store.put(source)
+    assert store.list() == []
+
+
+@pytest.mark.parametrize(
+    "bad_id",
+    ["../x", "..", "", "a" * 31, "a" * 33, "A" * 32, "g" * 32, "../" + "a" * 29, "a" * 31 + "/"],
+)
+def test_invalid_ids_are_rejected(store: Store, tmp_path: Path, bad_id: str) -> None:
+    with pytest.raises(SnapshotNotFoundError, match="not a snapshot id"):
+        store.get(bad_id)
+    with pytest.raises(SnapshotNotFoundError):
+        store.fetch(bad_id, tmp_path / "out")
+    with pytest.raises(SnapshotNotFoundError):
+        store.delete(bad_id)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_id_is_not_found(store: Store, tmp_path: Path) -> None:
+    unknown = uuid.uuid4().hex
+    with pytest.raises(SnapshotNotFoundError, match=unknown):
+        store.get(unknown)
+    with pytest.raises(SnapshotNotFoundError):
+        store.fetch(unknown, tmp_path / "out")
+
+
+def test_users_with_different_prefixes_are_apart(make_store: MakeStore, tmp_path: Path) -> None:
+    alice, bob = make_store(grace_seconds=0), make_store(grace_seconds=0)
+    pages = random_pages(random.Random(13), 256)
+    mine = alice.put(make_snapshot(tmp_path, pages))
+    theirs = bob.put(make_snapshot(tmp_path, pages))
+    assert theirs.new_bytes == theirs.stored_bytes  # nothing shared across prefixes
+    assert [s.manifest.id for s in alice.list()] == [mine.manifest.id]
+    assert [s.manifest.id for s in bob.list()] == [theirs.manifest.id]
+    with pytest.raises(SnapshotNotFoundError):
+        bob.get(mine.manifest.id)
+    alice.delete(mine.manifest.id)
+    assert bob.fetch(theirs.manifest.id, tmp_path / "bob").is_dir()
+
+
+def test_list_is_sorted_by_lineage_and_sequence(store: Store, tmp_path: Path) -> None:
+    pages = random_pages(random.Random(14), 16)
+    for lineage, sequence in [("b" * 32, 2), ("a" * 32, 3), ("b" * 32, 1), ("a" * 32, 10)]:
+        store.put(make_snapshot(tmp_path, pages, lineage=lineage, sequence=sequence))
+    listed = [(s.manifest.lineage[0], s.manifest.sequence) for s in store.list()]
+    assert listed == [("a", 3), ("a", 10), ("b", 1), ("b", 2)]
+
+
+def test_tampered_record_cannot_write_outside(store: Store, tmp_path: Path) -> None:
+    stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(15), 16)))
+    record = json.loads(store._read_record(stored.manifest.id) or b"")
+    entry = record["manifest"]["files"][-1]
+    record["chunks"]["../../evil"] = record["chunks"].pop(entry["path"])
+    entry["path"] = "../../evil"
+    fresh_id = record["manifest"]["id"] = uuid.uuid4().hex
+    assert store._create_record(fresh_id, json.dumps(record).encode())
+    with pytest.raises(SnapshotCorruptError, match="not allowed"):
+        store.fetch(fresh_id, tmp_path / "out" / "snap")
+    assert not (tmp_path / "evil").exists()
+    assert [s.manifest.id for s in store.list()] == [stored.manifest.id]  # logged, skipped
+
+
+def test_unavailable_store_raises_store_error(
+    make_store: MakeStore, backend: str, tmp_path: Path
+) -> None:
+    if backend == "s3":
+        broken = make_store(endpoint_url=f"http://127.0.0.1:{free_port()}")
+    else:  # a store directory that cannot exist: it would be under a regular file
+        (tmp_path / "file").write_text("")
+        broken = LocalStore(tmp_path / "file" / "store")
+    source = make_snapshot(tmp_path, random_pages(random.Random(16), 64))
+
+    with pytest.raises(StoreError) as caught:
+        broken.put(source)
+    assert caught.value.hint
+    with pytest.raises(StoreError):
+        broken.list()
+
+
+def test_network_cut_mid_upload_leaves_no_record(
+    moto: MotoServer, proxy: CuttableProxy, tmp_path: Path
+) -> None:
+    store = S3Store(BUCKET, f"users/{uuid.uuid4().hex[:8]}", endpoint_url=proxy.url, max_workers=4)
+    source = make_snapshot(tmp_path, random_pages(random.Random(17), 4096))
+
+    def cut_after_first_chunk(event: dict[str, Any]) -> None:
+        if event["phase"] == "uploading" and event["done_bytes"] > 0:
+            proxy.cut()
+
+    with pytest.raises(StoreError) as caught:
+        store.put(source, progress=cut_after_first_chunk)
+    assert proxy.url in caught.value.hint
+
+    proxy.restore()
+    assert store.list() == []
+    stored = store.put(source)  # a retry after the network is back completes
+    assert [s.manifest.id for s in store.list()] == [stored.manifest.id]
+    assert 0 < stored.new_bytes < stored.stored_bytes  # chunks from the first try are reused
+
