@@ -11,6 +11,7 @@ from typing import Any
 
 from jupyter_core.paths import jupyter_data_dir
 from jupyter_server.extension.application import ExtensionApp
+from jupyter_server.serverapp import ServerApp
 from traitlets import Bool, Float, Int, Unicode, default
 
 from .core.store import LocalStore, S3Store, SnapshotStore
@@ -21,7 +22,7 @@ EVENT_SCHEMA = Path(__file__).parent / "events" / "snapshot.yaml"
 EVENT_SCHEMA_ID = "https://events.jupyter.org/jupyter_kernel_snapshots/snapshot/v1"
 
 
-class SnapshotExtensionApp(ExtensionApp):  # type: ignore[misc]
+class SnapshotExtensionApp(ExtensionApp):
     """Snapshots of whole kernel processes, periodically and on demand."""
 
     name = "jupyter_ext"
@@ -140,7 +141,9 @@ class SnapshotExtensionApp(ExtensionApp):  # type: ignore[misc]
                 region=self.s3_region or None,
             )
         if self.store != "local":
-            raise ValueError(f'SnapshotExtensionApp.store must be "local" or "s3", not {self.store!r}.')
+            raise ValueError(
+                f'SnapshotExtensionApp.store must be "local" or "s3", not {self.store!r}.'
+            )
         return LocalStore(Path(self.local_store_dir) / prefix)
 
     def policy(self) -> dict[str, Any]:
@@ -148,7 +151,8 @@ class SnapshotExtensionApp(ExtensionApp):  # type: ignore[misc]
         return {
             "store": self.store,
             "location": (
-                f"s3://{self.s3_bucket}/{self.s3_prefix}" if self.store == "s3"
+                f"s3://{self.s3_bucket}/{self.s3_prefix}"
+                if self.store == "s3"
                 else self.local_store_dir
             ),
             "periodic_interval": self.periodic_interval,
@@ -159,11 +163,17 @@ class SnapshotExtensionApp(ExtensionApp):  # type: ignore[misc]
             "suspend_cpu_kernels": self.suspend_cpu_kernels,
         }
 
+    @property
+    def server(self) -> ServerApp:
+        assert self.serverapp is not None, "the extension is not linked to a server"
+        return self.serverapp
+
     def initialize_settings(self) -> None:
-        self.serverapp.event_logger.register_event_schema(EVENT_SCHEMA)
+        assert self.server.event_logger is not None
+        self.server.event_logger.register_event_schema(EVENT_SCHEMA)
         self.manager = SnapshotManager(
-            kernel_manager=self.serverapp.kernel_manager,
-            session_manager=self.serverapp.session_manager,
+            kernel_manager=self.server.kernel_manager,
+            session_manager=self.server.session_manager,
             store=self.make_store(),
             work_dir=Path(self.work_dir),
             emit=self.emit,
@@ -177,8 +187,10 @@ class SnapshotExtensionApp(ExtensionApp):  # type: ignore[misc]
 
     def emit(self, action: str, data: dict[str, Any]) -> None:
         payload = {"action": action, **{k: v for k, v in data.items() if v is not None}}
+        logger = self.server.event_logger
         with contextlib.suppress(Exception):  # an event must never break the work itself
-            self.serverapp.event_logger.emit(schema_id=EVENT_SCHEMA_ID, data=payload)
+            if logger is not None:
+                logger.emit(schema_id=EVENT_SCHEMA_ID, data=payload)
 
     async def _policy_loop(self) -> None:
         """Periodic snapshots, idle suspend and upload retries, one tick at a time."""
@@ -200,7 +212,7 @@ class SnapshotExtensionApp(ExtensionApp):  # type: ignore[misc]
                 if now - last_retry >= self.upload_retry_interval:
                     last_retry = now
                     await self.manager.retry_uploads()
-            except Exception:  # noqa: BLE001 - a policy tick must never end the loop
+            except Exception:
                 self.log.exception("snapshot policy tick failed")
 
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:

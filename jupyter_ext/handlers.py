@@ -45,7 +45,7 @@ JOB_ID = r"(?P<job_id>[^/]+)"
 TRIGGERS = ("manual", "periodic", "idle-suspend", "before-shutdown")
 
 
-class SnapshotHandler(APIHandler):  # type: ignore[misc]
+class SnapshotHandler(APIHandler):
     """Base: the manager comes in through initialize(); errors are turned into HTTP here."""
 
     auth_resource = "kernels"
@@ -90,7 +90,7 @@ class SnapshotsHandler(SnapshotHandler):
         trigger = self.get_query_argument("trigger", None)
         if trigger is not None and trigger not in TRIGGERS:
             raise ValueError(f"trigger must be one of {', '.join(TRIGGERS)}.")
-        snapshots = self.manager.list(
+        snapshots = self.manager.list_snapshots(
             kernel_id=self.get_query_argument("kernel_id", None),
             path=validate_notebook_path(path) if path else None,
             trigger=trigger,

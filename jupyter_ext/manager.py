@@ -91,8 +91,17 @@ class Job:
         return {
             name: getattr(self, name)
             for name in (
-                "id", "kind", "kernel_id", "status", "phase", "done_bytes", "total_bytes",
-                "started", "finished", "result", "error",
+                "id",
+                "kind",
+                "kernel_id",
+                "status",
+                "phase",
+                "done_bytes",
+                "total_bytes",
+                "started",
+                "finished",
+                "result",
+                "error",
             )
         }
 
@@ -177,11 +186,13 @@ class SnapshotManager:
         return status
 
     async def kernels(self) -> list[dict[str, Any]]:
-        return [await self.kernel_status(kid) for kid in list(self.kernel_manager.list_kernel_ids())]
+        return [
+            await self.kernel_status(kid) for kid in list(self.kernel_manager.list_kernel_ids())
+        ]
 
     # ---------------------------------------------------------------- listing
 
-    def list(self, **filters: str | None) -> list[dict[str, Any]]:
+    def list_snapshots(self, **filters: str | None) -> list[dict[str, Any]]:
         """Complete snapshots in the store, plus local ones waiting for upload."""
         entries = [self._describe(s, "complete") for s in self.store.list()]
         for pending in self.pending.values():
@@ -243,14 +254,30 @@ class SnapshotManager:
                 job.status = "failed"
                 job.error = exc.to_dict()
                 job.exception = exc
-                self.emit("failed", {"job_id": job.id, "kind": kind, "kernel_id": kernel_id,
-                                     "message": exc.message, "hint": exc.hint})
+                self.emit(
+                    "failed",
+                    {
+                        "job_id": job.id,
+                        "kind": kind,
+                        "kernel_id": kernel_id,
+                        "message": exc.message,
+                        "hint": exc.hint,
+                    },
+                )
                 log.warning("%s of kernel %s failed: %s", kind, kernel_id, exc)
-            except Exception as exc:  # noqa: BLE001 - every failure reaches the user, in words
+            except Exception as exc:
                 job.status = "failed"
                 job.error = SnapshotError(f"Internal error: {exc!r}").to_dict()
-                self.emit("failed", {"job_id": job.id, "kind": kind, "kernel_id": kernel_id,
-                                     "message": repr(exc), "hint": ""})
+                self.emit(
+                    "failed",
+                    {
+                        "job_id": job.id,
+                        "kind": kind,
+                        "kernel_id": kernel_id,
+                        "message": repr(exc),
+                        "hint": "",
+                    },
+                )
                 log.exception("%s of kernel %s failed", kind, kernel_id)
             finally:
                 job.finished = time.time()
@@ -293,7 +320,8 @@ class SnapshotManager:
         running = self._kernel_jobs.get(kernel_id)
         if running is not None and running.status == "running":
             raise SnapshotBusyError(
-                f"A {running.kind} of kernel {kernel_id} is already in progress (job {running.id}).",
+                f"A {running.kind} of kernel {kernel_id} is already in progress "
+                f"(job {running.id}).",
                 hint="Wait for it to finish; its progress is at /api/snapshots/jobs/" + running.id,
             )
 
@@ -335,8 +363,13 @@ class SnapshotManager:
         result = stored if stored is not None else self.get(manifest.id)
         self.emit(
             "created",
-            {"kernel_id": kernel_id, "snapshot_id": manifest.id, "trigger": trigger,
-             "bytes": manifest.total_bytes, "status": result["status"]},
+            {
+                "kernel_id": kernel_id,
+                "snapshot_id": manifest.id,
+                "trigger": trigger,
+                "bytes": manifest.total_bytes,
+                "status": result["status"],
+            },
         )
         return result
 
@@ -345,9 +378,7 @@ class SnapshotManager:
     ) -> dict[str, Any] | None:
         """Put a sealed snapshot into the store; keep it locally (pending) if that fails."""
         store = self.store
-        pending = self.pending.setdefault(
-            manifest.id, PendingUpload(manifest, directory)
-        )
+        pending = self.pending.setdefault(manifest.id, PendingUpload(manifest, directory))
         pending.attempts += 1
 
         def on_progress(event: dict[str, Any]) -> None:
@@ -394,8 +425,13 @@ class SnapshotManager:
         for s in snapshots:
             by_group.setdefault(group(s), []).append(s)
         for items in by_group.values():
-            items.sort(key=lambda s: (s.manifest.lineage == newest.lineage, s.manifest.sequence,
-                                      s.manifest.created))
+            items.sort(
+                key=lambda s: (
+                    s.manifest.lineage == newest.lineage,
+                    s.manifest.sequence,
+                    s.manifest.created,
+                )
+            )
         protected = {items[-1].manifest.id for items in by_group.values()} | {newest.id}
         if self.keep_last > 0:
             for items in by_group.values():
@@ -484,8 +520,9 @@ class SnapshotManager:
         finally:
             if temporary:
                 shutil.rmtree(directory, ignore_errors=True)
-        self.emit("restored", {"snapshot_id": snapshot_id, "kernel_id": kernel_id,
-                               "path": target_path})
+        self.emit(
+            "restored", {"snapshot_id": snapshot_id, "kernel_id": kernel_id, "path": target_path}
+        )
         return {"kernel_id": kernel_id, "snapshot_id": snapshot_id, "session": session}
 
     async def _start_restored_kernel(self, manifest: Manifest, directory: Path) -> str:
@@ -559,9 +596,7 @@ class SnapshotManager:
         """Snapshot the kernel and end its process (its GPU memory is freed)."""
         self._kernel(kernel_id)
         self._busy(kernel_id)
-        return self._start_job(
-            "suspend", kernel_id, lambda job: self._suspend(job, kernel_id)
-        )
+        return self._start_job("suspend", kernel_id, lambda job: self._suspend(job, kernel_id))
 
     async def _suspend(self, job: Job, kernel_id: str) -> dict[str, Any]:
         km = self._kernel(kernel_id)
@@ -601,8 +636,9 @@ class SnapshotManager:
 
         return self._start_job("resume", kernel_id, work)
 
-    async def suspend_idle(self, idle_seconds: float, gpu_only: bool,
-                           gpu_kernels: Callable[[dict[str, Any]], bool]) -> list[Job]:
+    async def suspend_idle(
+        self, idle_seconds: float, gpu_only: bool, gpu_kernels: Callable[[dict[str, Any]], bool]
+    ) -> list[Job]:
         """Suspend kernels idle for longer than ``idle_seconds`` (never busy ones)."""
         jobs: list[Job] = []
         now = time.time()

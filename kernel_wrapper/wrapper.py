@@ -48,9 +48,19 @@ from jupyter_ext import __version__
 from jupyter_ext.core import proctree, sockdiag
 from jupyter_ext.core.criu import Criu, external_file_key
 from jupyter_ext.core.errors import (
+    IncompatibleSnapshotError,
     KernelNotRunningError,
     SnapshotBusyError,
     SnapshotError,
+)
+from jupyter_ext.core.gpu import (
+    GpuCheckpoint,
+    GpuCheckpointer,
+    check_restore_compatible,
+    find_cuda_processes,
+    gpu_record,
+    open_backend,
+    plan_gpu_pairs,
 )
 from jupyter_ext.core.manifest import (
     IMAGES_DIR,
@@ -171,6 +181,7 @@ class KernelWrapper:
         os.set_blocking(self._stdio_r, False)
         self._criu: Criu | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._gpu_checkpointer: GpuCheckpointer | None = None
         self.suspended_snapshot: Path | None = None
         """The snapshot a suspended kernel comes back from."""
         self._discard_after_resume = False
@@ -784,9 +795,17 @@ class KernelWrapper:
         inner_pid = self.inner_pid
         stdio_pipe = f"pipe:[{os.fstat(self._stdio_r).st_ino}]"
         runtime_dir_key = external_file_key(self._dir_fd)
-        progress({"phase": "dumping"})
         self._set_state(State.SNAPSHOTTING)
         await asyncio.sleep(0)  # let the cancelled pumps let go of their sockets
+        gpu_info: dict[str, Any] = {}
+        gpu_checkpoint: GpuCheckpoint | None = None
+        try:
+            gpu_info, gpu_checkpoint = await self._gpu_checkpoint(inner_pid, progress)
+        except BaseException:
+            remove_tree(staging)
+            self._set_state(State.RUNNING)
+            raise
+        progress({"phase": "dumping"})
         started = time.monotonic()
         try:
             proctree.stop_tree(inner_pid)
@@ -814,11 +833,17 @@ class KernelWrapper:
         except BaseException:
             self._expected_exit = False
             remove_tree(staging)
+            if gpu_checkpoint is not None:
+                await asyncio.to_thread(self._gpu().abort, gpu_checkpoint)
             raise
         finally:
             if self.inner_pid is not None and self._still(State.SNAPSHOTTING):
                 self._inner = self._inner or InnerChannels(self.runtime_dir)
                 self._set_state(State.RUNNING)
+        if gpu_checkpoint is not None:
+            if leave_running:
+                await asyncio.to_thread(self._gpu().resume, gpu_checkpoint)
+            gpu_info["checkpoint"] = gpu_checkpoint.to_dict()
         pause_seconds = time.monotonic() - started
         if not leave_running:
             while self.inner_pid is not None:
@@ -841,6 +866,7 @@ class KernelWrapper:
             product_version=__version__,
             criu_version=criu.version_text,
             needed_files=needed,
+            gpu=gpu_info,
             disconnect_seconds=round(disconnect_seconds, 4),
             stopped_seconds=round(stopped_seconds, 4),
             dump_seconds=round(dump_seconds, 4),
@@ -857,6 +883,41 @@ class KernelWrapper:
         self.executions_since_snapshot = 0
         progress({"phase": "done", "bytes": manifest.total_bytes})
         return manifest
+
+    def _gpu(self) -> GpuCheckpointer:
+        if self._gpu_checkpointer is None:
+            self._gpu_checkpointer = GpuCheckpointer(open_backend())
+        return self._gpu_checkpointer
+
+    async def _gpu_checkpoint(
+        self, inner_pid: int, progress: Callable[[dict[str, Any]], None]
+    ) -> tuple[dict[str, Any], GpuCheckpoint | None]:
+        """Lock and checkpoint every CUDA process of the kernel: device memory moves into
+        host memory (so CRIU saves it) and the GPU is released."""
+        pids = proctree.descendants(inner_pid)
+        cuda_pids = await asyncio.to_thread(find_cuda_processes, pids)
+        if not cuda_pids:
+            return {}, None
+        progress({"phase": "gpu-checkpoint", "processes": len(cuda_pids)})
+        record = await asyncio.to_thread(gpu_record, cuda_pids)
+        record["ns_pids"] = [proctree.ns_pid(pid) for pid in cuda_pids]
+        record["total_bytes"] = record.get("needed_bytes", 0)
+        checkpoint = await asyncio.to_thread(self._gpu().checkpoint, cuda_pids)
+        return record, checkpoint
+
+    async def _gpu_restore(self, manifest: Manifest, root: int) -> None:
+        """After CRIU restored the tree: CUDA restore and unlock of its CUDA processes."""
+        ns_pids = manifest.gpu.get("ns_pids") or []
+        if not ns_pids:
+            return
+        by_ns = proctree.host_pids_by_ns_pid(root)
+        missing = [p for p in ns_pids if p not in by_ns]
+        if missing:
+            raise IncompatibleSnapshotError(
+                f"The restored kernel lacks the CUDA processes {missing} the snapshot recorded."
+            )
+        pairs = plan_gpu_pairs(manifest.gpu) if manifest.gpu.get("available") else None
+        await asyncio.to_thread(self._gpu().restore, [by_ns[p] for p in ns_pids], pairs)
 
     async def _op_suspend(
         self,
@@ -915,6 +976,8 @@ class KernelWrapper:
             else:
                 manifest = await asyncio.to_thread(verify, source)
             check_compatible(manifest)
+            if manifest.gpu.get("ns_pids") and manifest.gpu.get("available"):
+                check_restore_compatible(manifest.gpu, int(manifest.gpu.get("needed_bytes", 0)))
             criu = self._criu_binary()
             progress({"phase": "restoring"})
             previous = self.state
@@ -937,6 +1000,14 @@ class KernelWrapper:
                     )
                 finally:
                     shutil.rmtree(work_dir, ignore_errors=True)
+                try:
+                    await self._gpu_restore(manifest, pid)
+                except BaseException:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, 0)
+                    raise
             except BaseException:
                 if self._inner is not None and self.inner_pid is None:
                     await asyncio.to_thread(self._inner.close)

@@ -8,6 +8,8 @@ implements the driver's checkpoint state machine, and a small GPU program
 
 from __future__ import annotations
 
+import ctypes
+
 import contextlib
 import json
 import os
@@ -90,13 +92,10 @@ class FakeCuda:
 
     def start_restored(self) -> GpuProgram:
         """A GPU program as CRIU restores it: mid-run, its driver state CHECKPOINTED (the
-        state lives in the process image, so the stand-in's state file is set directly)."""
+        state lives in the process image; the stand-in writes it there through /proc/PID/mem)."""
         program = self.start()
-        path = self.state_dir / f"{program.pid}.state"
-        _state, tid, size = path.read_text().split()
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(f"{int(ProcessState.CHECKPOINTED)} {tid} {size}\n")
-        tmp.rename(path)
+        lib = ctypes.CDLL(str(self.libcuda))
+        assert lib.fakecuda_set_state(program.pid, int(ProcessState.CHECKPOINTED)) == 0
         return program
 
     def fail(self, spec: str) -> None:

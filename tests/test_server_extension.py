@@ -122,12 +122,16 @@ async def test_create_list_restore_in_place_delete(jp_fetch: Fetch, start_kernel
 
     listed = (await call(jp_fetch, "GET"))["snapshots"]
     assert [s["id"] for s in listed] == [snapshot["id"]]
-    assert (await call(jp_fetch, "GET", kernel_id=kernel.id))["snapshots"][0]["id"] == snapshot["id"]
+    assert (await call(jp_fetch, "GET", kernel_id=kernel.id))["snapshots"][0]["id"] == snapshot[
+        "id"
+    ]
     assert (await call(jp_fetch, "GET", trigger="periodic"))["snapshots"] == []
     assert (await call(jp_fetch, "GET", snapshot["id"]))["lineage"] == snapshot["lineage"]
 
     await kernel.run("state['answer'] = 0")
-    restored = await call(jp_fetch, "POST", snapshot["id"], "restore", body={"kernel_id": kernel.id})
+    restored = await call(
+        jp_fetch, "POST", snapshot["id"], "restore", body={"kernel_id": kernel.id}
+    )
     job = await wait_job(jp_fetch, restored["job"])
     assert job["status"] == "done", job
     assert (await kernel.run("print(state['answer'])")).strip() == "42"
@@ -153,10 +157,14 @@ async def test_restore_into_new_kernel_attached_to_notebook(
     session = json.loads(response.body)
     kernel = await start_kernel(session["kernel"]["id"])
     await kernel.run("import os; where = os.getcwd(); value = 'kept'")
-    job = await wait_job(jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"])
+    job = await wait_job(
+        jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
+    )
     snapshot = job["result"]
     assert snapshot["notebook_path"] == "work/a.ipynb"
-    assert (await call(jp_fetch, "GET", path="work/a.ipynb"))["snapshots"][0]["id"] == snapshot["id"]
+    assert (await call(jp_fetch, "GET", path="work/a.ipynb"))["snapshots"][0]["id"] == snapshot[
+        "id"
+    ]
 
     await jp_serverapp.kernel_manager.shutdown_kernel(kernel.id, now=True)
     job = await wait_job(jp_fetch, (await call(jp_fetch, "POST", snapshot["id"], "restore"))["job"])
@@ -179,7 +187,9 @@ async def test_bad_requests_get_clear_errors(jp_fetch: Fetch, start_kernel: Any)
     assert "not a snapshot id" in error["message"]
     code, error = await error_of(jp_fetch, "POST", body={"kernel_id": "../../etc"})
     assert code == 400
-    code, error = await error_of(jp_fetch, "POST", body={"kernel_id": "0" * 8 + "-0000-0000-0000-" + "0" * 12})
+    code, error = await error_of(
+        jp_fetch, "POST", body={"kernel_id": "0" * 8 + "-0000-0000-0000-" + "0" * 12}
+    )
     assert code == 404
     code, error = await error_of(jp_fetch, "POST", body=["not", "an", "object"])
     assert code == 400
@@ -206,7 +216,9 @@ async def test_corrupt_snapshot_restore_is_422(
 ) -> None:
     kernel = await start_kernel()
     await kernel.run("x = 1")
-    job = await wait_job(jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"])
+    job = await wait_job(
+        jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
+    )
     chunks = sorted((tmp_path / "store").rglob("chunks/*/*"), key=lambda p: p.stat().st_size)
     biggest = chunks[-1]
     data = bytearray(biggest.read_bytes())

@@ -22,7 +22,7 @@ from jupyter_ext.core import manifest as manifest_mod
 from jupyter_ext.core.chunking import PAGE_SIZE, ChunkParams
 from jupyter_ext.core.errors import SnapshotCorruptError, SnapshotNotFoundError
 from jupyter_ext.core.manifest import Manifest
-from jupyter_ext.core.store import LocalStore, S3Store, StoreError, StoredSnapshot
+from jupyter_ext.core.store import LocalStore, S3Store, StoredSnapshot, StoreError
 
 from .s3server import CuttableProxy, MotoServer, free_port
 
@@ -143,9 +143,7 @@ def make_snapshot(
 
 
 def tree(path: Path) -> dict[str, bytes]:
-    return {
-        p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()
-    }
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
 
 
 def chunk_key(store: Store, digest: str) -> str:
@@ -323,9 +321,7 @@ def test_delete_removes_only_unreferenced_chunks(store: Store, tmp_path: Path) -
     assert store.stats() == type(store.stats())(0, 0, 0)
 
 
-def test_delete_keeps_chunks_within_the_grace_period(
-    make_store: MakeStore, tmp_path: Path
-) -> None:
+def test_delete_keeps_chunks_within_the_grace_period(make_store: MakeStore, tmp_path: Path) -> None:
     store = make_store()  # default grace: one hour
     stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(8), 256)))
     store.delete(stored.manifest.id)
@@ -340,8 +336,10 @@ def test_put_refreshes_reused_chunks_against_a_sweep(store: Store, tmp_path: Pat
     time.sleep(1.1)  # S3 timestamps have a resolution of one second
     store.put(make_snapshot(tmp_path, pages, sequence=2))
     after = dict(store._list_chunks())
-    assert set(after) == set(before) == set(chunks_of(store, first)) | set(
-        chunks_of(store, first, "images/core-1.img")
+    assert (
+        set(after)
+        == set(before)
+        == set(chunks_of(store, first)) | set(chunks_of(store, first, "images/core-1.img"))
     )
     assert all(after[d].mtime > before[d].mtime for d in before)
 
@@ -476,4 +474,3 @@ def test_network_cut_mid_upload_leaves_no_record(
     stored = store.put(source)  # a retry after the network is back completes
     assert [s.manifest.id for s in store.list()] == [stored.manifest.id]
     assert 0 < stored.new_bytes < stored.stored_bytes  # chunks from the first try are reused
-

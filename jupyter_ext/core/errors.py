@@ -13,7 +13,10 @@ extension, the CLI and the panel can show it as it is::
     ├── SnapshotBusyError         another snapshot or restore of this kernel is in progress
     ├── KernelNotRunningError     there is no kernel process to snapshot
     ├── WrapperUnavailableError   the kernel is not a snapshot kernel, or its wrapper is gone
-    └── SnapshotNotFoundError     no snapshot with that id
+    ├── SnapshotNotFoundError     no snapshot with that id
+    ├── StoreError                the store cannot be read or written (store.py)
+    └── GpuCheckpointError        a CUDA checkpoint step failed (gpu.py)
+        └── GpuUnavailableError   no usable CUDA checkpoint support
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class SnapshotError(Exception):
     @classmethod
     def from_dict(cls, data: dict[str, str]) -> SnapshotError:
         """Rebuild the error raised on the other side of the control socket."""
-        error_cls = _BY_CODE.get(data.get("code", ""), SnapshotError)
+        error_cls = _error_classes().get(data.get("code", ""), SnapshotError)
         return error_cls(
             data.get("message", "unknown error"),
             hint=data.get("hint", ""),
@@ -98,19 +101,13 @@ class SnapshotNotFoundError(SnapshotError):
     code = "snapshot-not-found"
 
 
-_BY_CODE: dict[str, type[SnapshotError]] = {
-    cls.code: cls
-    for cls in (
-        SnapshotError,
-        CriuError,
-        CriuNotFoundError,
-        DumpError,
-        RestoreError,
-        SnapshotCorruptError,
-        IncompatibleSnapshotError,
-        SnapshotBusyError,
-        KernelNotRunningError,
-        WrapperUnavailableError,
-        SnapshotNotFoundError,
-    )
-}
+def _error_classes() -> dict[str, type[SnapshotError]]:
+    """Every SnapshotError subclass by code, also those defined in other core modules
+    (store errors, GPU errors) once imported."""
+    found: dict[str, type[SnapshotError]] = {}
+    pending: list[type[SnapshotError]] = [SnapshotError]
+    while pending:
+        cls = pending.pop()
+        found.setdefault(cls.code, cls)
+        pending.extend(cls.__subclasses__())
+    return found

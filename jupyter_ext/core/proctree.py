@@ -116,3 +116,22 @@ def missing_files(entries: list[dict[str, object]]) -> list[str]:
         if size is not None and st.st_size != size:
             problems.append(f"{path} ({entry['kind']}) has {st.st_size} bytes, expected {size}")
     return problems
+
+
+def ns_pid(pid: int) -> int:
+    """The pid of process ``pid`` inside its own (innermost) PID namespace."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return int(line.split()[-1])
+    return pid
+
+
+def host_pids_by_ns_pid(root: int) -> dict[int, int]:
+    """For the tree under ``root``: namespace pid -> host pid."""
+    result: dict[int, int] = {}
+    for pid in descendants(root):
+        try:
+            result[ns_pid(pid)] = pid
+        except OSError:
+            continue
+    return result

@@ -176,7 +176,7 @@ class _Record:
 
 def _check_chunk_map(manifest: Manifest, chunks: dict[str, builtins.list[ChunkRef]]) -> None:
     expected = {entry.path: entry.size for entry in manifest.files}
-    if set(chunks) != set(expected):
+    if set(chunks) != set(expected) or len(expected) != len(manifest.files):
         raise ValueError("its chunk lists do not match the manifest's files")
     for path, refs in chunks.items():
         _safe_relpath(path)
@@ -290,7 +290,11 @@ class _ChunkStore(abc.ABC):
 
     @abc.abstractmethod
     def _write_chunk(self, digest: str, data: bytes) -> None:
-        """Store a chunk durably; overwriting an equal one is harmless."""
+        """Store a chunk; overwriting an equal one is harmless."""
+
+    @abc.abstractmethod
+    def _sync_chunks(self) -> None:
+        """Make the chunks written so far durable, before a record names them."""
 
     @abc.abstractmethod
     def _read_chunk(self, digest: str) -> bytes | None: ...
@@ -327,6 +331,7 @@ class _ChunkStore(abc.ABC):
         chunks, new_bytes = upload.run()
         distinct = {ref.hash: ref.stored_size for refs in chunks.values() for ref in refs}
         record = _Record(raw, manifest, chunks, sum(distinct.values()), new_bytes)
+        self._sync_chunks()
         if not self._create_record(manifest.id, record.to_json()):
             raced = self._load(manifest.id)
             if raced is None:  # created and deleted again meanwhile: retry from the start
@@ -365,11 +370,12 @@ class _ChunkStore(abc.ABC):
         try:
             staging.mkdir(parents=True)
             _Download(self, record, staging, progress).run()
-            (staging / manifest_mod.MANIFEST_NAME).write_text(
-                json.dumps(record.raw_manifest, indent=1, sort_keys=True)
-            )
-            _report(progress, "verifying", record.manifest.total_bytes, record.manifest.total_bytes)
-            manifest_mod.verify(staging)
+            with (staging / manifest_mod.MANIFEST_NAME).open("x") as fh:
+                fh.write(json.dumps(record.raw_manifest, indent=1, sort_keys=True))
+                fh.flush()
+                os.fsync(fh.fileno())
+            for directory in {staging, *(p.parent for p in staging.rglob("*") if p.is_file())}:
+                _fsync_dir(directory)
             staging.rename(dest_dir)
             _fsync_dir(dest_dir.parent)
         except OSError as exc:
@@ -602,7 +608,12 @@ class _Upload:
 
 
 class _Download:
-    """One fetch: GET chunks on a pool, check each sha256, write them at their offsets."""
+    """One fetch: GET and check chunks on a pool; write each file in order, hashing it.
+
+    The calling thread writes and hashes each file sequentially as the chunks come back,
+    so every file's size and sha256 are checked against the manifest without reading it
+    again (the result passes ``manifest.verify``).
+    """
 
     def __init__(
         self, store: _ChunkStore, record: _Record, staging: Path, progress: Progress | None
@@ -619,30 +630,35 @@ class _Download:
         with ThreadPoolExecutor(max_workers=self.store.max_workers) as pool:
             tasks = _Bounded(pool, 2 * self.store.max_workers)
             try:
-                for path, refs in self.record.chunks.items():
-                    target = self.staging / _safe_relpath(path)
+                for entry in self.record.manifest.files:
+                    target = self.staging / _safe_relpath(entry.path)
                     target.parent.mkdir(parents=True, exist_ok=True)
-                    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                    try:
-                        offset = 0
-                        for ref in refs:
-                            for size in tasks.submit(self._chunk, fd, path, ref, offset):
-                                done += size
+                    digest = hashlib.sha256()
+                    with target.open("xb") as fh:
+                        for ref in self.record.chunks[entry.path]:
+                            for data in tasks.submit(self._chunk, entry.path, ref):
+                                fh.write(data)
+                                digest.update(data)
+                                done += len(data)
                                 _report(self.progress, "downloading", done, total)
-                            offset += ref.size
-                        for size in tasks.drain():
-                            done += size
+                        for data in tasks.drain():
+                            fh.write(data)
+                            digest.update(data)
+                            done += len(data)
                             _report(self.progress, "downloading", done, total)
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                    if digest.hexdigest() != entry.sha256:
+                        raise _corrupt(
+                            self.record.manifest.id, f"{entry.path} differs from its manifest entry"
+                        )
             except BaseException:
                 tasks.cancel()
                 raise
 
-    def _chunk(self, fd: int, path: str, ref: ChunkRef, offset: int) -> int:
+    def _chunk(self, path: str, ref: ChunkRef) -> bytes:
         data = self.store._read_chunk(ref.hash)
-        where = f"chunk {ref.hash[:12]}… of {path} (offset {offset})"
+        where = f"chunk {ref.hash[:12]}… of {path}"
         if data is None:
             raise _corrupt(self.record.manifest.id, f"{where} is missing from the store")
         try:
@@ -651,8 +667,7 @@ class _Download:
             raise _corrupt(self.record.manifest.id, f"{where} cannot be decompressed") from exc
         if len(raw) != ref.size or _sha256(raw) != ref.hash:
             raise _corrupt(self.record.manifest.id, f"{where} has the wrong sha256")
-        os.pwrite(fd, raw, offset)
-        return ref.size
+        return raw
 
 
 def _corrupt(snapshot_id: str, what: str) -> SnapshotCorruptError:
@@ -713,14 +728,17 @@ class LocalStore(_ChunkStore):
         *,
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
         chunking: ChunkParams | None = None,
-        max_workers: int | None = None,
+        max_workers: int = 8,
     ) -> None:
         super().__init__(
-            max_workers=max_workers or min(8, os.cpu_count() or 2),
+            max_workers=max_workers,
             grace_seconds=grace_seconds,
             chunking=chunking,
         )
         self.root = Path(root)
+        self._unsynced: set[Path] = set()
+        """Chunk directories with renames not yet made durable (one fsync each per put)."""
+        self._unsynced_lock = threading.Lock()
 
     def _chunk_path(self, digest: str) -> Path:
         return self.root / "chunks" / digest[:2] / digest
@@ -801,9 +819,21 @@ class LocalStore(_ChunkStore):
         path = self._chunk_path(digest)
         try:
             os.replace(self._write_new(path, data), path)
-            _fsync_dir(path.parent)
         except OSError as exc:
             raise self._error(f"write chunk {digest}", exc) from exc
+        with self._unsynced_lock:
+            self._unsynced.add(path.parent)
+
+    def _sync_chunks(self) -> None:
+        with self._unsynced_lock:
+            directories = set(self._unsynced)
+        try:
+            for directory in directories:
+                _fsync_dir(directory)
+        except OSError as exc:
+            raise self._error(f"sync {directory}", exc) from exc
+        with self._unsynced_lock:  # only now: a concurrent put may be relying on them
+            self._unsynced -= directories
 
     def _read_chunk(self, digest: str) -> bytes | None:
         try:
@@ -1028,6 +1058,9 @@ class S3Store(_ChunkStore):
 
     def _write_chunk(self, digest: str, data: bytes) -> None:
         self._call("put_object", self._chunk_key(digest), Body=data)
+
+    def _sync_chunks(self) -> None:
+        """Nothing to do: S3 acknowledges a PUT only once the object is durable."""
 
     def _read_chunk(self, digest: str) -> bytes | None:
         return self._read(self._chunk_key(digest))

@@ -50,7 +50,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/file.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -165,12 +167,80 @@ static void log_call(const char *op, int pid, CUresult result, const char *fmt, 
     close(fd);
 }
 
-static int state_path(int pid, char *out, size_t size) {
+/* A process's driver state lives in the process's own memory (g_state), as the real
+ * driver's does, so a CRIU image carries it and a restored process has the state it had
+ * at the dump (and an original that keeps running has its own). The process keeps an
+ * "anchor" file open in $FAKECUDA_STATE_DIR whose content is the address of g_state; the
+ * controller finds the anchor among /proc/PID/fd and reads and writes the state through
+ * /proc/PID/mem (root, or ptrace rights, as the real controller needs). */
+static volatile struct pstate g_state;
+static int g_anchor_fd = -1;
+static int g_key = 0; /* host pid at cuInit: names the anchor and the call log entries */
+
+/* The first NSpid field of /proc/self/status: the pid as the host sees it. */
+static int host_pid(void) {
+    FILE *f = fopen("/proc/self/status", "re");
+    if (!f)
+        return (int)getpid();
+    char line[512];
+    int id = (int)getpid();
+    while (fgets(line, sizeof line, f)) {
+        if (strncmp(line, "NSpid:", 6) == 0) {
+            id = atoi(line + 6);
+            break;
+        }
+    }
+    fclose(f);
+    return id;
+}
+
+/* The address of process `pid`'s g_state, from its anchor; 0 if it has none. */
+static unsigned long long state_address(int pid) {
     const char *dir = state_dir();
-    if (!dir)
+    char fd_dir[64], link[4096], target[4096];
+    snprintf(fd_dir, sizeof fd_dir, "/proc/%d/fd", pid);
+    DIR *d = opendir(fd_dir);
+    if (!d || !dir) {
+        if (d)
+            closedir(d);
+        return 0;
+    }
+    size_t dir_len = strlen(dir);
+    unsigned long long address = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL && address == 0) {
+        snprintf(link, sizeof link, "%s/%s", fd_dir, e->d_name);
+        ssize_t n = readlink(link, target, sizeof target - 1);
+        if (n <= 0)
+            continue;
+        target[n] = '\0';
+        if (strncmp(target, dir, dir_len) != 0 || target[dir_len] != '/' ||
+            !strstr(target + dir_len, ".anchor"))
+            continue;
+        FILE *f = fopen(target, "re");
+        if (f) {
+            if (fscanf(f, "%llx", &address) != 1)
+                address = 0;
+            fclose(f);
+        }
+    }
+    closedir(d);
+    return address;
+}
+
+static int access_state(int pid, struct pstate *ps, int write_it) {
+    unsigned long long address = state_address(pid);
+    if (address == 0)
         return -1;
-    snprintf(out, size, "%s/%d.state", dir, pid);
-    return 0;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/mem", pid);
+    int fd = open(path, (write_it ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t n = write_it ? pwrite(fd, ps, sizeof *ps, (off_t)address)
+                         : pread(fd, ps, sizeof *ps, (off_t)address);
+    close(fd);
+    return n == (ssize_t)sizeof *ps ? 0 : -1;
 }
 
 /* A whole-directory lock, so read-modify-write transitions do not interleave. */
@@ -201,35 +271,25 @@ static int process_alive(int pid) {
     return kill(pid, 0) == 0 || errno == EPERM;
 }
 
+/* Controller side: the state of process `pid` (a host pid), if it is a CUDA process. */
 static int load_state(int pid, struct pstate *ps) {
-    char path[4096];
-    if (state_path(pid, path, sizeof path) != 0)
-        return -1;
-    FILE *f = fopen(path, "re");
-    if (!f)
-        return -1;
-    int n = fscanf(f, "%d %d %llu", &ps->state, &ps->restore_tid, &ps->mem_bytes);
-    fclose(f);
-    if (n != 3)
-        return -1;
     if (!process_alive(pid))
         return -1;
-    return 0;
+    return access_state(pid, ps, 0);
 }
 
-/* Write to a temporary file and rename it, so that readers never see half a state. */
 static int save_state(int pid, const struct pstate *ps) {
-    char path[4096], tmp[4200];
-    if (state_path(pid, path, sizeof path) != 0)
+    struct pstate copy = *ps;
+    return access_state(pid, &copy, 1);
+}
+
+/* For tests: set the state of `pid` as a CRIU restore would leave it (e.g. CHECKPOINTED). */
+int fakecuda_set_state(int pid, int state) {
+    struct pstate ps;
+    if (load_state(pid, &ps) != 0)
         return -1;
-    snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
-    FILE *f = fopen(tmp, "we");
-    if (!f)
-        return -1;
-    fprintf(f, "%d %d %llu\n", ps->state, ps->restore_tid, ps->mem_bytes);
-    if (fclose(f) != 0)
-        return -1;
-    return rename(tmp, path);
+    ps.state = state;
+    return save_state(pid, &ps);
 }
 
 /* Is FAKECUDA_FAIL asking for `op` to fail on `pid`? */
@@ -303,9 +363,35 @@ static char thread_state(int pid, int tid) {
  * thread" (CRIU's CUDA plugin resumes that thread before each action). The stand-in
  * cannot hang like the real one would when that thread is stopped; it waits a little and
  * answers CUDA_ERROR_NOT_READY. */
+/* The restore thread of `pid` as the controller sees it (host tid): found by its name,
+ * since its tid changes when CRIU restores the process in another PID namespace. */
+static int find_restore_tid(int pid, int fallback) {
+    char task_dir[64], path[512], comm[64];
+    snprintf(task_dir, sizeof task_dir, "/proc/%d/task", pid);
+    DIR *d = opendir(task_dir);
+    if (!d)
+        return fallback;
+    struct dirent *e;
+    int found = fallback;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.')
+            continue;
+        snprintf(path, sizeof path, "%s/%s/comm", task_dir, e->d_name);
+        FILE *f = fopen(path, "re");
+        if (!f)
+            continue;
+        if (fgets(comm, sizeof comm, f) && strncmp(comm, "fakecuda-rst", 12) == 0)
+            found = atoi(e->d_name);
+        fclose(f);
+    }
+    closedir(d);
+    return found;
+}
+
 static int restore_thread_stopped(int pid, const struct pstate *ps) {
+    int tid = find_restore_tid(pid, ps->restore_tid);
     for (int i = 0; i < 50; i++) {
-        char st = thread_state(pid, ps->restore_tid);
+        char st = thread_state(pid, tid);
         if (st != 'T' && st != 't')
             return 0;
         sleep_ms(10);
@@ -328,6 +414,7 @@ static pthread_cond_t g_tid_cond = PTHREAD_COND_INITIALIZER;
 
 static void *restore_thread_start(void *arg) {
     pthread_mutex_lock(&g_tid_mutex);
+    prctl(PR_SET_NAME, "fakecuda-rst", 0, 0, 0);
     g_restore_tid = (pid_t)syscall(SYS_gettid);
     pthread_cond_signal(&g_tid_cond);
     pthread_mutex_unlock(&g_tid_mutex);
@@ -336,7 +423,6 @@ static void *restore_thread_start(void *arg) {
 
 /* Register the calling process as a CUDA process (done once, by cuInit). */
 static CUresult register_self(void) {
-    int pid = (int)getpid();
     pthread_t thread;
     if (pthread_create(&thread, NULL, restore_thread_start, NULL) != 0)
         return CUDA_ERROR_UNKNOWN;
@@ -346,11 +432,22 @@ static CUresult register_self(void) {
         pthread_cond_wait(&g_tid_cond, &g_tid_mutex);
     pthread_mutex_unlock(&g_tid_mutex);
 
-    struct pstate ps = {CU_PROCESS_STATE_RUNNING, (int)g_restore_tid, 0};
-    int lk = lock_dir();
-    int rc = save_state(pid, &ps);
-    unlock_dir(lk);
-    return rc == 0 ? CUDA_SUCCESS : CUDA_ERROR_UNKNOWN;
+    g_state.state = CU_PROCESS_STATE_RUNNING;
+    g_state.restore_tid = (int)g_restore_tid;
+    g_state.mem_bytes = 0;
+    g_key = host_pid();
+    char anchor[4096], content[64];
+    snprintf(anchor, sizeof anchor, "%s/%d.anchor", state_dir(), g_key);
+    int fd = open(anchor, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0)
+        return CUDA_ERROR_UNKNOWN;
+    int n = snprintf(content, sizeof content, "%llx\n", (unsigned long long)(uintptr_t)&g_state);
+    if (write(fd, content, (size_t)n) != n) {
+        close(fd);
+        return CUDA_ERROR_UNKNOWN;
+    }
+    g_anchor_fd = fd;
+    return CUDA_SUCCESS;
 }
 
 /* CUDA calls in the target block while it is not RUNNING (the stand-in gives up). */
@@ -361,8 +458,7 @@ static CUresult wait_running(void) {
     long waited = 0;
     for (;;) {
         struct pstate ps;
-        if (load_state((int)getpid(), &ps) != 0)
-            return CUDA_ERROR_UNKNOWN;
+        ps = *(struct pstate *)&g_state;
         if (ps.state == CU_PROCESS_STATE_RUNNING)
             return CUDA_SUCCESS;
         if (waited >= limit)
@@ -374,11 +470,7 @@ static CUresult wait_running(void) {
 
 static void add_mem(long long delta) {
     int lk = lock_dir();
-    struct pstate ps;
-    if (load_state((int)getpid(), &ps) == 0) {
-        ps.mem_bytes = (unsigned long long)((long long)ps.mem_bytes + delta);
-        save_state((int)getpid(), &ps);
-    }
+    g_state.mem_bytes = (unsigned long long)((long long)g_state.mem_bytes + delta);
     unlock_dir(lk);
 }
 
@@ -395,7 +487,7 @@ CUresult cuInit(unsigned int flags) {
         rc = register_self();
         if (rc == CUDA_SUCCESS)
             g_initialized = 1;
-        log_call("init", (int)getpid(), rc, NULL);
+        log_call("init", g_key, rc, NULL);
     }
     pthread_mutex_unlock(&g_mutex);
     return rc;
@@ -546,7 +638,7 @@ CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
     else if (load_state(pid, &ps) != 0)
         rc = CUDA_ERROR_INVALID_VALUE;
     else
-        *tid = ps.restore_tid;
+        *tid = find_restore_tid(pid, ps.restore_tid);
     log_call("get_restore_tid", pid, rc, NULL);
     return rc;
 }
