@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jupyter_ext.core.criu import Criu  # noqa: E402
+from jupyter_ext.core.humanize import human_bytes  # noqa: E402
 from tests.harness import KernelProcess, wait_until  # noqa: E402
 
 STATE = """
@@ -163,14 +164,6 @@ def bench_bare(mib: int, work: Path, criu: Criu) -> dict[str, float]:
         shutil.rmtree(images, ignore_errors=True)
         for p in (report, Path(f"{report}.ready"), work / "restored.pid", startup):
             p.unlink(missing_ok=True)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def main() -> None:

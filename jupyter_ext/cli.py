@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import shutil
 import sys
 import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +19,10 @@ from traitlets import Bool, Unicode
 
 from . import __version__
 from .core.doctor import run_checks
+from .core.errors import SnapshotError
+from .core.humanize import human_bytes, human_seconds, time_ago
 from .core.protocol import DEFAULT_RUNTIME_ROOT
+from .core.store import SnapshotStore
 
 KERNELSPEC_DIR = Path(__file__).resolve().parent / "kernelspec"
 
@@ -93,11 +101,263 @@ def install_kernelspec(
     return path
 
 
+class ServerClient:
+    """The REST API of a running Jupyter server (token auth), with blocking calls."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.url = url.rstrip("/") + "/"
+        self.token = token
+
+    @classmethod
+    def find(cls, url: str = "", token: str = "") -> ServerClient:
+        """The server at ``url``, or the one running server this user has."""
+        if url:
+            return cls(url, token)
+        from jupyter_server.serverapp import list_running_servers
+
+        servers = list(list_running_servers())
+        if not servers:
+            raise SnapshotError(
+                "No running Jupyter server was found.",
+                hint="Start one (jupyter lab), or pass --url and --token, or use --store-dir "
+                "/ --s3-bucket to work on a store directly.",
+            )
+        if len(servers) > 1:
+            urls = ", ".join(str(s["url"]) for s in servers)
+            raise SnapshotError(
+                f"Several Jupyter servers are running ({urls}).", hint="Choose one with --url."
+            )
+        return cls(str(servers[0]["url"]), token or str(servers[0].get("token", "")))
+
+    def call(self, method: str, resource: str, body: Any = None, **params: str) -> Any:
+        """``METHOD /api/snapshots/<resource>?params``; errors come back as SnapshotError."""
+        query = urllib.parse.urlencode({k: v for k, v in params.items() if v})
+        target = self.url + "api/snapshots" + (f"/{resource}" if resource else "")
+        request = urllib.request.Request(
+            target + (f"?{query}" if query else ""),
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=600) as response:
+                data = response.read()
+        except urllib.error.HTTPError as exc:
+            try:
+                error = json.loads(exc.read())
+            except ValueError:
+                error = {"message": str(exc)}
+            raise SnapshotError.from_dict(error) from None
+        except OSError as exc:
+            raise SnapshotError(
+                f"The Jupyter server at {self.url} does not answer ({exc}).",
+                hint="Check the URL, or that the server runs.",
+            ) from exc
+        return json.loads(data) if data else None
+
+    def follow(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Poll a job to its end, showing its progress on one terminal line."""
+        shown = ""
+        while job["status"] == "running":
+            line = f"  {job['kind']}: {job['phase']}"
+            if job.get("total_bytes"):
+                done, total = job["done_bytes"], job["total_bytes"]
+                line += f" {human_bytes(done)} / {human_bytes(total)} ({done * 100 // total}%)"
+            if line != shown:
+                print(f"\r{line:<72}", end="", file=sys.stderr, flush=True)
+                shown = line
+            time.sleep(0.2)
+            job = self.call("GET", f"jobs/{job['id']}")
+        if shown:
+            print(file=sys.stderr)
+        if job["status"] == "failed":
+            raise SnapshotError.from_dict(job["error"] or {})
+        return job
+
+
+def print_snapshots(snapshots: list[dict[str, Any]]) -> None:
+    if not snapshots:
+        print("No snapshots.")
+        return
+    print(f"{'ID':<32}  {'WHEN':<12} {'TRIGGER':<15} {'SIZE':>10} {'NEW':>10}  STATUS    NOTEBOOK")
+    for snap in snapshots:
+        size = snap.get("stored_bytes") or snap.get("total_bytes") or 0
+        print(
+            f"{snap['id']:<32}  {time_ago(snap['created']):<12} {snap['trigger']:<15} "
+            f"{human_bytes(size):>10} {human_bytes(snap.get('new_bytes') or 0):>10}  "
+            f"{snap['status']:<9} {snap.get('notebook_path') or '-'}"
+        )
+
+
+class _SnapshotCommand(JupyterApp):
+    """Shared options: which server, or which store."""
+
+    url = Unicode("", config=True, help="URL of the Jupyter server (default: the running one).")
+    token = Unicode("", config=True, help="Token of the Jupyter server.")
+    store_dir = Unicode("", config=True, help="Work on this local store directly.")
+    s3_bucket = Unicode("", config=True, help="Work on this S3 bucket directly.")
+    s3_prefix = Unicode(
+        "kernel-snapshots/users/" + getpass.getuser(),
+        config=True,
+        help="Prefix in the bucket (default: this user's).",
+    )
+    s3_endpoint_url = Unicode("", config=True, help="S3-compatible endpoint URL.")
+    as_json = Bool(False, config=True, help="Print JSON.")
+    aliases = {
+        "url": "_SnapshotCommand.url",
+        "token": "_SnapshotCommand.token",
+        "store-dir": "_SnapshotCommand.store_dir",
+        "s3-bucket": "_SnapshotCommand.s3_bucket",
+        "s3-prefix": "_SnapshotCommand.s3_prefix",
+        "s3-endpoint-url": "_SnapshotCommand.s3_endpoint_url",
+    }
+    flags = {"json": ({"_SnapshotCommand": {"as_json": True}}, "Print JSON.")}
+
+    def direct_store(self) -> SnapshotStore | None:
+        from .core.store import LocalStore, S3Store
+
+        if self.store_dir:
+            return LocalStore(Path(self.store_dir))
+        if self.s3_bucket:
+            return S3Store(
+                self.s3_bucket, self.s3_prefix, endpoint_url=self.s3_endpoint_url or None
+            )
+        return None
+
+    def server(self) -> ServerClient:
+        return ServerClient.find(self.url, self.token)
+
+    def start(self) -> None:
+        try:
+            self.run()
+        except SnapshotError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            self.exit(1)
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+
+class ListApp(_SnapshotCommand):
+    name = "jupyter-snapshot-list"
+    description = "List snapshots (of a running server, or of a store with --store-dir/--s3-*)."
+    path = Unicode("", config=True, help="Only snapshots of this notebook.")
+    kernel_id = Unicode("", config=True, help="Only snapshots of this kernel.")
+    aliases = {
+        **_SnapshotCommand.aliases,
+        "path": "ListApp.path",
+        "kernel-id": "ListApp.kernel_id",
+    }
+
+    def run(self) -> None:
+        store = self.direct_store()
+        if store is not None:
+            snapshots = [
+                {
+                    **json.loads(s.manifest.to_json()),
+                    "status": "complete",
+                    "stored_bytes": s.stored_bytes,
+                    "new_bytes": s.new_bytes,
+                }
+                for s in store.list()
+            ]
+            if self.path:
+                snapshots = [s for s in snapshots if s.get("notebook_path") == self.path]
+            snapshots.sort(key=lambda s: s["created"], reverse=True)
+        else:
+            answer = self.server().call("GET", "", path=self.path, kernel_id=self.kernel_id)
+            snapshots = answer["snapshots"]
+        if self.as_json:
+            print(json.dumps(snapshots, indent=1))
+        else:
+            print_snapshots(snapshots)
+
+
+class CreateApp(_SnapshotCommand):
+    name = "jupyter-snapshot-create"
+    description = "Snapshot a running kernel: jupyter snapshot create KERNEL_ID"
+
+    def run(self) -> None:
+        if len(self.extra_args) != 1:
+            raise SnapshotError("Name one kernel id.", hint="jupyter snapshot create KERNEL_ID")
+        server = self.server()
+        started = time.monotonic()
+        job = server.follow(server.call("POST", "", body={"kernel_id": self.extra_args[0]})["job"])
+        snap = job["result"]
+        if self.as_json:
+            print(json.dumps(snap, indent=1))
+            return
+        print(
+            f"Snapshot {snap['id']}: {human_bytes(snap.get('total_bytes', 0))} of memory, "
+            f"{human_bytes(snap.get('new_bytes') or 0)} new in the store, "
+            f"kernel paused {human_seconds(snap.get('pause_seconds', 0))}, "
+            f"done in {human_seconds(time.monotonic() - started)} ({snap['status']})."
+        )
+
+
+class RestoreApp(_SnapshotCommand):
+    name = "jupyter-snapshot-restore"
+    description = (
+        "Restore a snapshot: into a running kernel (--kernel-id), or into a new kernel attached "
+        "to a notebook (--path; default: the snapshot's notebook)."
+    )
+    kernel_id = Unicode("", config=True, help="Restore in place of this kernel.")
+    path = Unicode("", config=True, help="Attach the new kernel to this notebook.")
+    aliases = {
+        **_SnapshotCommand.aliases,
+        "kernel-id": "RestoreApp.kernel_id",
+        "path": "RestoreApp.path",
+    }
+
+    def run(self) -> None:
+        if len(self.extra_args) != 1:
+            raise SnapshotError("Name one snapshot id.", hint="jupyter snapshot restore ID")
+        body: dict[str, str] = {}
+        if self.kernel_id:
+            body["kernel_id"] = self.kernel_id
+        if self.path:
+            body["path"] = self.path
+        server = self.server()
+        started = time.monotonic()
+        answer = server.call("POST", f"{self.extra_args[0]}/restore", body=body)
+        job = server.follow(answer["job"])
+        result = job["result"]
+        if self.as_json:
+            print(json.dumps(result, indent=1))
+            return
+        session = result.get("session") or {}
+        print(
+            f"Restored into kernel {result['kernel_id']}"
+            + (f" for {session['path']}" if session.get("path") else "")
+            + f" in {human_seconds(time.monotonic() - started)}."
+        )
+
+
+class RemoveApp(_SnapshotCommand):
+    name = "jupyter-snapshot-rm"
+    description = "Delete snapshots: jupyter snapshot rm ID [ID ...]"
+
+    def run(self) -> None:
+        if not self.extra_args:
+            raise SnapshotError("Name the snapshots to delete.", hint="jupyter snapshot rm ID")
+        store = self.direct_store()
+        for snapshot_id in self.extra_args:
+            if store is not None:
+                store.delete(snapshot_id)
+            else:
+                self.server().call("DELETE", snapshot_id)
+            print(f"Deleted {snapshot_id}")
+
+
 class SnapshotApp(JupyterApp):
     name = "jupyter-snapshot"
     version = __version__
     description = "Whole-process snapshots of Jupyter kernels (CRIU)."
     subcommands = {
+        "list": (ListApp, ListApp.description),
+        "create": (CreateApp, CreateApp.description),
+        "restore": (RestoreApp, RestoreApp.description),
+        "rm": (RemoveApp, RemoveApp.description),
         "doctor": (DoctorApp, DoctorApp.description),
         "install-kernelspec": (InstallKernelSpecApp, InstallKernelSpecApp.description),
     }
@@ -111,3 +371,7 @@ class SnapshotApp(JupyterApp):
 
 
 main = SnapshotApp.launch_instance
+
+
+if __name__ == "__main__":
+    main()

@@ -6,6 +6,7 @@ few small files, sealed with ``manifest.seal`` like the wrapper does.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -19,7 +20,7 @@ import boto3
 import pytest
 
 from jupyter_ext.core import manifest as manifest_mod
-from jupyter_ext.core.chunking import PAGE_SIZE, ChunkParams
+from jupyter_ext.core.chunking import PAGE_SIZE, ChunkParams, iter_chunks
 from jupyter_ext.core.errors import SnapshotCorruptError, SnapshotNotFoundError
 from jupyter_ext.core.manifest import Manifest
 from jupyter_ext.core.store import LocalStore, S3Store, StoredSnapshot, StoreError
@@ -196,6 +197,32 @@ def mutate(pages: bytes, rng: random.Random, *, inserts: int, changes: int) -> b
 # -- tests ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, (3 << 20) + 123, 9 << 20])
+@pytest.mark.parametrize("params", [SMALL_CHUNKS, ChunkParams()], ids=["small", "default"])
+def test_chunks_are_page_aligned_and_bounded(size: int, params: ChunkParams) -> None:
+    data = random.Random(size).randbytes(size)
+    chunks = [bytes(c) for c in iter_chunks(io.BytesIO(data), params)]
+    assert b"".join(chunks) == data
+    assert all(len(c) % PAGE_SIZE == 0 for c in chunks[:-1])
+    assert all(params.min_size <= len(c) <= params.max_size for c in chunks[:-1])
+    assert all(0 < len(c) <= params.max_size for c in chunks)
+
+
+def test_chunk_boundaries_follow_inserted_pages() -> None:
+    data = random.Random(20).randbytes(16 << 20)
+    shifted = data[: 5 << 20] + bytes(PAGE_SIZE) + data[5 << 20 :]
+    before = {bytes(c) for c in iter_chunks(io.BytesIO(data), SMALL_CHUNKS)}
+    after = [bytes(c) for c in iter_chunks(io.BytesIO(shifted), SMALL_CHUNKS)]
+    new = sum(len(c) for c in after if c not in before)
+    assert 0 < new <= 2 * SMALL_CHUNKS.max_size
+
+
+@pytest.mark.parametrize("sizes", [(1000, 4096, 8192), (4096, 12288, 8192), (16384, 8192, 8192)])
+def test_chunk_params_are_checked(sizes: tuple[int, int, int]) -> None:
+    with pytest.raises(ValueError, match="must"):
+        ChunkParams(*sizes)
+
+
 def test_round_trip_is_byte_identical(store: Store, tmp_path: Path) -> None:
     source = make_snapshot(tmp_path, random_pages(random.Random(1), 2048))
     events: list[dict[str, Any]] = []
@@ -225,7 +252,7 @@ def test_round_trip_is_byte_identical(store: Store, tmp_path: Path) -> None:
     assert tree(dest) == tree(source)
     assert manifest_mod.verify(dest) == manifest
     assert os.listdir(dest.parent) == ["snap"]
-    assert {e["phase"] for e in events} == {"downloading", "verifying", "done"}
+    assert {e["phase"] for e in events} == {"downloading", "done"}
     stats = store.stats()
     assert (stats.snapshot_count, stats.chunk_count) == (1, stored.chunk_count)
     assert stats.stored_bytes == stored.stored_bytes
@@ -329,6 +356,21 @@ def test_delete_keeps_chunks_within_the_grace_period(make_store: MakeStore, tmp_
     assert store.stats().chunk_count == stored.chunk_count
 
 
+def test_sweep_removes_stale_temporary_files(tmp_path: Path) -> None:
+    """A put killed half-way leaves temporary files in a local store; a sweep removes them."""
+    store = LocalStore(tmp_path / "store", grace_seconds=60)
+    stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(18), 16)))
+    stale = [tmp_path / "store/chunks/ab/.x.tmp", tmp_path / "store/snapshots/.y.tmp"]
+    fresh = tmp_path / "store/chunks/ab/.z.tmp"
+    for path in [*stale, fresh]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"partial")
+    for path in stale:
+        os.utime(path, (time.time() - 120, time.time() - 120))
+    store.delete(stored.manifest.id)
+    assert [p.exists() for p in [*stale, fresh]] == [False, False, True]
+
+
 def test_put_refreshes_reused_chunks_against_a_sweep(store: Store, tmp_path: Path) -> None:
     pages = random_pages(random.Random(9), 512)
     first = store.put(make_snapshot(tmp_path, pages))
@@ -367,6 +409,16 @@ def test_damaged_source_is_refused(store: Store, tmp_path: Path) -> None:
     image.write_bytes(bytes(data))
     with pytest.raises(SnapshotCorruptError, match="differs from its manifest"):
         store.put(source)
+    assert store.list() == []
+
+
+def test_invalid_manifests_are_refused(store: Store, tmp_path: Path) -> None:
+    source = make_snapshot(tmp_path, random_pages(random.Random(19), 16))
+    raw = json.loads((source / "manifest.json").read_text())
+    for damaged in ({**raw, "id": "../x"}, {k: v for k, v in raw.items() if k != "lineage"}):
+        (source / "manifest.json").write_text(json.dumps(damaged))
+        with pytest.raises(SnapshotCorruptError):
+            store.put(source)
     assert store.list() == []
 
 

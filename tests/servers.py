@@ -1,0 +1,249 @@
+"""Real Jupyter servers as separate processes, optionally on their own "node".
+
+A node is a network namespace of ours, attached to a bridge in the test's namespace, so
+servers on different nodes share nothing but the network (and what a test points at both,
+like an S3 server or the notebooks' directory). Traffic stays on addresses we create.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from jupyter_ext.cli import ServerClient
+
+BRIDGE = "jksbr0"
+SUBNET = "10.213.7"
+HOST_ADDRESS = f"{SUBNET}.1"
+
+
+def run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+class Network:
+    """A bridge with our address, and nodes (network namespaces) plugged into it."""
+
+    def __init__(self) -> None:
+        self.nodes: list[str] = []
+        self._tag = uuid.uuid4().hex[:6]
+        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
+        run("ip", "link", "add", BRIDGE, "type", "bridge")
+        run("ip", "addr", "add", f"{HOST_ADDRESS}/24", "dev", BRIDGE)
+        run("ip", "link", "set", BRIDGE, "up")
+
+    def add_node(self, index: int) -> tuple[str, str]:
+        """A new node: (namespace name, its address)."""
+        name = f"jks-{self._tag}-{index}"
+        host_end, node_end = f"jksh{self._tag}{index}", f"jksn{self._tag}{index}"
+        address = f"{SUBNET}.{10 + index}"
+        run("ip", "netns", "add", name)
+        self.nodes.append(name)
+        run("ip", "link", "add", host_end, "type", "veth", "peer", "name", node_end)
+        run("ip", "link", "set", node_end, "netns", name)
+        run("ip", "link", "set", host_end, "master", BRIDGE)
+        run("ip", "link", "set", host_end, "up")
+        run("ip", "netns", "exec", name, "ip", "addr", "add", f"{address}/24", "dev", node_end)
+        run("ip", "netns", "exec", name, "ip", "link", "set", node_end, "up")
+        run("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
+        return name, address
+
+    def close(self) -> None:
+        for name in self.nodes:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
+
+
+class ServerProcess:
+    """``jupyter server`` with the snapshot extension, in its own data and runtime dirs."""
+
+    def __init__(
+        self,
+        home: Path,
+        root_dir: Path,
+        config: dict[str, Any],
+        *,
+        netns: str | None = None,
+        address: str = "127.0.0.1",
+        env: dict[str, str] | None = None,
+    ) -> None:
+        from .s3server import free_port
+
+        home.mkdir(parents=True, exist_ok=True)
+        self.home = home
+        self.token = uuid.uuid4().hex
+        self.port = free_port()
+        self.address = address
+        config_file = home / "config.json"
+        config_file.write_text(json.dumps(config))
+        self.env = {
+            **os.environ,
+            "JUPYTER_DATA_DIR": str(home / "data"),
+            "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+            "JUPYTER_CONFIG_DIR": str(home / "config"),
+            "JUPYTER_SNAPSHOT_RUNTIME_DIR": str(home / "kernels"),
+            **(env or {}),
+        }
+        argv = [
+            sys.executable,
+            "-m",
+            "jupyter_server",
+            "--allow-root",
+            "--no-browser",
+            f"--ServerApp.ip={address}",
+            f"--ServerApp.port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={root_dir}",
+            f"--config={config_file}",
+        ]
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]
+        self.log_path = home / "server.log"
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            argv,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.client = ServerClient(f"http://{address}:{self.port}/", self.token)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log()}")
+            try:
+                self.client.call("GET", "policy")
+                return
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.2)
+        raise TimeoutError(f"server did not start: {self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def api(self, method: str, path: str, body: Any = None) -> Any:
+        """Any endpoint of the server (not only /api/snapshots)."""
+        import urllib.request
+
+        request = urllib.request.Request(
+            f"http://{self.address}:{self.port}/{path}",
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"token {self.token}"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            data = response.read()
+        return json.loads(data) if data else None
+
+    def kernel_processes(self) -> list[int]:
+        """The server's process group: the server, its kernels' wrappers and inner kernels."""
+        out = subprocess.run(
+            ["ps", "-e", "-o", "pid=,sid="], capture_output=True, text=True, check=True
+        ).stdout
+        session = os.getsid(self.process.pid)
+        pids = [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == session]
+        return pids
+
+    def kill_node(self) -> None:
+        """kill -9 the server and every process it started, as a node failure would."""
+        from jupyter_ext.core import proctree
+
+        pids = set(self.kernel_processes())
+        for pid in list(pids):
+            pids.update(proctree.descendants(pid))
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait(10)
+        self._log.close()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 120) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill_node()
+        self._log.close()
+        return self.process.returncode
+
+
+def ws_execute(server: ServerProcess, kernel_id: str, code: str, timeout: float = 120) -> str:
+    """Run ``code`` in a kernel through the server's websocket, as JupyterLab does; return
+    its stdout, or raise with the error."""
+    import asyncio
+
+    from tornado.httpclient import HTTPRequest
+    from tornado.websocket import websocket_connect
+
+    async def go() -> str:
+        url = f"ws://{server.address}:{server.port}/api/kernels/{kernel_id}/channels"
+        request = HTTPRequest(url, headers={"Authorization": f"token {server.token}"})
+        ws = await websocket_connect(request)
+        msg_id = uuid.uuid4().hex
+        ws.write_message(
+            json.dumps(
+                {
+                    "header": {
+                        "msg_id": msg_id,
+                        "msg_type": "execute_request",
+                        "session": uuid.uuid4().hex,
+                        "username": "test",
+                        "date": "2026-01-01T00:00:00Z",
+                        "version": "5.3",
+                    },
+                    "parent_header": {},
+                    "metadata": {},
+                    "content": {
+                        "code": code,
+                        "silent": False,
+                        "store_history": True,
+                        "user_expressions": {},
+                        "allow_stdin": False,
+                    },
+                    "channel": "shell",
+                    "buffers": [],
+                }
+            )
+        )
+        out: list[str] = []
+        reply: dict[str, Any] | None = None
+        idle = False
+        deadline = time.monotonic() + timeout
+        while (reply is None or not idle) and time.monotonic() < deadline:
+            raw = await asyncio.wait_for(ws.read_message(), deadline - time.monotonic())
+            if raw is None:
+                raise RuntimeError("the kernel's websocket closed")
+            msg = json.loads(raw)
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "stream":
+                out.append(msg["content"]["text"])
+            elif msg["msg_type"] == "error":
+                out.append("\n".join(msg["content"]["traceback"]))
+            elif msg["msg_type"] == "execute_reply":
+                reply = msg["content"]
+            elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                idle = True
+        ws.close()
+        if reply is None:
+            raise TimeoutError(f"no execute_reply for {code!r}")
+        if reply["status"] != "ok":
+            raise AssertionError(f"cell failed: {''.join(out)}")
+        return "".join(out)
+
+    return asyncio.run(go())

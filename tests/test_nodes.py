@@ -1,0 +1,196 @@
+"""Restore on another node: two servers, each in its own network namespace, sharing only
+an S3 server (moto, real HTTP) and the notebooks' directory (a user's home moving with them).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from .s3server import free_port
+from .servers import HOST_ADDRESS, Network, ServerProcess, ws_execute
+
+pytestmark = pytest.mark.usefixtures("criu")
+BUCKET = "kernel-snapshots-nodes"
+
+
+@pytest.fixture(scope="module")
+def network() -> Iterator[Network]:
+    net = Network()
+    yield net
+    net.close()
+
+
+@pytest.fixture(scope="module")
+def s3_url(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """moto's standalone server on the bridge, reachable from every node."""
+    port = free_port()
+    log = (tmp_path_factory.mktemp("moto") / "moto.log").open("wb")
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", HOST_ADDRESS, "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://{HOST_ADDRESS}:{port}"
+    client = boto3.client("s3", endpoint_url=url, **CREDENTIALS)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.create_bucket(Bucket=BUCKET)
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    yield url
+    server.terminate()
+    server.wait(10)
+    log.close()
+
+
+CREDENTIALS = {
+    "aws_access_key_id": "testing",
+    "aws_secret_access_key": "testing",
+    "region_name": "us-east-1",
+}
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def node_server(
+    network: Network, index: int, home: Path, notebooks: Path, s3_url: str, owner: str
+) -> ServerProcess:
+    netns, address = network.add_node(index)
+    config: dict[str, Any] = {
+        "SnapshotExtensionApp": {
+            "store": "s3",
+            "s3_bucket": BUCKET,
+            "s3_endpoint_url": s3_url,
+            "owner": owner,
+            "idle_suspend_after": 0,
+            "snapshot_before_shutdown": False,
+        }
+    }
+    return ServerProcess(home, notebooks, config, netns=netns, address=address, env=S3_ENV)
+
+
+def follow(server: ServerProcess, job: dict[str, Any]) -> dict[str, Any]:
+    done = server.client.follow(job)
+    assert done["status"] == "done", done
+    return done
+
+
+def test_restore_on_another_node_after_node_loss(
+    network: Network, s3_url: str, tmp_path: Path
+) -> None:
+    notebooks = tmp_path / "home" / "notebooks"
+    (notebooks / "work").mkdir(parents=True)
+    node_a = node_server(network, 1, tmp_path / "node-a", notebooks, s3_url, "alice")
+    session = node_a.api(
+        "POST",
+        "api/sessions",
+        {"path": "work/n.ipynb", "type": "notebook", "kernel": {"name": "python3-snapshot"}},
+    )
+    kernel_a = session["kernel"]["id"]
+    ws_execute(
+        node_a,
+        kernel_a,
+        "import numpy as np, socket\n"
+        "a = np.arange(10**6)\n"
+        "secret = 'from node a: ' + socket.gethostname()\n"
+        "def later(x):\n    return x * 2",
+    )
+    job = node_a.client.call("POST", "", body={"kernel_id": kernel_a})["job"]
+    snapshot = follow(node_a, job)["result"]
+    assert snapshot["status"] == "complete"
+    assert snapshot["notebook_path"] == "work/n.ipynb"
+
+    node_a.kill_node()  # the node is lost: server and kernel, kill -9
+    for leftover in ("data", "runtime", "kernels"):
+        shutil.rmtree(tmp_path / "node-a" / leftover, ignore_errors=True)
+
+    node_b = node_server(network, 2, tmp_path / "node-b", notebooks, s3_url, "alice")
+    listed = node_b.client.call("GET", "", path="work/n.ipynb")["snapshots"]
+    assert [s["id"] for s in listed] == [snapshot["id"]]
+    assert listed[0]["status"] == "complete"
+
+    answer = node_b.client.call("POST", f"{snapshot['id']}/restore", body={})
+    result = follow(node_b, answer["job"])["result"]
+    kernel_b = result["kernel_id"]
+    assert result["session"]["path"] == "work/n.ipynb"
+    sessions = node_b.api("GET", "api/sessions")
+    assert [s["kernel"]["id"] for s in sessions if s["path"] == "work/n.ipynb"] == [kernel_b]
+    out = ws_execute(node_b, kernel_b, "print(secret, a.sum(), later(21))")
+    assert out.split() == ["from", "node", "a:", os.uname().nodename, "499999500000", "42"]
+
+    # Another user's server on the same bucket sees none of it.
+    node_c = node_server(network, 3, tmp_path / "node-c", notebooks, s3_url, "bob")
+    assert node_c.client.call("GET", "")["snapshots"] == []
+    node_c.stop()
+    node_b.stop()
+
+
+def test_cli_lists_a_store_directly(network: Network, s3_url: str, tmp_path: Path) -> None:
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    node = node_server(network, 4, tmp_path / "node", notebooks, s3_url, "carol")
+    kernel = node.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+    ws_execute(node, kernel, "x = 1")
+    snapshot = follow(node, node.client.call("POST", "", body={"kernel_id": kernel})["job"])
+    snapshot_id = snapshot["result"]["id"]
+    env = {**os.environ, **S3_ENV}
+    cli = [sys.executable, "-m", "jupyter_ext.cli"]
+    through_server = subprocess.run(
+        [*cli, "list", f"--url=http://{node.address}:{node.port}/", f"--token={node.token}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    assert snapshot_id in through_server
+    assert "manual" in through_server
+    direct = subprocess.run(
+        [
+            *cli,
+            "list",
+            f"--s3-bucket={BUCKET}",
+            f"--s3-endpoint-url={s3_url}",
+            "--s3-prefix=kernel-snapshots/users/carol",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    assert snapshot_id in direct
+    assert "MiB" in direct
+    removed = subprocess.run(
+        [
+            *cli,
+            "rm",
+            snapshot_id,
+            f"--s3-bucket={BUCKET}",
+            f"--s3-endpoint-url={s3_url}",
+            "--s3-prefix=kernel-snapshots/users/carol",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    assert f"Deleted {snapshot_id}" in removed
+    assert node.client.call("GET", "")["snapshots"] == []
+    node.stop()
