@@ -26,6 +26,7 @@ from .core.errors import (
     SnapshotNotFoundError,
     WrapperUnavailableError,
 )
+from .core.store import StoreError
 from .manager import SnapshotManager, validate_notebook_path
 
 HTTP_STATUS: dict[type[SnapshotError], int] = {
@@ -38,6 +39,7 @@ HTTP_STATUS: dict[type[SnapshotError], int] = {
     IncompatibleSnapshotError: 422,
     CriuNotFoundError: 503,
     RestoreError: 500,
+    StoreError: 503,
 }
 SNAPSHOT_ID = r"(?P<snapshot_id>[^/]+)"
 KERNEL_ID = r"(?P<kernel_id>[^/]+)"
@@ -90,12 +92,12 @@ class SnapshotsHandler(SnapshotHandler):
         trigger = self.get_query_argument("trigger", None)
         if trigger is not None and trigger not in TRIGGERS:
             raise ValueError(f"trigger must be one of {', '.join(TRIGGERS)}.")
-        snapshots = self.manager.list_snapshots(
+        listing = self.manager.list_snapshots(
             kernel_id=self.get_query_argument("kernel_id", None),
             path=validate_notebook_path(path) if path else None,
             trigger=trigger,
         )
-        self.reply({"snapshots": snapshots})
+        self.reply(listing)
 
     @web.authenticated
     @authorized

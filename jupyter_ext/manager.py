@@ -30,7 +30,7 @@ from .core.errors import (
 )
 from .core.manifest import SNAPSHOT_ID_RE, Manifest, check_compatible, new_snapshot_id, verify
 from .core.protocol import WrapperClient, WrapperInfo
-from .core.store import SnapshotStore, StoredSnapshot
+from .core.store import SnapshotStore, StoredSnapshot, StoreError
 
 log = logging.getLogger("jupyter_ext")
 
@@ -192,9 +192,17 @@ class SnapshotManager:
 
     # ---------------------------------------------------------------- listing
 
-    def list_snapshots(self, **filters: str | None) -> list[dict[str, Any]]:
-        """Complete snapshots in the store, plus local ones waiting for upload."""
-        entries = [self._describe(s, "complete") for s in self.store.list()]
+    def list_snapshots(self, **filters: str | None) -> dict[str, Any]:
+        """Complete snapshots in the store, plus local ones waiting for upload.
+
+        An unreachable store still lists the local ones, with ``store_error`` saying why
+        the others are missing.
+        """
+        store_error = ""
+        try:
+            entries = [self._describe(s, "complete") for s in self.store.list()]
+        except StoreError as exc:
+            entries, store_error = [], str(exc)
         for pending in self.pending.values():
             status = "upload-failed" if pending.error else "uploading"
             entries.append(self._describe_manifest(pending.manifest, status, pending.error))
@@ -208,7 +216,7 @@ class SnapshotManager:
         if trigger:
             entries = [e for e in entries if e.get("trigger") == trigger]
         entries.sort(key=lambda e: (e["created"], e["sequence"]), reverse=True)
-        return entries
+        return {"snapshots": entries, "store_error": store_error}
 
     def get(self, snapshot_id: str) -> dict[str, Any]:
         validate_snapshot_id(snapshot_id)

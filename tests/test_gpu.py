@@ -8,9 +8,8 @@ implements the driver's checkpoint state machine, and a small GPU program
 
 from __future__ import annotations
 
-import ctypes
-
 import contextlib
+import ctypes
 import json
 import os
 import shutil

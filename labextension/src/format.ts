@@ -1,0 +1,230 @@
+/**
+ * Human-readable sizes, times, triggers and policies.
+ */
+import type { IJob, IPolicy, ISnapshot } from './tokens';
+
+const UNITS = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
+
+/** 1536 -> "1.5 KiB", 0 -> "0 B". */
+export function formatBytes(bytes: number | null | undefined): string {
+  if (bytes === null || bytes === undefined || !Number.isFinite(bytes)) {
+    return '?';
+  }
+  let value = Math.max(0, bytes);
+  let unit = 0;
+  while (value >= 1024 && unit < UNITS.length - 1) {
+    value /= 1024;
+    unit += 1;
+  }
+  if (unit === 0) {
+    return `${value} B`;
+  }
+  const digits = value >= 100 ? 0 : 1;
+  return `${value.toFixed(digits)} ${UNITS[unit]}`;
+}
+
+/** The time of an ISO date string, or null if it does not parse. */
+export function parseDate(value: string | null | undefined): Date | null {
+  if (!value) {
+    return null;
+  }
+  const date = new Date(value);
+  return Number.isNaN(date.getTime()) ? null : date;
+}
+
+/** "just now", "42 s ago", "3 min ago", "2 h ago", "yesterday", "5 days ago", or a date. */
+export function formatRelative(date: Date | null, now: number = Date.now()) {
+  if (!date) {
+    return 'unknown time';
+  }
+  const seconds = Math.round((now - date.getTime()) / 1000);
+  if (seconds < 0) {
+    return 'just now';
+  }
+  if (seconds < 10) {
+    return 'just now';
+  }
+  if (seconds < 60) {
+    return `${seconds} s ago`;
+  }
+  const minutes = Math.floor(seconds / 60);
+  if (minutes < 60) {
+    return `${minutes} min ago`;
+  }
+  const hours = Math.floor(minutes / 60);
+  if (hours < 24) {
+    return `${hours} h ago`;
+  }
+  const days = Math.floor(hours / 24);
+  if (days === 1) {
+    return 'yesterday';
+  }
+  if (days < 30) {
+    return `${days} days ago`;
+  }
+  return date.toLocaleDateString();
+}
+
+/** The full local date and time, for a tooltip. */
+export function formatAbsolute(date: Date | null): string {
+  if (!date) {
+    return '';
+  }
+  return date.toLocaleString(undefined, {
+    year: 'numeric',
+    month: 'short',
+    day: 'numeric',
+    hour: '2-digit',
+    minute: '2-digit',
+    second: '2-digit',
+    timeZoneName: 'short'
+  });
+}
+
+/** 90 -> "1 min 30 s", 1800 -> "30 min", 7200 -> "2 h". */
+export function formatDuration(seconds: number): string {
+  if (seconds < 1) {
+    return `${Math.round(seconds * 1000)} ms`;
+  }
+  if (seconds < 60) {
+    return `${+seconds.toFixed(seconds < 10 ? 2 : 0)} s`;
+  }
+  const minutes = Math.floor(seconds / 60);
+  const rest = Math.round(seconds % 60);
+  if (minutes < 60) {
+    return rest ? `${minutes} min ${rest} s` : `${minutes} min`;
+  }
+  const hours = Math.floor(minutes / 60);
+  const restMinutes = minutes % 60;
+  return restMinutes ? `${hours} h ${restMinutes} min` : `${hours} h`;
+}
+
+const TRIGGERS: { [key: string]: string } = {
+  manual: 'manual',
+  periodic: 'periodic',
+  'idle-suspend': 'idle suspend',
+  'before-shutdown': 'before shutdown'
+};
+
+/** "idle-suspend" -> "idle suspend". */
+export function formatTrigger(trigger: string | null | undefined): string {
+  if (!trigger) {
+    return 'unknown';
+  }
+  return TRIGGERS[trigger] ?? trigger.replace(/-/g, ' ');
+}
+
+const STATUSES: { [key: string]: string } = {
+  complete: 'complete',
+  uploading: 'uploading',
+  'upload-failed': 'upload failed'
+};
+
+export function formatStatus(status: string | null | undefined): string {
+  if (!status) {
+    return 'unknown';
+  }
+  return STATUSES[status] ?? status.replace(/-/g, ' ');
+}
+
+/** The GPU models a snapshot used, e.g. "NVIDIA H200". */
+export function gpuModels(snapshot: ISnapshot): string {
+  const gpus = snapshot.gpu?.gpus ?? [];
+  const used = new Set(snapshot.gpu?.used_gpus ?? []);
+  const chosen = gpus.filter(gpu => gpu.uuid && used.has(gpu.uuid));
+  const names = new Set(
+    (chosen.length ? chosen : gpus.slice(0, 1))
+      .map(gpu => gpu.name)
+      .filter((name): name is string => !!name)
+  );
+  return [...names].join(', ');
+}
+
+/** The file name of a notebook path. */
+export function baseName(path: string | null | undefined): string {
+  if (!path) {
+    return '';
+  }
+  const parts = path.split('/');
+  return parts[parts.length - 1] || path;
+}
+
+const PHASES: { [key: string]: string } = {
+  queued: 'Waiting',
+  dumping: 'Dumping memory',
+  'gpu-checkpoint': 'Checkpointing GPU memory',
+  hashing: 'Hashing',
+  uploading: 'Uploading',
+  downloading: 'Downloading',
+  verifying: 'Verifying',
+  restoring: 'Restoring',
+  done: 'Done'
+};
+
+const KINDS: { [key: string]: string } = {
+  snapshot: 'Snapshot',
+  restore: 'Restore',
+  suspend: 'Suspend',
+  resume: 'Resume'
+};
+
+/** "Snapshot", "Restore"... */
+export function formatKind(kind: string): string {
+  return KINDS[kind] ?? kind;
+}
+
+/** "Uploading 12.0 MiB of 40.0 MiB". */
+export function formatPhase(job: IJob): string {
+  const phase = PHASES[job.phase] ?? job.phase.replace(/-/g, ' ');
+  const phaseText = phase.charAt(0).toUpperCase() + phase.slice(1);
+  if (job.total_bytes > 0 && job.phase !== 'done') {
+    return `${phaseText}: ${formatBytes(job.done_bytes)} of ${formatBytes(job.total_bytes)}`;
+  }
+  return phaseText;
+}
+
+/** The fraction of the job done, when it reports bytes (null otherwise). */
+export function jobFraction(job: IJob): number | null {
+  if (job.total_bytes > 0) {
+    return Math.min(1, Math.max(0, job.done_bytes / job.total_bytes));
+  }
+  return null;
+}
+
+/** The policy as label/value pairs for the panel. */
+export function policyLines(policy: IPolicy): [string, string][] {
+  const lines: [string, string][] = [];
+  const store = policy.store ?? 'local';
+  lines.push([
+    'Store',
+    policy.location ? `${store}: ${policy.location}` : String(store)
+  ]);
+  const periodic = policy.periodic_interval ?? 0;
+  lines.push([
+    'Periodic snapshots',
+    periodic > 0
+      ? `every ${formatDuration(periodic)} (kernels that ran something)`
+      : 'off'
+  ]);
+  const keep = policy.keep_last ?? 0;
+  lines.push([
+    'Kept per notebook',
+    keep > 0 ? `last ${keep} (the newest is never deleted)` : 'all'
+  ]);
+  const budget = policy.max_store_bytes ?? 0;
+  lines.push(['Store budget', budget > 0 ? formatBytes(budget) : 'none']);
+  const idle = policy.idle_suspend_after ?? 0;
+  lines.push([
+    'Idle suspend',
+    idle > 0
+      ? `after ${formatDuration(idle)} idle (${
+          policy.suspend_cpu_kernels ? 'all kernels' : 'GPU kernels only'
+        })`
+      : 'off'
+  ]);
+  lines.push([
+    'Before server shutdown',
+    policy.snapshot_before_shutdown ? 'snapshot every kernel' : 'no snapshot'
+  ]);
+  return lines;
+}

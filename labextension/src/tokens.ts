@@ -1,0 +1,211 @@
+/**
+ * Interfaces, tokens and command ids of the Kernel Snapshots extension.
+ *
+ * The wire formats mirror `jupyter_ext/openapi.yaml` (REST API) and
+ * `jupyter_ext/events/snapshot.yaml` (server events).
+ */
+import { Token } from '@lumino/coreutils';
+import type { IDisposable } from '@lumino/disposable';
+import type { ISignal } from '@lumino/signaling';
+
+/** The id of this extension's plugins and of its settings. */
+export const PLUGIN_ID = 'jupyter-kernel-snapshots:plugin';
+
+/** The jupyter_events schema the server extension emits. */
+export const EVENT_SCHEMA_ID =
+  'https://events.jupyter.org/jupyter_kernel_snapshots/snapshot/v1';
+
+/** The kernelspec whose kernels can be snapshotted. */
+export const SNAPSHOT_KERNEL_NAME = 'python3-snapshot';
+
+/** Its display name, as the kernel picker shows it. */
+export const SNAPSHOT_KERNEL_DISPLAY_NAME = 'Python 3 (snapshots)';
+
+/** Command ids. */
+export namespace CommandIDs {
+  export const snapshot = 'kernel-snapshots:snapshot';
+  export const suspend = 'kernel-snapshots:suspend';
+  export const resume = 'kernel-snapshots:resume';
+  export const openPanel = 'kernel-snapshots:open-panel';
+  export const refresh = 'kernel-snapshots:refresh';
+  export const toggleShowAll = 'kernel-snapshots:toggle-show-all';
+  export const useSnapshotKernel = 'kernel-snapshots:use-snapshot-kernel';
+}
+
+/** What the server says went wrong: `{"message", "reason", "code", "hint", "log_excerpt"}`. */
+export interface IErrorBody {
+  message?: string;
+  reason?: string;
+  code?: string;
+  hint?: string;
+  log_excerpt?: string;
+}
+
+export type Trigger = 'manual' | 'periodic' | 'idle-suspend' | 'before-shutdown';
+
+export type SnapshotStatus = 'complete' | 'uploading' | 'upload-failed';
+
+/** One snapshot, as listed by `GET /api/snapshots`. */
+export interface ISnapshot {
+  id: string;
+  lineage: string;
+  sequence: number;
+  created: string;
+  trigger: Trigger | string;
+  status: SnapshotStatus | string;
+  error?: string;
+  notebook_path?: string | null;
+  kernel_id?: string | null;
+  kernel_spec?: { name?: string; kernel_id?: string; [key: string]: unknown };
+  host?: string;
+  total_bytes?: number;
+  stored_bytes?: number;
+  new_bytes?: number;
+  gpu?: {
+    gpus?: { name?: string; uuid?: string; [key: string]: unknown }[];
+    used_gpus?: string[];
+    [key: string]: unknown;
+  };
+  gpu_bytes?: number;
+  dump_seconds?: number;
+  pause_seconds?: number;
+  criu_version?: string;
+  product_version?: string;
+  kernel_release?: string;
+  python_version?: string;
+}
+
+export type JobKind = 'snapshot' | 'restore' | 'suspend' | 'resume';
+
+/** A snapshot, restore, suspend or resume in progress (or done). */
+export interface IJob {
+  id: string;
+  kind: JobKind | string;
+  kernel_id: string | null;
+  status: 'running' | 'done' | 'failed' | string;
+  /** queued, dumping, hashing, uploading, downloading, verifying, restoring, done */
+  phase: string;
+  done_bytes: number;
+  total_bytes: number;
+  started: number;
+  finished: number | null;
+  result: { [key: string]: any } | null;
+  error: IErrorBody | null;
+}
+
+export type KernelState =
+  | 'starting'
+  | 'running'
+  | 'snapshotting'
+  | 'restoring'
+  | 'dead'
+  | 'suspended'
+  | 'stopping';
+
+/** `GET /api/snapshots/kernels/{id}`: the wrapper's view of a kernel. */
+export interface IKernelStatus {
+  kernel_id: string;
+  /** Whether the kernel runs under the snapshot wrapper. */
+  snapshots: boolean;
+  /** Why not, when `snapshots` is false. */
+  reason?: string;
+  state?: KernelState | string;
+  execution_state?: string;
+  last_activity?: number;
+  executions_since_snapshot?: number;
+  periodic?: boolean;
+  lineage?: string;
+  sequence?: number;
+  wrapper_pid?: number;
+  inner_pid?: number | null;
+  job?: IJob | null;
+}
+
+/** `GET /api/snapshots/policy`: the server-side policy, read-only here. */
+export interface IPolicy {
+  store?: string;
+  location?: string;
+  periodic_interval?: number;
+  keep_last?: number;
+  max_store_bytes?: number;
+  snapshot_before_shutdown?: boolean;
+  idle_suspend_after?: number;
+  suspend_cpu_kernels?: boolean;
+  [key: string]: unknown;
+}
+
+export type SnapshotAction =
+  | 'started'
+  | 'progress'
+  | 'created'
+  | 'failed'
+  | 'restored'
+  | 'deleted'
+  | 'suspended'
+  | 'resumed';
+
+/** One server event of the snapshot schema (flat, as the events websocket sends it). */
+export interface ISnapshotEvent {
+  schema_id: string;
+  action: SnapshotAction;
+  kernel_id?: string | null;
+  snapshot_id?: string | null;
+  job_id?: string | null;
+  kind?: string | null;
+  trigger?: string | null;
+  phase?: string | null;
+  status?: string | null;
+  bytes?: number | null;
+  path?: string | null;
+  message?: string | null;
+  hint?: string | null;
+  reason?: string | null;
+}
+
+/** The notebook the panel is about: its path and kernel. */
+export interface INotebookTarget {
+  path: string;
+  /** The kernel of its session, if it has one. */
+  kernelId: string | null;
+  /** The kernelspec name of that kernel ('' when none). */
+  kernelName: string;
+  kernelDisplayName: string;
+}
+
+/** User settings (schema/plugin.json). */
+export interface ISnapshotSettings {
+  showAllByDefault: boolean;
+  confirmRestore: boolean;
+  confirmDelete: boolean;
+  refreshInterval: number;
+  offerRestoreOnOpen: boolean;
+  notifyBackground: boolean;
+}
+
+export const DEFAULT_SETTINGS: ISnapshotSettings = {
+  showAllByDefault: false,
+  confirmRestore: true,
+  confirmDelete: true,
+  refreshInterval: 10,
+  offerRestoreOnOpen: true,
+  notifyBackground: true
+};
+
+/** The panel's model, shared by the plugins. */
+export interface ISnapshotsModel extends IDisposable {
+  readonly changed: ISignal<ISnapshotsModel, void>;
+  readonly snapshots: readonly ISnapshot[];
+  readonly showAll: boolean;
+  readonly target: INotebookTarget | null;
+  readonly policy: IPolicy | null;
+  readonly error: Error | null;
+  readonly loading: boolean;
+  kernelStatus(kernelId: string | null | undefined): IKernelStatus | null;
+  jobsFor(kernelId: string | null | undefined): IJob[];
+  refresh(): Promise<void>;
+}
+
+export const ISnapshotsModel = new Token<ISnapshotsModel>(
+  'jupyter-kernel-snapshots:ISnapshotsModel',
+  'The snapshots of kernels on this server, their jobs and the server policy.'
+);

@@ -1,0 +1,2 @@
+/* Loaded by JupyterLab as the extension's style module. */
+import './base.css';

@@ -1,0 +1,270 @@
+"""Server-side policies with a real server and kernels: periodic snapshots, retention,
+snapshot before shutdown, events, and uploads that fail and are retried."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from jupyter_ext.app import EVENT_SCHEMA_ID
+from jupyter_ext.core.store import LocalStore
+
+from .s3server import CuttableProxy, MotoServer
+from .servers import ServerProcess, ws_execute
+from .test_server_extension import Fetch, call, start_kernel, wait_job  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
+from .test_server_extension import snapshot_kernelspec  # noqa: E402, F401
+
+BUCKET = "kernel-snapshots-policies"
+
+
+def base_config(tmp_path: Path, **extension: Any) -> dict[str, Any]:
+    return {
+        "ServerApp": {
+            "jpserver_extensions": {"jupyter_ext": True},
+            "allow_unauthenticated_access": False,
+        },
+        "SnapshotExtensionApp": {
+            "local_store_dir": str(tmp_path / "store"),
+            "work_dir": str(tmp_path / "work"),
+            "idle_suspend_after": 0,
+            "snapshot_before_shutdown": False,
+            "keep_last": 0,
+            "policy_tick": 0.2,
+            **extension,
+        },
+    }
+
+
+@pytest.fixture
+def running_extensions(jp_serverapp: Any, jp_asyncio_loop: Any) -> None:
+    """What a real server does once its loop runs (pytest-jupyter skips it): start the
+    extensions' background work, here the snapshot policies."""
+    jp_asyncio_loop.run_until_complete(jp_serverapp.extension_manager.start_all_extensions())
+
+
+async def until(condition: Any, timeout: float = 60) -> None:
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.usefixtures("running_extensions")
+class TestPeriodic:
+    @pytest.fixture
+    def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:
+        return base_config(tmp_path, periodic_interval=1.0)
+
+    async def test_only_kernels_that_ran_something(self, jp_fetch: Fetch, start_kernel) -> None:
+        import asyncio
+
+        kernel = await start_kernel()
+
+        async def periodic() -> list[dict[str, Any]]:
+            return (await call(jp_fetch, "GET", trigger="periodic"))["snapshots"]
+
+        await asyncio.sleep(2.5)
+        assert await periodic() == []  # nothing ran yet
+        await kernel.run("x = 1")
+
+        async def one() -> bool:
+            return len(await periodic()) == 1
+
+        await until(one)
+        await asyncio.sleep(2.5)
+        assert len(await periodic()) == 1  # nothing ran since
+
+        await call(jp_fetch, "PATCH", "kernels", kernel.id, body={"periodic": False})
+        await kernel.run("x = 2")
+        await asyncio.sleep(2.5)
+        assert len(await periodic()) == 1  # opted out
+
+        await call(jp_fetch, "PATCH", "kernels", kernel.id, body={"periodic": True})
+
+        async def two() -> bool:
+            return len(await periodic()) == 2
+
+        await until(two)
+        newest = (await periodic())[0]
+        assert newest["sequence"] == 2
+
+
+class TestRetention:
+    @pytest.fixture
+    def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:
+        return base_config(tmp_path, keep_last=2)
+
+    async def test_keep_last_per_notebook(self, jp_fetch: Fetch, start_kernel) -> None:
+        kernel = await start_kernel()
+        ids = []
+        for n in range(4):
+            await kernel.run(f"n = {n}")
+            job = await wait_job(
+                jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
+            )
+            ids.append(job["result"]["id"])
+        listed = [s["id"] for s in (await call(jp_fetch, "GET"))["snapshots"]]
+        assert listed == [ids[3], ids[2]]
+
+
+class TestByteBudget:
+    @pytest.fixture
+    def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:
+        return base_config(tmp_path, max_store_bytes=1)
+
+    async def test_never_deletes_the_newest(self, jp_fetch: Fetch, start_kernel) -> None:
+        kernel = await start_kernel()
+        for n in range(3):
+            await kernel.run(f"import numpy as np; a{n} = np.random.random(2**20)")
+            job = await wait_job(
+                jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
+            )
+        listed = (await call(jp_fetch, "GET"))["snapshots"]
+        assert [s["id"] for s in listed] == [job["result"]["id"]]
+
+
+class TestEvents:
+    @pytest.fixture
+    def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:
+        return base_config(tmp_path)
+
+    async def test_snapshot_restore_delete_events(
+        self, jp_fetch: Fetch, start_kernel, jp_serverapp: Any
+    ) -> None:
+        seen: list[dict[str, Any]] = []
+
+        async def listener(logger: Any, schema_id: str, data: dict[str, Any]) -> None:
+            seen.append(data)
+
+        jp_serverapp.event_logger.add_listener(schema_id=EVENT_SCHEMA_ID, listener=listener)
+        kernel = await start_kernel()
+        await kernel.run("y = 3")
+        job = await wait_job(
+            jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
+        )
+        snapshot_id = job["result"]["id"]
+        job = await wait_job(
+            jp_fetch,
+            (await call(jp_fetch, "POST", snapshot_id, "restore", body={"kernel_id": kernel.id}))[
+                "job"
+            ],
+        )
+        await call(jp_fetch, "DELETE", snapshot_id)
+        import asyncio
+
+        await asyncio.sleep(0.2)
+        actions = [e["action"] for e in seen]
+        assert actions[0] == "started"
+        assert "progress" in actions
+        assert actions.index("created") < actions.index("restored") < actions.index("deleted")
+        created = next(e for e in seen if e["action"] == "created")
+        assert created["snapshot_id"] == snapshot_id
+        assert created["kernel_id"] == kernel.id
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    patch = pytest.MonkeyPatch()
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
+        patch.setenv(name, value)
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    boto3.client("s3", endpoint_url=server.url).create_bucket(Bucket=BUCKET)
+    yield server
+    server.stop()
+    patch.undo()
+
+
+@pytest.fixture
+def proxy(moto: MotoServer) -> Iterator[CuttableProxy]:
+    proxy = CuttableProxy(moto.port)
+    yield proxy
+    proxy.close()
+
+
+@pytest.mark.usefixtures("running_extensions")
+class TestUploadFailure:
+    @pytest.fixture
+    def jp_server_config(self, tmp_path: Path, proxy: CuttableProxy) -> dict[str, Any]:
+        return base_config(
+            tmp_path,
+            store="s3",
+            s3_bucket=BUCKET,
+            s3_endpoint_url=proxy.url,
+            upload_retry_interval=0.5,
+        )
+
+    async def test_kept_locally_marked_and_retried(
+        self, jp_fetch: Fetch, start_kernel, proxy: CuttableProxy
+    ) -> None:
+        kernel = await start_kernel()
+        await kernel.run("z = 'kept'")
+        proxy.cut()
+        job = await wait_job(
+            jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"], 300
+        )
+        assert job["status"] == "done"
+        snapshot = job["result"]
+        assert snapshot["status"] == "upload-failed"
+        assert snapshot["error"]
+        listed = (await call(jp_fetch, "GET"))["snapshots"]
+        assert [(s["id"], s["status"]) for s in listed] == [(snapshot["id"], "upload-failed")]
+        # No record in the bucket: nothing there looks like a complete snapshot.
+        direct = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{proxy.target_port}")
+        keys = [o["Key"] for o in direct.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
+        assert not [key for key in keys if "/snapshots/" in key]
+        # The local copy restores even while the store is unreachable.
+        await kernel.run("z = 'changed'")
+        restored = await wait_job(
+            jp_fetch,
+            (
+                await call(
+                    jp_fetch, "POST", snapshot["id"], "restore", body={"kernel_id": kernel.id}
+                )
+            )["job"],
+        )
+        assert restored["status"] == "done", restored
+        assert (await kernel.run("print(z)")).strip() == "kept"
+
+        proxy.restore()
+
+        async def complete() -> bool:
+            listed = (await call(jp_fetch, "GET"))["snapshots"]
+            return [s["status"] for s in listed] == ["complete"]
+
+        await until(complete, timeout=120)
+
+
+def test_snapshot_before_shutdown(tmp_path: Path, snapshot_kernelspec: str) -> None:
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    config = base_config(tmp_path, snapshot_before_shutdown=True)
+    server = ServerProcess(tmp_path / "server", notebooks, config)
+    kernel = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+    ws_execute(server, kernel, "import numpy as np; w = np.ones(2**22)")
+    assert server.stop(signal.SIGTERM) == 0
+    stored = LocalStore(tmp_path / "store" / "users" / _owner()).list()
+    assert [s.manifest.trigger for s in stored] == ["before-shutdown"]
+    assert stored[0].manifest.kernel_spec["kernel_id"] == kernel
+
+
+def _owner() -> str:
+    import getpass
+    import os
+
+    return os.environ.get("JUPYTERHUB_USER") or getpass.getuser()
