@@ -40,4 +40,4 @@ def kernel_factory(tmp_path: Path, criu: Criu) -> Iterator[Callable[..., KernelP
             kernel.kill_all()
 
 
-pytest_plugins = ["pytest_jupyter.jupyter_server"]
+pytest_plugins = ["pytest_jupyter.jupyter_server", "tests.jupyter_api"]

@@ -7,6 +7,7 @@ like an S3 server or the notebooks' directory). Traffic stays on addresses we cr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -164,10 +165,8 @@ class ServerProcess:
         for pid in list(pids):
             pids.update(proctree.descendants(pid))
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.process.wait(10)
         self._log.close()
 

@@ -104,7 +104,7 @@ def test_restore_brings_gpu_state_back(gpu_kernel, tmp_path: Path, libcuda) -> N
 
 @pytest.mark.parametrize("failure", ["checkpoint", "lock_timeout", "lock"])
 def test_failing_gpu_step_rolls_back(gpu_kernel, tmp_path: Path, libcuda, failure: str) -> None:
-    kernel, state = gpu_kernel(fail=failure)
+    kernel, _state = gpu_kernel(fail=failure)
     kernel.execute(USE_GPU.format(lib=str(libcuda)))
     with pytest.raises(GpuCheckpointError) as info:
         kernel.snapshot(tmp_path / "snaps" / "s")

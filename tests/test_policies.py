@@ -4,7 +4,6 @@ snapshot before shutdown, events, and uploads that fail and are retried."""
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,49 +14,17 @@ import pytest
 from jupyter_ext.app import EVENT_SCHEMA_ID
 from jupyter_ext.core.store import LocalStore
 
+from .jupyter_api import Fetch, call, server_config, until, wait_job
 from .s3server import CuttableProxy, MotoServer
 from .servers import ServerProcess, ws_execute
-from .test_server_extension import Fetch, call, start_kernel, wait_job  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
-from .test_server_extension import snapshot_kernelspec  # noqa: E402, F401
 
 BUCKET = "kernel-snapshots-policies"
 
 
 def base_config(tmp_path: Path, **extension: Any) -> dict[str, Any]:
-    return {
-        "ServerApp": {
-            "jpserver_extensions": {"jupyter_ext": True},
-            "allow_unauthenticated_access": False,
-        },
-        "SnapshotExtensionApp": {
-            "local_store_dir": str(tmp_path / "store"),
-            "work_dir": str(tmp_path / "work"),
-            "idle_suspend_after": 0,
-            "snapshot_before_shutdown": False,
-            "keep_last": 0,
-            "policy_tick": 0.2,
-            **extension,
-        },
-    }
-
-
-@pytest.fixture
-def running_extensions(jp_serverapp: Any, jp_asyncio_loop: Any) -> None:
-    """What a real server does once its loop runs (pytest-jupyter skips it): start the
-    extensions' background work, here the snapshot policies."""
-    jp_asyncio_loop.run_until_complete(jp_serverapp.extension_manager.start_all_extensions())
-
-
-async def until(condition: Any, timeout: float = 60) -> None:
-    import asyncio
-
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(0.1)
+    return server_config(tmp_path, **extension)
 
 
 @pytest.mark.usefixtures("running_extensions")
@@ -66,7 +33,9 @@ class TestPeriodic:
     def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:
         return base_config(tmp_path, periodic_interval=1.0)
 
-    async def test_only_kernels_that_ran_something(self, jp_fetch: Fetch, start_kernel) -> None:
+    async def test_only_kernels_that_ran_something(
+        self, jp_fetch: Fetch, start_kernel: Any
+    ) -> None:
         import asyncio
 
         kernel = await start_kernel()
@@ -105,7 +74,7 @@ class TestRetention:
     def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:
         return base_config(tmp_path, keep_last=2)
 
-    async def test_keep_last_per_notebook(self, jp_fetch: Fetch, start_kernel) -> None:
+    async def test_keep_last_per_notebook(self, jp_fetch: Fetch, start_kernel: Any) -> None:
         kernel = await start_kernel()
         ids = []
         for n in range(4):
@@ -123,7 +92,7 @@ class TestByteBudget:
     def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:
         return base_config(tmp_path, max_store_bytes=1)
 
-    async def test_never_deletes_the_newest(self, jp_fetch: Fetch, start_kernel) -> None:
+    async def test_never_deletes_the_newest(self, jp_fetch: Fetch, start_kernel: Any) -> None:
         kernel = await start_kernel()
         for n in range(3):
             await kernel.run(f"import numpy as np; a{n} = np.random.random(2**20)")
@@ -140,7 +109,7 @@ class TestEvents:
         return base_config(tmp_path)
 
     async def test_snapshot_restore_delete_events(
-        self, jp_fetch: Fetch, start_kernel, jp_serverapp: Any
+        self, jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any
     ) -> None:
         seen: list[dict[str, Any]] = []
 
@@ -210,7 +179,7 @@ class TestUploadFailure:
         )
 
     async def test_kept_locally_marked_and_retried(
-        self, jp_fetch: Fetch, start_kernel, proxy: CuttableProxy
+        self, jp_fetch: Fetch, start_kernel: Any, proxy: CuttableProxy
     ) -> None:
         kernel = await start_kernel()
         await kernel.run("z = 'kept'")

@@ -2,111 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_client.asynchronous import AsyncKernelClient
 from tornado.httpclient import HTTPClientError
 
-from jupyter_ext.cli import install_kernelspec
+from .jupyter_api import Fetch, call, error_of, server_config, wait_job
 
-Fetch = Callable[..., Awaitable[Any]]
-
-pytestmark = pytest.mark.usefixtures("criu")
-
-
-@pytest.fixture(autouse=True)
-def snapshot_kernelspec(jp_environ: None) -> str:
-    """The server's kernels come from an isolated data dir: install ours there."""
-    return install_kernelspec(user=True)
+pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
 
 
 @pytest.fixture
 def jp_server_config(tmp_path: Path) -> dict[str, Any]:
-    return {
-        "ServerApp": {
-            "jpserver_extensions": {"jupyter_ext": True},
-            "allow_unauthenticated_access": False,
-        },
-        "SnapshotExtensionApp": {
-            "local_store_dir": str(tmp_path / "store"),
-            "work_dir": str(tmp_path / "work"),
-            "idle_suspend_after": 0,
-            "snapshot_before_shutdown": False,
-            "keep_last": 0,
-        },
-    }
-
-
-async def call(jp_fetch: Fetch, method: str, *path: str, body: Any = None, **params: str) -> Any:
-    kwargs: dict[str, Any] = {"method": method, "params": params}
-    if body is not None:
-        kwargs["body"] = json.dumps(body)
-    elif method in ("POST", "PATCH"):
-        kwargs["body"] = "{}"
-    response = await jp_fetch("api", "snapshots", *path, **kwargs)
-    return json.loads(response.body) if response.body else None
-
-
-async def error_of(jp_fetch: Fetch, method: str, *path: str, body: Any = None) -> tuple[int, dict]:
-    with pytest.raises(HTTPClientError) as info:
-        await call(jp_fetch, method, *path, body=body)
-    assert info.value.response is not None
-    return info.value.code, json.loads(info.value.response.body)
-
-
-async def wait_job(jp_fetch: Fetch, job: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
-    for _ in range(int(timeout * 20)):
-        job = await call(jp_fetch, "GET", "jobs", job["id"])
-        if job["status"] != "running":
-            return job
-        await asyncio.sleep(0.05)
-    raise TimeoutError(job)
-
-
-class Kernel:
-    def __init__(self, kernel_id: str, client: AsyncKernelClient) -> None:
-        self.id = kernel_id
-        self.client = client
-
-    async def run(self, code: str) -> str:
-        out: list[str] = []
-
-        def hook(msg: dict[str, Any]) -> None:
-            if msg["msg_type"] == "stream":
-                out.append(msg["content"]["text"])
-
-        reply = await self.client.execute_interactive(code, timeout=60, output_hook=hook)
-        assert reply["content"]["status"] == "ok", reply["content"]
-        return "".join(out)
-
-
-@pytest.fixture
-def start_kernel(jp_fetch: Fetch, jp_serverapp: Any, jp_asyncio_loop: Any) -> Any:
-    clients: list[AsyncKernelClient] = []
-
-    async def start(kernel_id: str | None = None) -> Kernel:
-        if kernel_id is None:
-            response = await jp_fetch(
-                "api", "kernels", method="POST", body=json.dumps({"name": "python3-snapshot"})
-            )
-            kernel_id = json.loads(response.body)["id"]
-        km = jp_serverapp.kernel_manager.get_kernel(kernel_id)
-        client = AsyncKernelClient(connection_file=km.connection_file)
-        client.load_connection_file()
-        client.start_channels()
-        await client.wait_for_ready(timeout=60)
-        clients.append(client)
-        return Kernel(kernel_id, client)
-
-    yield start
-    for client in clients:
-        client.stop_channels()
-    jp_asyncio_loop.run_until_complete(jp_serverapp.kernel_manager.shutdown_all(now=True))
+    return server_config(tmp_path)
 
 
 async def test_create_list_restore_in_place_delete(jp_fetch: Fetch, start_kernel: Any) -> None:
@@ -138,7 +48,7 @@ async def test_create_list_restore_in_place_delete(jp_fetch: Fetch, start_kernel
 
     await call(jp_fetch, "DELETE", snapshot["id"])
     assert (await call(jp_fetch, "GET"))["snapshots"] == []
-    code, error = await error_of(jp_fetch, "GET", snapshot["id"])
+    code, _error = await error_of(jp_fetch, "GET", snapshot["id"])
     assert code == 404
 
 

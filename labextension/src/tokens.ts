@@ -191,18 +191,51 @@ export const DEFAULT_SETTINGS: ISnapshotSettings = {
   notifyBackground: true
 };
 
+/** A job the panel follows, with how to report it. */
+export interface ITrackedJob {
+  job: IJob;
+  /** What it is about, e.g. the notebook's name. */
+  label: string;
+  /** Whether to show a notification when it ends (jobs the user started). */
+  notify: boolean;
+}
+
 /** The panel's model, shared by the plugins. */
 export interface ISnapshotsModel extends IDisposable {
+  /** Emitted whenever anything the panel shows changes. */
   readonly changed: ISignal<ISnapshotsModel, void>;
+  /** Emitted when a job starts being followed. */
+  readonly jobStarted: ISignal<ISnapshotsModel, ITrackedJob>;
+  /** Emitted when a followed job makes progress. */
+  readonly jobChanged: ISignal<ISnapshotsModel, ITrackedJob>;
+  /** Emitted once when a followed job is done or failed. */
+  readonly jobFinished: ISignal<ISnapshotsModel, ITrackedJob>;
   readonly snapshots: readonly ISnapshot[];
-  readonly showAll: boolean;
-  readonly target: INotebookTarget | null;
+  showAll: boolean;
+  target: INotebookTarget | null;
+  settings: ISnapshotSettings;
   readonly policy: IPolicy | null;
   readonly error: Error | null;
+  readonly loaded: boolean;
   readonly loading: boolean;
+  readonly jobs: ITrackedJob[];
+  kernelLabel: (kernelId: string | null) => string;
   kernelStatus(kernelId: string | null | undefined): IKernelStatus | null;
-  jobsFor(kernelId: string | null | undefined): IJob[];
+  jobsFor(kernelId: string | null | undefined): ITrackedJob[];
   refresh(): Promise<void>;
+  snapshot(kernelId: string): Promise<ITrackedJob>;
+  suspend(kernelId: string): Promise<ITrackedJob>;
+  resume(kernelId: string): Promise<ITrackedJob>;
+  restore(
+    snapshotId: string,
+    body: { kernel_id: string } | { path: string },
+    label?: string
+  ): Promise<ITrackedJob>;
+  delete(snapshotId: string): Promise<void>;
+  snapshotsOf(path: string): Promise<ISnapshot[]>;
+  fetchKernelStatus(kernelId: string): Promise<IKernelStatus>;
+  track(job: IJob, options?: { notify?: boolean; label?: string }): ITrackedJob;
+  waitFor(jobId: string): Promise<IJob>;
 }
 
 export const ISnapshotsModel = new Token<ISnapshotsModel>(

@@ -1,0 +1,535 @@
+/**
+ * The state behind the panel: snapshots of the current notebook (or all), the snapshot
+ * status of every kernel, the jobs in progress and the server policy.
+ *
+ * It polls the REST API (with backoff when the server fails) and listens to the server's
+ * snapshot events, so that work started elsewhere (periodic snapshots, idle suspend,
+ * another browser tab) shows up at once.
+ */
+import type { Event } from '@jupyterlab/services';
+import { ServerConnection } from '@jupyterlab/services';
+import { PromiseDelegate } from '@lumino/coreutils';
+import { Debouncer, Poll } from '@lumino/polling';
+import { ISignal, Signal } from '@lumino/signaling';
+
+import { describeError, jsonBody, requestAPI, SnapshotAPIError } from './request';
+import {
+  DEFAULT_SETTINGS,
+  EVENT_SCHEMA_ID,
+  IJob,
+  IKernelStatus,
+  INotebookTarget,
+  IPolicy,
+  ISnapshot,
+  ISnapshotEvent,
+  ISnapshotSettings,
+  ISnapshotsModel,
+  ITrackedJob
+} from './tokens';
+
+/** Kernel states that change by themselves soon: refresh quickly while one lasts. */
+const TRANSIENT_STATES = new Set([
+  'starting',
+  'snapshotting',
+  'restoring',
+  'stopping'
+]);
+
+/** How often a job in progress is looked at (ms). */
+const JOB_POLL_MS = 500;
+
+/** How often the list is refreshed while something is in progress (ms). */
+const FAST_REFRESH_MS = 1000;
+
+export class SnapshotsModel implements ISnapshotsModel {
+  constructor(options: SnapshotsModel.IOptions = {}) {
+    this._serverSettings =
+      options.serverSettings ?? ServerConnection.makeSettings();
+    this._settings = { ...DEFAULT_SETTINGS, ...options.settings };
+    this._showAll = this._settings.showAllByDefault;
+    this._events = options.events ?? null;
+    this._events?.stream.connect(this._onEvent, this);
+    this._refreshSoon = new Debouncer(() => this._poll.refresh(), 250);
+    this._refreshFast = new Debouncer(
+      () => this._poll.refresh(),
+      FAST_REFRESH_MS
+    );
+    this._poll = new Poll({
+      auto: options.auto ?? true,
+      factory: () => this._tick(),
+      frequency: {
+        interval: this._settings.refreshInterval * 1000,
+        backoff: true,
+        max: 5 * 60 * 1000
+      },
+      name: 'jupyter-kernel-snapshots:model',
+      standby: options.standby ?? 'when-hidden'
+    });
+  }
+
+  /** Emitted whenever anything the panel shows changes. */
+  get changed(): ISignal<this, void> {
+    return this._changed;
+  }
+
+  /** Emitted when a job starts being followed. */
+  get jobStarted(): ISignal<this, ITrackedJob> {
+    return this._jobStarted;
+  }
+
+  /** Emitted when a followed job makes progress (phase, bytes). */
+  get jobChanged(): ISignal<this, ITrackedJob> {
+    return this._jobChanged;
+  }
+
+  /** Emitted once when a followed job is done or failed. */
+  get jobFinished(): ISignal<this, ITrackedJob> {
+    return this._jobFinished;
+  }
+
+  get serverSettings(): ServerConnection.ISettings {
+    return this._serverSettings;
+  }
+
+  get snapshots(): readonly ISnapshot[] {
+    return this._snapshots;
+  }
+
+  /** Whether the list shows every snapshot in the store, not only the notebook's. */
+  get showAll(): boolean {
+    return this._showAll;
+  }
+  set showAll(value: boolean) {
+    if (value === this._showAll) {
+      return;
+    }
+    this._showAll = value;
+    this._snapshots = [];
+    this._loaded = false;
+    this._changed.emit();
+    void this._refreshSoon.invoke();
+  }
+
+  /** The notebook the panel is about (null when no notebook is current). */
+  get target(): INotebookTarget | null {
+    return this._target;
+  }
+  set target(value: INotebookTarget | null) {
+    const old = this._target;
+    if (
+      old === value ||
+      (old &&
+        value &&
+        old.path === value.path &&
+        old.kernelId === value.kernelId &&
+        old.kernelName === value.kernelName &&
+        old.kernelDisplayName === value.kernelDisplayName)
+    ) {
+      return;
+    }
+    this._target = value;
+    if (old?.path !== value?.path && !this._showAll) {
+      this._snapshots = [];
+      this._loaded = false;
+    }
+    this._changed.emit();
+    void this._refreshSoon.invoke();
+  }
+
+  get policy(): IPolicy | null {
+    return this._policy;
+  }
+
+  /** The last error of a refresh (null once a refresh succeeds). */
+  get error(): Error | null {
+    return this._error;
+  }
+
+  /** Whether the current list has been loaded at least once. */
+  get loaded(): boolean {
+    return this._loaded;
+  }
+
+  get loading(): boolean {
+    return this._loading;
+  }
+
+  get settings(): ISnapshotSettings {
+    return this._settings;
+  }
+  set settings(value: ISnapshotSettings) {
+    const interval = Math.max(1, value.refreshInterval) * 1000;
+    this._settings = { ...value };
+    if (this._poll.frequency.interval !== interval) {
+      this._poll.frequency = { ...this._poll.frequency, interval };
+    }
+    this._changed.emit();
+  }
+
+  /** A label for a kernel in notifications (e.g. its notebook's name). */
+  kernelLabel: (kernelId: string | null) => string = kernelId =>
+    kernelId ? `kernel ${kernelId.slice(0, 8)}` : 'a kernel';
+
+  get isDisposed(): boolean {
+    return this._isDisposed;
+  }
+
+  dispose(): void {
+    if (this._isDisposed) {
+      return;
+    }
+    this._isDisposed = true;
+    this._events?.stream.disconnect(this._onEvent, this);
+    this._poll.dispose();
+    this._refreshSoon.dispose();
+    this._refreshFast.dispose();
+    for (const tracked of this._jobs.values()) {
+      this._waiters.get(tracked.job.id)?.resolve(tracked.job);
+    }
+    this._jobs.clear();
+    this._waiters.clear();
+    Signal.clearData(this);
+  }
+
+  /** The snapshot status of a kernel, as last polled (null if unknown). */
+  kernelStatus(kernelId: string | null | undefined): IKernelStatus | null {
+    if (!kernelId) {
+      return null;
+    }
+    return this._kernels.get(kernelId) ?? null;
+  }
+
+  /** The jobs in progress on a kernel (or, for null, on no kernel). */
+  jobsFor(kernelId: string | null | undefined): ITrackedJob[] {
+    return [...this._jobs.values()].filter(
+      tracked => (tracked.job.kernel_id ?? null) === (kernelId ?? null)
+    );
+  }
+
+  /** Every job being followed. */
+  get jobs(): ITrackedJob[] {
+    return [...this._jobs.values()];
+  }
+
+  /** Refresh now; resolves once the refresh is done. */
+  async refresh(): Promise<void> {
+    await this._poll.refresh();
+    await this._poll.tick;
+  }
+
+  /** Snapshot a kernel (202 with a job that is followed until it ends). */
+  async snapshot(kernelId: string): Promise<ITrackedJob> {
+    const { job } = await requestAPI<{ job: IJob }>(
+      '',
+      jsonBody('POST', { kernel_id: kernelId }),
+      this._serverSettings
+    );
+    return this.track(job, { notify: true });
+  }
+
+  /** Snapshot a kernel and end its process; the next cell resumes it. */
+  async suspend(kernelId: string): Promise<ITrackedJob> {
+    const { job } = await requestAPI<{ job: IJob }>(
+      `kernels/${kernelId}/suspend`,
+      { method: 'POST' },
+      this._serverSettings
+    );
+    return this.track(job, { notify: true });
+  }
+
+  /** Bring a suspended kernel back now. */
+  async resume(kernelId: string): Promise<ITrackedJob> {
+    const { job } = await requestAPI<{ job: IJob }>(
+      `kernels/${kernelId}/resume`,
+      { method: 'POST' },
+      this._serverSettings
+    );
+    return this.track(job, { notify: true });
+  }
+
+  /**
+   * Restore a snapshot in place of the kernel `kernel_id`, or into a new kernel attached
+   * to the notebook `path`. A corrupt or incompatible snapshot is refused at once (422).
+   */
+  async restore(
+    snapshotId: string,
+    body: { kernel_id: string } | { path: string },
+    label?: string
+  ): Promise<ITrackedJob> {
+    const { job } = await requestAPI<{ job: IJob }>(
+      `${snapshotId}/restore`,
+      jsonBody('POST', body),
+      this._serverSettings
+    );
+    return this.track(job, { notify: true, label });
+  }
+
+  /** Delete a snapshot (chunks shared with other snapshots stay in the store). */
+  async delete(snapshotId: string): Promise<void> {
+    await requestAPI<void>(
+      snapshotId,
+      { method: 'DELETE' },
+      this._serverSettings
+    );
+    this._snapshots = this._snapshots.filter(s => s.id !== snapshotId);
+    this._changed.emit();
+    void this._refreshSoon.invoke();
+  }
+
+  /** The newest snapshots of a notebook, without changing what the panel shows. */
+  async snapshotsOf(path: string): Promise<ISnapshot[]> {
+    const { snapshots } = await requestAPI<{ snapshots: ISnapshot[] }>(
+      `?path=${encodeURIComponent(path)}`,
+      {},
+      this._serverSettings
+    );
+    return snapshots ?? [];
+  }
+
+  /** The snapshot status of one kernel, asked now. */
+  async fetchKernelStatus(kernelId: string): Promise<IKernelStatus> {
+    const status = await requestAPI<IKernelStatus>(
+      `kernels/${kernelId}`,
+      {},
+      this._serverSettings
+    );
+    this._kernels.set(kernelId, status);
+    this._changed.emit();
+    return status;
+  }
+
+  /**
+   * Follow a job until it ends (polling `GET /api/snapshots/jobs/{id}`; events speed it up).
+   * Following the same job twice merges the options.
+   */
+  track(job: IJob, options: { notify?: boolean; label?: string } = {}) {
+    let tracked = this._jobs.get(job.id);
+    if (tracked) {
+      tracked.notify = tracked.notify || !!options.notify;
+      tracked.label = options.label ?? tracked.label;
+      this._merge(tracked, job);
+      return tracked;
+    }
+    tracked = {
+      job,
+      notify: !!options.notify,
+      label: options.label ?? this.kernelLabel(job.kernel_id)
+    };
+    this._jobs.set(job.id, tracked);
+    this._jobStarted.emit(tracked);
+    this._changed.emit();
+    if (job.status !== 'running') {
+      this._finish(tracked);
+    } else {
+      void this._follow(tracked);
+    }
+    return tracked;
+  }
+
+  /** Resolves with the job once it is done or failed. */
+  waitFor(jobId: string): Promise<IJob> {
+    const tracked = this._jobs.get(jobId);
+    if (!tracked) {
+      return Promise.reject(new Error(`Job ${jobId} is not followed.`));
+    }
+    let waiter = this._waiters.get(jobId);
+    if (!waiter) {
+      waiter = new PromiseDelegate<IJob>();
+      this._waiters.set(jobId, waiter);
+    }
+    return waiter.promise;
+  }
+
+  private async _tick(): Promise<void> {
+    const target = this._target;
+    const showAll = this._showAll;
+    const settings = this._serverSettings;
+    const query = showAll
+      ? ''
+      : target
+        ? `?path=${encodeURIComponent(target.path)}`
+        : null;
+    this._loading = true;
+    this._changed.emit();
+    try {
+      const [list, kernels, policy] = await Promise.all([
+        query === null
+          ? Promise.resolve({ snapshots: [] as ISnapshot[] })
+          : requestAPI<{ snapshots: ISnapshot[] }>(query, {}, settings),
+        requestAPI<{ kernels: IKernelStatus[] }>('kernels', {}, settings),
+        this._policy
+          ? Promise.resolve(this._policy)
+          : requestAPI<IPolicy>('policy', {}, settings)
+      ]);
+      if (this._isDisposed) {
+        return;
+      }
+      this._kernels = new Map(
+        (kernels.kernels ?? []).map(status => [status.kernel_id, status])
+      );
+      this._policy = policy;
+      this._error = null;
+      // A newer target or switch won: its own refresh is on the way.
+      if (target === this._target && showAll === this._showAll) {
+        this._snapshots = list.snapshots ?? [];
+        this._loaded = true;
+      }
+      for (const status of this._kernels.values()) {
+        if (status.job && status.job.status === 'running') {
+          this.track(status.job);
+        }
+      }
+    } catch (error) {
+      this._error =
+        error instanceof Error ? error : new Error(describeError(error).message);
+      throw error;
+    } finally {
+      this._loading = false;
+      if (!this._isDisposed) {
+        this._changed.emit();
+        if (this._busy()) {
+          void this._refreshFast.invoke();
+        }
+      }
+    }
+  }
+
+  /** Whether something is in progress that the panel should follow closely. */
+  private _busy(): boolean {
+    if (this._jobs.size > 0) {
+      return true;
+    }
+    for (const status of this._kernels.values()) {
+      if (status.state && TRANSIENT_STATES.has(status.state)) {
+        return true;
+      }
+    }
+    return this._snapshots.some(s => s.status === 'uploading');
+  }
+
+  private async _follow(tracked: ITrackedJob): Promise<void> {
+    let failures = 0;
+    while (!this._isDisposed && this._jobs.get(tracked.job.id) === tracked) {
+      await new Promise(resolve => setTimeout(resolve, JOB_POLL_MS));
+      if (this._isDisposed || tracked.job.status !== 'running') {
+        break;
+      }
+      let job: IJob;
+      try {
+        job = await requestAPI<IJob>(
+          `jobs/${tracked.job.id}`,
+          {},
+          this._serverSettings
+        );
+      } catch (error) {
+        failures += 1;
+        if (
+          (error instanceof SnapshotAPIError && error.status === 404) ||
+          failures > 60
+        ) {
+          const { message, hint } = describeError(error);
+          this._merge(tracked, {
+            ...tracked.job,
+            status: 'failed',
+            error: {
+              message: `Lost track of the ${tracked.job.kind}: ${message}`,
+              hint: hint || 'Refresh the panel to see whether it finished.'
+            }
+          });
+          break;
+        }
+        continue;
+      }
+      failures = 0;
+      this._merge(tracked, job);
+    }
+    if (!this._isDisposed && this._jobs.get(tracked.job.id) === tracked) {
+      this._finish(tracked);
+    }
+  }
+
+  private _merge(tracked: ITrackedJob, job: IJob): void {
+    tracked.job = { ...tracked.job, ...job };
+    this._jobChanged.emit(tracked);
+    this._changed.emit();
+  }
+
+  private _finish(tracked: ITrackedJob): void {
+    this._jobs.delete(tracked.job.id);
+    this._jobFinished.emit(tracked);
+    this._waiters.get(tracked.job.id)?.resolve(tracked.job);
+    this._waiters.delete(tracked.job.id);
+    this._changed.emit();
+    void this._refreshSoon.invoke();
+  }
+
+  private _onEvent(_: unknown, emission: Event.Emission): void {
+    if (emission.schema_id !== EVENT_SCHEMA_ID) {
+      return;
+    }
+    const event = emission as unknown as ISnapshotEvent;
+    const jobId = event.job_id ?? null;
+    if (jobId) {
+      const tracked = this._jobs.get(jobId);
+      if (tracked) {
+        if (event.action === 'progress' && event.phase) {
+          this._merge(tracked, { ...tracked.job, phase: event.phase });
+        }
+      } else if (['started', 'progress', 'failed'].includes(event.action)) {
+        // Work started elsewhere (periodic, idle suspend, another tab): follow it too.
+        const job: IJob = {
+          id: jobId,
+          kind: event.kind ?? 'snapshot',
+          kernel_id: event.kernel_id ?? null,
+          status: 'running',
+          phase: event.phase ?? 'queued',
+          done_bytes: 0,
+          total_bytes: 0,
+          started: Date.now() / 1000,
+          finished: null,
+          result: null,
+          error: null
+        };
+        this.track(job, { notify: false });
+      }
+    }
+    void this._refreshSoon.invoke();
+  }
+
+  private _changed = new Signal<this, void>(this);
+  private _jobStarted = new Signal<this, ITrackedJob>(this);
+  private _jobChanged = new Signal<this, ITrackedJob>(this);
+  private _jobFinished = new Signal<this, ITrackedJob>(this);
+  private _serverSettings: ServerConnection.ISettings;
+  private _settings: ISnapshotSettings;
+  private _events: Event.IManager | null;
+  private _poll: Poll;
+  private _refreshSoon: Debouncer;
+  private _refreshFast: Debouncer;
+  private _snapshots: ISnapshot[] = [];
+  private _kernels = new Map<string, IKernelStatus>();
+  private _jobs = new Map<string, ITrackedJob>();
+  private _waiters = new Map<string, PromiseDelegate<IJob>>();
+  private _policy: IPolicy | null = null;
+  private _target: INotebookTarget | null = null;
+  private _showAll = false;
+  private _error: Error | null = null;
+  private _loaded = false;
+  private _loading = false;
+  private _isDisposed = false;
+}
+
+export namespace SnapshotsModel {
+  export interface IOptions {
+    /** The server to talk to (default: the page's). */
+    serverSettings?: ServerConnection.ISettings;
+    /** The server's event stream (`app.serviceManager.events`). */
+    events?: Event.IManager | null;
+    /** The user's settings (defaults: DEFAULT_SETTINGS). */
+    settings?: Partial<ISnapshotSettings>;
+    /** Whether to start polling at once (default: true). */
+    auto?: boolean;
+    /** When to stop polling (default: when the page is hidden). */
+    standby?: Poll.Standby | (() => boolean | Poll.Standby);
+  }
+}

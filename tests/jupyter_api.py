@@ -1,0 +1,137 @@
+"""Helpers for tests against an in-process jupyter_server (pytest-jupyter)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_client.asynchronous import AsyncKernelClient
+from tornado.httpclient import HTTPClientError
+
+from jupyter_ext.cli import install_kernelspec
+
+Fetch = Callable[..., Awaitable[Any]]
+
+
+@pytest.fixture
+def snapshot_kernelspec(jp_environ: None) -> str:
+    """The server's kernels come from an isolated data dir: install ours there."""
+    return install_kernelspec(user=True)
+
+
+def server_config(tmp_path: Path, **extension: Any) -> dict[str, Any]:
+    """jupyter_server config with the extension on a local store in ``tmp_path``."""
+    return {
+        "ServerApp": {
+            "jpserver_extensions": {"jupyter_ext": True},
+            "allow_unauthenticated_access": False,
+        },
+        "SnapshotExtensionApp": {
+            "local_store_dir": str(tmp_path / "store"),
+            "work_dir": str(tmp_path / "work"),
+            "idle_suspend_after": 0,
+            "snapshot_before_shutdown": False,
+            "keep_last": 0,
+            "policy_tick": 0.2,
+            **extension,
+        },
+    }
+
+
+async def call(jp_fetch: Fetch, method: str, *path: str, body: Any = None, **params: str) -> Any:
+    kwargs: dict[str, Any] = {"method": method, "params": params}
+    if body is not None:
+        kwargs["body"] = json.dumps(body)
+    elif method in ("POST", "PATCH"):
+        kwargs["body"] = "{}"
+    response = await jp_fetch("api", "snapshots", *path, **kwargs)
+    return json.loads(response.body) if response.body else None
+
+
+async def error_of(jp_fetch: Fetch, method: str, *path: str, body: Any = None) -> tuple[int, dict]:
+    with pytest.raises(HTTPClientError) as info:
+        await call(jp_fetch, method, *path, body=body)
+    assert info.value.response is not None
+    return info.value.code, json.loads(info.value.response.body)
+
+
+async def wait_job(jp_fetch: Fetch, job: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+    for _ in range(int(timeout * 20)):
+        job = await call(jp_fetch, "GET", "jobs", job["id"])
+        if job["status"] != "running":
+            return job
+        await asyncio.sleep(0.05)
+    raise TimeoutError(job)
+
+
+class Kernel:
+    def __init__(self, kernel_id: str, client: AsyncKernelClient) -> None:
+        self.id = kernel_id
+        self.client = client
+
+    async def run(self, code: str) -> str:
+        out: list[str] = []
+
+        def hook(msg: dict[str, Any]) -> None:
+            if msg["msg_type"] == "stream":
+                out.append(msg["content"]["text"])
+
+        reply = await self.client.execute_interactive(code, timeout=60, output_hook=hook)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        return "".join(out)
+
+
+@pytest.fixture
+def start_kernel(jp_fetch: Fetch, jp_serverapp: Any, jp_asyncio_loop: Any) -> Any:
+    clients: list[AsyncKernelClient] = []
+
+    async def start(kernel_id: str | None = None) -> Kernel:
+        if kernel_id is None:
+            response = await jp_fetch(
+                "api", "kernels", method="POST", body=json.dumps({"name": "python3-snapshot"})
+            )
+            kernel_id = json.loads(response.body)["id"]
+        km = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+        client = AsyncKernelClient(connection_file=km.connection_file)
+        client.load_connection_file()
+        client.start_channels()
+        await client.wait_for_ready(timeout=60)
+        clients.append(client)
+        return Kernel(kernel_id, client)
+
+    yield start
+    for client in clients:
+        client.stop_channels()
+    jp_asyncio_loop.run_until_complete(jp_serverapp.kernel_manager.shutdown_all(now=True))
+
+
+@pytest.fixture
+def running_extensions(jp_serverapp: Any, jp_asyncio_loop: Any) -> None:
+    """What a real server does once its loop runs (pytest-jupyter skips it): start the
+    extensions' background work, here the snapshot policies."""
+    jp_asyncio_loop.run_until_complete(jp_serverapp.extension_manager.start_all_extensions())
+
+
+async def until(condition: Callable[[], Awaitable[bool]], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.1)
+
+
+async def snapshot(jp_fetch: Fetch, kernel_id: str) -> dict[str, Any]:
+    """Create a snapshot and wait for its job."""
+    return await wait_job(
+        jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel_id}))["job"]
+    )
+
+
+async def restore(jp_fetch: Fetch, snapshot_id: str, **body: str) -> dict[str, Any]:
+    answer = await call(jp_fetch, "POST", snapshot_id, "restore", body=body)
+    return await wait_job(jp_fetch, answer["job"])
