@@ -22,6 +22,15 @@ EVENT_SCHEMA = Path(__file__).parent / "events" / "snapshot.yaml"
 EVENT_SCHEMA_ID = "https://events.jupyter.org/jupyter_kernel_snapshots/snapshot/v1"
 
 
+def holds_gpu(status: dict[str, Any]) -> bool:
+    """Whether a kernel holds GPU memory: by NVML's count, or (without NVML) because its
+    processes use CUDA at all."""
+    gpu = status.get("gpu") or {}
+    if gpu.get("bytes") is None:
+        return bool(gpu.get("processes"))
+    return bool(gpu.get("bytes"))
+
+
 class SnapshotExtensionApp(ExtensionApp):
     """Snapshots of whole kernel processes, periodically and on demand."""
 
@@ -207,7 +216,7 @@ class SnapshotExtensionApp(ExtensionApp):
                     await self.manager.suspend_idle(
                         self.idle_suspend_after,
                         gpu_only=not self.suspend_cpu_kernels,
-                        gpu_kernels=lambda status: bool(status.get("gpu_bytes")),
+                        gpu_kernels=holds_gpu,
                     )
                 if now - last_retry >= self.upload_retry_interval:
                     last_retry = now

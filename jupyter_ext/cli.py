@@ -268,7 +268,9 @@ class ListApp(_SnapshotCommand):
             answer = self.server().call("GET", "", path=self.path, kernel_id=self.kernel_id)
             snapshots = answer["snapshots"]
             if answer.get("store_error"):
-                print(f"warning: the store is unreachable: {answer['store_error']}", file=sys.stderr)
+                print(
+                    f"warning: the store is unreachable: {answer['store_error']}", file=sys.stderr
+                )
         if self.as_json:
             print(json.dumps(snapshots, indent=1))
         else:

@@ -59,6 +59,7 @@ from jupyter_ext.core.gpu import (
     check_restore_compatible,
     find_cuda_processes,
     gpu_record,
+    kernel_gpu_status,
     open_backend,
     plan_gpu_pairs,
 )
@@ -729,8 +730,16 @@ class KernelWrapper:
             await writer.drain()
         writer.close()
 
-    async def _op_status(self, progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    async def _op_status(
+        self, progress: Callable[[dict[str, Any]], None], gpu: bool = True
+    ) -> dict[str, Any]:
+        """What the server shows and its policies decide on; ``gpu`` adds GPU accounting."""
+        gpu_status: dict[str, Any] = {"processes": 0, "bytes": 0, "utilization": 0}
+        if gpu and self.inner_pid is not None:
+            pids = proctree.descendants(self.inner_pid)
+            gpu_status = await asyncio.to_thread(kernel_gpu_status, pids)
         return {
+            "gpu": gpu_status,
             "state": self.state.value,
             "inner_pid": self.inner_pid,
             "wrapper_pid": os.getpid(),

@@ -237,3 +237,48 @@ def _owner() -> str:
     import os
 
     return os.environ.get("JUPYTERHUB_USER") or getpass.getuser()
+
+
+@pytest.mark.usefixtures("running_extensions")
+class TestIdleGpuSuspend:
+    @pytest.fixture
+    def jp_server_config(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+        from .fakecuda.build import build_fakecuda
+
+        self.libcuda = build_fakecuda(tmp_path / "fakecuda")
+        (tmp_path / "fakecuda-state").mkdir()
+        monkeypatch.setenv("JUPYTER_SNAPSHOT_LIBCUDA", str(self.libcuda))
+        monkeypatch.setenv("FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda-state"))
+        return base_config(tmp_path, idle_suspend_after=1.5)
+
+    async def test_idle_gpu_kernel_suspends_and_next_cell_resumes(
+        self, jp_fetch: Fetch, start_kernel: Any
+    ) -> None:
+        import asyncio
+
+        from .test_gpu_kernel import USE_GPU
+
+        gpu_kernel = await start_kernel()
+        cpu_kernel = await start_kernel()
+        assert (await gpu_kernel.run(USE_GPU.format(lib=str(self.libcuda)))).strip() == "True"
+        await cpu_kernel.run("x = 1")
+        status = await call(jp_fetch, "GET", "kernels", gpu_kernel.id)
+        assert status["gpu"]["processes"] == 1
+        inner = status["inner_pid"]
+
+        async def suspended() -> bool:
+            state = (await call(jp_fetch, "GET", "kernels", gpu_kernel.id))["state"]
+            return state == "suspended"
+
+        await until(suspended, timeout=60)
+        assert not Path(f"/proc/{inner}").exists()  # the process ended: its GPU is free
+        await asyncio.sleep(2)
+        cpu_status = await call(jp_fetch, "GET", "kernels", cpu_kernel.id)
+        assert cpu_status["state"] == "running"  # CPU kernels are left alone by default
+        listed = (await call(jp_fetch, "GET", trigger="idle-suspend"))["snapshots"]
+        assert [s["kernel_id"] for s in listed] == [gpu_kernel.id]
+
+        # The next cell brings the kernel back by itself, with its GPU state.
+        assert (await gpu_kernel.run("print(device_ok())")).strip() == "True"
+        status = await call(jp_fetch, "GET", "kernels", gpu_kernel.id)
+        assert status["state"] == "running"

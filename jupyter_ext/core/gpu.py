@@ -813,6 +813,41 @@ def _nvml_process_usage(pids: set[int], nvml: Any | None) -> dict[int, dict[str,
         return None
 
 
+def process_gpu_utilization(pids: Iterable[int], *, nvml: Any | None = None) -> dict[int, int]:
+    """Recent SM utilization (percent) of each process that NVML has samples for."""
+    wanted = set(pids)
+    result: dict[int, int] = {}
+    try:
+        with _nvml_session(nvml) as lib:
+            for index in range(int(lib.nvmlDeviceGetCount())):
+                handle = lib.nvmlDeviceGetHandleByIndex(index)
+                with contextlib.suppress(Exception):  # no samples yet: NVMLError_NotFound
+                    for sample in lib.nvmlDeviceGetProcessUtilization(handle, 0):
+                        if int(sample.pid) in wanted:
+                            pid = int(sample.pid)
+                            result[pid] = max(result.get(pid, 0), int(sample.smUtil))
+    except _NvmlUnavailable:
+        return {}
+    return result
+
+
+def kernel_gpu_status(pids: Iterable[int], *, nvml: Any | None = None) -> dict[str, Any]:
+    """GPU accounting for one kernel's processes: how many use CUDA, the GPU memory they
+    hold and their utilization (both None where NVML cannot tell, e.g. without a driver)."""
+    cuda_pids = find_cuda_processes(list(pids), nvml=nvml)
+    if not cuda_pids:
+        return {"processes": 0, "bytes": 0, "utilization": 0}
+    usage = _nvml_process_usage(set(cuda_pids), nvml)
+    if usage is None:
+        return {"processes": len(cuda_pids), "bytes": None, "utilization": None}
+    utilization = process_gpu_utilization(cuda_pids, nvml=nvml)
+    return {
+        "processes": len(cuda_pids),
+        "bytes": sum(sum(per_gpu.values()) for per_gpu in usage.values()),
+        "utilization": max(utilization.values(), default=0),
+    }
+
+
 def process_gpu_usage(pids: Iterable[int], *, nvml: Any | None = None) -> dict[int, dict[str, int]]:
     """GPU memory each process holds, per GPU UUID; empty when NVML does not answer."""
     return _nvml_process_usage(set(pids), nvml) or {}

@@ -1,0 +1,360 @@
+/**
+ * What the panel, the commands and the restore offer do with a notebook: take, restore,
+ * delete, suspend; with the confirmations the settings ask for.
+ */
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
+import type { NotebookPanel } from '@jupyterlab/notebook';
+import type { ServiceManager } from '@jupyterlab/services';
+import * as React from 'react';
+
+import {
+  baseName,
+  formatAbsolute,
+  formatBytes,
+  formatKind,
+  formatRelative,
+  formatTrigger,
+  parseDate
+} from './format';
+import { describeError } from './request';
+import {
+  IJob,
+  INotebookTarget,
+  ISnapshot,
+  ISnapshotsModel,
+  SNAPSHOT_KERNEL_DISPLAY_NAME,
+  SNAPSHOT_KERNEL_NAME
+} from './tokens';
+
+/** What the actions need besides the model. */
+export interface IActionContext {
+  model: ISnapshotsModel;
+  services: ServiceManager.IManager;
+  /** The open notebook with that path, if any. */
+  findNotebook: (path: string) => NotebookPanel | null;
+  /** Open a notebook (after a restore into a new kernel). */
+  openNotebook: (path: string) => void;
+}
+
+/** The notebook target of a notebook panel: its path and kernel. */
+export function notebookTarget(
+  panel: NotebookPanel,
+  services: ServiceManager.IManager
+): INotebookTarget {
+  const sessionContext = panel.sessionContext;
+  const kernel = sessionContext.session?.kernel ?? null;
+  return {
+    path: services.contents.localPath(panel.context.path),
+    kernelId: kernel?.id ?? null,
+    kernelName: kernel?.name ?? '',
+    kernelDisplayName: kernel ? sessionContext.kernelDisplayName : ''
+  };
+}
+
+/** Whether a notebook's kernel is a snapshot kernel (by its kernelspec or the server). */
+export function isSnapshotKernel(
+  model: ISnapshotsModel,
+  target: INotebookTarget | null
+): boolean {
+  if (!target?.kernelId) {
+    return false;
+  }
+  const status = model.kernelStatus(target.kernelId);
+  return (
+    status?.snapshots === true ||
+    (target.kernelName === SNAPSHOT_KERNEL_NAME && status === null)
+  );
+}
+
+/** Show an error with its message, hint and CRIU log (if any). */
+export function showErrorDialog(
+  title: string,
+  error: { message?: string; hint?: string; log_excerpt?: string }
+): Promise<unknown> {
+  const body = React.createElement(
+    'div',
+    { className: 'jp-KernelSnapshots-errorDetails' },
+    React.createElement('p', null, error.message || 'Unknown error.'),
+    error.hint
+      ? React.createElement(
+          'p',
+          null,
+          React.createElement('strong', null, 'What to do: '),
+          error.hint
+        )
+      : null,
+    error.log_excerpt
+      ? React.createElement('pre', null, error.log_excerpt)
+      : null
+  );
+  return showDialog({ title, body, buttons: [Dialog.okButton()] });
+}
+
+/** Report a request that failed before any job existed. */
+export function notifyError(what: string, error: unknown): void {
+  const { message, hint } = describeError(error);
+  Notification.error(`${what}: ${message}${hint ? ` ${hint}` : ''}`, {
+    autoClose: false,
+    actions: [
+      {
+        label: 'Details',
+        callback: () => void showErrorDialog(what, { message, hint })
+      }
+    ]
+  });
+}
+
+/** "the snapshot of Untitled.ipynb from 3 min ago (manual, 40.0 MiB)". */
+export function describeSnapshot(snapshot: ISnapshot): string {
+  const date = parseDate(snapshot.created);
+  const size = snapshot.stored_bytes ?? snapshot.total_bytes;
+  const name = baseName(snapshot.notebook_path) || 'a kernel';
+  return (
+    `the snapshot of ${name} from ${formatRelative(date)} ` +
+    `(${formatTrigger(snapshot.trigger)}, ${formatBytes(size)}, ${formatAbsolute(date)})`
+  );
+}
+
+/** Ask for a snapshot of a notebook's kernel; the model follows the job. */
+export async function snapshotNotebook(
+  context: IActionContext,
+  panel: NotebookPanel
+): Promise<IJob | null> {
+  const { model, services } = context;
+  const target = notebookTarget(panel, services);
+  if (!target.kernelId) {
+    notifyError(
+      `Cannot snapshot ${baseName(target.path)}`,
+      notSnapshotKernelError(target)
+    );
+    return null;
+  }
+  if (
+    target.kernelName !== SNAPSHOT_KERNEL_NAME &&
+    model.kernelStatus(target.kernelId)?.snapshots !== true
+  ) {
+    notifyKernelChoice(panel, target);
+    return null;
+  }
+  try {
+    const tracked = await model.snapshot(target.kernelId);
+    tracked.label = baseName(target.path);
+    return tracked.job;
+  } catch (error) {
+    notifyError(`Snapshot of ${baseName(target.path)} failed`, error);
+    return null;
+  }
+}
+
+/** Suspend (snapshot, then end the process) or resume a notebook's kernel. */
+export async function suspendOrResume(
+  context: IActionContext,
+  panel: NotebookPanel,
+  action: 'suspend' | 'resume'
+): Promise<IJob | null> {
+  const { model, services } = context;
+  const target = notebookTarget(panel, services);
+  if (!target.kernelId || !isSnapshotKernel(model, target)) {
+    notifyKernelChoice(panel, target);
+    return null;
+  }
+  try {
+    const tracked =
+      action === 'suspend'
+        ? await model.suspend(target.kernelId)
+        : await model.resume(target.kernelId);
+    tracked.label = baseName(target.path);
+    return tracked.job;
+  } catch (error) {
+    notifyError(
+      `${formatKind(action)} of ${baseName(target.path)} failed`,
+      error
+    );
+    return null;
+  }
+}
+
+function notSnapshotKernelError(target: INotebookTarget) {
+  return {
+    message: target.kernelId
+      ? `${baseName(target.path)} runs "${target.kernelDisplayName || target.kernelName}", not a snapshot kernel.`
+      : `${baseName(target.path)} has no kernel.`,
+    hint: `Choose the kernel "${SNAPSHOT_KERNEL_DISPLAY_NAME}".`
+  };
+}
+
+/** Tell the user that this needs the snapshot kernel, with a button to switch to it. */
+export function notifyKernelChoice(
+  panel: NotebookPanel,
+  target: INotebookTarget
+): void {
+  const { message, hint } = notSnapshotKernelError(target);
+  Notification.warning(`${message} ${hint}`, {
+    autoClose: 10000,
+    actions: [
+      {
+        label: `Use ${SNAPSHOT_KERNEL_DISPLAY_NAME}`,
+        callback: () => void useSnapshotKernel(panel)
+      }
+    ]
+  });
+}
+
+/** Switch a notebook to a new snapshot kernel. */
+export async function useSnapshotKernel(panel: NotebookPanel): Promise<void> {
+  try {
+    await panel.sessionContext.changeKernel({ name: SNAPSHOT_KERNEL_NAME });
+  } catch (error) {
+    notifyError(
+      `Cannot start "${SNAPSHOT_KERNEL_DISPLAY_NAME}" for ${baseName(panel.context.path)}`,
+      error
+    );
+  }
+}
+
+/**
+ * Restore a snapshot for its notebook.
+ *
+ * - The notebook's kernel is a snapshot kernel: restore in place (`kernel_id`).
+ * - It runs another kernel: a new kernel attached to the notebook (`path`); the notebook
+ *   then connects to it and the old kernel is shut down.
+ * - The notebook is open without a kernel: a snapshot kernel is started, then restored in
+ *   place (so that the open notebook keeps one session).
+ * - The notebook is not open: a new kernel attached to it (`path`), then it is opened.
+ */
+export async function restoreSnapshot(
+  context: IActionContext,
+  snapshot: ISnapshot,
+  options: { confirm: boolean; path?: string }
+): Promise<IJob | null> {
+  const { model, services } = context;
+  const path = options.path ?? snapshot.notebook_path ?? '';
+  const panel = path ? context.findNotebook(path) : null;
+  const target = panel ? notebookTarget(panel, services) : null;
+  const name = baseName(path) || 'a new kernel';
+  const inPlace = !!target?.kernelId && isSnapshotKernel(model, target);
+
+  if (options.confirm) {
+    const body = inPlace
+      ? `The kernel of ${name} goes back to ${describeSnapshot(snapshot)}. ` +
+        'Everything it holds now (variables, imports, open files) is replaced.'
+      : target?.kernelId
+        ? `${name} gets a new kernel from ${describeSnapshot(snapshot)}. ` +
+          `Its current kernel (${target.kernelDisplayName || target.kernelName}) is shut down.`
+        : `${name} gets a kernel restored from ${describeSnapshot(snapshot)}.`;
+    const result = await showDialog({
+      title: 'Restore snapshot?',
+      body,
+      buttons: [
+        Dialog.cancelButton(),
+        Dialog.warnButton({ label: 'Restore', ariaLabel: 'Restore snapshot' })
+      ],
+      defaultButton: 1
+    });
+    if (!result.button.accept) {
+      return null;
+    }
+  }
+
+  try {
+    if (panel && target && !target.kernelId) {
+      // An open notebook without a kernel: give it a snapshot kernel, restore into it.
+      await panel.sessionContext.changeKernel({ name: SNAPSHOT_KERNEL_NAME });
+      const kernelId = panel.sessionContext.session?.kernel?.id;
+      if (!kernelId) {
+        throw new Error(`No kernel could be started for ${name}.`);
+      }
+      return await finishRestore(
+        context,
+        await model.restore(snapshot.id, { kernel_id: kernelId }, name)
+      );
+    }
+    if (inPlace && target?.kernelId) {
+      return await finishRestore(
+        context,
+        await model.restore(snapshot.id, { kernel_id: target.kernelId }, name)
+      );
+    }
+    const oldKernelId = target?.kernelId ?? null;
+    const tracked = await model.restore(
+      snapshot.id,
+      path ? { path } : ({} as { path: string }),
+      name
+    );
+    const job = await finishRestore(context, tracked);
+    const newKernelId = job?.result?.kernel_id as string | undefined;
+    if (job?.status === 'done' && newKernelId) {
+      if (panel) {
+        // The server pointed the notebook's session at the new kernel: follow it.
+        await panel.sessionContext.changeKernel({ id: newKernelId });
+        if (oldKernelId && oldKernelId !== newKernelId) {
+          await shutdownIfUnused(services, oldKernelId);
+        }
+      } else if (path) {
+        context.openNotebook(path);
+      }
+    }
+    return job;
+  } catch (error) {
+    notifyError(`Restore of ${name} failed`, error);
+    return null;
+  }
+}
+
+async function finishRestore(
+  context: IActionContext,
+  tracked: { job: IJob }
+): Promise<IJob> {
+  const job = await context.model.waitFor(tracked.job.id);
+  void context.model.refresh();
+  return job;
+}
+
+/** Shut a kernel down if no session uses it any more. */
+async function shutdownIfUnused(
+  services: ServiceManager.IManager,
+  kernelId: string
+): Promise<void> {
+  await services.sessions.refreshRunning();
+  for (const session of services.sessions.running()) {
+    if (session.kernel?.id === kernelId) {
+      return;
+    }
+  }
+  try {
+    await services.kernels.shutdown(kernelId);
+  } catch {
+    // Already gone.
+  }
+}
+
+/** Delete a snapshot, after confirmation if the settings ask for it. */
+export async function deleteSnapshot(
+  context: IActionContext,
+  snapshot: ISnapshot,
+  options: { confirm: boolean }
+): Promise<boolean> {
+  if (options.confirm) {
+    const result = await showDialog({
+      title: 'Delete snapshot?',
+      body:
+        `Delete ${describeSnapshot(snapshot)}? This cannot be undone ` +
+        '(data shared with other snapshots stays in the store).',
+      buttons: [
+        Dialog.cancelButton(),
+        Dialog.warnButton({ label: 'Delete', ariaLabel: 'Delete snapshot' })
+      ],
+      defaultButton: 0
+    });
+    if (!result.button.accept) {
+      return false;
+    }
+  }
+  try {
+    await context.model.delete(snapshot.id);
+    return true;
+  } catch (error) {
+    notifyError('Cannot delete the snapshot', error);
+    return false;
+  }
+}

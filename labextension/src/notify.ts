@@ -1,0 +1,147 @@
+/**
+ * Notifications for jobs: one per job the user started (in progress, then done or failed
+ * with the server's reason), and for failures of background work if the settings ask.
+ */
+import { Notification } from '@jupyterlab/apputils';
+
+import { showErrorDialog } from './actions';
+import { formatBytes, formatKind, formatPhase, jobFraction } from './format';
+import type { ISnapshotsModel, ITrackedJob } from './tokens';
+
+const IN_PROGRESS: { [kind: string]: string } = {
+  snapshot: 'Snapshotting the kernel of',
+  restore: 'Restoring the kernel of',
+  suspend: 'Suspending the kernel of',
+  resume: 'Resuming the kernel of'
+};
+
+function progressMessage(tracked: ITrackedJob): string {
+  const { job, label } = tracked;
+  const what = IN_PROGRESS[job.kind] ?? `${formatKind(job.kind)} of`;
+  return `${what} ${label}: ${formatPhase(job)}`;
+}
+
+function doneMessage(tracked: ITrackedJob): {
+  message: string;
+  type: Notification.TypeOptions;
+} {
+  const { job, label } = tracked;
+  const result = job.result ?? {};
+  switch (job.kind) {
+    case 'snapshot':
+    case 'suspend': {
+      const size = result.stored_bytes ?? result.total_bytes;
+      const fresh =
+        typeof result.new_bytes === 'number'
+          ? `, ${formatBytes(result.new_bytes)} new`
+          : '';
+      if (result.status === 'upload-failed') {
+        return {
+          type: 'warning',
+          message:
+            `Snapshot of ${label} taken but not uploaded (kept on this machine, ` +
+            `retried later): ${result.error || 'upload failed'}`
+        };
+      }
+      const what =
+        job.kind === 'suspend'
+          ? `Kernel of ${label} suspended; running a cell resumes it`
+          : `Snapshot of ${label} taken`;
+      return {
+        type: 'success',
+        message: size !== undefined ? `${what} (${formatBytes(size)}${fresh}).` : `${what}.`
+      };
+    }
+    case 'restore':
+      return { type: 'success', message: `Kernel of ${label} restored.` };
+    case 'resume':
+      return { type: 'success', message: `Kernel of ${label} resumed.` };
+    default:
+      return { type: 'success', message: `${formatKind(job.kind)} done.` };
+  }
+}
+
+/** Show notifications for the model's jobs; returns a function that stops it. */
+export function connectNotifications(model: ISnapshotsModel): () => void {
+  const ids = new Map<string, string>();
+
+  const onStarted = (_: unknown, tracked: ITrackedJob) => {
+    if (!tracked.notify || ids.has(tracked.job.id)) {
+      return;
+    }
+    ids.set(
+      tracked.job.id,
+      Notification.emit(progressMessage(tracked), 'in-progress', {
+        autoClose: false,
+        progress: jobFraction(tracked.job) ?? undefined
+      })
+    );
+  };
+
+  const onChanged = (_: unknown, tracked: ITrackedJob) => {
+    if (tracked.notify && !ids.has(tracked.job.id)) {
+      onStarted(_, tracked);
+      return;
+    }
+    const id = ids.get(tracked.job.id);
+    if (id) {
+      Notification.update({
+        id,
+        message: progressMessage(tracked),
+        type: 'in-progress',
+        autoClose: false,
+        progress: jobFraction(tracked.job) ?? undefined
+      });
+    }
+  };
+
+  const onFinished = (_: unknown, tracked: ITrackedJob) => {
+    const { job, label } = tracked;
+    const id = ids.get(job.id);
+    ids.delete(job.id);
+    const failed = job.status === 'failed';
+    if (!tracked.notify && !(failed && model.settings.notifyBackground)) {
+      if (id) {
+        Notification.dismiss(id);
+      }
+      return;
+    }
+    let message: string;
+    let type: Notification.TypeOptions;
+    let actions: Notification.IAction[] = [];
+    if (failed) {
+      const error = job.error ?? {};
+      const title = `${formatKind(job.kind)} of ${label} failed`;
+      message = `${title}: ${error.message || 'unknown error'}${
+        error.hint ? ` ${error.hint}` : ''
+      }`;
+      type = 'error';
+      actions = [
+        {
+          label: 'Details',
+          callback: () => void showErrorDialog(title, error)
+        }
+      ];
+    } else {
+      ({ message, type } = doneMessage(tracked));
+    }
+    const options = {
+      autoClose: (failed ? false : 6000) as number | false,
+      actions
+    };
+    if (id) {
+      Notification.update({ id, message, type, ...options });
+    } else {
+      Notification.emit(message, type, options);
+    }
+  };
+
+  model.jobStarted.connect(onStarted);
+  model.jobChanged.connect(onChanged);
+  model.jobFinished.connect(onFinished);
+  return () => {
+    model.jobStarted.disconnect(onStarted);
+    model.jobChanged.disconnect(onChanged);
+    model.jobFinished.disconnect(onFinished);
+  };
+}
