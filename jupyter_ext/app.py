@@ -53,7 +53,9 @@ class SnapshotExtensionApp(ExtensionApp):
         help="""Directory of the local store. Default: <Jupyter data dir>/kernel_snapshots/store.
         Each user gets a sub-directory named after the server's identity.""",
     )
-    s3_bucket = Unicode("", config=True, help="S3 bucket for the s3 store (required for s3).")
+    s3_bucket = Unicode(
+        "", config=True, help='S3 bucket of the s3 store. Default: "" (required for "s3").'
+    )
     s3_prefix = Unicode(
         "kernel-snapshots",
         config=True,

@@ -274,6 +274,7 @@ def test_identical_second_snapshot_adds_no_chunks(store: Store, tmp_path: Path) 
     assert store.stats().chunk_count == first.chunk_count
 
 
+@pytest.mark.slow
 def test_changed_kernel_stores_under_two_percent(make_store: MakeStore, tmp_path: Path) -> None:
     """Pages inserted (shifting all later offsets) and changed: only nearby chunks are new."""
     store = make_store(chunking=SMALL_CHUNKS)

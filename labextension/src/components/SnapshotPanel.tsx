@@ -1,0 +1,384 @@
+import { ReactWidget, UseSignal } from '@jupyterlab/apputils';
+import type { NotebookPanel } from '@jupyterlab/notebook';
+import {
+  Button,
+  notebookIcon,
+  refreshIcon,
+  SidePanel,
+  ToolbarButton
+} from '@jupyterlab/ui-components';
+import * as React from 'react';
+
+import {
+  deleteSnapshot,
+  IActionContext,
+  isSnapshotKernel,
+  restoreSnapshot,
+  snapshotNotebook,
+  suspendOrResume,
+  useSnapshotKernel
+} from '../actions';
+import { baseName, policyLines } from '../format';
+import { snapshotIcon } from '../icons';
+import { describeError } from '../request';
+import {
+  IKernelStatus,
+  INotebookTarget,
+  IPolicy,
+  ISnapshot,
+  SNAPSHOT_KERNEL_DISPLAY_NAME,
+  SNAPSHOT_KERNEL_NAME
+} from '../tokens';
+import { Callout, JobProgress, ProgressBar, StateBadge, useNow } from './common';
+import { SnapshotItem } from './SnapshotItem';
+
+export interface ISnapshotViewProps {
+  actions: IActionContext;
+  /** The notebook panel the model's target is about. */
+  currentNotebook: () => NotebookPanel | null;
+}
+
+/** The kernel of the current notebook: state, actions, jobs in progress. */
+function TargetSection(
+  props: ISnapshotViewProps & {
+    target: INotebookTarget;
+    status: IKernelStatus | null;
+  }
+): JSX.Element {
+  const { actions, target, status } = props;
+  const { model } = actions;
+  const panel = props.currentNotebook();
+  const jobs = model.jobsFor(target.kernelId);
+  const snapshotKernel = isSnapshotKernel(model, target);
+  const state = status?.snapshots ? (status.state ?? 'running') : null;
+  const busy = jobs.length > 0 || (!!state && state !== 'running');
+  const [pending, setPending] = React.useState(false);
+
+  const run = (action: () => Promise<unknown>) => {
+    setPending(true);
+    void action().finally(() => setPending(false));
+  };
+
+  let notice: JSX.Element | null = null;
+  if (!target.kernelId) {
+    notice = (
+      <Callout kind="warning" title="No kernel">
+        <p>
+          This notebook has no kernel. Choose "{SNAPSHOT_KERNEL_DISPLAY_NAME}"
+          to take snapshots of it.
+        </p>
+        {panel && <UseKernelButton panel={panel} />}
+      </Callout>
+    );
+  } else if (!snapshotKernel) {
+    notice = (
+      <Callout kind="warning" title="Not a snapshot kernel">
+        <p>
+          This notebook's kernel is not a snapshot kernel: choose "
+          {SNAPSHOT_KERNEL_DISPLAY_NAME}".
+        </p>
+        {panel && <UseKernelButton panel={panel} />}
+      </Callout>
+    );
+  } else if (status && !status.snapshots) {
+    notice = (
+      <Callout kind="error" title="Snapshot wrapper not reachable">
+        <p>
+          {status.reason || 'The kernel does not answer.'} If the kernel is
+          restarting, wait a moment; if it died, restore a snapshot below.
+        </p>
+      </Callout>
+    );
+  } else if (state === 'suspended') {
+    notice = (
+      <Callout kind="info" title="Kernel suspended">
+        <p>
+          Its memory is saved in a snapshot and its process has ended (GPU
+          memory freed). Running a cell resumes it.
+        </p>
+      </Callout>
+    );
+  } else if (state === 'dead') {
+    notice = (
+      <Callout kind="error" title="Kernel process died">
+        <p>Restore a snapshot below, or restart the kernel.</p>
+      </Callout>
+    );
+  }
+
+  return (
+    <section
+      className="jp-KernelSnapshots-target"
+      aria-label="Current notebook kernel"
+    >
+      <div className="jp-KernelSnapshots-targetName" title={target.path}>
+        <notebookIcon.react tag="span" className="jp-KernelSnapshots-icon" />
+        <span className="jp-KernelSnapshots-ellipsis">
+          {baseName(target.path)}
+        </span>
+      </div>
+      <div className="jp-KernelSnapshots-kernel">
+        <span className="jp-KernelSnapshots-ellipsis">
+          {target.kernelId
+            ? target.kernelDisplayName || target.kernelName
+            : 'No kernel'}
+        </span>
+        {state && <StateBadge state={state} />}
+        {status?.snapshots &&
+          (status.executions_since_snapshot ?? 0) > 0 &&
+          state === 'running' && (
+            <span
+              className="jp-KernelSnapshots-dim"
+              title="Cells run since the last snapshot"
+            >
+              {status.executions_since_snapshot} cell
+              {status.executions_since_snapshot === 1 ? '' : 's'} since last
+              snapshot
+            </span>
+          )}
+      </div>
+      {notice}
+      {snapshotKernel && panel && (
+        <div className="jp-KernelSnapshots-targetActions">
+          <Button
+            small
+            className="jp-KernelSnapshots-take"
+            disabled={busy || pending}
+            onClick={() => run(() => snapshotNotebook(actions, panel))}
+            title="Snapshot the kernel now (it keeps running)"
+          >
+            <snapshotIcon.react tag="span" className="jp-KernelSnapshots-icon" />
+            Snapshot kernel
+          </Button>
+          {state === 'suspended' ? (
+            <Button
+              small
+              minimal
+              disabled={jobs.length > 0 || pending}
+              onClick={() => run(() => suspendOrResume(actions, panel, 'resume'))}
+              title="Bring the kernel back now"
+            >
+              Resume now
+            </Button>
+          ) : (
+            <Button
+              small
+              minimal
+              disabled={busy || pending}
+              onClick={() =>
+                run(() => suspendOrResume(actions, panel, 'suspend'))
+              }
+              title="Snapshot the kernel and end its process (frees its memory and GPU); the next cell brings it back"
+            >
+              Suspend now
+            </Button>
+          )}
+        </div>
+      )}
+      {jobs.map(tracked => (
+        <JobProgress key={tracked.job.id} job={tracked.job} />
+      ))}
+      {jobs.length === 0 && (state === 'restoring' || state === 'snapshotting') && (
+        <div className="jp-KernelSnapshots-job" role="status">
+          <div className="jp-KernelSnapshots-jobText">
+            {state === 'restoring'
+              ? 'Bringing the kernel back from its snapshot…'
+              : 'Taking a snapshot…'}
+          </div>
+          <ProgressBar fraction={null} label={state} />
+        </div>
+      )}
+    </section>
+  );
+}
+
+function UseKernelButton(props: { panel: NotebookPanel }): JSX.Element {
+  return (
+    <Button
+      small
+      onClick={() => void useSnapshotKernel(props.panel)}
+      title={`Start a "${SNAPSHOT_KERNEL_DISPLAY_NAME}" kernel (kernelspec ${SNAPSHOT_KERNEL_NAME}) for this notebook`}
+    >
+      Use {SNAPSHOT_KERNEL_DISPLAY_NAME}
+    </Button>
+  );
+}
+
+function PolicyView(props: { policy: IPolicy | null }): JSX.Element | null {
+  const { policy } = props;
+  if (!policy) {
+    return null;
+  }
+  return (
+    <details className="jp-KernelSnapshots-policy">
+      <summary>Server policy</summary>
+      <dl>
+        {policyLines(policy).map(([label, value]) => (
+          <React.Fragment key={label}>
+            <dt>{label}</dt>
+            <dd>{value}</dd>
+          </React.Fragment>
+        ))}
+      </dl>
+      <p className="jp-KernelSnapshots-dim">
+        Set by the server (SnapshotExtensionApp options); read-only here.
+      </p>
+    </details>
+  );
+}
+
+/** The whole panel's content. */
+export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
+  const { actions } = props;
+  const { model } = actions;
+  const now = useNow();
+  const target = model.target;
+  const status = model.kernelStatus(target?.kernelId);
+  const snapshots = model.snapshots;
+  const showAll = model.showAll;
+  const restoring = target ? model.jobsFor(target.kernelId).length > 0 : false;
+
+  const onRestore = (snapshot: ISnapshot) =>
+    void restoreSnapshot(actions, snapshot, {
+      confirm: model.settings.confirmRestore,
+      path:
+        !showAll && target && !snapshot.notebook_path ? target.path : undefined
+    });
+  const onDelete = (snapshot: ISnapshot) =>
+    void deleteSnapshot(actions, snapshot, {
+      confirm: model.settings.confirmDelete
+    });
+
+  let list: JSX.Element;
+  if (model.error && !model.loaded) {
+    const { message, hint } = describeError(model.error);
+    list = (
+      <Callout kind="error" title="Cannot load the snapshots">
+        <p>{message}</p>
+        {hint && <p>{hint}</p>}
+        <p className="jp-KernelSnapshots-dim">
+          Retrying by itself, less and less often.
+        </p>
+        <Button small onClick={() => void model.refresh().catch(() => undefined)}>
+          Retry now
+        </Button>
+      </Callout>
+    );
+  } else if (!showAll && !target) {
+    list = (
+      <p className="jp-KernelSnapshots-empty">
+        Open a notebook to see the snapshots of its kernel, or show all the
+        snapshots in the store.
+      </p>
+    );
+  } else if (!model.loaded) {
+    list = <p className="jp-KernelSnapshots-empty">Loading snapshots…</p>;
+  } else if (snapshots.length === 0) {
+    list = (
+      <p className="jp-KernelSnapshots-empty">
+        {showAll
+          ? 'The store holds no snapshots yet.'
+          : isSnapshotKernel(model, target)
+            ? 'No snapshots of this notebook yet. Take one with "Snapshot kernel" (here, in the notebook toolbar or in the Kernel menu).'
+            : 'No snapshots of this notebook.'}
+      </p>
+    );
+  } else {
+    list = (
+      <ul className="jp-KernelSnapshots-list" aria-label="Snapshots">
+        {snapshots.map((snapshot, index) => (
+          <SnapshotItem
+            key={snapshot.id}
+            snapshot={snapshot}
+            now={now}
+            newest={index === 0 && !showAll}
+            showPath={showAll}
+            disabled={restoring}
+            onRestore={onRestore}
+            onDelete={onDelete}
+          />
+        ))}
+      </ul>
+    );
+  }
+
+  return (
+    <div className="jp-KernelSnapshots-body">
+      {target && <TargetSection {...props} target={target} status={status} />}
+      <div className="jp-KernelSnapshots-listHeader">
+        <span className="jp-KernelSnapshots-listTitle">
+          {showAll ? 'All snapshots in the store' : 'Snapshots of this notebook'}
+          {model.loaded && snapshots.length > 0 ? ` (${snapshots.length})` : ''}
+        </span>
+        <label className="jp-KernelSnapshots-switch">
+          <input
+            type="checkbox"
+            role="switch"
+            checked={showAll}
+            onChange={event => {
+              model.showAll = event.currentTarget.checked;
+            }}
+          />
+          <span>Show all</span>
+        </label>
+      </div>
+      {model.error && model.loaded && (
+        <Callout kind="error">
+          <p>
+            Refresh failed: {describeError(model.error).message} (showing the
+            last list).
+          </p>
+        </Callout>
+      )}
+      {list}
+      <PolicyView policy={model.policy} />
+    </div>
+  );
+}
+
+/** The panel's content as a widget, re-rendered when the model changes. */
+export class SnapshotsWidget extends ReactWidget {
+  constructor(private _props: ISnapshotViewProps) {
+    super();
+    this.addClass('jp-KernelSnapshots-content');
+  }
+
+  render(): JSX.Element {
+    return (
+      <UseSignal signal={this._props.actions.model.changed}>
+        {() => <SnapshotsView {...this._props} />}
+      </UseSignal>
+    );
+  }
+}
+
+/** The "Kernel Snapshots" side panel: a header, a refresh button and the content. */
+export function createSnapshotPanel(props: ISnapshotViewProps): SidePanel {
+  const panel = new SidePanel();
+  panel.id = 'jp-kernel-snapshots';
+  panel.addClass('jp-KernelSnapshots');
+  panel.title.icon = snapshotIcon;
+  panel.title.caption = 'Kernel Snapshots';
+  const heading = new ReactWidgetHeading('Kernel Snapshots');
+  panel.header.addWidget(heading);
+  panel.toolbar.addItem(
+    'refresh',
+    new ToolbarButton({
+      icon: refreshIcon,
+      tooltip: 'Refresh the snapshots',
+      onClick: () => void props.actions.model.refresh().catch(() => undefined)
+    })
+  );
+  panel.addWidget(new SnapshotsWidget(props));
+  return panel;
+}
+
+class ReactWidgetHeading extends ReactWidget {
+  constructor(private _text: string) {
+    super();
+    this.addClass('jp-KernelSnapshots-header');
+  }
+  render(): JSX.Element {
+    return <h2>{this._text}</h2>;
+  }
+}
