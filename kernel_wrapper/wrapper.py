@@ -183,6 +183,8 @@ class KernelWrapper:
         self._criu: Criu | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._gpu_checkpointer: GpuCheckpointer | None = None
+        self.last_gpu_restore: dict[str, Any] = {}
+        """Timings of the CUDA restore of the last restore (empty without CUDA)."""
         self.suspended_snapshot: Path | None = None
         """The snapshot a suspended kernel comes back from."""
         self._discard_after_resume = False
@@ -914,11 +916,12 @@ class KernelWrapper:
         checkpoint = await asyncio.to_thread(self._gpu().checkpoint, cuda_pids)
         return record, checkpoint
 
-    async def _gpu_restore(self, manifest: Manifest, root: int) -> None:
-        """After CRIU restored the tree: CUDA restore and unlock of its CUDA processes."""
+    async def _gpu_restore(self, manifest: Manifest, root: int) -> dict[str, Any]:
+        """After CRIU restored the tree: CUDA restore and unlock of its CUDA processes.
+        Returns the step timings (empty without CUDA processes)."""
         ns_pids = manifest.gpu.get("ns_pids") or []
         if not ns_pids:
-            return
+            return {}
         by_ns = proctree.host_pids_by_ns_pid(root)
         missing = [p for p in ns_pids if p not in by_ns]
         if missing:
@@ -926,7 +929,8 @@ class KernelWrapper:
                 f"The restored kernel lacks the CUDA processes {missing} the snapshot recorded."
             )
         pairs = plan_gpu_pairs(manifest.gpu) if manifest.gpu.get("available") else None
-        await asyncio.to_thread(self._gpu().restore, [by_ns[p] for p in ns_pids], pairs)
+        done = await asyncio.to_thread(self._gpu().restore, [by_ns[p] for p in ns_pids], pairs)
+        return done.to_dict()
 
     async def _op_suspend(
         self,
@@ -965,7 +969,12 @@ class KernelWrapper:
                 hint="Wait for it to finish, then try again.",
             )
         manifest = await self._restore(Path(source), progress, verified=verified)
-        return {"inner_pid": self.inner_pid, "id": manifest.id, "lineage": manifest.lineage}
+        return {
+            "inner_pid": self.inner_pid,
+            "id": manifest.id,
+            "lineage": manifest.lineage,
+            "gpu": self.last_gpu_restore,
+        }
 
     async def _restore(
         self,
@@ -1010,7 +1019,7 @@ class KernelWrapper:
                 finally:
                     shutil.rmtree(work_dir, ignore_errors=True)
                 try:
-                    await self._gpu_restore(manifest, pid)
+                    self.last_gpu_restore = await self._gpu_restore(manifest, pid)
                 except BaseException:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)

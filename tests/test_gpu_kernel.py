@@ -100,6 +100,12 @@ def test_restore_brings_gpu_state_back(gpu_kernel, tmp_path: Path, libcuda) -> N
     restored.snapshot(tmp_path / "s2")
     assert calls(state)[-4:] == ["lock", "checkpoint", "restore", "unlock"]
     assert restored.execute("print(device_ok())").strip() == "True"
+    # A restore in place reports how long the CUDA steps took.
+    restored.kill_inner()
+    answer = restored.restore(tmp_path / "s2")
+    (timings,) = answer["gpu"]["timings"].values()
+    assert timings["restore_s"] > 0
+    assert restored.execute("print(device_ok())").strip() == "True"
 
 
 @pytest.mark.parametrize("failure", ["checkpoint", "lock_timeout", "lock"])

@@ -179,3 +179,29 @@ async def test_policy_and_kernel_status(jp_fetch: Fetch, start_kernel: Any) -> N
     assert status["periodic"] is False
     kernels = (await call(jp_fetch, "GET", "kernels"))["kernels"]
     assert [k["kernel_id"] for k in kernels] == [kernel.id]
+
+
+async def test_restart_and_shutdown_through_the_server(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any
+) -> None:
+    from jupyter_ext.core import proctree
+
+    kernel = await start_kernel()
+    await kernel.run("x = 1")
+    before = await call(jp_fetch, "GET", "kernels", kernel.id)
+    old = [before["wrapper_pid"], *proctree.descendants(before["wrapper_pid"])]
+    await jp_fetch("api", "kernels", kernel.id, "restart", method="POST", body="{}")
+    restarted = await start_kernel(kernel.id)
+    assert (await restarted.run("print('x' in globals())")).strip() == "False"
+    after = await call(jp_fetch, "GET", "kernels", kernel.id)
+    assert after["wrapper_pid"] != before["wrapper_pid"]
+    assert not any(proctree.is_alive(pid) for pid in old)
+    await jp_fetch("api", "kernels", kernel.id, method="DELETE")
+    now = [after["wrapper_pid"], *proctree.descendants(after["wrapper_pid"])]
+    import asyncio
+
+    for _ in range(100):
+        if not any(proctree.is_alive(pid) for pid in now):
+            break
+        await asyncio.sleep(0.1)
+    assert not any(proctree.is_alive(pid) for pid in now)

@@ -1,0 +1,159 @@
+"""The real GPU check: a PyTorch kernel on an NVIDIA GPU, snapshotted, killed, restored.
+
+Run on a machine with an NVIDIA GPU (driver >= 570), PyTorch, CRIU >= 4.2 and this
+package's dependencies importable (see bench/README.md for the device recipe):
+
+    python bench/gpu_check.py [--gib 10] [--json results.json]
+
+It starts a snapshot kernel that holds ``--gib`` GiB of CUDA tensors and a small model
+mid-training, records checksums, snapshots it (CUDA lock -> checkpoint -> CRIU dump ->
+restore -> unlock), kills it with kill -9, restores it into a new wrapper, and lets the
+restored kernel compare its tensors bit for bit and continue training. Then it suspends
+the kernel (NVML must show the GPU memory freed) and resumes it with the next cell.
+It prints timings and throughputs and exits non-zero if any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jupyter_ext.core.gpu import gpu_inventory, process_gpu_memory  # noqa: E402
+from jupyter_ext.core.humanize import human_bytes, human_seconds  # noqa: E402
+from jupyter_ext.core import proctree  # noqa: E402
+from tests.harness import KernelProcess  # noqa: E402
+
+SETUP = """
+import torch, time
+torch.manual_seed(0)
+assert torch.cuda.is_available(), "no CUDA in the kernel"
+GIB = {gib}
+blocks = [torch.randn(256 * 1024 * 1024, device="cuda") for _ in range(GIB)]  # 1 GiB each
+def fingerprint(t):
+    v = t.view(torch.int32).to(torch.int64)
+    w = torch.arange(v.numel(), device=v.device, dtype=torch.int64) % 65521 + 1
+    return (int(v.sum()), int((v * w).sum()), int(v[::4097].sum()))
+fingerprints = [fingerprint(b) for b in blocks]
+model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1)).cuda()
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+data = torch.randn(4096, 512, device="cuda"); target = data[:, :1] * 3.0
+def train(steps):
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(data), target)
+        loss.backward(); optimizer.step()
+    return float(loss)
+loss_before = train(50)
+torch.cuda.synchronize()
+print(GIB, loss_before)
+"""
+
+CHECK = """
+ok = all(fingerprint(b) == f for b, f in zip(blocks, fingerprints))
+loss_after = train(50)
+print(ok, loss_after < loss_before, loss_after)
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=int, default=10)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    inventory = gpu_inventory()
+    if not inventory.get("available"):
+        print(f"no usable NVIDIA GPU: {inventory.get('reason')}")
+        return 2
+    results: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "gpu": [g.get("name") for g in inventory.get("gpus", [])],
+        "driver": inventory.get("driver_version"),
+        "kernel_release": platform.release(),
+        "gib": args.gib,
+        "checks": {},
+    }
+    failures: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="gpu-check-", dir="/var/tmp") as tmp:
+        work = Path(tmp)
+        kernel = KernelProcess(work / "kernels")
+        t0 = time.monotonic()
+        out = kernel.execute(SETUP.format(gib=args.gib), timeout=600)
+        results["setup_seconds"] = time.monotonic() - t0
+        inner = kernel.status()["inner_pid"]
+        held = sum(process_gpu_memory(proctree.descendants(inner)).values())
+        results["gpu_bytes_held"] = held
+        print(f"kernel holds {human_bytes(held)} on the GPU ({out.strip()})")
+
+        t0 = time.monotonic()
+        manifest = kernel.snapshot(work / "snap")
+        results["snapshot_seconds"] = time.monotonic() - t0
+        timings = manifest["gpu"]["checkpoint"]["timings"]
+        per_pid = next(iter(timings.values()))
+        results["lock_seconds"] = per_pid["lock_s"]
+        results["checkpoint_seconds"] = per_pid["checkpoint_s"]
+        results["dump_seconds"] = manifest["dump_seconds"]
+        results["image_bytes"] = manifest["total_bytes"]
+        results["gpu_to_host_gb_s"] = held / per_pid["checkpoint_s"] / 1e9
+        kernel.kill_all()
+
+        t0 = time.monotonic()
+        restored = KernelProcess(work / "kernels", restore_from=work / "snap")
+        results["restore_seconds"] = time.monotonic() - t0
+        status = restored.status()
+        check = restored.execute(CHECK, timeout=600).split()
+        results["checks"]["tensors_bit_exact"] = check[0] == "True"
+        results["checks"]["training_continues"] = check[1] == "True"
+        # A second restore, in place through the control socket, reports the CUDA steps.
+        restored.kill_inner()
+        t0 = time.monotonic()
+        answer = restored.restore(work / "snap")
+        results["restore_in_place_seconds"] = time.monotonic() - t0
+        cuda_restore = next(iter(answer["gpu"]["timings"].values()))
+        results["cuda_restore_seconds"] = cuda_restore["restore_s"]
+        results["cuda_unlock_seconds"] = cuda_restore["unlock_s"]
+        results["host_to_gpu_gb_s"] = held / cuda_restore["restore_s"] / 1e9
+
+        inner = restored.status()["inner_pid"]
+        restored.control.request_sync("suspend", {"dest": str(work / "suspended")}, timeout=600)
+        freed = process_gpu_memory([inner])
+        results["checks"]["suspend_frees_gpu"] = not freed or sum(freed.values()) == 0
+        t0 = time.monotonic()
+        again = restored.execute("print(fingerprint(blocks[0]) == fingerprints[0])", timeout=600)
+        results["resume_seconds"] = time.monotonic() - t0
+        results["checks"]["resume_works"] = again.strip() == "True"
+        results["restored_state"] = status["state"]
+        restored.kill_all()
+
+    for name, ok in results["checks"].items():
+        print(f"[{'ok' if ok else 'FAIL'}] {name}")
+        if not ok:
+            failures.append(name)
+    print(
+        f"\nGPU {results['gpu']} driver {results['driver']}: {human_bytes(held)} of CUDA memory\n"
+        f"lock {human_seconds(results['lock_seconds'])}, checkpoint "
+        f"{human_seconds(results['checkpoint_seconds'])} "
+        f"({results['gpu_to_host_gb_s']:.1f} GB/s GPU->host; goal >= 25), "
+        f"CRIU dump {human_seconds(results['dump_seconds'])}, "
+        f"image {human_bytes(results['image_bytes'])}\n"
+        f"restore into a new wrapper {human_seconds(results['restore_seconds'])}, in place "
+        f"{human_seconds(results['restore_in_place_seconds'])}, of which CUDA restore "
+        f"{human_seconds(results['cuda_restore_seconds'])} "
+        f"({results['host_to_gpu_gb_s']:.1f} GB/s host->GPU), "
+        f"resume after suspend {human_seconds(results['resume_seconds'])}"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+/**
+ * After a node loss (or a server restart): a notebook opens, its kernel is gone, but the
+ * store has snapshots of it. Before JupyterLab starts a fresh kernel, offer to restore the
+ * newest snapshot instead (or to pick another one in the panel).
+ *
+ * JupyterLab starts a notebook's kernel in `SessionContext.initialize()`: if the server
+ * has a session for the path it connects to it, else it starts a new kernel. We run the
+ * offer first; a restore creates the session on the server (`POST .../restore` with the
+ * notebook `path`), so that `initialize()` then simply connects to the restored kernel.
+ */
+import { Dialog, showDialog } from '@jupyterlab/apputils';
+import type { NotebookPanel } from '@jupyterlab/notebook';
+import type { ServiceManager } from '@jupyterlab/services';
+import * as React from 'react';
+
+import { notifyError } from './actions';
+import {
+  baseName,
+  formatAbsolute,
+  formatBytes,
+  formatRelative,
+  formatTrigger,
+  parseDate
+} from './format';
+import type { ISnapshot, ISnapshotsModel } from './tokens';
+
+export interface IRecoveryOptions {
+  model: ISnapshotsModel;
+  services: ServiceManager.IManager;
+  /** Whether to offer at all (the `offerRestoreOnOpen` setting, read when a notebook opens). */
+  enabled: () => boolean;
+  /** Show the panel (the "Pick in panel" button). */
+  openPanel: () => void;
+}
+
+/** Wrap the session start of a new notebook panel with the restore offer. */
+export function offerRestoreOnOpen(
+  panel: NotebookPanel,
+  options: IRecoveryOptions
+): void {
+  const sessionContext = panel.sessionContext;
+  const initialize = sessionContext.initialize.bind(sessionContext);
+  let offered: Promise<void> | null = null;
+  sessionContext.initialize = () => {
+    if (!offered) {
+      offered = maybeOffer(panel, options).catch(error => {
+        console.warn('kernel snapshots: restore offer failed', error);
+      });
+    }
+    return offered.then(initialize);
+  };
+}
+
+/** Whether a notebook has a cell with code in it (a new, empty notebook gets no offer). */
+function hasCode(panel: NotebookPanel): boolean {
+  const cells = panel.context.model.cells;
+  for (let i = 0; i < cells.length; i++) {
+    const cell = cells.get(i);
+    if (cell.type === 'code' && cell.sharedModel.getSource().trim()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+async function maybeOffer(
+  panel: NotebookPanel,
+  options: IRecoveryOptions
+): Promise<void> {
+  const { model, services } = options;
+  const preference = panel.sessionContext.kernelPreference;
+  if (
+    !options.enabled() ||
+    preference.shouldStart === false ||
+    preference.canStart === false
+  ) {
+    return;
+  }
+  await panel.context.ready;
+  if (panel.isDisposed || !hasCode(panel)) {
+    return;
+  }
+  const path = services.contents.localPath(panel.context.path);
+  await services.sessions.ready;
+  await services.sessions.refreshRunning();
+  for (const session of services.sessions.running()) {
+    if (session.path === panel.context.path || session.path === path) {
+      return; // Its kernel is alive: JupyterLab connects to it.
+    }
+  }
+  const snapshots = await model.snapshotsOf(path);
+  if (snapshots.length === 0 || panel.isDisposed) {
+    return;
+  }
+  const newest = snapshots[0];
+  const choice = await askRestore(path, newest, snapshots.length);
+  if (choice === 'panel') {
+    options.openPanel();
+    return;
+  }
+  if (choice !== 'restore') {
+    return;
+  }
+  try {
+    const tracked = await model.restore(
+      newest.id,
+      { path },
+      baseName(path)
+    );
+    const job = await model.waitFor(tracked.job.id);
+    if (job.status === 'done') {
+      await services.sessions.refreshRunning();
+    }
+  } catch (error) {
+    notifyError(`Restore of ${baseName(path)} failed`, error);
+  }
+}
+
+async function askRestore(
+  path: string,
+  snapshot: ISnapshot,
+  count: number
+): Promise<'restore' | 'fresh' | 'panel'> {
+  const date = parseDate(snapshot.created);
+  const size = snapshot.stored_bytes ?? snapshot.total_bytes;
+  const body = React.createElement(
+    'div',
+    { className: 'jp-KernelSnapshots-offer' },
+    React.createElement(
+      'p',
+      null,
+      `${baseName(path)} has no running kernel, but its kernel was snapshotted `,
+      React.createElement(
+        'time',
+        { title: formatAbsolute(date), dateTime: snapshot.created },
+        formatRelative(date)
+      ),
+      ` (${formatTrigger(snapshot.trigger)}, ${formatBytes(size)}` +
+        `${snapshot.gpu_bytes ? `, GPU ${formatBytes(snapshot.gpu_bytes)}` : ''}` +
+        `${snapshot.host ? `, on ${snapshot.host}` : ''}).`
+    ),
+    React.createElement(
+      'p',
+      null,
+      'Restore it to get the variables back, or start a new kernel' +
+        (count > 1
+          ? ` (${count - 1} older snapshot${count > 2 ? 's are' : ' is'} in the Kernel Snapshots panel).`
+          : '.')
+    )
+  );
+  const result = await showDialog({
+    title: 'Restore the kernel from its snapshot?',
+    body,
+    buttons: [
+      Dialog.cancelButton({ label: 'Start new kernel' }),
+      Dialog.cancelButton({ label: 'Pick in panel', displayType: 'default' }),
+      Dialog.okButton({ label: 'Restore newest' })
+    ],
+    defaultButton: 2
+  });
+  switch (result.button.label) {
+    case 'Restore newest':
+      return 'restore';
+    case 'Pick in panel':
+      return 'panel';
+    default:
+      return 'fresh';
+  }
+}
