@@ -448,18 +448,17 @@ class SnapshotManager:
                         store.delete(s.manifest.id)
                         removed.append(s.manifest.id)
         if self.max_bytes > 0:
-            remaining = [s for s in snapshots if s.manifest.id not in removed]
-            total = sum(s.stored_bytes for s in remaining)
+            # Chunks are shared between snapshots: what a deletion frees is what the store
+            # says it holds afterwards, not the sum of the snapshots' sizes.
             candidates = sorted(
-                (s for s in remaining if s.manifest.id not in protected),
+                (s for s in snapshots if s.manifest.id not in protected | set(removed)),
                 key=lambda s: (-len(by_group[group(s)]), s.manifest.sequence),
             )
             for s in candidates:
-                if total <= self.max_bytes:
+                if store.stats().stored_bytes <= self.max_bytes:
                     break
                 store.delete(s.manifest.id)
                 removed.append(s.manifest.id)
-                total -= s.stored_bytes
         for snapshot_id in removed:
             self.emit("deleted", {"snapshot_id": snapshot_id, "reason": "retention"})
         return removed

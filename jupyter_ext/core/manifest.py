@@ -144,7 +144,13 @@ class Manifest:
                 f"The manifest of {snapshot_dir} cannot be read: {exc}",
                 hint="The snapshot is damaged; pick another one.",
             ) from exc
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except (TypeError, KeyError, AttributeError) as exc:
+            raise SnapshotCorruptError(
+                f"The manifest of {snapshot_dir} lacks fields or has wrong ones: {exc}",
+                hint="The snapshot is damaged; pick another one.",
+            ) from exc
 
 
 def _sha256(path: Path) -> str:
