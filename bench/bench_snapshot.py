@@ -27,9 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jupyter_ext.core.criu import Criu  # noqa: E402
-from jupyter_ext.core.humanize import human_bytes  # noqa: E402
-from tests.harness import KernelProcess, wait_until  # noqa: E402
+from jupyter_ext.core.criu import Criu
+from jupyter_ext.core.humanize import human_bytes
+from tests.harness import KernelProcess, wait_until
 
 STATE = """
 import numpy as np, threading, time
@@ -116,9 +116,21 @@ def bench_bare(mib: int, work: Path, criu: Criu) -> dict[str, float]:
     startup.write_text(STATE.format(mib=mib) + REPORTER.format(path=str(report)))
     env = {k: v for k, v in os.environ.items() if k != "JPY_PARENT_PID"}
     launcher = subprocess.Popen(
-        ["unshare", "--pid", "--fork", "--time", "setsid", sys.executable, "-c", BARE_KERNEL,
-         "-f", connection_file, "--HistoryManager.hist_file=:memory:",
-         "--IPKernelApp.parent_handle=1", f"--IPKernelApp.file_to_run={startup}"],
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--time",
+            "setsid",
+            sys.executable,
+            "-c",
+            BARE_KERNEL,
+            "-f",
+            connection_file,
+            "--HistoryManager.hist_file=:memory:",
+            "--IPKernelApp.parent_handle=1",
+            f"--IPKernelApp.file_to_run={startup}",
+        ],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -134,8 +146,19 @@ def bench_bare(mib: int, work: Path, criu: Criu) -> dict[str, float]:
         time.sleep(0.05)
         started = time.monotonic()
         subprocess.run(
-            [str(criu.path), "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log",
-             "-v4", "--file-locks", "--leave-running"],
+            [
+                str(criu.path),
+                "dump",
+                "-t",
+                str(pid),
+                "-D",
+                str(images),
+                "-o",
+                "dump.log",
+                "-v4",
+                "--file-locks",
+                "--leave-running",
+            ],
             check=True,
         )
         dump = time.monotonic() - started
@@ -150,8 +173,19 @@ def bench_bare(mib: int, work: Path, criu: Criu) -> dict[str, float]:
         wait_until(lambda: not Path(f"/proc/{pid}").exists(), what="bare kernel to die")
         started = time.monotonic()
         subprocess.run(
-            [str(criu.path), "restore", "-D", str(images), "-o", "restore.log", "-v4",
-             "--file-locks", "--restore-detached", "--pidfile", str(work / "restored.pid")],
+            [
+                str(criu.path),
+                "restore",
+                "-D",
+                str(images),
+                "-o",
+                "restore.log",
+                "-v4",
+                "--file-locks",
+                "--restore-detached",
+                "--pidfile",
+                str(work / "restored.pid"),
+            ],
             check=True,
         )
         restore = time.monotonic() - started

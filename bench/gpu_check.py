@@ -27,10 +27,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jupyter_ext.core.gpu import gpu_inventory, process_gpu_memory  # noqa: E402
-from jupyter_ext.core.humanize import human_bytes, human_seconds  # noqa: E402
-from jupyter_ext.core import proctree  # noqa: E402
-from tests.harness import KernelProcess  # noqa: E402
+from jupyter_ext.core import proctree
+from jupyter_ext.core.gpu import gpu_inventory, process_gpu_memory
+from jupyter_ext.core.humanize import human_bytes, human_seconds
+from tests.harness import KernelProcess
 
 SETUP = """
 import torch, time

@@ -1,6 +1,6 @@
 """The configuration reference (docs/configuration.md), generated from the traits.
 
-    python -m jupyter_ext.configdoc > docs/configuration.md
+python -m jupyter_ext.configdoc > docs/configuration.md
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import inspect
 from traitlets import TraitType
 
 from .app import SnapshotExtensionApp
-
 
 #: Traits whose default is computed at start (see their help).
 COMPUTED = ("owner", "local_store_dir", "work_dir")

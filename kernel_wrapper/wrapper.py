@@ -21,6 +21,7 @@ Snapshots and restores are asked for over a private control socket
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import enum
@@ -31,11 +32,13 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -84,6 +87,8 @@ INNER_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5, "fork_
 INNER_ROUTING_ID = b"kernel-snapshot-wrapper"
 #: How long the wrapper waits for the inner kernel to drop its connections before a dump.
 DISCONNECT_TIMEOUT = 5.0
+#: How long the last forwarded requests get to leave our sockets before we half-close.
+DISCONNECT_FLUSH = 0.002
 PR_SET_PDEATHSIG = 1
 
 
@@ -104,6 +109,42 @@ def _set_parent_death_signal() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+_TWINS: weakref.WeakKeyDictionary[zmq.asyncio.Socket, zmq.Socket[bytes]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def sync_socket(sock: zmq.asyncio.Socket) -> zmq.Socket[bytes]:
+    """The blocking twin of an asyncio socket (same libzmq socket), for calls that must not
+    be interrupted by a cancellation."""
+    twin = _TWINS.get(sock)
+    if twin is None:
+        twin = _TWINS[sock] = zmq.Socket.shadow(sock.underlying)
+    return twin
+
+
+def take_all(sock: zmq.asyncio.Socket) -> list[list[bytes]]:
+    """Every message waiting on ``sock``, without waiting."""
+    sync = sync_socket(sock)
+    batch: list[list[bytes]] = []
+    while True:
+        try:
+            batch.append(sync.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            return batch
+
+
+async def receive_ready(sock: zmq.asyncio.Socket) -> list[list[bytes]]:
+    """Wait until ``sock`` has messages, then take them all without awaiting again.
+
+    A task cancelled while it waits loses nothing (the messages stay in the socket); once
+    messages are taken, the caller handles them without an await, so a cancellation can
+    never fall between taking a message and passing it on.
+    """
+    await sock.poll()  # POLLIN
+    return take_all(sock)
+
+
 class InnerChannels:
     """The wrapper's ends of the channels to the inner kernel, bound in the runtime dir."""
 
@@ -118,13 +159,23 @@ class InnerChannels:
         self.sockets["iopub"] = iopub
         # Output of forked subprocesses: [pipe uuid, *iopub message] (kernel_wrapper.inner).
         self.sockets["fork_pipe"] = self.context.socket(zmq.PULL)
+        self.paths: list[Path] = []
         for name, sock in self.sockets.items():
             sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never block the wrapper's loop on a send
             path = runtime_dir / f"ch-{INNER_PORTS[name]}"
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
             sock.bind(f"ipc://{path}")
+            self.paths.append(path)
         iopub.send(b"\x01")  # subscribe to everything the kernel publishes
+
+    def unlink_endpoints(self) -> None:
+        """Make the endpoints unreachable (a unix socket is found by its path) while the
+        sockets, and the connections already made, stay."""
+        for path in self.paths:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
     def close(self) -> None:
         """Close every socket and wait until libzmq has really closed their descriptors."""
@@ -176,6 +227,8 @@ class KernelWrapper:
         self._pumps: list[asyncio.Task[None]] = []
         self._stand_in: list[asyncio.Task[None]] = []
         self._held: dict[str, list[list[bytes]]] = {"shell": [], "stdin": [], "control": []}
+        self._backlog: dict[tuple[str, str], collections.deque[list[bytes]]] = {}
+        self._flushers: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._done = asyncio.Event()
         self._pidfd: int | None = None
         self._stdio_r, self._stdio_w = os.pipe()
@@ -430,10 +483,13 @@ class KernelWrapper:
     # ------------------------------------------------------------------ forwarding
 
     def _set_state(self, state: State) -> None:
+        """Enter ``state``: RUNNING forwards both ways; SNAPSHOTTING only what the kernel
+        sends (requests wait in the server-facing sockets); DEAD and SUSPENDED answer for
+        the kernel; the others forward nothing."""
         self.state = state
         self._stop_pumps()
-        if state == State.RUNNING and self._inner is not None:
-            self._start_pumps()
+        if state in (State.RUNNING, State.SNAPSHOTTING) and self._inner is not None:
+            self._start_pumps(requests=state == State.RUNNING)
         elif state in (State.DEAD, State.SUSPENDED):
             self._start_stand_in()
 
@@ -441,20 +497,22 @@ class KernelWrapper:
         """Whether the state is still ``state`` (it changes under awaits; mypy can't see it)."""
         return self.state == state
 
-    def _start_pumps(self) -> None:
+    def _start_pumps(self, requests: bool = True) -> None:
         assert self._inner is not None
         inner = self._inner.sockets
-        # Requests held while the kernel was away go first, in order.
-        for name, held in self._held.items():
-            for frames in held:
-                checked = self._unsign(name, frames)
-                if checked is not None:
-                    inner[name].send_multipart(checked)
-            held.clear()
+        if requests:
+            # Requests held while the kernel was away go first, in order.
+            for name, held in self._held.items():
+                for frames in held:
+                    checked = self._unsign(name, frames)
+                    if checked is not None:
+                        self._send(("inner", name), checked)
+                held.clear()
         for name in ("shell", "stdin", "control"):
-            self._pumps.append(
-                asyncio.create_task(self._pump(name, self.server[name], inner[name], False))
-            )
+            if requests:
+                self._pumps.append(
+                    asyncio.create_task(self._pump(name, self.server[name], inner[name], False))
+                )
             self._pumps.append(
                 asyncio.create_task(self._pump(name, inner[name], self.server[name], True))
             )
@@ -480,15 +538,61 @@ class KernelWrapper:
         sink: zmq.asyncio.Socket,
         outward: bool,
     ) -> None:
+        route = ("server", "iopub" if name == "fork_pipe" else name) if outward else ("inner", name)
         with contextlib.suppress(asyncio.CancelledError, zmq.ContextTerminated):
             while True:
-                frames = await source.recv_multipart()
-                if name == "fork_pipe":
-                    frames = frames[1:]  # the kernel's pipe uuid
-                checked = self._sign(frames) if outward else self._unsign(name, frames)
-                if checked is not None:
-                    self._observe(name, checked, outward)
-                    await sink.send_multipart(checked)
+                for frames in await receive_ready(source):
+                    if name == "fork_pipe":
+                        frames = frames[1:]  # the kernel's pipe uuid
+                    checked = self._sign(frames) if outward else self._unsign(name, frames)
+                    if checked is not None:
+                        self._observe(name, checked, outward)
+                        self._send(route, checked)
+
+    def _sink(self, route: tuple[str, str]) -> zmq.asyncio.Socket | None:
+        """Where a route's messages go now; None while the kernel must not get any (it is
+        away, or being disconnected for a dump)."""
+        side, name = route
+        if side == "server":
+            return self.server[name]
+        if self._inner is None or self.state != State.RUNNING:
+            return None
+        return self._inner.sockets[name]
+
+    def _send(self, route: tuple[str, str], frames: list[bytes]) -> None:
+        """Send without ever blocking the loop or awaiting: a message that cannot go now
+        (no peer yet, or the kernel away during a snapshot) waits, in order, in a backlog
+        that a flusher task sends as soon as it can, also to the channels of a kernel that
+        reconnects after a restore."""
+        backlog = self._backlog.setdefault(route, collections.deque())
+        sink = self._sink(route)
+        if not backlog and sink is not None:
+            try:
+                sync_socket(sink).send_multipart(frames, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+        backlog.append(frames)
+        if route not in self._flushers:
+            self._flushers[route] = asyncio.create_task(self._flush(route))
+
+    async def _flush(self, route: tuple[str, str]) -> None:
+        backlog = self._backlog[route]
+        try:
+            while backlog:
+                sink = self._sink(route)
+                try:
+                    if sink is None:
+                        raise zmq.Again()
+                    sync_socket(sink).send_multipart(backlog[0], zmq.NOBLOCK)
+                    backlog.popleft()
+                except zmq.Again:
+                    await asyncio.sleep(0.002)
+                except zmq.ZMQError as exc:  # a socket closed under us: retry on the next
+                    log.debug("send on %s failed (%s); retrying", route, exc)
+                    await asyncio.sleep(0.002)
+        finally:
+            del self._flushers[route]
 
     def _unsign(self, name: str, frames: list[bytes]) -> list[bytes] | None:
         """Check a server message's signature and strip it for the inner kernel.
@@ -541,51 +645,65 @@ class KernelWrapper:
     async def _forward_subscriptions(self) -> None:
         with contextlib.suppress(asyncio.CancelledError, zmq.ContextTerminated):
             while True:
-                frames = await self.server["iopub"].recv_multipart()
-                if self._inner is not None:
-                    await self._inner.sockets["iopub"].send_multipart(frames)
+                for frames in await receive_ready(self.server["iopub"]):
+                    if self._inner is not None:
+                        self._send(("inner", "iopub"), frames)
 
-    async def _drain_inner(self) -> None:
-        """Forward everything the (stopped) inner kernel has sent, to the last byte."""
+    async def _disconnect_inner(self, inner_pid: int) -> None:
+        """Drop every connection between the wrapper and the kernel, losing no message.
+
+        CRIU cannot dump a unix socket connected to a process outside the dumped tree. The
+        kernel's sockets connect to ours and keep their own queues while disconnected, so
+        the kernel keeps running while this happens:
+
+        1. no requests are forwarded any more (they wait in the server-facing sockets),
+           and our last ones get a moment to leave;
+        2. our endpoints are unlinked, so the kernel cannot reconnect before the dump;
+        3. our end of each connection is half-closed (SHUT_WR): the kernel reads what we
+           sent, sees EOF and closes its end, while we still read what it sends;
+        4. once the kernel has closed every connection, our side has received all of it:
+           forward the rest and close our sockets.
+        """
         assert self._inner is not None
-        inner_pids = proctree.descendants(self.inner_pid or 0)
+        await asyncio.sleep(DISCONNECT_FLUSH)
+        self._inner.unlink_endpoints()
         inner_sockets: set[int] = set()
-        for pid in inner_pids:
+        for pid in proctree.descendants(inner_pid):
             inner_sockets |= sockdiag.socket_inodes(pid)
-        quiet_rounds = 0
+        table = sockdiag.unix_sockets()
+        ours = {i for i in sockdiag.socket_inodes("self") if i in table}
+        connections = {i for i in ours if table[i].peer in inner_sockets}
+        for fd, inode in sockdiag.socket_fds("self").items():
+            if inode in connections:
+                # A duplicate of libzmq's descriptor: shutdown acts on the shared socket.
+                with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as half:
+                    half.shutdown(socket.SHUT_WR)
         deadline = time.monotonic() + DISCONNECT_TIMEOUT
-        while quiet_rounds < 2 and time.monotonic() < deadline:
-            moved = 0
-            for name, sock in self._inner.sockets.items():
-                sync: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-                while True:
-                    try:
-                        frames = sync.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if name == "fork_pipe":
-                        frames = frames[1:]
-                    frames = self._sign(frames)
-                    self._observe(name, frames, reply=True)
-                    sink = "iopub" if name == "fork_pipe" else name
-                    await self.server[sink].send_multipart(frames)
-                    moved += 1
-            ours = sockdiag.socket_inodes("self")
-            table = sockdiag.unix_sockets()
-            unread = sum(
-                s.recv_queue for s in table.values() if s.inode in ours and s.peer in inner_sockets
-            )
-            quiet_rounds = quiet_rounds + 1 if moved == 0 and unread == 0 else 0
-            if quiet_rounds < 2:
-                await asyncio.sleep(0.0005)
+        while connections & sockdiag.socket_inodes("self"):
+            if time.monotonic() > deadline:
+                log.warning("the kernel did not close its connections; closing ours")
+                break
+            await asyncio.sleep(0.0005)
+        self._stop_pumps()
+        await asyncio.sleep(0)  # let the cancelled pumps let go of their sockets
+        for name, sock in self._inner.sockets.items():
+            for frames in take_all(sock):
+                if name == "fork_pipe":
+                    frames = frames[1:]
+                frames = self._sign(frames)
+                self._observe(name, frames, reply=True)
+                self._send(("server", "iopub" if name == "fork_pipe" else name), frames)
+        await asyncio.to_thread(self._inner.close)
+        self._inner = None
+        await self._wait_disconnected(inner_pid)
 
-    async def _wait_disconnected(self) -> None:
-        """Wait until no socket of the inner tree is connected to a process outside it."""
+    @staticmethod
+    async def _wait_disconnected(inner_pid: int) -> None:
+        """Wait until no socket of the kernel's tree is connected to a process outside it."""
         deadline = time.monotonic() + DISCONNECT_TIMEOUT
         while True:
-            pids = proctree.descendants(self.inner_pid or 0)
             held: set[int] = set()
-            for pid in pids:
+            for pid in proctree.descendants(inner_pid):
                 held |= sockdiag.socket_inodes(pid)
             table = sockdiag.unix_sockets()
             outside = [
@@ -612,16 +730,16 @@ class KernelWrapper:
         sock = self.server[name]
         with contextlib.suppress(asyncio.CancelledError, zmq.ContextTerminated):
             while True:
-                frames = await sock.recv_multipart()
-                idents, msg_list = self.session.feed_identities(frames)
-                try:
-                    msg = self.session.deserialize(msg_list)
-                except ValueError:
-                    log.warning("dropping a message with a bad signature on %s", name)
-                    continue
-                await self._stand_in_reply(name, sock, idents, msg, frames)
+                for frames in await receive_ready(sock):
+                    idents, msg_list = self.session.feed_identities(frames)
+                    try:
+                        msg = self.session.deserialize(msg_list)
+                    except ValueError:
+                        log.warning("dropping a message with a bad signature on %s", name)
+                        continue
+                    self._stand_in_reply(name, sock, idents, msg, frames)
 
-    async def _stand_in_reply(
+    def _stand_in_reply(
         self,
         name: str,
         sock: zmq.asyncio.Socket,
@@ -819,17 +937,9 @@ class KernelWrapper:
         progress({"phase": "dumping"})
         started = time.monotonic()
         try:
-            proctree.stop_tree(inner_pid)
-            try:
-                await self._drain_inner()
-                await asyncio.to_thread(self._inner.close)
-                self._inner = None
-            finally:
-                proctree.continue_tree(inner_pid)
-                stopped_seconds = time.monotonic() - started
+            await self._disconnect_inner(inner_pid)
+            disconnected_seconds = time.monotonic() - started
             needed = proctree.needed_files(proctree.descendants(inner_pid))
-            await self._wait_disconnected()
-            disconnect_seconds = time.monotonic() - started
             if not leave_running:
                 self._expected_exit = True
             dump_started = time.monotonic()
@@ -878,8 +988,7 @@ class KernelWrapper:
             criu_version=criu.version_text,
             needed_files=needed,
             gpu=gpu_info,
-            disconnect_seconds=round(disconnect_seconds, 4),
-            stopped_seconds=round(stopped_seconds, 4),
+            disconnect_seconds=round(disconnected_seconds, 4),
             dump_seconds=round(dump_seconds, 4),
             pause_seconds=round(pause_seconds, 4),
         )

@@ -187,10 +187,10 @@ def test_output_during_repeated_snapshots_is_not_lost(
 ) -> None:
     kernel = kernel_factory()
     msg_id = kernel.client.execute(
-        "import time\nfor i in range(400):\n    print(i, flush=True)\n    time.sleep(0.005)"
+        "import time\nfor i in range(1000):\n    print(i, flush=True)\n    time.sleep(0.002)"
     )
-    for n in range(5):
-        time.sleep(0.15)
+    for n in range(8):
+        time.sleep(0.1)
         kernel.snapshot(tmp_path / f"s{n}")
     numbers: list[int] = []
     while True:
@@ -201,7 +201,7 @@ def test_output_during_repeated_snapshots_is_not_lost(
             numbers += [int(s) for s in msg["content"]["text"].split()]
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             break
-    assert numbers == list(range(400))
+    assert numbers == list(range(1000))
 
 
 def test_snapshot_restore_snapshot_restore(kernel_factory: Factory, tmp_path: Path) -> None:

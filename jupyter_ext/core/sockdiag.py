@@ -77,19 +77,24 @@ def unix_sockets() -> dict[int, UnixSocket]:
                 offset += (length + 3) & ~3
 
 
-def socket_inodes(pid: int | str) -> set[int]:
-    """Inodes of the sockets that process ``pid`` ("self" for this one) holds open."""
-    inodes: set[int] = set()
+def socket_fds(pid: int | str) -> dict[int, int]:
+    """The sockets process ``pid`` ("self" for this one) holds open: fd -> inode."""
+    fds: dict[int, int] = {}
     fd_dir = Path(f"/proc/{pid}/fd")
     try:
         entries = list(fd_dir.iterdir())
     except OSError:
-        return inodes
+        return fds
     for entry in entries:
         try:
             target = os.readlink(entry)
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(int(target[8:-1]))
-    return inodes
+            fds[int(entry.name)] = int(target[8:-1])
+    return fds
+
+
+def socket_inodes(pid: int | str) -> set[int]:
+    """Inodes of the sockets that process ``pid`` ("self" for this one) holds open."""
+    return set(socket_fds(pid).values())

@@ -14,10 +14,7 @@ import {
   JupyterFrontEnd,
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
-import {
-  ICommandPalette,
-  IToolbarWidgetRegistry
-} from '@jupyterlab/apputils';
+import { ICommandPalette, IToolbarWidgetRegistry } from '@jupyterlab/apputils';
 import {
   INotebookTracker,
   INotebookWidgetFactory,
@@ -35,7 +32,7 @@ import {
   useSnapshotKernel
 } from './actions';
 import { KernelStateIndicator } from './components/KernelStateIndicator';
-import { createSnapshotPanel } from './components/SnapshotPanel';
+import { SnapshotsPanel } from './components/SnapshotPanel';
 import { baseName } from './format';
 import { snapshotIcon } from './icons';
 import { SnapshotsModel } from './model';
@@ -47,7 +44,8 @@ import {
   ISnapshotSettings,
   ISnapshotsModel,
   PLUGIN_ID,
-  SNAPSHOT_KERNEL_DISPLAY_NAME
+  SNAPSHOT_KERNEL_DISPLAY_NAME,
+  SNAPSHOT_KERNEL_NAME
 } from './tokens';
 
 export * from './tokens';
@@ -120,7 +118,9 @@ const panelPlugin: JupyterFrontEndPlugin<void> = {
       services,
       findNotebook,
       openNotebook: path =>
-        void commands.execute('docmanager:open', { path }).catch(() => undefined)
+        void commands
+          .execute('docmanager:open', { path })
+          .catch(() => undefined)
     };
 
     model.kernelLabel = kernelId => {
@@ -186,13 +186,37 @@ const panelPlugin: JupyterFrontEndPlugin<void> = {
     watch(tracker.currentWidget);
 
     // The side panel.
-    const panel = createSnapshotPanel({
+    const panel = new SnapshotsPanel({
       actions,
       currentNotebook: () => current
     });
-    panel.id = PANEL_ID;
     shell.add(panel, 'right', { rank: 600 });
     restorer?.add(panel, PANEL_ID);
+
+    // After an automatic restart (e.g. its process was killed) the kernel announces
+    // "starting" and then only answers kernel_info requests, whose status messages
+    // JupyterLab does not track: the notebook would show "Starting" until the user runs
+    // a cell. For snapshot kernels, ask a harmless question (is_complete) whose
+    // busy/idle status JupyterLab does track.
+    tracker.widgetAdded.connect((_, nbPanel) => {
+      let timer = 0;
+      nbPanel.sessionContext.statusChanged.connect((sessionContext, status) => {
+        window.clearTimeout(timer);
+        const kernel = sessionContext.session?.kernel;
+        if (
+          status !== 'starting' ||
+          !kernel ||
+          kernel.name !== SNAPSHOT_KERNEL_NAME
+        ) {
+          return;
+        }
+        timer = window.setTimeout(() => {
+          if (!kernel.isDisposed && kernel.status === 'starting') {
+            void kernel.requestIsComplete({ code: '' }).catch(() => undefined);
+          }
+        }, 2000);
+      });
+    });
 
     // The kernel state next to the kernel status, in every notebook's toolbar.
     toolbarRegistry?.addFactory<NotebookPanel>(

@@ -12,7 +12,12 @@ import { PromiseDelegate } from '@lumino/coreutils';
 import { Debouncer, Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { describeError, jsonBody, requestAPI, SnapshotAPIError } from './request';
+import {
+  describeError,
+  jsonBody,
+  requestAPI,
+  SnapshotAPIError
+} from './request';
 import {
   DEFAULT_SETTINGS,
   EVENT_SCHEMA_ID,
@@ -381,7 +386,9 @@ export class SnapshotsModel implements ISnapshotsModel {
       }
     } catch (error) {
       this._error =
-        error instanceof Error ? error : new Error(describeError(error).message);
+        error instanceof Error
+          ? error
+          : new Error(describeError(error).message);
       throw error;
     } finally {
       this._loading = false;

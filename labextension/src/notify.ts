@@ -49,7 +49,10 @@ function doneMessage(tracked: ITrackedJob): {
           : `Snapshot of ${label} taken`;
       return {
         type: 'success',
-        message: size !== undefined ? `${what} (${formatBytes(size)}${fresh}).` : `${what}.`
+        message:
+          size !== undefined
+            ? `${what} (${formatBytes(size)}${fresh}).`
+            : `${what}.`
       };
     }
     case 'restore':

@@ -102,11 +102,7 @@ async function maybeOffer(
     return;
   }
   try {
-    const tracked = await model.restore(
-      newest.id,
-      { path },
-      baseName(path)
-    );
+    const tracked = await model.restore(newest.id, { path }, baseName(path));
     const job = await model.waitFor(tracked.job.id);
     if (job.status === 'done') {
       await services.sessions.refreshRunning();

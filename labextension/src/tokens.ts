@@ -41,7 +41,8 @@ export interface IErrorBody {
   log_excerpt?: string;
 }
 
-export type Trigger = 'manual' | 'periodic' | 'idle-suspend' | 'before-shutdown';
+export type Trigger =
+  'manual' | 'periodic' | 'idle-suspend' | 'before-shutdown';
 
 export type SnapshotStatus = 'complete' | 'uploading' | 'upload-failed';
 

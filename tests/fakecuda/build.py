@@ -117,7 +117,18 @@ class GpuProgram:
         return self._readline(timeout)
 
     def stop(self) -> None:
+        """SIGSTOP, and wait until every thread is stopped (delivery is asynchronous)."""
         os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            states = []
+            for task in Path(f"/proc/{self.pid}/task").iterdir():
+                text = (task / "stat").read_text()
+                states.append(text.rsplit(")", 1)[1].split()[0])
+            if all(state in ("T", "t") for state in states):
+                return
+            time.sleep(0.005)
+        raise TimeoutError(f"process {self.pid} did not stop")
 
     def cont(self) -> None:
         os.kill(self.pid, signal.SIGCONT)

@@ -96,7 +96,11 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
             snapshot.notebook_path !== baseName(snapshot.notebook_path) && (
               <span className="jp-KernelSnapshots-dim">
                 {' '}
-                in {snapshot.notebook_path.slice(0, -baseName(snapshot.notebook_path).length - 1)}
+                in{' '}
+                {snapshot.notebook_path.slice(
+                  0,
+                  -baseName(snapshot.notebook_path).length - 1
+                )}
               </span>
             )}
         </div>
@@ -108,8 +112,7 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
           </span>
         ) : (
           <span>
-            <strong>{formatBytes(snapshot.total_bytes)}</strong> on this
-            machine
+            <strong>{formatBytes(snapshot.total_bytes)}</strong> on this machine
           </span>
         )}
         {snapshot.new_bytes !== undefined && (
@@ -141,8 +144,8 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
       </div>
       {status === 'upload-failed' && (
         <div className="jp-KernelSnapshots-itemError" role="alert">
-          Upload failed: {snapshot.error || 'unknown error'}. It is kept on
-          this machine and retried.
+          Upload failed: {snapshot.error || 'unknown error'}. It is kept on this
+          machine and retried.
         </div>
       )}
       <div className="jp-KernelSnapshots-itemActions">

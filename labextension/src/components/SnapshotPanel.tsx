@@ -4,8 +4,7 @@ import {
   Button,
   notebookIcon,
   refreshIcon,
-  SidePanel,
-  ToolbarButton
+  ToolbarButtonComponent
 } from '@jupyterlab/ui-components';
 import * as React from 'react';
 
@@ -29,7 +28,13 @@ import {
   SNAPSHOT_KERNEL_DISPLAY_NAME,
   SNAPSHOT_KERNEL_NAME
 } from '../tokens';
-import { Callout, JobProgress, ProgressBar, StateBadge, useNow } from './common';
+import {
+  Callout,
+  JobProgress,
+  ProgressBar,
+  StateBadge,
+  useNow
+} from './common';
 import { SnapshotItem } from './SnapshotItem';
 
 export interface ISnapshotViewProps {
@@ -147,7 +152,10 @@ function TargetSection(
             onClick={() => run(() => snapshotNotebook(actions, panel))}
             title="Snapshot the kernel now (it keeps running)"
           >
-            <snapshotIcon.react tag="span" className="jp-KernelSnapshots-icon" />
+            <snapshotIcon.react
+              tag="span"
+              className="jp-KernelSnapshots-icon"
+            />
             Snapshot kernel
           </Button>
           {state === 'suspended' ? (
@@ -155,7 +163,9 @@ function TargetSection(
               small
               minimal
               disabled={jobs.length > 0 || pending}
-              onClick={() => run(() => suspendOrResume(actions, panel, 'resume'))}
+              onClick={() =>
+                run(() => suspendOrResume(actions, panel, 'resume'))
+              }
               title="Bring the kernel back now"
             >
               Resume now
@@ -178,16 +188,17 @@ function TargetSection(
       {jobs.map(tracked => (
         <JobProgress key={tracked.job.id} job={tracked.job} />
       ))}
-      {jobs.length === 0 && (state === 'restoring' || state === 'snapshotting') && (
-        <div className="jp-KernelSnapshots-job" role="status">
-          <div className="jp-KernelSnapshots-jobText">
-            {state === 'restoring'
-              ? 'Bringing the kernel back from its snapshot…'
-              : 'Taking a snapshot…'}
+      {jobs.length === 0 &&
+        (state === 'restoring' || state === 'snapshotting') && (
+          <div className="jp-KernelSnapshots-job" role="status">
+            <div className="jp-KernelSnapshots-jobText">
+              {state === 'restoring'
+                ? 'Bringing the kernel back from its snapshot…'
+                : 'Taking a snapshot…'}
+            </div>
+            <ProgressBar fraction={null} label={state} />
           </div>
-          <ProgressBar fraction={null} label={state} />
-        </div>
-      )}
+        )}
     </section>
   );
 }
@@ -259,7 +270,10 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
         <p className="jp-KernelSnapshots-dim">
           Retrying by itself, less and less often.
         </p>
-        <Button small onClick={() => void model.refresh().catch(() => undefined)}>
+        <Button
+          small
+          onClick={() => void model.refresh().catch(() => undefined)}
+        >
           Retry now
         </Button>
       </Callout>
@@ -307,7 +321,9 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
       {target && <TargetSection {...props} target={target} status={status} />}
       <div className="jp-KernelSnapshots-listHeader">
         <span className="jp-KernelSnapshots-listTitle">
-          {showAll ? 'All snapshots in the store' : 'Snapshots of this notebook'}
+          {showAll
+            ? 'All snapshots in the store'
+            : 'Snapshots of this notebook'}
           {model.loaded && snapshots.length > 0 ? ` (${snapshots.length})` : ''}
         </span>
         <label className="jp-KernelSnapshots-switch">
@@ -336,49 +352,41 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
   );
 }
 
-/** The panel's content as a widget, re-rendered when the model changes. */
-export class SnapshotsWidget extends ReactWidget {
+/** The "Kernel Snapshots" side panel, re-rendered when the model changes. */
+export class SnapshotsPanel extends ReactWidget {
   constructor(private _props: ISnapshotViewProps) {
     super();
-    this.addClass('jp-KernelSnapshots-content');
+    this.id = 'jp-kernel-snapshots';
+    this.addClass('jp-KernelSnapshots');
+    this.node.setAttribute('role', 'region');
+    this.node.setAttribute('aria-label', 'Kernel Snapshots');
+    this.title.icon = snapshotIcon;
+    this.title.caption = 'Kernel Snapshots';
   }
 
   render(): JSX.Element {
+    const { model } = this._props.actions;
     return (
-      <UseSignal signal={this._props.actions.model.changed}>
-        {() => <SnapshotsView {...this._props} />}
-      </UseSignal>
+      <>
+        <div className="jp-KernelSnapshots-header">
+          <h2>Kernel Snapshots</h2>
+          <UseSignal signal={model.changed}>
+            {() => (
+              <ToolbarButtonComponent
+                icon={refreshIcon}
+                tooltip="Refresh the snapshots"
+                className={model.loading ? 'jp-mod-loading' : ''}
+                onClick={() => void model.refresh().catch(() => undefined)}
+              />
+            )}
+          </UseSignal>
+        </div>
+        <div className="jp-KernelSnapshots-content">
+          <UseSignal signal={model.changed}>
+            {() => <SnapshotsView {...this._props} />}
+          </UseSignal>
+        </div>
+      </>
     );
-  }
-}
-
-/** The "Kernel Snapshots" side panel: a header, a refresh button and the content. */
-export function createSnapshotPanel(props: ISnapshotViewProps): SidePanel {
-  const panel = new SidePanel();
-  panel.id = 'jp-kernel-snapshots';
-  panel.addClass('jp-KernelSnapshots');
-  panel.title.icon = snapshotIcon;
-  panel.title.caption = 'Kernel Snapshots';
-  const heading = new ReactWidgetHeading('Kernel Snapshots');
-  panel.header.addWidget(heading);
-  panel.toolbar.addItem(
-    'refresh',
-    new ToolbarButton({
-      icon: refreshIcon,
-      tooltip: 'Refresh the snapshots',
-      onClick: () => void props.actions.model.refresh().catch(() => undefined)
-    })
-  );
-  panel.addWidget(new SnapshotsWidget(props));
-  return panel;
-}
-
-class ReactWidgetHeading extends ReactWidget {
-  constructor(private _text: string) {
-    super();
-    this.addClass('jp-KernelSnapshots-header');
-  }
-  render(): JSX.Element {
-    return <h2>{this._text}</h2>;
   }
 }

@@ -1,0 +1,52 @@
+/**
+ * Playwright configuration for the UI tests: Galata's defaults, Chromium from Debian
+ * (/usr/bin/chromium; Playwright never downloads a browser here) and a real JupyterLab
+ * started from jupyter_server_test_config.py.
+ */
+import { defineConfig } from '@playwright/test';
+
+// eslint-disable-next-line @typescript-eslint/no-var-requires
+const baseConfig = require('@jupyterlab/galata/lib/playwright-config');
+
+const port = process.env.UI_TESTS_PORT ?? '8888';
+
+export default defineConfig({
+  ...baseConfig,
+  testDir: './tests',
+  outputDir: './test-results',
+  reporter: [['list']],
+  timeout: 180_000,
+  expect: { timeout: 30_000 },
+  retries: 0,
+  workers: 1,
+  fullyParallel: false,
+  use: {
+    ...baseConfig.use,
+    baseURL: `http://localhost:${port}`,
+    viewport: { width: 1280, height: 800 },
+    trace: 'retain-on-failure',
+    // Video needs Playwright's own ffmpeg download: off.
+    video: 'off',
+    launchOptions: {
+      executablePath: process.env.CHROMIUM_PATH ?? '/usr/bin/chromium',
+      args: [
+        '--no-sandbox',
+        '--disable-gpu',
+        '--disable-background-networking',
+        '--disable-component-update',
+        '--disable-sync',
+        '--no-first-run'
+      ]
+    }
+  },
+  webServer: {
+    // The server's log is long: it goes to ui-tests/jupyter-server.log.
+    command:
+      'jupyter lab --config jupyter_server_test_config.py > jupyter-server.log 2>&1',
+    url: `http://localhost:${port}/lab`,
+    timeout: 120_000,
+    reuseExistingServer: !!process.env.UI_TESTS_REUSE_SERVER,
+    stdout: 'pipe',
+    stderr: 'pipe'
+  }
+});

@@ -1,0 +1,208 @@
+/**
+ * The Kernel Snapshots panel in a real JupyterLab with real snapshot kernels (CRIU):
+ * build a state, snapshot it, kill the kernel with kill -9, restore it from the panel,
+ * and let the restored kernel print its own state.
+ */
+import { expect, test as base } from '@jupyterlab/galata';
+import * as path from 'path';
+
+import {
+  cellOutput,
+  currentKernelId,
+  dismissKernelDialogs,
+  kernelStatus,
+  killKernel,
+  openSnapshotsPanel,
+  SCREENSHOTS,
+  SNAPSHOT_KERNEL
+} from './helpers';
+
+/**
+ * Galata's default mocks of the kernels and sessions APIs only show the page the
+ * sessions it created itself; a restore creates its session on the server, so these
+ * tests use the real APIs (and shut their kernels down in afterEach).
+ */
+const test = base.extend({
+  // eslint-disable-next-line no-empty-pattern
+  kernels: async ({}, use) => {
+    await use(null);
+  },
+  // eslint-disable-next-line no-empty-pattern
+  sessions: async ({}, use) => {
+    await use(null);
+  }
+});
+
+test.use({ autoGoto: false });
+
+test.afterEach(async ({ request }) => {
+  const response = await request.get('/api/sessions');
+  for (const session of (await response.json()) as { id: string }[]) {
+    await request.delete(`/api/sessions/${session.id}`);
+  }
+});
+
+const BUILD_STATE = [
+  'import hashlib',
+  'state = {"answer": 42, "items": list(range(100_000))}',
+  'secret = hashlib.sha256(b"kernel snapshots").hexdigest()[:12]',
+  'print("built", len(state["items"]), secret)'
+].join('\n');
+
+const PRINT_STATE =
+  'print(f"state: answer={state[\'answer\']} items={len(state[\'items\'])} secret={secret}")';
+
+const SECRET = 'state: answer=ANSWER items=100000 secret=';
+
+test.describe('Kernel Snapshots', () => {
+  test('snapshot, kill -9, restore from the panel', async ({
+    page,
+    request
+  }) => {
+    await page.goto();
+    const name = await page.notebook.createNew('state.ipynb', {
+      kernel: SNAPSHOT_KERNEL
+    });
+    expect(name).toBe('state.ipynb');
+
+    // Build a state.
+    await page.notebook.setCell(0, 'code', BUILD_STATE);
+    await page.notebook.addCell('code', PRINT_STATE);
+    await page.notebook.runCell(0, { inplace: true });
+    expect(await cellOutput(page, 0)).toContain('built 100000');
+    await page.notebook.runCell(1, { inplace: true });
+    const before = await cellOutput(page, 1);
+    expect(before).toContain(SECRET.replace('ANSWER', '42'));
+    await page.notebook.save();
+
+    const panel = await openSnapshotsPanel(page);
+    await expect(panel.getByText('state.ipynb').first()).toBeVisible();
+    await expect(panel.getByText('No snapshots of this notebook yet')).toBeVisible();
+
+    // The snapshot command is in the notebook toolbar (and the Kernel menu).
+    await page
+      .getByRole('button', { name: 'Snapshot', exact: true })
+      .first()
+      .click();
+    await expect(page.getByText(/Snapshot of state\.ipynb taken/)).toBeVisible();
+    const items = panel.getByRole('listitem');
+    await expect(items).toHaveCount(1);
+    await expect(items.first()).toContainText('manual');
+    await expect(items.first()).toContainText('complete');
+    await expect(items.first()).toContainText('no GPU memory');
+
+    // A second snapshot, with another state, from the panel's own button.
+    await page.notebook.addCell('code', 'state["answer"] = 43');
+    await page.notebook.runCell(2, { inplace: true });
+    await panel.getByRole('button', { name: 'Snapshot kernel' }).click();
+    await expect(items).toHaveCount(2);
+    await expect(panel.getByRole('status')).toHaveCount(0);
+    await expect(items.nth(0)).toContainText('newest');
+    await panel.screenshot({
+      path: path.join(SCREENSHOTS, 'panel-two-snapshots.png')
+    });
+
+    // Kill the kernel process tree: the server restarts a fresh kernel.
+    const kernelId = await currentKernelId(page);
+    const killed = await killKernel(request, kernelId);
+    await dismissKernelDialogs(page);
+    await expect
+      .poll(
+        async () => {
+          const status = await kernelStatus(request, kernelId);
+          return status.state === 'running' && status.lineage !== killed.lineage;
+        },
+        { timeout: 60_000, message: 'the server restarts the killed kernel' }
+      )
+      .toBe(true);
+    await dismissKernelDialogs(page);
+
+    // The fresh kernel lost the state.
+    await page.notebook.runCell(1, { inplace: true });
+    expect(await cellOutput(page, 1)).toContain('NameError');
+
+    // Restore the older snapshot (answer=42) from the panel, with the confirmation.
+    await items.nth(1).getByRole('button', { name: 'Restore' }).click();
+    const dialog = page.getByRole('dialog');
+    await expect(dialog).toContainText('Restore snapshot?');
+    await dialog.getByRole('button', { name: 'Restore snapshot' }).click();
+    await expect(page.getByText('Kernel of state.ipynb restored.')).toBeVisible();
+
+    // The restored kernel prints its own state.
+    await page.notebook.runCell(1, { inplace: true });
+    expect(await cellOutput(page, 1)).toContain(SECRET.replace('ANSWER', '42'));
+    expect(await cellOutput(page, 1)).toBe(before);
+    await expect(items).toHaveCount(2);
+    await panel.screenshot({
+      path: path.join(SCREENSHOTS, 'panel-after-restore.png')
+    });
+  });
+
+  test('a notebook whose kernel is gone offers its newest snapshot', async ({
+    page,
+    request
+  }) => {
+    await page.goto();
+    await page.notebook.createNew('recover.ipynb', { kernel: SNAPSHOT_KERNEL });
+    await page.notebook.setCell(0, 'code', BUILD_STATE);
+    await page.notebook.addCell('code', PRINT_STATE);
+    await page.notebook.runCell(0, { inplace: true });
+    await page.notebook.save();
+
+    // Snapshot through the Kernel menu this time.
+    await page.menu.clickMenuItem('Kernel>Snapshot Kernel');
+    await expect(
+      page.getByText(/Snapshot of recover\.ipynb taken/)
+    ).toBeVisible();
+
+    // The kernel and its session disappear (a lost node), the notebook is closed.
+    const kernelId = await currentKernelId(page);
+    await page.notebook.close(true);
+    const sessions = (await (await request.get('/api/sessions')).json()) as {
+      id: string;
+      kernel: { id: string };
+    }[];
+    for (const session of sessions.filter(s => s.kernel.id === kernelId)) {
+      await request.delete(`/api/sessions/${session.id}`);
+    }
+
+    // Reopening it offers the snapshot instead of a fresh kernel.
+    await page.notebook.openByPath('recover.ipynb');
+    const dialog = page.getByRole('dialog');
+    await expect(dialog).toContainText('Restore the kernel from its snapshot?');
+    await expect(dialog).toContainText('recover.ipynb has no running kernel');
+    await dialog.screenshot({
+      path: path.join(SCREENSHOTS, 'restore-offer-dialog.png')
+    });
+    await dialog.getByRole('button', { name: 'Restore newest' }).click();
+    await expect(
+      page.getByText('Kernel of recover.ipynb restored.')
+    ).toBeVisible();
+
+    await page.notebook.runCell(1, { inplace: true });
+    expect(await cellOutput(page, 1)).toContain(SECRET.replace('ANSWER', '42'));
+    const restoredKernel = await currentKernelId(page);
+    expect(restoredKernel).not.toBe(kernelId);
+    expect((await kernelStatus(request, restoredKernel)).state).toBe('running');
+  });
+
+  test('a notebook with another kernel says what to do', async ({ page }) => {
+    await page.goto();
+    await page.notebook.createNew('plain.ipynb', { kernel: 'python3' });
+    const panel = await openSnapshotsPanel(page);
+    await expect(
+      panel.getByText('Not a snapshot kernel', { exact: true })
+    ).toBeVisible();
+    await expect(
+      panel.getByText(
+        "This notebook's kernel is not a snapshot kernel: choose \"Python 3 (snapshots)\"."
+      )
+    ).toBeVisible();
+    await expect(
+      panel.getByRole('button', { name: 'Use Python 3 (snapshots)' })
+    ).toBeVisible();
+    await panel.screenshot({
+      path: path.join(SCREENSHOTS, 'panel-not-a-snapshot-kernel.png')
+    });
+  });
+});
