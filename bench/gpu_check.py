@@ -43,7 +43,8 @@ def fingerprint(t):
     w = torch.arange(v.numel(), device=v.device, dtype=torch.int64) % 65521 + 1
     return (int(v.sum()), int((v * w).sum()), int(v[::4097].sum()))
 fingerprints = [fingerprint(b) for b in blocks]
-model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1)).cuda()
+layers = [torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1)]
+model = torch.nn.Sequential(*layers).cuda()
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 data = torch.randn(4096, 512, device="cuda"); target = data[:, :1] * 3.0
 def train(steps):

@@ -174,7 +174,8 @@ class SnapshotManager:
         """The wrapper's view of a kernel: state, activity, whether a job runs on it."""
         try:
             status: dict[str, Any] = await self.wrapper(kernel_id).request("status", timeout=10)
-        except WrapperUnavailableError as exc:
+        except (WrapperUnavailableError, SnapshotNotFoundError) as exc:
+            # Not a snapshot kernel, or one that went away since it was listed.
             return {"kernel_id": kernel_id, "snapshots": False, "reason": exc.message}
         job = self._kernel_jobs.get(kernel_id)
         status.update(
@@ -411,8 +412,7 @@ class SnapshotManager:
     async def retry_uploads(self) -> None:
         """Try failed uploads again (called periodically by the extension)."""
         for pending in list(self.pending.values()):
-            if pending.error:
-                pending.error = ""
+            if pending.error:  # stays "upload-failed" until an attempt succeeds
                 await self._upload(None, pending.manifest, pending.directory)
 
     # ---------------------------------------------------------------- retention

@@ -38,6 +38,8 @@ def kernel_factory(tmp_path: Path, criu: Criu) -> Iterator[Callable[..., KernelP
     for kernel in started:
         if kernel.process.poll() is None:
             kernel.kill_all()
+        else:
+            kernel.close()
 
 
 pytest_plugins = ["pytest_jupyter.jupyter_server", "tests.jupyter_api"]

@@ -57,7 +57,12 @@ class KernelProcess:
         try:
             self.client.wait_for_ready(timeout=60)
         except RuntimeError as exc:
-            raise RuntimeError(f"kernel did not start: {self.log()}") from exc
+            log = self.log()
+            if self.process.poll() is None:
+                self.process.kill()
+            self.process.wait(10)
+            self.close()
+            raise RuntimeError(f"kernel did not start: {log}") from exc
         self.control = WrapperClient(WrapperInfo.for_connection_file(self.connection_file).control)
 
     def log(self) -> str:
@@ -131,6 +136,7 @@ class KernelProcess:
         self.close()
 
     def close(self) -> None:
+        """Let go of the client and the log (safe to call more than once)."""
         self.client.stop_channels()
         self._log.close()
 

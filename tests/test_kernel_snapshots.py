@@ -128,6 +128,7 @@ def test_state_survives_kill_and_restore_into_new_wrapper(
         assert restored.status()["lineage"] == manifest["lineage"]
     finally:
         squatter.kill()
+        squatter.wait()
         for s in listeners:
             s.close()
 

@@ -196,6 +196,7 @@ class TestUploadFailure:
         # No record in the bucket: nothing there looks like a complete snapshot.
         direct = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{proxy.target_port}")
         keys = [o["Key"] for o in direct.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
+        direct.close()
         assert not [key for key in keys if "/snapshots/" in key]
         # The local copy restores even while the store is unreachable.
         await kernel.run("z = 'changed'")

@@ -23,7 +23,7 @@ export default defineConfig({
   use: {
     ...baseConfig.use,
     baseURL: `http://localhost:${port}`,
-    viewport: { width: 1280, height: 800 },
+    viewport: { width: 1600, height: 900 },
     trace: 'retain-on-failure',
     // Video needs Playwright's own ffmpeg download: off.
     video: 'off',

@@ -173,14 +173,16 @@ export function formatKind(kind: string): string {
   return KINDS[kind] ?? kind;
 }
 
-/** "Uploading 12.0 MiB of 40.0 MiB". */
+/** "uploading 12.0 MiB of 40.0 MiB (30%)". */
 export function formatPhase(job: IJob): string {
-  const phase = PHASES[job.phase] ?? job.phase.replace(/-/g, ' ');
-  const phaseText = phase.charAt(0).toUpperCase() + phase.slice(1);
+  const phase = (
+    PHASES[job.phase] ?? job.phase.replace(/-/g, ' ')
+  ).toLowerCase();
   if (job.total_bytes > 0 && job.phase !== 'done') {
-    return `${phaseText}: ${formatBytes(job.done_bytes)} of ${formatBytes(job.total_bytes)}`;
+    const percent = Math.floor((100 * job.done_bytes) / job.total_bytes);
+    return `${phase} ${formatBytes(job.done_bytes)} of ${formatBytes(job.total_bytes)} (${percent}%)`;
   }
-  return phaseText;
+  return phase;
 }
 
 /** The fraction of the job done, when it reports bytes (null otherwise). */
@@ -196,8 +198,12 @@ export function policyLines(policy: IPolicy): [string, string][] {
   const lines: [string, string][] = [];
   const store = policy.store ?? 'local';
   lines.push([
-    'Store',
-    policy.location ? `${store}: ${policy.location}` : String(store)
+    store === 's3'
+      ? 'Store (S3)'
+      : store === 'local'
+        ? 'Store (local directory)'
+        : `Store (${store})`,
+    policy.location || String(store)
   ]);
   const periodic = policy.periodic_interval ?? 0;
   lines.push([
@@ -227,4 +233,22 @@ export function policyLines(policy: IPolicy): [string, string][] {
     policy.snapshot_before_shutdown ? 'snapshot every kernel' : 'no snapshot'
   ]);
   return lines;
+}
+
+/** "14:03" today, "Nov 29" another day (the full time is in the tooltip). */
+export function formatClock(date: Date | null, now: number = Date.now()) {
+  if (!date) {
+    return '';
+  }
+  if (new Date(now).toDateString() === date.toDateString()) {
+    return date.toLocaleTimeString(undefined, {
+      hour: '2-digit',
+      minute: '2-digit',
+      hour12: false
+    });
+  }
+  return date.toLocaleDateString(undefined, {
+    month: 'short',
+    day: 'numeric'
+  });
 }

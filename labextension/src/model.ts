@@ -218,6 +218,7 @@ export class SnapshotsModel implements ISnapshotsModel {
 
   /** Refresh now; resolves once the refresh is done. */
   async refresh(): Promise<void> {
+    this._policyStale = true;
     await this._poll.refresh();
     await this._poll.tick;
   }
@@ -362,7 +363,7 @@ export class SnapshotsModel implements ISnapshotsModel {
           ? Promise.resolve({ snapshots: [] as ISnapshot[] })
           : requestAPI<{ snapshots: ISnapshot[] }>(query, {}, settings),
         requestAPI<{ kernels: IKernelStatus[] }>('kernels', {}, settings),
-        this._policy
+        this._policy && !this._policyStale
           ? Promise.resolve(this._policy)
           : requestAPI<IPolicy>('policy', {}, settings)
       ]);
@@ -373,6 +374,7 @@ export class SnapshotsModel implements ISnapshotsModel {
         (kernels.kernels ?? []).map(status => [status.kernel_id, status])
       );
       this._policy = policy;
+      this._policyStale = false;
       this._error = null;
       // A newer target or switch won: its own refresh is on the way.
       if (target === this._target && showAll === this._showAll) {
@@ -518,6 +520,7 @@ export class SnapshotsModel implements ISnapshotsModel {
   private _jobs = new Map<string, ITrackedJob>();
   private _waiters = new Map<string, PromiseDelegate<IJob>>();
   private _policy: IPolicy | null = null;
+  private _policyStale = false;
   private _target: INotebookTarget | null = null;
   private _showAll = false;
   private _error: Error | null = null;

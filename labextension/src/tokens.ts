@@ -119,6 +119,8 @@ export interface IKernelStatus {
   sequence?: number;
   wrapper_pid?: number;
   inner_pid?: number | null;
+  /** GPU use of the kernel's processes now. */
+  gpu?: { processes?: number; bytes?: number; utilization?: number };
   job?: IJob | null;
 }
 

@@ -97,3 +97,10 @@ export async function cellOutput(
 ): Promise<string> {
   return ((await page.notebook.getCellTextOutput(index)) ?? []).join('');
 }
+
+/** Wait until the notifications (toasts) are gone, so that screenshots show the panel. */
+export async function waitForToasts(page: IJupyterLabPageFixture): Promise<void> {
+  await expect(page.locator('.Toastify__toast')).toHaveCount(0, {
+    timeout: 20_000
+  });
+}

@@ -14,7 +14,8 @@ import {
   killKernel,
   openSnapshotsPanel,
   SCREENSHOTS,
-  SNAPSHOT_KERNEL
+  SNAPSHOT_KERNEL,
+  waitForToasts
 } from './helpers';
 
 /**
@@ -98,6 +99,7 @@ test.describe('Kernel Snapshots', () => {
     await expect(items).toHaveCount(2);
     await expect(panel.getByRole('status')).toHaveCount(0);
     await expect(items.nth(0)).toContainText('newest');
+    await waitForToasts(page);
     await panel.screenshot({
       path: path.join(SCREENSHOTS, 'panel-two-snapshots.png')
     });
@@ -133,6 +135,9 @@ test.describe('Kernel Snapshots', () => {
     expect(await cellOutput(page, 1)).toContain(SECRET.replace('ANSWER', '42'));
     expect(await cellOutput(page, 1)).toBe(before);
     await expect(items).toHaveCount(2);
+    // The kernel now descends from the older snapshot.
+    await expect(items.nth(1)).toContainText('kernel');
+    await waitForToasts(page);
     await panel.screenshot({
       path: path.join(SCREENSHOTS, 'panel-after-restore.png')
     });

@@ -2,7 +2,7 @@ import { ReactWidget, UseSignal } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import * as React from 'react';
 
-import { formatKind, formatPhase } from '../format';
+import { formatKind, formatPhase, jobFraction } from '../format';
 import type { ISnapshotsModel } from '../tokens';
 
 const TITLES: { [state: string]: string } = {
@@ -24,6 +24,13 @@ const LABELS: { [state: string]: string } = {
   stopping: 'stopping'
 };
 
+const VERBS: { [kind: string]: string } = {
+  snapshot: 'snapshotting…',
+  restore: 'restoring…',
+  suspend: 'suspending…',
+  resume: 'resuming…'
+};
+
 /** Next to the kernel status in the notebook toolbar: "suspended", "restoring…"… */
 export function KernelStateView(props: {
   model: ISnapshotsModel;
@@ -40,9 +47,13 @@ export function KernelStateView(props: {
   let label = state ? LABELS[state] : undefined;
   let title = state ? TITLES[state] : undefined;
   if (tracked) {
-    state = tracked.job.kind === 'snapshot' ? 'snapshotting' : 'restoring';
-    label = `${formatKind(tracked.job.kind).toLowerCase()}: ${formatPhase(tracked.job).toLowerCase()}`;
-    title = `${formatKind(tracked.job.kind)} in progress`;
+    const { job } = tracked;
+    const fraction = jobFraction(job);
+    state = job.kind === 'snapshot' ? 'snapshotting' : 'restoring';
+    label =
+      (VERBS[job.kind] ?? job.kind) +
+      (fraction === null ? '' : ` ${Math.floor(fraction * 100)}%`);
+    title = `${formatKind(job.kind)} in progress: ${formatPhase(job)}`;
   }
   if (!state || !label) {
     return null;

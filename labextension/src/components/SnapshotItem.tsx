@@ -1,10 +1,10 @@
-import { Button } from '@jupyterlab/ui-components';
 import * as React from 'react';
 
 import {
   baseName,
   formatAbsolute,
   formatBytes,
+  formatClock,
   formatDuration,
   formatRelative,
   formatStatus,
@@ -13,6 +13,7 @@ import {
   parseDate
 } from '../format';
 import type { ISnapshot } from '../tokens';
+import { ActionButton } from './common';
 
 export interface ISnapshotItemProps {
   snapshot: ISnapshot;
@@ -21,6 +22,8 @@ export interface ISnapshotItemProps {
   showPath: boolean;
   /** Whether this is the newest snapshot of the list. */
   newest: boolean;
+  /** Whether the notebook's kernel descends from this snapshot (and how many cells since). */
+  current: number | null;
   /** Whether a restore or delete is allowed now. */
   disabled: boolean;
   onRestore: (snapshot: ISnapshot) => void;
@@ -29,7 +32,7 @@ export interface ISnapshotItemProps {
 
 /** One snapshot: when, why, how big, where, its status, and Restore/Delete. */
 export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
-  const { snapshot, now, showPath, newest, disabled } = props;
+  const { snapshot, now, showPath, newest, current, disabled } = props;
   const date = parseDate(snapshot.created);
   const relative = formatRelative(date, now);
   const absolute = formatAbsolute(date);
@@ -37,6 +40,8 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
   const stored = snapshot.stored_bytes;
   const gpuBytes = snapshot.gpu_bytes ?? 0;
   const gpuName = gpuBytes > 0 ? gpuModels(snapshot) : '';
+  const path = snapshot.notebook_path ?? '';
+  const name = baseName(path);
   const details = [
     snapshot.total_bytes !== undefined
       ? `Memory image: ${formatBytes(snapshot.total_bytes)}`
@@ -66,17 +71,9 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
         >
           {relative}
         </time>
-        <span
-          className={`jp-KernelSnapshots-badge jp-KernelSnapshots-trigger jp-mod-${snapshot.trigger}`}
-          title="What took this snapshot"
-        >
-          {formatTrigger(snapshot.trigger)}
+        <span className="jp-KernelSnapshots-dim" title={absolute}>
+          {formatClock(date, now)}
         </span>
-        {newest && (
-          <span className="jp-KernelSnapshots-badge jp-KernelSnapshots-newest">
-            newest
-          </span>
-        )}
         <span
           className={`jp-KernelSnapshots-status jp-mod-${status}`}
           title={snapshot.error || formatStatus(status)}
@@ -87,24 +84,53 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
       {showPath && (
         <div
           className="jp-KernelSnapshots-itemPath"
-          title={snapshot.notebook_path || 'Not attached to a notebook'}
+          title={path || 'Not attached to a notebook'}
         >
-          {snapshot.notebook_path
-            ? baseName(snapshot.notebook_path)
-            : 'no notebook'}
-          {snapshot.notebook_path &&
-            snapshot.notebook_path !== baseName(snapshot.notebook_path) && (
-              <span className="jp-KernelSnapshots-dim">
-                {' '}
-                in{' '}
-                {snapshot.notebook_path.slice(
-                  0,
-                  -baseName(snapshot.notebook_path).length - 1
-                )}
-              </span>
-            )}
+          {name || 'no notebook'}
+          {path && path !== name && (
+            <span className="jp-KernelSnapshots-dim">
+              {' '}
+              in {path.slice(0, -name.length - 1)}
+            </span>
+          )}
         </div>
       )}
+      <div className="jp-KernelSnapshots-itemBadges">
+        <span
+          className={`jp-KernelSnapshots-badge jp-KernelSnapshots-trigger jp-mod-${snapshot.trigger}`}
+          title="What took this snapshot"
+        >
+          {formatTrigger(snapshot.trigger)}
+        </span>
+        {newest && (
+          <span
+            className="jp-KernelSnapshots-badge jp-KernelSnapshots-newest"
+            title="The newest snapshot of this notebook"
+          >
+            newest
+          </span>
+        )}
+        {current !== null && (
+          <span
+            className="jp-KernelSnapshots-badge jp-KernelSnapshots-current"
+            title={
+              current > 0
+                ? `The kernel's state comes from this snapshot, plus ${current} cell${current === 1 ? '' : 's'} run since`
+                : "The kernel's state is this snapshot's"
+            }
+          >
+            {current > 0 ? `kernel +${current}` : 'kernel'}
+          </span>
+        )}
+        {gpuBytes > 0 && (
+          <span
+            className="jp-KernelSnapshots-badge jp-KernelSnapshots-gpu"
+            title={`GPU memory included: ${formatBytes(gpuBytes)}${gpuName ? ` on ${gpuName}` : ''}`}
+          >
+            GPU {formatBytes(gpuBytes)}
+          </span>
+        )}
+      </div>
       <div className="jp-KernelSnapshots-itemSizes" title={details}>
         {stored !== undefined ? (
           <span>
@@ -121,13 +147,11 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
           </span>
         )}
         {gpuBytes > 0 ? (
-          <span
-            className="jp-KernelSnapshots-gpu"
-            title={`GPU memory included${gpuName ? ` (${gpuName})` : ''}`}
-          >
-            GPU {formatBytes(gpuBytes)}
-            {gpuName ? ` · ${gpuName}` : ''}
-          </span>
+          gpuName && (
+            <span className="jp-KernelSnapshots-dim" title="GPU model">
+              {gpuName}
+            </span>
+          )
         ) : (
           <span className="jp-KernelSnapshots-dim">no GPU memory</span>
         )}
@@ -144,30 +168,34 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
       </div>
       {status === 'upload-failed' && (
         <div className="jp-KernelSnapshots-itemError" role="alert">
-          Upload failed: {snapshot.error || 'unknown error'}. It is kept on this
-          machine and retried.
+          Upload failed: {snapshot.error || 'unknown error'}. Kept on this
+          machine; the upload is retried.
+        </div>
+      )}
+      {status === 'uploading' && (
+        <div className="jp-KernelSnapshots-itemNote">
+          On this machine until the upload to the store is done.
         </div>
       )}
       <div className="jp-KernelSnapshots-itemActions">
-        <Button
-          small
-          className="jp-KernelSnapshots-restore"
-          disabled={disabled}
-          title={`Restore the kernel to this snapshot (${absolute})`}
-          onClick={() => props.onRestore(snapshot)}
-        >
-          Restore
-        </Button>
-        <Button
-          small
-          minimal
+        <ActionButton
+          kind="minimal"
           className="jp-KernelSnapshots-delete"
           disabled={disabled}
           title="Delete this snapshot"
           onClick={() => props.onDelete(snapshot)}
         >
           Delete
-        </Button>
+        </ActionButton>
+        <ActionButton
+          kind="accept"
+          className="jp-KernelSnapshots-restore"
+          disabled={disabled}
+          title={`Restore the kernel to this snapshot (${absolute})`}
+          onClick={() => props.onRestore(snapshot)}
+        >
+          Restore
+        </ActionButton>
       </div>
     </li>
   );

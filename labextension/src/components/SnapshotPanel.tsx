@@ -1,7 +1,6 @@
 import { ReactWidget, UseSignal } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import {
-  Button,
   notebookIcon,
   refreshIcon,
   ToolbarButtonComponent
@@ -17,7 +16,7 @@ import {
   suspendOrResume,
   useSnapshotKernel
 } from '../actions';
-import { baseName, policyLines } from '../format';
+import { baseName, formatBytes, policyLines } from '../format';
 import { snapshotIcon } from '../icons';
 import { describeError } from '../request';
 import {
@@ -29,6 +28,7 @@ import {
   SNAPSHOT_KERNEL_NAME
 } from '../tokens';
 import {
+  ActionButton,
   Callout,
   JobProgress,
   ProgressBar,
@@ -129,6 +129,14 @@ function TargetSection(
             : 'No kernel'}
         </span>
         {state && <StateBadge state={state} />}
+        {(status?.gpu?.bytes ?? 0) > 0 && (
+          <span
+            className="jp-KernelSnapshots-badge jp-KernelSnapshots-gpu"
+            title={`GPU memory the kernel's processes hold now (${status?.gpu?.processes ?? 0} process(es))`}
+          >
+            GPU {formatBytes(status?.gpu?.bytes ?? 0)}
+          </span>
+        )}
         {status?.snapshots &&
           (status.executions_since_snapshot ?? 0) > 0 &&
           state === 'running' && (
@@ -145,8 +153,8 @@ function TargetSection(
       {notice}
       {snapshotKernel && panel && (
         <div className="jp-KernelSnapshots-targetActions">
-          <Button
-            small
+          <ActionButton
+            kind="accept"
             className="jp-KernelSnapshots-take"
             disabled={busy || pending}
             onClick={() => run(() => snapshotNotebook(actions, panel))}
@@ -157,11 +165,9 @@ function TargetSection(
               className="jp-KernelSnapshots-icon"
             />
             Snapshot kernel
-          </Button>
+          </ActionButton>
           {state === 'suspended' ? (
-            <Button
-              small
-              minimal
+            <ActionButton
               disabled={jobs.length > 0 || pending}
               onClick={() =>
                 run(() => suspendOrResume(actions, panel, 'resume'))
@@ -169,11 +175,9 @@ function TargetSection(
               title="Bring the kernel back now"
             >
               Resume now
-            </Button>
+            </ActionButton>
           ) : (
-            <Button
-              small
-              minimal
+            <ActionButton
               disabled={busy || pending}
               onClick={() =>
                 run(() => suspendOrResume(actions, panel, 'suspend'))
@@ -181,7 +185,7 @@ function TargetSection(
               title="Snapshot the kernel and end its process (frees its memory and GPU); the next cell brings it back"
             >
               Suspend now
-            </Button>
+            </ActionButton>
           )}
         </div>
       )}
@@ -205,13 +209,13 @@ function TargetSection(
 
 function UseKernelButton(props: { panel: NotebookPanel }): JSX.Element {
   return (
-    <Button
-      small
+    <ActionButton
+      kind="accept"
       onClick={() => void useSnapshotKernel(props.panel)}
       title={`Start a "${SNAPSHOT_KERNEL_DISPLAY_NAME}" kernel (kernelspec ${SNAPSHOT_KERNEL_NAME}) for this notebook`}
     >
       Use {SNAPSHOT_KERNEL_DISPLAY_NAME}
-    </Button>
+    </ActionButton>
   );
 }
 
@@ -270,12 +274,11 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
         <p className="jp-KernelSnapshots-dim">
           Retrying by itself, less and less often.
         </p>
-        <Button
-          small
+        <ActionButton
           onClick={() => void model.refresh().catch(() => undefined)}
         >
           Retry now
-        </Button>
+        </ActionButton>
       </Callout>
     );
   } else if (!showAll && !target) {
@@ -298,6 +301,13 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
       </p>
     );
   } else {
+    // The snapshot the kernel of the notebook descends from (same lineage and sequence).
+    const base =
+      status?.snapshots && status.lineage
+        ? snapshots.find(
+            s => s.lineage === status.lineage && s.sequence === status.sequence
+          )
+        : undefined;
     list = (
       <ul className="jp-KernelSnapshots-list" aria-label="Snapshots">
         {snapshots.map((snapshot, index) => (
@@ -306,6 +316,11 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
             snapshot={snapshot}
             now={now}
             newest={index === 0 && !showAll}
+            current={
+              base === snapshot
+                ? (status?.executions_since_snapshot ?? 0)
+                : null
+            }
             showPath={showAll}
             disabled={restoring}
             onRestore={onRestore}
@@ -321,9 +336,7 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
       {target && <TargetSection {...props} target={target} status={status} />}
       <div className="jp-KernelSnapshots-listHeader">
         <span className="jp-KernelSnapshots-listTitle">
-          {showAll
-            ? 'All snapshots in the store'
-            : 'Snapshots of this notebook'}
+          {showAll ? 'All in the store' : 'This notebook'}
           {model.loaded && snapshots.length > 0 ? ` (${snapshots.length})` : ''}
         </span>
         <label className="jp-KernelSnapshots-switch">

@@ -91,3 +91,19 @@ export function Callout(props: {
     </div>
   );
 }
+
+/** A compact button in the JupyterLab dialog colours: accept (blue), secondary, warn... */
+export function ActionButton(
+  props: React.ButtonHTMLAttributes<HTMLButtonElement> & {
+    kind?: 'accept' | 'secondary' | 'minimal' | 'danger';
+  }
+): JSX.Element {
+  const { kind = 'secondary', className, ...rest } = props;
+  return (
+    <button
+      type="button"
+      className={`jp-KernelSnapshots-button jp-mod-${kind}${className ? ` ${className}` : ''}`}
+      {...rest}
+    />
+  );
+}
