@@ -239,6 +239,10 @@ def ws_execute(server: ServerProcess, kernel_id: str, code: str, timeout: float 
             elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                 idle = True
         ws.close()
+        for _ in range(100):  # let tornado finish closing the connection before the loop ends
+            if ws.protocol is None or ws.protocol.stream.closed():
+                break
+            await asyncio.sleep(0.01)
         if reply is None:
             raise TimeoutError(f"no execute_reply for {code!r}")
         if reply["status"] != "ok":
