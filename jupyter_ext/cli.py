@@ -277,6 +277,34 @@ class ListApp(_SnapshotCommand):
             print_snapshots(snapshots)
 
 
+class KernelsApp(_SnapshotCommand):
+    name = "jupyter-snapshot-kernels"
+    description = "The running server's kernels: state, activity, GPU memory and utilization."
+
+    def run(self) -> None:
+        kernels = self.server().call("GET", "kernels")["kernels"]
+        if self.as_json:
+            print(json.dumps(kernels, indent=1))
+            return
+        if not kernels:
+            print("No kernels.")
+            return
+        print(f"{'KERNEL':<36}  {'STATE':<12} {'ACTIVITY':<10} {'GPU MEMORY':>10} {'GPU %':>5}")
+        for kernel in kernels:
+            if not kernel.get("snapshots"):
+                print(f"{kernel['kernel_id']:<36}  (not a snapshot kernel)")
+                continue
+            gpu = kernel.get("gpu") or {}
+            memory = "-" if gpu.get("bytes") is None else human_bytes(gpu["bytes"])
+            if gpu.get("processes") and gpu.get("bytes") is None:
+                memory = "in use"
+            usage = "-" if gpu.get("utilization") is None else f"{gpu['utilization']}"
+            print(
+                f"{kernel['kernel_id']:<36}  {kernel['state']:<12} "
+                f"{kernel.get('execution_state', ''):<10} {memory:>10} {usage:>5}"
+            )
+
+
 class CreateApp(_SnapshotCommand):
     name = "jupyter-snapshot-create"
     description = "Snapshot a running kernel: jupyter snapshot create KERNEL_ID"
@@ -359,6 +387,7 @@ class SnapshotApp(JupyterApp):
     description = "Whole-process snapshots of Jupyter kernels (CRIU)."
     subcommands = {
         "list": (ListApp, ListApp.description),
+        "kernels": (KernelsApp, KernelsApp.description),
         "create": (CreateApp, CreateApp.description),
         "restore": (RestoreApp, RestoreApp.description),
         "rm": (RemoveApp, RemoveApp.description),

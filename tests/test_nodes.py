@@ -193,4 +193,13 @@ def test_cli_lists_a_store_directly(network: Network, s3_url: str, tmp_path: Pat
     ).stdout
     assert f"Deleted {snapshot_id}" in removed
     assert node.client.call("GET", "")["snapshots"] == []
+    kernels = subprocess.run(
+        [*cli, "kernels", f"--url=http://{node.address}:{node.port}/", f"--token={node.token}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    assert kernel in kernels
+    assert "running" in kernels
     node.stop()
