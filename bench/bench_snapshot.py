@@ -212,8 +212,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-", dir="/var/tmp") as tmp:
         work = Path(tmp)
         for mib in (int(s) for s in args.sizes.split(",")):
-            ours = [bench_ours(mib, work, criu) for _ in range(args.repeat)]
-            bare = [bench_bare(mib, work, criu) for _ in range(args.repeat)]
+            ours, bare = [], []
+            for _ in range(args.repeat):  # interleaved, each after a sync: same conditions
+                os.sync()
+                ours.append(bench_ours(mib, work, criu))
+                os.sync()
+                bare.append(bench_bare(mib, work, criu))
 
             def med(runs: list[dict[str, float]], key: str) -> float:
                 return statistics.median(r[key] for r in runs)
