@@ -3,10 +3,12 @@
 #
 #   scripts/dev.sh lab    set everything up, then start JupyterLab with snapshots working
 #                         (local snapshot store under the Jupyter data directory)
-#   scripts/dev.sh test   set everything up, then run the whole test suite (what CI runs)
+#   scripts/dev.sh test   set everything up, then run the whole test suite (what CI runs):
+#                         ruff, mypy, pytest, then the UI tests (scripts/ui-tests.sh)
 #
-# Set-up is idempotent: system packages (apt), CRIU >= 4.2 in a private prefix
-# (scripts/install-criu.sh), a virtualenv in .venv with the package installed editable.
+# Set-up is idempotent: system packages (apt, Node.js if missing), CRIU >= 4.2 in a
+# private prefix (scripts/install-criu.sh), a virtualenv in .venv with the package
+# installed editable (which builds the JupyterLab extension).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -27,7 +29,10 @@ apt_install() {
 
 setup() {
   [ "$(id -u)" = 0 ] || { echo "run as root (CRIU needs it): sudo $0 $*" >&2; exit 1; }
-  apt_install util-linux iproute2 patchelf python3-venv ca-certificates
+  apt_install util-linux iproute2 patchelf python3-venv ca-certificates gcc
+  if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    apt_install nodejs npm
+  fi
   log "CRIU"
   "$ROOT/scripts/install-criu.sh"
   if [ ! -x "$VENV/bin/python" ]; then
@@ -55,7 +60,9 @@ case "${1:-}" in
     "$VENV/bin/ruff" format --check .
     "$VENV/bin/mypy"
     log "tests"
-    exec "$VENV/bin/python" -m pytest "$@"
+    "$VENV/bin/python" -m pytest "$@"
+    log "UI tests"
+    exec scripts/ui-tests.sh
     ;;
   *)
     echo "usage: $0 lab|test [args...]" >&2

@@ -22,6 +22,7 @@ import {
   NotebookWidgetFactory
 } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
+import { Debouncer } from '@lumino/polling';
 
 import {
   IActionContext,
@@ -163,15 +164,25 @@ const panelPlugin: JupyterFrontEndPlugin<void> = {
     };
     const onDisposed = () => watch(tracker.currentWidget);
     let lastStatus = '';
+    const refreshSoon = new Debouncer(
+      () => model.refresh().catch(() => undefined),
+      1000
+    );
     const onStatus = (_: unknown, status: string) => {
-      // A kernel that restarts, dies or wakes up: look at its snapshot state again.
-      if (
-        status !== lastStatus &&
-        ['restarting', 'autorestarting', 'dead', 'starting', 'idle'].includes(
-          status
-        )
-      ) {
-        void model.refresh().catch(() => undefined);
+      // A kernel that restarts, dies, ran a cell or wakes up: look at its snapshot
+      // state again (a cell sent to a suspended kernel resumes it: show that at once).
+      const kernelId = current?.sessionContext.session?.kernel?.id;
+      const suspended = model.kernelStatus(kernelId)?.state === 'suspended';
+      if (status !== lastStatus) {
+        if (status === 'busy' && suspended) {
+          void model.refresh().catch(() => undefined);
+        } else if (
+          ['restarting', 'autorestarting', 'dead', 'starting', 'idle'].includes(
+            status
+          )
+        ) {
+          void refreshSoon.invoke();
+        }
       }
       lastStatus = status;
       updateTarget();

@@ -40,6 +40,9 @@ const TRANSIENT_STATES = new Set([
   'stopping'
 ]);
 
+/** The longest wait between two refreshes when the server keeps failing (ms). */
+const MAX_BACKOFF_MS = 5 * 60 * 1000;
+
 /** How often a job in progress is looked at (ms). */
 const JOB_POLL_MS = 500;
 
@@ -65,7 +68,7 @@ export class SnapshotsModel implements ISnapshotsModel {
       frequency: {
         interval: this._settings.refreshInterval * 1000,
         backoff: true,
-        max: 5 * 60 * 1000
+        max: Math.max(MAX_BACKOFF_MS, this._settings.refreshInterval * 1000)
       },
       name: 'jupyter-kernel-snapshots:model',
       standby: options.standby ?? 'when-hidden'
@@ -150,6 +153,14 @@ export class SnapshotsModel implements ISnapshotsModel {
     return this._error;
   }
 
+  /**
+   * Why the store cannot be reached ('' if it can): the list then only holds the
+   * snapshots waiting on this server for their upload.
+   */
+  get storeError(): string {
+    return this._storeError;
+  }
+
   /** Whether the current list has been loaded at least once. */
   get loaded(): boolean {
     return this._loaded;
@@ -166,7 +177,13 @@ export class SnapshotsModel implements ISnapshotsModel {
     const interval = Math.max(1, value.refreshInterval) * 1000;
     this._settings = { ...value };
     if (this._poll.frequency.interval !== interval) {
-      this._poll.frequency = { ...this._poll.frequency, interval };
+      this._poll.frequency = {
+        ...this._poll.frequency,
+        interval,
+        max: Math.max(MAX_BACKOFF_MS, interval)
+      };
+      // The tick already scheduled used the old interval.
+      void this._poll.refresh();
     }
     this._changed.emit();
   }
@@ -361,7 +378,11 @@ export class SnapshotsModel implements ISnapshotsModel {
       const [list, kernels, policy] = await Promise.all([
         query === null
           ? Promise.resolve({ snapshots: [] as ISnapshot[] })
-          : requestAPI<{ snapshots: ISnapshot[] }>(query, {}, settings),
+          : requestAPI<{ snapshots: ISnapshot[]; store_error?: string }>(
+              query,
+              {},
+              settings
+            ),
         requestAPI<{ kernels: IKernelStatus[] }>('kernels', {}, settings),
         this._policy && !this._policyStale
           ? Promise.resolve(this._policy)
@@ -379,6 +400,7 @@ export class SnapshotsModel implements ISnapshotsModel {
       // A newer target or switch won: its own refresh is on the way.
       if (target === this._target && showAll === this._showAll) {
         this._snapshots = list.snapshots ?? [];
+        this._storeError = (list as { store_error?: string }).store_error ?? '';
         this._loaded = true;
       }
       for (const status of this._kernels.values()) {
@@ -524,6 +546,7 @@ export class SnapshotsModel implements ISnapshotsModel {
   private _target: INotebookTarget | null = null;
   private _showAll = false;
   private _error: Error | null = null;
+  private _storeError = '';
   private _loaded = false;
   private _loading = false;
   private _isDisposed = false;

@@ -219,6 +219,7 @@ export interface ISnapshotsModel extends IDisposable {
   settings: ISnapshotSettings;
   readonly policy: IPolicy | null;
   readonly error: Error | null;
+  readonly storeError: string;
   readonly loaded: boolean;
   readonly loading: boolean;
   readonly jobs: ITrackedJob[];

@@ -102,7 +102,8 @@ const NOTEBOOK_SNAPSHOTS = [
     created: ago(2 * 3600),
     trigger: 'idle-suspend',
     status: 'upload-failed',
-    error: 'S3 endpoint https://s3.example.org is unreachable (connection refused)',
+    error:
+      'S3 endpoint https://s3.example.org is unreachable (connection refused)',
     stored_bytes: undefined,
     new_bytes: undefined,
     total_bytes: 2.9 * GiB,
@@ -169,14 +170,33 @@ async function scrollToTop(panel: Locator): Promise<void> {
 test('the panel in every state (mocked API)', async ({ page }) => {
   await page.goto();
   await page.notebook.createNew('gallery.ipynb', { kernel: SNAPSHOT_KERNEL });
-  await page.notebook.setCell(0, 'code', 'import numpy  # pretend: a GPU model');
+  await page.notebook.setCell(
+    0,
+    'code',
+    'import numpy  # pretend: a GPU model'
+  );
   const kernelId = await currentKernelId(page);
 
   // What the mocked server says; the tests below change it.
   const mock = {
     state: 'snapshotting',
     job: true,
-    listError: false
+    listError: false,
+    failSnapshot: false,
+    storeError: ''
+  };
+  const failedJob = {
+    id: 'fedcba9876543210',
+    kind: 'snapshot',
+    kernel_id: kernelId,
+    status: 'running',
+    phase: 'dumping',
+    done_bytes: 0,
+    total_bytes: 0,
+    started: Date.now() / 1000,
+    finished: null,
+    result: null,
+    error: null
   };
   const job = {
     id: '0123456789abcdef',
@@ -203,8 +223,28 @@ test('the panel in every state (mocked API)', async ({ page }) => {
     async route => {
       const url = new URL(route.request().url());
       const rest = url.pathname.replace(/^\/api\/snapshots\/?/, '');
+      if (
+        route.request().method() === 'POST' &&
+        rest === '' &&
+        mock.failSnapshot
+      ) {
+        return json(route, { job: failedJob }, 202);
+      }
       if (route.request().method() !== 'GET') {
         return route.continue();
+      }
+      if (rest === `jobs/${failedJob.id}`) {
+        return json(route, {
+          ...failedJob,
+          status: 'failed',
+          finished: Date.now() / 1000,
+          error: {
+            code: 'dump-failed',
+            message:
+              'criu dump failed: the kernel holds a TCP connection to 10.0.0.5:5432.',
+            hint: 'Close database connections before snapshotting, or run `jupyter snapshot doctor`.'
+          }
+        });
       }
       if (rest === '') {
         if (mock.listError) {
@@ -223,7 +263,7 @@ test('the panel in every state (mocked API)', async ({ page }) => {
           snapshots: url.searchParams.get('path')
             ? NOTEBOOK_SNAPSHOTS
             : STORE_SNAPSHOTS,
-          store_error: ''
+          store_error: mock.storeError
         });
       }
       if (rest === 'policy') {
@@ -333,4 +373,29 @@ test('the panel in every state (mocked API)', async ({ page }) => {
   await panel.screenshot({
     path: path.join(SCREENSHOTS, 'panel-store-error.png')
   });
+
+  // A snapshot that fails: a notification with the server's reason and what to do.
+  mock.listError = false;
+  mock.state = 'running';
+  mock.failSnapshot = true;
+  await panel.getByRole('button', { name: 'Refresh the snapshots' }).click();
+  await panel.getByRole('button', { name: 'Snapshot kernel' }).click();
+  const toast = page.locator('.Toastify__toast').filter({
+    hasText: 'Snapshot of gallery.ipynb failed'
+  });
+  await expect(toast).toContainText('criu dump failed');
+  await expect(toast).toContainText('Close database connections');
+  await toast.screenshot({
+    path: path.join(SCREENSHOTS, 'notification-snapshot-failed.png')
+  });
+  await toast.getByRole('button', { name: 'Details' }).click();
+  const details = page.getByRole('dialog');
+  await expect(details).toContainText('What to do:');
+  await details.getByRole('button', { name: 'Ok' }).click();
+
+  // The store is unreachable: the server still lists the snapshots waiting for upload.
+  mock.storeError = 'S3 endpoint https://s3.example.org timed out after 10 s';
+  await panel.getByRole('button', { name: 'Refresh the snapshots' }).click();
+  await expect(panel.getByText('The store cannot be reached')).toBeVisible();
+  await expect(panel.getByText(/timed out after 10 s/)).toBeVisible();
 });

@@ -99,7 +99,9 @@ export async function cellOutput(
 }
 
 /** Wait until the notifications (toasts) are gone, so that screenshots show the panel. */
-export async function waitForToasts(page: IJupyterLabPageFixture): Promise<void> {
+export async function waitForToasts(
+  page: IJupyterLabPageFixture
+): Promise<void> {
   await expect(page.locator('.Toastify__toast')).toHaveCount(0, {
     timeout: 20_000
   });

@@ -3,7 +3,7 @@
  * build a state, snapshot it, kill the kernel with kill -9, restore it from the panel,
  * and let the restored kernel print its own state.
  */
-import { expect, test as base } from '@jupyterlab/galata';
+import { expect, galata, test as base } from '@jupyterlab/galata';
 import * as path from 'path';
 
 import {
@@ -51,7 +51,7 @@ const BUILD_STATE = [
 ].join('\n');
 
 const PRINT_STATE =
-  'print(f"state: answer={state[\'answer\']} items={len(state[\'items\'])} secret={secret}")';
+  "print(f\"state: answer={state['answer']} items={len(state['items'])} secret={secret}\")";
 
 const SECRET = 'state: answer=ANSWER items=100000 secret=';
 
@@ -78,14 +78,18 @@ test.describe('Kernel Snapshots', () => {
 
     const panel = await openSnapshotsPanel(page);
     await expect(panel.getByText('state.ipynb').first()).toBeVisible();
-    await expect(panel.getByText('No snapshots of this notebook yet')).toBeVisible();
+    await expect(
+      panel.getByText('No snapshots of this notebook yet')
+    ).toBeVisible();
 
     // The snapshot command is in the notebook toolbar (and the Kernel menu).
     await page
       .getByRole('button', { name: 'Snapshot', exact: true })
       .first()
       .click();
-    await expect(page.getByText(/Snapshot of state\.ipynb taken/)).toBeVisible();
+    await expect(
+      page.getByText(/Snapshot of state\.ipynb taken/)
+    ).toBeVisible();
     const items = panel.getByRole('listitem');
     await expect(items).toHaveCount(1);
     await expect(items.first()).toContainText('manual');
@@ -112,7 +116,9 @@ test.describe('Kernel Snapshots', () => {
       .poll(
         async () => {
           const status = await kernelStatus(request, kernelId);
-          return status.state === 'running' && status.lineage !== killed.lineage;
+          return (
+            status.state === 'running' && status.lineage !== killed.lineage
+          );
         },
         { timeout: 60_000, message: 'the server restarts the killed kernel' }
       )
@@ -128,7 +134,9 @@ test.describe('Kernel Snapshots', () => {
     const dialog = page.getByRole('dialog');
     await expect(dialog).toContainText('Restore snapshot?');
     await dialog.getByRole('button', { name: 'Restore snapshot' }).click();
-    await expect(page.getByText('Kernel of state.ipynb restored.')).toBeVisible();
+    await expect(
+      page.getByText('Kernel of state.ipynb restored.')
+    ).toBeVisible();
 
     // The restored kernel prints its own state.
     await page.notebook.runCell(1, { inplace: true });
@@ -191,6 +199,89 @@ test.describe('Kernel Snapshots', () => {
     expect((await kernelStatus(request, restoredKernel)).state).toBe('running');
   });
 
+  test('restore into a notebook that now runs another kernel', async ({
+    page,
+    request
+  }) => {
+    await page.goto();
+    await page.notebook.createNew('switch.ipynb', { kernel: SNAPSHOT_KERNEL });
+    await page.notebook.setCell(0, 'code', BUILD_STATE);
+    await page.notebook.addCell('code', PRINT_STATE);
+    await page.notebook.runCell(0, { inplace: true });
+    await page.notebook.save();
+    const panel = await openSnapshotsPanel(page);
+    await panel.getByRole('button', { name: 'Snapshot kernel' }).click();
+    const items = panel.getByRole('listitem');
+    await expect(items).toHaveCount(1);
+
+    // The notebook switches to a plain kernel: the panel says so, the snapshot stays.
+    await page.evaluate(async () => {
+      const widget = (window as any).galata.app.shell.currentWidget;
+      await widget.sessionContext.changeKernel({ name: 'python3' });
+    });
+    await expect(
+      panel.getByText('Not a snapshot kernel', { exact: true })
+    ).toBeVisible();
+    const plainKernel = await currentKernelId(page);
+
+    // Restoring gives the notebook a new snapshot kernel; the plain one is shut down.
+    await items.first().getByRole('button', { name: 'Restore' }).click();
+    const dialog = page.getByRole('dialog');
+    await expect(dialog).toContainText('gets a new kernel');
+    await dialog.getByRole('button', { name: 'Restore snapshot' }).click();
+    await expect(
+      page.getByText('Kernel of switch.ipynb restored.')
+    ).toBeVisible();
+    await expect(panel.getByText('Not a snapshot kernel')).toHaveCount(0);
+    await page.notebook.runCell(1, { inplace: true });
+    expect(await cellOutput(page, 1)).toContain(SECRET.replace('ANSWER', '42'));
+    const restoredKernel = await currentKernelId(page);
+    expect(restoredKernel).not.toBe(plainKernel);
+    expect((await kernelStatus(request, restoredKernel)).snapshots).toBe(true);
+    await expect
+      .poll(async () => {
+        const kernels = (await (await request.get('/api/kernels')).json()) as {
+          id: string;
+        }[];
+        return kernels.some(kernel => kernel.id === plainKernel);
+      })
+      .toBe(false);
+  });
+
+  test('suspend from the panel; running a cell resumes the kernel', async ({
+    page,
+    request
+  }) => {
+    await page.goto();
+    await page.notebook.createNew('suspend.ipynb', { kernel: SNAPSHOT_KERNEL });
+    await page.notebook.setCell(0, 'code', BUILD_STATE);
+    await page.notebook.addCell('code', PRINT_STATE);
+    await page.notebook.runCell(0, { inplace: true });
+    await page.notebook.save();
+    const kernelId = await currentKernelId(page);
+    const panel = await openSnapshotsPanel(page);
+
+    await panel.getByRole('button', { name: 'Suspend now' }).click();
+    await expect(
+      page.getByText(/Kernel of suspend\.ipynb suspended/)
+    ).toBeVisible();
+    await expect(panel.getByText('Kernel suspended')).toBeVisible();
+    await expect(
+      page.getByRole('status', { name: 'Kernel snapshot state: suspended' })
+    ).toBeVisible();
+    expect((await kernelStatus(request, kernelId)).state).toBe('suspended');
+    // The suspend left a snapshot (trigger: idle suspend).
+    await expect(panel.getByRole('listitem').first()).toContainText(
+      'idle suspend'
+    );
+
+    // Running a cell brings the kernel back, with its state.
+    await page.notebook.runCell(1, { inplace: true });
+    expect(await cellOutput(page, 1)).toContain(SECRET.replace('ANSWER', '42'));
+    await expect(panel.getByText('Kernel suspended')).toHaveCount(0);
+    expect((await kernelStatus(request, kernelId)).state).toBe('running');
+  });
+
   test('a notebook with another kernel says what to do', async ({ page }) => {
     await page.goto();
     await page.notebook.createNew('plain.ipynb', { kernel: 'python3' });
@@ -200,7 +291,7 @@ test.describe('Kernel Snapshots', () => {
     ).toBeVisible();
     await expect(
       panel.getByText(
-        "This notebook's kernel is not a snapshot kernel: choose \"Python 3 (snapshots)\"."
+        'This notebook\'s kernel is not a snapshot kernel: choose "Python 3 (snapshots)".'
       )
     ).toBeVisible();
     await expect(
@@ -209,5 +300,44 @@ test.describe('Kernel Snapshots', () => {
     await panel.screenshot({
       path: path.join(SCREENSHOTS, 'panel-not-a-snapshot-kernel.png')
     });
+  });
+});
+
+test.describe('Server events', () => {
+  // Polling once an hour: only the server's events can update the panel in time.
+  test.use({
+    mockSettings: {
+      ...galata.DEFAULT_SETTINGS,
+      'jupyter-kernel-snapshots:plugin': { refreshInterval: 3600 }
+    }
+  });
+
+  test('a snapshot taken elsewhere shows up at once', async ({
+    page,
+    request
+  }) => {
+    await page.goto();
+    await page.notebook.createNew('events.ipynb', { kernel: SNAPSHOT_KERNEL });
+    const panel = await openSnapshotsPanel(page);
+    await expect(
+      panel.getByText('No snapshots of this notebook yet')
+    ).toBeVisible();
+    await page.notebook.setCell(0, 'code', 'x = 1');
+    await page.notebook.runCell(0, { inplace: true });
+    await page.notebook.save();
+    const kernelId = await currentKernelId(page);
+
+    // Another client (the CLI, a periodic policy...) takes the snapshot.
+    const response = await request.post('/api/snapshots', {
+      data: { kernel_id: kernelId }
+    });
+    expect(response.status()).toBe(202);
+    await expect(panel.getByRole('listitem')).toHaveCount(1, {
+      timeout: 5_000
+    });
+    // No notification for work the user did not start here.
+    await expect(page.getByText(/Snapshot of events\.ipynb taken/)).toHaveCount(
+      0
+    );
   });
 });

@@ -359,6 +359,15 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
           </p>
         </Callout>
       )}
+      {model.storeError && (
+        <Callout kind="warning" title="The store cannot be reached">
+          <p>{model.storeError}</p>
+          <p className="jp-KernelSnapshots-dim">
+            Only the snapshots waiting on this server for their upload are
+            listed.
+          </p>
+        </Callout>
+      )}
       {list}
       <PolicyView policy={model.policy} />
     </div>

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# UI tests of the JupyterLab extension (Galata/Playwright in a real browser, real kernels).
+#
+# On a fresh Debian/Ubuntu machine, as root (CRIU needs it), this installs what the tests
+# need, idempotently:
+#   - apt: chromium (Playwright never downloads a browser here), nodejs/npm if missing;
+#   - CRIU (scripts/install-criu.sh) and the .venv with this package installed editable;
+#   - `npm ci` in labextension/ and ui-tests/ (from the committed package-lock.json files);
+#   - the extension build (labextension -> jupyter_ext/labextension), linked into the venv
+#     like `jupyter labextension develop` does;
+# then runs the Playwright tests. It exits non-zero if a test fails, and its last line
+# says "N passed, N failed".
+#
+#   scripts/ui-tests.sh [playwright test args...]     e.g. scripts/ui-tests.sh -g restore
+#
+# Environment: UI_TESTS_PORT (default: 8888, or a free port if that one is taken),
+# CHROMIUM_PATH (default /usr/bin/chromium), PYTHON (to create the venv, default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV="$ROOT/.venv"
+PYTHON="${PYTHON:-python3}"
+EXT_NAME=jupyter-kernel-snapshots
+export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1
+export npm_config_fund=false npm_config_audit=false npm_config_update_notifier=false
+
+log() { printf '\n== %s\n' "$*" >&2; }
+die() { printf 'ui-tests: error: %s\n' "$*" >&2; echo "0 passed, 1 failed"; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "run as root (CRIU needs it): sudo $0 $*"
+
+apt_install() {
+  local missing=()
+  for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "apt-get install ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+}
+
+# --- system packages -------------------------------------------------------------------
+command -v apt-get >/dev/null || die "this script supports Debian/Ubuntu (apt-get not found)"
+apt_install chromium ca-certificates util-linux iproute2 patchelf python3-venv curl
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  apt_install nodejs npm
+fi
+node_major=$(node -p 'process.versions.node.split(".")[0]')
+[ "$node_major" -ge 18 ] || die "Node.js >= 18 is needed to build the extension (found $(node -v))"
+CHROMIUM_PATH="${CHROMIUM_PATH:-/usr/bin/chromium}"
+[ -x "$CHROMIUM_PATH" ] || die "no Chromium at $CHROMIUM_PATH"
+export CHROMIUM_PATH
+
+# --- CRIU and the Python environment ----------------------------------------------------
+log "CRIU"
+scripts/install-criu.sh
+if [ ! -x "$VENV/bin/python" ]; then
+  log "virtualenv $VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+fi
+if ! "$VENV/bin/python" -c 'import jupyter_ext, jupyterlab' 2>/dev/null; then
+  log "pip install -e . into $VENV"
+  # The editable install builds the extension too when it can (optional-editable-build).
+  "$VENV/bin/pip" install -q -e .
+fi
+
+# --- the extension ---------------------------------------------------------------------
+log "npm ci (labextension)"
+(cd labextension && npm ci --no-audit --no-fund --loglevel=error)
+log "build the extension"
+(cd labextension && npm run build)
+[ -f jupyter_ext/labextension/static/style.js ] || die "the extension build produced nothing"
+
+# Like `jupyter labextension develop --overwrite`: JupyterLab loads the build output itself.
+labext_dir="$VENV/share/jupyter/labextensions"
+mkdir -p "$labext_dir"
+if [ "$(readlink -f "$labext_dir/$EXT_NAME" 2>/dev/null)" != "$ROOT/jupyter_ext/labextension" ]; then
+  rm -rf "${labext_dir:?}/$EXT_NAME"
+  ln -s "$ROOT/jupyter_ext/labextension" "$labext_dir/$EXT_NAME"
+fi
+"$VENV/bin/jupyter" labextension list 2>&1 | grep -E "$EXT_NAME .*enabled.*OK" >/dev/null \
+  || { "$VENV/bin/jupyter" labextension list >&2 || true; die "the extension is not enabled and OK"; }
+
+# --- the tests -------------------------------------------------------------------------
+log "npm ci (ui-tests)"
+(cd ui-tests && npm ci --no-audit --no-fund --loglevel=error)
+
+port="${UI_TESTS_PORT:-8888}"
+if "$VENV/bin/python" - "$port" <<'EOF'
+import socket, sys
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    sys.exit(0)  # taken
+sys.exit(1)
+EOF
+then
+  port=$("$VENV/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  log "port ${UI_TESTS_PORT:-8888} is taken: using $port"
+fi
+export UI_TESTS_PORT="$port"
+
+log "Playwright tests (Chromium $("$CHROMIUM_PATH" --version 2>/dev/null | head -n1 | awk '{print $2}'))"
+report="$ROOT/ui-tests/test-results.json"
+rm -f "$report"
+set +e
+(
+  cd ui-tests
+  PATH="$VENV/bin:$PATH" PLAYWRIGHT_JSON_OUTPUT_NAME="$report" \
+    npx playwright test --reporter=list,json "$@"
+)
+status=$?
+set -e
+
+# The closing line: "N passed, N failed" (a failure outside the tests counts as one).
+node -e '
+  const fs = require("fs");
+  const status = Number(process.argv[2]);
+  let passed = 0;
+  let failed = 0;
+  try {
+    const s = JSON.parse(fs.readFileSync(process.argv[1], "utf8")).stats;
+    passed = s.expected + s.flaky;
+    failed = s.unexpected;
+  } catch (e) {
+    /* no report: Playwright did not run */
+  }
+  if (status !== 0 && failed === 0) {
+    failed = 1;
+  }
+  console.log(`${passed} passed, ${failed} failed`);
+' "$report" "$status"
+exit "$status"
