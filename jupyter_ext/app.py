@@ -14,6 +14,7 @@ from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.serverapp import ServerApp
 from traitlets import Bool, Float, Int, Unicode, default
 
+from .core.chunking import ChunkParams
 from .core.store import LocalStore, S3Store, SnapshotStore
 from .handlers import route_table
 from .manager import SnapshotManager, user_prefix
@@ -69,6 +70,15 @@ class SnapshotExtensionApp(ExtensionApp):
         Credentials come from boto3's standard chain (environment, files, instance role).""",
     )
     s3_region = Unicode("", config=True, help='S3 region. Default: "" (boto3 decides).')
+    chunk_kib = Int(
+        0,
+        config=True,
+        help="""Average size of the content-addressed chunks, in KiB (a power of two, >= 8).
+        Smaller chunks share more between successive snapshots of a kernel (at 16 KiB, a
+        second snapshot of an idle kernel adds about 1-2 % new bytes; at 1024 about 10 %)
+        but mean more objects. Default: 0, which picks 16 for the local store and 1024 for
+        S3 (fewer requests).""",
+    )
     work_dir = Unicode(
         config=True,
         help="""Fast local directory where kernels are dumped before upload and snapshots are
@@ -139,6 +149,10 @@ class SnapshotExtensionApp(ExtensionApp):
     def _default_work_dir(self) -> str:
         return os.path.join(jupyter_data_dir(), "kernel_snapshots", "work")
 
+    def chunking(self) -> ChunkParams:
+        kib = self.chunk_kib or (1024 if self.store == "s3" else 16)
+        return ChunkParams(min_size=kib * 1024 // 4, normal_size=kib * 1024, max_size=kib * 4096)
+
     def make_store(self) -> SnapshotStore:
         """The owner's store: its prefix comes from the server's identity, not a request."""
         prefix = user_prefix(self.owner)
@@ -150,12 +164,13 @@ class SnapshotExtensionApp(ExtensionApp):
                 f"{self.s3_prefix.strip('/')}/{prefix}".strip("/"),
                 endpoint_url=self.s3_endpoint_url or None,
                 region=self.s3_region or None,
+                chunking=self.chunking(),
             )
         if self.store != "local":
             raise ValueError(
                 f'SnapshotExtensionApp.store must be "local" or "s3", not {self.store!r}.'
             )
-        return LocalStore(Path(self.local_store_dir) / prefix)
+        return LocalStore(Path(self.local_store_dir) / prefix, chunking=self.chunking())
 
     def policy(self) -> dict[str, Any]:
         """The server-side policy, shown read-only in the panel."""

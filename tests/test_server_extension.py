@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from .jupyter_api import Fetch, call, error_of, server_config, wait_job
+from .jupyter_api import Fetch, call, error_of, server_config, snapshot, wait_job
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
 
@@ -205,3 +205,20 @@ async def test_restart_and_shutdown_through_the_server(
             break
         await asyncio.sleep(0.1)
     assert not any(proctree.is_alive(pid) for pid in now)
+
+
+async def test_second_snapshot_of_an_idle_kernel_stores_little(
+    jp_fetch: Fetch, start_kernel: Any
+) -> None:
+    import asyncio
+
+    kernel = await start_kernel()
+    await kernel.run(
+        "import numpy as np; a = np.random.random(96 * 1024 * 1024 // 8)\n"
+        "d = {i: str(i) for i in range(100000)}"
+    )
+    first = (await snapshot(jp_fetch, kernel.id))["result"]
+    await asyncio.sleep(1)
+    second = (await snapshot(jp_fetch, kernel.id))["result"]
+    assert first["new_bytes"] == first["stored_bytes"]
+    assert second["new_bytes"] <= 0.02 * second["stored_bytes"], second
