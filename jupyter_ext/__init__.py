@@ -11,6 +11,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 
+def _jupyter_labextension_paths() -> list[dict[str, str]]:
+    """Where the built JupyterLab extension lives (for ``jupyter labextension develop``)."""
+    return [{"src": "labextension", "dest": "jupyter-kernel-snapshots"}]
+
+
 def _jupyter_server_extension_points() -> list[dict[str, Any]]:
     from .app import SnapshotExtensionApp
 

@@ -186,7 +186,7 @@ class SuspendHandler(SnapshotHandler):
     @authorized
     async def post(self, kernel_id: str, action: str) -> None:
         if action == "suspend":
-            job = self.manager.suspend(kernel_id)
+            job = self.manager.suspend(kernel_id, trigger="manual")
         else:
             job = self.manager.resume(kernel_id)
         self.reply({"job": job.to_dict()}, status=202)

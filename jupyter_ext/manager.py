@@ -603,9 +603,11 @@ class SnapshotManager:
         """Snapshot the kernel and end its process (its GPU memory is freed)."""
         self._kernel(kernel_id)
         self._busy(kernel_id)
-        return self._start_job("suspend", kernel_id, lambda job: self._suspend(job, kernel_id))
+        return self._start_job(
+            "suspend", kernel_id, lambda job: self._suspend(job, kernel_id, trigger)
+        )
 
-    async def _suspend(self, job: Job, kernel_id: str) -> dict[str, Any]:
+    async def _suspend(self, job: Job, kernel_id: str, trigger: str) -> dict[str, Any]:
         km = self._kernel(kernel_id)
         path = await self.notebook_path(kernel_id)
         suspended_dir = self.work_dir / "suspended"
@@ -616,6 +618,7 @@ class SnapshotManager:
             "suspend",
             {
                 "dest": str(dest),
+                "trigger": trigger,
                 "metadata": {
                     "kernel_spec": {"name": km.kernel_name, "kernel_id": kernel_id},
                     "notebook_path": path,

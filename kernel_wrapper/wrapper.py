@@ -541,7 +541,13 @@ class KernelWrapper:
         route = ("server", "iopub" if name == "fork_pipe" else name) if outward else ("inner", name)
         with contextlib.suppress(asyncio.CancelledError, zmq.ContextTerminated):
             while True:
-                for frames in await receive_ready(source):
+                try:
+                    batch = await receive_ready(source)
+                except zmq.ZMQError as exc:  # a pump must never die silently: say it, go on
+                    log.error("receiving on %s failed: %s", name, exc)
+                    await asyncio.sleep(0.01)
+                    continue
+                for frames in batch:
                     if name == "fork_pipe":
                         frames = frames[1:]  # the kernel's pipe uuid
                     checked = self._sign(frames) if outward else self._unsign(name, frames)
@@ -572,6 +578,8 @@ class KernelWrapper:
                 return
             except zmq.Again:
                 pass
+            except zmq.ZMQError as exc:
+                log.warning("sending on %s failed (%s); will retry", route, exc)
         backlog.append(frames)
         if route not in self._flushers:
             self._flushers[route] = asyncio.create_task(self._flush(route))
@@ -1047,6 +1055,7 @@ class KernelWrapper:
         dest: str,
         metadata: dict[str, Any] | None = None,
         discard_after_resume: bool = True,
+        trigger: str = "idle-suspend",
     ) -> dict[str, Any]:
         """Snapshot the kernel and end its process; the next request brings it back."""
         if self.execution_state == "busy":
@@ -1055,7 +1064,7 @@ class KernelWrapper:
                 hint="Wait until the cell finishes, or interrupt it.",
             )
         result = await self._op_snapshot(
-            progress, dest, trigger="idle-suspend", leave_running=False, metadata=metadata
+            progress, dest, trigger=trigger, leave_running=False, metadata=metadata
         )
         self.suspended_snapshot = Path(dest)
         self._discard_after_resume = discard_after_resume
