@@ -270,10 +270,8 @@ test.describe('Kernel Snapshots', () => {
       page.getByRole('status', { name: 'Kernel snapshot state: suspended' })
     ).toBeVisible();
     expect((await kernelStatus(request, kernelId)).state).toBe('suspended');
-    // The suspend left a snapshot (trigger: idle suspend).
-    await expect(panel.getByRole('listitem').first()).toContainText(
-      'idle suspend'
-    );
+    // The suspend left a snapshot; asked for by hand, its trigger is "manual".
+    await expect(panel.getByRole('listitem').first()).toContainText('manual');
 
     // Running a cell brings the kernel back, with its state.
     await page.notebook.runCell(1, { inplace: true });
