@@ -7,7 +7,8 @@ package's dependencies importable (see bench/README.md for the device recipe):
 
 It starts a snapshot kernel that holds ``--gib`` GiB of CUDA tensors and a small model
 mid-training, records checksums, snapshots it (CUDA lock -> checkpoint -> CRIU dump ->
-restore -> unlock), kills it with kill -9, restores it into a new wrapper, and lets the
+restore -> unlock; PyTorch's 1 GiB of cached, unused blocks must be released first and
+not saved), kills it with kill -9, restores it into a new wrapper, and lets the
 restored kernel compare its tensors bit for bit and continue training. Then it suspends
 the kernel (NVML must show the GPU memory freed) and resumes it with the next cell.
 It prints timings and throughputs and exits non-zero if any check fails.
@@ -54,6 +55,7 @@ def train(steps):
         loss.backward(); optimizer.step()
     return float(loss)
 loss_before = train(50)
+scratch = torch.empty(256 * 1024 * 1024, device="cuda"); del scratch  # 1 GiB cached, unused
 torch.cuda.synchronize()
 print(GIB, loss_before)
 """
@@ -99,11 +101,19 @@ def main() -> int:
         results["snapshot_seconds"] = time.monotonic() - t0
         timings = manifest["gpu"]["checkpoint"]["timings"]
         per_pid = next(iter(timings.values()))
+        released = manifest["gpu"].get("released_caches", {})
+        results["torch_cache_released_bytes"] = released.get("released", {}).get("torch", 0)
+        results["checks"]["torch_cache_released"] = results[
+            "torch_cache_released_bytes"
+        ] >= 2**30 and not released.get("errors")
+        # What the checkpoint moved: the memory left after the release (NVML, per process).
+        checkpointed = int(manifest["gpu"].get("needed_bytes") or held)
+        results["gpu_bytes_checkpointed"] = checkpointed
         results["lock_seconds"] = per_pid["lock_s"]
         results["checkpoint_seconds"] = per_pid["checkpoint_s"]
         results["dump_seconds"] = manifest["dump_seconds"]
         results["image_bytes"] = manifest["total_bytes"]
-        results["gpu_to_host_gb_s"] = held / per_pid["checkpoint_s"] / 1e9
+        results["gpu_to_host_gb_s"] = checkpointed / per_pid["checkpoint_s"] / 1e9
         kernel.kill_all()
 
         t0 = time.monotonic()
@@ -121,7 +131,7 @@ def main() -> int:
         cuda_restore = next(iter(answer["gpu"]["timings"].values()))
         results["cuda_restore_seconds"] = cuda_restore["restore_s"]
         results["cuda_unlock_seconds"] = cuda_restore["unlock_s"]
-        results["host_to_gpu_gb_s"] = held / cuda_restore["restore_s"] / 1e9
+        results["host_to_gpu_gb_s"] = checkpointed / cuda_restore["restore_s"] / 1e9
 
         inner = restored.status()["inner_pid"]
         restored.control.request_sync("suspend", {"dest": str(work / "suspended")}, timeout=600)
@@ -139,7 +149,9 @@ def main() -> int:
         if not ok:
             failures.append(name)
     print(
-        f"\nGPU {results['gpu']} driver {results['driver']}: {human_bytes(held)} of CUDA memory\n"
+        f"\nGPU {results['gpu']} driver {results['driver']}: {human_bytes(held)} of CUDA memory, "
+        f"{human_bytes(results['torch_cache_released_bytes'])} of PyTorch cache released, "
+        f"{human_bytes(results['gpu_bytes_checkpointed'])} checkpointed\n"
         f"lock {human_seconds(results['lock_seconds'])}, checkpoint "
         f"{human_seconds(results['checkpoint_seconds'])} "
         f"({results['gpu_to_host_gb_s']:.1f} GB/s GPU->host; goal >= 25), "

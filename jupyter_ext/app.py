@@ -120,6 +120,14 @@ class SnapshotExtensionApp(ExtensionApp):
         (snapshot, process ended, GPU freed); the next cell brings it back. Default: 1800
         (30 minutes). 0 turns idle suspend off.""",
     )
+    release_gpu_caches = Bool(
+        True,
+        config=True,
+        help="""Before a GPU kernel's memory is checkpointed, ask the kernel to give back
+        the GPU memory its frameworks cache but do not use (PyTorch's caching allocator,
+        CuPy's memory pools), so snapshots do not carry it. Only frameworks the kernel has
+        imported are touched; the kernel re-allocates on demand. Default: True.""",
+    )
     suspend_cpu_kernels = Bool(
         False,
         config=True,
@@ -204,6 +212,7 @@ class SnapshotExtensionApp(ExtensionApp):
             work_dir=Path(self.work_dir),
             emit=self.emit,
         )
+        self.manager.release_gpu_caches = self.release_gpu_caches
         self.manager.keep_last = self.keep_last
         self.manager.max_bytes = self.max_store_bytes
         self._policy_task: asyncio.Task[None] | None = None

@@ -322,7 +322,7 @@ class CreateApp(_SnapshotCommand):
         print(
             f"Snapshot {snap['id']}: {human_bytes(snap.get('total_bytes', 0))} of memory, "
             f"{human_bytes(snap.get('new_bytes') or 0)} new in the store, "
-            f"kernel paused {human_seconds(snap.get('pause_seconds', 0))}, "
+            f"kernel frozen {human_seconds(snap.get('frozen_seconds', 0))}, "
             f"done in {human_seconds(time.monotonic() - started)} ({snap['status']})."
         )
 

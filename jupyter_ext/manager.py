@@ -140,6 +140,8 @@ class SnapshotManager:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.pending: dict[str, PendingUpload] = {}
         self.periodic_opt_out: set[str] = set()
+        #: Ask GPU kernels to release framework caches before a checkpoint (app trait).
+        self.release_gpu_caches = True
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
 
@@ -364,6 +366,7 @@ class SnapshotManager:
                 "trigger": trigger,
                 "leave_running": leave_running,
                 "metadata": {"kernel_spec": spec, "notebook_path": path},
+                "release_gpu_caches": self.release_gpu_caches,
             },
             on_progress=on_progress,
         )
@@ -623,6 +626,7 @@ class SnapshotManager:
                     "kernel_spec": {"name": km.kernel_name, "kernel_id": kernel_id},
                     "notebook_path": path,
                 },
+                "release_gpu_caches": self.release_gpu_caches,
             },
         )
         manifest = Manifest.from_dict(data)

@@ -9,7 +9,9 @@ from a plain ipykernel in three ways, each needed for a clean CRIU image:
 * it has no heartbeat of its own (the wrapper answers heartbeats for the kernel's whole
   life) and keeps IPython's history in memory (a growing SQLite file would break restore);
 * a watcher thread ends the kernel when its wrapper is gone, so no kernel is orphaned,
-  also after a restore into a new wrapper (it follows ``wrapper.pid`` in the directory).
+  also after a restore into a new wrapper (it follows ``wrapper.pid`` in the directory);
+* a snapshot agent thread (kernel_wrapper.agent) releases framework GPU caches when the
+  wrapper asks, before a GPU checkpoint.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 import zmq
 from ipykernel.iostream import IOPubThread
 from ipykernel.kernelapp import IPKernelApp
+
+from .agent import AGENT_PORT, SnapshotAgent
 
 #: How often the orphan watcher looks for the wrapper, in seconds.
 WATCH_INTERVAL = 0.5
@@ -102,12 +106,29 @@ class SnapshotReadyKernelApp(IPKernelApp):
         s.connect(f"ipc://{self.ip}-{port}")
         return port
 
+    def init_sockets(self) -> None:
+        super().init_sockets()
+        assert self.context is not None
+        SnapshotAgent(self.context, f"ipc://{self.ip}-{AGENT_PORT}").start()
+
     def init_control(self, context: zmq.Context[Any]) -> None:
         super().init_control(context)
         # ipykernel points its debugger's shell socket at LAST_ENDPOINT, which for a
         # connecting socket is the wrapper: that would inject messages into the wrapper.
         self.debug_shell_socket.close(linger=0)
         self.debug_shell_socket = context.socket(zmq.DEALER)
+
+    def close(self) -> None:
+        """Stop the control thread before ipykernel stops the IOPub thread.
+
+        ipykernel's close() stops IOPub first; a control thread still flushing output
+        after the shutdown request then blocks forever waking the stopped IOPub thread,
+        and the kernel never exits (seen in tests after interrupts).
+        """
+        if self.control_thread and self.control_thread.is_alive():
+            self.control_thread.stop()
+            self.control_thread.join()
+        super().close()
 
     def init_heartbeat(self) -> None:
         """The wrapper answers heartbeats; the inner kernel has none."""

@@ -9,11 +9,13 @@ unchanged in both directions, so their signatures stay valid.
 Snapshots and restores are asked for over a private control socket
 (:mod:`jupyter_ext.core.protocol`). A dump goes like this:
 
-1. stop reading requests from the server (they wait in the server-facing sockets);
-2. stop the inner tree (SIGSTOP), read everything it already sent, close the wrapper's
-   ends of the inner channels, continue it: its sockets see EOF and go back to
-   reconnecting, keeping unsent messages queued inside the kernel;
-3. ``criu dump --leave-running`` (the kernel is frozen only while CRIU dumps);
+1. stop forwarding requests from the server (they wait in the server-facing sockets);
+2. unlink the inner endpoints and half-close the wrapper's end of every connection: the
+   kernel reads what we sent, sees EOF and closes its end, while we read everything it
+   sent; its sockets go back to reconnecting, keeping new messages queued inside it
+   (see ``_disconnect_inner``); the kernel never stops running;
+3. ``criu dump --leave-running`` (the kernel is frozen only while CRIU seizes it and
+   copies its memory);
 4. bind the inner channels again: the kernel reconnects and delivers what it queued;
 5. hash the images and write the manifest, while the kernel runs.
 """
@@ -78,10 +80,14 @@ from jupyter_ext.core.manifest import (
 )
 from jupyter_ext.core.protocol import DEFAULT_RUNTIME_ROOT, WrapperInfo, info_path
 
+from .agent import AGENT_PORT
+
 log = logging.getLogger("kernel_wrapper")
 
 #: Inner channel "ports": the inner kernel connects to ``ipc://<runtime dir>/ch-<port>``.
 INNER_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5, "fork_pipe": 6}
+#: How long the kernel's snapshot agent gets to release GPU caches before a checkpoint.
+AGENT_TIMEOUT = 10.0
 #: The routing id of the wrapper's sockets toward the inner kernel, the same forever,
 #: so replies the kernel routes after a restore still reach us.
 INNER_ROUTING_ID = b"kernel-snapshot-wrapper"
@@ -169,6 +175,33 @@ class InnerChannels:
             sock.bind(f"ipc://{path}")
             self.paths.append(path)
         iopub.send(b"\x01")  # subscribe to everything the kernel publishes
+        # The kernel's snapshot agent (kernel_wrapper.agent): not a Jupyter channel.
+        self.agent = self.context.socket(zmq.DEALER)
+        self.agent.setsockopt(zmq.LINGER, 0)
+        agent_path = runtime_dir / f"ch-{AGENT_PORT}"
+        with contextlib.suppress(FileNotFoundError):
+            agent_path.unlink()
+        self.agent.bind(f"ipc://{agent_path}")
+        self.paths.append(agent_path)
+        self._agent_requests = 0
+
+    async def ask_agent(self, op: str, timeout: float) -> dict[str, Any]:
+        """One request to the kernel's snapshot agent; an answer with "error" if it is not
+        there (a kernel restored from an older snapshot) or does not answer in time."""
+        self._agent_requests += 1
+        request_id = self._agent_requests
+        try:
+            await self.agent.send_json({"id": request_id, "op": op}, zmq.NOBLOCK)
+        except zmq.Again:
+            return {"error": "the kernel has no snapshot agent connected"}
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not await self.agent.poll(left * 1000):
+                break
+            reply = await self.agent.recv_json()
+            if isinstance(reply, dict) and reply.get("id") == request_id:
+                return reply  # earlier answers that came too late are dropped
+        return {"error": f"the kernel's snapshot agent did not answer within {timeout:.0f} s"}
 
     def unlink_endpoints(self) -> None:
         """Make the endpoints unreachable (a unix socket is found by its path) while the
@@ -179,7 +212,7 @@ class InnerChannels:
 
     def close(self) -> None:
         """Close every socket and wait until libzmq has really closed their descriptors."""
-        for sock in self.sockets.values():
+        for sock in [*self.sockets.values(), self.agent]:
             sock.close()
         self.context.term()
 
@@ -893,6 +926,7 @@ class KernelWrapper:
         leave_running: bool = True,
         metadata: dict[str, Any] | None = None,
         sequence: int | None = None,
+        release_gpu_caches: bool = True,
     ) -> dict[str, Any]:
         if self._op_lock.locked():
             raise SnapshotBusyError(
@@ -901,7 +935,13 @@ class KernelWrapper:
             )
         async with self._op_lock:
             manifest = await self._snapshot(
-                Path(dest), trigger, leave_running, metadata or {}, sequence, progress
+                Path(dest),
+                trigger,
+                leave_running,
+                metadata or {},
+                sequence,
+                progress,
+                release_gpu_caches=release_gpu_caches,
             )
             result: dict[str, Any] = json.loads(manifest.to_json())
             return result
@@ -914,6 +954,8 @@ class KernelWrapper:
         metadata: dict[str, Any],
         sequence: int | None,
         progress: Callable[[dict[str, Any]], None],
+        *,
+        release_gpu_caches: bool = True,
     ) -> Manifest:
         if self.state != State.RUNNING or self.inner_pid is None or self._inner is None:
             raise KernelNotRunningError(
@@ -937,7 +979,9 @@ class KernelWrapper:
         gpu_info: dict[str, Any] = {}
         gpu_checkpoint: GpuCheckpoint | None = None
         try:
-            gpu_info, gpu_checkpoint = await self._gpu_checkpoint(inner_pid, progress)
+            gpu_info, gpu_checkpoint = await self._gpu_checkpoint(
+                inner_pid, progress, release_gpu_caches
+            )
         except BaseException:
             remove_tree(staging)
             self._set_state(State.RUNNING)
@@ -951,7 +995,7 @@ class KernelWrapper:
             if not leave_running:
                 self._expected_exit = True
             dump_started = time.monotonic()
-            await criu.dump(
+            frozen = await criu.dump(
                 inner_pid,
                 staging / IMAGES_DIR,
                 work_dir,
@@ -998,6 +1042,7 @@ class KernelWrapper:
             gpu=gpu_info,
             disconnect_seconds=round(disconnected_seconds, 4),
             dump_seconds=round(dump_seconds, 4),
+            frozen_seconds=round(frozen, 4),
             pause_seconds=round(pause_seconds, 4),
         )
         progress({"phase": "hashing"})
@@ -1018,16 +1063,29 @@ class KernelWrapper:
         return self._gpu_checkpointer
 
     async def _gpu_checkpoint(
-        self, inner_pid: int, progress: Callable[[dict[str, Any]], None]
+        self,
+        inner_pid: int,
+        progress: Callable[[dict[str, Any]], None],
+        release_caches: bool,
     ) -> tuple[dict[str, Any], GpuCheckpoint | None]:
         """Lock and checkpoint every CUDA process of the kernel: device memory moves into
-        host memory (so CRIU saves it) and the GPU is released."""
+        host memory (so CRIU saves it) and the GPU is released. First, if asked, the
+        kernel releases what its frameworks cache but do not use (kernel_wrapper.agent)."""
         pids = proctree.descendants(inner_pid)
         cuda_pids = await asyncio.to_thread(find_cuda_processes, pids)
         if not cuda_pids:
             return {}, None
+        released: dict[str, Any] = {}
+        if release_caches and self._inner is not None:
+            progress({"phase": "releasing-gpu-caches"})
+            released = await self._inner.ask_agent("release_gpu_caches", AGENT_TIMEOUT)
+            released.pop("id", None)
+            if released.get("error") or released.get("errors"):
+                log.warning("releasing GPU caches: %s", released)
         progress({"phase": "gpu-checkpoint", "processes": len(cuda_pids)})
         record = await asyncio.to_thread(gpu_record, cuda_pids)
+        if released:
+            record["released_caches"] = released
         record["ns_pids"] = [proctree.ns_pid(pid) for pid in cuda_pids]
         record["total_bytes"] = record.get("needed_bytes", 0)
         checkpoint = await asyncio.to_thread(self._gpu().checkpoint, cuda_pids)
@@ -1056,6 +1114,7 @@ class KernelWrapper:
         metadata: dict[str, Any] | None = None,
         discard_after_resume: bool = True,
         trigger: str = "idle-suspend",
+        release_gpu_caches: bool = True,
     ) -> dict[str, Any]:
         """Snapshot the kernel and end its process; the next request brings it back."""
         if self.execution_state == "busy":
@@ -1064,7 +1123,12 @@ class KernelWrapper:
                 hint="Wait until the cell finishes, or interrupt it.",
             )
         result = await self._op_snapshot(
-            progress, dest, trigger=trigger, leave_running=False, metadata=metadata
+            progress,
+            dest,
+            trigger=trigger,
+            leave_running=False,
+            metadata=metadata,
+            release_gpu_caches=release_gpu_caches,
         )
         self.suspended_snapshot = Path(dest)
         self._discard_after_resume = discard_after_resume

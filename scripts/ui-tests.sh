@@ -3,8 +3,8 @@
 #
 # On a fresh Debian/Ubuntu machine, as root (CRIU needs it), this installs what the tests
 # need, idempotently:
-#   - apt: chromium (Playwright never downloads a browser here), nodejs/npm if missing;
-#   - CRIU (scripts/install-criu.sh) and the .venv with this package installed editable;
+#   - what scripts/dev.sh sets up (scripts/common.sh: apt packages, Node.js, CRIU, .venv);
+#   - apt: chromium (Playwright never downloads a browser here);
 #   - `npm ci` in labextension/ and ui-tests/ (from the committed package-lock.json files);
 #   - the extension build (labextension -> jupyter_ext/labextension), linked into the venv
 #     like `jupyter labextension develop` does;
@@ -17,53 +17,20 @@
 # CHROMIUM_PATH (default /usr/bin/chromium), PYTHON (to create the venv, default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$PWD
-VENV="$ROOT/.venv"
-PYTHON="${PYTHON:-python3}"
+# shellcheck source=scripts/common.sh
+. scripts/common.sh
 EXT_NAME=jupyter-kernel-snapshots
 export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1
 export npm_config_fund=false npm_config_audit=false npm_config_update_notifier=false
 
-log() { printf '\n== %s\n' "$*" >&2; }
 die() { printf 'ui-tests: error: %s\n' "$*" >&2; echo "0 passed, 1 failed"; exit 1; }
 
-[ "$(id -u)" = 0 ] || die "run as root (CRIU needs it): sudo $0 $*"
-
-apt_install() {
-  local missing=()
-  for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
-  if [ ${#missing[@]} -gt 0 ]; then
-    log "apt-get install ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-  fi
-}
-
-# --- system packages -------------------------------------------------------------------
-command -v apt-get >/dev/null || die "this script supports Debian/Ubuntu (apt-get not found)"
-apt_install chromium ca-certificates util-linux iproute2 patchelf python3-venv curl
-if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
-  apt_install nodejs npm
-fi
-node_major=$(node -p 'process.versions.node.split(".")[0]')
-[ "$node_major" -ge 18 ] || die "Node.js >= 18 is needed to build the extension (found $(node -v))"
+# --- system packages, CRIU and the Python environment -----------------------------------
+setup_machine dev
+apt_install chromium
 CHROMIUM_PATH="${CHROMIUM_PATH:-/usr/bin/chromium}"
 [ -x "$CHROMIUM_PATH" ] || die "no Chromium at $CHROMIUM_PATH"
 export CHROMIUM_PATH
-
-# --- CRIU and the Python environment ----------------------------------------------------
-log "CRIU"
-scripts/install-criu.sh
-if [ ! -x "$VENV/bin/python" ]; then
-  log "virtualenv $VENV"
-  "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip
-fi
-if ! "$VENV/bin/python" -c 'import jupyter_ext, jupyterlab' 2>/dev/null; then
-  log "pip install -e . into $VENV"
-  # The editable install builds the extension too when it can (optional-editable-build).
-  "$VENV/bin/pip" install -q -e .
-fi
 
 # --- the extension ---------------------------------------------------------------------
 log "npm ci (labextension)"

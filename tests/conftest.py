@@ -11,6 +11,7 @@ from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import CriuNotFoundError
 
 from .harness import KernelProcess
+from .s3server import CuttableProxy, MotoServer
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +44,36 @@ def kernel_factory(tmp_path: Path, criu: Criu) -> Iterator[Callable[..., KernelP
 
 
 pytest_plugins = ["pytest_jupyter.jupyter_server", "tests.jupyter_api"]
+
+
+@pytest.fixture(scope="session")
+def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
+    """moto's standalone server on 127.0.0.1, with test credentials in boto3's standard
+    chain (and nothing from this machine's AWS configuration). Tests make their buckets
+    with ``moto.ensure_bucket``."""
+    patch = pytest.MonkeyPatch()
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": "/nonexistent",
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
+        patch.setenv(name, value)
+    patch.delenv("AWS_SESSION_TOKEN", raising=False)
+    patch.delenv("AWS_PROFILE", raising=False)
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    try:
+        yield server
+    finally:
+        server.stop()
+        patch.undo()
+
+
+@pytest.fixture
+def proxy(moto: MotoServer) -> Iterator[CuttableProxy]:
+    """A TCP forwarder to moto whose connections a test can cut."""
+    forwarder = CuttableProxy(moto.port)
+    yield forwarder
+    forwarder.close()

@@ -46,6 +46,19 @@ class MotoServer:
                 raise RuntimeError(f"moto_server did not start: {log_path.read_text()}")
             time.sleep(0.1)
 
+    def ensure_bucket(self, name: str) -> str:
+        """Create the bucket ``name`` unless it exists; returns the name."""
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=self.url)
+        try:
+            client.create_bucket(Bucket=name)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        finally:
+            client.close()
+        return name
+
     def _answers(self) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/moto-api/", timeout=1):

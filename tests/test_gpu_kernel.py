@@ -145,3 +145,48 @@ def test_suspend_ends_the_process_and_next_cell_resumes(
     assert kernel.status()["state"] == "running"
     assert calls(state)[-2:] == ["restore", "unlock"]
     assert not (tmp_path / "suspended").exists()
+
+
+# A framework's cache, as the kernel's snapshot agent sees it: a releaser (registered the
+# way kernel_wrapper.agent registers PyTorch's and CuPy's) frees a cached device block.
+CACHED_BLOCK = r"""
+import kernel_wrapper.agent as agent
+cached = ctypes.c_uint64()
+assert cuda.cuMemAlloc_v2(ctypes.byref(cached), ctypes.c_size_t(3 << 20)) == 0
+seen_at_release = []
+
+def release_test_cache():
+    seen_at_release.extend(open({calls!r}).read().split())
+    if not cached.value:
+        return None
+    assert cuda.cuMemFree_v2(cached) == 0
+    cached.value = 0
+    return 3 << 20
+
+def broken_cache():
+    raise RuntimeError("this framework cannot release now")
+
+agent.RELEASERS["test-cache"] = release_test_cache
+agent.RELEASERS["broken"] = broken_cache
+"""
+
+
+def test_gpu_caches_are_released_before_the_checkpoint(gpu_kernel, tmp_path: Path, libcuda) -> None:
+    kernel, state = gpu_kernel()
+    kernel.execute(USE_GPU.format(lib=str(libcuda)))
+    kernel.execute(CACHED_BLOCK.format(calls=str(state / "calls.log")))
+
+    # Asked not to: the cache stays.
+    manifest = kernel.snapshot(tmp_path / "kept", release_gpu_caches=False)
+    assert "released_caches" not in manifest["gpu"]
+    assert kernel.execute("print(bool(cached.value))").strip() == "True"
+
+    manifest = kernel.snapshot(tmp_path / "released")
+    released = manifest["gpu"]["released_caches"]
+    assert released["released"] == {"test-cache": 3 << 20}
+    # A framework that fails is reported, and the snapshot goes on.
+    assert released["errors"] == {"broken": "RuntimeError: this framework cannot release now"}
+    # Released before the second lock (the first was the snapshot that kept the cache).
+    assert kernel.execute("print(seen_at_release.count('lock'))").strip() == "1"
+    assert calls(state)[-4:] == ["lock", "checkpoint", "restore", "unlock"]
+    assert kernel.execute("print(bool(cached.value), device_ok())").strip() == "False True"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from jupyter_ext.core.criu import frozen_seconds
 from jupyter_ext.core.errors import (
     CriuNotFoundError,
     DumpError,
@@ -108,6 +109,8 @@ def test_state_survives_kill_and_restore_into_new_wrapper(
     manifest = kernel.snapshot(tmp_path / "snap", metadata={"notebook_path": "work/a.ipynb"})
     assert manifest["total_bytes"] > 512 * 1024 * 1024
     assert manifest["notebook_path"] == "work/a.ipynb"
+    # The kernel is frozen only for part of the dump, and requests wait a little longer.
+    assert 0 < manifest["frozen_seconds"] < manifest["dump_seconds"] < manifest["pause_seconds"]
     info = kernel.client.get_connection_info()
     old_ports = [v for k, v in info.items() if k.endswith("_port")]
     old_inner = kernel.status()["inner_pid"]
@@ -389,3 +392,18 @@ def test_dead_kernel_answers_with_a_clear_error(kernel_factory: Factory) -> None
     assert reply["content"]["ename"] == "KernelDied"
     info = kernel.client.kernel_info(reply=True, timeout=30)
     assert info["content"]["language_info"]["name"] == "python"
+
+
+def test_frozen_seconds_reads_criu_log(tmp_path: Path) -> None:
+    log = tmp_path / "dump.log"
+    log.write_text(
+        "(00.001000) Version: 4.2\n"
+        "(00.040000) Seized task 10, state 1\n"
+        "(00.041000) Seized task 11, state 1\n"
+        "(00.190500) Unfreezing tasks into 1\n"
+        "(00.191000) Dumping finished successfully\n"
+    )
+    assert frozen_seconds(log) == pytest.approx(0.1505)
+    log.write_text("(00.040000) Seized task 10, state 1\n(00.050000) Error (criu/cr-dump.c)\n")
+    assert frozen_seconds(log) == 0.0
+    assert frozen_seconds(tmp_path / "missing.log") == 0.0

@@ -151,55 +151,32 @@ def test_cli_lists_a_store_directly(network: Network, s3_url: str, tmp_path: Pat
     ws_execute(node, kernel, "x = 1")
     snapshot = follow(node, node.client.call("POST", "", body={"kernel_id": kernel})["job"])
     snapshot_id = snapshot["result"]["id"]
-    env = {**os.environ, **S3_ENV}
-    cli = [sys.executable, "-m", "jupyter_ext.cli"]
-    through_server = subprocess.run(
-        [*cli, "list", f"--url=http://{node.address}:{node.port}/", f"--token={node.token}"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    ).stdout
+
+    def cli(*args: str, s3: bool = False) -> str:
+        store = [
+            f"--s3-bucket={BUCKET}",
+            f"--s3-endpoint-url={s3_url}",
+            "--s3-prefix=kernel-snapshots/users/carol",
+        ]
+        return subprocess.run(
+            [sys.executable, "-m", "jupyter_ext.cli", *args, *(store if s3 else [])],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **S3_ENV},
+            check=True,
+        ).stdout
+
+    server = [f"--url=http://{node.address}:{node.port}/", f"--token={node.token}"]
+    through_server = cli("list", *server)
     assert snapshot_id in through_server
     assert "manual" in through_server
-    direct = subprocess.run(
-        [
-            *cli,
-            "list",
-            f"--s3-bucket={BUCKET}",
-            f"--s3-endpoint-url={s3_url}",
-            "--s3-prefix=kernel-snapshots/users/carol",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    ).stdout
+    direct = cli("list", s3=True)
     assert snapshot_id in direct
     assert "MiB" in direct
-    removed = subprocess.run(
-        [
-            *cli,
-            "rm",
-            snapshot_id,
-            f"--s3-bucket={BUCKET}",
-            f"--s3-endpoint-url={s3_url}",
-            "--s3-prefix=kernel-snapshots/users/carol",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    ).stdout
+    removed = cli("rm", snapshot_id, s3=True)
     assert f"Deleted {snapshot_id}" in removed
     assert node.client.call("GET", "")["snapshots"] == []
-    kernels = subprocess.run(
-        [*cli, "kernels", f"--url=http://{node.address}:{node.port}/", f"--token={node.token}"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    ).stdout
+    kernels = cli("kernels", *server)
     assert kernel in kernels
     assert "running" in kernels
     node.stop()

@@ -4,7 +4,6 @@ snapshot before shutdown, events, and uploads that fail and are retried."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import pytest
 from jupyter_ext.app import EVENT_SCHEMA_ID
 from jupyter_ext.core.store import LocalStore
 
-from .jupyter_api import Fetch, call, server_config, until, wait_job
+from .jupyter_api import Fetch, call, server_config, snapshot, until, wait_job
 from .s3server import CuttableProxy, MotoServer
 from .servers import ServerProcess, ws_execute
 
@@ -142,38 +141,16 @@ class TestEvents:
         assert created["kernel_id"] == kernel.id
 
 
-@pytest.fixture(scope="module")
-def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
-    patch = pytest.MonkeyPatch()
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }.items():
-        patch.setenv(name, value)
-    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
-    boto3.client("s3", endpoint_url=server.url).create_bucket(Bucket=BUCKET)
-    yield server
-    server.stop()
-    patch.undo()
-
-
-@pytest.fixture
-def proxy(moto: MotoServer) -> Iterator[CuttableProxy]:
-    proxy = CuttableProxy(moto.port)
-    yield proxy
-    proxy.close()
-
-
 @pytest.mark.usefixtures("running_extensions")
 class TestUploadFailure:
     @pytest.fixture
-    def jp_server_config(self, tmp_path: Path, proxy: CuttableProxy) -> dict[str, Any]:
+    def jp_server_config(
+        self, tmp_path: Path, moto: MotoServer, proxy: CuttableProxy
+    ) -> dict[str, Any]:
         return base_config(
             tmp_path,
             store="s3",
-            s3_bucket=BUCKET,
+            s3_bucket=moto.ensure_bucket(BUCKET),
             s3_endpoint_url=proxy.url,
             upload_retry_interval=0.5,
         )
@@ -240,16 +217,46 @@ def _owner() -> str:
     return os.environ.get("JUPYTERHUB_USER") or getpass.getuser()
 
 
+def with_fake_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Kernels started by the server load the stand-in libcuda; returns its path."""
+    from .fakecuda.build import build_fakecuda
+
+    libcuda = build_fakecuda(tmp_path / "fakecuda")
+    (tmp_path / "fakecuda-state").mkdir()
+    monkeypatch.setenv("JUPYTER_SNAPSHOT_LIBCUDA", str(libcuda))
+    monkeypatch.setenv("FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda-state"))
+    return libcuda
+
+
+@pytest.mark.usefixtures("running_extensions")
+class TestGpuCacheRelease:
+    @pytest.fixture
+    def jp_server_config(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+        self.libcuda = with_fake_gpu(tmp_path, monkeypatch)
+        self.calls = tmp_path / "fakecuda-state" / "calls.log"
+        return base_config(tmp_path, release_gpu_caches=False)
+
+    async def test_trait_off_keeps_framework_caches(
+        self, jp_fetch: Fetch, start_kernel: Any
+    ) -> None:
+        from .test_gpu_kernel import CACHED_BLOCK, USE_GPU
+
+        kernel = await start_kernel()
+        await kernel.run(USE_GPU.format(lib=str(self.libcuda)))
+        await kernel.run(CACHED_BLOCK.format(calls=str(self.calls)))
+        job = await snapshot(jp_fetch, kernel.id)
+        assert job["status"] == "done", job
+        snap = await call(jp_fetch, "GET", job["result"]["id"])
+        assert snap["gpu"]["ns_pids"] == [1]
+        assert "released_caches" not in snap["gpu"]
+        assert (await kernel.run("print(bool(cached.value))")).strip() == "True"
+
+
 @pytest.mark.usefixtures("running_extensions")
 class TestIdleGpuSuspend:
     @pytest.fixture
     def jp_server_config(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-        from .fakecuda.build import build_fakecuda
-
-        self.libcuda = build_fakecuda(tmp_path / "fakecuda")
-        (tmp_path / "fakecuda-state").mkdir()
-        monkeypatch.setenv("JUPYTER_SNAPSHOT_LIBCUDA", str(self.libcuda))
-        monkeypatch.setenv("FAKECUDA_STATE_DIR", str(tmp_path / "fakecuda-state"))
+        self.libcuda = with_fake_gpu(tmp_path, monkeypatch)
         return base_config(tmp_path, idle_suspend_after=1.5)
 
     async def test_idle_gpu_kernel_suspends_and_next_cell_resumes(

@@ -12,11 +12,10 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 
 from jupyter_ext.core import manifest as manifest_mod
@@ -38,30 +37,6 @@ MakeStore = Callable[..., Store]
 # -- fixtures ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
-    """moto's standalone server with the bucket, and credentials in boto3's standard chain."""
-    patch = pytest.MonkeyPatch()
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": "/nonexistent",
-        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }.items():
-        patch.setenv(name, value)
-    patch.delenv("AWS_SESSION_TOKEN", raising=False)
-    patch.delenv("AWS_PROFILE", raising=False)
-    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
-    try:
-        boto3.client("s3", endpoint_url=server.url).create_bucket(Bucket=BUCKET)
-        yield server
-    finally:
-        server.stop()
-        patch.undo()
-
-
 @pytest.fixture(params=["local", "s3"])
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
@@ -77,7 +52,7 @@ def make_store(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> 
             return LocalStore(tmp_path / "stores" / name, **kwargs)
         server: MotoServer = request.getfixturevalue("moto")
         kwargs.setdefault("endpoint_url", server.url)
-        return S3Store(BUCKET, f"users/{name}", region="us-east-1", **kwargs)
+        return S3Store(server.ensure_bucket(BUCKET), f"users/{name}", region="us-east-1", **kwargs)
 
     return make
 
@@ -85,13 +60,6 @@ def make_store(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> 
 @pytest.fixture
 def store(make_store: MakeStore) -> Store:
     return make_store(grace_seconds=0)
-
-
-@pytest.fixture
-def proxy(moto: MotoServer) -> Iterator[CuttableProxy]:
-    forwarder = CuttableProxy(moto.port)
-    yield forwarder
-    forwarder.close()
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -511,7 +479,12 @@ def test_unavailable_store_raises_store_error(
 def test_network_cut_mid_upload_leaves_no_record(
     moto: MotoServer, proxy: CuttableProxy, tmp_path: Path
 ) -> None:
-    store = S3Store(BUCKET, f"users/{uuid.uuid4().hex[:8]}", endpoint_url=proxy.url, max_workers=4)
+    store = S3Store(
+        moto.ensure_bucket(BUCKET),
+        f"users/{uuid.uuid4().hex[:8]}",
+        endpoint_url=proxy.url,
+        max_workers=4,
+    )
     source = make_snapshot(tmp_path, random_pages(random.Random(17), 4096))
 
     def cut_after_first_chunk(event: dict[str, Any]) -> None:

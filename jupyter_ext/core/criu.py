@@ -108,11 +108,12 @@ class Criu:
         *,
         leave_running: bool,
         externals: Sequence[str] = (),
-    ) -> None:
+    ) -> float:
         """Dump the process tree rooted at ``pid`` into ``images_dir``.
 
         ``externals`` are CRIU external-resource keys (``file[MNT:INODE]``) that the
-        restore will hand over with ``--inherit-fd`` instead of reopening them.
+        restore will hand over with ``--inherit-fd`` instead of reopening them. Returns
+        how long the tree was frozen (see :func:`frozen_seconds`).
         """
         args = ["dump", "-t", str(pid), "-D", str(images_dir), "-W", str(work_dir)]
         args += ["-o", "dump.log", "-v4", "--file-locks"]
@@ -125,6 +126,7 @@ class Criu:
             excerpt = log_excerpt(work_dir / "dump.log", output)
             message, hint = explain_failure(excerpt, restoring=False)
             raise DumpError(message, hint=hint, log_excerpt=excerpt)
+        return frozen_seconds(work_dir / "dump.log")
 
     async def restore(
         self,
@@ -169,6 +171,31 @@ class Criu:
             raise CriuError(f"Could not start {self.path}: {exc}", hint=INSTALL_HINT) from exc
         out, _ = await proc.communicate()
         return proc.returncode or 0, out.decode(errors="replace")
+
+
+_LOG_LINE = re.compile(rb"^\((\d+\.\d+)\) (.*)$")
+
+
+def frozen_seconds(dump_log: Path) -> float:
+    """How long a dump kept the tree frozen: from CRIU's first "Seized task" to its
+    "Unfreezing tasks", read from the timestamps of the log (0.0 if they are missing).
+
+    This is the kernel's real pause; the rest of ``criu dump`` runs beside the kernel.
+    """
+    seized: float | None = None
+    try:
+        with dump_log.open("rb") as log:
+            for line in log:
+                match = _LOG_LINE.match(line)
+                if match is None:
+                    continue
+                if seized is None and match[2].startswith(b"Seized task"):
+                    seized = float(match[1])
+                elif seized is not None and match[2].startswith(b"Unfreezing tasks"):
+                    return float(match[1]) - seized
+    except OSError:
+        pass
+    return 0.0
 
 
 def log_excerpt(log_file: Path, output: str, limit: int = 20) -> str:

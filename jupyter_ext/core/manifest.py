@@ -103,11 +103,13 @@ class Manifest:
     needed_files: list[dict[str, Any]] = field(default_factory=list)
     """Regular files the kernel had open or mapped: a restore needs them unchanged."""
     disconnect_seconds: float = 0.0
-    """From stopping the kernel to CRIU's start: draining and dropping the channels."""
-    stopped_seconds: float = 0.0
-    """How long the kernel was stopped (SIGSTOP) while its channels were drained."""
+    """Draining and dropping the kernel's channels before CRIU starts (the kernel runs)."""
     dump_seconds: float = 0.0
+    """How long ``criu dump`` ran."""
+    frozen_seconds: float = 0.0
+    """How long the kernel's processes were frozen (CRIU's log, seize to unfreeze)."""
     pause_seconds: float = 0.0
+    """How long requests to the kernel were held: disconnect, dump and reconnect."""
     total_bytes: int = 0
     files: list[FileEntry] = field(default_factory=list)
     gpu: dict[str, Any] = field(default_factory=dict)

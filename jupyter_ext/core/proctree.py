@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import stat
-import time
 from pathlib import Path
 
 
@@ -33,46 +31,6 @@ def descendants(pid: int) -> list[int]:
         order.extend(children(order[index]))
         index += 1
     return order
-
-
-def signal_tree(pid: int, sig: int) -> None:
-    """Send ``sig`` to ``pid`` and all its descendants; processes already gone are skipped."""
-    for member in descendants(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(member, sig)
-
-
-def stop_tree(pid: int, timeout: float = 5.0) -> None:
-    """Stop the tree with SIGSTOP (it cannot be caught, also not by a namespace's init) and
-    wait until every thread really is stopped: delivery is asynchronous, and a thread that
-    still runs could write to a socket after the caller looked at it."""
-    signal_tree(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
-    while not all_stopped(descendants(pid)):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"process tree {pid} did not stop within {timeout} s")
-        time.sleep(0.0002)
-
-
-def all_stopped(pids: list[int]) -> bool:
-    """Whether every thread of these processes is stopped (state T or t); gone counts too."""
-    for pid in pids:
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            except OSError:
-                continue
-            if text.rsplit(")", 1)[1].split()[0] not in ("T", "t", "Z", "X"):
-                return False
-    return True
-
-
-def continue_tree(pid: int) -> None:
-    signal_tree(pid, signal.SIGCONT)
 
 
 def is_alive(pid: int) -> bool:

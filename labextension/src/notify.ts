@@ -132,11 +132,13 @@ export function connectNotifications(model: ISnapshotsModel): () => void {
       autoClose: (failed ? false : 6000) as number | false,
       actions
     };
+    // A new notification rather than an update of the "in progress" one: JupyterLab
+    // drops an update that reaches a toast before it is on screen, and that toast would
+    // then spin forever. Dismissals are applied in order, so this cannot get lost.
     if (id) {
-      Notification.update({ id, message, type, ...options });
-    } else {
-      Notification.emit(message, type, options);
+      Notification.dismiss(id);
     }
+    Notification.emit(message, type, options);
   };
 
   model.jobStarted.connect(onStarted);

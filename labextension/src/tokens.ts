@@ -69,6 +69,7 @@ export interface ISnapshot {
   };
   gpu_bytes?: number;
   dump_seconds?: number;
+  frozen_seconds?: number;
   pause_seconds?: number;
   criu_version?: string;
   product_version?: string;

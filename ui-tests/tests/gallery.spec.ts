@@ -3,7 +3,7 @@
  * (GPU snapshots, uploads in progress or failed, a snapshot job with its progress, a
  * suspended kernel, the whole store, an unreachable store). The notebook's kernel is real.
  */
-import { expect, test as base } from '@jupyterlab/galata';
+import { expect } from '@jupyterlab/galata';
 import type { Locator, Route } from '@playwright/test';
 import * as path from 'path';
 
@@ -11,29 +11,14 @@ import {
   currentKernelId,
   openSnapshotsPanel,
   SCREENSHOTS,
+  shutDownSessions,
   SNAPSHOT_KERNEL,
+  test,
   waitForToasts
 } from './helpers';
 
-const test = base.extend({
-  // eslint-disable-next-line no-empty-pattern
-  kernels: async ({}, use) => {
-    await use(null);
-  },
-  // eslint-disable-next-line no-empty-pattern
-  sessions: async ({}, use) => {
-    await use(null);
-  }
-});
-
 test.use({ autoGoto: false });
-
-test.afterEach(async ({ request }) => {
-  const response = await request.get('/api/sessions');
-  for (const session of (await response.json()) as { id: string }[]) {
-    await request.delete(`/api/sessions/${session.id}`);
-  }
-});
+test.afterEach(async ({ request }) => shutDownSessions(request));
 
 const MiB = 1024 * 1024;
 const GiB = 1024 * MiB;

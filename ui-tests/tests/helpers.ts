@@ -1,7 +1,7 @@
 /**
  * Helpers of the Kernel Snapshots UI tests.
  */
-import { IJupyterLabPageFixture } from '@jupyterlab/galata';
+import { IJupyterLabPageFixture, test as base } from '@jupyterlab/galata';
 import { APIRequestContext, expect, Locator } from '@playwright/test';
 import { execFileSync } from 'child_process';
 import * as path from 'path';
@@ -9,6 +9,32 @@ import * as path from 'path';
 export const SCREENSHOTS = path.resolve(__dirname, '..', 'screenshots');
 
 export const SNAPSHOT_KERNEL = 'python3-snapshot';
+
+/**
+ * Galata's test with the real kernels and sessions APIs: its default mocks only show the
+ * page the sessions it created itself, and a restore creates its session on the server.
+ * Tests shut their kernels down with shutDownSessions in afterEach.
+ */
+export const test = base.extend({
+  // eslint-disable-next-line no-empty-pattern
+  kernels: async ({}, use) => {
+    await use(null);
+  },
+  // eslint-disable-next-line no-empty-pattern
+  sessions: async ({}, use) => {
+    await use(null);
+  }
+});
+
+/** Shut down every session (and so its kernel) on the server. */
+export async function shutDownSessions(
+  request: APIRequestContext
+): Promise<void> {
+  const response = await request.get('/api/sessions');
+  for (const session of (await response.json()) as { id: string }[]) {
+    await request.delete(`/api/sessions/${session.id}`);
+  }
+}
 
 export interface IKernelStatus {
   kernel_id: string;
@@ -98,11 +124,47 @@ export async function cellOutput(
   return ((await page.notebook.getCellTextOutput(index)) ?? []).join('');
 }
 
-/** Wait until the notifications (toasts) are gone, so that screenshots show the panel. */
+/**
+ * Wait until the notifications (toasts) are gone, so that screenshots show the panel.
+ *
+ * Toasts pause their auto-close while the mouse is over them, so the mouse moves away
+ * first. A toast that stays is reported by its text: an error or a job still "in
+ * progress" fails the test (that is a bug to see); a finished job's toast that has not
+ * closed by itself yet is closed.
+ */
 export async function waitForToasts(
   page: IJupyterLabPageFixture
 ): Promise<void> {
-  await expect(page.locator('.Toastify__toast')).toHaveCount(0, {
-    timeout: 20_000
-  });
+  await page.mouse.move(1, 1);
+  const toasts = page.locator('.Toastify__toast');
+  try {
+    await expect(toasts).toHaveCount(0, { timeout: 20_000 });
+    return;
+  } catch {
+    // Report below.
+  }
+  const left = await toasts.evaluateAll(nodes =>
+    nodes.map(node => ({
+      text: (node.textContent ?? '').trim(),
+      sticky:
+        node.classList.contains('Toastify__toast--error') ||
+        node.querySelector('.Toastify__spinner') !== null
+    }))
+  );
+  const sticky = left.filter(toast => toast.sticky);
+  expect(
+    sticky.map(toast => toast.text),
+    'no error or in-progress notification stays'
+  ).toEqual([]);
+  console.log(
+    `closing notifications that stayed: ${left.map(t => t.text).join(' | ')}`
+  );
+  // Without an id, the command dismisses every notification.
+  await page.evaluate(() =>
+    (window as any).galata.app.commands.execute(
+      'apputils:dismiss-notification',
+      {}
+    )
+  );
+  await expect(toasts).toHaveCount(0, { timeout: 5_000 });
 }

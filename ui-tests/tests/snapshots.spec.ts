@@ -3,7 +3,7 @@
  * build a state, snapshot it, kill the kernel with kill -9, restore it from the panel,
  * and let the restored kernel print its own state.
  */
-import { expect, galata, test as base } from '@jupyterlab/galata';
+import { expect, galata } from '@jupyterlab/galata';
 import * as path from 'path';
 
 import {
@@ -14,34 +14,14 @@ import {
   killKernel,
   openSnapshotsPanel,
   SCREENSHOTS,
+  shutDownSessions,
   SNAPSHOT_KERNEL,
+  test,
   waitForToasts
 } from './helpers';
 
-/**
- * Galata's default mocks of the kernels and sessions APIs only show the page the
- * sessions it created itself; a restore creates its session on the server, so these
- * tests use the real APIs (and shut their kernels down in afterEach).
- */
-const test = base.extend({
-  // eslint-disable-next-line no-empty-pattern
-  kernels: async ({}, use) => {
-    await use(null);
-  },
-  // eslint-disable-next-line no-empty-pattern
-  sessions: async ({}, use) => {
-    await use(null);
-  }
-});
-
 test.use({ autoGoto: false });
-
-test.afterEach(async ({ request }) => {
-  const response = await request.get('/api/sessions');
-  for (const session of (await response.json()) as { id: string }[]) {
-    await request.delete(`/api/sessions/${session.id}`);
-  }
-});
+test.afterEach(async ({ request }) => shutDownSessions(request));
 
 const BUILD_STATE = [
   'import hashlib',

@@ -46,8 +46,11 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
     snapshot.total_bytes !== undefined
       ? `Memory image: ${formatBytes(snapshot.total_bytes)}`
       : '',
+    snapshot.frozen_seconds
+      ? `Kernel frozen for ${formatDuration(snapshot.frozen_seconds)}`
+      : '',
     snapshot.pause_seconds
-      ? `Kernel paused for ${formatDuration(snapshot.pause_seconds)}`
+      ? `Requests held for ${formatDuration(snapshot.pause_seconds)}`
       : '',
     snapshot.python_version ? `Python ${snapshot.python_version}` : '',
     snapshot.criu_version ? `CRIU ${snapshot.criu_version}` : '',

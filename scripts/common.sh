@@ -1,0 +1,54 @@
+# Set-up steps shared by scripts/dev.sh and scripts/ui-tests.sh (sourced, not run).
+# Every step is idempotent: on a machine that has everything, they only check.
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PYTHON="${PYTHON:-python3}"
+
+log() { printf '\n== %s\n' "$*" >&2; }
+
+# apt_install PKG...: install the packages that are missing.
+apt_install() {
+  local missing=()
+  for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "apt-get install ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+}
+
+# setup_machine EXTRAS [PKG...]: as root on Debian/Ubuntu, system packages (and PKG...),
+# Node.js >= 18, CRIU >= 4.2 (scripts/install-criu.sh), and .venv with this package
+# installed editable with EXTRAS (which builds the JupyterLab extension). Skipped in a
+# child of a set-up that already ran (JKS_SETUP_DONE=1).
+setup_machine() {
+  local extras="$1"
+  shift
+  [ "${JKS_SETUP_DONE:-}" = 1 ] && return 0
+  if [ "$(id -u)" != 0 ]; then
+    echo "run as root (CRIU needs it): sudo $0" >&2
+    return 1
+  fi
+  command -v apt-get >/dev/null || { echo "this needs Debian/Ubuntu (no apt-get)" >&2; return 1; }
+  apt_install util-linux iproute2 patchelf python3-venv ca-certificates gcc curl "$@"
+  if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    apt_install nodejs npm
+  fi
+  local node_major
+  node_major=$(node -p 'process.versions.node.split(".")[0]')
+  if [ "$node_major" -lt 18 ]; then
+    echo "Node.js >= 18 is needed to build the extension (found $(node -v))" >&2
+    return 1
+  fi
+  log "CRIU"
+  "$ROOT/scripts/install-criu.sh"
+  if [ ! -x "$VENV/bin/python" ]; then
+    log "virtualenv $VENV"
+    "$PYTHON" -m venv "$VENV"
+  fi
+  log "Python packages"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q -e ".[$extras]"
+  export JKS_SETUP_DONE=1
+}
