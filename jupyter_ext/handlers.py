@@ -92,7 +92,7 @@ class SnapshotsHandler(SnapshotHandler):
         trigger = self.get_query_argument("trigger", None)
         if trigger is not None and trigger not in TRIGGERS:
             raise ValueError(f"trigger must be one of {', '.join(TRIGGERS)}.")
-        listing = self.manager.list_snapshots(
+        listing = await self.manager.list_snapshots(
             kernel_id=self.get_query_argument("kernel_id", None),
             path=validate_notebook_path(path) if path else None,
             trigger=trigger,
@@ -114,12 +114,12 @@ class SnapshotItemHandler(SnapshotHandler):
     @web.authenticated
     @authorized
     async def get(self, snapshot_id: str) -> None:
-        self.reply(self.manager.get(snapshot_id))
+        self.reply(await self.manager.get(snapshot_id))
 
     @web.authenticated
     @authorized
     async def delete(self, snapshot_id: str) -> None:
-        self.manager.delete(snapshot_id)
+        await self.manager.delete(snapshot_id)
         self.set_status(204)
         self.finish()
 

@@ -189,21 +189,23 @@ class SnapshotManager:
         return status
 
     async def kernels(self) -> list[dict[str, Any]]:
-        return [
-            await self.kernel_status(kid) for kid in list(self.kernel_manager.list_kernel_ids())
-        ]
+        """Every kernel's status, its wrapper asked for all kernels at once."""
+        kernel_ids = list(self.kernel_manager.list_kernel_ids())
+        return list(await asyncio.gather(*(self.kernel_status(kid) for kid in kernel_ids)))
 
     # ---------------------------------------------------------------- listing
 
-    def list_snapshots(self, **filters: str | None) -> dict[str, Any]:
+    async def list_snapshots(self, **filters: str | None) -> dict[str, Any]:
         """Complete snapshots in the store, plus local ones waiting for upload.
 
         An unreachable store still lists the local ones, with ``store_error`` saying why
-        the others are missing.
+        the others are missing. Store calls run in a thread: a slow or unreachable S3
+        endpoint must never block the server's event loop.
         """
         store_error = ""
         try:
-            entries = [self._describe(s, "complete") for s in self.store.list()]
+            stored = await asyncio.to_thread(self.store.list)
+            entries = [self._describe(s, "complete") for s in stored]
         except StoreError as exc:
             entries, store_error = [], str(exc)
         for pending in self.pending.values():
@@ -221,13 +223,13 @@ class SnapshotManager:
         entries.sort(key=lambda e: (e["created"], e["sequence"]), reverse=True)
         return {"snapshots": entries, "store_error": store_error}
 
-    def get(self, snapshot_id: str) -> dict[str, Any]:
+    async def get(self, snapshot_id: str) -> dict[str, Any]:
         validate_snapshot_id(snapshot_id)
         pending = self.pending.get(snapshot_id)
         if pending is not None:
             status = "upload-failed" if pending.error else "uploading"
             return self._describe_manifest(pending.manifest, status, pending.error)
-        return self._describe(self.store.get(snapshot_id), "complete")
+        return self._describe(await asyncio.to_thread(self.store.get, snapshot_id), "complete")
 
     @staticmethod
     def _describe_manifest(manifest: Manifest, status: str, error: str = "") -> dict[str, Any]:
@@ -372,7 +374,7 @@ class SnapshotManager:
         )
         manifest = Manifest.from_dict(data)
         stored = await self._upload(job, manifest, dest)
-        result = stored if stored is not None else self.get(manifest.id)
+        result = stored if stored is not None else await self.get(manifest.id)
         self.emit(
             "created",
             {
@@ -497,7 +499,7 @@ class SnapshotManager:
         if pending is not None:
             return pending.directory, False
         store = self.store
-        store.get(snapshot_id)  # 404 before any work
+        await asyncio.to_thread(store.get, snapshot_id)  # 404 before any work
         dest = self.cache_dir / f"{snapshot_id}-{secrets.token_hex(4)}"
 
         def on_progress(event: dict[str, Any]) -> None:
@@ -590,14 +592,14 @@ class SnapshotManager:
 
     # ---------------------------------------------------------------- delete
 
-    def delete(self, snapshot_id: str) -> None:
+    async def delete(self, snapshot_id: str) -> None:
         validate_snapshot_id(snapshot_id)
         pending = self.pending.get(snapshot_id)
         if pending is not None:
             del self.pending[snapshot_id]
             shutil.rmtree(pending.directory, ignore_errors=True)
         else:
-            self.store.delete(snapshot_id)
+            await asyncio.to_thread(self.store.delete, snapshot_id)
         self.emit("deleted", {"snapshot_id": snapshot_id, "reason": "request"})
 
     # ---------------------------------------------------------------- suspend
@@ -636,7 +638,7 @@ class SnapshotManager:
         upload_dir = self.staging_dir / manifest.id
         await asyncio.to_thread(shutil.copytree, dest, upload_dir, copy_function=os.link)
         stored = await self._upload(job, manifest, upload_dir)
-        return stored if stored is not None else self.get(manifest.id)
+        return stored if stored is not None else await self.get(manifest.id)
 
     def resume(self, kernel_id: str) -> Job:
         self._kernel(kernel_id)

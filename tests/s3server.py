@@ -3,7 +3,8 @@
 ``MotoServer`` runs moto's standalone server as a child process on 127.0.0.1 (it keeps
 objects in memory and implements conditional writes). ``CuttableProxy`` forwards TCP to
 it; ``cut()`` drops every connection and refuses new ones, as a failed network would,
-while the server keeps its objects so a test can look at what was left behind.
+while the server keeps its objects so a test can look at what was left behind; ``stall()``
+accepts connections and never answers, as an overloaded endpoint would.
 """
 
 from __future__ import annotations
@@ -88,8 +89,10 @@ class CuttableProxy:
         self.port: int = self._listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._cut = threading.Event()
+        self._stall = threading.Event()
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
+        self.stalled: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def cut(self) -> None:
@@ -100,8 +103,18 @@ class CuttableProxy:
         for sock in sockets:
             _close(sock)
 
+    def stall(self) -> None:
+        """Accept new connections but never forward them (``stalled`` holds them)."""
+        self._stall.set()
+
     def restore(self) -> None:
+        """Forward again; stalled connections are dropped (clients retry)."""
         self._cut.clear()
+        self._stall.clear()
+        with self._lock:
+            stalled, self.stalled = self.stalled, []
+        for sock in stalled:
+            _close(sock)
 
     def close(self) -> None:
         self.cut()
@@ -115,6 +128,10 @@ class CuttableProxy:
                 return  # the listener was closed
             if self._cut.is_set():
                 _close(client)
+                continue
+            if self._stall.is_set():
+                with self._lock:
+                    self.stalled.append(client)
                 continue
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
             with self._lock:

@@ -196,6 +196,25 @@ class TestUploadFailure:
 
         await until(complete, timeout=120)
 
+    async def test_a_stalled_store_never_blocks_the_server(
+        self, jp_fetch: Fetch, proxy: CuttableProxy
+    ) -> None:
+        import asyncio
+
+        proxy.stall()
+        listing = asyncio.ensure_future(call(jp_fetch, "GET"))
+
+        async def store_reached() -> bool:
+            return bool(proxy.stalled)
+
+        await until(store_reached, timeout=30)
+        # The listing waits on S3; the server still answers everything else meanwhile.
+        assert (await call(jp_fetch, "GET", "policy"))["store"] == "s3"
+        assert (await call(jp_fetch, "GET", "kernels"))["kernels"] == []
+        assert not listing.done()
+        proxy.restore()  # the stalled connection drops; boto3 retries and gets its answer
+        assert (await listing)["store_error"] == ""
+
 
 def test_snapshot_before_shutdown(tmp_path: Path, snapshot_kernelspec: str) -> None:
     notebooks = tmp_path / "notebooks"
