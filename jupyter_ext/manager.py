@@ -37,6 +37,8 @@ log = logging.getLogger("jupyter_ext")
 KERNEL_ID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 #: Environment variable naming a one-shot restore request for a new kernel (see wrapper).
 RESTORE_ENV = "JUPYTER_SNAPSHOT_RESTORE_REQUEST"
+#: Byte progress goes out as events at most this often (seconds) per job.
+PROGRESS_EVENT_INTERVAL = 0.25
 
 EmitEvent = Callable[[str, dict[str, Any]], None]
 
@@ -86,6 +88,8 @@ class Job:
     """Set once a restore has checked the snapshot (hashes, compatibility)."""
     done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     exception: SnapshotError | None = field(default=None, repr=False)
+    last_event: float = field(default=0.0, repr=False)
+    """When the last progress event went out (monotonic), to pace byte progress."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -252,6 +256,60 @@ class SnapshotManager:
 
     # ---------------------------------------------------------------- jobs
 
+    def _progress(
+        self,
+        job: Job,
+        phase: str | None = None,
+        done_bytes: int | None = None,
+        total_bytes: int | None = None,
+    ) -> None:
+        """Record a job's progress and tell listeners with a "progress" event: at once for
+        a new phase or the last byte, else at most every PROGRESS_EVENT_INTERVAL."""
+        new_phase = phase is not None and phase != job.phase
+        if phase is not None:
+            job.phase = phase
+        if done_bytes is not None:
+            job.done_bytes = int(done_bytes)
+        if total_bytes is not None:
+            job.total_bytes = int(total_bytes)
+        now = time.monotonic()
+        finished = job.total_bytes > 0 and job.done_bytes >= job.total_bytes
+        if not (new_phase or finished) and now - job.last_event < PROGRESS_EVENT_INTERVAL:
+            return
+        job.last_event = now
+        self.emit(
+            "progress",
+            {
+                "job_id": job.id,
+                "kernel_id": job.kernel_id,
+                "kind": job.kind,
+                "phase": job.phase,
+                "done_bytes": job.done_bytes,
+                "total_bytes": job.total_bytes,
+            },
+        )
+
+    def _wrapper_progress(self, job: Job) -> Callable[[dict[str, Any]], None]:
+        """A progress callback for a wrapper request: its events name the phase."""
+        return lambda event: self._progress(job, str(event.get("phase") or job.phase))
+
+    def _progress_callback(self, job: Job | None, phase: str) -> Callable[[dict[str, Any]], None]:
+        """A progress callback for store work running in a thread: it hands each report
+        to the event loop (events are emitted there only). ``phase`` is the default."""
+        loop = asyncio.get_running_loop()
+
+        def on_progress(event: dict[str, Any]) -> None:
+            if job is not None:
+                loop.call_soon_threadsafe(
+                    self._progress,
+                    job,
+                    str(event.get("phase") or phase),
+                    event.get("done_bytes"),
+                    event.get("total_bytes"),
+                )
+
+        return on_progress
+
     def _start_job(self, kind: str, kernel_id: str | None, work: Callable[[Job], Any]) -> Job:
         job = Job(id=secrets.token_hex(8), kind=kind, kernel_id=kernel_id)
         self.jobs[job.id] = job
@@ -356,10 +414,6 @@ class SnapshotManager:
         dest = self.staging_dir / new_snapshot_id()
         self.emit("started", {"kernel_id": kernel_id, "trigger": trigger, "job_id": job.id})
 
-        def on_progress(event: dict[str, Any]) -> None:
-            job.phase = str(event.get("phase", job.phase))
-            self.emit("progress", {"job_id": job.id, "kernel_id": kernel_id, "phase": job.phase})
-
         spec = {"name": km.kernel_name, "kernel_id": kernel_id}
         data = await self.wrapper(kernel_id).request(
             "snapshot",
@@ -370,7 +424,7 @@ class SnapshotManager:
                 "metadata": {"kernel_spec": spec, "notebook_path": path},
                 "release_gpu_caches": self.release_gpu_caches,
             },
-            on_progress=on_progress,
+            on_progress=self._wrapper_progress(job),
         )
         manifest = Manifest.from_dict(data)
         stored = await self._upload(job, manifest, dest)
@@ -395,16 +449,12 @@ class SnapshotManager:
         pending = self.pending.setdefault(manifest.id, PendingUpload(manifest, directory))
         pending.attempts += 1
 
-        def on_progress(event: dict[str, Any]) -> None:
-            if job is not None:
-                job.phase = str(event.get("phase", "uploading"))
-                job.done_bytes = int(event.get("done_bytes", job.done_bytes))
-                job.total_bytes = int(event.get("total_bytes", job.total_bytes))
-
         if job is not None:
-            job.phase = "uploading"
+            self._progress(job, "uploading")
         try:
-            stored = await asyncio.to_thread(store.put, directory, on_progress)
+            stored = await asyncio.to_thread(
+                store.put, directory, self._progress_callback(job, "uploading")
+            )
         except SnapshotError as exc:
             pending.error = exc.message
             log.warning("upload of snapshot %s failed (kept locally): %s", manifest.id, exc)
@@ -502,13 +552,10 @@ class SnapshotManager:
         await asyncio.to_thread(store.get, snapshot_id)  # 404 before any work
         dest = self.cache_dir / f"{snapshot_id}-{secrets.token_hex(4)}"
 
-        def on_progress(event: dict[str, Any]) -> None:
-            job.phase = str(event.get("phase", "downloading"))
-            job.done_bytes = int(event.get("done_bytes", job.done_bytes))
-            job.total_bytes = int(event.get("total_bytes", job.total_bytes))
-
-        job.phase = "downloading"
-        await asyncio.to_thread(store.fetch, snapshot_id, dest, on_progress)
+        self._progress(job, "downloading")
+        await asyncio.to_thread(
+            store.fetch, snapshot_id, dest, self._progress_callback(job, "downloading")
+        )
         return dest, True
 
     async def _restore(
@@ -516,14 +563,16 @@ class SnapshotManager:
     ) -> dict[str, Any]:
         directory, temporary = await self._local_copy(job, snapshot_id)
         try:
-            job.phase = "verifying"
+            self._progress(job, "verifying")
             manifest = await asyncio.to_thread(verify, directory)
             check_compatible(manifest)
             job.checked.set()
-            job.phase = "restoring"
+            self._progress(job, "restoring")
             if kernel_id is not None:
                 await self.wrapper(kernel_id).request(
-                    "restore", {"source": str(directory), "verified": True}
+                    "restore",
+                    {"source": str(directory), "verified": True},
+                    on_progress=self._wrapper_progress(job),
                 )
             else:
                 kernel_id = await self._start_restored_kernel(manifest, directory)
@@ -618,7 +667,7 @@ class SnapshotManager:
         suspended_dir = self.work_dir / "suspended"
         suspended_dir.mkdir(parents=True, exist_ok=True)
         dest = suspended_dir / new_snapshot_id()
-        job.phase = "dumping"
+        self._progress(job, "dumping")
         data = await self.wrapper(kernel_id).request(
             "suspend",
             {
@@ -630,6 +679,7 @@ class SnapshotManager:
                 },
                 "release_gpu_caches": self.release_gpu_caches,
             },
+            on_progress=self._wrapper_progress(job),
         )
         manifest = Manifest.from_dict(data)
         self.emit("suspended", {"kernel_id": kernel_id, "snapshot_id": manifest.id})
@@ -645,8 +695,10 @@ class SnapshotManager:
         self._busy(kernel_id)
 
         async def work(job: Job) -> dict[str, Any]:
-            job.phase = "restoring"
-            result: dict[str, Any] = await self.wrapper(kernel_id).request("resume")
+            self._progress(job, "restoring")
+            result: dict[str, Any] = await self.wrapper(kernel_id).request(
+                "resume", on_progress=self._wrapper_progress(job)
+            )
             self.emit("resumed", {"kernel_id": kernel_id, "snapshot_id": result.get("id")})
             return result
 

@@ -121,6 +121,7 @@ class TestEvents:
         job = await wait_job(
             jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
         )
+        snapshot_job = job["id"]
         snapshot_id = job["result"]["id"]
         job = await wait_job(
             jp_fetch,
@@ -139,6 +140,11 @@ class TestEvents:
         created = next(e for e in seen if e["action"] == "created")
         assert created["snapshot_id"] == snapshot_id
         assert created["kernel_id"] == kernel.id
+        # Progress events name the job's kind and carry its bytes (the store's last report).
+        progress = [e for e in seen if e["action"] == "progress"]
+        assert {e["kind"] for e in progress} == {"snapshot", "restore"}
+        stored = [e for e in progress if e["job_id"] == snapshot_job and e["total_bytes"]]
+        assert stored[-1]["done_bytes"] == stored[-1]["total_bytes"] > 0
 
 
 @pytest.mark.usefixtures("running_extensions")

@@ -504,7 +504,13 @@ export class SnapshotsModel implements ISnapshotsModel {
       const tracked = this._jobs.get(jobId);
       if (tracked) {
         if (event.action === 'progress' && event.phase) {
-          this._merge(tracked, { ...tracked.job, phase: event.phase });
+          // Progress events carry the bytes too: no need to wait for the next poll.
+          this._merge(tracked, {
+            ...tracked.job,
+            phase: event.phase,
+            done_bytes: event.done_bytes ?? tracked.job.done_bytes,
+            total_bytes: event.total_bytes ?? tracked.job.total_bytes
+          });
         }
       } else if (['started', 'progress', 'failed'].includes(event.action)) {
         // Work started elsewhere (periodic, idle suspend, another tab): follow it too.
@@ -514,8 +520,8 @@ export class SnapshotsModel implements ISnapshotsModel {
           kernel_id: event.kernel_id ?? null,
           status: 'running',
           phase: event.phase ?? 'queued',
-          done_bytes: 0,
-          total_bytes: 0,
+          done_bytes: event.done_bytes ?? 0,
+          total_bytes: event.total_bytes ?? 0,
           started: Date.now() / 1000,
           finished: null,
           result: null,

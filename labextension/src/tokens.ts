@@ -159,6 +159,8 @@ export interface ISnapshotEvent {
   trigger?: string | null;
   phase?: string | null;
   status?: string | null;
+  done_bytes?: number | null;
+  total_bytes?: number | null;
   bytes?: number | null;
   path?: string | null;
   message?: string | null;
