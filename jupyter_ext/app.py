@@ -73,11 +73,12 @@ class SnapshotExtensionApp(ExtensionApp):
     chunk_kib = Int(
         0,
         config=True,
-        help="""Average size of the content-addressed chunks, in KiB (a power of two, >= 8).
-        Smaller chunks share more between successive snapshots of a kernel (at 16 KiB, a
-        second snapshot of an idle kernel adds about 1-2 % new bytes; at 1024 about 10 %)
-        but mean more objects. Default: 0, which picks 16 for the local store and 1024 for
-        S3 (fewer requests).""",
+        help="""Average size of the content-addressed chunks, in KiB (a power of two, >= 8),
+        the same for every snapshot. Smaller chunks share more between successive snapshots
+        of a kernel but mean more objects and requests. Default: 0, automatic: about 16384
+        chunks per snapshot (16 KiB up to 256 MiB, doubling up to 1 MiB from 16 GiB), and a
+        kernel keeps its chunk size while it stays within a factor of two; a second
+        snapshot of an idle kernel then adds well under 2 % new bytes at any size.""",
     )
     work_dir = Unicode(
         config=True,
@@ -157,9 +158,8 @@ class SnapshotExtensionApp(ExtensionApp):
     def _default_work_dir(self) -> str:
         return os.path.join(jupyter_data_dir(), "kernel_snapshots", "work")
 
-    def chunking(self) -> ChunkParams:
-        kib = self.chunk_kib or (1024 if self.store == "s3" else 16)
-        return ChunkParams(min_size=kib * 1024 // 4, normal_size=kib * 1024, max_size=kib * 4096)
+    def chunking(self) -> ChunkParams | None:
+        return ChunkParams.of_kib(self.chunk_kib) if self.chunk_kib else None
 
     def make_store(self) -> SnapshotStore:
         """The owner's store: its prefix comes from the server's identity, not a request."""

@@ -16,6 +16,7 @@ from a plain ipykernel in three ways, each needed for a clean CRIU image:
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -99,6 +100,8 @@ class SnapshotReadyKernelApp(IPKernelApp):
         self.iopub_thread = ForkPipeToWrapper(self.iopub_socket, pipe=True, session=self.session)
         self.iopub_thread.start()
         self.iopub_socket = self.iopub_thread.background_socket
+        # Registered after the IOPub thread's own atexit stop, so it runs before it.
+        atexit.register(self._stop_control_thread)
 
     def _try_bind_socket(self, s: zmq.Socket[Any], port: int) -> int:
         s.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
@@ -118,17 +121,17 @@ class SnapshotReadyKernelApp(IPKernelApp):
         self.debug_shell_socket.close(linger=0)
         self.debug_shell_socket = context.socket(zmq.DEALER)
 
-    def close(self) -> None:
-        """Stop the control thread before ipykernel stops the IOPub thread.
+    def _stop_control_thread(self) -> None:
+        """Stop the control thread while the IOPub thread still runs.
 
-        ipykernel's close() stops IOPub first; a control thread still flushing output
-        after the shutdown request then blocks forever waking the stopped IOPub thread,
-        and the kernel never exits (seen in tests after interrupts).
+        At exit, ipykernel stops the IOPub thread first (its atexit handler was registered
+        last); a control thread still flushing output after the shutdown request then
+        blocks forever waking the stopped IOPub thread, and the kernel never exits (seen
+        in tests after interrupts, py-spy: ``IOPubThread.schedule`` -> ``Socket.send``).
         """
         if self.control_thread and self.control_thread.is_alive():
             self.control_thread.stop()
             self.control_thread.join()
-        super().close()
 
     def init_heartbeat(self) -> None:
         """The wrapper answers heartbeats; the inner kernel has none."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +60,7 @@ class KernelProcess:
         except RuntimeError as exc:
             log = self.log()
             if self.process.poll() is None:
+                log += "\n" + describe_threads(proctree.descendants(self.process.pid))
                 self.process.kill()
             self.process.wait(10)
             self.close()
@@ -109,6 +111,17 @@ class KernelProcess:
         pid = self.status()["inner_pid"]
         return proctree.descendants(pid) if pid else []
 
+    def wait_exit(self, pids: list[int], timeout: float = 30) -> int:
+        """Wait for the wrapper to exit; on a timeout, fail saying what every thread of the
+        wrapper and of ``pids`` was doing (a Python stack too where py-spy is installed)."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the kernel did not exit within {timeout} s:\n"
+                + describe_threads([self.process.pid, *pids])
+            ) from None
+
     def kill_inner(self) -> None:
         """kill -9 the inner kernel (the whole tree dies with its namespace's init)."""
         pid = self.status()["inner_pid"]
@@ -148,3 +161,24 @@ def wait_until(condition: Callable[[], bool], timeout: float = 30, what: str = "
             return
         time.sleep(0.02)
     raise TimeoutError(f"timed out waiting for {what}")
+
+
+def describe_threads(pids: list[int]) -> str:
+    """Each thread's name, state and kernel wait channel; py-spy's dump if available."""
+    lines = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            lines.append(f"{pid}: {cmdline.decode(errors='replace')[:200]}")
+        for tid in sorted(os.listdir(f"/proc/{pid}/task")) if os.path.isdir(f"/proc/{pid}") else []:
+            base = f"/proc/{pid}/task/{tid}"
+            with contextlib.suppress(OSError):
+                comm = Path(f"{base}/comm").read_text().strip()
+                wchan = Path(f"{base}/wchan").read_text().strip()
+                state = Path(f"{base}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                lines.append(f"{pid}/{tid} {comm} {state} {wchan}")
+        spy = shutil.which("py-spy")
+        if spy and os.path.isdir(f"/proc/{pid}"):
+            dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True)
+            lines.append(dump.stdout)
+    return "\n".join(lines)

@@ -362,7 +362,7 @@ def test_interrupt_restart_shutdown_like_ipykernel(kernel_factory: Factory, tmp_
     assert reply["content"]["ename"] == "KeyboardInterrupt"
     inner = kernel.inner_pids()
     kernel.client.shutdown()
-    assert kernel.process.wait(30) == 0
+    assert kernel.wait_exit(inner) == 0
     wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in inner), what="inner exit")
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from jupyter_ext.core import manifest as manifest_mod
-from jupyter_ext.core.chunking import PAGE_SIZE, ChunkParams, iter_chunks
+from jupyter_ext.core.chunking import PAGE_SIZE, ChunkParams, auto_chunk_kib, iter_chunks
 from jupyter_ext.core.errors import SnapshotCorruptError, SnapshotNotFoundError
 from jupyter_ext.core.manifest import Manifest
 from jupyter_ext.core.store import LocalStore, S3Store, StoredSnapshot, StoreError
@@ -86,6 +86,7 @@ def make_snapshot(
     lineage: str = "0" * 32,
     sequence: int = 1,
     extra: dict[str, bytes] | None = None,
+    parent_id: str | None = None,
 ) -> Path:
     """A sealed snapshot directory, as the kernel wrapper leaves it."""
     snapshot_id = manifest_mod.new_snapshot_id()
@@ -105,6 +106,7 @@ def make_snapshot(
         runtime_dir_key="dummy",
         stdio_pipe="pipe:[1]",
         notebook_path="work/analysis.ipynb",
+        parent_id=parent_id,
     )
     final = root / snapshot_id
     manifest_mod.seal(staging, manifest, final)
@@ -189,6 +191,38 @@ def test_chunk_boundaries_follow_inserted_pages() -> None:
 def test_chunk_params_are_checked(sizes: tuple[int, int, int]) -> None:
     with pytest.raises(ValueError, match="must"):
         ChunkParams(*sizes)
+
+
+@pytest.mark.parametrize(
+    ("mib", "kib"),
+    [(0, 16), (96, 16), (256, 16), (512, 32), (2048, 128), (16384, 1024), (65536, 1024)],
+)
+def test_automatic_chunks_grow_with_the_snapshot(mib: int, kib: int) -> None:
+    assert auto_chunk_kib(mib << 20) == kib
+    assert (mib << 20) // (kib << 10) <= 16384 or kib == 1024  # objects per snapshot bounded
+
+
+def test_automatic_chunks_keep_the_previous_size_within_a_factor_two() -> None:
+    assert auto_chunk_kib(600 << 20, previous_kib=32) == 32  # ideal 64: keep 32
+    assert auto_chunk_kib(600 << 20, previous_kib=128) == 128
+    assert auto_chunk_kib(600 << 20, previous_kib=16) == 64  # too far from the ideal
+    assert auto_chunk_kib(600 << 20, previous_kib=256) == 64
+    assert auto_chunk_kib(600 << 20, previous_kib=48) == 48  # any size the store wrote
+    assert auto_chunk_kib(1 << 20, previous_kib=4) == 16  # never below the minimum
+
+
+def test_a_child_snapshot_keeps_its_parents_chunk_size(store: Store, tmp_path: Path) -> None:
+    """Automatic chunking (the default) follows the parent's record across a boundary."""
+    pages = random_pages(random.Random(11), 1024)
+    store.chunking = ChunkParams.of_kib(32)  # as if the parent had been a bigger kernel
+    parent = store.put(make_snapshot(tmp_path, pages, sequence=1))
+    store.chunking = None
+    child = store.put(make_snapshot(tmp_path, pages, sequence=2, parent_id=parent.manifest.id))
+    assert store._load(child.manifest.id).chunk_kib == 32  # type: ignore[union-attr]
+    assert child.new_bytes == 0  # the same cut: every chunk is shared
+    orphan = store.put(make_snapshot(tmp_path, pages, sequence=3))
+    assert store._load(orphan.manifest.id).chunk_kib == 16  # type: ignore[union-attr]
+    assert orphan.new_bytes > 0  # another cut of the same pages
 
 
 def test_round_trip_is_byte_identical(store: Store, tmp_path: Path) -> None:

@@ -17,6 +17,12 @@ from typing import BinaryIO
 
 PAGE_SIZE = 4096
 
+#: Automatic chunking: chunk sizes (KiB) between these, aiming at about AUTO_TARGET_CHUNKS
+#: chunks per snapshot.
+AUTO_MIN_KIB = 16
+AUTO_MAX_KIB = 1024
+AUTO_TARGET_CHUNKS = 16384
+
 
 @dataclass(frozen=True)
 class ChunkParams:
@@ -24,7 +30,8 @@ class ChunkParams:
 
     A page ends a chunk once the chunk holds ``min_size``, when its crc32 is 0 modulo
     ``normal_size / PAGE_SIZE`` (a power of two), and always at ``max_size``. Chunks then
-    average about ``min_size + normal_size``; the defaults give ~1.25 MiB.
+    average about ``min_size + normal_size``; the defaults give ~1.25 MiB. Stores pick
+    sizes per snapshot with :func:`auto_chunk_kib` unless configured with fixed ones.
     """
 
     min_size: int = 256 * 1024
@@ -41,6 +48,38 @@ class ChunkParams:
             raise ValueError(f"normal_size must be a power-of-two number of pages, not {pages}")
         if not self.min_size <= self.max_size:
             raise ValueError("min_size must not exceed max_size")
+
+    @classmethod
+    def of_kib(cls, kib: int) -> ChunkParams:
+        """Chunks of about ``kib`` KiB: between a quarter of it and four times it."""
+        return cls(min_size=kib * 1024 // 4, normal_size=kib * 1024, max_size=kib * 4096)
+
+    @property
+    def kib(self) -> int:
+        return self.normal_size // 1024
+
+
+def auto_chunk_kib(total_bytes: int, previous_kib: int | None = None) -> int:
+    """The chunk size for a snapshot of ``total_bytes``, in KiB.
+
+    An idle kernel changes about the same few hundred pages between two snapshots, in a
+    few dozen places, whatever its size; each place costs one new chunk. Chunks that grow
+    with the snapshot (about AUTO_TARGET_CHUNKS per snapshot, 16 KiB up to 256 MiB, then
+    doubling up to 1 MiB from 16 GiB) keep both the share of new bytes (well under 2 %) and
+    the number of objects and requests per snapshot bounded. A kernel keeps the chunk size
+    of its previous snapshot (``previous_kib``) while that is within a factor of two of the
+    ideal one, so that a size hovering at a boundary does not defeat deduplication.
+    """
+    ideal = AUTO_MIN_KIB
+    while ideal < AUTO_MAX_KIB and ideal * 1024 * AUTO_TARGET_CHUNKS < total_bytes:
+        ideal *= 2
+    if (
+        previous_kib is not None
+        and AUTO_MIN_KIB <= previous_kib <= AUTO_MAX_KIB
+        and ideal // 2 <= previous_kib <= ideal * 2
+    ):
+        return previous_kib
+    return ideal
 
 
 def iter_chunks(fh: BinaryIO, params: ChunkParams) -> Iterator[bytes | memoryview]:

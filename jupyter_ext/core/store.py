@@ -38,7 +38,7 @@ from typing import Any, BinaryIO, NamedTuple, NoReturn, Protocol, TypeVar
 import zstandard
 
 from . import manifest as manifest_mod
-from .chunking import ChunkParams, iter_chunks
+from .chunking import ChunkParams, auto_chunk_kib, iter_chunks
 from .errors import SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
 from .manifest import Manifest
 
@@ -123,6 +123,8 @@ class _Record:
     chunks: dict[str, builtins.list[ChunkRef]]
     stored_bytes: int
     new_bytes: int
+    chunk_kib: int | None = None
+    """The chunk size the snapshot was cut with (None in records from before it was kept)."""
 
     def distinct(self) -> dict[str, int]:
         """hash -> stored size of each distinct chunk."""
@@ -141,6 +143,7 @@ class _Record:
                 },
                 "stored_bytes": self.stored_bytes,
                 "new_bytes": self.new_bytes,
+                "chunk_kib": self.chunk_kib,
             },
             sort_keys=True,
         ).encode()
@@ -162,8 +165,14 @@ class _Record:
                 for path, refs in doc["chunks"].items()
             }
             _check_chunk_map(manifest, chunks)
+            chunk_kib = doc.get("chunk_kib")
             return cls(
-                doc["manifest"], manifest, chunks, int(doc["stored_bytes"]), int(doc["new_bytes"])
+                doc["manifest"],
+                manifest,
+                chunks,
+                int(doc["stored_bytes"]),
+                int(doc["new_bytes"]),
+                None if chunk_kib is None else int(chunk_kib),
             )
         except SnapshotCorruptError:
             raise
@@ -263,7 +272,8 @@ class _ChunkStore(abc.ABC):
     ) -> None:
         self.max_workers = max_workers
         self.grace_seconds = grace_seconds
-        self.chunking = chunking or ChunkParams()
+        self.chunking = chunking
+        """Fixed chunk sizes; None picks them per snapshot (:func:`auto_chunk_kib`)."""
         self._codec = _Codec()
         self._cache: dict[str, _Record] = {}
         self._cache_lock = threading.Lock()
@@ -335,10 +345,12 @@ class _ChunkStore(abc.ABC):
         existing = self._load(manifest.id)
         if existing is not None:
             return self._same_or_conflict(existing, raw)
-        upload = _Upload(self, snapshot_dir, manifest, progress)
+        upload = _Upload(self, snapshot_dir, manifest, self._chunking_for(manifest), progress)
         chunks, new_bytes = upload.run()
         distinct = {ref.hash: ref.stored_size for refs in chunks.values() for ref in refs}
-        record = _Record(raw, manifest, chunks, sum(distinct.values()), new_bytes)
+        record = _Record(
+            raw, manifest, chunks, sum(distinct.values()), new_bytes, upload.params.kib
+        )
         self._sync_chunks()
         if not self._create_record(manifest.id, record.to_json()):
             raced = self._load(manifest.id)
@@ -352,6 +364,17 @@ class _ChunkStore(abc.ABC):
             self._cache[manifest.id] = record
         _report(progress, "done", manifest.total_bytes, manifest.total_bytes)
         return self._stored(record)
+
+    def _chunking_for(self, manifest: Manifest) -> ChunkParams:
+        """The configured chunk sizes, or automatic ones that follow the parent snapshot's."""
+        if self.chunking is not None:
+            return self.chunking
+        previous = None
+        if manifest.parent_id and manifest_mod.SNAPSHOT_ID_RE.match(manifest.parent_id):
+            parent = self._try_load(manifest.parent_id)
+            if isinstance(parent, _Record):
+                previous = parent.chunk_kib
+        return ChunkParams.of_kib(auto_chunk_kib(manifest.total_bytes, previous))
 
     def list(self) -> builtins.list[StoredSnapshot]:
         """Complete snapshots, by (lineage, sequence); unreadable records are logged, skipped."""
@@ -521,11 +544,17 @@ class _Upload:
     """One put: chunk, hash and check each file; upload new chunks on a pool."""
 
     def __init__(
-        self, store: _ChunkStore, root: Path, manifest: Manifest, progress: Progress | None
+        self,
+        store: _ChunkStore,
+        root: Path,
+        manifest: Manifest,
+        params: ChunkParams,
+        progress: Progress | None,
     ) -> None:
         self.store = store
         self.root = root
         self.manifest = manifest
+        self.params = params
         self.progress = progress
         self.claimed: set[str] = set()
         """Chunks this put has already handled (or is handling)."""
@@ -574,7 +603,7 @@ class _Upload:
             with path.open("rb") as fh:
                 digest = hashlib.sha256()
                 size = 0
-                for data in iter_chunks(fh, self.store.chunking):
+                for data in iter_chunks(fh, self.params):
                     digest.update(data)
                     size += len(data)
                     yield data
