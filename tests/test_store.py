@@ -534,3 +534,22 @@ def test_network_cut_mid_upload_leaves_no_record(
     stored = store.put(source)  # a retry after the network is back completes
     assert [s.manifest.id for s in store.list()] == [stored.manifest.id]
     assert 0 < stored.new_bytes < stored.stored_bytes  # chunks from the first try are reused
+
+
+def test_s3_put_lists_chunks_instead_of_asking_for_each(moto: MotoServer, tmp_path: Path) -> None:
+    """Thousands of chunks per snapshot: a put lists the store's chunks (1000 per request)
+    rather than sending a HEAD per chunk, before and after uploading."""
+    store = S3Store(moto.ensure_bucket(BUCKET), f"users/{uuid.uuid4().hex[:8]}", moto.url)
+    pages = random_pages(random.Random(12), 2048)
+    first = store.put(make_snapshot(tmp_path, pages, sequence=1))
+    assert first.chunk_count > 100
+    calls: list[str] = []
+    store.client.meta.events.register(
+        "before-call.s3.*", lambda model, **_: calls.append(model.name)
+    )
+    second = store.put(make_snapshot(tmp_path, pages, sequence=2))
+    assert second.new_bytes == 0
+    assert "HeadObject" not in calls
+    assert calls.count("ListObjectsV2") == 2  # before and after; a few hundred chunks
+    assert calls.count("PutObject") == 1  # the record only
+    assert len(calls) <= 4, calls  # and a GET: is the snapshot there already?

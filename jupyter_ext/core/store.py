@@ -318,6 +318,11 @@ class _ChunkStore(abc.ABC):
     @abc.abstractmethod
     def _list_chunks(self) -> Iterator[tuple[str, _ChunkStat]]: ...
 
+    def _chunk_index(self) -> dict[str, _ChunkStat] | None:
+        """Every chunk at once, where one listing is cheaper than a question per chunk;
+        None to ask per chunk (``_stat_chunk``)."""
+        return None
+
     @abc.abstractmethod
     def _delete_chunk(self, digest: str, older_than: float) -> None:
         """Delete the chunk if its timestamp (read again now) is still before ``older_than``."""
@@ -560,6 +565,8 @@ class _Upload:
         """Chunks this put has already handled (or is handling)."""
         self.lock = threading.Lock()
         self.reused: set[str] = set()
+        self.index: dict[str, _ChunkStat] | None = None
+        """The store's chunks listed at the start, where the store lists them."""
         self.new_bytes = 0
         self.done_bytes = 0
 
@@ -567,6 +574,7 @@ class _Upload:
         chunks: dict[str, builtins.list[ChunkRef]] = {}
         total = self.manifest.total_bytes
         _report(self.progress, "uploading", 0, total)
+        self.index = self.store._chunk_index()
         with ThreadPoolExecutor(max_workers=self.store.max_workers) as pool:
             tasks = _Bounded(pool, 2 * self.store.max_workers)
             try:
@@ -622,7 +630,7 @@ class _Upload:
             self.claimed.add(digest)
         if not first:
             return ChunkRef(digest, len(data), 0)
-        stat = self.store._stat_chunk(digest)
+        stat = self.index.get(digest) if self.index is not None else self.store._stat_chunk(digest)
         if stat is not None:
             if stat.mtime < time.time() - self.store.grace_seconds / 2:
                 self.store._touch_chunk(digest)
@@ -637,7 +645,13 @@ class _Upload:
     def _recheck_reused(self, pool: ThreadPoolExecutor) -> None:
         """Fail rather than record a chunk that a concurrent sweep removed after all."""
         reused = sorted(self.reused)
-        for digest, stat in zip(reused, pool.map(self.store._stat_chunk, reused), strict=True):
+        index = self.store._chunk_index() if self.index is not None else None
+        stats = (
+            [index.get(d) for d in reused]
+            if index is not None
+            else pool.map(self.store._stat_chunk, reused)
+        )
+        for digest, stat in zip(reused, stats, strict=True):
             if stat is None:
                 raise StoreError(
                     f"Chunk {digest[:12]}… of snapshot {self.manifest.id} was deleted while it "
@@ -1096,6 +1110,11 @@ class S3Store(_ChunkStore):
 
     def _stat_chunk(self, digest: str) -> _ChunkStat | None:
         return self._head(digest)
+
+    def _chunk_index(self) -> dict[str, _ChunkStat]:
+        """One listing (1000 keys per request) instead of a HEAD per chunk: a snapshot has
+        thousands of chunks, and a put asks for each twice (before and after)."""
+        return dict(self._list_chunks())
 
     def _write_chunk(self, digest: str, data: bytes) -> None:
         self._call("put_object", self._chunk_key(digest), Body=data)
