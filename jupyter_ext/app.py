@@ -263,3 +263,4 @@ class SnapshotExtensionApp(ExtensionApp):
             )
             if jobs:
                 self.log.info("snapshots before shutdown: %s", [j.status for j in jobs])
+        self.manager.store.close()

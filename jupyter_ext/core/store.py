@@ -108,6 +108,8 @@ class SnapshotStore(Protocol):
 
     def stats(self) -> StoreStats: ...
 
+    def close(self) -> None: ...
+
 
 class _ChunkStat(NamedTuple):
     stored_size: int
@@ -317,6 +319,10 @@ class _ChunkStore(abc.ABC):
 
     @abc.abstractmethod
     def _list_chunks(self) -> Iterator[tuple[str, _ChunkStat]]: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Let go of connections (the store is not used afterwards)."""
 
     def _chunk_index(self) -> dict[str, _ChunkStat] | None:
         """Every chunk at once, where one listing is cheaper than a question per chunk;
@@ -904,6 +910,9 @@ class LocalStore(_ChunkStore):
         except OSError as exc:
             raise self._error(f"touch chunk {digest}", exc) from exc
 
+    def close(self) -> None:
+        """Nothing to let go: files are opened per call."""
+
     def _list_chunks(self) -> Iterator[tuple[str, _ChunkStat]]:
         try:
             for sub in _scandir(self.root / "chunks"):
@@ -1110,6 +1119,9 @@ class S3Store(_ChunkStore):
 
     def _stat_chunk(self, digest: str) -> _ChunkStat | None:
         return self._head(digest)
+
+    def close(self) -> None:
+        self.client.close()
 
     def _chunk_index(self) -> dict[str, _ChunkStat]:
         """One listing (1000 keys per request) instead of a HEAD per chunk: a snapshot has
