@@ -12,7 +12,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,18 +43,27 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def make_store(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> MakeStore:
-    """Make stores of one backend; each call gets a root (or prefix) of its own."""
+def make_store(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> Iterator[MakeStore]:
+    """Make stores of one backend; each call gets a root (or prefix) of its own. They are
+    closed after the test."""
+    made: list[Store] = []
 
     def make(**kwargs: Any) -> Store:
         name = uuid.uuid4().hex[:8]
+        store: Store
         if backend == "local":
-            return LocalStore(tmp_path / "stores" / name, **kwargs)
-        server: MotoServer = request.getfixturevalue("moto")
-        kwargs.setdefault("endpoint_url", server.url)
-        return S3Store(server.ensure_bucket(BUCKET), f"users/{name}", region="us-east-1", **kwargs)
+            store = LocalStore(tmp_path / "stores" / name, **kwargs)
+        else:
+            server: MotoServer = request.getfixturevalue("moto")
+            kwargs.setdefault("endpoint_url", server.url)
+            bucket = server.ensure_bucket(BUCKET)
+            store = S3Store(bucket, f"users/{name}", region="us-east-1", **kwargs)
+        made.append(store)
+        return store
 
-    return make
+    yield make
+    for store in made:
+        store.close()
 
 
 @pytest.fixture
@@ -511,7 +520,7 @@ def test_unavailable_store_raises_store_error(
 
 
 def test_network_cut_mid_upload_leaves_no_record(
-    moto: MotoServer, proxy: CuttableProxy, tmp_path: Path
+    moto: MotoServer, proxy: CuttableProxy, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     store = S3Store(
         moto.ensure_bucket(BUCKET),
@@ -519,6 +528,7 @@ def test_network_cut_mid_upload_leaves_no_record(
         endpoint_url=proxy.url,
         max_workers=4,
     )
+    request.addfinalizer(store.close)
     source = make_snapshot(tmp_path, random_pages(random.Random(17), 4096))
 
     def cut_after_first_chunk(event: dict[str, Any]) -> None:
@@ -536,10 +546,13 @@ def test_network_cut_mid_upload_leaves_no_record(
     assert 0 < stored.new_bytes < stored.stored_bytes  # chunks from the first try are reused
 
 
-def test_s3_put_lists_chunks_instead_of_asking_for_each(moto: MotoServer, tmp_path: Path) -> None:
+def test_s3_put_lists_chunks_instead_of_asking_for_each(
+    moto: MotoServer, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """Thousands of chunks per snapshot: a put lists the store's chunks (1000 per request)
     rather than sending a HEAD per chunk, before and after uploading."""
     store = S3Store(moto.ensure_bucket(BUCKET), f"users/{uuid.uuid4().hex[:8]}", moto.url)
+    request.addfinalizer(store.close)
     pages = random_pages(random.Random(12), 2048)
     first = store.put(make_snapshot(tmp_path, pages, sequence=1))
     assert first.chunk_count > 100
