@@ -18,6 +18,7 @@ It never imports a framework: only one the kernel has already imported is touche
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from typing import Any
@@ -26,6 +27,15 @@ import zmq
 
 #: The channel "port" of the agent in the runtime directory (see kernel_wrapper.inner).
 AGENT_PORT = 7
+
+
+def wanted() -> bool:
+    """Whether this kernel runs an agent: only where GPU memory can be cached, a machine
+    with an NVIDIA driver, or one where a libcuda is named for the kernel
+    (``JUPYTER_SNAPSHOT_LIBCUDA``). Elsewhere the kernel has no extra thread or connection,
+    and the wrapper, finding no agent, goes on at once."""
+    return os.path.exists("/dev/nvidiactl") or bool(os.environ.get("JUPYTER_SNAPSHOT_LIBCUDA"))
+
 
 log = logging.getLogger(__name__)
 

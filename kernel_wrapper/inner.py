@@ -10,8 +10,8 @@ from a plain ipykernel in three ways, each needed for a clean CRIU image:
   life) and keeps IPython's history in memory (a growing SQLite file would break restore);
 * a watcher thread ends the kernel when its wrapper is gone, so no kernel is orphaned,
   also after a restore into a new wrapper (it follows ``wrapper.pid`` in the directory);
-* a snapshot agent thread (kernel_wrapper.agent) releases framework GPU caches when the
-  wrapper asks, before a GPU checkpoint.
+* on GPU machines, a snapshot agent thread (kernel_wrapper.agent) releases framework GPU
+  caches when the wrapper asks, before a GPU checkpoint.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from ipykernel.iostream import IOPubThread
 from ipykernel.kernelapp import IPKernelApp
 
 from .agent import AGENT_PORT, SnapshotAgent
+from .agent import wanted as agent_wanted
 
 #: How often the orphan watcher looks for the wrapper, in seconds.
 WATCH_INTERVAL = 0.5
@@ -112,7 +113,8 @@ class SnapshotReadyKernelApp(IPKernelApp):
     def init_sockets(self) -> None:
         super().init_sockets()
         assert self.context is not None
-        SnapshotAgent(self.context, f"ipc://{self.ip}-{AGENT_PORT}").start()
+        if agent_wanted():
+            SnapshotAgent(self.context, f"ipc://{self.ip}-{AGENT_PORT}").start()
 
     def init_control(self, context: zmq.Context[Any]) -> None:
         super().init_control(context)
