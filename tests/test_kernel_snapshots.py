@@ -262,20 +262,21 @@ def test_snapshot_without_manifest_is_not_a_snapshot(tmp_path: Path) -> None:
 def test_failed_dump_leaves_kernel_running_and_no_snapshot(
     kernel_factory: Factory, tmp_path: Path
 ) -> None:
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-    kernel = kernel_factory()
-    kernel.execute(f"import socket; conn = socket.create_connection(('127.0.0.1', {port})); k = 7")
-    with pytest.raises(DumpError) as info:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        kernel = kernel_factory()
+        kernel.execute(
+            f"import socket; conn = socket.create_connection(('127.0.0.1', {port})); k = 7"
+        )
+        with pytest.raises(DumpError) as info:
+            kernel.snapshot(tmp_path / "snaps" / "s")
+        assert "TCP connection" in info.value.message
+        assert info.value.log_excerpt
+        assert list((tmp_path / "snaps").iterdir()) == []
+        assert kernel.execute("print(k)").strip() == "7"
+        kernel.execute("conn.close()")
         kernel.snapshot(tmp_path / "snaps" / "s")
-    assert "TCP connection" in info.value.message
-    assert info.value.log_excerpt
-    assert list((tmp_path / "snaps").iterdir()) == []
-    assert kernel.execute("print(k)").strip() == "7"
-    kernel.execute("conn.close()")
-    kernel.snapshot(tmp_path / "snaps" / "s")
-    assert (tmp_path / "snaps" / "s" / MANIFEST_NAME).exists()
-    server.close()
+        assert (tmp_path / "snaps" / "s" / MANIFEST_NAME).exists()
 
 
 def test_missing_criu_is_a_clear_error(kernel_factory: Factory, tmp_path: Path) -> None:
