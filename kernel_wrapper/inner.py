@@ -105,6 +105,11 @@ class SnapshotReadyKernelApp(IPKernelApp):
         atexit.register(self._stop_control_thread)
 
     def _try_bind_socket(self, s: zmq.Socket[Any], port: int) -> int:
+        if s.type == zmq.ROUTER:
+            # The wrapper's end always has the same routing id: when it comes back (after a
+            # dump, a restore) while our end still holds the old connection, the new one
+            # must win; by default a ROUTER refuses it, and what it carried is lost.
+            s.setsockopt(zmq.ROUTER_HANDOVER, 1)
         s.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         s.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         s.connect(f"ipc://{self.ip}-{port}")
