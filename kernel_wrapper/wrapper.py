@@ -129,6 +129,22 @@ def sync_socket(sock: zmq.asyncio.Socket) -> zmq.Socket[bytes]:
     return twin
 
 
+def send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+    """Send at once or raise zmq.Again, through the blocking twin (no cancellation can cut
+    a message in half).
+
+    libzmq wakes asyncio through an edge-triggered descriptor, and any call on the socket,
+    this send too, may consume the wake-up of a message that arrived meanwhile: a task
+    waiting to receive on the same socket would then sleep forever beside a waiting
+    message (a kernel's reply never forwarded). Asking the asyncio socket for its events
+    afterwards schedules that task again, as pyzmq's own send does.
+    """
+    try:
+        sync_socket(sock).send_multipart(frames, zmq.NOBLOCK)
+    finally:
+        sock.get(zmq.EVENTS)
+
+
 def take_all(sock: zmq.asyncio.Socket) -> list[list[bytes]]:
     """Every message waiting on ``sock``, without waiting."""
     sync = sync_socket(sock)
@@ -607,7 +623,7 @@ class KernelWrapper:
         sink = self._sink(route)
         if not backlog and sink is not None:
             try:
-                sync_socket(sink).send_multipart(frames, zmq.NOBLOCK)
+                send_now(sink, frames)
                 return
             except zmq.Again:
                 pass
@@ -625,7 +641,7 @@ class KernelWrapper:
                 try:
                     if sink is None:
                         raise zmq.Again()
-                    sync_socket(sink).send_multipart(backlog[0], zmq.NOBLOCK)
+                    send_now(sink, backlog[0])
                     backlog.popleft()
                 except zmq.Again:
                     await asyncio.sleep(0.002)

@@ -20,6 +20,9 @@ from jupyter_client.connect import write_connection_file
 from jupyter_ext.core import proctree
 from jupyter_ext.core.protocol import WrapperClient, WrapperInfo
 
+#: Seconds without a heartbeat echo before the test client calls the kernel dead.
+HEARTBEAT_GRACE = 10.0
+
 
 class KernelProcess:
     """One snapshot kernel (``python -m kernel_wrapper``) and a client connected to it."""
@@ -54,6 +57,9 @@ class KernelProcess:
         )
         self.client = BlockingKernelClient(connection_file=str(self.connection_file))
         self.client.load_connection_file()
+        # jupyter_client calls a kernel dead after one second without a heartbeat echo:
+        # on a loaded test machine the client's own threads can be that late.
+        self.client.hb_channel.time_to_dead = HEARTBEAT_GRACE
         self.client.start_channels()
         try:
             self.client.wait_for_ready(timeout=60)
