@@ -566,3 +566,30 @@ def test_s3_put_lists_chunks_instead_of_asking_for_each(
     assert calls.count("ListObjectsV2") == 2  # before and after; a few hundred chunks
     assert calls.count("PutObject") == 1  # the record only
     assert len(calls) <= 4, calls  # and a GET: is the snapshot there already?
+
+
+def test_s3_listing_past_one_page_goes_per_chunk_directory(
+    moto: MotoServer, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A small store is listed in one request; a big one (here: a page of 50 keys) goes on
+    per chunk directory in parallel after the first page, and finds every chunk once."""
+    store = S3Store(moto.ensure_bucket(BUCKET), f"users/{uuid.uuid4().hex[:8]}", moto.url)
+    request.addfinalizer(store.close)
+    store.put(make_snapshot(tmp_path, random_pages(random.Random(13), 1024), sequence=1))
+    store.list_page_size = 1000
+    one_page = dict(store._list_chunks())
+    assert 200 < len(one_page) < 1000
+    prefixes: list[str] = []
+    store.client.meta.events.register(
+        "before-parameter-build.s3.ListObjectsV2",
+        lambda params, **_: prefixes.append(params["Prefix"].removeprefix(store.prefix)),
+    )
+    store.list_page_size = 50
+    listed = list(store._list_chunks())
+    assert dict(listed) == one_page
+    assert len(listed) == len(one_page)  # nothing twice
+    last_of_first_page = sorted(one_page)[49][:2]
+    assert prefixes[0] == "/chunks/"
+    per_directory = prefixes[1:]
+    expected = [f"/chunks/{d:02x}/" for d in range(int(last_of_first_page, 16), 256)]
+    assert sorted(per_directory) == expected  # each once, in parallel
