@@ -43,16 +43,6 @@ class Stress:
         self.counts: collections.Counter[str] = collections.Counter()
         self.lock = threading.Lock()
 
-    def start_kernel(self, workdir: Path, **kwargs: object) -> KernelProcess:
-        """A kernel; a port taken between choosing and binding it is chosen again."""
-        for _ in range(5):
-            try:
-                return KernelProcess(workdir, **kwargs)  # type: ignore[arg-type]
-            except RuntimeError as exc:
-                if "Address already in use" not in str(exc):
-                    raise
-        raise RuntimeError("no free ports after 5 tries")
-
     def expect(self, kernel: KernelProcess, code: str, expected: int, what: str) -> None:
         try:
             out = kernel.execute(code, timeout=ANSWER_TIMEOUT).strip()
@@ -68,7 +58,7 @@ class Stress:
 
     def worker(self, index: int) -> None:
         base = self.root / f"worker-{index}"
-        kernel = self.start_kernel(base / "kernels")
+        kernel = KernelProcess(base / "kernels")
         n = 0
         kernel.execute("n = 0")
         try:
@@ -111,7 +101,7 @@ class Stress:
                         kernel.execute("conn.close()")
                 elif op == "restore_beside":
                     kernel.snapshot(dest)
-                    other = self.start_kernel(base / "kernels", restore_from=dest)
+                    other = KernelProcess(base / "kernels", restore_from=dest)
                     self.expect(other, "n += 100; print(n)", n + 100, what + " (restored)")
                     other.shutdown()
                 else:

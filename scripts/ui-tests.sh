@@ -68,6 +68,10 @@ then
   log "port ${UI_TESTS_PORT:-8888} is taken: using $port"
 fi
 export UI_TESTS_PORT="$port"
+# The test server's notebooks, store and work directory (jupyter_server_test_config.py).
+UI_TESTS_TMP=$(mktemp -d -t kernel-snapshots-ui-XXXXXX)
+trap 'rm -rf "$UI_TESTS_TMP"' EXIT
+export UI_TESTS_TMP
 
 log "Playwright tests (Chromium $("$CHROMIUM_PATH" --version 2>/dev/null | head -n1 | awk '{print $2}'))"
 report="$ROOT/ui-tests/test-results.json"

@@ -22,6 +22,8 @@ from jupyter_ext.core.protocol import WrapperClient, WrapperInfo
 
 #: Seconds without a heartbeat echo before the test client calls the kernel dead.
 HEARTBEAT_GRACE = 10.0
+#: Starts tried when the ports chosen for a kernel were taken meanwhile.
+PORT_ATTEMPTS = 3
 
 
 class KernelProcess:
@@ -37,19 +39,31 @@ class KernelProcess:
         env: dict[str, str] | None = None,
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "kernel_wrapper", "--on-inner-death", on_inner_death]
+        argv += extra_args or []
+        if restore_from is not None:
+            argv += ["--restore-from", str(restore_from)]
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                self._start(workdir, argv, env)
+                break
+            except RuntimeError as exc:
+                # The free ports jupyter_client picked can be taken before the wrapper
+                # binds them (many kernels start and stop on a loaded test machine).
+                if "Address already in use" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
+                    raise
+        self.control = WrapperClient(WrapperInfo.for_connection_file(self.connection_file).control)
+
+    def _start(self, workdir: Path, argv: list[str], env: dict[str, str] | None) -> None:
         self.connection_file = Path(
             write_connection_file(
                 str(workdir / f"kernel-{uuid.uuid4()}.json"), key=uuid.uuid4().hex.encode()
             )[0]
         )
-        argv = [sys.executable, "-m", "kernel_wrapper", "-f", str(self.connection_file)]
-        argv += ["--on-inner-death", on_inner_death, *(extra_args or [])]
-        if restore_from is not None:
-            argv += ["--restore-from", str(restore_from)]
         self.log_path = workdir / f"{self.connection_file.stem}.log"
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
-            argv,
+            [*argv, "-f", str(self.connection_file)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},

@@ -2,7 +2,7 @@
 
 Never use this configuration for anything else: it turns off every security protection.
 The snapshot store, the work directory and the notebooks live in a fresh temporary
-directory (printed at start), so every run starts empty.
+directory (printed at start; scripts/ui-tests.sh removes it), so every run starts empty.
 """
 
 import os
@@ -14,7 +14,8 @@ c = get_config()  # type: ignore[name-defined]  # noqa: F821
 
 configure_jupyter_server(c)
 
-_tmp = tempfile.mkdtemp(prefix="kernel-snapshots-ui-")
+# scripts/ui-tests.sh makes (and removes) the directory; one of our own otherwise.
+_tmp = os.environ.get("UI_TESTS_TMP") or tempfile.mkdtemp(prefix="kernel-snapshots-ui-")
 _root = os.environ.get("JUPYTERLAB_GALATA_ROOT_DIR") or os.path.join(_tmp, "notebooks")
 os.makedirs(_root, exist_ok=True)
 print(f"kernel-snapshots UI tests: root {_root}, store and work under {_tmp}", flush=True)
