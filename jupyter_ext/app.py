@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import getpass
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +254,17 @@ class SnapshotExtensionApp(ExtensionApp):
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         """Called by jupyter_server once its event loop runs: start the policies."""
         self._policy_task = asyncio.ensure_future(self._policy_loop())
+        if os.environ.get("JUPYTERHUB_API_TOKEN") and (
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
+            # JupyterHub's local spawners (and so its idle culler) stop a server with
+            # SIGINT. jupyter_server handles SIGINT only on a terminal; without one it
+            # would end at once: no snapshots before shutdown, kernels left running.
+            signal.signal(signal.SIGINT, self._stop_on_sigint)
+
+    def _stop_on_sigint(self, signum: int, frame: object) -> None:
+        self.log.info("SIGINT: stopping the server (its kernels are snapshotted first)")
+        self.server.stop(from_signal=True)
 
     async def stop_extension(self) -> None:
         if self._policy_task is not None:

@@ -20,7 +20,8 @@ apt_install() {
 
 # setup_machine EXTRAS [PKG...]: as root on Debian/Ubuntu, system packages (and PKG...),
 # Node.js >= 18, CRIU >= 4.2 (scripts/install-criu.sh), and .venv with this package
-# installed editable with EXTRAS (which builds the JupyterLab extension). Skipped in a
+# installed editable with EXTRAS (which builds the JupyterLab extension); with the "test"
+# extra also tests/chp's configurable-http-proxy (the JupyterHub tests' proxy). Skipped in a
 # child of a set-up that already ran (JKS_SETUP_DONE=1).
 setup_machine() {
   local extras="$1"
@@ -50,5 +51,9 @@ setup_machine() {
   log "Python packages"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q -e ".[$extras]"
+  if [[ ",$extras," == *",test,"* ]]; then
+    log "configurable-http-proxy for the JupyterHub tests (npm ci in tests/chp)"
+    npm ci --prefix "$ROOT/tests/chp" --no-audit --no-fund --loglevel=error
+  fi
   export JKS_SETUP_DONE=1
 }

@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -62,7 +64,45 @@ class Network:
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
 
 
-class ServerProcess:
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect (to a login page, say) is an answer to check, not one to follow."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_opener = urllib.request.build_opener(_NoRedirect)
+
+
+class Endpoint:
+    """A Jupyter server's REST API at a base URL with a token: a server of ours, or a
+    user's server behind JupyterHub's proxy (``.../user/<name>/``). An empty token sends
+    none."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.url = url.rstrip("/") + "/"
+        self.token = token
+        self.client = ServerClient(self.url, token)
+
+    def api(self, method: str, path: str, body: Any = None) -> Any:
+        """Any endpoint of the server (not only /api/snapshots); an error status raises
+        ``urllib.error.HTTPError``, a redirect too."""
+        request = urllib.request.Request(
+            self.url + path,
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"token {self.token}"} if self.token else {},
+        )
+        try:
+            with _opener.open(request, timeout=120) as response:
+                data = response.read()
+        except urllib.error.HTTPError as exc:
+            exc.close()  # it holds the connection open until closed
+            raise
+        return json.loads(data) if data else None
+
+
+class ServerProcess(Endpoint):
     """``jupyter server`` with the snapshot extension, in its own data and runtime dirs."""
 
     def __init__(
@@ -79,9 +119,9 @@ class ServerProcess:
 
         home.mkdir(parents=True, exist_ok=True)
         self.home = home
-        self.token = uuid.uuid4().hex
         self.port = free_port()
         self.address = address
+        super().__init__(f"http://{address}:{self.port}/", uuid.uuid4().hex)
         config_file = home / "config.json"
         config_file.write_text(json.dumps(config))
         self.env = {
@@ -116,7 +156,6 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.client = ServerClient(f"http://{address}:{self.port}/", self.token)
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 60) -> None:
@@ -133,20 +172,6 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-    def api(self, method: str, path: str, body: Any = None) -> Any:
-        """Any endpoint of the server (not only /api/snapshots)."""
-        import urllib.request
-
-        request = urllib.request.Request(
-            f"http://{self.address}:{self.port}/{path}",
-            method=method,
-            data=None if body is None else json.dumps(body).encode(),
-            headers={"Authorization": f"token {self.token}"},
-        )
-        with urllib.request.urlopen(request, timeout=120) as response:
-            data = response.read()
-        return json.loads(data) if data else None
 
     def kernel_processes(self) -> list[int]:
         """The server's process group: the server, its kernels' wrappers and inner kernels."""
@@ -181,18 +206,22 @@ class ServerProcess:
         return self.process.returncode
 
 
-def ws_execute(server: ServerProcess, kernel_id: str, code: str, timeout: float = 120) -> str:
+def follow(server: Endpoint, job: dict[str, Any]) -> dict[str, Any]:
+    """Wait for a job of the server's to end; it must have succeeded."""
+    done = server.client.follow(job)
+    assert done["status"] == "done", done
+    return done
+
+
+def ws_execute(server: Endpoint, kernel_id: str, code: str, timeout: float = 120) -> str:
     """Run ``code`` in a kernel through the server's websocket, as JupyterLab does; return
     its stdout, or raise with the error."""
     import asyncio
 
     from tornado.httpclient import HTTPRequest
-    from tornado.websocket import websocket_connect
+    from tornado.websocket import WebSocketClientConnection, websocket_connect
 
-    async def go() -> str:
-        url = f"ws://{server.address}:{server.port}/api/kernels/{kernel_id}/channels"
-        request = HTTPRequest(url, headers={"Authorization": f"token {server.token}"})
-        ws = await websocket_connect(request)
+    async def execute(ws: WebSocketClientConnection) -> str:
         msg_id = uuid.uuid4().hex
         ws.write_message(
             json.dumps(
@@ -238,15 +267,29 @@ def ws_execute(server: ServerProcess, kernel_id: str, code: str, timeout: float 
                 reply = msg["content"]
             elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                 idle = True
-        ws.close()
-        for _ in range(100):  # let tornado finish closing the connection before the loop ends
-            if ws.protocol is None or ws.protocol.stream.closed():
-                break
-            await asyncio.sleep(0.01)
         if reply is None:
             raise TimeoutError(f"no execute_reply for {code!r}")
         if reply["status"] != "ok":
             raise AssertionError(f"cell failed: {''.join(out)}")
         return "".join(out)
+
+    async def go() -> str:
+        url = "ws" + server.url.removeprefix("http") + f"api/kernels/{kernel_id}/channels"
+        request = HTTPRequest(url, headers={"Authorization": f"token {server.token}"})
+        ws = await websocket_connect(request)
+        # close() forgets the protocol; its stream says when the socket is shut.
+        stream = ws.protocol.stream if ws.protocol is not None else None
+        try:
+            return await execute(ws)
+        finally:
+            ws.close()
+            # The loop must not end with the socket open (it would be left to the garbage
+            # collector): wait for the server's answer to the close, else drop it.
+            for _ in range(100):
+                if stream is None or stream.closed():
+                    break
+                await asyncio.sleep(0.01)
+            if stream is not None and not stream.closed():
+                stream.close()
 
     return asyncio.run(go())

@@ -19,3 +19,26 @@ def test_every_option_says_its_default() -> None:
 
     for name, trait in SnapshotExtensionApp.class_own_traits(config=True).items():
         assert "Default" in (trait.help or ""), f"{name}: its help must state the default"
+
+
+def test_z2jh_config_sets_only_real_options() -> None:
+    """deploy/z2jh/config.yaml configures the single-user servers through a JSON file the
+    chart mounts; a renamed or misspelt option there would only be a warning in each
+    user's server log, and the setting silently lost."""
+    import yaml
+    from jupyter_server.serverapp import ServerApp
+    from traitlets.config import Config
+
+    from jupyter_ext.app import SnapshotExtensionApp
+
+    values = yaml.safe_load((ROOT / "deploy" / "z2jh" / "config.yaml").read_text())
+    server_config = values["singleuser"]["extraFiles"]["jupyter-server-config"]["data"]
+    classes = {cls.__name__: cls for cls in (ServerApp, SnapshotExtensionApp)}
+    assert set(server_config) <= set(classes), f"unexpected sections: {set(server_config)}"
+    assert server_config["SnapshotExtensionApp"]["store"] == "s3"
+    for section, options in server_config.items():
+        cls = classes[section]
+        unknown = set(options) - set(cls.class_traits(config=True))
+        assert not unknown, f"not options of {section}: {unknown}"
+        app = cls(config=Config({section: options}))  # a value of the wrong type raises
+        assert {name: getattr(app, name) for name in options} == options

@@ -17,7 +17,7 @@ import boto3
 import pytest
 
 from .s3server import free_port
-from .servers import HOST_ADDRESS, Network, ServerProcess, ws_execute
+from .servers import HOST_ADDRESS, Network, ServerProcess, follow, ws_execute
 
 pytestmark = pytest.mark.usefixtures("criu")
 BUCKET = "kernel-snapshots-nodes"
@@ -85,12 +85,6 @@ def node_server(
         }
     }
     return ServerProcess(home, notebooks, config, netns=netns, address=address, env=S3_ENV)
-
-
-def follow(server: ServerProcess, job: dict[str, Any]) -> dict[str, Any]:
-    done = server.client.follow(job)
-    assert done["status"] == "done", done
-    return done
 
 
 def test_restore_on_another_node_after_node_loss(
