@@ -136,7 +136,9 @@ class RestoreHandler(SnapshotHandler):
         if path is not None and not isinstance(path, str):
             raise ValueError("path must be a string.")
         job = self.manager.restore(snapshot_id, kernel_id=kernel_id, path=path)
-        # A restore checks before it starts: a corrupt or incompatible snapshot is a 422 here.
+        # Answered once the snapshot's manifest is checked: a missing snapshot is a 404, an
+        # incompatible one a 422; a long download (with progress) and the hash checks
+        # are the job's.
         await self.manager.wait_checked(job)
         self.reply({"job": job.to_dict()}, status=202)
 

@@ -85,7 +85,8 @@ class Job:
     result: dict[str, Any] | None = None
     error: dict[str, str] | None = None
     checked: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    """Set once a restore has checked the snapshot (hashes, compatibility)."""
+    """Set once a restore has checked, from its manifest, that the snapshot exists and can
+    run here (the request waits for this much; the download and hashes come after)."""
     done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     exception: SnapshotError | None = field(default=None, repr=False)
     last_event: float = field(default=0.0, repr=False)
@@ -543,30 +544,39 @@ class SnapshotManager:
             lambda job: self._restore(job, snapshot_id, kernel_id, path),
         )
 
+    async def _manifest_of(self, snapshot_id: str) -> Manifest:
+        """The manifest of a snapshot, stored or waiting for its upload (404 if neither)."""
+        pending = self.pending.get(snapshot_id)
+        if pending is not None:
+            return pending.manifest
+        stored = await asyncio.to_thread(self.store.get, snapshot_id)
+        return stored.manifest
+
     async def _local_copy(self, job: Job, snapshot_id: str) -> tuple[Path, bool]:
-        """A verified local directory of the snapshot, and whether it is a temporary copy."""
+        """A local directory of the snapshot, and whether it is a temporary copy."""
         pending = self.pending.get(snapshot_id)
         if pending is not None:
             return pending.directory, False
-        store = self.store
-        await asyncio.to_thread(store.get, snapshot_id)  # 404 before any work
         dest = self.cache_dir / f"{snapshot_id}-{secrets.token_hex(4)}"
-
         self._progress(job, "downloading")
         await asyncio.to_thread(
-            store.fetch, snapshot_id, dest, self._progress_callback(job, "downloading")
+            self.store.fetch, snapshot_id, dest, self._progress_callback(job, "downloading")
         )
         return dest, True
 
     async def _restore(
         self, job: Job, snapshot_id: str, kernel_id: str | None, path: str | None
     ) -> dict[str, Any]:
+        # Refused before any download (the request answers 404 or 422): a snapshot that is
+        # not there, or that cannot run on this machine, as its stored manifest says.
+        check_compatible(await self._manifest_of(snapshot_id))
+        job.checked.set()
         directory, temporary = await self._local_copy(job, snapshot_id)
         try:
+            # Every file against its sha256 before CRIU starts: a corrupt snapshot fails
+            # the job here, and a kernel restored in place keeps running untouched.
             self._progress(job, "verifying")
             manifest = await asyncio.to_thread(verify, directory)
-            check_compatible(manifest)
-            job.checked.set()
             self._progress(job, "restoring")
             if kernel_id is not None:
                 await self.wrapper(kernel_id).request(

@@ -121,9 +121,11 @@ async def test_bad_requests_get_clear_errors(jp_fetch: Fetch, start_kernel: Any)
     assert (await wait_job(jp_fetch, first["job"]))["status"] == "done"
 
 
-async def test_corrupt_snapshot_restore_is_422(
+async def test_corrupt_snapshot_fails_its_restore_before_criu(
     jp_fetch: Fetch, start_kernel: Any, tmp_path: Path
 ) -> None:
+    """The request is answered once the manifest is checked; the download's hash check
+    fails the job, and the kernel that was to be replaced runs on untouched."""
     kernel = await start_kernel()
     await kernel.run("x = 1")
     job = await wait_job(
@@ -134,12 +136,39 @@ async def test_corrupt_snapshot_restore_is_422(
     data = bytearray(biggest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     biggest.write_bytes(bytes(data))
+    restore = await call(
+        jp_fetch, "POST", job["result"]["id"], "restore", body={"kernel_id": kernel.id}
+    )
+    failed = await wait_job(jp_fetch, restore["job"])
+    assert failed["status"] == "failed"
+    assert failed["error"]["code"] == "snapshot-corrupt"
+    assert failed["phase"] == "downloading"
+    assert (await kernel.run("print(x)")).strip() == "1"
+
+
+async def test_incompatible_snapshot_is_422_before_any_download(
+    jp_fetch: Fetch, start_kernel: Any, tmp_path: Path
+) -> None:
+    """A snapshot whose kernel had a file open that is gone here is refused by the request
+    itself, from the stored manifest: before any download (which would also have found
+    the damaged chunk below)."""
+    data = tmp_path / "data.txt"
+    data.write_text("kept open\n")
+    kernel = await start_kernel()
+    await kernel.run(f"fh = open({str(data)!r})")
+    job = await wait_job(
+        jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
+    )
+    data.unlink()
+    chunk = max((tmp_path / "store").rglob("chunks/*/*"), key=lambda p: p.stat().st_size)
+    chunk.write_bytes(bytes(chunk.stat().st_size))
     code, error = await error_of(
         jp_fetch, "POST", job["result"]["id"], "restore", body={"kernel_id": kernel.id}
     )
     assert code == 422
-    assert error["code"] == "snapshot-corrupt"
-    assert (await kernel.run("print(x)")).strip() == "1"
+    assert error["code"] == "snapshot-incompatible"
+    assert str(data) in error["message"]
+    assert (await kernel.run("print(fh.read())")).strip() == "kept open"
 
 
 async def test_every_endpoint_needs_authentication(jp_fetch: Fetch) -> None:

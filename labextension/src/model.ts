@@ -272,7 +272,8 @@ export class SnapshotsModel implements ISnapshotsModel {
 
   /**
    * Restore a snapshot in place of the kernel `kernel_id`, or into a new kernel attached
-   * to the notebook `path`. A corrupt or incompatible snapshot is refused at once (422).
+   * to the notebook `path`. An incompatible snapshot is refused at once (422); the job
+   * downloads it and checks every hash before the restore starts.
    */
   async restore(
     snapshotId: string,
