@@ -143,10 +143,11 @@ class ServerClient:
             with urllib.request.urlopen(request, timeout=600) as response:
                 data = response.read()
         except urllib.error.HTTPError as exc:
-            try:
-                error = json.loads(exc.read())
-            except ValueError:
-                error = {"message": str(exc)}
+            with exc:  # the error response holds the connection until closed
+                try:
+                    error = json.loads(exc.read())
+                except ValueError:
+                    error = {"message": str(exc)}
             raise SnapshotError.from_dict(error) from None
         except OSError as exc:
             raise SnapshotError(
