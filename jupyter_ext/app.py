@@ -217,6 +217,7 @@ class SnapshotExtensionApp(ExtensionApp):
         self.manager.keep_last = self.keep_last
         self.manager.max_bytes = self.max_store_bytes
         self._policy_task: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Future[None] | None = None
 
     def initialize_handlers(self) -> None:
         self.handlers.extend(route_table(self.manager, self.policy()))
@@ -267,6 +268,13 @@ class SnapshotExtensionApp(ExtensionApp):
         self.server.stop(from_signal=True)
 
     async def stop_extension(self) -> None:
+        """Snapshot the kernels (if configured), then let go of the store. A second stop
+        (a SIGTERM after a hub's SIGINT) waits for the same work instead of cutting it."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
         if self._policy_task is not None:
             self._policy_task.cancel()
         if self.snapshot_before_shutdown:

@@ -13,6 +13,7 @@ import pytest
 from jupyter_ext.app import EVENT_SCHEMA_ID
 from jupyter_ext.core.store import LocalStore
 
+from .harness import wait_until
 from .jupyter_api import Fetch, call, server_config, snapshot, until, wait_job
 from .s3server import CuttableProxy, MotoServer
 from .servers import ServerProcess, ws_execute
@@ -233,6 +234,27 @@ def test_snapshot_before_shutdown(tmp_path: Path, snapshot_kernelspec: str) -> N
     stored = LocalStore(tmp_path / "store" / "users" / _owner()).list()
     assert [s.manifest.trigger for s in stored] == ["before-shutdown"]
     assert stored[0].manifest.kernel_spec["kernel_id"] == kernel
+
+
+def test_a_second_stop_signal_waits_for_the_shutdown_snapshots(
+    tmp_path: Path, snapshot_kernelspec: str
+) -> None:
+    """A spawner that sends SIGTERM after its SIGINT (or an impatient operator) must not
+    cut the snapshots the first signal started: the second stop waits for the same work."""
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    server = ServerProcess(
+        tmp_path / "server", notebooks, base_config(tmp_path, snapshot_before_shutdown=True)
+    )
+    kernel = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+    # Random bytes: nothing to compress, so storing takes a while.
+    ws_execute(server, kernel, "import os; w = os.urandom(384 * 2**20)")
+    server.process.send_signal(signal.SIGTERM)
+    staging = tmp_path / "work" / "staging"
+    wait_until(lambda: staging.is_dir() and any(staging.iterdir()), what="a shutdown snapshot")
+    assert server.stop(signal.SIGTERM) == 0
+    stored = LocalStore(tmp_path / "store" / "users" / _owner()).list()
+    assert [s.manifest.trigger for s in stored] == ["before-shutdown"]
 
 
 def _owner() -> str:
