@@ -218,6 +218,7 @@ class SnapshotExtensionApp(ExtensionApp):
         self.manager.max_bytes = self.max_store_bytes
         self._policy_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Future[None] | None = None
+        self._recovery: asyncio.Future[None] | None = None
 
     def initialize_handlers(self) -> None:
         self.handlers.extend(route_table(self.manager, self.policy()))
@@ -253,7 +254,12 @@ class SnapshotExtensionApp(ExtensionApp):
                 self.log.exception("snapshot policy tick failed")
 
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
-        """Called by jupyter_server once its event loop runs: start the policies."""
+        """Called by jupyter_server once its event loop runs: start the policies, and the
+        uploads of snapshots a previous run of this server could not store."""
+        recovered = self.manager.recover_staged()
+        if recovered:
+            self.log.info("uploading %d snapshot(s) kept locally: %s", len(recovered), recovered)
+            self._recovery = asyncio.ensure_future(self.manager.retry_uploads())
         self._policy_task = asyncio.ensure_future(self._policy_loop())
         if os.environ.get("JUPYTERHUB_API_TOKEN") and (
             signal.getsignal(signal.SIGINT) is signal.default_int_handler

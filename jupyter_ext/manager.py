@@ -28,7 +28,15 @@ from .core.errors import (
     SnapshotNotFoundError,
     WrapperUnavailableError,
 )
-from .core.manifest import SNAPSHOT_ID_RE, Manifest, check_compatible, new_snapshot_id, verify
+from .core.manifest import (
+    MANIFEST_NAME,
+    SNAPSHOT_ID_RE,
+    Manifest,
+    check_compatible,
+    new_snapshot_id,
+    remove_tree,
+    verify,
+)
 from .core.protocol import WrapperClient, WrapperInfo
 from .core.store import SnapshotStore, StoredSnapshot, StoreError
 
@@ -41,6 +49,22 @@ RESTORE_ENV = "JUPYTER_SNAPSHOT_RESTORE_REQUEST"
 PROGRESS_EVENT_INTERVAL = 0.25
 
 EmitEvent = Callable[[str, dict[str, Any]], None]
+
+
+#: A dump or download directory nothing was written to for this long was left by a crash
+#: (an active one writes its files within seconds).
+STALE_WORK_SECONDS = 3600.0
+
+
+def _untouched_for(path: Path, seconds: float) -> bool:
+    """Whether nothing in ``path`` (a file or a tree) changed in the last ``seconds``."""
+    newest = 0.0
+    with contextlib.suppress(OSError):
+        newest = path.lstat().st_mtime
+        for sub in path.rglob("*") if path.is_dir() else []:
+            with contextlib.suppress(OSError):
+                newest = max(newest, sub.lstat().st_mtime)
+    return time.time() - newest > seconds
 
 
 def validate_snapshot_id(snapshot_id: str) -> str:
@@ -119,6 +143,7 @@ class PendingUpload:
     directory: Path
     error: str = ""
     attempts: int = 0
+    in_flight: bool = False
 
 
 class SnapshotManager:
@@ -448,7 +473,10 @@ class SnapshotManager:
         """Put a sealed snapshot into the store; keep it locally (pending) if that fails."""
         store = self.store
         pending = self.pending.setdefault(manifest.id, PendingUpload(manifest, directory))
+        if pending.in_flight:  # a retry while the previous attempt still runs
+            return None
         pending.attempts += 1
+        pending.in_flight = True
 
         if job is not None:
             self._progress(job, "uploading")
@@ -460,6 +488,8 @@ class SnapshotManager:
             pending.error = exc.message
             log.warning("upload of snapshot %s failed (kept locally): %s", manifest.id, exc)
             return None
+        finally:
+            pending.in_flight = False
         del self.pending[manifest.id]
         shutil.rmtree(directory, ignore_errors=True)
         await asyncio.to_thread(self.apply_retention, stored.manifest)
@@ -468,8 +498,40 @@ class SnapshotManager:
     async def retry_uploads(self) -> None:
         """Try failed uploads again (called periodically by the extension)."""
         for pending in list(self.pending.values()):
-            if pending.error:  # stays "upload-failed" until an attempt succeeds
+            if not (pending.directory / MANIFEST_NAME).exists():
+                # Uploaded and removed by another server sharing this work directory.
+                del self.pending[pending.manifest.id]
+            elif pending.error:  # stays "upload-failed" until an attempt succeeds
                 await self._upload(None, pending.manifest, pending.directory)
+
+    def recover_staged(self, stale_after: float = STALE_WORK_SECONDS) -> list[str]:
+        """After a restart: take up the snapshots sealed here whose upload never succeeded
+        (the store was down when the server stopped, say), and remove what dumps and
+        downloads cut short by a crash left behind. Returns the ids taken up; their
+        upload is retried like any failed one, and they are listed meanwhile."""
+        recovered = []
+        for entry in sorted(self.staging_dir.iterdir()):
+            if SNAPSHOT_ID_RE.match(entry.name) and (entry / MANIFEST_NAME).is_file():
+                try:
+                    manifest = Manifest.read(entry)
+                except SnapshotError as exc:
+                    log.warning("Removing %s, not a snapshot: %s", entry, exc)
+                    remove_tree(entry)
+                    continue
+                if manifest.id in self.pending:
+                    continue
+                self.pending[manifest.id] = PendingUpload(
+                    manifest, entry, error="Not stored yet (found when the server started)."
+                )
+                recovered.append(manifest.id)
+            elif _untouched_for(entry, stale_after):
+                log.info("Removing %s, left by an interrupted snapshot", entry)
+                remove_tree(entry)
+        for entry in self.cache_dir.iterdir():
+            if _untouched_for(entry, stale_after):
+                log.info("Removing %s, left by an interrupted restore", entry)
+                remove_tree(entry)
+        return recovered
 
     # ---------------------------------------------------------------- retention
 

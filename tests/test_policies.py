@@ -3,7 +3,10 @@ snapshot before shutdown, events, and uploads that fail and are retried."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +258,50 @@ def test_a_second_stop_signal_waits_for_the_shutdown_snapshots(
     assert server.stop(signal.SIGTERM) == 0
     stored = LocalStore(tmp_path / "store" / "users" / _owner()).list()
     assert [s.manifest.trigger for s in stored] == ["before-shutdown"]
+
+
+def test_snapshots_the_store_refused_are_uploaded_when_the_server_starts_again(
+    tmp_path: Path, snapshot_kernelspec: str, moto: MotoServer, proxy: CuttableProxy
+) -> None:
+    """The store is down while a server stops (a cull during an S3 outage): the shutdown
+    snapshot is kept in the work directory, and the next start of the server stores it;
+    what a crash left half-written there is removed."""
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    config = base_config(
+        tmp_path,
+        snapshot_before_shutdown=True,
+        store="s3",
+        s3_bucket=moto.ensure_bucket("recovered"),
+        s3_endpoint_url=proxy.url,
+        s3_prefix=tmp_path.name,
+    )
+    first = ServerProcess(tmp_path / "first", notebooks, config)
+    kernel = first.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+    ws_execute(first, kernel, "x = 41")
+    proxy.cut()
+    assert first.stop(signal.SIGTERM) == 0
+    staging = tmp_path / "work" / "staging"
+    [kept_dir] = staging.iterdir()
+    kept = json.loads((kept_dir / "manifest.json").read_text())["id"]
+    crashed_dump = staging / f".{kept_dir.name}.partial-0123abcd"
+    crashed_download = tmp_path / "work" / "cache" / f"{kept}-0123abcd"
+    for leftover in (crashed_dump, crashed_download):
+        (leftover / "images").mkdir(parents=True)
+        (leftover / "images" / "pages-1.img").write_bytes(b"half")
+        for path in (leftover / "images" / "pages-1.img", leftover / "images", leftover):
+            os.utime(path, (time.time() - 7200, time.time() - 7200))
+
+    proxy.restore()
+    second = ServerProcess(tmp_path / "second", notebooks, config)
+    try:
+        wait_until(lambda: not staging.exists() or not any(staging.iterdir()), 60, "upload")
+        [listed] = second.client.call("GET", "")["snapshots"]
+        assert (listed["id"], listed["status"]) == (kept, "complete")
+        assert listed["trigger"] == "before-shutdown"
+        assert not crashed_download.exists()
+    finally:
+        second.stop()
 
 
 def _owner() -> str:
