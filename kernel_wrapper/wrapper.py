@@ -555,6 +555,7 @@ class KernelWrapper:
                 for frames in held:
                     checked = self._unsign(name, frames)
                     if checked is not None:
+                        self._observe(name, checked, False)
                         self._send(("inner", name), checked)
                 held.clear()
         for name in ("shell", "stdin", "control"):
@@ -1248,6 +1249,9 @@ class KernelWrapper:
                 if self._discard_after_resume and self.suspended_snapshot == source:
                     shutil.rmtree(source, ignore_errors=True)
                 self.suspended_snapshot = None
+            # A restore is activity: a kernel resumed for a cell must not look idle since
+            # before its suspend and be suspended again before that cell even starts.
+            self.last_activity = time.time()
             self._set_state(State.RUNNING)
             progress({"phase": "done"})
             return manifest

@@ -408,3 +408,24 @@ def test_frozen_seconds_reads_criu_log(tmp_path: Path) -> None:
     log.write_text("(00.040000) Seized task 10, state 1\n(00.050000) Error (criu/cr-dump.c)\n")
     assert frozen_seconds(log) == 0.0
     assert frozen_seconds(tmp_path / "missing.log") == 0.0
+
+
+def test_resume_is_activity_and_the_waking_cell_counts(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """A kernel suspended for idleness must not look idle again the moment it is back (it
+    was suspended again before the cell that woke it ran), and that cell counts as run
+    since the last snapshot (periodic snapshots take kernels that ran something)."""
+    kernel = kernel_factory()
+    kernel.execute("x = 5")
+    kernel.control.request_sync("suspend", {"dest": str(tmp_path / "first")}, timeout=120)
+    suspended = kernel.status()
+    assert suspended["state"] == "suspended"
+    kernel.control.request_sync("resume", timeout=120)
+    resumed = kernel.status()
+    assert resumed["state"] == "running"
+    assert resumed["last_activity"] > suspended["last_activity"]
+
+    kernel.control.request_sync("suspend", {"dest": str(tmp_path / "second")}, timeout=120)
+    assert kernel.execute("print(x)").strip() == "5"  # held, then run after the resume
+    assert kernel.status()["executions_since_snapshot"] == 1
