@@ -13,7 +13,12 @@
 #
 #   scripts/ui-tests.sh [playwright test args...]     e.g. scripts/ui-tests.sh -g restore
 #
-# Environment: UI_TESTS_PORT (default: 8888, or a free port if that one is taken),
+# The tests run against a real `jupyter lab` (ui-tests/jupyter_server_test_config.py) and,
+# for tests/jupyterhub.spec.ts, a real JupyterHub (tests/hub_for_ui.py: a user logs in,
+# snapshots a kernel, the hub stops and restarts the server, the panel restores it).
+#
+# Environment: UI_TESTS_PORT (JupyterLab; default: 8888, or a free port if that one is
+# taken), UI_TESTS_HUB_PORT (JupyterHub; default: 8000, or a free port if taken),
 # CHROMIUM_PATH (default /usr/bin/chromium), PYTHON (to create the venv, default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,8 +58,10 @@ fi
 log "npm ci (ui-tests)"
 (cd ui-tests && npm ci --no-audit --no-fund --loglevel=error)
 
-port="${UI_TESTS_PORT:-8888}"
-if "$VENV/bin/python" - "$port" <<'EOF'
+# A port for each server: the given one (or the default), else a free one if it is taken.
+pick_port() { # VARIABLE DEFAULT
+  local port="${!1:-$2}"
+  if "$VENV/bin/python" - "$port" <<'EOF'
 import socket, sys
 s = socket.socket()
 try:
@@ -63,11 +70,16 @@ except OSError:
     sys.exit(0)  # taken
 sys.exit(1)
 EOF
-then
-  port=$("$VENV/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  log "port ${UI_TESTS_PORT:-8888} is taken: using $port"
-fi
-export UI_TESTS_PORT="$port"
+  then
+    local taken="$port"
+    port=$("$VENV/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    log "port $taken ($1) is taken: using $port"
+  fi
+  echo "$port"
+}
+UI_TESTS_PORT=$(pick_port UI_TESTS_PORT 8888)
+UI_TESTS_HUB_PORT=$(pick_port UI_TESTS_HUB_PORT 8000)
+export UI_TESTS_PORT UI_TESTS_HUB_PORT
 # The test server's notebooks, store and work directory (jupyter_server_test_config.py).
 UI_TESTS_TMP=$(mktemp -d -t kernel-snapshots-ui-XXXXXX)
 trap 'rm -rf "$UI_TESTS_TMP"' EXIT

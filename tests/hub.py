@@ -38,6 +38,11 @@ class Hub:
     ``server_config`` is the single-user servers' ``jupyter_server_config.json`` (put on
     their ``JUPYTER_CONFIG_PATH``, as a Z2JH ``singleuser.extraFiles`` entry would put it in
     /etc/jupyter); ``environment`` is added to theirs (Z2JH: ``singleuser.extraEnv``).
+    ``lab_settings`` are JupyterLab's default settings in the servers
+    (``labconfig/default_setting_overrides.json`` in the same directory). ``port`` is the
+    hub's (the proxy's public port; default: a free one); ``default_url`` is where a user's
+    server sends a browser that opens it (``Spawner.default_url``, e.g. ``/lab``; default:
+    the server's own).
     """
 
     def __init__(
@@ -48,6 +53,9 @@ class Hub:
         *,
         services: Sequence[dict[str, Any]] = (),
         roles: Sequence[dict[str, Any]] = (),
+        lab_settings: dict[str, Any] | None = None,
+        port: int | None = None,
+        default_url: str | None = None,
     ) -> None:
         if not os.access(CHP, os.X_OK):
             raise RuntimeError(
@@ -58,11 +66,15 @@ class Hub:
         self.home = home
         self.tag = uuid.uuid4().hex
         self.admin_token = uuid.uuid4().hex
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         server_config_dir = home / "singleuser-config"
         server_config_dir.mkdir()
         (server_config_dir / "jupyter_server_config.json").write_text(json.dumps(server_config))
+        if lab_settings:
+            (server_config_dir / "labconfig").mkdir()
+            overrides = server_config_dir / "labconfig" / "default_setting_overrides.json"
+            overrides.write_text(json.dumps(lab_settings))
         config = {
             "JupyterHub": {
                 "bind_url": self.url,
@@ -108,6 +120,7 @@ class Hub:
                 },
                 "start_timeout": 120,
                 "http_timeout": 120,
+                **({"default_url": default_url} if default_url else {}),
             },
             # A stop is SIGINT first; the server snapshots its kernels before it exits.
             "LocalProcessSpawner": {"interrupt_timeout": 120},

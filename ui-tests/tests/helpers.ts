@@ -2,13 +2,16 @@
  * Helpers of the Kernel Snapshots UI tests.
  */
 import { IJupyterLabPageFixture, test as base } from '@jupyterlab/galata';
-import { APIRequestContext, expect, Locator } from '@playwright/test';
+import { APIRequestContext, expect, Locator, Page } from '@playwright/test';
 import { execFileSync } from 'child_process';
 import * as path from 'path';
 
 export const SCREENSHOTS = path.resolve(__dirname, '..', 'screenshots');
 
 export const SNAPSHOT_KERNEL = 'python3-snapshot';
+
+/** A page showing JupyterLab: Galata's fixture, or a plain Playwright page. */
+export type LabPage = Omit<Page, 'goto'>;
 
 /**
  * Galata's test with the real kernels and sessions APIs: its default mocks only show the
@@ -89,9 +92,7 @@ export async function killKernel(
 }
 
 /** Open the Kernel Snapshots side panel and return it. */
-export async function openSnapshotsPanel(
-  page: IJupyterLabPageFixture
-): Promise<Locator> {
+export async function openSnapshotsPanel(page: LabPage): Promise<Locator> {
   const panel = page.getByRole('region', { name: 'Kernel Snapshots' });
   if (!(await panel.isVisible())) {
     await page.getByRole('tab', { name: 'Kernel Snapshots' }).click();
@@ -130,11 +131,9 @@ export async function cellOutput(
  * Toasts pause their auto-close while the mouse is over them, so the mouse moves away
  * first. A toast that stays is reported by its text: an error or a job still "in
  * progress" fails the test (that is a bug to see); a finished job's toast that has not
- * closed by itself yet is closed.
+ * closed by itself yet is hidden with its own button.
  */
-export async function waitForToasts(
-  page: IJupyterLabPageFixture
-): Promise<void> {
+export async function waitForToasts(page: LabPage): Promise<void> {
   await page.mouse.move(1, 1);
   const toasts = page.locator('.Toastify__toast');
   try {
@@ -159,12 +158,12 @@ export async function waitForToasts(
   console.log(
     `closing notifications that stayed: ${left.map(t => t.text).join(' | ')}`
   );
-  // Without an id, the command dismisses every notification.
-  await page.evaluate(() =>
-    (window as any).galata.app.commands.execute(
-      'apputils:dismiss-notification',
-      {}
-    )
-  );
-  await expect(toasts).toHaveCount(0, { timeout: 5_000 });
+  // One at a time: a toast may also close by itself meanwhile.
+  await expect(async () => {
+    const hide = toasts.getByRole('button', { name: 'Hide notification' });
+    if ((await hide.count()) > 0) {
+      await hide.first().click({ timeout: 1_000 });
+    }
+    await expect(toasts).toHaveCount(0, { timeout: 1_000 });
+  }).toPass({ timeout: 10_000 });
 }
