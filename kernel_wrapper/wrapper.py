@@ -61,7 +61,6 @@ from jupyter_ext.core.errors import (
 from jupyter_ext.core.gpu import (
     GpuCheckpoint,
     GpuCheckpointer,
-    check_restore_compatible,
     find_cuda_processes,
     gpu_record,
     kernel_gpu_status,
@@ -1193,8 +1192,6 @@ class KernelWrapper:
             else:
                 manifest = await asyncio.to_thread(verify, source)
             check_compatible(manifest)
-            if manifest.gpu.get("ns_pids") and manifest.gpu.get("available"):
-                check_restore_compatible(manifest.gpu, int(manifest.gpu.get("needed_bytes", 0)))
             criu = self._criu_binary()
             progress({"phase": "restoring"})
             previous = self.state

@@ -6,6 +6,7 @@ restores it, and lets the restored kernel check its own state.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -24,7 +25,7 @@ from jupyter_ext.core.errors import (
     SnapshotBusyError,
     SnapshotCorruptError,
 )
-from jupyter_ext.core.manifest import MANIFEST_NAME, Manifest, verify
+from jupyter_ext.core.manifest import MANIFEST_NAME, Manifest, check_compatible, verify
 
 from .harness import KernelProcess, wait_until
 
@@ -299,6 +300,35 @@ def test_changed_open_file_refused_before_restore(kernel_factory: Factory, tmp_p
     data.write_text("one\n")
     kernel.restore(tmp_path / "s")
     assert kernel.execute("print(fh.read())").strip() == "one"
+
+
+def test_restore_checks_the_gpu_the_snapshot_needs(kernel_factory: Factory, tmp_path: Path) -> None:
+    """The compatibility check (the server's, before any download, and the wrapper's,
+    before CRIU) covers the GPU: a snapshot holding memory of a GPU model this machine
+    lacks is refused, naming it, and the running kernel is left alone."""
+    from jupyter_ext.core.gpu import gpu_inventory
+
+    from .test_gpu import FakeNvml
+
+    kernel = kernel_factory()
+    kernel.execute("x = 1")
+    kernel.snapshot(tmp_path / "s")
+    manifest_path = tmp_path / "s" / MANIFEST_NAME
+    data = json.loads(manifest_path.read_text())
+    model = ("NVIDIA Imaginary 9000", "GPU-99999999-0000-0000-0000-000000000000", 80, 0)
+    data["gpu"] = {
+        # An old driver: on a GPU machine too, only the model is what does not fit.
+        **gpu_inventory(nvml=FakeNvml([model], driver="570.86.10", cuda=12080)),
+        "used_gpus": [model[1]],
+        "ns_pids": [1],
+        "needed_bytes": 2**30,
+    }
+    manifest_path.write_text(json.dumps(data))  # the manifest is not among its own hashes
+    with pytest.raises(IncompatibleSnapshotError, match="NVIDIA Imaginary 9000"):
+        check_compatible(Manifest.read(tmp_path / "s"))
+    with pytest.raises(IncompatibleSnapshotError, match="NVIDIA Imaginary 9000"):
+        kernel.restore(tmp_path / "s")
+    assert kernel.execute("print(x)").strip() == "1"
 
 
 def test_concurrent_snapshots_are_refused(kernel_factory: Factory, tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import IncompatibleSnapshotError, SnapshotCorruptError
+from .gpu import check_restore_compatible
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -234,7 +235,9 @@ def utc_now() -> str:
 
 
 def check_compatible(manifest: Manifest) -> None:
-    """Refuse, before CRIU starts, a snapshot that cannot run on this machine."""
+    """Refuse, before CRIU starts, a snapshot that cannot run on this machine: another
+    architecture, missing CPU instruction sets, files the kernel had open that are gone or
+    changed, no fit GPU (model, driver, free memory) for the GPU memory it holds."""
     from .proctree import missing_files
 
     if manifest.machine != platform.machine():
@@ -256,6 +259,8 @@ def check_compatible(manifest: Manifest) -> None:
             "Files the kernel had open are missing or changed here: " + "; ".join(problems[:5]),
             hint="Make those files available at the same paths (same content), then restore.",
         )
+    if manifest.gpu.get("ns_pids") and manifest.gpu.get("available"):
+        check_restore_compatible(manifest.gpu, int(manifest.gpu.get("needed_bytes", 0)))
 
 
 #: CPU flags whose absence breaks code already compiled or selected for them.
