@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import queue
 import random
 import shutil
 import socket
@@ -47,14 +48,29 @@ class Stress:
         try:
             out = kernel.execute(code, timeout=ANSWER_TIMEOUT).strip()
         except Exception as exc:
-            self.failed.set()
-            pids = [kernel.process.pid, *proctree.descendants(kernel.process.pid)]
-            print(f"\nUNANSWERED {what}: {exc!r}\n{describe_threads(pids)}")
-            print(f"--- wrapper log:\n{kernel.log()[-4000:]}", flush=True)
+            self.unanswered(kernel, what, repr(exc))
             raise
         if out != str(expected):
             self.failed.set()
             raise AssertionError(f"{what}: printed {out!r}, expected {expected}")
+
+    def await_reply(self, kernel: KernelProcess, msg_id: str, what: str) -> None:
+        deadline = time.monotonic() + ANSWER_TIMEOUT
+        try:
+            while True:
+                left = max(0.1, deadline - time.monotonic())
+                reply = kernel.client.get_shell_msg(timeout=left)
+                if reply["parent_header"].get("msg_id") == msg_id:
+                    return
+        except queue.Empty:
+            self.unanswered(kernel, what, "no execute_reply")
+            raise
+
+    def unanswered(self, kernel: KernelProcess, what: str, why: str) -> None:
+        self.failed.set()
+        pids = [kernel.process.pid, *proctree.descendants(kernel.process.pid)]
+        print(f"\nUNANSWERED {what}: {why}\n{describe_threads(pids)}")
+        print(f"--- wrapper log:\n{kernel.log()[-4000:]}", flush=True)
 
     def worker(self, index: int) -> None:
         base = self.root / f"worker-{index}"
@@ -76,14 +92,7 @@ class Stress:
                     msg_id = kernel.client.execute("import time; time.sleep(0.3); n += 1")
                     kernel.snapshot(dest)
                     n += 1
-                    deadline = time.monotonic() + ANSWER_TIMEOUT
-                    while (
-                        kernel.client.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))[
-                            "parent_header"
-                        ].get("msg_id")
-                        != msg_id
-                    ):
-                        pass
+                    self.await_reply(kernel, msg_id, what + " (the cell during it)")
                 elif op == "failed_dump":
                     with socket.create_server(("127.0.0.1", 0)) as server:
                         port = server.getsockname()[1]
