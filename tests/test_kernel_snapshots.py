@@ -24,6 +24,7 @@ from jupyter_ext.core.errors import (
     IncompatibleSnapshotError,
     SnapshotBusyError,
     SnapshotCorruptError,
+    SnapshotError,
 )
 from jupyter_ext.core.manifest import MANIFEST_NAME, Manifest, check_compatible, verify
 
@@ -459,3 +460,43 @@ def test_resume_is_activity_and_the_waking_cell_counts(
     kernel.control.request_sync("suspend", {"dest": str(tmp_path / "second")}, timeout=120)
     assert kernel.execute("print(x)").strip() == "5"  # held, then run after the resume
     assert kernel.status()["executions_since_snapshot"] == 1
+
+
+def test_simultaneous_snapshots_of_kernels_sharing_a_directory(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """Kernels of one notebook folder dumped at the same moment all succeed: CRIU's
+    parasite makes ``proc.crtools`` in each task's working directory, and dumps sharing
+    one used to collide there ("Can't create a directory (-17)")."""
+    import threading
+
+    kernels = [kernel_factory() for _ in range(3)]
+    cwds = {os.readlink(f"/proc/{k.status()['inner_pid']}/cwd") for k in kernels}
+    assert len(cwds) == 1, cwds  # the point of the test: one shared directory
+    cwd = Path(next(iter(cwds)))
+    (cwd / "proc.crtools").mkdir()  # as a dump killed at the wrong moment leaves it
+    for i, kernel in enumerate(kernels):
+        kernel.execute(f"import numpy as np; a = np.full(8 * 1024 * 1024 // 8, {i}.0)")
+    failures: list[str] = []
+
+    def take(barrier: threading.Barrier, round_: int, index: int, kernel: KernelProcess) -> None:
+        barrier.wait()
+        try:
+            kernel.snapshot(tmp_path / f"r{round_}-k{index}")
+        except SnapshotError as exc:
+            failures.append(f"round {round_}, kernel {index}: {exc}")
+
+    for round_ in range(4):
+        barrier = threading.Barrier(len(kernels))
+        threads = [
+            threading.Thread(target=take, args=(barrier, round_, i, k))
+            for i, k in enumerate(kernels)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert failures == []
+    assert not (cwd / "proc.crtools").exists()
+    for i, kernel in enumerate(kernels):
+        assert kernel.execute("print(a[0])").strip() == f"{i}.0"
