@@ -8,6 +8,8 @@ errors with the cause and what to do, in one place (:meth:`SnapshotHandler.write
 from __future__ import annotations
 
 import json
+from http.client import responses
+from types import TracebackType
 from typing import Any
 
 from jupyter_server.auth.decorator import authorized
@@ -26,6 +28,7 @@ from .core.errors import (
     SnapshotNotFoundError,
     WrapperUnavailableError,
 )
+from .core.manifest import TRIGGERS
 from .core.store import StoreError
 from .manager import SnapshotManager, validate_notebook_path
 
@@ -44,7 +47,63 @@ HTTP_STATUS: dict[type[SnapshotError], int] = {
 SNAPSHOT_ID = r"(?P<snapshot_id>[^/]+)"
 KERNEL_ID = r"(?P<kernel_id>[^/]+)"
 JOB_ID = r"(?P<job_id>[^/]+)"
-TRIGGERS = ("manual", "periodic", "idle-suspend", "before-shutdown")
+API_HINT = "The REST API is described in jupyter_ext/openapi.yaml."
+BODY_HINT = (
+    "Send a JSON object (Content-Type: application/json) with the fields the endpoint "
+    'takes, e.g. {"kernel_id": "<kernel id>"}. ' + API_HINT
+)
+#: What to do about the errors jupyter_server and tornado raise before a handler runs.
+HTTP_HINTS = {
+    400: "Send ids, query arguments and a body as the API takes them (UTF-8, URL-encoded). "
+    + API_HINT,
+    403: "Authenticate: send the server's token (header 'Authorization: token <token>') or "
+    "log in (a cookie session also needs the _xsrf token on POST, PATCH and DELETE); "
+    "the user needs permission on the 'kernels' resource.",
+    404: "Check the URL. " + API_HINT,
+    405: "Use a method the endpoint supports. " + API_HINT,
+    500: "This is a bug: the server's log has the details.",
+}
+
+
+class BadRequest(ValueError):
+    """Input the API cannot use: a 400 that says what is wrong (message) and what to send."""
+
+    def __init__(self, message: str, hint: str = BODY_HINT) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+def status_of(error: BaseException | None) -> int | None:
+    """The HTTP status of a domain error or of bad input; None for anything else."""
+    if isinstance(error, SnapshotError):
+        return next((s for cls, s in HTTP_STATUS.items() if isinstance(error, cls)), 500)
+    if isinstance(error, ValueError):  # bad input: ids, paths, bodies (manager validates too)
+        return 400
+    return None
+
+
+def error_reply(status: int, error: BaseException | None) -> dict[str, str]:
+    """The JSON body of every error: ``{message, reason, code, hint, log_excerpt}``, with
+    ``reason`` equal to ``code`` (a stable slug, e.g. ``kernel-busy``, ``forbidden``)."""
+    if isinstance(error, SnapshotError):
+        reply = error.to_dict()
+    elif isinstance(error, ValueError):
+        hint = error.hint if isinstance(error, BadRequest) else API_HINT
+        reply = {"code": "bad-request", "message": str(error), "hint": hint, "log_excerpt": ""}
+    else:
+        phrase = responses.get(status, "Unknown HTTP Error")
+        message = phrase
+        if isinstance(error, web.HTTPError) and error.log_message:
+            message = error.log_message % error.args if error.args else error.log_message
+        elif error is not None:
+            message = "Unhandled error: the server's log has the details."
+        reply = {
+            "code": phrase.lower().replace(" ", "-"),
+            "message": message,
+            "hint": HTTP_HINTS.get(status, ""),
+            "log_excerpt": "",
+        }
+    return {"message": reply["message"], "reason": reply["code"], **reply}
 
 
 class SnapshotHandler(APIHandler):
@@ -57,31 +116,53 @@ class SnapshotHandler(APIHandler):
         self.policy = policy
 
     def body(self) -> dict[str, Any]:
+        """The request's JSON object. Anything else is a 400 saying why, never a 500: a
+        body nested deeper than Python's JSON decoder recurses raises RecursionError,
+        which is no ValueError."""
         if not self.request.body:
             return {}
         try:
             data = json.loads(self.request.body)
-        except ValueError as exc:
-            raise web.HTTPError(400, f"The request body is not JSON: {exc}") from exc
+        except RecursionError:
+            raise BadRequest(
+                "The request body is nested too deeply to be read (JSON arrays or objects "
+                "inside each other, hundreds of levels deep).",
+            ) from None
+        except ValueError as exc:  # also bytes that are not UTF-8, and huge integers
+            raise BadRequest(f"The request body cannot be read as JSON: {exc}") from None
         if not isinstance(data, dict):
-            raise web.HTTPError(400, "The request body must be a JSON object.")
+            raise BadRequest(f"The request body must be a JSON object, not {type(data).__name__}.")
         return data
 
     def reply(self, data: Any, status: int = 200) -> None:
         self.set_status(status)
         self.finish(json.dumps(data))
 
-    def _handle_request_exception(self, e: BaseException) -> None:
-        if isinstance(e, SnapshotError):
-            status = next((s for cls, s in HTTP_STATUS.items() if isinstance(e, cls)), 500)
-            self.set_status(status)
-            self.finish(json.dumps({"message": e.message, "reason": e.code, **e.to_dict()}))
+    def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
+        """Tornado answers 500 to every exception but HTTPError: domain errors and bad
+        input get their own status here."""
+        exc_info = kwargs.get("exc_info")
+        status = status_of(exc_info[1] if exc_info else None)
+        super().send_error(status if status_code == 500 and status else status_code, **kwargs)
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        """Every error, also jupyter_server's 403 and tornado's 404/405, in one JSON shape
+        (openapi.yaml's Error)."""
+        exc_info = kwargs.get("exc_info")
+        self.finish(json.dumps(error_reply(status_code, exc_info[1] if exc_info else None)))
+
+    def log_exception(
+        self,
+        typ: type[BaseException] | None,
+        value: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Domain errors and bad input are answers, not crashes: one line, no traceback."""
+        status = status_of(value)
+        if status is None:
+            super().log_exception(typ, value, tb)
             return
-        if isinstance(e, ValueError):
-            self.set_status(400)
-            self.finish(json.dumps({"message": str(e), "reason": "bad-request"}))
-            return
-        super()._handle_request_exception(e)
+        self.log.warning("%d %s %s: %s", status, self.request.method, self.request.path, str(value))
 
 
 class SnapshotsHandler(SnapshotHandler):
@@ -91,7 +172,9 @@ class SnapshotsHandler(SnapshotHandler):
         path = self.get_query_argument("path", None)
         trigger = self.get_query_argument("trigger", None)
         if trigger is not None and trigger not in TRIGGERS:
-            raise ValueError(f"trigger must be one of {', '.join(TRIGGERS)}.")
+            raise BadRequest(
+                f"trigger must be one of {', '.join(TRIGGERS)}, not {trigger!r}.", API_HINT
+            )
         listing = await self.manager.list_snapshots(
             kernel_id=self.get_query_argument("kernel_id", None),
             path=validate_notebook_path(path) if path else None,
@@ -105,7 +188,10 @@ class SnapshotsHandler(SnapshotHandler):
         body = self.body()
         kernel_id = body.get("kernel_id")
         if not isinstance(kernel_id, str):
-            raise ValueError("kernel_id (a string) is required.")
+            raise BadRequest(
+                "kernel_id (a string) is required.",
+                'Send {"kernel_id": "<kernel id>"}; GET /api/snapshots/kernels lists them.',
+            )
         job = self.manager.create(kernel_id, trigger="manual")
         self.reply({"job": job.to_dict()}, status=202)
 
@@ -132,9 +218,15 @@ class RestoreHandler(SnapshotHandler):
         kernel_id = body.get("kernel_id")
         path = body.get("path")
         if kernel_id is not None and not isinstance(kernel_id, str):
-            raise ValueError("kernel_id must be a string.")
+            raise BadRequest(
+                "kernel_id must be a string.",
+                'Send {"kernel_id": "<kernel id>"} to restore in place of a running kernel.',
+            )
         if path is not None and not isinstance(path, str):
-            raise ValueError("path must be a string.")
+            raise BadRequest(
+                "path must be a string.",
+                'Send {"path": "<notebook path>"} to restore into a new kernel for a notebook.',
+            )
         job = self.manager.restore(snapshot_id, kernel_id=kernel_id, path=path)
         # Answered once the snapshot's manifest is checked: a missing snapshot is a 404, an
         # incompatible one a 422; a long download (with progress) and the hash checks
@@ -167,11 +259,13 @@ class KernelHandler(SnapshotHandler):
     @authorized
     async def patch(self, kernel_id: str) -> None:
         """Per-kernel choices: ``{"periodic": false}`` opts a kernel out of periodic snapshots."""
-        kernel_id = self._known(kernel_id)
         body = self.body()
+        kernel_id = self._known(kernel_id)
         if "periodic" in body:
             if not isinstance(body["periodic"], bool):
-                raise ValueError("periodic must be true or false.")
+                raise BadRequest(
+                    "periodic must be true or false.", 'Send {"periodic": false} to opt out.'
+                )
             if body["periodic"]:
                 self.manager.periodic_opt_out.discard(kernel_id)
             else:
