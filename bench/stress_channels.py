@@ -2,7 +2,7 @@
 once, and every request must be answered.
 
 Each worker owns a snapshot kernel and loops over random operations (snapshot while idle,
-snapshot during a cell, a dump that fails on an open TCP connection, a kernel restored
+snapshot during a cell, a dump that fails on a corked UDP socket, a kernel restored
 beside the running one, kill and restore in place), then runs a cell that must answer
 with the expected counter. On the first request left unanswered it prints every thread of
 the wrapper and the kernel (py-spy stacks where installed) and the wrapper's log, and
@@ -19,7 +19,6 @@ import collections
 import queue
 import random
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -94,20 +93,21 @@ class Stress:
                     n += 1
                     self.await_reply(kernel, msg_id, what + " (the cell during it)")
                 elif op == "failed_dump":
-                    with socket.create_server(("127.0.0.1", 0)) as server:
-                        port = server.getsockname()[1]
-                        kernel.execute(
-                            f"import socket; conn = socket.create_connection(('127.0.0.1', {port}))"
-                        )
-                        try:
-                            kernel.snapshot(dest)
-                        except DumpError:
-                            pass
-                        else:
-                            raise AssertionError(f"{what}: the dump should have failed")
-                        n += 1
-                        self.expect(kernel, "n += 1; print(n)", n, what)
-                        kernel.execute("conn.close()")
+                    # A UDP socket with corked data: CRIU cannot dump it (TCP it can).
+                    kernel.execute(
+                        "import socket; udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                        "udp.setsockopt(socket.IPPROTO_UDP, 1, 1)  # UDP_CORK\n"
+                        "udp.sendto(b'x', ('127.0.0.1', 9))"
+                    )
+                    try:
+                        kernel.snapshot(dest)
+                    except DumpError:
+                        pass
+                    else:
+                        raise AssertionError(f"{what}: the dump should have failed")
+                    n += 1
+                    self.expect(kernel, "n += 1; print(n)", n, what)
+                    kernel.execute("udp.close()")
                 elif op == "restore_beside":
                     kernel.snapshot(dest)
                     other = KernelProcess(base / "kernels", restore_from=dest)

@@ -11,7 +11,9 @@ from a plain ipykernel in three ways, each needed for a clean CRIU image:
 * a watcher thread ends the kernel when its wrapper is gone, so no kernel is orphaned,
   also after a restore into a new wrapper (it follows ``wrapper.pid`` in the directory);
 * on GPU machines, a snapshot agent thread (kernel_wrapper.agent) releases framework GPU
-  caches when the wrapper asks, before a GPU checkpoint.
+  caches when the wrapper asks, before a GPU checkpoint;
+* before each cell it runs the restore hooks of :mod:`kernel_snapshots` if the kernel was
+  restored since the last cell (its TCP connections came back closed: docs/network.md).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 import zmq
 from ipykernel.iostream import IOPubThread
 from ipykernel.kernelapp import IPKernelApp
+
+import kernel_snapshots
 
 from .agent import AGENT_PORT, SnapshotAgent
 from .agent import wanted as agent_wanted
@@ -144,10 +148,18 @@ class SnapshotReadyKernelApp(IPKernelApp):
         """The wrapper answers heartbeats; the inner kernel has none."""
         self.heartbeat = None
 
+    def init_shell(self) -> None:
+        super().init_shell()
+        # pre_execute, not pre_run_cell: silent executions (variable inspectors) use the
+        # connections too. The callback never raises (kernel_snapshots reports failures).
+        assert self.shell is not None
+        self.shell.events.register("pre_execute", kernel_snapshots.run_pending_hooks)
+
 
 def main() -> None:
     os.setsid()  # CRIU wants the root task to lead its own session.
     runtime_dir = Path(os.environ.pop("JUPYTER_SNAPSHOT_INNER_DIR"))
+    kernel_snapshots._install(runtime_dir)
     threading.Thread(
         target=_watch_wrapper, args=(runtime_dir,), name="snapshot-wrapper-watch", daemon=True
     ).start()

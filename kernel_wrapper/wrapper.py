@@ -78,6 +78,7 @@ from jupyter_ext.core.manifest import (
     verify,
 )
 from jupyter_ext.core.protocol import DEFAULT_RUNTIME_ROOT, WrapperInfo, info_path
+from kernel_snapshots import write_restore_info
 
 from .agent import AGENT_PORT
 
@@ -1202,6 +1203,16 @@ class KernelWrapper:
                     await asyncio.to_thread(self._inner.close)
                     self._inner = None
                 self._inner = InnerChannels(self.runtime_dir)
+                # The restored kernel reads this before its next cell and runs its restore
+                # hooks (its TCP connections come back closed; kernel_snapshots).
+                write_restore_info(
+                    self.runtime_dir,
+                    snapshot_id=manifest.id,
+                    snapshot_created=manifest.created,
+                    snapshot_host=manifest.host,
+                    in_place=previous != State.STARTING,
+                    resumed=self.suspended_snapshot == source,
+                )
                 work_dir = Path(tempfile.mkdtemp(prefix="restore-", dir=self.runtime_dir))
                 try:
                     pid = await criu.restore(

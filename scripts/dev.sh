@@ -24,7 +24,8 @@ case "${1:-}" in
     ;;
   test)
     shift
-    setup_machine test,dev
+    # postgresql: a real database server for tests/test_network.py (psycopg is its client).
+    setup_machine test,dev postgresql
     log "lint and types"
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .

@@ -60,6 +60,17 @@ def criu_candidates(configured: str | os.PathLike[str] | None = None) -> list[tu
     return found
 
 
+#: How a dump treats the kernel's TCP connections. ``--tcp-close`` records them without
+#: their state and leaves them alone: no repair mode, no network lock (so neither iptables
+#: nor nftables nor CAP_NET_ADMIN), no packet dropped, the running kernel's connections
+#: untouched; a restore (always ``--tcp-close``) gives them back closed, and clients
+#: reconnect. Saving their state (``--tcp-established``) would need a lock and could only
+#: bring a connection back where its peer still has it in the same state, never after the
+#: kernel ran on. ``--skip-in-flight``: connections a listening socket has not accepted yet
+#: are left out (the running kernel still accepts them), instead of failing the dump.
+TCP_DUMP_OPTIONS = ("--tcp-close", "--skip-in-flight")
+
+
 @dataclass(frozen=True)
 class Criu:
     """A CRIU binary known to start, with its version."""
@@ -124,7 +135,7 @@ class Criu:
         how long the tree was frozen (see :func:`frozen_seconds`).
         """
         args = ["dump", "-t", str(pid), "-D", str(images_dir), "-W", str(work_dir)]
-        args += ["-o", "dump.log", "-v4", "--file-locks"]
+        args += ["-o", "dump.log", "-v4", "--file-locks", *TCP_DUMP_OPTIONS]
         for key in externals:
             args += ["--external", key]
         if leave_running:
@@ -152,7 +163,7 @@ class Criu:
         """
         pidfile = work_dir / "restored.pid"
         args = ["restore", "-D", str(images_dir), "-W", str(work_dir), "-o", "restore.log"]
-        args += ["-v4", "--file-locks", "--restore-detached", "--restore-sibling"]
+        args += ["-v4", "--file-locks", "--restore-detached", "--restore-sibling", "--tcp-close"]
         args += ["--pidfile", str(pidfile)]
         for fd, resource in inherit_fds:
             args += ["--inherit-fd", f"fd[{fd}]:{resource}"]
@@ -311,10 +322,17 @@ _KNOWN_FAILURES: list[tuple[str, str, str]] = [
         "incompatible:Restore on a machine with the same (or a newer) CPU model.",
     ),
     (
-        r"Connected TCP socket|tcp-established",
-        "The kernel holds an open TCP connection, which cannot be saved.",
-        "Close network connections held by the kernel (database clients, HTTP sessions) "
-        "before taking a snapshot.",
+        r"Connected TCP socket|In-flight connection|--tcp-close",
+        "CRIU refused a TCP connection of the kernel; connections are saved closed (clients "
+        "reconnect after a restore), which this CRIU did not do.",
+        "Use the CRIU that 'jupyter snapshot doctor' finds (>= 4.2), which supports "
+        "--tcp-close; restore snapshots with this product, not with a bare 'criu restore'.",
+    ),
+    (
+        r"corked dgram socket",
+        "The kernel holds a UDP socket with corked data not sent yet (UDP_CORK), which "
+        "cannot be saved; the kernel keeps running unharmed.",
+        "Uncork the socket (setsockopt UDP_CORK 0) or close it, then retry.",
     ),
     (
         r"half of stream unix|unix.*external|External socket",
@@ -336,7 +354,8 @@ _KNOWN_FAILURES: list[tuple[str, str, str]] = [
     ),
     (
         r"Address already in use",
-        "A network port the kernel was listening on is taken on this machine.",
+        "A network port the kernel had bound (a listening TCP socket or a UDP socket) is "
+        "taken on this machine.",
         "incompatible:Stop the process that uses the port (the CRIU log names the socket), "
         "or close listening sockets in the kernel before taking snapshots.",
     ),

@@ -117,6 +117,25 @@ def check_sock_diag() -> Check:
     return Check("unix sock_diag", True, f"works ({count} unix sockets visible)")
 
 
+def check_tcp_connections(criu: Criu | None) -> Check:
+    """How kernels holding TCP connections fare here: said, because users ask it first."""
+    from .criu import TCP_DUMP_OPTIONS
+
+    if criu is None:
+        return Check(
+            "tcp connections", False, "skipped: no CRIU", fix="Install CRIU first.", required=False
+        )
+    return Check(
+        "tcp connections",
+        True,
+        f"kernels holding TCP connections are snapshotted ({' '.join(TCP_DUMP_OPTIONS)}): "
+        "no network lock (iptables, nftables) or CAP_NET_ADMIN needed, the running kernel's "
+        "connections are untouched; after a restore they are closed and clients reconnect "
+        "(restore hooks: docs/network.md)",
+        required=False,
+    )
+
+
 def check_runtime_dir(runtime_dir: Path) -> Check:
     try:
         runtime_dir.mkdir(parents=True, exist_ok=True)
@@ -146,6 +165,7 @@ def run_checks(
         _namespace_check("time", "clocks continue across machines", False),
         check_tools(),
         check_sock_diag(),
+        check_tcp_connections(criu),
     ]
     if runtime_dir is not None:
         checks.append(check_runtime_dir(runtime_dir))

@@ -1,0 +1,98 @@
+"""The kernel's pause with and without open TCP connections (docs/network.md).
+
+One snapshot kernel opens N keep-alive HTTP connections (a ``requests.Session`` each) to a
+local server, then is snapshotted ``--repeat`` times with ``--leave-running``; the table
+shows the medians of the manifest's ``frozen_seconds`` (CRIU's seize to unfreeze),
+``dump_seconds`` and ``pause_seconds`` (requests held) for each N. After every snapshot the
+kernel must still use its own connections (the server accepts no new one).
+
+    .venv/bin/python bench/bench_network.py [--connections 0,1,64] [--repeat 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.harness import KernelProcess
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    accepted = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self.accepted += 1
+        super().process_request(request, client_address)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--connections", default="0,1,64")
+    parser.add_argument("--repeat", type=int, default=9)
+    args = parser.parse_args()
+    server = _Server(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/"
+    work = Path(tempfile.mkdtemp(prefix="bench-network-"))
+    rows = []
+    try:
+        for count in (int(n) for n in args.connections.split(",")):
+            kernel = KernelProcess(work / "kernels")
+            try:
+                kernel.execute(
+                    "import requests\n"
+                    f"sessions = [requests.Session() for _ in range({count})]\n"
+                    f"for s in sessions: s.get({url!r}).raise_for_status()\n"
+                )
+                opened = server.accepted
+                runs = []
+                for n in range(args.repeat):
+                    dest = work / f"snap-{count}-{n}"
+                    runs.append(kernel.snapshot(dest))
+                    shutil.rmtree(dest)
+                    kernel.execute(f"for s in sessions: s.get({url!r}).raise_for_status()")
+                    assert server.accepted == opened, "a snapshot disturbed a connection"
+            finally:
+                kernel.shutdown()
+            row = {"connections": count}
+            for key in ("frozen_seconds", "dump_seconds", "pause_seconds"):
+                row[key] = round(statistics.median(r[key] for r in runs), 4)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        server.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+    print("\nconnections  frozen ms  dump ms  pause ms")
+    for row in rows:
+        print(
+            f"{row['connections']:>11}  {row['frozen_seconds'] * 1000:>9.1f}  "
+            f"{row['dump_seconds'] * 1000:>7.1f}  {row['pause_seconds'] * 1000:>8.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
