@@ -699,17 +699,39 @@ class SnapshotManager:
         raise KernelNotRunningError("The restored kernel did not come up within 10 minutes.")
 
     async def _attach(self, kernel_id: str, path: str) -> dict[str, Any]:
-        """Point the notebook's session at the kernel (create the session if needed)."""
+        """Point the notebook's session at the kernel (create the session if needed).
+
+        The kernel the session had is shut down unless another session uses it: after a
+        kernel died, jupyter_server restarted an empty one under its id, which nothing
+        would ever use or stop again.
+        """
         sm = self.session_manager
-        for session in await sm.list_sessions():
+        sessions = await sm.list_sessions()
+        for session in sessions:
             if session.get("path") == path:
+                old = (session.get("kernel") or {}).get("id")
                 await sm.update_session(session["id"], kernel_id=kernel_id)
                 updated: dict[str, Any] = await sm.get_session(session_id=session["id"])
+                others = [s for s in sessions if s["id"] != session["id"]]
+                if old and old != kernel_id:
+                    await self._shutdown_unused(old, others)
                 return updated
         created: dict[str, Any] = await sm.create_session(
             path=path, name=Path(path).name, type="notebook", kernel_id=kernel_id
         )
         return created
+
+    async def _shutdown_unused(self, kernel_id: str, sessions: list[dict[str, Any]]) -> None:
+        """Shut a kernel down that no session in ``sessions`` uses any more."""
+        if any((s.get("kernel") or {}).get("id") == kernel_id for s in sessions):
+            return
+        if kernel_id not in self.kernel_manager:
+            return
+        log.info("shutting down kernel %s: its notebook has the restored kernel now", kernel_id)
+        try:
+            await self.kernel_manager.shutdown_kernel(kernel_id)
+        except Exception:  # the restore itself succeeded: say so, go on
+            log.warning("could not shut down the replaced kernel %s", kernel_id, exc_info=True)
 
     # ---------------------------------------------------------------- delete
 

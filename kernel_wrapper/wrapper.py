@@ -233,6 +233,62 @@ class InnerChannels:
         self.context.term()
 
 
+#: A runtime directory without ``wrapper.pid`` this old (seconds) was left by a wrapper
+#: that died while making it; a younger one is being made right now.
+STALE_UNNAMED_SECONDS = 3600.0
+
+
+def runtime_dir_in_use(directory: Path) -> bool:
+    """Whether a live wrapper owns a runtime directory, by its ``wrapper.pid`` ("PID DIRFD").
+
+    Live means: process PID runs ``kernel_wrapper`` and holds this very directory open at
+    DIRFD (that survives PID reuse, also by another wrapper). Anything that cannot be
+    proven dead (unreadable, no permission) counts as in use.
+    """
+    try:
+        pid_text, fd_text = (directory / "wrapper.pid").read_text().split()
+        pid, fd = int(pid_text), int(fd_text)
+    except FileNotFoundError:
+        try:
+            age = time.time() - directory.stat().st_mtime
+        except FileNotFoundError:
+            return True  # gone already
+        return age < STALE_UNNAMED_SECONDS
+    except (OSError, ValueError):
+        return True
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return False  # no such process
+    except OSError:
+        return True
+    if b"kernel_wrapper" not in cmdline:
+        return False  # the PID is another program's now (or a zombie's)
+    try:
+        theirs = os.stat(f"/proc/{pid}/fd/{fd}")
+        ours = os.stat(directory)
+    except FileNotFoundError:
+        return False  # that wrapper does not hold it (any more)
+    except OSError:
+        return True
+    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+
+
+def remove_stale_runtime_dirs(root: Path) -> list[Path]:
+    """Remove the runtime directories of wrappers that died without removing their own
+    (kill -9, a node's processes killed, an OOM kill); they would stay forever. Called by
+    every wrapper that starts; live wrappers' directories are never touched."""
+    removed: list[Path] = []
+    for directory in root.iterdir():
+        if directory.is_symlink() or not directory.is_dir():
+            continue
+        if not runtime_dir_in_use(directory):
+            log.info("removing the runtime directory of a dead wrapper: %s", directory)
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    return removed
+
+
 class KernelWrapper:
     def __init__(
         self,
@@ -380,6 +436,10 @@ class KernelWrapper:
         tmp = self.runtime_dir / "wrapper.pid.tmp"
         tmp.write_text(f"{os.getpid()} {dir_fd}\n")
         os.replace(tmp, self.runtime_dir / "wrapper.pid")
+        try:
+            remove_stale_runtime_dirs(self.runtime_root)
+        except OSError as exc:  # never a reason not to start
+            log.warning("could not look for stale runtime directories: %s", exc)
         return dir_fd
 
     def _remove_runtime_dir(self) -> None:
