@@ -85,6 +85,13 @@ class KernelProcess:
             self.process.wait(10)
             self.close()
             raise RuntimeError(f"kernel did not start: {log}") from exc
+        # wait_for_ready asks kernel_info again every second without a reply (and when IOPub
+        # is quiet): on a loaded machine the extra replies arrive later and a test's next
+        # get_shell_msg took one for its own reply. The kernel answers in order, so once one
+        # more request is answered, nothing stale is left.
+        last = self.client.kernel_info()
+        while self.client.get_shell_msg(timeout=60)["parent_header"].get("msg_id") != last:
+            pass
         self.control = WrapperClient(WrapperInfo.for_connection_file(self.connection_file).control)
 
     def log(self) -> str:
