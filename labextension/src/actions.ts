@@ -18,6 +18,12 @@ import {
 } from './format';
 import { describeError } from './request';
 import {
+  expectResumed,
+  IOPubRecorder,
+  ResumedCell,
+  resumedRequest
+} from './resume';
+import {
   IJob,
   INotebookTarget,
   ISnapshot,
@@ -264,15 +270,15 @@ export async function restoreSnapshot(
       if (!kernelId) {
         throw new Error(`No kernel could be started for ${name}.`);
       }
-      return await finishRestore(
-        context,
-        await model.restore(snapshot.id, { kernel_id: kernelId }, name)
-      );
+      return await restoreInPlace(context, panel, snapshot, kernelId, name);
     }
-    if (inPlace && target?.kernelId) {
-      return await finishRestore(
+    if (panel && inPlace && target?.kernelId) {
+      return await restoreInPlace(
         context,
-        await model.restore(snapshot.id, { kernel_id: target.kernelId }, name)
+        panel,
+        snapshot,
+        target.kernelId,
+        name
       );
     }
     const oldKernelId = target?.kernelId ?? null;
@@ -284,13 +290,20 @@ export async function restoreSnapshot(
     const job = await finishRestore(context, tracked);
     const newKernelId = job?.result?.kernel_id as string | undefined;
     if (job?.status === 'done' && newKernelId) {
+      // A cell running at the snapshot goes on in the new kernel: show it in its cell.
+      const request = await resumedRequest(model, newKernelId, job.result);
       if (panel) {
         // The server pointed the notebook's session at the new kernel: follow it.
+        const resumed = ResumedCell.follow(panel, request);
         await panel.sessionContext.changeKernel({ id: newKernelId });
+        void resumed?.check(model, newKernelId);
         if (oldKernelId && oldKernelId !== newKernelId) {
           await shutdownIfUnused(services, oldKernelId);
         }
       } else if (path) {
+        if (request) {
+          expectResumed(path, request, newKernelId);
+        }
         context.openNotebook(path);
       }
     }
@@ -298,6 +311,36 @@ export async function restoreSnapshot(
   } catch (error) {
     notifyError(`Restore of ${name} failed`, error);
     return null;
+  }
+}
+
+/**
+ * Restore into the notebook's own kernel. A cell the snapshot was running goes on at
+ * once, before the job's end is known here: its messages are recorded meanwhile.
+ */
+async function restoreInPlace(
+  context: IActionContext,
+  panel: NotebookPanel,
+  snapshot: ISnapshot,
+  kernelId: string,
+  name: string
+): Promise<IJob> {
+  const { model } = context;
+  const recorder = new IOPubRecorder(panel);
+  try {
+    const job = await finishRestore(
+      context,
+      await model.restore(snapshot.id, { kernel_id: kernelId }, name)
+    );
+    if (job.status === 'done') {
+      const request = await resumedRequest(model, kernelId, job.result);
+      // The recorder hands over to the follower with no message in between.
+      const resumed = ResumedCell.follow(panel, request, recorder.stop());
+      void resumed?.check(model, kernelId);
+    }
+    return job;
+  } finally {
+    recorder.stop();
   }
 }
 

@@ -22,7 +22,8 @@ import {
   formatTrigger,
   parseDate
 } from './format';
-import type { ISnapshot, ISnapshotsModel } from './tokens';
+import { ResumedCell, resumedRequest, takeExpectedResume } from './resume';
+import type { IRunningRequest, ISnapshot, ISnapshotsModel } from './tokens';
 
 export interface IRecoveryOptions {
   model: ISnapshotsModel;
@@ -40,15 +41,41 @@ export function offerRestoreOnOpen(
 ): void {
   const sessionContext = panel.sessionContext;
   const initialize = sessionContext.initialize.bind(sessionContext);
-  let offered: Promise<void> | null = null;
+  let offered: Promise<IResumed | null> | null = null;
   sessionContext.initialize = () => {
     if (!offered) {
       offered = maybeOffer(panel, options).catch(error => {
         console.warn('kernel snapshots: restore offer failed', error);
+        return null;
       });
     }
-    return offered.then(initialize);
+    return offered.then(async resumed => {
+      const result = await initialize();
+      // Connected: a cell that ended before this notebook subscribed ends here too.
+      void resumed?.cell.check(options.model, resumed.kernelId);
+      return result;
+    });
   };
+}
+
+/** A restored kernel's resumed cell, followed in the notebook. */
+interface IResumed {
+  cell: ResumedCell;
+  kernelId: string;
+}
+
+/**
+ * Follow the cell a restored kernel goes on running (restored here by the offer, or by
+ * the panel before it opened the notebook), before the notebook connects to the kernel.
+ */
+async function followResumed(
+  panel: NotebookPanel,
+  kernelId: string,
+  request: IRunningRequest | null
+): Promise<IResumed | null> {
+  await panel.context.ready;
+  const cell = ResumedCell.follow(panel, request);
+  return cell ? { cell, kernelId } : null;
 }
 
 /** Whether a notebook has a cell with code in it (a new, empty notebook gets no offer). */
@@ -66,50 +93,62 @@ function hasCode(panel: NotebookPanel): boolean {
 async function maybeOffer(
   panel: NotebookPanel,
   options: IRecoveryOptions
-): Promise<void> {
+): Promise<IResumed | null> {
   const { model, services } = options;
+  const restored = takeExpectedResume(
+    services.contents.localPath(panel.context.path)
+  );
+  if (restored) {
+    // Restored from the panel while the notebook was closed: it connects to that kernel.
+    return followResumed(panel, restored.kernelId, restored.request);
+  }
   const preference = panel.sessionContext.kernelPreference;
   if (
     !options.enabled() ||
     preference.shouldStart === false ||
     preference.canStart === false
   ) {
-    return;
+    return null;
   }
   await panel.context.ready;
   if (panel.isDisposed || !hasCode(panel)) {
-    return;
+    return null;
   }
   const path = services.contents.localPath(panel.context.path);
   await services.sessions.ready;
   await services.sessions.refreshRunning();
   for (const session of services.sessions.running()) {
     if (session.path === panel.context.path || session.path === path) {
-      return; // Its kernel is alive: JupyterLab connects to it.
+      return null; // Its kernel is alive: JupyterLab connects to it.
     }
   }
   const snapshots = await model.snapshotsOf(path);
   if (snapshots.length === 0 || panel.isDisposed) {
-    return;
+    return null;
   }
   const newest = snapshots[0];
   const choice = await askRestore(path, newest, snapshots.length);
   if (choice === 'panel') {
     options.openPanel();
-    return;
+    return null;
   }
   if (choice !== 'restore') {
-    return;
+    return null;
   }
   try {
     const tracked = await model.restore(newest.id, { path }, baseName(path));
     const job = await model.waitFor(tracked.job.id);
-    if (job.status === 'done') {
+    const kernelId = job.result?.kernel_id as string | undefined;
+    if (job.status === 'done' && kernelId) {
       await services.sessions.refreshRunning();
+      // A cell running at the snapshot goes on: its output goes to its cell.
+      const request = await resumedRequest(model, kernelId, job.result);
+      return await followResumed(panel, kernelId, request);
     }
   } catch (error) {
     notifyError(`Restore of ${baseName(path)} failed`, error);
   }
+  return null;
 }
 
 async function askRestore(

@@ -104,6 +104,19 @@ export type KernelState =
   | 'suspended'
   | 'stopping';
 
+/**
+ * The execute_request a kernel was running when it was snapshotted (the manifest's
+ * `running_request`); after a restore the cell goes on (the status's `resumed_request`).
+ */
+export interface IRunningRequest {
+  /** The execute_request's header (msg_id, session, username, msg_type, date, version). */
+  header: { msg_id: string; session?: string; [key: string]: unknown };
+  /** The cell it came from, as JupyterLab sent it (metadata `cellId`). */
+  cell_id: string | null;
+  /** The execution count the kernel gave it (its execute_input). */
+  execution_count: number | null;
+}
+
 /** `GET /api/snapshots/kernels/{id}`: the wrapper's view of a kernel. */
 export interface IKernelStatus {
   kernel_id: string;
@@ -123,6 +136,8 @@ export interface IKernelStatus {
   /** GPU use of the kernel's processes now. */
   gpu?: { processes?: number; bytes?: number; utilization?: number };
   job?: IJob | null;
+  /** The request a restored kernel goes on running (null once it has ended). */
+  resumed_request?: IRunningRequest | null;
 }
 
 /** `GET /api/snapshots/policy`: the server-side policy, read-only here. */
