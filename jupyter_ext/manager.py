@@ -28,6 +28,7 @@ from .core.errors import (
     SnapshotNotFoundError,
     WrapperUnavailableError,
 )
+from .core.leftovers import after_failed_dump
 from .core.manifest import (
     MANIFEST_NAME,
     SNAPSHOT_ID_RE,
@@ -441,18 +442,26 @@ class SnapshotManager:
         self.emit("started", {"kernel_id": kernel_id, "trigger": trigger, "job_id": job.id})
 
         spec = {"name": km.kernel_name, "kernel_id": kernel_id}
-        data = await self.wrapper(kernel_id).request(
-            "snapshot",
-            {
-                "dest": str(dest),
-                "trigger": trigger,
-                "leave_running": leave_running,
-                "metadata": {"kernel_spec": spec, "notebook_path": path},
-                "release_gpu_caches": self.release_gpu_caches,
-            },
-            on_progress=self._wrapper_progress(job),
-        )
-        manifest = Manifest.from_dict(data)
+        wrapper_pid = None
+        with contextlib.suppress(SnapshotError):
+            wrapper_pid = WrapperInfo.for_connection_file(Path(km.connection_file)).pid
+        try:
+            data = await self.wrapper(kernel_id).request(
+                "snapshot",
+                {
+                    "dest": str(dest),
+                    "trigger": trigger,
+                    "leave_running": leave_running,
+                    "metadata": {"kernel_spec": spec, "notebook_path": path},
+                    "release_gpu_caches": self.release_gpu_caches,
+                },
+                on_progress=self._wrapper_progress(job),
+            )
+        except SnapshotError as exc:
+            # A killed wrapper leaves its partial dump (the kernel's size): removed now.
+            manifest = await asyncio.to_thread(after_failed_dump, exc, dest, wrapper_pid)
+        else:
+            manifest = Manifest.from_dict(data)
         stored = await self._upload(job, manifest, dest)
         result = stored if stored is not None else await self.get(manifest.id)
         self.emit(
@@ -531,6 +540,12 @@ class SnapshotManager:
             if _untouched_for(entry, stale_after):
                 log.info("Removing %s, left by an interrupted restore", entry)
                 remove_tree(entry)
+        suspended_dir = self.work_dir / "suspended"
+        if suspended_dir.is_dir():  # sealed ones belong to suspended kernels: never removed
+            for entry in suspended_dir.glob(".*.partial-*"):
+                if _untouched_for(entry, stale_after):
+                    log.info("Removing %s, left by an interrupted suspend", entry)
+                    remove_tree(entry)
         return recovered
 
     # ---------------------------------------------------------------- retention
@@ -621,9 +636,13 @@ class SnapshotManager:
             return pending.directory, False
         dest = self.cache_dir / f"{snapshot_id}-{secrets.token_hex(4)}"
         self._progress(job, "downloading")
-        await asyncio.to_thread(
-            self.store.fetch, snapshot_id, dest, self._progress_callback(job, "downloading")
-        )
+        try:
+            await asyncio.to_thread(
+                self.store.fetch, snapshot_id, dest, self._progress_callback(job, "downloading")
+            )
+        except BaseException:
+            remove_tree(dest)  # the store removes its partial download; this is the rest
+            raise
         return dest, True
 
     async def _restore(
@@ -762,25 +781,38 @@ class SnapshotManager:
         suspended_dir.mkdir(parents=True, exist_ok=True)
         dest = suspended_dir / new_snapshot_id()
         self._progress(job, "dumping")
-        data = await self.wrapper(kernel_id).request(
-            "suspend",
-            {
-                "dest": str(dest),
-                "trigger": trigger,
-                "metadata": {
-                    "kernel_spec": {"name": km.kernel_name, "kernel_id": kernel_id},
-                    "notebook_path": path,
+        wrapper_pid = None
+        with contextlib.suppress(SnapshotError):
+            wrapper_pid = WrapperInfo.for_connection_file(Path(km.connection_file)).pid
+        wrapper_gone = False
+        try:
+            data = await self.wrapper(kernel_id).request(
+                "suspend",
+                {
+                    "dest": str(dest),
+                    "trigger": trigger,
+                    "metadata": {
+                        "kernel_spec": {"name": km.kernel_name, "kernel_id": kernel_id},
+                        "notebook_path": path,
+                    },
+                    "release_gpu_caches": self.release_gpu_caches,
                 },
-                "release_gpu_caches": self.release_gpu_caches,
-            },
-            on_progress=self._wrapper_progress(job),
-        )
-        manifest = Manifest.from_dict(data)
+                on_progress=self._wrapper_progress(job),
+            )
+        except SnapshotError as exc:
+            # Sealed before the wrapper died: the kernel's only copy, kept and stored.
+            manifest = await asyncio.to_thread(after_failed_dump, exc, dest, wrapper_pid)
+            wrapper_gone = True
+        else:
+            manifest = Manifest.from_dict(data)
         self.emit("suspended", {"kernel_id": kernel_id, "snapshot_id": manifest.id})
         # The wrapper resumes from `dest` and then deletes it; the store gets its own copy
-        # (hard links: no extra space, independent lifetimes).
+        # (hard links: no extra space, independent lifetimes). No wrapper: it is moved.
         upload_dir = self.staging_dir / manifest.id
-        await asyncio.to_thread(shutil.copytree, dest, upload_dir, copy_function=os.link)
+        if wrapper_gone:
+            await asyncio.to_thread(dest.rename, upload_dir)
+        else:
+            await asyncio.to_thread(shutil.copytree, dest, upload_dir, copy_function=os.link)
         stored = await self._upload(job, manifest, upload_dir)
         return stored if stored is not None else await self.get(manifest.id)
 

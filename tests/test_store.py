@@ -6,10 +6,14 @@ few small files, sealed with ``manifest.seal`` like the wrapper does.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import random
+import shutil
+import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -120,6 +124,15 @@ def make_snapshot(
     final = root / snapshot_id
     manifest_mod.seal(staging, manifest, final)
     return final
+
+
+def reseal(raw: dict[str, Any]) -> dict[str, Any]:
+    """A manifest changed on purpose, its checksum (manifests that carry one) made to match
+    again: the test is about the checks behind it."""
+    checksum = getattr(manifest_mod, "manifest_checksum", None)
+    if checksum is not None and "checksum" in raw:
+        raw["checksum"] = checksum(raw)
+    return raw
 
 
 def tree(path: Path) -> dict[str, bytes]:
@@ -438,7 +451,7 @@ def test_traversal_paths_in_a_manifest_are_refused(store: Store, tmp_path: Path)
     source = make_snapshot(tmp_path, random_pages(random.Random(12), 16))
     raw = json.loads((source / "manifest.json").read_text())
     raw["files"][0]["path"] = "../outside.img"
-    (source / "manifest.json").write_text(json.dumps(raw))
+    (source / "manifest.json").write_text(json.dumps(reseal(raw)))
     with pytest.raises(SnapshotCorruptError, match="not allowed"):
         store.put(source)
     assert store.list() == []
@@ -495,6 +508,7 @@ def test_tampered_record_cannot_write_outside(store: Store, tmp_path: Path) -> N
     record["chunks"]["../../evil"] = record["chunks"].pop(entry["path"])
     entry["path"] = "../../evil"
     fresh_id = record["manifest"]["id"] = uuid.uuid4().hex
+    reseal(record["manifest"])
     assert store._create_record(fresh_id, json.dumps(record).encode())
     with pytest.raises(SnapshotCorruptError, match="not allowed"):
         store.fetch(fresh_id, tmp_path / "out" / "snap")
@@ -560,12 +574,24 @@ def test_s3_put_lists_chunks_instead_of_asking_for_each(
     store.client.meta.events.register(
         "before-call.s3.*", lambda model, **_: calls.append(model.name)
     )
+    listed: list[str] = []
+    store.client.meta.events.register(
+        "before-parameter-build.s3.ListObjectsV2",
+        lambda params, **_: listed.append(params["Prefix"].removeprefix(store.prefix)),
+    )
+    written: list[str] = []
+    store.client.meta.events.register(
+        "before-parameter-build.s3.PutObject",
+        lambda params, **_: written.append(params["Key"].removeprefix(store.prefix)),
+    )
     second = store.put(make_snapshot(tmp_path, pages, sequence=2))
     assert second.new_bytes == 0
     assert "HeadObject" not in calls
-    assert calls.count("ListObjectsV2") == 2  # before and after; a few hundred chunks
-    assert calls.count("PutObject") == 1  # the record only
-    assert len(calls) <= 4, calls  # and a GET: is the snapshot there already?
+    assert listed.count("/chunks/") == 2  # before and after; a few hundred chunks
+    assert not [key for key in written if key.startswith("/chunks/")]
+    # The record, and the put's claim (at the start, and its chunks before the commit).
+    assert sorted(k.split("/")[1] for k in written) == ["puts", "puts", "snapshots"]
+    assert len(calls) <= 10, calls
 
 
 def test_s3_listing_past_one_page_goes_per_chunk_directory(
@@ -593,3 +619,232 @@ def test_s3_listing_past_one_page_goes_per_chunk_directory(
     per_directory = prefixes[1:]
     expected = [f"/chunks/{d:02x}/" for d in range(int(last_of_first_page, 16), 256)]
     assert sorted(per_directory) == expected  # each once, in parallel
+
+
+# -- failed puts clean up after themselves --------------------------------------------------
+
+
+def stored_chunks(store: Store) -> set[str]:
+    return {digest for digest, _ in store._list_chunks()}
+
+
+def referenced_chunks(store: Store) -> set[str]:
+    return {d for r in store._all_records(strict=True).values() for d in r.distinct()}
+
+
+def claims_and_markers(store: Store) -> list[str]:
+    return [name for name, _ in store._list_puts()]
+
+
+def test_failed_put_removes_its_chunks_but_not_shared_ones(store: Store, tmp_path: Path) -> None:
+    """A put that fails after uploading (its last file differs from the manifest) removes
+    at once the chunks it wrote; those an earlier snapshot references stay."""
+    rng = random.Random(20)
+    pages = random_pages(rng, 1024)
+    first = store.put(make_snapshot(tmp_path, pages, sequence=1))
+    kept = stored_chunks(store)
+    source = make_snapshot(
+        tmp_path, mutate(pages, rng, inserts=8, changes=64), sequence=2, extra={"z.img": b"z" * 9}
+    )
+    (source / "images/z.img").write_bytes(b"y" * 9)  # found only after the pages are uploaded
+    uploaded: list[int] = []
+
+    def watch(event: dict[str, Any]) -> None:
+        uploaded.append(event["done_bytes"])
+
+    with pytest.raises(SnapshotCorruptError, match="differs from its manifest"):
+        store.put(source, progress=watch)
+    assert max(uploaded) > len(pages)  # the new chunks were written before it failed
+    assert stored_chunks(store) == kept == referenced_chunks(store)
+    assert claims_and_markers(store) == []
+    assert manifest_mod.verify(store.fetch(first.manifest.id, tmp_path / "out")).id == (
+        first.manifest.id
+    )
+
+
+def test_a_live_claim_protects_its_chunks_until_it_is_stale(store: Store, tmp_path: Path) -> None:
+    """A put killed mid-way leaves chunks and its claim: sweeps spare the chunks while the
+    claim is fresh (the put may be alive), and remove both once it is stale."""
+    orphan = random_pages(random.Random(21), 64)
+    digest = hashlib.sha256(orphan).hexdigest()
+    store._compress_and_write(digest, orphan)
+    store._write_claim("f" * 32, "e" * 32, {digest})
+    other = store.put(make_snapshot(tmp_path, random_pages(random.Random(22), 64)))
+    store.delete(other.manifest.id)  # a sweep with no grace period
+    assert stored_chunks(store) == {digest}
+    assert claims_and_markers(store) == ["f" * 32 + ".json"]
+
+    store.claim_stale_seconds = 0
+    store.put(make_snapshot(tmp_path, random_pages(random.Random(23), 64)))  # it collects
+    assert digest not in stored_chunks(store)
+    assert stored_chunks(store) == referenced_chunks(store)
+    assert claims_and_markers(store) == []
+
+
+def test_a_put_waits_out_a_cleanup_and_sees_its_deletions(store: Store, tmp_path: Path) -> None:
+    """A clean-up that read the claims before this put published its chunks deletes one
+    of them: the put, committing meanwhile, waits while the clean-up's marker is there,
+    then finds the chunk gone and fails instead of recording it."""
+    pages = random_pages(random.Random(24), 512)
+    first = store.put(make_snapshot(tmp_path, pages))
+    victim = chunks_of(store, first)[0]
+    store._write_put("c" * 32 + ".cleaning", b"")
+    second = make_snapshot(tmp_path, pages, sequence=2)
+    committing = threading.Event()
+    outcome: list[Exception | StoredSnapshot] = []
+
+    def put() -> None:
+        try:
+            outcome.append(
+                store.put(second, progress=lambda e: e["phase"] != "committing" or committing.set())
+            )
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=put)
+    thread.start()
+    assert committing.wait(60)
+    delete_object(store, victim)
+    store._delete_put("c" * 32 + ".cleaning")
+    thread.join()
+    [result] = outcome
+    assert isinstance(result, StoreError)
+    assert "deleted while it was being stored" in result.message
+    assert [s.manifest.sequence for s in store.list()] == [1]
+
+
+class Tmpfs:
+    """A small tmpfs this test mounts (a disk that fills up); unmounted afterwards."""
+
+    def __init__(self, path: Path, size: str) -> None:
+        path.mkdir(parents=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True
+        )
+        self.path = path
+
+    def unmount(self) -> None:
+        if subprocess.run(["umount", str(self.path)], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(self.path)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.fail("mounting a tmpfs needs root")
+    disk = Tmpfs(tmp_path / "disk", "20m")
+    yield disk.path
+    disk.unmount()
+
+
+def test_full_local_store_says_so_and_keeps_nothing(small_disk: Path, tmp_path: Path) -> None:
+    """A 40 MiB snapshot does not fit a 20 MiB store: the error says the disk is full,
+    where, and how much against what is free; the put removes what it wrote (the store
+    holds no unreferenced chunk and is as empty as before); a concurrent put of a snapshot
+    sharing chunks with it is not harmed, and a smaller snapshot fits afterwards."""
+    store = LocalStore(small_disk / "store", grace_seconds=0, chunking=SMALL_CHUNKS)
+    rng = random.Random(25)
+    big_pages = rng.randbytes(40 << 20)  # incompressible
+    big = make_snapshot(tmp_path, big_pages)
+    shared = make_snapshot(tmp_path, big_pages[: 2 << 20], sequence=2)
+    free_before = shutil.disk_usage(small_disk).free
+
+    committing = threading.Event()
+    go_on = threading.Event()
+    outcome: list[Exception | StoredSnapshot] = []
+
+    def hold_at_commit(event: dict[str, Any]) -> None:
+        if event["phase"] == "committing":
+            committing.set()
+            assert go_on.wait(120)
+
+    def put_shared() -> None:
+        try:
+            outcome.append(store.put(shared, progress=hold_at_commit))
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=put_shared)
+    thread.start()
+    try:
+        assert committing.wait(120)  # its chunks are written and claimed; not committed yet
+        with pytest.raises(StoreError) as caught:
+            store.put(big)
+    finally:
+        go_on.set()
+        thread.join()
+    message = caught.value.message
+    assert "is full" in message, message
+    assert str(store.root) in message, message
+    assert "needs up to 40.0 MiB" in message, message
+    assert "MiB of 20.0 MiB are free" in message, message
+    [survivor] = outcome
+    assert isinstance(survivor, StoredSnapshot), survivor
+    assert manifest_mod.verify(store.fetch(survivor.manifest.id, tmp_path / "shared")).id == (
+        survivor.manifest.id
+    )
+    assert stored_chunks(store) == referenced_chunks(store)  # nothing of the failed put
+    assert claims_and_markers(store) == []
+    assert not list(store.root.glob("**/.*.tmp"))
+    assert shutil.disk_usage(small_disk).free >= free_before - survivor.stored_bytes - (1 << 20)
+
+    smaller = store.put(make_snapshot(tmp_path, rng.randbytes(8 << 20), sequence=3))
+    assert {s.manifest.id for s in store.list()} == {survivor.manifest.id, smaller.manifest.id}
+    assert stored_chunks(store) == referenced_chunks(store)
+
+
+def test_s3_upload_cut_mid_way_leaves_no_unreferenced_chunks(
+    moto: MotoServer, proxy: CuttableProxy, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The network fails mid-upload, so the failed put cannot remove its chunks at once:
+    the next put through the same store does, once S3 answers again."""
+    store = S3Store(
+        moto.ensure_bucket(BUCKET),
+        f"users/{uuid.uuid4().hex[:8]}",
+        endpoint_url=proxy.url,
+        max_workers=4,
+    )
+    request.addfinalizer(store.close)
+    source = make_snapshot(tmp_path, random_pages(random.Random(26), 4096))
+
+    def cut_after_first_chunk(event: dict[str, Any]) -> None:
+        if event["phase"] == "uploading" and event["done_bytes"] > 0:
+            proxy.cut()
+
+    with pytest.raises(StoreError):
+        store.put(source, progress=cut_after_first_chunk)
+    proxy.restore()
+    left = stored_chunks(store)
+    assert left  # S3 was gone: nothing could be removed
+    assert not referenced_chunks(store)
+
+    other = store.put(make_snapshot(tmp_path, random_pages(random.Random(27), 64)))
+    assert (
+        stored_chunks(store)
+        == referenced_chunks(store)
+        == set(chunks_of(store, other)) | set(chunks_of(store, other, "images/core-1.img"))
+    )
+    assert claims_and_markers(store) == []
+
+
+def test_s3_download_cut_mid_way_leaves_nothing(
+    moto: MotoServer, proxy: CuttableProxy, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A fetch that fails mid-download removes what it wrote at once."""
+    store = S3Store(
+        moto.ensure_bucket(BUCKET),
+        f"users/{uuid.uuid4().hex[:8]}",
+        endpoint_url=proxy.url,
+        max_workers=4,
+    )
+    request.addfinalizer(store.close)
+    stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(28), 2048)))
+
+    def cut_after_first_chunk(event: dict[str, Any]) -> None:
+        if event["phase"] == "downloading" and event["done_bytes"] > 0:
+            proxy.cut()
+
+    (tmp_path / "cache").mkdir()
+    with pytest.raises(StoreError):
+        store.fetch(stored.manifest.id, tmp_path / "cache" / "out", cut_after_first_chunk)
+    assert list((tmp_path / "cache").iterdir()) == []

@@ -306,6 +306,11 @@ def log_excerpt(log_file: Path, output: str, limit: int = 20) -> str:
 # restore failures that come from the snapshot not fitting this machine.
 _KNOWN_FAILURES: list[tuple[str, str, str]] = [
     (
+        r"No space left on device|Disk quota exceeded",
+        "CRIU could not write the dump: the disk is full (no space left on device).",
+        "Free space on the disk of the work directory (work_dir), or move it to a larger disk.",
+    ),
+    (
         r"has bad size|bad mode|size mismatch",
         "A file the kernel had open has changed since the snapshot.",
         "incompatible:Restore the file to the state it had when the snapshot was taken, or "

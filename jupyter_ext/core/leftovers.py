@@ -1,0 +1,131 @@
+"""What a failed dump leaves in the work directory, removed as soon as it has failed.
+
+The wrapper dumps into ``<dest's folder>/.<dest name>.partial-<hex>`` and renames that to
+``dest`` once sealed; when the dump fails it removes the partial folder itself. A wrapper
+killed mid-dump removes nothing, and its folder held the kernel's size in images: the
+manager, which chose ``dest``, removes it when the request fails (:func:`after_failed_dump`).
+The names are unique to one request, so this never touches another dump. A full disk is
+said as such, with where and how much the dump needed against what is free.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from . import proctree
+from .errors import DumpError, SnapshotError, WrapperUnavailableError
+from .humanize import human_bytes
+from .manifest import MANIFEST_NAME, Manifest
+
+log = logging.getLogger(__name__)
+
+#: How CRIU (and strerror) word ENOSPC and EDQUOT in a log line.
+DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded")
+#: A wrapper that dropped the connection and still runs after this is alive, not dying.
+WRAPPER_EXIT_SECONDS = 5.0
+
+
+def partial_dirs(dest: Path) -> list[Path]:
+    """The wrapper's unfinished dump folders for ``dest``."""
+    return sorted(dest.parent.glob(f".{dest.name}.partial-*"))
+
+
+def remove_now(path: Path, attempts: int = 100) -> bool:
+    """Remove a folder that a CRIU left running by a killed wrapper may still be writing
+    to: once the folder is gone, nothing can be created in it any more."""
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            return True
+    log.warning("could not remove %s: something keeps writing to it", path)
+    return False
+
+
+def after_failed_dump(exc: SnapshotError, dest: Path, wrapper_pid: int | None) -> Manifest:
+    """Clean up after a snapshot or suspend request to the wrapper that failed with ``exc``.
+
+    Returns the snapshot at ``dest`` when the wrapper sealed it before it died (it is the
+    kernel's only copy after a suspend); otherwise removes what the dump wrote and raises
+    the error, said more plainly for a full disk. While a wrapper that dropped the
+    connection still runs, its dump may still write: it cleans up itself then.
+    """
+    leftovers = partial_dirs(dest)
+    if isinstance(exc, WrapperUnavailableError):
+        if wrapper_pid is not None and not _ends(wrapper_pid):
+            raise exc
+        if (dest / MANIFEST_NAME).is_file():
+            try:
+                manifest = Manifest.read(dest)
+            except SnapshotError as unreadable:
+                log.warning("removing %s, its manifest is unusable: %s", dest, unreadable)
+                leftovers.append(dest)
+            else:
+                log.warning("the wrapper ended after sealing snapshot %s: kept", manifest.id)
+                return manifest
+    if not (dest / MANIFEST_NAME).is_file():
+        leftovers.append(dest)
+    for path in leftovers:
+        if os.path.lexists(path) and remove_now(path):
+            log.info("removed %s, left by the failed dump", path)
+    raise disk_full_dump_error(exc, dest.parent, wrapper_pid) or exc
+
+
+def _ends(pid: int, within: float = WRAPPER_EXIT_SECONDS) -> bool:
+    """Whether ``pid`` is gone or goes within a few seconds: a killed process closes its
+    sockets (the manager sees the connection end) a moment before it is a zombie."""
+    deadline = time.monotonic() + within
+    while proctree.is_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def is_disk_full(exc: SnapshotError) -> bool:
+    text = f"{exc.message}\n{exc.log_excerpt}"
+    return any(words.lower() in text.lower() for words in DISK_FULL_WORDS)
+
+
+def kernel_memory_bytes(wrapper_pid: int) -> int:
+    """Resident memory of the processes below the wrapper (the kernel): about what a dump
+    of it writes, before the store compresses it."""
+    total = 0
+    for pid in proctree.descendants(wrapper_pid)[1:]:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def disk_full_dump_error(
+    exc: SnapshotError, where: Path, wrapper_pid: int | None
+) -> DumpError | None:
+    """``exc`` said plainly when its CRIU log says the disk was full, else None."""
+    if not isinstance(exc, DumpError) or not is_disk_full(exc):
+        return None
+    try:
+        usage = shutil.disk_usage(where)
+        free = f"{human_bytes(usage.free)} of {human_bytes(usage.total)} are free"
+    except OSError:
+        free = "its free space could not be read"
+    needed = kernel_memory_bytes(wrapper_pid) if wrapper_pid is not None else 0
+    need = (
+        f"the dump needs about {human_bytes(needed)} (the kernel's memory)"
+        if needed
+        else "the dump needs about as much as the kernel's memory"
+    )
+    return DumpError(
+        f"The disk of the work directory {where} is full (no space left on device): "
+        f"{need}, and {free}. {exc.message}",
+        hint="Free space on that disk, or set the work directory (work_dir) to a disk with "
+        "room for the kernel's memory; then retry.",
+        log_excerpt=exc.log_excerpt,
+    )

@@ -1,0 +1,117 @@
+"""Failed work cleans up after itself at once (issue 9): a dump whose wrapper was killed,
+and a dump into a full work directory, through a real jupyter_server, real kernels and
+real CRIU. (Failed puts and downloads of the stores: tests/test_store.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .jupyter_api import Fetch, call, server_config, wait_job
+
+pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
+
+BIG_STATE = "import os; blob = os.urandom({mib} << 20); marker = 'kept'"
+
+
+class Tmpfs:
+    """A small tmpfs this test mounts (a disk that fills up); unmounted afterwards."""
+
+    def __init__(self, path: Path, size: str) -> None:
+        path.mkdir(parents=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True
+        )
+        self.path = path
+
+    def unmount(self) -> None:
+        if subprocess.run(["umount", str(self.path)], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(self.path)], check=False)
+
+
+@pytest.fixture
+def small_work_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB work directory: too small for a kernel holding 160 MiB."""
+    if os.geteuid() != 0:
+        pytest.fail("mounting a tmpfs needs root")
+    disk = Tmpfs(tmp_path / "small", "64m")
+    yield disk.path
+    disk.unmount()
+
+
+@pytest.fixture
+def jp_server_config(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
+    config = server_config(tmp_path)
+    if "small_work_disk" in request.fixturenames:
+        work = request.getfixturevalue("small_work_disk") / "work"
+        config["SnapshotExtensionApp"]["work_dir"] = str(work)
+    return config
+
+
+async def start_job(jp_fetch: Fetch, kind: str, kernel_id: str) -> dict[str, Any]:
+    if kind == "snapshot":
+        started = await call(jp_fetch, "POST", body={"kernel_id": kernel_id})
+    else:
+        started = await call(jp_fetch, "POST", "kernels", kernel_id, "suspend")
+    job: dict[str, Any] = started["job"]
+    return job
+
+
+@pytest.mark.parametrize("kind", ["snapshot", "suspend"])
+async def test_a_killed_wrapper_leaves_no_partial_dump(
+    jp_fetch: Fetch, start_kernel: Any, tmp_path: Path, kind: str
+) -> None:
+    """SIGKILL of the wrapper while CRIU writes the images: the request fails with
+    wrapper-unavailable, and its partial dump (the kernel's size) is gone at once."""
+    kernel = await start_kernel()
+    await kernel.run(BIG_STATE.format(mib=300))
+    wrapper_pid = int((await call(jp_fetch, "GET", "kernels", kernel.id))["wrapper_pid"])
+    where = tmp_path / "work" / ("staging" if kind == "snapshot" else "suspended")
+    job = await start_job(jp_fetch, kind, kernel.id)
+    writing: list[Path] = []
+    while not writing:
+        writing = list(where.glob(".*.partial-*/images/pages-*.img"))
+        assert (await call(jp_fetch, "GET", "jobs", job["id"]))["status"] == "running"
+        await asyncio.sleep(0.005)
+    os.kill(wrapper_pid, signal.SIGKILL)
+
+    job = await wait_job(jp_fetch, job)
+    assert job["status"] == "failed", job
+    assert job["error"]["code"] == "wrapper-unavailable", job
+    assert list(where.iterdir()) == []
+    assert list((tmp_path / "work" / "staging").iterdir()) == []
+    assert (await call(jp_fetch, "GET"))["snapshots"] == []
+
+
+@pytest.mark.usefixtures("small_work_disk")
+async def test_a_dump_into_a_full_work_directory_says_so(
+    jp_fetch: Fetch, start_kernel: Any, small_work_disk: Path
+) -> None:
+    """CRIU fails with ENOSPC: the message says the disk is full, where, and the kernel's
+    memory against the free space; nothing is left there, and the kernel runs on."""
+    kernel = await start_kernel()
+    await kernel.run(BIG_STATE.format(mib=160))
+    job = await wait_job(
+        jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
+    )
+    assert job["status"] == "failed", job
+    error = job["error"]
+    message = error["message"]
+    staging = small_work_disk / "work" / "staging"
+    assert error["code"] == "dump-failed", error
+    assert f"The disk of the work directory {staging} is full" in message, message
+    needed = re.search(r"the dump needs about ([\d.]+) MiB \(the kernel's memory\)", message)
+    assert needed, message
+    assert float(needed[1]) >= 160, message  # the 160 MiB it holds, and the interpreter
+    assert "MiB of 64.0 MiB are free" in message, message
+    assert "No space left on device" in error["log_excerpt"], error
+    assert list(staging.iterdir()) == []
+    assert (await kernel.run("print(marker, len(blob) >> 20)")).split() == ["kept", "160"]
