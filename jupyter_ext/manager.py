@@ -28,7 +28,7 @@ from .core.errors import (
     SnapshotNotFoundError,
     WrapperUnavailableError,
 )
-from .core.leftovers import after_failed_dump
+from .core.leftovers import DumpLock, after_failed_dump, remove_orphaned_dumps
 from .core.manifest import (
     MANIFEST_NAME,
     SNAPSHOT_ID_RE,
@@ -445,6 +445,7 @@ class SnapshotManager:
         wrapper_pid = None
         with contextlib.suppress(SnapshotError):
             wrapper_pid = WrapperInfo.for_connection_file(Path(km.connection_file)).pid
+        lock = DumpLock(dest)  # if this server dies meanwhile, its next start cleans up
         try:
             data = await self.wrapper(kernel_id).request(
                 "snapshot",
@@ -462,6 +463,8 @@ class SnapshotManager:
             manifest = await asyncio.to_thread(after_failed_dump, exc, dest, wrapper_pid)
         else:
             manifest = Manifest.from_dict(data)
+        finally:
+            lock.release()
         stored = await self._upload(job, manifest, dest)
         result = stored if stored is not None else await self.get(manifest.id)
         self.emit(
@@ -519,6 +522,11 @@ class SnapshotManager:
         downloads cut short by a crash left behind. Returns the ids taken up; their
         upload is retried like any failed one, and they are listed meanwhile."""
         recovered = []
+        suspended_dir = self.work_dir / "suspended"
+        for directory in (self.staging_dir, suspended_dir):
+            if directory.is_dir():  # dumps of a server that died: at once, not in an hour
+                for path in remove_orphaned_dumps(directory):
+                    log.info("Removed %s, left by a dump whose server ended", path)
         for entry in sorted(self.staging_dir.iterdir()):
             if SNAPSHOT_ID_RE.match(entry.name) and (entry / MANIFEST_NAME).is_file():
                 try:
@@ -540,7 +548,6 @@ class SnapshotManager:
             if _untouched_for(entry, stale_after):
                 log.info("Removing %s, left by an interrupted restore", entry)
                 remove_tree(entry)
-        suspended_dir = self.work_dir / "suspended"
         if suspended_dir.is_dir():  # sealed ones belong to suspended kernels: never removed
             for entry in suspended_dir.glob(".*.partial-*"):
                 if _untouched_for(entry, stale_after):
@@ -785,6 +792,7 @@ class SnapshotManager:
         with contextlib.suppress(SnapshotError):
             wrapper_pid = WrapperInfo.for_connection_file(Path(km.connection_file)).pid
         wrapper_gone = False
+        lock = DumpLock(dest)
         try:
             data = await self.wrapper(kernel_id).request(
                 "suspend",
@@ -805,6 +813,8 @@ class SnapshotManager:
             wrapper_gone = True
         else:
             manifest = Manifest.from_dict(data)
+        finally:
+            lock.release()
         self.emit("suspended", {"kernel_id": kernel_id, "snapshot_id": manifest.id})
         # The wrapper resumes from `dest` and then deletes it; the store gets its own copy
         # (hard links: no extra space, independent lifetimes). No wrapper: it is moved.

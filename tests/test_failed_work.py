@@ -5,6 +5,7 @@ real CRIU. (Failed puts and downloads of the stores: tests/test_store.py.)"""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import re
 import signal
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from jupyter_ext.core.leftovers import lock_path, remove_orphaned_dumps
 
 from .jupyter_api import Fetch, call, server_config, wait_job
 
@@ -115,3 +118,38 @@ async def test_a_dump_into_a_full_work_directory_says_so(
     assert "No space left on device" in error["log_excerpt"], error
     assert list(staging.iterdir()) == []
     assert (await kernel.run("print(marker, len(blob) >> 20)")).split() == ["kept", "160"]
+
+
+def test_dumps_of_a_server_that_died_are_removed_at_its_next_start(tmp_path: Path) -> None:
+    """A server SIGKILLed mid-dump cannot clean up: its lock beside the dump is free
+    afterwards, so the next start removes that dump's partial folders at once; a dump
+    whose lock another live server process holds is left alone."""
+    staging = tmp_path / "staging"
+    dead, live = staging / ("d" * 32), staging / ("e" * 32)
+    for dest in (dead, live):
+        (staging / f".{dest.name}.partial-0123abcd" / "images").mkdir(parents=True)
+        (staging / f".{dest.name}.partial-0123abcd" / "images" / "pages-1.img").write_bytes(b"x")
+        lock_path(dest).touch()
+    holder = subprocess.Popen(["flock", str(lock_path(live)), "sleep", "600"])
+    try:
+        while not _locked(lock_path(live)):
+            assert holder.poll() is None
+        removed = remove_orphaned_dumps(staging)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert removed == [staging / f".{dead.name}.partial-0123abcd"]
+    assert sorted(p.name for p in staging.iterdir()) == [
+        f".{live.name}.lock",
+        f".{live.name}.partial-0123abcd",
+    ]
+
+
+def _locked(path: Path) -> bool:
+    with path.open() as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        return False

@@ -10,6 +10,8 @@ said as such, with where and how much the dump needed against what is free.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -43,6 +45,60 @@ def remove_now(path: Path, attempts: int = 100) -> bool:
             return True
     log.warning("could not remove %s: something keeps writing to it", path)
     return False
+
+
+class DumpLock:
+    """A lock file beside a dump's destination, held (flock) by this server process while
+    its wrapper dumps there. After a crash of the server, the next start finds it unlocked
+    and removes that dump's partial folders at once (:func:`remove_orphaned_dumps`); a
+    server sharing the work directory holds its own, which are left alone."""
+
+    def __init__(self, dest: Path) -> None:
+        self.path = lock_path(dest)
+        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def lock_path(dest: Path) -> Path:
+    return dest.parent / f".{dest.name}.lock"
+
+
+def remove_orphaned_dumps(directory: Path) -> list[Path]:
+    """Remove what dumps left in ``directory`` whose server process died (their lock is
+    free): partial folders, and the lock. Returns what was removed."""
+    removed: list[Path] = []
+    for lock in sorted(directory.glob(".*.lock")):
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue  # released meanwhile
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    continue  # a live server's dump
+                raise
+            dest = directory / lock.name[1 : -len(".lock")]
+            leftovers = partial_dirs(dest)
+            if dest.is_dir() and not (dest / MANIFEST_NAME).is_file():
+                leftovers.append(dest)
+            for path in leftovers:
+                if remove_now(path):
+                    removed.append(path)
+            lock.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def after_failed_dump(exc: SnapshotError, dest: Path, wrapper_pid: int | None) -> Manifest:
