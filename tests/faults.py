@@ -237,11 +237,11 @@ def kill_pids(pids: Iterator[int] | list[int] | set[int]) -> None:
             os.kill(pid, signal.SIGKILL)
     for pid in pids:
         deadline = time.monotonic() + 30
-        while _alive(pid) and time.monotonic() < deadline:
+        while process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"

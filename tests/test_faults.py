@@ -18,6 +18,7 @@ tabulates what is tried.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import shutil
 import signal
@@ -30,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from jupyter_ext.core import proctree
 from jupyter_ext.core.errors import SnapshotError
 
 from .faults import (
@@ -43,8 +45,10 @@ from .faults import (
     check_kernel,
     job_of,
     kernel_pids,
+    kill_pids,
     new_state,
     phase_or_file,
+    process_alive,
     record,
     restore_new,
     says_no_space,
@@ -59,7 +63,11 @@ from .faults import (
 )
 from .s3server import MotoServer
 
-pytestmark = [pytest.mark.faults, pytest.mark.usefixtures("criu")]
+pytestmark = [
+    pytest.mark.faults,
+    pytest.mark.usefixtures("criu"),
+    pytest.mark.timeout(300 * FAULT_ITERATIONS),  # longer runs by hand get longer
+]
 BUCKET = "kernel-snapshots-faults"
 
 
@@ -599,4 +607,35 @@ def test_kill_during_shutdown_snapshots(lab: Lab) -> None:
             survey.check(lab, f"SIGKILL {victim}", f"shutdown snapshots: {where}", {}, lineage)
             for snap in server.client.call("GET", "")["snapshots"]:
                 server.client.call("DELETE", snap["id"])
+    survey.assert_held()
+
+
+# ------------------------------------------------------------------- orphans
+
+
+def test_kernels_end_with_a_killed_server(lab: Lab) -> None:
+    """A SIGKILLed server's kernels end by themselves, as plain ipykernels do (they poll
+    JPY_PARENT_PID): no new server can adopt them, and left running they would hold their
+    memory and GPU for good. Waits up to 30 s for them (ipykernel polls every second)."""
+    survey = Survey("orphans")
+    server = lab.start()
+    expect: dict[str, ZdtmState] = {}
+    kernel = start_kernel(server, new_state(random.Random(FAULT_SEED), floats=1 << 10), expect)
+    wrapper_pid, inner_pid = kernel_pids(server, kernel)
+    tree = proctree.descendants(server.process.pid)
+    os.kill(server.process.pid, signal.SIGKILL)
+    server.process.wait(30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(process_alive(p) for p in (wrapper_pid, inner_pid)):
+        time.sleep(0.2)
+    left = [p for p in tree if process_alive(p)]
+    kill_pids(tree)
+    server._log.close()
+    lab.server = None
+    survey.require(
+        not left,
+        "SIGKILL server",
+        "idle kernel: its wrapper and kernel end by themselves",
+        f"still running 30 s later: {left}",
+    )
     survey.assert_held()
