@@ -53,6 +53,7 @@ def _stop(signum: int, frame: FrameType | None) -> None:
     """Leave the command loop (once: a second signal must not cut the clean-up)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print(f"nodes_for_ui: stopping on signal {signum}", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 
 
@@ -106,6 +107,7 @@ def main() -> None:
                 print(f"killed {command[1]}", flush=True)
             elif command:
                 print(f"unknown command: {line.strip()}", flush=True)
+        print("nodes_for_ui: stopping at the end of input", file=sys.stderr, flush=True)
     finally:
         try:
             for name, server in servers.items():

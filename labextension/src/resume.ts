@@ -52,7 +52,8 @@ export class ResumedCell {
     for (let i = 0; i < cells.length; i++) {
       const cell = cells.get(i);
       if (cell.type === 'code' && cell.id === request.cell_id) {
-        const running = ResumedCell._current.get(cell.id);
+        const key = `${panel.id} ${cell.id}`;
+        const running = ResumedCell._current.get(key);
         if (running?._request.header.msg_id === request.header.msg_id) {
           return running; // Already followed (a second restore of the same snapshot).
         }
@@ -62,7 +63,7 @@ export class ResumedCell {
           request,
           cell as ICodeCellModel
         );
-        ResumedCell._current.set(cell.id, follower);
+        ResumedCell._current.set(key, follower);
         for (const msg of recorded) {
           follower._onIOPub(null, msg);
         }
@@ -120,8 +121,9 @@ export class ResumedCell {
     sessionContext.statusChanged.disconnect(this._onStatus, this);
     this._panel.disposed.disconnect(this.dispose, this);
     this._watchKernel(null);
-    if (ResumedCell._current.get(this._cell.id) === this) {
-      ResumedCell._current.delete(this._cell.id);
+    const key = `${this._panel.id} ${this._cell.id}`;
+    if (ResumedCell._current.get(key) === this) {
+      ResumedCell._current.delete(key);
     }
   }
 
@@ -236,6 +238,7 @@ export class ResumedCell {
     this.dispose();
   }
 
+  /** The follower of each cell, by notebook panel and cell id (copies share cell ids). */
   private static _current = new Map<string, ResumedCell>();
   private _disposed = false;
   private _kernel: Kernel.IKernelConnection | null = null;

@@ -80,6 +80,11 @@ class Nodes {
   a: INode = { url: '', token: '' };
   b: INode = { url: '', token: '' };
 
+  /** Whether the helper still runs (it says on stderr why it stopped). */
+  get running(): boolean {
+    return this._child.exitCode === null && this._child.signalCode === null;
+  }
+
   /** The next line the helper prints. */
   nextLine(timeout: number): Promise<string> {
     const queued = this._lines.shift();
@@ -198,6 +203,7 @@ test.describe('Two nodes', () => {
   }) => {
     test.setTimeout(420_000);
     const { a, b } = nodes!;
+    expect(nodes!.running, 'tests.nodes_for_ui still runs').toBe(true);
 
     // The notebook, in the directory both nodes share; its cell has a fixed id.
     await api(request, a, 'PUT', `api/contents/${NOTEBOOK}`, {
