@@ -68,6 +68,15 @@ def _untouched_for(path: Path, seconds: float) -> bool:
     return time.time() - newest > seconds
 
 
+def _reason(outcome: Job | SnapshotError) -> str:
+    """Why a snapshot is missing: a failed or unfinished job, or a refused start."""
+    if isinstance(outcome, SnapshotError):
+        return outcome.message
+    if outcome.status == "running":
+        return f"it did not finish in time (it was {outcome.phase})"
+    return str((outcome.error or {}).get("message", "it failed"))
+
+
 def validate_snapshot_id(snapshot_id: str) -> str:
     if not SNAPSHOT_ID_RE.match(snapshot_id):
         raise ValueError(f"{snapshot_id!r} is not a snapshot id (32 lowercase hex digits).")
@@ -267,6 +276,7 @@ class SnapshotManager:
         data = asdict(manifest)
         data.pop("files", None)
         data.pop("needed_files", None)
+        data.pop("bound_ports", None)
         data.pop("cpu_flags", None)
         data.update(
             status=status,
@@ -667,9 +677,11 @@ class SnapshotManager:
             manifest = await asyncio.to_thread(verify, directory)
             self._progress(job, "restoring")
             if kernel_id is not None:
+                # The running kernel is saved into staging first (a failed restore puts it
+                # back); after a crash there, it is taken up and stored like any snapshot.
                 await self.wrapper(kernel_id).request(
                     "restore",
-                    {"source": str(directory), "verified": True},
+                    {"source": str(directory), "verified": True, "save_to": str(self.staging_dir)},
                     on_progress=self._wrapper_progress(job),
                 )
             else:
@@ -682,7 +694,12 @@ class SnapshotManager:
         self.emit(
             "restored", {"snapshot_id": snapshot_id, "kernel_id": kernel_id, "path": target_path}
         )
-        return {"kernel_id": kernel_id, "snapshot_id": snapshot_id, "session": session}
+        return {
+            "kernel_id": kernel_id,
+            "snapshot_id": snapshot_id,
+            "session": session,
+            "running_request": manifest.running_request,
+        }
 
     async def _start_restored_kernel(self, manifest: Manifest, directory: Path) -> str:
         """Start a new kernel whose wrapper restores ``directory`` instead of starting fresh."""
@@ -878,14 +895,53 @@ class SnapshotManager:
         return jobs
 
     async def snapshot_all(self, trigger: str, timeout: float) -> list[Job]:
-        """Snapshot every running snapshot kernel, bounded in time (server shutdown)."""
-        jobs: list[Job] = []
+        """Snapshot every running snapshot kernel at once, bounded in time (server shutdown).
+
+        A snapshot that fails is tried once more. A kernel left without one is named in the
+        log and in an "unsaved" event: it is about to be stopped, and what it holds is lost.
+        """
+        deadline = time.monotonic() + timeout
+        kernel_ids = []
         for kernel_id in list(self.kernel_manager.list_kernel_ids()):
             status = await self.kernel_status(kernel_id)
             if status.get("snapshots") and status.get("state") == "running":
-                with contextlib.suppress(SnapshotError):
-                    jobs.append(self.create(kernel_id, trigger=trigger))
-        deadline = time.monotonic() + timeout
-        for job in jobs:
-            await self.wait(job, max(0.0, deadline - time.monotonic()))
+                kernel_ids.append(kernel_id)
+        jobs: list[Job] = []
+        last: dict[str, Job | SnapshotError] = {}
+        for _attempt in ("first", "retry"):
+            for kernel_id in kernel_ids:
+                previous = last.get(kernel_id)
+                if isinstance(previous, Job) and previous.status == "done":
+                    continue
+                if previous is not None:
+                    log.warning(
+                        "snapshot of kernel %s before the stop failed (%s); trying again",
+                        kernel_id,
+                        _reason(previous),
+                    )
+                last[kernel_id] = await self._start_snapshot(kernel_id, trigger, deadline)
+            started = [job for job in last.values() if isinstance(job, Job)]
+            jobs.extend(job for job in started if job not in jobs)
+            for job in started:
+                await self.wait(job, max(0.0, deadline - time.monotonic()))
+            if time.monotonic() >= deadline:
+                break
+        for kernel_id, outcome in last.items():
+            if isinstance(outcome, Job) and outcome.status == "done":
+                continue
+            reason = _reason(outcome)
+            log.warning("kernel %s is stopped without a snapshot: %s", kernel_id, reason)
+            self.emit("unsaved", {"kernel_id": kernel_id, "trigger": trigger, "message": reason})
         return jobs
+
+    async def _start_snapshot(
+        self, kernel_id: str, trigger: str, deadline: float
+    ) -> Job | SnapshotError:
+        """A snapshot job for the kernel, after any job already running on it."""
+        running = self._kernel_jobs.get(kernel_id)
+        if running is not None and running.status == "running":
+            await self.wait(running, max(0.0, deadline - time.monotonic()))
+        try:
+            return self.create(kernel_id, trigger=trigger)
+        except SnapshotError as exc:
+            return exc

@@ -26,6 +26,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import enum
 import hmac
 import json
@@ -43,14 +44,14 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import zmq
 import zmq.asyncio
 from jupyter_client.session import DELIM, Session
 
 from jupyter_ext import __version__
-from jupyter_ext.core import proctree, sockdiag
+from jupyter_ext.core import netports, proctree, sockdiag
 from jupyter_ext.core.criu import Criu, external_file_key
 from jupyter_ext.core.errors import (
     IncompatibleSnapshotError,
@@ -233,6 +234,28 @@ class InnerChannels:
         self.context.term()
 
 
+def _with_fate(exc: SnapshotError, inner_pid: int) -> SnapshotError:
+    """A failed dump's error, saying what became of the kernel: only what is true."""
+    if proctree.is_alive(inner_pid):
+        fate = "The kernel keeps running unharmed."
+    else:
+        fate = (
+            "The kernel's process ended during the snapshot: what it held since its last "
+            "snapshot is gone; restore that snapshot, or restart the kernel."
+        )
+    return type(exc)(f"{exc.message} {fate}", hint=exc.hint, log_excerpt=exc.log_excerpt)
+
+
+@dataclasses.dataclass
+class _SavedKernel:
+    """A running kernel dumped before a restore in place replaces it (see _restore)."""
+
+    directory: Path
+    sequence: int
+    parent_snapshot: str | None
+    executions_since_snapshot: int
+
+
 #: A runtime directory without ``wrapper.pid`` this old (seconds) was left by a wrapper
 #: that died while making it; a younger one is being made right now.
 STALE_UNNAMED_SECONDS = 3600.0
@@ -347,6 +370,14 @@ class KernelWrapper:
         """The snapshot a suspended kernel comes back from."""
         self._discard_after_resume = False
         self._control_path = self.runtime_dir / "control"
+        self._executing: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        """execute_requests the kernel got and has not answered, oldest (running) first:
+        {"header", "cell_id", "execution_count"} by msg_id."""
+        self.resumed_request: dict[str, Any] | None = None
+        self._shell_peers: collections.OrderedDict[tuple[bytes, ...], None] = (
+            collections.OrderedDict()
+        )
+        """The request a restored kernel was running at its snapshot, while it still runs."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -571,6 +602,16 @@ class KernelWrapper:
             await asyncio.sleep(0.005)
         self._expected_exit = False
 
+    @staticmethod
+    def _kill_children_except(keep: set[int]) -> None:
+        """SIGKILL and reap every child process of the wrapper not in ``keep``."""
+        for pid in set(proctree.children(os.getpid())) - keep:
+            log.warning("removing process %d left by a failed restore", pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
     def _interrupt(self) -> None:
         """SIGINT from the server: interrupt the inner kernel's process group."""
         if self.inner_pid is not None and self.state == State.RUNNING:
@@ -614,7 +655,7 @@ class KernelWrapper:
             for name, held in self._held.items():
                 for frames in held:
                     checked = self._unsign(name, frames)
-                    if checked is not None:
+                    if checked is not None and not self._answer_kernel_info(name, checked):
                         self._observe(name, checked, False)
                         self._send(("inner", name), checked)
                 held.clear()
@@ -661,9 +702,12 @@ class KernelWrapper:
                     if name == "fork_pipe":
                         frames = frames[1:]  # the kernel's pipe uuid
                     checked = self._sign(frames) if outward else self._unsign(name, frames)
-                    if checked is not None:
-                        self._observe(name, checked, outward)
-                        self._send(route, checked)
+                    if checked is None or (not outward and self._answer_kernel_info(name, checked)):
+                        continue
+                    if outward and name == "shell" and self.resumed_request is not None:
+                        self._copy_resumed_reply(checked)
+                    self._observe(name, checked, outward)
+                    self._send(route, checked)
 
     def _sink(self, route: tuple[str, str]) -> zmq.asyncio.Socket | None:
         """Where a route's messages go now; None while the kernel must not get any (it is
@@ -751,6 +795,20 @@ class KernelWrapper:
         if name == "shell" and not reply and b'"execute_request"' in header:
             self.last_activity = time.time()
             self.executions_since_snapshot += 1
+            with contextlib.suppress(ValueError, IndexError, KeyError, TypeError):
+                self._track_execute(frames[header_at + 2], frames[header_at + 4])
+        elif name == "shell" and reply and b'"execute_reply"' in header:
+            with contextlib.suppress(ValueError, IndexError, KeyError, TypeError):
+                done = json.loads(frames[header_at + 3])["msg_id"]
+                self._executing.pop(done, None)
+                if self.resumed_request and self.resumed_request["header"]["msg_id"] == done:
+                    self.resumed_request = None
+        elif name == "iopub" and b'"execute_input"' in header:
+            with contextlib.suppress(ValueError, IndexError, KeyError, TypeError):
+                running = self._executing.get(json.loads(frames[header_at + 3])["msg_id"])
+                if running is not None:
+                    content = json.loads(frames[header_at + 5])
+                    running["execution_count"] = content.get("execution_count")
         elif name == "iopub" and b'"status"' in header:
             with contextlib.suppress(ValueError, IndexError, KeyError):
                 content = json.loads(frames[header_at + 5])
@@ -760,12 +818,98 @@ class KernelWrapper:
             with contextlib.suppress(ValueError, IndexError):
                 self.kernel_info = json.loads(frames[header_at + 5])
 
+    #: execute_requests remembered without a reply (replies lost with a killed kernel).
+    MAX_EXECUTING = 1000
+    #: Shell clients remembered (routing ids of recent requests), for a resumed reply.
+    MAX_SHELL_PEERS = 64
+
+    def _copy_resumed_reply(self, frames: list[bytes]) -> None:
+        """The reply of a resumed request goes to its own client, which is gone after a
+        restore elsewhere: copy it to every shell client that asked something since."""
+        assert self.resumed_request is not None
+        at = frames.index(DELIM)
+        with contextlib.suppress(ValueError, IndexError, KeyError, TypeError):
+            parent = json.loads(frames[at + 3])
+            if parent["msg_id"] != self.resumed_request["header"]["msg_id"]:
+                return
+            for peer in self._shell_peers:
+                if list(peer) != frames[:at]:
+                    self._send(("server", "shell"), [*peer, *frames[at:]])
+
+    def _track_execute(self, header: bytes, metadata: bytes) -> None:
+        """Remember an execute_request the kernel got, for the snapshot's record of the
+        running cell (and the cell a restored kernel resumes)."""
+        parsed = json.loads(header)
+        cell_id = json.loads(metadata).get("cellId") if metadata else None
+        self._executing[parsed["msg_id"]] = {
+            "header": parsed,
+            "cell_id": cell_id if isinstance(cell_id, str) else None,
+            "execution_count": None,
+        }
+        while len(self._executing) > self.MAX_EXECUTING:
+            self._executing.popitem(last=False)
+
+    def _running_request(self) -> dict[str, Any] | None:
+        """The execute_request the kernel is running (the oldest without a reply)."""
+        return dict(next(iter(self._executing.values()))) if self._executing else None
+
+    def _resume_request(self, running: dict[str, Any] | None) -> None:
+        """After a restore: the request the kernel was running at its snapshot goes on.
+
+        Its client may be gone (another node, a new server): a new one must learn that the
+        kernel is busy with it, and must not wait for the kernel_info_reply that jupyter_server
+        asks for on the shell channel before it opens a websocket (the kernel answers shell
+        only once the cell ends). So, while that request runs, the wrapper answers
+        kernel_info itself and announces "busy" for it to every new subscriber.
+        """
+        self._executing.clear()
+        self.resumed_request = running
+        if running is not None:
+            self._executing[running["header"]["msg_id"]] = running
+            self._announce_resumed()
+
+    def _announce_resumed(self) -> None:
+        """Publish a "busy" status whose parent is the resumed request."""
+        if self.resumed_request is None:
+            return
+        msg = self.session.msg(
+            "status", {"execution_state": "busy"}, parent={"header": self.resumed_request["header"]}
+        )
+        frames = self.session.serialize(msg)
+        self.execution_state = "busy"
+        self._send(("server", "iopub"), frames)
+
+    def _answer_kernel_info(self, name: str, frames: list[bytes]) -> bool:
+        """For each request from a client: remember who asks on shell, and answer a shell
+        kernel_info_request from the recorded kernel info while a resumed cell runs (see
+        _resume_request). False: the kernel gets the request."""
+        if name != "shell":
+            return False
+        at = frames.index(DELIM)
+        peer = tuple(frames[:at])
+        self._shell_peers[peer] = None
+        self._shell_peers.move_to_end(peer)
+        while len(self._shell_peers) > self.MAX_SHELL_PEERS:
+            self._shell_peers.popitem(last=False)
+        if self.resumed_request is None or not self.kernel_info:
+            return False
+        if b'"kernel_info_request"' not in frames[at + 2]:
+            return False
+        with contextlib.suppress(ValueError):
+            parent = {"header": json.loads(frames[at + 2])}
+            reply = self.session.msg("kernel_info_reply", self.kernel_info, parent=parent)
+            self._send(("server", "shell"), self.session.serialize(reply, ident=frames[:at]))
+            return True
+        return False
+
     async def _forward_subscriptions(self) -> None:
         with contextlib.suppress(asyncio.CancelledError, zmq.ContextTerminated):
             while True:
                 for frames in await receive_ready(self.server["iopub"]):
                     if self._inner is not None:
                         self._send(("inner", "iopub"), frames)
+                    if frames and frames[0][:1] == b"\x01":
+                        self._announce_resumed()  # a new subscriber learns what runs
 
     async def _disconnect_inner(self, inner_pid: int) -> None:
         """Drop every connection between the wrapper and the kernel, losing no message.
@@ -988,6 +1132,7 @@ class KernelWrapper:
             "executions_since_snapshot": self.executions_since_snapshot,
             "sequence": self.sequence,
             "busy": self._op_lock.locked(),
+            "resumed_request": self.resumed_request,
         }
 
     def _criu_binary(self) -> Criu:
@@ -1068,7 +1213,9 @@ class KernelWrapper:
         try:
             await self._disconnect_inner(inner_pid)
             disconnected_seconds = time.monotonic() - started
-            needed = proctree.needed_files(proctree.descendants(inner_pid))
+            tree = proctree.descendants(inner_pid)
+            needed = proctree.needed_files(tree)
+            ports = netports.bound_ports(self._socket_inodes(tree))
             if not leave_running:
                 self._expected_exit = True
             dump_started = time.monotonic()
@@ -1080,11 +1227,13 @@ class KernelWrapper:
                 externals=[runtime_dir_key],
             )
             dump_seconds = time.monotonic() - dump_started
-        except BaseException:
+        except BaseException as exc:
             self._expected_exit = False
             remove_tree(staging)
             if gpu_checkpoint is not None:
                 await asyncio.to_thread(self._gpu().abort, gpu_checkpoint)
+            if isinstance(exc, SnapshotError):
+                raise _with_fate(exc, inner_pid) from exc
             raise
         finally:
             if self.inner_pid is not None and self._still(State.SNAPSHOTTING):
@@ -1116,6 +1265,8 @@ class KernelWrapper:
             product_version=__version__,
             criu_version=criu.version_text,
             needed_files=needed,
+            bound_ports=[port.to_dict() for port in ports],
+            running_request=self._running_request(),
             gpu=gpu_info,
             disconnect_seconds=round(disconnected_seconds, 4),
             dump_seconds=round(dump_seconds, 4),
@@ -1220,14 +1371,23 @@ class KernelWrapper:
         return await self._op_restore(progress, str(self.suspended_snapshot))
 
     async def _op_restore(
-        self, progress: Callable[[dict[str, Any]], None], source: str, verified: bool = False
+        self,
+        progress: Callable[[dict[str, Any]], None],
+        source: str,
+        verified: bool = False,
+        save_to: str | None = None,
     ) -> dict[str, Any]:
         if self._op_lock.locked():
             raise SnapshotBusyError(
                 "A snapshot or restore of this kernel is already in progress.",
                 hint="Wait for it to finish, then try again.",
             )
-        manifest = await self._restore(Path(source), progress, verified=verified)
+        manifest = await self._restore(
+            Path(source),
+            progress,
+            verified=verified,
+            save_to=Path(save_to) if save_to else None,
+        )
         return {
             "inner_pid": self.inner_pid,
             "id": manifest.id,
@@ -1240,11 +1400,17 @@ class KernelWrapper:
         source: Path,
         progress: Callable[[dict[str, Any]], None],
         verified: bool = False,
+        save_to: Path | None = None,
     ) -> Manifest:
         """Replace the inner kernel (if any) by the snapshot in ``source``.
 
         ``verified`` skips re-hashing files the caller has just checked (the server
         extension verifies every download); the manifest and compatibility are still read.
+
+        A running kernel is never lost to a failed restore: it is first saved as a suspend
+        does (into ``save_to``, default beside ``source``), which also frees its memory,
+        GPU and ports for the restored one; if CRIU or the CUDA restore then fails, the
+        saved kernel is put back as it was, and the error says so.
         """
         async with self._op_lock:
             progress({"phase": "verifying"})
@@ -1253,73 +1419,191 @@ class KernelWrapper:
             else:
                 manifest = await asyncio.to_thread(verify, source)
             check_compatible(manifest)
+            self._check_ports_free(manifest)
             criu = self._criu_binary()
+            saved: _SavedKernel | None = None
+            if self.state == State.RUNNING and self.inner_pid is not None:
+                saved = await self._save_before_restore(save_to or source.parent, progress)
             progress({"phase": "restoring"})
-            previous = self.state
-            self._set_state(State.RESTORING)
+
+            def restored() -> None:
+                self.sequence = max(self.sequence, manifest.sequence)
+                self.parent_snapshot = manifest.id
+                self.executions_since_snapshot = 0
+
             try:
-                await self._kill_inner()
-                if self._inner is not None:
-                    await asyncio.to_thread(self._inner.close)
-                    self._inner = None
-                self._inner = InnerChannels(self.runtime_dir)
-                # The restored kernel reads this before its next cell and runs its restore
-                # hooks (its TCP connections come back closed; kernel_snapshots).
-                write_restore_info(
-                    self.runtime_dir,
-                    snapshot_id=manifest.id,
-                    snapshot_created=manifest.created,
-                    snapshot_host=manifest.host,
-                    in_place=previous != State.STARTING,
-                    resumed=self.suspended_snapshot == source,
-                )
-                work_dir = Path(tempfile.mkdtemp(prefix="restore-", dir=self.runtime_dir))
-                try:
-                    pid = await criu.restore(
-                        source / IMAGES_DIR,
-                        work_dir,
-                        inherit_fds=[
-                            (self._stdio_w, manifest.stdio_pipe),
-                            (self._dir_fd, manifest.runtime_dir_key),
-                        ],
-                    )
-                finally:
-                    shutil.rmtree(work_dir, ignore_errors=True)
-                try:
-                    self.last_gpu_restore = await self._gpu_restore(manifest, pid)
-                except BaseException:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                    with contextlib.suppress(ChildProcessError):
-                        os.waitpid(pid, 0)
+                await self._replace_inner(source, manifest, criu, restored)
+            except SnapshotError as exc:
+                if saved is None:
                     raise
-            except BaseException:
-                if self._inner is not None and self.inner_pid is None:
-                    await asyncio.to_thread(self._inner.close)
-                    self._inner = None
-                self._set_state(
-                    State.SUSPENDED
-                    if previous == State.SUSPENDED
-                    else State.DEAD
-                    if self.inner_pid is None
-                    else State.RUNNING
-                )
-                raise
-            self.inner_pid = pid
-            self.launcher = None
-            self.lineage = manifest.lineage
-            self._watch(pid)
-            self.sequence = max(self.sequence, manifest.sequence)
-            self.parent_snapshot = manifest.id
-            self.kernel_info = manifest.kernel_info or self.kernel_info
-            self.executions_since_snapshot = 0
+                await self._put_back(saved, exc, criu)
+            if saved is not None:
+                remove_tree(saved.directory)
             if self.suspended_snapshot is not None:
                 if self._discard_after_resume and self.suspended_snapshot == source:
                     shutil.rmtree(source, ignore_errors=True)
                 self.suspended_snapshot = None
-            # A restore is activity: a kernel resumed for a cell must not look idle since
-            # before its suspend and be suspended again before that cell even starts.
-            self.last_activity = time.time()
-            self._set_state(State.RUNNING)
             progress({"phase": "done"})
             return manifest
+
+    @staticmethod
+    def _socket_inodes(pids: list[int]) -> set[int]:
+        inodes: set[int] = set()
+        for pid in pids:
+            inodes |= sockdiag.socket_inodes(pid)
+        return inodes
+
+    def _check_ports_free(self, manifest: Manifest) -> None:
+        """Refuse, before anything is ended, a snapshot whose listening or bound ports
+        another process holds here (the kernel being replaced does not count)."""
+        ports = [netports.BoundPort.from_dict(p) for p in manifest.bound_ports]
+        if not ports:
+            return
+        own = self._socket_inodes(proctree.descendants(self.inner_pid)) if self.inner_pid else set()
+        taken = netports.taken_ports(ports, ignore=own)
+        if taken:
+            raise IncompatibleSnapshotError(
+                "The snapshot's kernel had network ports open that another process holds "
+                f"here: {', '.join(taken)}.",
+                hint="Stop the process that holds them ('ss -tulpn' names it), or restore "
+                "on a machine where they are free.",
+            )
+
+    async def _save_before_restore(
+        self, parent: Path, progress: Callable[[dict[str, Any]], None]
+    ) -> _SavedKernel:
+        """Dump the running kernel and end it (a suspend), so that a failed restore can
+        bring it back. A kernel that cannot be dumped keeps running; the restore is refused."""
+        saved = _SavedKernel(
+            directory=parent / new_snapshot_id(),
+            sequence=self.sequence,
+            parent_snapshot=self.parent_snapshot,
+            executions_since_snapshot=self.executions_since_snapshot,
+        )
+        progress({"phase": "saving-kernel"})
+        try:
+            await self._snapshot(
+                saved.directory,
+                "before-restore",
+                leave_running=False,
+                metadata={},
+                sequence=self.sequence,
+                progress=lambda _: None,
+            )
+        except SnapshotError as exc:
+            raise type(exc)(
+                "Nothing was restored: the running kernel could not be saved first, and a "
+                f"restore in place would have lost it. {exc.message}",
+                hint="Restore into a new kernel instead ('jupyter snapshot restore ID --path "
+                "NOTEBOOK'), or shut this kernel down and restore then. " + exc.hint,
+                log_excerpt=exc.log_excerpt,
+            ) from exc
+        return saved
+
+    async def _put_back(self, saved: _SavedKernel, failure: SnapshotError, criu: Criu) -> NoReturn:
+        """After a failed restore: bring back the kernel saved before it, then raise."""
+        log.warning("restore failed (%s); putting the kernel back", failure.message)
+
+        def put_back() -> None:
+            self.sequence = saved.sequence
+            self.parent_snapshot = saved.parent_snapshot
+            self.executions_since_snapshot = saved.executions_since_snapshot
+
+        try:
+            await self._replace_inner(
+                saved.directory, Manifest.read(saved.directory), criu, put_back
+            )
+        except SnapshotError as again:
+            # Still nothing lost: it stays suspended on the saved images, and the next
+            # request tries again to bring it back.
+            self.suspended_snapshot = saved.directory
+            self._discard_after_resume = True
+            raise type(failure)(
+                f"{failure.message} Putting the running kernel back failed too "
+                f"({again.message}); its state is kept in {saved.directory}, and it comes "
+                "back from there on the next cell.",
+                hint=failure.hint,
+                log_excerpt=failure.log_excerpt,
+            ) from failure
+        remove_tree(saved.directory)
+        raise type(failure)(
+            f"{failure.message} The kernel was put back as it was before the restore; "
+            "nothing in it was lost.",
+            hint=failure.hint,
+            log_excerpt=failure.log_excerpt,
+        ) from failure
+
+    async def _replace_inner(
+        self, source: Path, manifest: Manifest, criu: Criu, before_running: Callable[[], None]
+    ) -> None:
+        """CRIU (and CUDA) restore of ``source`` as the inner kernel, after ending the one
+        there is; ``before_running`` updates the kernel's records just before requests flow
+        again (held requests then count as new work). On failure the state says what is
+        left: SUSPENDED if the kernel was suspended, else DEAD."""
+        previous = self.state
+        self._set_state(State.RESTORING)
+        try:
+            await self._kill_inner()
+            if self._inner is not None:
+                await asyncio.to_thread(self._inner.close)
+                self._inner = None
+            self._inner = InnerChannels(self.runtime_dir)
+            # The restored kernel reads this before its next cell and runs its restore
+            # hooks (its TCP connections come back closed; kernel_snapshots).
+            write_restore_info(
+                self.runtime_dir,
+                snapshot_id=manifest.id,
+                snapshot_created=manifest.created,
+                snapshot_host=manifest.host,
+                in_place=previous != State.STARTING,
+                resumed=self.suspended_snapshot == source,
+            )
+            work_dir = Path(tempfile.mkdtemp(prefix="restore-", dir=self.runtime_dir))
+            before = set(proctree.children(os.getpid()))
+            try:
+                pid = await criu.restore(
+                    source / IMAGES_DIR,
+                    work_dir,
+                    inherit_fds=[
+                        (self._stdio_w, manifest.stdio_pipe),
+                        (self._dir_fd, manifest.runtime_dir_key),
+                    ],
+                )
+            except BaseException:
+                # CRIU restores the tree as our child: one it gave up on (or that died with
+                # it) must not stay behind, half-restored.
+                self._kill_children_except(before)
+                raise
+            finally:
+                shutil.rmtree(work_dir, ignore_errors=True)
+            try:
+                self.last_gpu_restore = await self._gpu_restore(manifest, pid)
+            except BaseException:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+                raise
+        except BaseException:
+            if self._inner is not None and self.inner_pid is None:
+                await asyncio.to_thread(self._inner.close)
+                self._inner = None
+            self._set_state(
+                State.SUSPENDED
+                if previous == State.SUSPENDED
+                else State.DEAD
+                if self.inner_pid is None
+                else State.RUNNING
+            )
+            raise
+        self.inner_pid = pid
+        self.launcher = None
+        self.lineage = manifest.lineage
+        self._watch(pid)
+        self.kernel_info = manifest.kernel_info or self.kernel_info
+        # A restore is activity: a kernel resumed for a cell must not look idle since
+        # before its suspend and be suspended again before that cell even starts.
+        self.last_activity = time.time()
+        before_running()
+        self._resume_request(manifest.running_request)
+        self._set_state(State.RUNNING)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_ext.core.criu import frozen_seconds
+from jupyter_ext.core.criu import Criu, frozen_seconds
 from jupyter_ext.core.errors import (
     CriuNotFoundError,
     DumpError,
@@ -26,7 +26,13 @@ from jupyter_ext.core.errors import (
     SnapshotCorruptError,
     SnapshotError,
 )
-from jupyter_ext.core.manifest import MANIFEST_NAME, Manifest, check_compatible, verify
+from jupyter_ext.core.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    check_compatible,
+    manifest_checksum,
+    verify,
+)
 
 from .harness import KernelProcess, wait_until
 
@@ -325,7 +331,8 @@ def test_restore_checks_the_gpu_the_snapshot_needs(kernel_factory: Factory, tmp_
         "ns_pids": [1],
         "needed_bytes": 2**30,
     }
-    manifest_path.write_text(json.dumps(data))  # the manifest is not among its own hashes
+    data["checksum"] = manifest_checksum(data)  # as if the snapshot was taken so
+    manifest_path.write_text(json.dumps(data))
     with pytest.raises(IncompatibleSnapshotError, match="NVIDIA Imaginary 9000"):
         check_compatible(Manifest.read(tmp_path / "s"))
     with pytest.raises(IncompatibleSnapshotError, match="NVIDIA Imaginary 9000"):
@@ -387,6 +394,12 @@ def test_interrupt_restart_shutdown_like_ipykernel(kernel_factory: Factory, tmp_
     reply = kernel.client.get_shell_msg(timeout=30)
     assert reply["parent_header"]["msg_id"] == msg_id
     assert reply["content"]["ename"] == "KeyboardInterrupt"
+    # After an error ipykernel aborts what arrives until its loop turns once more
+    # (stop_on_error); on a loaded machine the next request can come in that window.
+    wait_until(
+        lambda: kernel.client.execute_interactive("pass", timeout=30)["content"]["status"] == "ok",
+        what="the kernel to take requests again after the interrupt",
+    )
     # Interrupt through the control channel (interrupt_mode "message").
     msg_id = kernel.client.execute("import time; time.sleep(60)")
     time.sleep(0.5)
@@ -501,3 +514,26 @@ def test_simultaneous_snapshots_of_kernels_sharing_a_directory(
     assert not (cwd / "proc.crtools").exists()
     for i, kernel in enumerate(kernels):
         assert kernel.execute("print(a[0])").strip() == f"{i}.0"
+
+
+def test_failed_dump_says_truthfully_whether_the_kernel_runs_on(
+    kernel_factory: Factory, tmp_path: Path, criu: Criu
+) -> None:
+    """ "The kernel keeps running unharmed" only when it does: here the kernel dies during
+    the dump (killed by someone else), and the error says it is gone."""
+    fake = tmp_path / "criu"
+    fake.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = dump ] && [ -e ' + str(tmp_path / "kill") + ' ] && kill -9 "$3"\n'
+        f'exec {criu.path} "$@"\n'
+    )
+    fake.chmod(0o755)
+    kernel = kernel_factory(extra_args=["--criu", str(fake)])
+    kernel.execute("x = 1")
+    kernel.snapshot(tmp_path / "s1")  # the stand-in passes everything on to CRIU
+    (tmp_path / "kill").touch()
+    with pytest.raises(DumpError) as info:
+        kernel.snapshot(tmp_path / "s2")
+    assert "unharmed" not in info.value.message
+    assert "ended during the snapshot" in info.value.message
+    wait_until(lambda: kernel.status()["state"] == "dead", what="the wrapper to see it")

@@ -239,6 +239,74 @@ def test_snapshot_before_shutdown(tmp_path: Path, snapshot_kernelspec: str) -> N
     assert stored[0].manifest.kernel_spec["kernel_id"] == kernel
 
 
+def test_every_kernel_is_snapshotted_before_shutdown(
+    tmp_path: Path, snapshot_kernelspec: str
+) -> None:
+    """Three kernels of one notebook folder, stopped together, twice: every one of them is
+    stored (their dumps used to collide in the shared directory: 2 of 4 stops lost one)."""
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    config = base_config(tmp_path, snapshot_before_shutdown=True)
+    store = LocalStore(tmp_path / "store" / "users" / _owner())
+    expected: set[str] = set()
+    for round_ in range(2):
+        server = ServerProcess(tmp_path / f"server{round_}", notebooks, config)
+        for i in range(3):
+            kernel = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+            ws_execute(server, kernel, f"import numpy as np; w = np.full(2**20, {i})")
+            expected.add(kernel)
+        assert server.stop(signal.SIGTERM) == 0
+        stored = store.list()
+        assert {s.manifest.kernel_spec["kernel_id"] for s in stored} == expected
+        assert {s.manifest.trigger for s in stored} == {"before-shutdown"}
+        assert "without a snapshot" not in server.log()
+
+
+class TestShutdownSnapshots:
+    @pytest.fixture
+    def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:
+        return base_config(tmp_path)
+
+    async def test_a_kernel_left_without_a_snapshot_is_named(
+        self, jp_serverapp: Any, start_kernel: Any, tmp_path: Path, caplog: Any
+    ) -> None:
+        """A kernel whose snapshot fails (here it holds a connection to a process outside
+        it) is tried once more, then named in the log and in an "unsaved" event."""
+        import asyncio
+        import logging
+        import socket
+
+        seen: list[dict[str, Any]] = []
+
+        async def listener(logger: Any, schema_id: str, data: dict[str, Any]) -> None:
+            seen.append(data)
+
+        jp_serverapp.event_logger.add_listener(schema_id=EVENT_SCHEMA_ID, listener=listener)
+        good = await start_kernel()
+        bad = await start_kernel()
+        await good.run("x = 1")
+        path = tmp_path / "outside.sock"
+        manager = jp_serverapp.extension_manager.extension_points["jupyter_ext"].app.manager
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as outside:
+            outside.bind(str(path))
+            outside.listen()
+            await bad.run(
+                f"import socket; c = socket.socket(socket.AF_UNIX); c.connect({str(path)!r})"
+            )
+            accepted, _ = outside.accept()
+            with accepted, caplog.at_level(logging.WARNING, logger="jupyter_ext"):
+                jobs = await manager.snapshot_all("before-shutdown", 120)
+        await asyncio.sleep(0.2)
+        assert [j.status for j in jobs if j.kernel_id == good.id] == ["done"]
+        assert [j.status for j in jobs if j.kernel_id == bad.id] == ["failed", "failed"]
+        assert f"snapshot of kernel {bad.id} before the stop failed" in caplog.text
+        assert f"kernel {bad.id} is stopped without a snapshot" in caplog.text
+        assert f"kernel {good.id} is stopped without" not in caplog.text
+        unsaved = [e for e in seen if e["action"] == "unsaved"]
+        assert [e["kernel_id"] for e in unsaved] == [bad.id]
+        assert "connect" in unsaved[0]["message"]
+
+
 def test_a_second_stop_signal_waits_for_the_shutdown_snapshots(
     tmp_path: Path, snapshot_kernelspec: str
 ) -> None:

@@ -336,7 +336,7 @@ _KNOWN_FAILURES: list[tuple[str, str, str]] = [
     (
         r"corked dgram socket",
         "The kernel holds a UDP socket with corked data not sent yet (UDP_CORK), which "
-        "cannot be saved; the kernel keeps running unharmed.",
+        "cannot be saved.",
         "Uncork the socket (setsockopt UDP_CORK 0) or close it, then retry.",
     ),
     (
@@ -352,8 +352,7 @@ _KNOWN_FAILURES: list[tuple[str, str, str]] = [
     ),
     (
         r"Can't create a directory|can't get /proc fd",
-        "CRIU could not make its private /proc (proc.crtools) in the kernel's working "
-        "directory; the kernel keeps running unharmed.",
+        "CRIU could not make its private /proc (proc.crtools) in the kernel's working directory.",
         "Make sure the kernel's working directory is writable and holds no 'proc.crtools' "
         "left by another tool, then retry.",
     ),
@@ -394,7 +393,7 @@ def explain_failure(excerpt: str, *, restoring: bool) -> tuple[str, str]:
             "Read the CRIU log lines below; 'jupyter snapshot doctor' checks this machine.",
         )
     return (
-        "CRIU could not dump the kernel; the kernel keeps running unharmed.",
+        "CRIU could not dump the kernel.",
         "Read the CRIU log lines below; 'jupyter snapshot doctor' checks this machine.",
     )
 

@@ -27,11 +27,14 @@ from typing import Any
 from .errors import IncompatibleSnapshotError, SnapshotCorruptError
 from .gpu import check_restore_compatible
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the manifest carries its own checksum. Format 1 (no checksum) is still read."""
+READABLE_FORMATS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 IMAGES_DIR = "images"
 SNAPSHOT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
-TRIGGERS = ("manual", "periodic", "idle-suspend", "before-shutdown")
+TRIGGERS = ("manual", "periodic", "idle-suspend", "before-shutdown", "before-restore")
+"""What took a snapshot; "before-restore" saves a kernel a restore in place replaces."""
 
 
 def new_snapshot_id() -> str:
@@ -103,6 +106,11 @@ class Manifest:
     python_version: str = field(default_factory=lambda: sys.version.split()[0])
     needed_files: list[dict[str, Any]] = field(default_factory=list)
     """Regular files the kernel had open or mapped: a restore needs them unchanged."""
+    bound_ports: list[dict[str, Any]] = field(default_factory=list)
+    """Listening TCP and bound UDP ports (netports.BoundPort): a restore binds them again."""
+    running_request: dict[str, Any] | None = None
+    """The execute_request the kernel was running at the snapshot, if any: its "header",
+    the frontend's "cell_id" and its "execution_count". It goes on after a restore."""
     disconnect_seconds: float = 0.0
     """Draining and dropping the kernel's channels before CRIU starts (the kernel runs)."""
     dump_seconds: float = 0.0
@@ -115,17 +123,26 @@ class Manifest:
     files: list[FileEntry] = field(default_factory=list)
     gpu: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    checksum: str = ""
+    """sha256 of every other field (:func:`manifest_checksum`), set when it is sealed: a
+    manifest changed afterwards, in a store or on disk, is refused as corrupt."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
-        if data.get("format_version") != FORMAT_VERSION:
+        if data.get("format_version") not in READABLE_FORMATS:
             raise SnapshotCorruptError(
                 f"Snapshot format {data.get('format_version')!r} is not supported "
-                f"(this version reads format {FORMAT_VERSION}).",
+                f"(this version reads formats {', '.join(map(str, READABLE_FORMATS))}).",
                 hint="Restore it with the version of jupyter-kernel-snapshots that took it.",
+            )
+        if data.get("format_version") != 1 and data.get("checksum") != manifest_checksum(data):
+            raise SnapshotCorruptError(
+                f"The manifest of snapshot {data.get('id')!r} does not match its checksum: "
+                "it was changed after the snapshot was taken.",
+                hint="Pick another snapshot; this one cannot be trusted to restore.",
             )
         known = {f for f in cls.__dataclass_fields__}
         values = {k: v for k, v in data.items() if k in known}
@@ -156,6 +173,14 @@ class Manifest:
             ) from exc
 
 
+def manifest_checksum(data: dict[str, Any]) -> str:
+    """The checksum of a manifest's JSON form: sha256 of its canonical JSON without the
+    checksum itself (floats and ints round-trip exactly through JSON)."""
+    rest = {key: value for key, value in data.items() if key != "checksum"}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def _sha256(path: Path) -> str:
     with path.open("rb") as fh:
         return hashlib.file_digest(fh, "sha256").hexdigest()
@@ -177,6 +202,8 @@ def seal(staging: Path, manifest: Manifest, final: Path) -> Manifest:
     files = [p for p in staging.rglob("*") if p.is_file() and p.name != MANIFEST_NAME]
     manifest.files = hash_files(staging, files)
     manifest.total_bytes = sum(entry.size for entry in manifest.files)
+    manifest.format_version = FORMAT_VERSION
+    manifest.checksum = manifest_checksum(asdict(manifest))
     tmp = staging / (MANIFEST_NAME + ".tmp")
     with tmp.open("w") as fh:
         fh.write(manifest.to_json())

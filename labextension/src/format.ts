@@ -103,7 +103,8 @@ const TRIGGERS: { [key: string]: string } = {
   manual: 'manual',
   periodic: 'periodic',
   'idle-suspend': 'idle suspend',
-  'before-shutdown': 'before shutdown'
+  'before-shutdown': 'before shutdown',
+  'before-restore': 'before a restore'
 };
 
 /** "idle-suspend" -> "idle suspend". */
@@ -157,6 +158,7 @@ const PHASES: { [key: string]: string } = {
   uploading: 'Uploading',
   downloading: 'Downloading',
   verifying: 'Verifying',
+  'saving-kernel': 'Saving the running kernel',
   restoring: 'Restoring',
   done: 'Done'
 };

@@ -42,7 +42,7 @@ export interface IErrorBody {
 }
 
 export type Trigger =
-  'manual' | 'periodic' | 'idle-suspend' | 'before-shutdown';
+  'manual' | 'periodic' | 'idle-suspend' | 'before-shutdown' | 'before-restore';
 
 export type SnapshotStatus = 'complete' | 'uploading' | 'upload-failed';
 

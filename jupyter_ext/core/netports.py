@@ -1,0 +1,119 @@
+"""The network ports a kernel holds, and whether they are free where it is restored.
+
+CRIU restores a listening TCP socket or a bound UDP socket by binding its address and
+port again; if another process holds that port the restore fails ("Address already in
+use"). The wrapper records the kernel's ports in the manifest and checks them before a
+restore starts, so the error names the port, and a running kernel is never ended for a
+restore that cannot succeed. Facts come from /proc/net of this network namespace.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import struct
+from collections.abc import Collection
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+_TCP_LISTEN = 0x0A
+_WILDCARDS = ("0.0.0.0", "::")
+
+
+@dataclass(frozen=True)
+class BoundPort:
+    """A listening TCP socket or a bound UDP socket: what a restore binds again."""
+
+    proto: str
+    """"tcp" or "udp"."""
+    address: str
+    port: int
+
+    def describe(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        kind = "TCP port" if self.proto == "tcp" else "UDP port"
+        what = " (listening)" if self.proto == "tcp" else ""
+        return f"{kind} {host}:{self.port}{what}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BoundPort:
+        return cls(str(data["proto"]), str(data["address"]), int(data["port"]))
+
+    def collides_with(self, other: BoundPort) -> bool:
+        return (
+            self.proto == other.proto
+            and self.port == other.port
+            and (
+                self.address == other.address
+                or self.address in _WILDCARDS
+                or other.address in _WILDCARDS
+            )
+        )
+
+
+@dataclass(frozen=True)
+class _Entry:
+    port: BoundPort
+    state: int
+    inode: int
+
+
+def _address(hex_address: str) -> str:
+    """/proc/net's hex address (host-order 32-bit words) as text."""
+    raw = bytes.fromhex(hex_address)
+    words = struct.unpack(f"<{len(raw) // 4}I", raw)
+    packed = struct.pack(f">{len(words)}I", *words)
+    family = socket.AF_INET if len(packed) == 4 else socket.AF_INET6
+    return str(ipaddress.ip_address(socket.inet_ntop(family, packed)))
+
+
+def _entries() -> list[_Entry]:
+    """Every TCP and UDP socket of this network namespace with a local port."""
+    found: list[_Entry] = []
+    for proto in ("tcp", "udp"):
+        for table in (proto, proto + "6"):
+            try:
+                lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for line in lines:
+                fields = line.split()
+                if len(fields) < 10:
+                    continue
+                hex_address, hex_port = fields[1].split(":")
+                port = int(hex_port, 16)
+                if port == 0:
+                    continue
+                found.append(
+                    _Entry(
+                        BoundPort(proto, _address(hex_address), port),
+                        int(fields[3], 16),
+                        int(fields[9]),
+                    )
+                )
+    return found
+
+
+def _binds(entry: _Entry) -> bool:
+    """Whether the socket holds its port the way a restore needs it (TCP listening, or
+    any UDP socket)."""
+    return entry.port.proto == "udp" or entry.state == _TCP_LISTEN
+
+
+def bound_ports(inodes: set[int]) -> list[BoundPort]:
+    """The ports the sockets with these inodes hold (a kernel's, from its open fds)."""
+    ports = {entry.port for entry in _entries() if entry.inode in inodes and _binds(entry)}
+    return sorted(ports, key=lambda p: (p.proto, p.port, p.address))
+
+
+def taken_ports(ports: list[BoundPort], ignore: Collection[int] = ()) -> list[str]:
+    """Which of ``ports`` a socket here holds (except sockets in ``ignore``, e.g. those of
+    the kernel a restore replaces), in words."""
+    others = [e for e in _entries() if e.inode not in ignore and _binds(e)]
+    return [
+        port.describe() for port in ports if any(port.collides_with(other.port) for other in others)
+    ]

@@ -1,0 +1,219 @@
+"""A cell running at the snapshot goes on after a restore into a new kernel (another
+node, or the same server after the old kernel died), and what it sends reaches the new
+kernel's clients: stream output, status, and its execute_reply."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tornado.httpclient import HTTPRequest
+from tornado.websocket import WebSocketClientConnection, websocket_connect
+
+from jupyter_ext.core import proctree
+from jupyter_ext.core.manifest import Manifest
+
+from .harness import KernelProcess
+from .jupyter_api import server_config
+from .servers import Endpoint, ServerProcess, follow
+
+Factory = Callable[..., KernelProcess]
+STEPS_OF_SERVER_LOOP = 60
+
+#: Prints "step i" every 0.25 s: long enough that a client of the restored kernel connects
+#: while it still runs (steps seen after the restore prove the output reached it).
+LOOP = "import time\nfor i in range(STEPS):\n    print('step', i, flush=True)\n    time.sleep(0.25)"
+
+
+def test_resumed_cell_reaches_a_new_client_of_a_new_wrapper(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    steps = 40
+    a = kernel_factory()
+    a.execute("x = 1")
+    content = {"code": LOOP.replace("STEPS", str(steps)), "silent": False, "store_history": True}
+    request = a.client.session.msg(
+        "execute_request",
+        {**content, "user_expressions": {}, "allow_stdin": False},
+        metadata={"cellId": "cell-7"},  # as JupyterLab sends it
+    )
+    a.client.shell_channel.send(request)
+    msg_id = request["header"]["msg_id"]
+    wait_for_step(a, msg_id, 3)
+    a.snapshot(tmp_path / "s")
+    a.kill_all()
+    manifest = Manifest.read(tmp_path / "s")
+    assert manifest.running_request is not None
+    assert manifest.running_request["header"]["msg_id"] == msg_id
+    assert manifest.running_request["cell_id"] == "cell-7"
+    assert manifest.running_request["execution_count"] == 2
+
+    b = kernel_factory(restore_from=tmp_path / "s")  # its client waits for kernel_info first
+    resumed = b.status()["resumed_request"]
+    assert resumed is not None
+    assert resumed["header"]["msg_id"] == msg_id
+    seen: list[int] = []
+    while True:
+        msg = b.client.get_iopub_msg(timeout=60)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            seen += [int(w) for w in msg["content"]["text"].split() if w.isdigit()]
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    assert seen
+    assert seen[-1] == steps - 1
+    assert len(seen) >= 5, seen  # the client was there while the cell ran
+    reply = b.client.get_shell_msg(timeout=30)  # sent to the client the cell had, copied
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "ok"
+    assert reply["content"]["execution_count"] == 2
+    assert b.status()["resumed_request"] is None
+    assert b.execute("print(x + 1)").strip() == "2"
+
+
+def wait_for_step(kernel: KernelProcess, msg_id: str, step: int) -> None:
+    while True:
+        msg = kernel.client.get_iopub_msg(timeout=60)
+        if (
+            msg["parent_header"].get("msg_id") == msg_id
+            and msg["msg_type"] == "stream"
+            and f"step {step}" in msg["content"]["text"]
+        ):
+            return
+
+
+async def ws_connect(server: Endpoint, kernel_id: str) -> WebSocketClientConnection:
+    url = server.url.replace("http", "ws", 1) + f"api/kernels/{kernel_id}/channels"
+    headers = {"Authorization": f"token {server.token}"}
+    return await websocket_connect(HTTPRequest(url, headers=headers))
+
+
+async def close(ws: WebSocketClientConnection) -> None:
+    """Close and wait until the connection is gone (its socket closed, no warning)."""
+    ws.close()
+    while await asyncio.wait_for(ws.read_message(), 30) is not None:
+        pass
+
+
+def execute_message(code: str, cell_id: str) -> tuple[str, str]:
+    msg_id = uuid.uuid4().hex
+    header = {
+        "msg_id": msg_id,
+        "msg_type": "execute_request",
+        "session": uuid.uuid4().hex,
+        "username": "test",
+        "date": "2026-01-01T00:00:00Z",
+        "version": "5.3",
+    }
+    content = {"code": code, "silent": False, "store_history": True, "allow_stdin": False}
+    message = {
+        "header": header,
+        "parent_header": {},
+        "metadata": {"cellId": cell_id},
+        "content": {**content, "user_expressions": {}},
+        "channel": "shell",
+        "buffers": [],
+    }
+    return msg_id, json.dumps(message)
+
+
+async def start_loop(server: ServerProcess, kernel_id: str, steps: int) -> str:
+    """Start the loop in a kernel through a websocket; return once step 3 was printed."""
+    ws = await ws_connect(server, kernel_id)
+    msg_id, message = execute_message(LOOP.replace("STEPS", str(steps)), "cell-1")
+    ws.write_message(message)
+    while True:
+        data = json.loads(await asyncio.wait_for(ws.read_message(), 60))
+        if (
+            data["parent_header"].get("msg_id") == msg_id
+            and data["msg_type"] == "stream"
+            and "step 3" in data["content"]["text"]
+        ):
+            await close(ws)
+            return msg_id
+
+
+async def follow_resumed(server: Endpoint, kernel_id: str, msg_id: str) -> dict[str, Any]:
+    """What a websocket client of the restored kernel sees of the resumed cell. Like
+    JupyterLab, it asks for kernel_info first: the answer comes at once, although the
+    kernel runs a cell."""
+    ws = await ws_connect(server, kernel_id)
+    info_id, info = execute_message("", "")
+    ws.write_message(info.replace('"execute_request"', '"kernel_info_request"'))
+    steps: list[int] = []
+    reply: dict[str, Any] | None = None
+    states: list[str] = []
+    info_before_reply = False
+    while reply is None:
+        data = json.loads(await asyncio.wait_for(ws.read_message(), 60))
+        if data["msg_type"] == "kernel_info_reply" and data["parent_header"]["msg_id"] == info_id:
+            info_before_reply = not steps or steps[-1] < STEPS_OF_SERVER_LOOP - 1
+        if data["parent_header"].get("msg_id") != msg_id:
+            continue
+        if data["msg_type"] == "stream":
+            steps += [int(w) for w in data["content"]["text"].split() if w.isdigit()]
+        elif data["msg_type"] == "status":
+            states.append(data["content"]["execution_state"])
+        elif data["msg_type"] == "execute_reply":
+            reply = data["content"]
+    await close(ws)
+    return {"steps": steps, "reply": reply, "states": states, "info": info_before_reply}
+
+
+@pytest.mark.parametrize("where", ["same-server", "other-server"])
+def test_resumed_cell_reaches_websocket_clients_after_a_restore_into_a_new_kernel(
+    tmp_path: Path, snapshot_kernelspec: str, where: str
+) -> None:
+    """Server A runs the loop and is snapshotted mid-loop; its kernel dies (SIGKILL of the
+    kernel's processes, or of all of server A); a new kernel restored from the snapshot, on
+    A or on a server B sharing the store, goes on with the loop, and a websocket client of
+    the new kernel gets the loop's lines, its status and its execute_reply."""
+    steps = STEPS_OF_SERVER_LOOP
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    config = server_config(tmp_path)
+    a = ServerProcess(tmp_path / "a", notebooks, config)
+    b = ServerProcess(tmp_path / "b", notebooks, config) if where == "other-server" else a
+    try:
+        kernel = a.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+        msg_id = asyncio.run(start_loop(a, kernel, steps))
+        snapshot = follow(a, a.client.call("POST", "", body={"kernel_id": kernel})["job"])
+        assert snapshot["status"] == "done", snapshot
+        running = snapshot["result"]["running_request"]
+        assert (running["header"]["msg_id"], running["cell_id"]) == (msg_id, "cell-1")
+        if where == "other-server":
+            a.kill_node()
+        else:
+            # The kernel dies (wrapper and kernel, SIGKILL); the server runs on.
+            for pid in proctree.descendants(a.process.pid)[1:]:
+                signal_kill(pid)
+        job = b.client.call("POST", f"{snapshot['result']['id']}/restore", body={})["job"]
+        restored = follow(b, job)
+        assert restored["status"] == "done", restored
+        assert restored["result"]["running_request"]["header"]["msg_id"] == msg_id
+        seen = asyncio.run(follow_resumed(b, restored["result"]["kernel_id"], msg_id))
+    finally:
+        for server in {a, b}:
+            if server.process.poll() is None:
+                server.stop()
+    assert seen["steps"]
+    assert seen["steps"][-1] == steps - 1
+    assert len(seen["steps"]) >= 5, seen  # it was connected while the cell ran
+    assert "busy" in seen["states"]
+    assert seen["info"]  # kernel_info answered while the cell ran
+    assert seen["reply"]["status"] == "ok"
+    assert seen["reply"]["execution_count"] == 1
+
+
+def signal_kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
