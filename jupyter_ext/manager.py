@@ -28,7 +28,13 @@ from .core.errors import (
     SnapshotNotFoundError,
     WrapperUnavailableError,
 )
-from .core.leftovers import DumpLock, after_failed_dump, remove_orphaned_dumps
+from .core.leftovers import (
+    DumpLock,
+    after_failed_dump,
+    lock_directory,
+    remove_orphaned_dumps,
+    remove_unlocked,
+)
 from .core.manifest import (
     MANIFEST_NAME,
     SNAPSHOT_ID_RE,
@@ -537,6 +543,8 @@ class SnapshotManager:
             if directory.is_dir():  # dumps of a server that died: at once, not in an hour
                 for path in remove_orphaned_dumps(directory):
                     log.info("Removed %s, left by a dump whose server ended", path)
+        for path in remove_unlocked(self.cache_dir):  # likewise its downloads
+            log.info("Removed %s, left by a restore whose server ended", path)
         for entry in sorted(self.staging_dir.iterdir()):
             if SNAPSHOT_ID_RE.match(entry.name) and (entry / MANIFEST_NAME).is_file():
                 try:
@@ -657,9 +665,23 @@ class SnapshotManager:
             await asyncio.to_thread(
                 self.store.fetch, snapshot_id, dest, self._progress_callback(job, "downloading")
             )
+            # Locked until the restore removed the copy (the store locks it while it
+            # downloads): after a crash of this server, its next start removes it at once.
+            fd = lock_directory(dest)
         except BaseException:
             remove_tree(dest)  # the store removes its partial download; this is the rest
             raise
+
+        async def unlock_once_removed() -> None:
+            try:
+                while os.path.lexists(dest):
+                    await asyncio.sleep(1)
+            finally:
+                os.close(fd)
+
+        task = asyncio.ensure_future(unlock_once_removed())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         return dest, True
 
     async def _restore(

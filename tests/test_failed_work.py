@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from jupyter_ext.core.leftovers import lock_path, remove_orphaned_dumps
+from jupyter_ext.core.leftovers import lock_path, remove_orphaned_dumps, remove_unlocked
 
 from .jupyter_api import Fetch, call, server_config, wait_job
 
@@ -146,10 +146,32 @@ def test_dumps_of_a_server_that_died_are_removed_at_its_next_start(tmp_path: Pat
 
 
 def _locked(path: Path) -> bool:
-    with path.open() as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(fh, fcntl.LOCK_UN)
-        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_downloads_of_a_server_that_died_are_removed_at_its_next_start(tmp_path: Path) -> None:
+    """Restore copies and downloads stay locked while in use (the store while it
+    downloads, the manager until the restore removed the copy): a start removes the
+    unlocked ones at once and leaves one another live process holds."""
+    cache = tmp_path / "cache"
+    dead, fetching, live = cache / "a-1", cache / ".b-2.fetching-0123abcd", cache / "c-3"
+    for path in (dead, fetching, live):
+        (path / "images").mkdir(parents=True)
+        (path / "images" / "pages-1.img").write_bytes(b"x")
+    holder = subprocess.Popen(["flock", str(live), "sleep", "600"])
+    try:
+        while not _locked(live):
+            assert holder.poll() is None
+        removed = remove_unlocked(cache)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert removed == [fetching, dead]
+    assert list(cache.iterdir()) == [live]

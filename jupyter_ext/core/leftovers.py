@@ -101,6 +101,53 @@ def remove_orphaned_dumps(directory: Path) -> list[Path]:
     return removed
 
 
+def lock_directory(path: Path) -> int:
+    """An fd of the directory ``path`` holding its flock: a download or restore copy in
+    use stays locked, so a clean-up can tell it from one a dead process left
+    (:func:`remove_unlocked`)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _try_lock_directory(path: Path) -> int | None:
+    """Like :func:`lock_directory`, or None at once if another process holds it."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return None
+        raise
+    return fd
+
+
+def remove_unlocked(directory: Path) -> list[Path]:
+    """Remove the folders in ``directory`` that no live process holds locked (downloads
+    and restore copies of a server that died). Returns what was removed."""
+    removed = []
+    for entry in sorted(directory.iterdir()):
+        if not entry.is_dir() or entry.is_symlink():
+            continue
+        try:
+            fd = _try_lock_directory(entry)
+        except FileNotFoundError:
+            continue
+        if fd is None:
+            continue  # in use
+        try:
+            if remove_now(entry):
+                removed.append(entry)
+        finally:
+            os.close(fd)
+    return removed
+
+
 def after_failed_dump(exc: SnapshotError, dest: Path, wrapper_pid: int | None) -> Manifest:
     """Clean up after a snapshot or suspend request to the wrapper that failed with ``exc``.
 

@@ -32,6 +32,7 @@ import abc
 import builtins
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -524,8 +525,13 @@ class _ChunkStore(abc.ABC):
             )
         staging = dest_dir.parent / f".{dest_dir.name}.fetching-{uuid.uuid4().hex[:8]}"
         written = staging  # what a failure removes: the hidden sibling, or after the rename
+        lock = -1
         try:
             staging.mkdir(parents=True)
+            # Locked while it is written (also across the rename, the same directory), so
+            # that a clean-up after crashes tells it from one a dead process left.
+            lock = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fcntl.flock(lock, fcntl.LOCK_EX)
             _Download(self, record, staging, progress).run()
             with (staging / manifest_mod.MANIFEST_NAME).open("x") as fh:
                 fh.write(json.dumps(record.raw_manifest, indent=1, sort_keys=True))
@@ -545,6 +551,9 @@ class _ChunkStore(abc.ABC):
         except BaseException:
             manifest_mod.remove_tree(written)
             raise
+        finally:
+            if lock >= 0:
+                os.close(lock)
         _report(progress, "done", record.manifest.total_bytes, record.manifest.total_bytes)
         return dest_dir
 
