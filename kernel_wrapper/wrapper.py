@@ -374,6 +374,11 @@ class KernelWrapper:
         """execute_requests the kernel got and has not answered, oldest (running) first:
         {"header", "cell_id", "execution_count"} by msg_id."""
         self.resumed_request: dict[str, Any] | None = None
+        """The request a restored kernel was running at its snapshot, while it still runs."""
+        self._resumed_output: collections.deque[list[bytes]] = collections.deque(
+            maxlen=self.MAX_RESUMED_OUTPUT
+        )
+        """What the resumed request published since the restore, for clients yet to come."""
         self._shell_peers: collections.OrderedDict[tuple[bytes, ...], None] = (
             collections.OrderedDict()
         )
@@ -704,8 +709,11 @@ class KernelWrapper:
                     checked = self._sign(frames) if outward else self._unsign(name, frames)
                     if checked is None or (not outward and self._answer_kernel_info(name, checked)):
                         continue
-                    if outward and name == "shell" and self.resumed_request is not None:
-                        self._copy_resumed_reply(checked)
+                    if outward and self.resumed_request is not None:
+                        if name == "shell":
+                            self._copy_resumed_reply(checked)
+                        elif name in ("iopub", "fork_pipe"):
+                            self._keep_resumed_output(checked)
                     self._observe(name, checked, outward)
                     self._send(route, checked)
 
@@ -803,6 +811,7 @@ class KernelWrapper:
                 self._executing.pop(done, None)
                 if self.resumed_request and self.resumed_request["header"]["msg_id"] == done:
                     self.resumed_request = None
+                    self._resumed_output.clear()
         elif name == "iopub" and b'"execute_input"' in header:
             with contextlib.suppress(ValueError, IndexError, KeyError, TypeError):
                 running = self._executing.get(json.loads(frames[header_at + 3])["msg_id"])
@@ -822,6 +831,36 @@ class KernelWrapper:
     MAX_EXECUTING = 1000
     #: Shell clients remembered (routing ids of recent requests), for a resumed reply.
     MAX_SHELL_PEERS = 64
+    #: Messages of a resumed request kept for clients that subscribe later.
+    MAX_RESUMED_OUTPUT = 10_000
+
+    #: Metadata key of a message published again for a later subscriber: the original
+    #: message's id (a replay has its own id, since clients refuse a repeated signature).
+    REPLAY_OF = "kernel_snapshots_replay_of"
+
+    def _replay(self, frames: list[bytes]) -> list[bytes]:
+        """A kept message of the resumed request as a new message (own id and signature)
+        that names the original in its metadata, so a client shows it once."""
+        at = frames.index(DELIM)
+        header = json.loads(frames[at + 2])
+        metadata = json.loads(frames[at + 4]) if frames[at + 4] else {}
+        metadata[self.REPLAY_OF] = header["msg_id"]
+        header["msg_id"] = secrets.token_hex(16)
+        fresh = [*frames[: at + 2], json.dumps(header).encode(), frames[at + 3]]
+        fresh += [json.dumps(metadata).encode(), *frames[at + 5 :]]
+        return self._sign(fresh)
+
+    def _keep_resumed_output(self, frames: list[bytes]) -> None:
+        """Keep what the resumed request publishes: a client of the restored kernel
+        subscribes only after the restore (the notebook connects once the restore job is
+        done, on another node too), and an XPUB drops what it published before; each new
+        subscriber gets it again (see _replay)."""
+        assert self.resumed_request is not None
+        with contextlib.suppress(ValueError, IndexError, KeyError, TypeError):
+            at = frames.index(DELIM)
+            parent = json.loads(frames[at + 3])
+            if parent.get("msg_id") == self.resumed_request["header"]["msg_id"]:
+                self._resumed_output.append(frames)
 
     def _copy_resumed_reply(self, frames: list[bytes]) -> None:
         """The reply of a resumed request goes to its own client, which is gone after a
@@ -863,6 +902,7 @@ class KernelWrapper:
         kernel_info itself and announces "busy" for it to every new subscriber.
         """
         self._executing.clear()
+        self._resumed_output.clear()
         self.resumed_request = running
         if running is not None:
             self._executing[running["header"]["msg_id"]] = running
@@ -908,8 +948,11 @@ class KernelWrapper:
                 for frames in await receive_ready(self.server["iopub"]):
                     if self._inner is not None:
                         self._send(("inner", "iopub"), frames)
-                    if frames and frames[0][:1] == b"\x01":
-                        self._announce_resumed()  # a new subscriber learns what runs
+                    if frames and frames[0][:1] == b"\x01" and self.resumed_request:
+                        # A new subscriber learns what runs, and what it printed so far.
+                        self._announce_resumed()
+                        for kept in self._resumed_output:
+                            self._send(("server", "iopub"), self._replay(kept))
 
     async def _disconnect_inner(self, inner_pid: int) -> None:
         """Drop every connection between the wrapper and the kernel, losing no message.

@@ -149,6 +149,15 @@ export class ResumedCell {
     ) {
       return;
     }
+    // The wrapper publishes the resumed request's output again for every client that
+    // subscribes later, naming the original message: each message is shown once.
+    const original =
+      (msg.metadata as { kernel_snapshots_replay_of?: string } | undefined)
+        ?.kernel_snapshots_replay_of ?? msg.header.msg_id;
+    if (this._seen.has(original)) {
+      return;
+    }
+    this._seen.add(original);
     const content = msg.content as any;
     const outputs = this._cell.outputs;
     switch (msg.header.msg_type) {
@@ -241,6 +250,7 @@ export class ResumedCell {
   /** The follower of each cell, by notebook panel and cell id (copies share cell ids). */
   private static _current = new Map<string, ResumedCell>();
   private _disposed = false;
+  private _seen = new Set<string>();
   private _kernel: Kernel.IKernelConnection | null = null;
   private _kernelId = '';
   private _snapshots: ISnapshotsModel | null = null;
