@@ -699,13 +699,7 @@ class SnapshotManager:
             manifest = await asyncio.to_thread(verify, directory)
             self._progress(job, "restoring")
             if kernel_id is not None:
-                # The running kernel is saved into staging first (a failed restore puts it
-                # back); after a crash there, it is taken up and stored like any snapshot.
-                await self.wrapper(kernel_id).request(
-                    "restore",
-                    {"source": str(directory), "verified": True, "save_to": str(self.staging_dir)},
-                    on_progress=self._wrapper_progress(job),
-                )
+                await self._restore_in_place(job, kernel_id, directory)
             else:
                 kernel_id = await self._start_restored_kernel(manifest, directory)
             target_path = path or manifest.notebook_path
@@ -722,6 +716,34 @@ class SnapshotManager:
             "session": session,
             "running_request": manifest.running_request,
         }
+
+    async def _restore_in_place(self, job: Job, kernel_id: str, directory: Path) -> None:
+        """Restore ``directory`` into the running kernel. The wrapper first saves that
+        kernel into staging (a failed restore puts it back). If the wrapper dies meanwhile,
+        what it saved is stored like any snapshot when it was sealed (the kernel's state,
+        restorable), and removed at once when it was not."""
+        save_to = self.staging_dir / new_snapshot_id()
+        wrapper_pid = None
+        with contextlib.suppress(SnapshotError):
+            km = self._kernel(kernel_id)
+            wrapper_pid = WrapperInfo.for_connection_file(Path(km.connection_file)).pid
+        lock = DumpLock(save_to)  # if this server dies meanwhile, its next start cleans up
+        try:
+            await self.wrapper(kernel_id).request(
+                "restore",
+                {"source": str(directory), "verified": True, "save_to": str(save_to)},
+                on_progress=self._wrapper_progress(job),
+            )
+        except WrapperUnavailableError as exc:
+            try:
+                saved = await asyncio.to_thread(after_failed_dump, exc, save_to, wrapper_pid)
+            except SnapshotError:
+                raise exc from None
+            log.warning("the kernel saved before a restore (%s) is stored", saved.id)
+            await self._upload(None, saved, save_to)
+            raise
+        finally:
+            lock.release()
 
     async def _start_restored_kernel(self, manifest: Manifest, directory: Path) -> str:
         """Start a new kernel whose wrapper restores ``directory`` instead of starting fresh."""

@@ -397,6 +397,7 @@ class KernelWrapper:
         os.chmod(self._control_path, 0o600)
         WrapperInfo(self._control_path, os.getpid()).write(self.connection_file)
         self._subscription_task = asyncio.create_task(self._forward_subscriptions())
+        self._watch_parent()
         try:
             if self.restore_from is not None:
                 await self._restore(
@@ -622,6 +623,29 @@ class KernelWrapper:
         if self.inner_pid is not None and self.state == State.RUNNING:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.inner_pid, signal.SIGINT)
+
+    #: How often the wrapper looks whether the server that started it is still there.
+    PARENT_POLL_SECONDS = 1.0
+
+    def _watch_parent(self) -> None:
+        """End with the server that started the kernel (jupyter_client names it in
+        JPY_PARENT_PID), as ipykernel does: a server killed with SIGKILL (or OOM) must not
+        leave its kernels running, unreachable, for ever."""
+        parent = os.environ.get("JPY_PARENT_PID", "")
+        if not parent.isdigit() or int(parent) <= 1:
+            return
+        loop = asyncio.get_running_loop()
+
+        def look() -> None:
+            if self._done.is_set():
+                return
+            if os.getppid() != int(parent):
+                log.warning("the server (pid %s) is gone; the kernel ends", parent)
+                self._terminate()
+                return
+            loop.call_later(self.PARENT_POLL_SECONDS, look)
+
+        look()
 
     def _terminate(self) -> None:
         self.exit_code = 0
@@ -1451,9 +1475,10 @@ class KernelWrapper:
         extension verifies every download); the manifest and compatibility are still read.
 
         A running kernel is never lost to a failed restore: it is first saved as a suspend
-        does (into ``save_to``, default beside ``source``), which also frees its memory,
-        GPU and ports for the restored one; if CRIU or the CUDA restore then fails, the
-        saved kernel is put back as it was, and the error says so.
+        does (into the new directory ``save_to``, default a new one beside ``source``),
+        which also frees its memory, GPU and ports for the restored one; if CRIU or the
+        CUDA restore then fails, the saved kernel is put back as it was, and the error says
+        so.
         """
         async with self._op_lock:
             progress({"phase": "verifying"})
@@ -1466,7 +1491,9 @@ class KernelWrapper:
             criu = self._criu_binary()
             saved: _SavedKernel | None = None
             if self.state == State.RUNNING and self.inner_pid is not None:
-                saved = await self._save_before_restore(save_to or source.parent, progress)
+                saved = await self._save_before_restore(
+                    save_to or source.parent / new_snapshot_id(), progress
+                )
             progress({"phase": "restoring"})
 
             def restored() -> None:
@@ -1513,12 +1540,12 @@ class KernelWrapper:
             )
 
     async def _save_before_restore(
-        self, parent: Path, progress: Callable[[dict[str, Any]], None]
+        self, directory: Path, progress: Callable[[dict[str, Any]], None]
     ) -> _SavedKernel:
         """Dump the running kernel and end it (a suspend), so that a failed restore can
         bring it back. A kernel that cannot be dumped keeps running; the restore is refused."""
         saved = _SavedKernel(
-            directory=parent / new_snapshot_id(),
+            directory=directory,
             sequence=self.sequence,
             parent_snapshot=self.parent_snapshot,
             executions_since_snapshot=self.executions_since_snapshot,

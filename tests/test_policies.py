@@ -3,6 +3,7 @@ snapshot before shutdown, events, and uploads that fail and are retried."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -305,6 +306,35 @@ class TestShutdownSnapshots:
         unsaved = [e for e in seen if e["action"] == "unsaved"]
         assert [e["kernel_id"] for e in unsaved] == [bad.id]
         assert "connect" in unsaved[0]["message"]
+
+
+def test_kernels_end_with_a_server_killed_with_sigkill(
+    tmp_path: Path, snapshot_kernelspec: str
+) -> None:
+    """As with ipykernel: a server that dies without stopping its kernels (SIGKILL, the
+    OOM killer) leaves none running, unreachable, for ever."""
+    from jupyter_ext.core import proctree
+
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    server = ServerProcess(tmp_path / "server", notebooks, base_config(tmp_path))
+    kernel = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+    ws_execute(server, kernel, "x = 1")
+    kernel_pids = proctree.descendants(server.process.pid)[1:]
+    assert kernel_pids
+    server.process.kill()
+    server.process.wait(10)
+    try:
+        wait_until(
+            lambda: not any(proctree.is_alive(pid) for pid in kernel_pids),
+            timeout=60,
+            what="the kernel's processes to end with their server",
+        )
+    finally:
+        for pid in kernel_pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        server.stop()
 
 
 def test_a_second_stop_signal_waits_for_the_shutdown_snapshots(
