@@ -1257,9 +1257,10 @@ class KernelWrapper:
         criu = self._criu_binary()
         dest.parent.mkdir(parents=True, exist_ok=True)
         staging = dest.parent / f".{dest.name}.partial-{secrets.token_hex(4)}"
-        work_dir = staging / "work"
         (staging / IMAGES_DIR).mkdir(parents=True)
-        work_dir.mkdir()
+        # CRIU's log goes to our runtime directory, not beside the images: on a disk that
+        # fills up it would be cut, and the error could no longer say why.
+        work_dir = Path(tempfile.mkdtemp(prefix="dump-", dir=self.runtime_dir))
         inner_pid = self.inner_pid
         stdio_pipe = f"pipe:[{os.fstat(self._stdio_r).st_ino}]"
         runtime_dir_key = external_file_key(self._dir_fd)
@@ -1273,6 +1274,7 @@ class KernelWrapper:
             )
         except BaseException:
             remove_tree(staging)
+            remove_tree(work_dir)
             self._set_state(State.RUNNING)
             raise
         progress({"phase": "dumping"})
@@ -1297,6 +1299,7 @@ class KernelWrapper:
         except BaseException as exc:
             self._expected_exit = False
             remove_tree(staging)
+            remove_tree(work_dir)
             if gpu_checkpoint is not None:
                 await asyncio.to_thread(self._gpu().abort, gpu_checkpoint)
             if isinstance(exc, SnapshotError):

@@ -306,7 +306,7 @@ def log_excerpt(log_file: Path, output: str, limit: int = 20) -> str:
 # restore failures that come from the snapshot not fitting this machine.
 _KNOWN_FAILURES: list[tuple[str, str, str]] = [
     (
-        r"No space left on device|Disk quota exceeded",
+        r"No space left|Disk quota exceeded",
         "CRIU could not write the dump: the disk is full (no space left on device).",
         "Free space on the disk of the work directory (work_dir), or move it to a larger disk.",
     ),

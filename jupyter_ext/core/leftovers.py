@@ -26,7 +26,7 @@ from .manifest import MANIFEST_NAME, Manifest
 log = logging.getLogger(__name__)
 
 #: How CRIU (and strerror) word ENOSPC and EDQUOT in a log line.
-DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded")
+DISK_FULL_WORDS = ("No space left", "Disk quota exceeded")
 #: A wrapper that dropped the connection and still runs after this is alive, not dying.
 WRAPPER_EXIT_SECONDS = 5.0
 
