@@ -713,6 +713,24 @@ def test_a_put_waits_out_a_cleanup_and_sees_its_deletions(store: Store, tmp_path
     assert [s.manifest.sequence for s in store.list()] == [1]
 
 
+def test_a_put_does_not_wait_for_the_marker_of_a_killed_cleanup(
+    store: Store, tmp_path: Path
+) -> None:
+    """A server killed during a clean-up leaves its marker; on its host, the next put
+    sees that its process is gone and goes on at once (it does not wait for the marker
+    to age), and removes it."""
+    from jupyter_ext.core.store import _process_identity
+
+    gone = subprocess.Popen(["true"])
+    owner = _process_identity(gone.pid)
+    gone.wait()
+    store._write_put("d" * 32 + ".cleaning", json.dumps(owner).encode())
+    store.marker_stale_seconds = 3600  # waiting it out would outlast the test's timeout
+    stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(25), 64)))
+    assert [s.manifest.id for s in store.list()] == [stored.manifest.id]
+    assert claims_and_markers(store) == []
+
+
 class Tmpfs:
     """A small tmpfs this test mounts (a disk that fills up); unmounted afterwards."""
 

@@ -6,7 +6,7 @@ Layout under a store's root (a directory, or ``<bucket>/<prefix>``)::
                             of its uncompressed bytes, so equal pieces are stored once
     snapshots/<id>.json     the snapshot's record: its manifest and the chunks of each file
     puts/<token>.json       a claim: a put in progress, listing the chunks it relies on
-    puts/<token>.cleaning   a clean-up in progress (empty)
+    puts/<token>.cleaning   a clean-up in progress (who runs it: host, pid, start time)
 
 Images are cut with page-aligned content-defined chunking (``chunking.py``), so successive
 snapshots of one kernel share most chunks. A put uploads the chunks first and writes the
@@ -66,9 +66,12 @@ CLAIM_REFRESH_SECONDS = 30.0
 """How often a put rewrites its claim, and a clean-up its marker (heartbeats)."""
 CLAIM_STALE_SECONDS = 600.0
 """A claim not rewritten for this long belongs to a put that was killed."""
-MARKER_STALE_SECONDS = 4 * CLAIM_REFRESH_SECONDS
+MARKER_REFRESH_SECONDS = 5.0
+"""How often a clean-up rewrites its marker."""
+MARKER_STALE_SECONDS = 6 * MARKER_REFRESH_SECONDS
 """A clean-up marker not rewritten for this long belongs to a clean-up that was killed (a
-clean-up stops deleting once its own heartbeat is half this old)."""
+clean-up stops deleting once its own heartbeat is half this old). Puts wait while a
+marker is fresh; one whose process is gone from this host is ignored at once."""
 PUTS_DIR = "puts"
 ZSTD_LEVEL = 1
 """zstd level 1: ~500 MB/s a core on memory images; level 3 is 25-50 % slower for ~1 % less."""
@@ -304,6 +307,7 @@ class _ChunkStore(abc.ABC):
         self._cache: dict[str, _Record] = {}
         self._cache_lock = threading.Lock()
         self.claim_refresh_seconds = CLAIM_REFRESH_SECONDS
+        self.marker_refresh_seconds = MARKER_REFRESH_SECONDS
         self.claim_stale_seconds = CLAIM_STALE_SECONDS
         self.marker_stale_seconds = MARKER_STALE_SECONDS
         self._leftovers: dict[str, set[str]] = {}
@@ -620,14 +624,15 @@ class _ChunkStore(abc.ABC):
         """
         marker = f"{uuid.uuid4().hex}.cleaning"
         last_beat = [time.monotonic()]
+        owner = json.dumps(_process_identity()).encode()
 
         def beat() -> None:
-            self._write_put(marker, b"")
+            self._write_put(marker, owner)
             last_beat[0] = time.monotonic()
 
         beat()
         try:
-            with _Heartbeat(self.claim_refresh_seconds, beat):
+            with _Heartbeat(self.marker_refresh_seconds, beat):
                 candidates = set(candidates)
                 live: set[str] = set()
                 finished: builtins.list[str] = []
@@ -703,15 +708,35 @@ class _ChunkStore(abc.ABC):
             )
 
     def _wait_for_cleanups(self) -> None:
-        """Wait while a clean-up that may not have seen this put's claim is deleting."""
+        """Wait while a clean-up that may not have seen this put's claim is deleting. The
+        marker of a clean-up whose process is gone from this host (a server killed during
+        it) is removed at once, not waited out."""
         while True:
             now = time.time()
-            if not any(
-                name.endswith(".cleaning") and mtime > now - self.marker_stale_seconds
+            fresh = [
+                name
                 for name, mtime in self._list_puts()
-            ):
+                if name.endswith(".cleaning") and mtime > now - self.marker_stale_seconds
+            ]
+            live = [name for name in fresh if not self._marker_owner_gone(name)]
+            for name in set(fresh) - set(live):
+                logger.info("removing the marker of a clean-up whose process ended: %s", name)
+                with contextlib.suppress(SnapshotError):
+                    self._delete_put(name)
+            if not live:
                 return
             time.sleep(0.05)
+
+    def _marker_owner_gone(self, name: str) -> bool:
+        """Whether a clean-up marker names a process of this host that no longer runs."""
+        with contextlib.suppress(SnapshotError, ValueError, KeyError, TypeError):
+            data = self._read_put(name)
+            if data is None:
+                return True  # removed meanwhile
+            owner = json.loads(data)
+            if owner["host"] == socket.gethostname():
+                return bool(_process_identity(int(owner["pid"])) != owner)
+        return False  # another host's, or unreadable: only its age tells
 
     def _remove_leftover_markers(self) -> None:
         with self._leftovers_lock:
@@ -1004,6 +1029,18 @@ class _Download:
         if len(raw) != ref.size or _sha256(raw) != ref.hash:
             raise _corrupt(self.record.manifest.id, f"{where} has the wrong sha256")
         return raw
+
+
+def _process_identity(pid: int | None = None) -> dict[str, Any]:
+    """Host, pid and start time of a process (this one by default): a pid reused by a
+    later process has another start time. Empty start for a process that is gone."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        start = stat.rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        start = ""
+    return {"host": socket.gethostname(), "pid": pid, "start": start}
 
 
 def _corrupt(snapshot_id: str, what: str) -> SnapshotCorruptError:
