@@ -18,9 +18,12 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jupyter_ext.cli import ServerClient
+
+if TYPE_CHECKING:
+    from tornado.websocket import WebSocketClientConnection
 
 BRIDGE = "jksbr0"
 SUBNET = "10.213.7"
@@ -213,41 +216,77 @@ def follow(server: Endpoint, job: dict[str, Any]) -> dict[str, Any]:
     return done
 
 
+def kernel_message(
+    msg_type: str, content: dict[str, Any], metadata: dict[str, Any] | None = None
+) -> tuple[str, str]:
+    """A request for a kernel's websocket, as JupyterLab sends it: (its msg_id, its JSON)."""
+    msg_id = uuid.uuid4().hex
+    header = {
+        "msg_id": msg_id,
+        "msg_type": msg_type,
+        "session": uuid.uuid4().hex,
+        "username": "test",
+        "date": "2026-01-01T00:00:00Z",
+        "version": "5.3",
+    }
+    message = {
+        "header": header,
+        "parent_header": {},
+        "metadata": metadata or {},
+        "content": content,
+        "channel": "shell",
+        "buffers": [],
+    }
+    return msg_id, json.dumps(message)
+
+
+def execute_request(code: str, cell_id: str | None = None) -> tuple[str, str]:
+    """An execute_request (from the cell ``cell_id``, as JupyterLab names it)."""
+    content = {
+        "code": code,
+        "silent": False,
+        "store_history": True,
+        "user_expressions": {},
+        "allow_stdin": False,
+    }
+    return kernel_message("execute_request", content, {"cellId": cell_id} if cell_id else None)
+
+
+async def ws_connect(server: Endpoint, kernel_id: str) -> WebSocketClientConnection:
+    """A websocket to a kernel's channels, as JupyterLab opens it."""
+    from tornado.httpclient import HTTPRequest
+    from tornado.websocket import websocket_connect
+
+    url = "ws" + server.url.removeprefix("http") + f"api/kernels/{kernel_id}/channels"
+    return await websocket_connect(
+        HTTPRequest(url, headers={"Authorization": f"token {server.token}"})
+    )
+
+
+async def ws_close(ws: WebSocketClientConnection) -> None:
+    """Close, and wait until the socket is shut: the loop must not end with it open (it
+    would be left to the garbage collector); after 1 s it is dropped."""
+    import asyncio
+
+    # close() forgets the protocol; its stream says when the socket is shut.
+    stream = ws.protocol.stream if ws.protocol is not None else None
+    ws.close()
+    for _ in range(100):
+        if stream is None or stream.closed():
+            break
+        await asyncio.sleep(0.01)
+    if stream is not None and not stream.closed():
+        stream.close()
+
+
 def ws_execute(server: Endpoint, kernel_id: str, code: str, timeout: float = 120) -> str:
     """Run ``code`` in a kernel through the server's websocket, as JupyterLab does; return
     its stdout, or raise with the error."""
     import asyncio
 
-    from tornado.httpclient import HTTPRequest
-    from tornado.websocket import WebSocketClientConnection, websocket_connect
-
     async def execute(ws: WebSocketClientConnection) -> str:
-        msg_id = uuid.uuid4().hex
-        ws.write_message(
-            json.dumps(
-                {
-                    "header": {
-                        "msg_id": msg_id,
-                        "msg_type": "execute_request",
-                        "session": uuid.uuid4().hex,
-                        "username": "test",
-                        "date": "2026-01-01T00:00:00Z",
-                        "version": "5.3",
-                    },
-                    "parent_header": {},
-                    "metadata": {},
-                    "content": {
-                        "code": code,
-                        "silent": False,
-                        "store_history": True,
-                        "user_expressions": {},
-                        "allow_stdin": False,
-                    },
-                    "channel": "shell",
-                    "buffers": [],
-                }
-            )
-        )
+        msg_id, message = execute_request(code)
+        ws.write_message(message)
         out: list[str] = []
         reply: dict[str, Any] | None = None
         idle = False
@@ -274,22 +313,10 @@ def ws_execute(server: Endpoint, kernel_id: str, code: str, timeout: float = 120
         return "".join(out)
 
     async def go() -> str:
-        url = "ws" + server.url.removeprefix("http") + f"api/kernels/{kernel_id}/channels"
-        request = HTTPRequest(url, headers={"Authorization": f"token {server.token}"})
-        ws = await websocket_connect(request)
-        # close() forgets the protocol; its stream says when the socket is shut.
-        stream = ws.protocol.stream if ws.protocol is not None else None
+        ws = await ws_connect(server, kernel_id)
         try:
             return await execute(ws)
         finally:
-            ws.close()
-            # The loop must not end with the socket open (it would be left to the garbage
-            # collector): wait for the server's answer to the close, else drop it.
-            for _ in range(100):
-                if stream is None or stream.closed():
-                    break
-                await asyncio.sleep(0.01)
-            if stream is not None and not stream.closed():
-                stream.close()
+            await ws_close(ws)
 
     return asyncio.run(go())

@@ -19,35 +19,18 @@ import pytest
 from jupyter_ext.core.leftovers import lock_path, remove_orphaned_dumps, remove_unlocked
 
 from .jupyter_api import Fetch, call, server_config, wait_job
+from .tmpfs import small_disk
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
 
 BIG_STATE = "import os; blob = os.urandom({mib} << 20); marker = 'kept'"
 
 
-class Tmpfs:
-    """A small tmpfs this test mounts (a disk that fills up); unmounted afterwards."""
-
-    def __init__(self, path: Path, size: str) -> None:
-        path.mkdir(parents=True)
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True
-        )
-        self.path = path
-
-    def unmount(self) -> None:
-        if subprocess.run(["umount", str(self.path)], check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(self.path)], check=False)
-
-
 @pytest.fixture
 def small_work_disk(tmp_path: Path) -> Iterator[Path]:
     """A 64 MiB work directory: too small for a kernel holding 160 MiB."""
-    if os.geteuid() != 0:
-        pytest.fail("mounting a tmpfs needs root")
-    disk = Tmpfs(tmp_path / "small", "64m")
-    yield disk.path
-    disk.unmount()
+    with small_disk(tmp_path / "small", "64m") as path:
+        yield path
 
 
 @pytest.fixture

@@ -62,6 +62,7 @@ from .faults import (
     wait_quiet,
 )
 from .s3server import MotoServer
+from .tmpfs import Tmpfs
 
 pytestmark = [
     pytest.mark.faults,
@@ -98,24 +99,6 @@ def s3_lab(tmp_path: Path, moto: MotoServer) -> Iterator[Lab]:
     made = Lab(tmp_path / "lab", store="s3", s3_url=moto.url, s3_bucket=moto.ensure_bucket(BUCKET))
     yield made
     made.stop()
-
-
-class Tmpfs:
-    """A small tmpfs mounted by the test (a disk that fills up), unmounted after it."""
-
-    def __init__(self, path: Path, size: str) -> None:
-        self.path = path
-        path.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True
-        )
-
-    def resize(self, size: str) -> None:
-        subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], check=True)
-
-    def unmount(self) -> None:
-        if subprocess.run(["umount", str(self.path)], check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(self.path)], check=False)
 
 
 @pytest.fixture

@@ -28,6 +28,14 @@ def kernel_with_state(kernel_factory: Factory) -> KernelProcess:
     return kernel
 
 
+def snapshotted_kernel(kernel_factory: Factory, dest: Path) -> KernelProcess:
+    """A kernel holding ``x = 1``, snapshotted into ``dest``."""
+    kernel = kernel_factory()
+    kernel.execute("x = 1")
+    kernel.snapshot(dest)
+    return kernel
+
+
 def check_state(kernel: KernelProcess) -> None:
     assert kernel.execute("print(int(b_state.sum()) == b_sum)").strip() == "True"
     assert kernel.status()["state"] == "running"
@@ -93,9 +101,7 @@ def test_damaged_images_restore_keeps_the_running_kernel(
     kernel_factory: Factory, tmp_path: Path
 ) -> None:
     """Images that pass their checksums but that CRIU cannot restore (written broken)."""
-    a = kernel_factory()
-    a.execute("x = 1")
-    a.snapshot(tmp_path / "a")
+    snapshotted_kernel(kernel_factory, tmp_path / "a")
     broken = tmp_path / "broken"
     staging = tmp_path / ".broken-staging"
     shutil.copytree(tmp_path / "a", staging)
@@ -137,9 +143,7 @@ def test_criu_killed_mid_restore_keeps_the_running_kernel(
     kernel_factory: Factory, tmp_path: Path, criu: Criu
 ) -> None:
     fake = criu_failing_restores(tmp_path, criu, failures=1)
-    a = kernel_factory()
-    a.execute("x = 1")
-    a.snapshot(tmp_path / "snaps" / "a")
+    snapshotted_kernel(kernel_factory, tmp_path / "snaps" / "a")
     b = kernel_factory(extra_args=["--criu", str(fake)])
     b.execute("import numpy as np; b_state = np.arange(1_000_000); b_sum = int(b_state.sum())")
     with pytest.raises(SnapshotError, match="put back as it was"):
@@ -157,9 +161,7 @@ def test_restore_and_put_back_both_failing_keeps_the_kernel_suspended(
     """Nothing is lost even then: the kernel stays suspended on the images saved before
     the restore, and the next cell brings it back once CRIU works again."""
     fake = criu_failing_restores(tmp_path, criu, failures=2)
-    a = kernel_factory()
-    a.execute("x = 1")
-    a.snapshot(tmp_path / "snaps" / "a")
+    snapshotted_kernel(kernel_factory, tmp_path / "snaps" / "a")
     b = kernel_factory(extra_args=["--criu", str(fake)])
     b.execute("import numpy as np; b_state = np.arange(1_000_000); b_sum = int(b_state.sum())")
     with pytest.raises(SnapshotError, match="failed too") as info:
@@ -176,9 +178,7 @@ def test_kernel_that_cannot_be_saved_is_left_running(
     kernel_factory: Factory, tmp_path: Path
 ) -> None:
     """A kernel CRIU cannot dump is never replaced: the restore is refused, it runs on."""
-    a = kernel_factory()
-    a.execute("x = 1")
-    a.snapshot(tmp_path / "a")
+    snapshotted_kernel(kernel_factory, tmp_path / "a")
     b = kernel_with_state(kernel_factory)
     # A unix stream connection to a process outside the kernel: CRIU cannot dump it.
     path = tmp_path / "outside.sock"
@@ -200,9 +200,7 @@ def test_kernel_that_cannot_be_saved_is_left_running(
 def test_changed_record_is_reported_corrupt(kernel_factory: Factory, tmp_path: Path) -> None:
     """A manifest altered after it was sealed (here the key CRIU hands the channels
     directory over with) is corrupt, not "a file the kernel had open is missing"."""
-    a = kernel_factory()
-    a.execute("x = 1")
-    a.snapshot(tmp_path / "a")
+    snapshotted_kernel(kernel_factory, tmp_path / "a")
     manifest_path = tmp_path / "a" / MANIFEST_NAME
     data = json.loads(manifest_path.read_text())
     data["runtime_dir_key"] = "file[1:2]"

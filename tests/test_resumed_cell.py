@@ -11,22 +11,27 @@ import os
 import queue
 import signal
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from jupyter_client import BlockingKernelClient
-from tornado.httpclient import HTTPRequest
-from tornado.websocket import WebSocketClientConnection, websocket_connect
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.manifest import Manifest
 
 from .harness import KernelProcess
 from .jupyter_api import server_config
-from .servers import Endpoint, ServerProcess, follow
+from .servers import (
+    Endpoint,
+    ServerProcess,
+    execute_request,
+    follow,
+    kernel_message,
+    ws_close,
+    ws_connect,
+)
 
 Factory = Callable[..., KernelProcess]
 STEPS_OF_SERVER_LOOP = 60
@@ -116,45 +121,10 @@ def wait_for_step(kernel: KernelProcess, msg_id: str, step: int) -> None:
             return
 
 
-async def ws_connect(server: Endpoint, kernel_id: str) -> WebSocketClientConnection:
-    url = server.url.replace("http", "ws", 1) + f"api/kernels/{kernel_id}/channels"
-    headers = {"Authorization": f"token {server.token}"}
-    return await websocket_connect(HTTPRequest(url, headers=headers))
-
-
-async def close(ws: WebSocketClientConnection) -> None:
-    """Close and wait until the connection is gone (its socket closed, no warning)."""
-    ws.close()
-    while await asyncio.wait_for(ws.read_message(), 30) is not None:
-        pass
-
-
-def execute_message(code: str, cell_id: str) -> tuple[str, str]:
-    msg_id = uuid.uuid4().hex
-    header = {
-        "msg_id": msg_id,
-        "msg_type": "execute_request",
-        "session": uuid.uuid4().hex,
-        "username": "test",
-        "date": "2026-01-01T00:00:00Z",
-        "version": "5.3",
-    }
-    content = {"code": code, "silent": False, "store_history": True, "allow_stdin": False}
-    message = {
-        "header": header,
-        "parent_header": {},
-        "metadata": {"cellId": cell_id},
-        "content": {**content, "user_expressions": {}},
-        "channel": "shell",
-        "buffers": [],
-    }
-    return msg_id, json.dumps(message)
-
-
 async def start_loop(server: ServerProcess, kernel_id: str, steps: int) -> str:
     """Start the loop in a kernel through a websocket; return once step 3 was printed."""
     ws = await ws_connect(server, kernel_id)
-    msg_id, message = execute_message(LOOP.replace("STEPS", str(steps)), "cell-1")
+    msg_id, message = execute_request(LOOP.replace("STEPS", str(steps)), "cell-1")
     ws.write_message(message)
     while True:
         data = json.loads(await asyncio.wait_for(ws.read_message(), 60))
@@ -163,7 +133,7 @@ async def start_loop(server: ServerProcess, kernel_id: str, steps: int) -> str:
             and data["msg_type"] == "stream"
             and "step 3" in data["content"]["text"]
         ):
-            await close(ws)
+            await ws_close(ws)
             return msg_id
 
 
@@ -172,8 +142,8 @@ async def follow_resumed(server: Endpoint, kernel_id: str, msg_id: str) -> dict[
     JupyterLab, it asks for kernel_info first: the answer comes at once, although the
     kernel runs a cell."""
     ws = await ws_connect(server, kernel_id)
-    info_id, info = execute_message("", "")
-    ws.write_message(info.replace('"execute_request"', '"kernel_info_request"'))
+    info_id, info = kernel_message("kernel_info_request", {})
+    ws.write_message(info)
     steps: list[int] = []
     reply: dict[str, Any] | None = None
     states: list[str] = []
@@ -190,7 +160,7 @@ async def follow_resumed(server: Endpoint, kernel_id: str, msg_id: str) -> dict[
             states.append(data["content"]["execution_state"])
         elif data["msg_type"] == "execute_reply":
             reply = data["content"]
-    await close(ws)
+    await ws_close(ws)
     return {"steps": steps, "reply": reply, "states": states, "info": info_before_reply}
 
 

@@ -29,6 +29,7 @@ from jupyter_ext.core.manifest import Manifest
 from jupyter_ext.core.store import LocalStore, S3Store, StoredSnapshot, StoreError
 
 from .s3server import CuttableProxy, MotoServer, free_port
+from .tmpfs import small_disk as tmpfs_disk
 
 BUCKET = "snapshots"
 SMALL_CHUNKS = ChunkParams(min_size=16 * 1024, normal_size=64 * 1024, max_size=256 * 1024)
@@ -731,28 +732,10 @@ def test_a_put_does_not_wait_for_the_marker_of_a_killed_cleanup(
     assert claims_and_markers(store) == []
 
 
-class Tmpfs:
-    """A small tmpfs this test mounts (a disk that fills up); unmounted afterwards."""
-
-    def __init__(self, path: Path, size: str) -> None:
-        path.mkdir(parents=True)
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True
-        )
-        self.path = path
-
-    def unmount(self) -> None:
-        if subprocess.run(["umount", str(self.path)], check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(self.path)], check=False)
-
-
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.fail("mounting a tmpfs needs root")
-    disk = Tmpfs(tmp_path / "disk", "20m")
-    yield disk.path
-    disk.unmount()
+    with tmpfs_disk(tmp_path / "disk", "20m") as path:
+        yield path
 
 
 def test_full_local_store_says_so_and_keeps_nothing(small_disk: Path, tmp_path: Path) -> None:
