@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import dataclasses
 import enum
 import hmac
@@ -96,7 +95,6 @@ INNER_ROUTING_ID = b"kernel-snapshot-wrapper"
 DISCONNECT_TIMEOUT = 5.0
 #: How long the last forwarded requests get to leave our sockets before we half-close.
 DISCONNECT_FLUSH = 0.002
-PR_SET_PDEATHSIG = 1
 
 
 class State(str, enum.Enum):
@@ -109,11 +107,6 @@ class State(str, enum.Enum):
     SUSPENDED = "suspended"
     """The inner kernel was dumped and stopped; it comes back on the next request."""
     STOPPING = "stopping"
-
-
-def _set_parent_death_signal() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 _TWINS: weakref.WeakKeyDictionary[zmq.asyncio.Socket, zmq.Socket[bytes]] = (
@@ -521,7 +514,7 @@ class KernelWrapper:
             stderr=self._stdio_w,
             env=env,
             pass_fds=(self._dir_fd,),
-            preexec_fn=_set_parent_death_signal,
+            preexec_fn=proctree.die_with_parent,
         )
         inner = await self._wait_for_child(self.launcher.pid)
         self.inner_pid = inner

@@ -6,17 +6,21 @@ restores it, and lets the restored kernel check its own state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from jupyter_ext.core import proctree
 from jupyter_ext.core.criu import Criu, frozen_seconds
 from jupyter_ext.core.errors import (
     CriuNotFoundError,
@@ -537,3 +541,34 @@ def test_failed_dump_says_truthfully_whether_the_kernel_runs_on(
     assert "unharmed" not in info.value.message
     assert "ended during the snapshot" in info.value.message
     wait_until(lambda: kernel.status()["state"] == "dead", what="the wrapper to see it")
+
+
+def test_a_dump_ends_with_its_wrapper(kernel_factory: Factory, tmp_path: Path) -> None:
+    """A CRIU run never outlives a killed wrapper (it would hold the kernel seized): here
+    a "criu" that hangs in its dump must end when the wrapper is killed with SIGKILL."""
+    fake = tmp_path / "criu"
+    fake.write_text(
+        '#!/bin/sh\n[ "$1" = --version ] && echo "Version: 4.2" && exit 0\nexec sleep 600\n'
+    )
+    fake.chmod(0o755)
+    kernel = kernel_factory(extra_args=["--criu", str(fake)])
+    kernel.execute("x = 1")
+    wrapper = kernel.process.pid
+
+    def snapshot() -> None:
+        with contextlib.suppress(SnapshotError):  # the wrapper dies under it
+            kernel.snapshot(tmp_path / "s")
+
+    threading.Thread(target=snapshot, daemon=True).start()
+    wait_until(lambda: any(is_sleep(pid) for pid in proctree.children(wrapper)), what="dump")
+    (dump,) = [pid for pid in proctree.children(wrapper) if is_sleep(pid)]
+    os.kill(wrapper, signal.SIGKILL)
+    kernel.process.wait(10)
+    wait_until(lambda: not proctree.is_alive(dump), what="the dump to end with its wrapper")
+
+
+def is_sleep(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0")
+    except OSError:
+        return False

@@ -186,6 +186,8 @@ class Criu:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 pass_fds=pass_fds,
+                # A dump must not go on (holding the kernel seized) after its wrapper died.
+                preexec_fn=proctree.die_with_parent,
             )
         except OSError as exc:
             raise CriuError(f"Could not start {self.path}: {exc}", hint=INSTALL_HINT) from exc

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import signal
 import stat
 from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child before it execs (``preexec_fn``): SIGKILL it when its parent ends, so
+    that no helper (the inner kernel's launcher, a CRIU run) outlives a killed wrapper."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def children(pid: int) -> list[int]:
