@@ -69,9 +69,9 @@ class Lab:
         self.store_dir = self.root / "store"
         for path in (self.notebooks, self.work_dir, self.store_dir):
             path.mkdir(parents=True, exist_ok=True)
-        self.seen_chunks: set[str] = set()
-        """Chunks any record ever referenced (a deleted snapshot's stay for the grace
-        period by design; chunks no record ever referenced were left by failed work)."""
+        self.seen_objects: set[str] = set()
+        """Packs any record ever referenced (a deleted snapshot's stay for the grace
+        period by design; packs no record ever referenced were left by failed work)."""
 
     def config(self) -> dict[str, Any]:
         app: dict[str, Any] = {
@@ -135,9 +135,9 @@ class Lab:
         return LocalStore(self.store_dir / user_prefix(OWNER))
 
     def store_files(self) -> tuple[dict[str, bytes], set[str]]:
-        """(record id -> record bytes, chunk hashes) as they lie in the store."""
+        """(record id -> record bytes, object names) as they lie in the store."""
         records: dict[str, bytes] = {}
-        chunks: set[str] = set()
+        objects: set[str] = set()
         if self.store == "s3":
             import boto3
 
@@ -150,8 +150,8 @@ class Lab:
                 for page in pages:
                     for item in page.get("Contents", []):
                         key = item["Key"][len(prefix) :]
-                        if key.startswith("chunks/"):
-                            chunks.add(key.rsplit("/", 1)[-1])
+                        if key.startswith(("packs/", "chunks/")):
+                            objects.add(key)
                         elif key.startswith("snapshots/") and key.endswith(".json"):
                             body = client.get_object(Bucket=self.s3_bucket, Key=item["Key"])
                             records[key[len("snapshots/") : -len(".json")]] = body["Body"].read()
@@ -159,38 +159,41 @@ class Lab:
                 client.close()
         else:
             root = self.store_dir / user_prefix(OWNER)
-            chunks = {p.name for p in root.glob("chunks/*/*") if not p.name.startswith(".")}
+            objects = {
+                p.relative_to(root).as_posix()
+                for p in [*root.glob("packs/*/*"), *root.glob("chunks/*/*")]
+                if not p.name.startswith(".")
+            }
             for path in root.glob("snapshots/*.json"):
                 if not path.name.startswith("."):
                     with contextlib.suppress(FileNotFoundError):
                         records[path.name.removesuffix(".json")] = path.read_bytes()
-        return records, chunks
+        return records, objects
 
     def observe_store(self) -> tuple[dict[str, set[str]], set[str]]:
-        """Read every record's chunk list (remembered in ``seen_chunks``); returns
-        (record id -> its chunks, chunks in the store)."""
-        records, chunks = self.store_files()
+        """Read every record's packs (remembered in ``seen_objects``); returns
+        (record id -> its packs, packs in the store)."""
+        records, objects = self.store_files()
         refs: dict[str, set[str]] = {}
         for snapshot_id, data in records.items():
-            doc = json.loads(data)
-            refs[snapshot_id] = {c["hash"] for cs in doc["chunks"].values() for c in cs}
-            self.seen_chunks |= refs[snapshot_id]
-        return refs, chunks
+            refs[snapshot_id] = set(json.loads(data)["objects"])
+            self.seen_objects |= refs[snapshot_id]
+        return refs, objects
 
-    def orphan_chunks(self) -> set[str]:
-        """Chunks in the store that no record references or ever referenced."""
-        _refs, chunks = self.observe_store()
-        return chunks - self.seen_chunks
+    def orphan_objects(self) -> set[str]:
+        """Packs in the store that no record references or ever referenced."""
+        _refs, objects = self.observe_store()
+        return objects - self.seen_objects
 
     def clear_after_violation(self) -> None:
         """Forget what a violated round left (reported already), so the next round is
-        judged on its own: leftovers in the work directory go, orphan chunks are noted."""
+        judged on its own: leftovers in the work directory go, orphan packs are noted."""
         listed: set[str] = set()
         with contextlib.suppress(Exception):
             listed = {s["id"] for s in self.up.client.call("GET", "")["snapshots"]}
         for rel in self.leftovers(listed):
             subprocess.run(["rm", "-rf", str(self.work_dir / rel)], check=False)
-        self.seen_chunks |= self.store_files()[1]
+        self.seen_objects |= self.store_files()[1]
 
     # ------------------------------------------------------------- the work dir
 
@@ -460,7 +463,7 @@ def check_invariants(
     ``allow_pending``, kept locally after a store failure), verifies, and restores into a
     new kernel that holds the state of the kernel it was taken of (``lineage``: snapshot
     id or kernel lineage -> state); the kernels in ``alive`` still hold theirs; nothing
-    is left in the work directory; the store holds no chunk no record ever referenced.
+    is left in the work directory; the store holds no pack no record ever referenced.
 
     ``restore`` picks which snapshots to restore (default: all)."""
     server = lab.up
@@ -509,8 +512,8 @@ def check_invariants(
     wait_quiet(lab, allow_pending=allow_pending)
     left = lab.leftovers(pending)
     assert not left, f"left in the work directory {lab.work_dir}: {left}"
-    orphans = lab.orphan_chunks()
-    assert not orphans, f"{len(orphans)} chunks in the store that no snapshot references"
+    orphans = lab.orphan_objects()
+    assert not orphans, f"{len(orphans)} packs in the store that no snapshot references"
     return checked
 
 

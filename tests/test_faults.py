@@ -8,7 +8,7 @@ mounts); simultaneous snapshots of kernels sharing a working directory; restores
 deletions. After each fault ``check_invariants`` holds: the server answers, every listed
 snapshot verifies and restores into a kernel that checks its own state, kernels other
 than the killed one keep theirs, nothing is left in the work directory, and the store
-holds no chunk nothing references.
+holds no pack nothing references.
 
 Every random choice comes from ``random.Random(FAULT_SEED)``; ``FAULT_ITERATIONS`` (1 in
 CI) sets the rounds of each kill loop for a longer run by hand. docs/reliability.md
@@ -341,7 +341,7 @@ def test_kill_during_store_cleanup(lab: Lab) -> None:
         other = start_kernel(server, other_state, lineage)
         old = snapshot(server, first)
         snapshot(server, other)
-        lab.observe_store()  # the chunks a deletion may leave for the grace period
+        lab.observe_store()  # the packs a deletion may leave for the grace period
         server_pid = server.process.pid
         if mode == "delete":
             deleting = threading.Thread(
@@ -435,7 +435,7 @@ def test_full_work_directory(lab: Lab, tmpfs: list[Tmpfs]) -> None:
 def test_full_store(lab: Lab, tmpfs: list[Tmpfs]) -> None:
     """The local store is a small tmpfs: an upload that does not fit leaves the snapshot
     in the work directory, listed as "upload failed", restorable there; once the store has
-    space, the retry stores it, and no chunk of the failed attempt is left unreferenced."""
+    space, the retry stores it, and no pack of the failed attempt is left unreferenced."""
     name = "full-store"
     rng = rng_for(name)
     survey = Survey(name)
@@ -510,7 +510,7 @@ def test_restore_delete_race(lab: Lab) -> None:
             except SnapshotError as exc:
                 deleted.append(f"delete refused: {exc.message}")
 
-        lab.observe_store()  # the chunks a deletion may leave for the grace period
+        lab.observe_store()  # the packs a deletion may leave for the grace period
         racers = [threading.Thread(target=ask), threading.Thread(target=delete)]
         for racer in racers:
             racer.start()

@@ -131,8 +131,8 @@ async def test_corrupt_snapshot_fails_its_restore_before_criu(
     job = await wait_job(
         jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
     )
-    chunks = sorted((tmp_path / "store").rglob("chunks/*/*"), key=lambda p: p.stat().st_size)
-    biggest = chunks[-1]
+    packs = sorted((tmp_path / "store").rglob("packs/*/*"), key=lambda p: p.stat().st_size)
+    biggest = packs[-1]
     data = bytearray(biggest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     biggest.write_bytes(bytes(data))
@@ -151,7 +151,7 @@ async def test_incompatible_snapshot_is_422_before_any_download(
 ) -> None:
     """A snapshot whose kernel had a file open that is gone here is refused by the request
     itself, from the stored manifest: before any download (which would also have found
-    the damaged chunk below)."""
+    the damaged pack below)."""
     data = tmp_path / "data.txt"
     data.write_text("kept open\n")
     kernel = await start_kernel()
@@ -160,8 +160,8 @@ async def test_incompatible_snapshot_is_422_before_any_download(
         jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
     )
     data.unlink()
-    chunk = max((tmp_path / "store").rglob("chunks/*/*"), key=lambda p: p.stat().st_size)
-    chunk.write_bytes(bytes(chunk.stat().st_size))
+    pack = max((tmp_path / "store").rglob("packs/*/*"), key=lambda p: p.stat().st_size)
+    pack.write_bytes(bytes(pack.stat().st_size))
     code, error = await error_of(
         jp_fetch, "POST", job["result"]["id"], "restore", body={"kernel_id": kernel.id}
     )

@@ -23,9 +23,11 @@ from typing import Any
 import pytest
 
 from jupyter_ext.core import manifest as manifest_mod
+from jupyter_ext.core import packs
 from jupyter_ext.core.chunking import PAGE_SIZE, ChunkParams, auto_chunk_kib, iter_chunks
 from jupyter_ext.core.errors import SnapshotCorruptError, SnapshotNotFoundError
 from jupyter_ext.core.manifest import Manifest
+from jupyter_ext.core.packs import Location
 from jupyter_ext.core.store import LocalStore, S3Store, StoredSnapshot, StoreError
 
 from .s3server import CuttableProxy, MotoServer, free_port
@@ -140,37 +142,59 @@ def tree(path: Path) -> dict[str, bytes]:
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
 
 
-def chunk_key(store: Store, digest: str) -> str:
-    return store._chunk_key(digest) if isinstance(store, S3Store) else digest
+def object_key(store: Store, name: str) -> str:
+    return store._key(name) if isinstance(store, S3Store) else name
 
 
-def read_object(store: Store, digest: str) -> bytes:
+def read_object(store: Store, name: str) -> bytes:
     if isinstance(store, S3Store):
-        body: bytes = store.client.get_object(Bucket=BUCKET, Key=chunk_key(store, digest))[
+        body: bytes = store.client.get_object(Bucket=BUCKET, Key=object_key(store, name))[
             "Body"
         ].read()
         return body
-    return store._chunk_path(digest).read_bytes()
+    return (store.root / name).read_bytes()
 
 
-def write_object(store: Store, digest: str, data: bytes) -> None:
+def write_object(store: Store, name: str, data: bytes) -> None:
     if isinstance(store, S3Store):
-        store.client.put_object(Bucket=BUCKET, Key=chunk_key(store, digest), Body=data)
+        store.client.put_object(Bucket=BUCKET, Key=object_key(store, name), Body=data)
     else:
-        store._chunk_path(digest).write_bytes(data)
+        (store.root / name).parent.mkdir(parents=True, exist_ok=True)
+        (store.root / name).write_bytes(data)
 
 
-def delete_object(store: Store, digest: str) -> None:
+def delete_object(store: Store, name: str) -> None:
     if isinstance(store, S3Store):
-        store.client.delete_object(Bucket=BUCKET, Key=chunk_key(store, digest))
+        store.client.delete_object(Bucket=BUCKET, Key=object_key(store, name))
     else:
-        store._chunk_path(digest).unlink()
+        (store.root / name).unlink()
+
+
+def damage(store: Store, where: Location, replacement: bytes | None = None) -> None:
+    """Flip a byte in the middle of a stored chunk, or put other bytes in its place."""
+    data = bytearray(read_object(store, where.obj))
+    if replacement is None:
+        data[where.offset + where.length // 2] ^= 0x01
+    else:
+        assert len(replacement) == where.length
+        data[where.offset : where.offset + where.length] = replacement
+    write_object(store, where.obj, bytes(data))
 
 
 def chunks_of(store: Store, stored: StoredSnapshot, path: str = "images/pages-1.img") -> list[str]:
+    return [ref.hash for ref in refs_of(store, stored, path)]
+
+
+def refs_of(store: Store, stored: StoredSnapshot, path: str = "images/pages-1.img") -> list[Any]:
     record = store._load(stored.manifest.id)
     assert record is not None
-    return [ref.hash for ref in record.chunks[path]]
+    return record.chunks[path]
+
+
+def packs_of(store: Store, stored: StoredSnapshot) -> set[str]:
+    record = store._load(stored.manifest.id)
+    assert record is not None
+    return {ref.where.obj for refs in record.chunks.values() for ref in refs}
 
 
 def mutate(pages: bytes, rng: random.Random, *, inserts: int, changes: int) -> bytes:
@@ -279,8 +303,9 @@ def test_round_trip_is_byte_identical(store: Store, tmp_path: Path) -> None:
     assert os.listdir(dest.parent) == ["snap"]
     assert {e["phase"] for e in events} == {"downloading", "done"}
     stats = store.stats()
-    assert (stats.snapshot_count, stats.chunk_count) == (1, stored.chunk_count)
-    assert stats.stored_bytes == stored.stored_bytes
+    assert (stats.snapshot_count, stats.object_count) == (1, len(packs_of(store, stored)))
+    trailers = stats.stored_bytes - stored.stored_bytes  # each pack's own index
+    assert 0 < trailers < stats.object_count * (stored.chunk_count * 100 + 100)
 
 
 def test_put_again_returns_the_stored_snapshot(store: Store, tmp_path: Path) -> None:
@@ -296,7 +321,7 @@ def test_identical_second_snapshot_adds_no_chunks(store: Store, tmp_path: Path) 
     second = store.put(make_snapshot(tmp_path, pages, sequence=2))
     assert second.new_bytes == 0
     assert second.stored_bytes == first.stored_bytes
-    assert store.stats().chunk_count == first.chunk_count
+    assert store.stats().object_count == len(packs_of(store, first))
 
 
 @pytest.mark.slow
@@ -318,46 +343,86 @@ def test_changed_kernel_stores_under_two_percent(make_store: MakeStore, tmp_path
     assert (dest / "images/pages-1.img").read_bytes() == changed
 
 
-@pytest.mark.parametrize("damage", ["flip-byte", "other-content"])
+@pytest.mark.parametrize("kind", ["flip-byte", "other-content"])
 def test_corrupt_chunk_fails_fetch_and_leaves_nothing(
-    store: Store, tmp_path: Path, damage: str
+    store: Store, tmp_path: Path, kind: str
 ) -> None:
-    pages = random_pages(random.Random(5), 1024)
+    """A damaged pack range fails the fetch before anything is handed on: a flipped bit
+    (zstd or raw), or other bytes of the same length in a raw chunk (only the sha256
+    check can tell)."""
+    pages = random.Random(5).randbytes(4 << 20)  # random: every chunk is stored raw
     stored = store.put(make_snapshot(tmp_path, pages))
-    digest = chunks_of(store, stored)[1]
-    data = bytearray(read_object(store, digest))
-    if damage == "flip-byte":
-        data[len(data) // 2] ^= 0x01
-    else:  # a valid zstd frame of other bytes: only the sha256 check can tell
-        data = bytearray(read_object(store, chunks_of(store, stored)[2]))
-    write_object(store, digest, bytes(data))
+    ref = refs_of(store, stored)[1]
+    assert ref.where.codec == "raw"
+    damage(store, ref.where, None if kind == "flip-byte" else bytes(ref.where.length))
     dest = tmp_path / "out" / "snap"
 
     with pytest.raises(SnapshotCorruptError) as caught:
         store.fetch(stored.manifest.id, dest)
 
     assert "images/pages-1.img" in str(caught.value)
-    assert digest[:12] in str(caught.value)
+    assert ref.hash[:12] in str(caught.value)
     assert not dest.exists()
     assert os.listdir(dest.parent) == []
+    with pytest.raises(SnapshotCorruptError):
+        store.open_images(stored.manifest.id).read("images/pages-1.img", 0, len(pages))
 
 
-def test_missing_chunk_fails_fetch(store: Store, tmp_path: Path) -> None:
+def test_compressible_chunks_are_compressed_and_random_ones_stored_raw(
+    store: Store, tmp_path: Path
+) -> None:
+    """Zero pages are compressed; random bytes are stored raw (compressing them would save
+    too little to pay for the time). After a run of raw chunks a file is probed now and
+    then, not compressed chunk by chunk."""
+    rng = random.Random(29)
+    zeros, noise = bytes(2 << 20), rng.randbytes(2 << 20)
+    stored = store.put(make_snapshot(tmp_path, zeros + noise))
+    refs = refs_of(store, stored)
+    assert refs[0].where.codec == "zstd"
+    assert {ref.where.codec for ref in refs[-8:]} == {"raw"}
+    assert (2 << 20) < stored.stored_bytes < (2 << 20) + (256 << 10)
+    out = store.fetch(stored.manifest.id, tmp_path / "out")
+    assert (out / "images/pages-1.img").read_bytes() == zeros + noise
+
+
+def test_missing_pack_fails_fetch(store: Store, tmp_path: Path) -> None:
     stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(6), 512)))
-    delete_object(store, chunks_of(store, stored)[0])
+    delete_object(store, refs_of(store, stored)[0].where.obj)
     with pytest.raises(SnapshotCorruptError, match="missing from the store"):
         store.fetch(stored.manifest.id, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
-def test_delete_removes_only_unreferenced_chunks(store: Store, tmp_path: Path) -> None:
+def test_open_images_reads_any_range(make_store: MakeStore, tmp_path: Path) -> None:
+    """What a lazy restore serves pages from: any range of a file, from the packs."""
+    store = make_store(pack_bytes=64 << 10)
+    source = make_snapshot(tmp_path, random_pages(random.Random(30), 512))
+    stored = store.put(source)
+    data = (source / "images/pages-1.img").read_bytes()
+    images = store.open_images(stored.manifest.id)
+    rng = random.Random(31)
+    for offset, length in [(0, 1), (0, len(data)), (len(data) - 5, 100), (4096, 4096)] + [
+        (rng.randrange(len(data)), rng.randrange(1, 300_000)) for _ in range(20)
+    ]:
+        assert images.read("images/pages-1.img", offset, length) == data[offset : offset + length]
+    core = (source / "images/core-1.img").read_bytes()
+    assert images.read("images/core-1.img", 10, 20) == core[10:30]
+    with pytest.raises(SnapshotCorruptError, match="no file"):
+        images.read("images/nope.img", 0, 1)
+
+
+def test_delete_removes_only_unreferenced_packs(make_store: MakeStore, tmp_path: Path) -> None:
+    """Deleting a snapshot removes the packs nothing else needs; deleting the last one
+    empties the store."""
+    store = make_store(grace_seconds=0, pack_bytes=128 << 10, repack_below=0)
     rng = random.Random(7)
     pages = random_pages(rng, 2048)
     first = store.put(make_snapshot(tmp_path, pages, sequence=1))
-    second = store.put(make_snapshot(tmp_path, mutate(pages, rng, inserts=2, changes=2)))
-    only_first = set(chunks_of(store, first)) - set(chunks_of(store, second))
+    second = store.put(make_snapshot(tmp_path, pages[: 1 << 20] + random_pages(rng, 1024)))
+    only_first = packs_of(store, first) - packs_of(store, second)
     assert only_first
-    before = store.stats().chunk_count
+    assert packs_of(store, first) & packs_of(store, second)
+    before = store.stats().object_count
 
     store.delete(first.manifest.id)
 
@@ -366,7 +431,7 @@ def test_delete_removes_only_unreferenced_chunks(store: Store, tmp_path: Path) -
         store.get(first.manifest.id)
     with pytest.raises(SnapshotNotFoundError):
         store.delete(first.manifest.id)
-    assert store.stats().chunk_count == before - len(only_first)
+    assert store.stats().object_count == before - len(only_first)
     dest = store.fetch(second.manifest.id, tmp_path / "second")
     assert manifest_mod.verify(dest).id == second.manifest.id
 
@@ -374,20 +439,64 @@ def test_delete_removes_only_unreferenced_chunks(store: Store, tmp_path: Path) -
     assert store.stats() == type(store.stats())(0, 0, 0)
 
 
-def test_delete_keeps_chunks_within_the_grace_period(make_store: MakeStore, tmp_path: Path) -> None:
+def test_mostly_unused_packs_are_repacked(make_store: MakeStore, tmp_path: Path) -> None:
+    """After a delete, packs of which less than half is still needed are rewritten: the
+    store shrinks to about what the remaining snapshot needs, its record (never
+    rewritten) still names the old packs, and a fresh reader finds every chunk through
+    the new packs' trailers."""
+    store = make_store(grace_seconds=0, pack_bytes=2 << 20)
+    rng = random.Random(32)
+    shared = rng.randbytes(256 << 10)  # an eighth of the first pack
+    first = store.put(
+        make_snapshot(tmp_path, rng.randbytes(1 << 20) + shared + rng.randbytes(1 << 20))
+    )
+    source = make_snapshot(tmp_path, shared + rng.randbytes(1 << 20), sequence=2)
+    second = store.put(source)
+    assert 0 < second.new_bytes < second.stored_bytes
+    old_packs = packs_of(store, first)
+
+    store.delete(first.manifest.id)
+
+    objects = store._list_all_objects()
+    assert not old_packs & set(objects)  # every old pack rewritten or gone
+    assert packs_of(store, second) - set(objects)  # the record names a repacked one
+    assert sum(stat.size for stat in objects.values()) < second.stored_bytes * 1.05
+    fresh = type(store)(**reopen_args(store))
+    out = fresh.fetch(second.manifest.id, tmp_path / "after-repack")
+    assert tree(out) == tree(source)
+    data = (source / "images/pages-1.img").read_bytes()
+    assert fresh.open_images(second.manifest.id).read("images/pages-1.img", 0, 99) == data[:99]
+    third = fresh.put(make_snapshot(tmp_path, shared + rng.randbytes(4096), sequence=3))
+    assert third.new_bytes < 16 << 10  # the moved chunks are found and shared
+
+
+def reopen_args(store: Store) -> dict[str, Any]:
+    """How to open the same store again, as another process would."""
+    if isinstance(store, S3Store):
+        return {
+            "bucket": store.bucket,
+            "prefix": store.prefix,
+            "endpoint_url": store.client.meta.endpoint_url,
+            "region": "us-east-1",
+        }
+    return {"root": store.root}
+
+
+def test_delete_keeps_packs_within_the_grace_period(make_store: MakeStore, tmp_path: Path) -> None:
     store = make_store()  # default grace: one hour
     stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(8), 256)))
+    kept = packs_of(store, stored)
     store.delete(stored.manifest.id)
     assert store.list() == []
-    assert store.stats().chunk_count == stored.chunk_count
+    assert stored_objects(store) == kept
 
 
 def test_sweep_removes_stale_temporary_files(tmp_path: Path) -> None:
     """A put killed half-way leaves temporary files in a local store; a sweep removes them."""
     store = LocalStore(tmp_path / "store", grace_seconds=60)
     stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(18), 16)))
-    stale = [tmp_path / "store/chunks/ab/.x.tmp", tmp_path / "store/snapshots/.y.tmp"]
-    fresh = tmp_path / "store/chunks/ab/.z.tmp"
+    stale = [tmp_path / "store/packs/ab/.x.tmp", tmp_path / "store/snapshots/.y.tmp"]
+    fresh = tmp_path / "store/packs/ab/.z.tmp"
     for path in [*stale, fresh]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"partial")
@@ -397,34 +506,22 @@ def test_sweep_removes_stale_temporary_files(tmp_path: Path) -> None:
     assert [p.exists() for p in [*stale, fresh]] == [False, False, True]
 
 
-def test_put_refreshes_reused_chunks_against_a_sweep(store: Store, tmp_path: Path) -> None:
-    pages = random_pages(random.Random(9), 512)
-    first = store.put(make_snapshot(tmp_path, pages))
-    before = dict(store._list_chunks())
-    time.sleep(1.1)  # S3 timestamps have a resolution of one second
-    store.put(make_snapshot(tmp_path, pages, sequence=2))
-    after = dict(store._list_chunks())
-    assert (
-        set(after)
-        == set(before)
-        == set(chunks_of(store, first)) | set(chunks_of(store, first, "images/core-1.img"))
-    )
-    assert all(after[d].mtime > before[d].mtime for d in before)
-
-
-def test_chunk_swept_during_put_leaves_no_record(store: Store, tmp_path: Path) -> None:
+def test_pack_removed_during_put_is_uploaded_again(store: Store, tmp_path: Path) -> None:
+    """A clean-up removes a pack the put reuses chunks of, just before it commits: the put
+    finds the chunks gone, uploads them again from the snapshot, and records them there."""
     pages = random_pages(random.Random(10), 512)
     first = store.put(make_snapshot(tmp_path, pages))
-    victim = chunks_of(store, first)[0]
+    victim = refs_of(store, first)[0].where.obj
     second = make_snapshot(tmp_path, pages, sequence=2)
 
     def sweep_now(event: dict[str, Any]) -> None:
-        if event["phase"] == "committing":
+        if event["phase"] == "committing" and victim in store._list_all_objects():
             delete_object(store, victim)
 
-    with pytest.raises(StoreError, match="deleted while it was being stored"):
-        store.put(second, progress=sweep_now)
-    assert [s.manifest.sequence for s in store.list()] == [1]
+    stored = store.put(second, progress=sweep_now)
+    assert victim not in packs_of(store, stored)
+    assert 0 < stored.new_bytes <= stored.stored_bytes
+    assert tree(store.fetch(stored.manifest.id, tmp_path / "out")) == tree(second)
 
 
 def test_damaged_source_is_refused(store: Store, tmp_path: Path) -> None:
@@ -542,108 +639,123 @@ def test_network_cut_mid_upload_leaves_no_record(
         f"users/{uuid.uuid4().hex[:8]}",
         endpoint_url=proxy.url,
         max_workers=4,
+        pack_bytes=256 << 10,
     )
     request.addfinalizer(store.close)
     source = make_snapshot(tmp_path, random_pages(random.Random(17), 4096))
 
-    def cut_after_first_chunk(event: dict[str, Any]) -> None:
-        if event["phase"] == "uploading" and event["done_bytes"] > 0:
+    def cut_after_some_packs(event: dict[str, Any]) -> None:
+        if event["phase"] == "uploading" and event["done_bytes"] > 4 << 20:
             proxy.cut()
 
     with pytest.raises(StoreError) as caught:
-        store.put(source, progress=cut_after_first_chunk)
+        store.put(source, progress=cut_after_some_packs)
     assert proxy.url in caught.value.hint
 
     proxy.restore()
     assert store.list() == []
     stored = store.put(source)  # a retry after the network is back completes
     assert [s.manifest.id for s in store.list()] == [stored.manifest.id]
-    assert 0 < stored.new_bytes < stored.stored_bytes  # chunks from the first try are reused
+    assert stored_objects(store) == referenced_objects(store)  # and removes the first try's
 
 
-def test_s3_put_lists_chunks_instead_of_asking_for_each(
-    moto: MotoServer, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
-    """Thousands of chunks per snapshot: a put lists the store's chunks (1000 per request)
-    rather than sending a HEAD per chunk, before and after uploading."""
-    store = S3Store(moto.ensure_bucket(BUCKET), f"users/{uuid.uuid4().hex[:8]}", moto.url)
-    request.addfinalizer(store.close)
-    pages = random_pages(random.Random(12), 2048)
-    first = store.put(make_snapshot(tmp_path, pages, sequence=1))
-    assert first.chunk_count > 100
+def count_requests(store: S3Store) -> list[str]:
     calls: list[str] = []
     store.client.meta.events.register(
         "before-call.s3.*", lambda model, **_: calls.append(model.name)
     )
-    listed: list[str] = []
-    store.client.meta.events.register(
-        "before-parameter-build.s3.ListObjectsV2",
-        lambda params, **_: listed.append(params["Prefix"].removeprefix(store.prefix)),
-    )
-    written: list[str] = []
-    store.client.meta.events.register(
-        "before-parameter-build.s3.PutObject",
-        lambda params, **_: written.append(params["Key"].removeprefix(store.prefix)),
-    )
-    second = store.put(make_snapshot(tmp_path, pages, sequence=2))
-    assert second.new_bytes == 0
-    assert "HeadObject" not in calls
-    assert listed.count("/chunks/") == 2  # before and after; a few hundred chunks
-    assert not [key for key in written if key.startswith("/chunks/")]
-    # The record, and the put's claim (at the start, and its chunks before the commit).
-    assert sorted(k.split("/")[1] for k in written) == ["puts", "puts", "snapshots"]
-    assert len(calls) <= 10, calls
+    return calls
 
 
-def test_s3_listing_past_one_page_goes_per_chunk_directory(
+def test_s3_requests_grow_with_packs_not_chunks(
     moto: MotoServer, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """A small store is listed in one request; a big one (here: a page of 50 keys) goes on
-    per chunk directory in parallel after the first page, and finds every chunk once."""
-    store = S3Store(moto.ensure_bucket(BUCKET), f"users/{uuid.uuid4().hex[:8]}", moto.url)
+    """Many chunks, a request per pack: a put and a fetch of 8 MiB in packs of 512 KiB
+    (the ratio of 16 MiB packs to a 256 MiB kernel) cost one PUT or ranged GET per pack
+    and a handful of others; a second, identical snapshot writes no pack."""
+    store = S3Store(
+        moto.ensure_bucket(BUCKET),
+        f"users/{uuid.uuid4().hex[:8]}",
+        moto.url,
+        pack_bytes=512 << 10,
+        chunking=SMALL_CHUNKS,
+    )
     request.addfinalizer(store.close)
-    store.put(make_snapshot(tmp_path, random_pages(random.Random(13), 1024), sequence=1))
+    pages = random.Random(12).randbytes(8 << 20)
+    calls = count_requests(store)
+    first = store.put(make_snapshot(tmp_path, pages, sequence=1))
+    pack_count = len(packs_of(store, first))
+    assert first.chunk_count > 4 * pack_count
+    assert calls.count("PutObject") <= pack_count + 4  # + claims and the record
+    assert len(calls) <= pack_count + 12, " ".join(calls)
+    assert "HeadObject" not in calls
+
+    calls.clear()
+    second = store.put(make_snapshot(tmp_path, pages, sequence=2))
+    assert second.new_bytes == 0
+    assert len(calls) <= 12, calls
+
+    calls.clear()
+    store.fetch(second.manifest.id, tmp_path / "out")
+    assert calls.count("GetObject") <= pack_count + 2
+    assert len(calls) <= pack_count + 4, calls
+
+
+def test_s3_listing_past_one_page_goes_per_directory(
+    moto: MotoServer, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A small store is listed in one request; a big one (here: a page of 20 keys) goes on
+    per pack directory in parallel after the first page, and finds every pack once."""
+    store = S3Store(
+        moto.ensure_bucket(BUCKET), f"users/{uuid.uuid4().hex[:8]}", moto.url, pack_bytes=8192
+    )
+    request.addfinalizer(store.close)
+    store.put(make_snapshot(tmp_path, random_pages(random.Random(13), 256), sequence=1))
     store.list_page_size = 1000
-    one_page = dict(store._list_chunks())
-    assert 200 < len(one_page) < 1000
+    one_page = dict(store._list_objects("packs"))
+    assert 20 < len(one_page) < 1000
     prefixes: list[str] = []
     store.client.meta.events.register(
         "before-parameter-build.s3.ListObjectsV2",
         lambda params, **_: prefixes.append(params["Prefix"].removeprefix(store.prefix)),
     )
-    store.list_page_size = 50
-    listed = list(store._list_chunks())
+    store.list_page_size = 20
+    listed = list(store._list_objects("packs"))
     assert dict(listed) == one_page
     assert len(listed) == len(one_page)  # nothing twice
-    last_of_first_page = sorted(one_page)[49][:2]
-    assert prefixes[0] == "/chunks/"
+    last_of_first_page = sorted(one_page)[19].split("/")[1]
+    assert prefixes[0] == "/packs/"
     per_directory = prefixes[1:]
-    expected = [f"/chunks/{d:02x}/" for d in range(int(last_of_first_page, 16), 256)]
+    expected = [f"/packs/{d:02x}/" for d in range(int(last_of_first_page, 16), 256)]
     assert sorted(per_directory) == expected  # each once, in parallel
 
 
 # -- failed puts clean up after themselves --------------------------------------------------
 
 
-def stored_chunks(store: Store) -> set[str]:
-    return {digest for digest, _ in store._list_chunks()}
+def stored_objects(store: Store) -> set[str]:
+    return set(store._list_all_objects())
 
 
-def referenced_chunks(store: Store) -> set[str]:
-    return {d for r in store._all_records(strict=True).values() for d in r.distinct()}
+def referenced_objects(store: Store) -> set[str]:
+    return {
+        ref.where.obj
+        for r in store._all_records(strict=True).values()
+        for ref in r.distinct().values()
+    }
 
 
 def claims_and_markers(store: Store) -> list[str]:
     return [name for name, _ in store._list_puts()]
 
 
-def test_failed_put_removes_its_chunks_but_not_shared_ones(store: Store, tmp_path: Path) -> None:
+def test_failed_put_removes_its_packs_but_not_shared_ones(store: Store, tmp_path: Path) -> None:
     """A put that fails after uploading (its last file differs from the manifest) removes
-    at once the chunks it wrote; those an earlier snapshot references stay."""
+    at once the packs it wrote; those an earlier snapshot references stay."""
     rng = random.Random(20)
     pages = random_pages(rng, 1024)
     first = store.put(make_snapshot(tmp_path, pages, sequence=1))
-    kept = stored_chunks(store)
+    kept = stored_objects(store)
     source = make_snapshot(
         tmp_path, mutate(pages, rng, inserts=8, changes=64), sequence=2, extra={"z.img": b"z" * 9}
     )
@@ -656,39 +768,41 @@ def test_failed_put_removes_its_chunks_but_not_shared_ones(store: Store, tmp_pat
     with pytest.raises(SnapshotCorruptError, match="differs from its manifest"):
         store.put(source, progress=watch)
     assert max(uploaded) > len(pages)  # the new chunks were written before it failed
-    assert stored_chunks(store) == kept == referenced_chunks(store)
+    assert stored_objects(store) == kept == referenced_objects(store)
     assert claims_and_markers(store) == []
     assert manifest_mod.verify(store.fetch(first.manifest.id, tmp_path / "out")).id == (
         first.manifest.id
     )
 
 
-def test_a_live_claim_protects_its_chunks_until_it_is_stale(store: Store, tmp_path: Path) -> None:
-    """A put killed mid-way leaves chunks and its claim: sweeps spare the chunks while the
+def test_a_live_claim_protects_its_packs_until_it_is_stale(store: Store, tmp_path: Path) -> None:
+    """A put killed mid-way leaves packs and its claim: sweeps spare the packs while the
     claim is fresh (the put may be alive), and remove both once it is stale."""
+    builder = packs.PackBuilder()
     orphan = random_pages(random.Random(21), 64)
-    digest = hashlib.sha256(orphan).hexdigest()
-    store._compress_and_write(digest, orphan)
+    builder.add(hashlib.sha256(orphan).hexdigest(), len(orphan), orphan, "raw")
+    digest = builder.name
+    store._write_object(digest, builder.finish())
     store._write_claim("f" * 32, "e" * 32, {digest})
     other = store.put(make_snapshot(tmp_path, random_pages(random.Random(22), 64)))
     store.delete(other.manifest.id)  # a sweep with no grace period
-    assert stored_chunks(store) == {digest}
+    assert stored_objects(store) == {digest}
     assert claims_and_markers(store) == ["f" * 32 + ".json"]
 
     store.claim_stale_seconds = 0
     store.put(make_snapshot(tmp_path, random_pages(random.Random(23), 64)))  # it collects
-    assert digest not in stored_chunks(store)
-    assert stored_chunks(store) == referenced_chunks(store)
+    assert digest not in stored_objects(store)
+    assert stored_objects(store) == referenced_objects(store)
     assert claims_and_markers(store) == []
 
 
 def test_a_put_waits_out_a_cleanup_and_sees_its_deletions(store: Store, tmp_path: Path) -> None:
-    """A clean-up that read the claims before this put published its chunks deletes one
+    """A clean-up that read the claims before this put published its packs deletes one
     of them: the put, committing meanwhile, waits while the clean-up's marker is there,
-    then finds the chunk gone and fails instead of recording it."""
+    then finds the pack gone and stores its chunks again instead of recording it."""
     pages = random_pages(random.Random(24), 512)
     first = store.put(make_snapshot(tmp_path, pages))
-    victim = chunks_of(store, first)[0]
+    victim = refs_of(store, first)[0].where.obj
     store._write_put("c" * 32 + ".cleaning", b"")
     second = make_snapshot(tmp_path, pages, sequence=2)
     committing = threading.Event()
@@ -709,9 +823,9 @@ def test_a_put_waits_out_a_cleanup_and_sees_its_deletions(store: Store, tmp_path
     store._delete_put("c" * 32 + ".cleaning")
     thread.join()
     [result] = outcome
-    assert isinstance(result, StoreError)
-    assert "deleted while it was being stored" in result.message
-    assert [s.manifest.sequence for s in store.list()] == [1]
+    assert isinstance(result, StoredSnapshot), result
+    assert victim not in packs_of(store, result)
+    assert tree(store.fetch(result.manifest.id, tmp_path / "out")) == tree(second)
 
 
 def test_a_put_does_not_wait_for_the_marker_of_a_killed_cleanup(
@@ -741,7 +855,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 def test_full_local_store_says_so_and_keeps_nothing(small_disk: Path, tmp_path: Path) -> None:
     """A 40 MiB snapshot does not fit a 20 MiB store: the error says the disk is full,
     where, and how much against what is free; the put removes what it wrote (the store
-    holds no unreferenced chunk and is as empty as before); a concurrent put of a snapshot
+    holds no unreferenced pack and is as empty as before); a concurrent put of a snapshot
     sharing chunks with it is not harmed, and a smaller snapshot fits afterwards."""
     store = LocalStore(small_disk / "store", grace_seconds=0, chunking=SMALL_CHUNKS)
     rng = random.Random(25)
@@ -784,47 +898,44 @@ def test_full_local_store_says_so_and_keeps_nothing(small_disk: Path, tmp_path: 
     assert manifest_mod.verify(store.fetch(survivor.manifest.id, tmp_path / "shared")).id == (
         survivor.manifest.id
     )
-    assert stored_chunks(store) == referenced_chunks(store)  # nothing of the failed put
+    assert stored_objects(store) == referenced_objects(store)  # nothing of the failed put
     assert claims_and_markers(store) == []
     assert not list(store.root.glob("**/.*.tmp"))
     assert shutil.disk_usage(small_disk).free >= free_before - survivor.stored_bytes - (1 << 20)
 
     smaller = store.put(make_snapshot(tmp_path, rng.randbytes(8 << 20), sequence=3))
     assert {s.manifest.id for s in store.list()} == {survivor.manifest.id, smaller.manifest.id}
-    assert stored_chunks(store) == referenced_chunks(store)
+    assert stored_objects(store) == referenced_objects(store)
 
 
-def test_s3_upload_cut_mid_way_leaves_no_unreferenced_chunks(
+def test_s3_upload_cut_mid_way_leaves_no_unreferenced_packs(
     moto: MotoServer, proxy: CuttableProxy, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """The network fails mid-upload, so the failed put cannot remove its chunks at once:
+    """The network fails mid-upload, so the failed put cannot remove its packs at once:
     the next put through the same store does, once S3 answers again."""
     store = S3Store(
         moto.ensure_bucket(BUCKET),
         f"users/{uuid.uuid4().hex[:8]}",
         endpoint_url=proxy.url,
         max_workers=4,
+        pack_bytes=256 << 10,
     )
     request.addfinalizer(store.close)
     source = make_snapshot(tmp_path, random_pages(random.Random(26), 4096))
 
-    def cut_after_first_chunk(event: dict[str, Any]) -> None:
-        if event["phase"] == "uploading" and event["done_bytes"] > 0:
+    def cut_after_some_packs(event: dict[str, Any]) -> None:
+        if event["phase"] == "uploading" and event["done_bytes"] > 4 << 20:
             proxy.cut()
 
     with pytest.raises(StoreError):
-        store.put(source, progress=cut_after_first_chunk)
+        store.put(source, progress=cut_after_some_packs)
     proxy.restore()
-    left = stored_chunks(store)
+    left = stored_objects(store)
     assert left  # S3 was gone: nothing could be removed
-    assert not referenced_chunks(store)
+    assert not referenced_objects(store)
 
     other = store.put(make_snapshot(tmp_path, random_pages(random.Random(27), 64)))
-    assert (
-        stored_chunks(store)
-        == referenced_chunks(store)
-        == set(chunks_of(store, other)) | set(chunks_of(store, other, "images/core-1.img"))
-    )
+    assert stored_objects(store) == referenced_objects(store) == packs_of(store, other)
     assert claims_and_markers(store) == []
 
 
@@ -837,6 +948,7 @@ def test_s3_download_cut_mid_way_leaves_nothing(
         f"users/{uuid.uuid4().hex[:8]}",
         endpoint_url=proxy.url,
         max_workers=4,
+        pack_bytes=256 << 10,
     )
     request.addfinalizer(store.close)
     stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(28), 2048)))
@@ -849,3 +961,47 @@ def test_s3_download_cut_mid_way_leaves_nothing(
     with pytest.raises(StoreError):
         store.fetch(stored.manifest.id, tmp_path / "cache" / "out", cut_after_first_chunk)
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+# -- formats --------------------------------------------------------------------------------
+
+
+def test_a_format_1_store_is_still_read_and_cleaned(store: Store, tmp_path: Path) -> None:
+    """Stores written before pack files (a chunk an object, record format 1) are read:
+    listed, fetched, deleted (with their chunk objects); new snapshots go into packs."""
+    import zstandard
+
+    source = make_snapshot(tmp_path, random_pages(random.Random(40), 256))
+    raw = json.loads((source / "manifest.json").read_text())
+    chunks: dict[str, list[dict[str, Any]]] = {}
+    for entry in raw["files"]:
+        data = (source / entry["path"]).read_bytes()
+        refs = chunks[entry["path"]] = []
+        for start in range(0, len(data), 64 << 10):
+            piece = data[start : start + (64 << 10)]
+            digest = hashlib.sha256(piece).hexdigest()
+            blob = zstandard.ZstdCompressor().compress(piece)
+            write_object(store, packs.legacy_chunk_name(digest), blob)
+            refs.append({"hash": digest, "size": len(piece), "stored_size": len(blob)})
+    record = {"format": 1, "manifest": raw, "chunks": chunks, "stored_bytes": 1, "new_bytes": 1}
+    assert store._create_record(raw["id"], json.dumps(record).encode())
+
+    assert [s.manifest.id for s in store.list()] == [raw["id"]]
+    assert tree(store.fetch(raw["id"], tmp_path / "old")) == tree(source)
+    newer = store.put(make_snapshot(tmp_path, random_pages(random.Random(41), 64), sequence=2))
+    assert any(packs.PACK_NAME_RE.match(name) for name in packs_of(store, newer))
+    store.delete(raw["id"])
+    assert stored_objects(store) == packs_of(store, newer)
+
+
+def test_a_record_of_a_newer_format_says_to_upgrade(store: Store, tmp_path: Path) -> None:
+    stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(42), 16)))
+    record = json.loads(store._read_record(stored.manifest.id) or b"")
+    record["format"] = 99
+    record["manifest"]["id"] = fresh_id = uuid.uuid4().hex
+    reseal(record["manifest"])
+    assert store._create_record(fresh_id, json.dumps(record).encode())
+    with pytest.raises(SnapshotCorruptError, match="newer version") as caught:
+        store.get(fresh_id)
+    assert "Upgrade" in caught.value.hint
+    assert [s.manifest.id for s in store.list()] == [stored.manifest.id]  # logged, skipped

@@ -2,33 +2,39 @@
 
 Layout under a store's root (a directory, or ``<bucket>/<prefix>``)::
 
-    chunks/<hh>/<sha256>    one piece of an image file, zstd-compressed; keyed by the sha256
-                            of its uncompressed bytes, so equal pieces are stored once
-    snapshots/<id>.json     the snapshot's record: its manifest and the chunks of each file
-    puts/<token>.json       a claim: a put in progress, listing the chunks it relies on
+    packs/<hh>/<name>       chunks of image files back to back, each zstd-compressed or raw,
+                            with a trailer listing them (``packs.py``); about 16 MiB each
+    snapshots/<id>.json     the snapshot's record: its manifest, and where each chunk of
+                            each file is (pack, offset, length, codec, sha256)
+    puts/<token>.json       a claim: a put in progress, listing the packs it relies on
     puts/<token>.cleaning   a clean-up in progress (who runs it: host, pid, start time)
+    chunks/<hh>/<sha256>    record format 1 only (one object per chunk): still read
 
 Images are cut with page-aligned content-defined chunking (``chunking.py``), so successive
-snapshots of one kernel share most chunks. A put uploads the chunks first and writes the
+snapshots of one kernel share most chunks; a chunk the store already holds is not stored
+again. A put cuts, hashes, compresses, packs and uploads in one pipeline and writes the
 record last, without overwriting (S3: ``If-None-Match: *``; locally: a hard link), so a
-snapshot is listed complete or not at all. Chunks no longer referenced are swept after a
-grace period; a put refreshes the timestamp of old chunks it reuses, so a concurrent sweep
-leaves them alone.
+snapshot is listed complete or not at all. A fetch reads each pack's needed ranges in
+one request, coalesced, and checks every chunk's sha256 and every file's.
 
-A put that fails removes at once the chunks it wrote or reused that no record references
-and no other put claims (restic's prune, with claims for its locks). Each put keeps a
-claim listing its chunks, rewritten every ``claim_refresh_seconds``; a clean-up first
-writes its own marker, then reads the claims, then the records, and spares every chunk a
+Clean-up (restic's prune, with claims for its locks): a put keeps a claim listing the
+packs it wrote or reuses, rewritten every ``claim_refresh_seconds``; a clean-up first
+writes its own marker, then reads the claims, then the records, and spares every pack a
 live claim lists. A put publishes its whole list before it commits, waits while any
-clean-up marker is fresh, and only then checks that all its chunks exist: so a chunk
-either is spared, or its deletion is seen and the put fails rather than record it. The
-chunks of a claim nobody refreshed for ``claim_stale_seconds`` (a killed put) are removed
-the same way by the next put or delete.
+clean-up marker is fresh, and only then checks that all its packs still exist; a chunk
+whose pack a clean-up removed after all is found where a repack moved it, or uploaded
+again. A failed put removes at once the packs nothing else needs; packs of a claim nobody
+refreshed for ``claim_stale_seconds`` (a killed put) go the same way at the next put or
+delete. A delete also removes unreferenced packs past the grace period, and repacks packs
+that are mostly garbage (only while no other clean-up runs): their live chunks are copied
+into new packs, then they are deleted. Records are never rewritten: a reader whose pack
+is gone finds the chunk through the trailers of the packs no record names.
 """
 
 from __future__ import annotations
 
 import abc
+import bisect
 import builtins
 import contextlib
 import errno
@@ -48,20 +54,27 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, NamedTuple, NoReturn, Protocol, TypeVar
-
-import zstandard
+from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
 
 from . import manifest as manifest_mod
+from . import packs
 from .chunking import ChunkParams, auto_chunk_kib, iter_chunks
 from .errors import SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
 from .humanize import human_bytes
 from .manifest import Manifest
+from .packs import Location
 
 logger = logging.getLogger(__name__)
 
-RECORD_FORMAT = 1
+RECORD_FORMAT = 2
+"""Records that locate chunks in packs. Format 1 (a chunk an object) is still read."""
 DEFAULT_GRACE_SECONDS = 3600.0
+REPACK_BELOW = 0.5
+"""A pack older than the grace period is rewritten once less than this share of it is
+still needed (restic's prune repacks on a similar share of unused bytes)."""
+COALESCE_GAP = 1024 * 1024
+"""Ranges of one pack closer than this are read in one request (the gap is read too)."""
+MAX_READ = 32 * 1024 * 1024
 CLAIM_REFRESH_SECONDS = 30.0
 """How often a put rewrites its claim, and a clean-up its marker (heartbeats)."""
 CLAIM_STALE_SECONDS = 600.0
@@ -73,8 +86,8 @@ MARKER_STALE_SECONDS = 6 * MARKER_REFRESH_SECONDS
 clean-up stops deleting once its own heartbeat is half this old). Puts wait while a
 marker is fresh; one whose process is gone from this host is ignored at once."""
 PUTS_DIR = "puts"
-ZSTD_LEVEL = 1
-"""zstd level 1: ~500 MB/s a core on memory images; level 3 is 25-50 % slower for ~1 % less."""
+REUPLOAD_ROUNDS = 3
+"""A put uploads again the chunks a concurrent clean-up removed, this many times at most."""
 
 Progress = Callable[[dict[str, Any]], None]
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -89,12 +102,12 @@ class StoreError(SnapshotError):
 
 @dataclass(frozen=True)
 class ChunkRef:
-    """One chunk of a file, in file order."""
+    """One chunk of a file, in file order, and where its put stored it."""
 
     hash: str
     """sha256 of the uncompressed bytes."""
     size: int
-    stored_size: int
+    where: Location
 
 
 @dataclass
@@ -103,9 +116,9 @@ class StoredSnapshot:
 
     manifest: Manifest
     stored_bytes: int
-    """Compressed bytes of its distinct chunks (shared ones included)."""
+    """Stored bytes of its distinct chunks (shared ones included)."""
     new_bytes: int
-    """Compressed bytes the put that stored it actually added."""
+    """Stored bytes the put that stored it actually added."""
     chunk_count: int
     """Distinct chunks."""
     location: str
@@ -115,9 +128,10 @@ class StoredSnapshot:
 @dataclass(frozen=True)
 class StoreStats:
     snapshot_count: int
-    chunk_count: int
+    object_count: int
+    """Packs (and chunk objects of format-1 records)."""
     stored_bytes: int
-    """Compressed bytes of all chunks, unreferenced ones not yet swept included."""
+    """Bytes of all objects, garbage not yet swept or repacked included."""
 
 
 class SnapshotStore(Protocol):
@@ -129,7 +143,15 @@ class SnapshotStore(Protocol):
 
     def get(self, snapshot_id: str) -> StoredSnapshot: ...
 
-    def fetch(self, snapshot_id: str, dest_dir: Path, progress: Progress | None = None) -> Path: ...
+    def fetch(
+        self,
+        snapshot_id: str,
+        dest_dir: Path,
+        progress: Progress | None = None,
+        skip: Callable[[str], bool] | None = None,
+    ) -> Path: ...
+
+    def open_images(self, snapshot_id: str) -> SnapshotImages: ...
 
     def delete(self, snapshot_id: str) -> None: ...
 
@@ -138,8 +160,8 @@ class SnapshotStore(Protocol):
     def close(self) -> None: ...
 
 
-class _ChunkStat(NamedTuple):
-    stored_size: int
+class _ObjectStat(NamedTuple):
+    size: int
     mtime: float
     """Seconds since the epoch; the store's clock (S3's LastModified)."""
 
@@ -155,18 +177,36 @@ class _Record:
     chunk_kib: int | None = None
     """The chunk size the snapshot was cut with (None in records from before it was kept)."""
 
-    def distinct(self) -> dict[str, int]:
-        """hash -> stored size of each distinct chunk."""
-        return {ref.hash: ref.stored_size for refs in self.chunks.values() for ref in refs}
+    def objects(self) -> set[str]:
+        return {ref.where.obj for refs in self.chunks.values() for ref in refs}
+
+    def distinct(self) -> dict[str, ChunkRef]:
+        """hash -> the first ref of each distinct chunk."""
+        found: dict[str, ChunkRef] = {}
+        for refs in self.chunks.values():
+            for ref in refs:
+                found.setdefault(ref.hash, ref)
+        return found
 
     def to_json(self) -> bytes:
+        objects = sorted(self.objects())
+        index = {name: i for i, name in enumerate(objects)}
         return json.dumps(
             {
                 "format": RECORD_FORMAT,
                 "manifest": self.raw_manifest,
+                "objects": objects,
                 "chunks": {
                     path: [
-                        {"hash": r.hash, "size": r.size, "stored_size": r.stored_size} for r in refs
+                        [
+                            r.hash,
+                            r.size,
+                            index[r.where.obj],
+                            r.where.offset,
+                            r.where.length,
+                            r.where.codec,
+                        ]
+                        for r in refs
                     ]
                     for path, refs in self.chunks.items()
                 },
@@ -182,17 +222,23 @@ class _Record:
         """Check everything that later becomes a path or a key: records may be tampered with."""
         try:
             doc = json.loads(data)
-            if doc.get("format") != RECORD_FORMAT:
-                raise ValueError(f"record format {doc.get('format')!r}, expected {RECORD_FORMAT}")
+            version = doc.get("format")
+            if isinstance(version, int) and version > RECORD_FORMAT:
+                raise SnapshotCorruptError(
+                    f"Snapshot {snapshot_id} was stored by a newer version of "
+                    f"jupyter-kernel-snapshots (record format {version}; this one reads "
+                    f"formats 1 and {RECORD_FORMAT}).",
+                    hint="Upgrade jupyter-kernel-snapshots on this server to restore it.",
+                )
             manifest = Manifest.from_dict(doc["manifest"])
             if manifest.id != snapshot_id:
                 raise ValueError(f"it holds the manifest of {manifest.id}")
-            chunks = {
-                path: [
-                    ChunkRef(str(c["hash"]), int(c["size"]), int(c["stored_size"])) for c in refs
-                ]
-                for path, refs in doc["chunks"].items()
-            }
+            if version == RECORD_FORMAT:
+                chunks = _parse_chunks(doc)
+            elif version == 1:
+                chunks = _parse_format_1_chunks(doc)
+            else:
+                raise ValueError(f"record format {version!r}")
             _check_chunk_map(manifest, chunks)
             chunk_kib = doc.get("chunk_kib")
             return cls(
@@ -205,11 +251,42 @@ class _Record:
             )
         except SnapshotCorruptError:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             raise SnapshotCorruptError(
                 f"The store's record of snapshot {snapshot_id} is damaged: {exc}",
                 hint="Delete this snapshot and pick another one.",
             ) from exc
+
+
+def _parse_chunks(doc: dict[str, Any]) -> dict[str, builtins.list[ChunkRef]]:
+    objects = [str(name) for name in doc["objects"]]
+    if not all(packs.is_object_name(name) for name in objects):
+        raise ValueError("it names an object outside the store's layout")
+    chunks = {}
+    for path, rows in doc["chunks"].items():
+        refs = []
+        for digest, size, obj, offset, length, codec in rows:
+            if codec not in packs.CODECS or isinstance(obj, bool) or int(obj) < 0:
+                raise ValueError(f"a chunk of {path} is malformed")
+            where = Location(objects[int(obj)], int(offset), int(length), codec)
+            refs.append(ChunkRef(str(digest), int(size), where))
+        chunks[str(path)] = refs
+    return chunks
+
+
+def _parse_format_1_chunks(doc: dict[str, Any]) -> dict[str, builtins.list[ChunkRef]]:
+    """Format 1: each chunk is its own zstd object ``chunks/<hh>/<sha256>``."""
+    return {
+        str(path): [
+            ChunkRef(
+                str(c["hash"]),
+                int(c["size"]),
+                Location(packs.legacy_chunk_name(str(c["hash"])), 0, int(c["stored_size"]), "zstd"),
+            )
+            for c in refs
+        ]
+        for path, refs in doc["chunks"].items()
+    }
 
 
 def _check_chunk_map(manifest: Manifest, chunks: dict[str, builtins.list[ChunkRef]]) -> None:
@@ -221,7 +298,15 @@ def _check_chunk_map(manifest: Manifest, chunks: dict[str, builtins.list[ChunkRe
         if sum(r.size for r in refs) != expected[path]:
             raise ValueError(f"the chunks of {path} do not add up to its size")
         for ref in refs:
-            if not _HASH_RE.match(ref.hash) or ref.size <= 0 or ref.stored_size <= 0:
+            where = ref.where
+            if (
+                not _HASH_RE.match(ref.hash)
+                or ref.size <= 0
+                or where.offset < 0
+                or where.length <= 0
+                or not packs.is_object_name(where.obj)
+                or (where.codec == "raw" and where.length != ref.size)
+            ):
                 raise ValueError(f"a chunk of {path} is malformed")
 
 
@@ -247,23 +332,51 @@ def _check_id(snapshot_id: str) -> None:
         )
 
 
-def _sha256(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
+class _Catalog:
+    """Where the chunks of the given records are now, in the objects that exist.
 
+    A record's own location wins while its object exists; a chunk whose object is gone
+    (a repack moved it) is looked up in the trailers of the packs no record names.
+    """
 
-class _Codec(threading.local):
-    """zstd (de)compressor objects are not thread-safe: one pair per worker thread."""
+    def __init__(
+        self,
+        store: _ChunkStore,
+        records: Iterable[_Record],
+        objects: dict[str, _ObjectStat] | None = None,
+    ) -> None:
+        self.objects = store._list_all_objects() if objects is None else objects
+        self.located: dict[str, Location] = {}
+        named: set[str] = set()
+        lost: set[str] = set()
+        for record in records:
+            for refs in record.chunks.values():
+                for ref in refs:
+                    named.add(ref.where.obj)
+                    if ref.where.obj in self.objects:
+                        self.located.setdefault(ref.hash, ref.where)
+                    else:
+                        lost.add(ref.hash)
+        lost -= self.located.keys()
+        if lost:
+            for name in sorted(set(self.objects) - named):
+                if not packs.PACK_NAME_RE.match(name):
+                    continue
+                for entry in store._trailer(name, self.objects[name].size):
+                    if entry.hash in lost:
+                        self.located.setdefault(entry.hash, entry.where)
 
-    def __init__(self) -> None:
-        self.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-        self.decompressor = zstandard.ZstdDecompressor()
+    def resolve(self, ref: ChunkRef) -> Location | None:
+        if ref.where.obj in self.objects:
+            return ref.where
+        return self.located.get(ref.hash)
 
 
 class _Bounded:
     """Runs tasks on a pool with at most ``limit`` in flight; results come back in order.
 
-    The bound keeps memory at a few chunks a worker; taking results in order lets the
-    calling thread alone report progress.
+    The bound keeps memory at a few chunks (or packs) a worker; taking results in order
+    lets the calling thread alone place chunks and report progress.
     """
 
     def __init__(self, pool: ThreadPoolExecutor, limit: int) -> None:
@@ -286,6 +399,9 @@ class _Bounded:
     def cancel(self) -> None:
         for future in self._pending:
             future.cancel()
+        for future in self._pending:  # let running ones end before their files go
+            with contextlib.suppress(BaseException):
+                future.exception()
         self._pending.clear()
 
 
@@ -298,21 +414,29 @@ class _ChunkStore(abc.ABC):
         max_workers: int,
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
         chunking: ChunkParams | None = None,
+        pack_bytes: int = packs.DEFAULT_PACK_BYTES,
+        repack_below: float = REPACK_BELOW,
     ) -> None:
         self.max_workers = max_workers
         self.grace_seconds = grace_seconds
         self.chunking = chunking
         """Fixed chunk sizes; None picks them per snapshot (:func:`auto_chunk_kib`)."""
-        self._codec = _Codec()
+        self.pack_bytes = pack_bytes
+        self.repack_below = repack_below
         self._cache: dict[str, _Record] = {}
         self._cache_lock = threading.Lock()
+        self._trailers: dict[str, builtins.list[packs.PackEntry]] = {}
+        """Trailers read so far (packs never change)."""
+        self._legacy_objects: bool | None = None
+        """Whether the store holds objects of format-1 records (``chunks/``), listed then
+        with the packs; found out by the first listing, or a format-1 record."""
         self.claim_refresh_seconds = CLAIM_REFRESH_SECONDS
         self.marker_refresh_seconds = MARKER_REFRESH_SECONDS
         self.claim_stale_seconds = CLAIM_STALE_SECONDS
         self.marker_stale_seconds = MARKER_STALE_SECONDS
         self._leftovers: dict[str, set[str]] = {}
         """Failed puts whose clean-up failed too (store unreachable): claim token -> the
-        chunks to remove; tried again after the next put and by every delete."""
+        objects to remove; tried again after the next put and by every delete."""
         self._leftover_markers: set[str] = set()
         """Clean-up markers that could not be removed (tried again first thing)."""
         self._leftovers_lock = threading.Lock()
@@ -337,42 +461,28 @@ class _ChunkStore(abc.ABC):
     def _delete_record(self, snapshot_id: str) -> None: ...
 
     @abc.abstractmethod
-    def _stat_chunk(self, digest: str) -> _ChunkStat | None: ...
+    def _write_object(self, name: str, data: bytes) -> None:
+        """Store a pack (``packs/<hh>/<name>``) whole."""
 
     @abc.abstractmethod
-    def _write_chunk(self, digest: str, data: bytes) -> None:
-        """Store a chunk; overwriting an equal one is harmless."""
+    def _sync_objects(self) -> None:
+        """Make the objects written so far durable, before a record names them."""
 
     @abc.abstractmethod
-    def _sync_chunks(self) -> None:
-        """Make the chunks written so far durable, before a record names them."""
+    def _read_object(self, name: str, offset: int, length: int) -> bytes | None:
+        """``length`` bytes of an object from ``offset``; None if the object is missing."""
 
     @abc.abstractmethod
-    def _read_chunk(self, digest: str) -> bytes | None: ...
+    def _list_objects(self, directory: str) -> Iterator[tuple[str, _ObjectStat]]:
+        """Every object under ``packs`` or ``chunks``, by full name."""
 
     @abc.abstractmethod
-    def _touch_chunk(self, digest: str) -> None:
-        """Make the chunk's timestamp now, so that a sweep leaves it alone for a while."""
-
-    @abc.abstractmethod
-    def _list_chunks(self) -> Iterator[tuple[str, _ChunkStat]]: ...
+    def _delete_objects(self, names: builtins.list[str]) -> None:
+        """Delete these objects (missing ones are fine)."""
 
     @abc.abstractmethod
     def close(self) -> None:
         """Let go of connections (the store is not used afterwards)."""
-
-    def _chunk_index(self) -> dict[str, _ChunkStat] | None:
-        """Every chunk at once, where one listing is cheaper than a question per chunk;
-        None to ask per chunk (``_stat_chunk``)."""
-        return None
-
-    @abc.abstractmethod
-    def _delete_chunk(self, digest: str, older_than: float) -> None:
-        """Delete the chunk if its timestamp (read again now) is still before ``older_than``."""
-
-    @abc.abstractmethod
-    def _delete_chunks(self, digests: builtins.list[str]) -> None:
-        """Delete these chunks (missing ones are fine)."""
 
     @abc.abstractmethod
     def _list_puts(self) -> builtins.list[tuple[str, float]]:
@@ -392,6 +502,36 @@ class _ChunkStore(abc.ABC):
     def _disk_full(self, manifest: Manifest, exc: BaseException) -> StoreError | None:
         """The error to raise instead of ``exc`` when it says the store's disk is full."""
         return None
+
+    def _list_all_objects(self) -> dict[str, _ObjectStat]:
+        objects = dict(self._list_objects("packs"))
+        if self._legacy_objects is not False:  # None: not known yet
+            legacy = dict(self._list_objects("chunks"))
+            self._legacy_objects = self._legacy_objects or bool(legacy)
+            objects.update(legacy)
+        return objects
+
+    def _trailer(self, name: str, size: int) -> builtins.list[packs.PackEntry]:
+        """The chunks a pack lists (read once: packs never change); [] if unreadable."""
+        if name in self._trailers:
+            return self._trailers[name]
+        entries: builtins.list[packs.PackEntry] = []
+        tail = min(size, 256 * 1024)
+        data = self._read_object(name, size - tail, tail) if size >= packs.FOOTER_SIZE else None
+        try:
+            if data is None:
+                return []
+            length = packs.trailer_length(data[-packs.FOOTER_SIZE :])
+            start = len(data) - packs.FOOTER_SIZE - length
+            if start < 0:
+                more = self._read_object(name, size - packs.FOOTER_SIZE - length, -start)
+                data = (more or b"") + data
+                start = 0
+            entries = packs.parse_trailer(name, data[start : start + length], size)
+        except (ValueError, IndexError) as exc:
+            logger.warning("The trailer of pack %s cannot be read: %s", name, exc)
+        self._trailers[name] = entries
+        return entries
 
     # -- the API ---------------------------------------------------------------------
 
@@ -420,7 +560,7 @@ class _ChunkStore(abc.ABC):
         upload = _Upload(self, snapshot_dir, manifest, self._chunking_for(manifest), progress)
         token = uuid.uuid4().hex
         try:
-            # The claim exists before the put relies on any chunk, and lists them as it goes.
+            # The claim exists before the put relies on any pack, and lists them as it goes.
             self._write_claim(token, manifest.id, set())
             with _Heartbeat(
                 self.claim_refresh_seconds,
@@ -442,16 +582,32 @@ class _ChunkStore(abc.ABC):
     def _commit(self, upload: _Upload, token: str, raw: dict[str, Any]) -> StoredSnapshot:
         """Upload, then publish the claim, wait out clean-ups, check, and write the record."""
         manifest = upload.manifest
-        chunks, new_bytes = upload.run()
-        self._write_claim(token, manifest.id, upload.relied_on())
-        _report(upload.progress, "committing", manifest.total_bytes, manifest.total_bytes)
-        self._wait_for_cleanups()
-        upload.recheck()
-        distinct = {ref.hash: ref.stored_size for refs in chunks.values() for ref in refs}
+        upload.run()
+        for _ in range(REUPLOAD_ROUNDS):
+            self._write_claim(token, manifest.id, upload.relied_on())
+            _report(upload.progress, "committing", manifest.total_bytes, manifest.total_bytes)
+            self._wait_for_cleanups()
+            missing = upload.recheck()
+            if not missing:
+                break
+            logger.info(
+                "A clean-up removed %d chunks snapshot %s relies on: uploading them again",
+                len(missing),
+                manifest.id,
+            )
+            upload.upload_again(missing)
+        else:
+            raise StoreError(
+                f"Snapshot {manifest.id} could not be stored: concurrent clean-ups kept "
+                "removing chunks it relies on.",
+                hint="Store the snapshot again.",
+            )
+        chunks = upload.refs()
+        distinct = {ref.hash: ref.where.length for refs in chunks.values() for ref in refs}
         record = _Record(
-            raw, manifest, chunks, sum(distinct.values()), new_bytes, upload.params.kib
+            raw, manifest, chunks, sum(distinct.values()), upload.new_bytes, upload.params.kib
         )
-        self._sync_chunks()
+        self._sync_objects()
         if not self._create_record(manifest.id, record.to_json()):
             raced = self._load(manifest.id)
             if raced is None:
@@ -465,12 +621,12 @@ class _ChunkStore(abc.ABC):
         _report(upload.progress, "done", manifest.total_bytes, manifest.total_bytes)
         return self._stored(record)
 
-    def _write_claim(self, token: str, snapshot_id: str, chunks: set[str]) -> None:
+    def _write_claim(self, token: str, snapshot_id: str, objects: set[str]) -> None:
         claim = {
             "snapshot_id": snapshot_id,
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "chunks": sorted(chunks),
+            "objects": sorted(objects),
         }
         self._write_put(f"{token}.json", json.dumps(claim).encode())
 
@@ -478,12 +634,12 @@ class _ChunkStore(abc.ABC):
         self, token: str, manifest: Manifest, upload: _Upload, exc: BaseException
     ) -> BaseException:
         """Remove what the failed put wrote (unless others rely on it); the error to raise."""
-        candidates = upload.relied_on()
+        candidates = upload.written()
         try:
             self._collect(candidates, own={token})
         except SnapshotError as cleanup_exc:
             logger.warning(
-                "The failed put of snapshot %s is cleaned up later (%d chunks): %s",
+                "The failed put of snapshot %s is cleaned up later (%d packs): %s",
                 manifest.id,
                 len(candidates),
                 cleanup_exc,
@@ -514,11 +670,18 @@ class _ChunkStore(abc.ABC):
     def get(self, snapshot_id: str) -> StoredSnapshot:
         return self._stored(self._require(snapshot_id))
 
-    def fetch(self, snapshot_id: str, dest_dir: Path, progress: Progress | None = None) -> Path:
+    def fetch(
+        self,
+        snapshot_id: str,
+        dest_dir: Path,
+        progress: Progress | None = None,
+        skip: Callable[[str], bool] | None = None,
+    ) -> Path:
         """Rebuild the snapshot directory at ``dest_dir`` (which must not exist), verified.
 
         Everything is written to a hidden sibling and renamed into place, so ``dest_dir``
-        is complete or absent.
+        is complete or absent. Files for which ``skip(path)`` is true are left out (a lazy
+        restore serves them from :meth:`open_images` instead).
         """
         record = self._require(snapshot_id)
         dest_dir = Path(dest_dir)
@@ -536,7 +699,7 @@ class _ChunkStore(abc.ABC):
             # that a clean-up after crashes tells it from one a dead process left.
             lock = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             fcntl.flock(lock, fcntl.LOCK_EX)
-            _Download(self, record, staging, progress).run()
+            _Download(self, record, staging, progress, skip).run()
             with (staging / manifest_mod.MANIFEST_NAME).open("x") as fh:
                 fh.write(json.dumps(record.raw_manifest, indent=1, sort_keys=True))
                 fh.flush()
@@ -561,8 +724,12 @@ class _ChunkStore(abc.ABC):
         _report(progress, "done", record.manifest.total_bytes, record.manifest.total_bytes)
         return dest_dir
 
+    def open_images(self, snapshot_id: str) -> SnapshotImages:
+        """Byte ranges of the snapshot's files, read from the store on demand (verified)."""
+        return SnapshotImages(self, self._require(snapshot_id))
+
     def delete(self, snapshot_id: str) -> None:
-        """Remove the record, then sweep chunks nothing references (past the grace period)."""
+        """Remove the record, then sweep and repack what nothing needs any more."""
         self._require(snapshot_id)
         self._delete_record(snapshot_id)
         with self._cache_lock:
@@ -571,24 +738,24 @@ class _ChunkStore(abc.ABC):
             self._sweep()
         except SnapshotError as exc:
             logger.warning(
-                "Snapshot %s deleted, but its chunks were not swept: %s", snapshot_id, exc
+                "Snapshot %s deleted, but the store was not cleaned up: %s", snapshot_id, exc
             )
 
     def stats(self) -> StoreStats:
-        chunks = builtins.list(self._list_chunks())
+        objects = self._list_all_objects()
         return StoreStats(
             snapshot_count=len(self._record_ids()),
-            chunk_count=len(chunks),
-            stored_bytes=sum(stat.stored_size for _, stat in chunks),
+            object_count=len(objects),
+            stored_bytes=sum(stat.size for stat in objects.values()),
         )
 
-    # -- internals -------------------------------------------------------------------
+    # -- clean-up --------------------------------------------------------------------
 
     def _sweep(self) -> None:
-        """Delete unreferenced chunks older than the grace period, and what failed or
-        killed puts left (see :meth:`_collect`)."""
+        """Delete unreferenced objects older than the grace period, repack mostly unused
+        packs, and remove what failed or killed puts left (see :meth:`_collect`)."""
         with self._leftovers_lock:
-            leftovers = {token: set(chunks) for token, chunks in self._leftovers.items()}
+            leftovers = {token: set(objects) for token, objects in self._leftovers.items()}
         self._collect(set().union(*leftovers.values()), own=set(leftovers), sweep=True)
         with self._leftovers_lock:
             for token in leftovers:
@@ -598,7 +765,7 @@ class _ChunkStore(abc.ABC):
         """After a put: clean up what earlier failed puts here (store unreachable then)
         and killed puts anywhere (stale claims) left, if there is any."""
         with self._leftovers_lock:
-            leftovers = {token: set(chunks) for token, chunks in self._leftovers.items()}
+            leftovers = {token: set(objects) for token, objects in self._leftovers.items()}
         if not leftovers:
             now = time.time()
             if not any(mtime <= now - self._stale_after(name) for name, mtime in self._list_puts()):
@@ -612,15 +779,14 @@ class _ChunkStore(abc.ABC):
         return self.marker_stale_seconds if name.endswith(".cleaning") else self.claim_stale_seconds
 
     def _collect(self, candidates: set[str], *, own: set[str], sweep: bool = False) -> None:
-        """Delete the ``candidates`` (and the chunks of stale claims) that no record
-        references and no live claim lists; with ``sweep``, also unreferenced chunks older
-        than the grace period. The claims ``own`` (of failed puts) are removed at the end.
+        """Delete the ``candidates`` (and the objects of stale claims) that no record
+        needs and no live claim lists; with ``sweep``, also unneeded objects older than
+        the grace period, and repack old packs that are mostly unneeded if no other
+        clean-up runs. The claims ``own`` (of failed puts) are removed at the end.
 
         The marker is written first, then the claims are read, then the records: a put
         that publishes its claim after that reading sees the marker (or its clean-up
-        done) before it checks its chunks. Chunks are listed before records for the sweep:
-        a put that reuses a listed chunk refreshes its timestamp before writing its
-        record, and ``_delete_chunk`` reads the timestamp again.
+        done) before it checks its packs.
         """
         marker = f"{uuid.uuid4().hex}.cleaning"
         last_beat = [time.monotonic()]
@@ -630,12 +796,16 @@ class _ChunkStore(abc.ABC):
             self._write_put(marker, owner)
             last_beat[0] = time.monotonic()
 
+        def check_lease() -> None:
+            self._check_lease(last_beat[0])
+
         beat()
         try:
             with _Heartbeat(self.marker_refresh_seconds, beat):
                 candidates = set(candidates)
                 live: set[str] = set()
                 finished: builtins.list[str] = []
+                alone = True
                 now = time.time()
                 for name, mtime in self._list_puts():
                     token, _, kind = name.partition(".")
@@ -643,35 +813,58 @@ class _ChunkStore(abc.ABC):
                     if name == marker or kind not in ("json", "cleaning"):
                         continue
                     if kind == "cleaning" or token in own:
+                        if kind == "cleaning" and not stale:
+                            alone = alone and self._marker_owner_gone(name)
                         if kind == "json" or stale:
                             finished.append(name)
                         continue
-                    claimed = self._claimed_chunks(name, stale)
+                    claimed = self._claimed_objects(name, stale)
                     if stale:
                         candidates |= claimed
                         finished.append(name)
                     else:
                         live |= claimed
-                listed = builtins.list(self._list_chunks()) if sweep else []
-                referenced: set[str] = set()
-                for record in self._all_records(strict=True).values():
-                    referenced.update(record.distinct())
-                doomed = sorted(candidates - referenced - live)
+                objects = self._list_all_objects()
+                records = self._all_records(strict=True)
+                catalog = _Catalog(self, records.values(), objects)
+                needed: dict[str, dict[str, tuple[int, Location]]] = {}
+                for record in records.values():
+                    for ref in record.distinct().values():
+                        where = catalog.resolve(ref)
+                        if where is None:
+                            logger.warning(
+                                "Snapshot %s needs chunk %s…, which is in no pack",
+                                record.manifest.id,
+                                ref.hash[:12],
+                            )
+                            continue
+                        needed.setdefault(where.obj, {})[ref.hash] = (ref.size, where)
+                doomed = sorted((candidates & objects.keys()) - needed.keys() - live)
                 cutoff = time.time() - self.grace_seconds
                 old = {
-                    digest
-                    for digest, stat in listed
-                    if digest not in referenced and digest not in live and stat.mtime <= cutoff
+                    name
+                    for name, stat in objects.items()
+                    if sweep and name not in needed and name not in live and stat.mtime <= cutoff
                 }
-                self._check_lease(last_beat[0])
-                self._delete_chunks(doomed)
-                for digest in sorted(old - set(doomed)):
-                    self._check_lease(last_beat[0])
-                    self._delete_chunk(digest, cutoff)
+                check_lease()
+                self._delete_objects(sorted(set(doomed) | old))
+                if sweep and alone:
+                    worn = [
+                        name
+                        for name, stat in sorted(objects.items())
+                        if name in needed
+                        and name not in live
+                        and packs.PACK_NAME_RE.match(name)
+                        and stat.mtime <= cutoff
+                        and sum(w.length for _, w in needed[name].values())
+                        < self.repack_below * stat.size
+                    ]
+                    if worn:
+                        self._repack(worn, needed, check_lease)
                 for name in finished:
                     self._delete_put(name)
                 if doomed:
-                    logger.info("Removed %d chunks that failed puts left", len(doomed))
+                    logger.info("Removed %d packs that failed puts left", len(doomed))
         finally:
             try:
                 self._delete_put(marker)
@@ -680,22 +873,72 @@ class _ChunkStore(abc.ABC):
                     self._leftover_markers.add(marker)
                 raise
 
-    def _claimed_chunks(self, name: str, stale: bool) -> set[str]:
-        """The chunks a claim lists; a live claim that cannot be read stops the clean-up."""
+    def _repack(
+        self,
+        worn: builtins.list[str],
+        needed: dict[str, dict[str, tuple[int, Location]]],
+        check_lease: Callable[[], None],
+    ) -> None:
+        """Copy the needed chunks of ``worn`` packs into new packs, then delete them.
+
+        Every chunk is checked before it is copied; a pack with a damaged chunk is left
+        as it is. Readers find the moved chunks through the new packs' trailers.
+        """
+        builder = packs.PackBuilder()
+        done: builtins.list[str] = []
+        freed = 0
+        for name in worn:
+            check_lease()
+            chunks = sorted(needed[name].items(), key=lambda item: item[1][1].offset)
+            copied: builtins.list[tuple[str, int, bytes, packs.Codec]] = []
+            try:
+                for group in _coalesce([(digest, w) for digest, (_, w) in chunks]):
+                    start = group[0][1].offset
+                    end = max(w.offset + w.length for _, w in group)
+                    data = self._read_object(name, start, end - start)
+                    if data is None:
+                        raise ValueError("it is gone")
+                    for digest, where in group:
+                        blob = data[where.offset - start : where.offset - start + where.length]
+                        size = needed[name][digest][0]
+                        packs.check_chunk(packs.decode(blob, where.codec, size), size, digest)
+                        copied.append((digest, size, blob, where.codec))
+            except ValueError as exc:
+                logger.warning("Pack %s is not repacked: a chunk %s", name, exc)
+                continue
+            for digest, size, blob, codec in copied:
+                builder.add(digest, size, blob, codec)
+            done.append(name)
+            freed += sum(w.length for _, w in needed[name].values())
+            if builder.size >= self.pack_bytes:
+                self._write_object(builder.name, builder.finish())
+                builder = packs.PackBuilder()
+        if len(builder):
+            self._write_object(builder.name, builder.finish())
+        if not done:
+            return
+        self._sync_objects()
+        check_lease()
+        self._delete_objects(done)
+        logger.info("Repacked %d packs (%s still needed)", len(done), human_bytes(freed))
+
+    def _claimed_objects(self, name: str, stale: bool) -> set[str]:
+        """The objects a claim lists; a live claim that cannot be read stops the clean-up."""
         data = self._read_put(name)
         try:
             if data is None:
                 return set()  # its put ended meanwhile
-            chunks = json.loads(data)["chunks"]
-            if not all(isinstance(c, str) and _HASH_RE.match(c) for c in chunks):
-                raise ValueError("not a list of chunk hashes")
-            return set(chunks)
+            claim = json.loads(data)
+            objects = claim["objects"]
+            if not all(isinstance(o, str) and packs.is_object_name(o) for o in objects):
+                raise ValueError("not a list of pack names")
+            return set(objects)
         except (ValueError, KeyError, TypeError) as exc:
             if stale:
                 return set()
             raise StoreError(
                 f"The claim {self._location_of_put(name)} of a put in progress cannot be "
-                f"read ({exc}), so no chunk is removed now.",
+                f"read ({exc}), so nothing is removed now.",
                 hint="Remove that file if no put is running, then retry.",
             ) from exc
 
@@ -785,6 +1028,8 @@ class _ChunkStore(abc.ABC):
         if cached is not None:
             return cached
         record = _Record.parse(snapshot_id, data)
+        if any(packs.LEGACY_NAME_RE.match(name) for name in record.objects()):
+            self._legacy_objects = True
         with self._cache_lock:
             self._cache[snapshot_id] = record
         return record
@@ -816,17 +1061,6 @@ class _ChunkStore(abc.ABC):
             location=self._location(record.manifest.id),
         )
 
-    def _compress_and_write(self, digest: str, data: bytes | memoryview) -> int:
-        compressed = self._codec.compressor.compress(data)
-        self._write_chunk(digest, compressed)
-        return len(compressed)
-
-    def _decompress(self, data: bytes, size: int) -> bytes:
-        """Refuse a frame that claims another size before allocating for it."""
-        if zstandard.frame_content_size(data) != size:
-            raise ValueError("the compressed frame holds another size")
-        return self._codec.decompressor.decompress(data, max_output_size=size)
-
 
 class _Heartbeat:
     """Calls ``beat`` every ``interval`` seconds on a thread until the block ends; a failed
@@ -854,8 +1088,31 @@ class _Heartbeat:
                 logger.warning("Store heartbeat failed: %s", exc)
 
 
+def _coalesce(
+    chunks: Iterable[tuple[_T, Location]],
+) -> Iterator[builtins.list[tuple[_T, Location]]]:
+    """Chunks of one object, sorted by offset, in groups that one ranged read serves."""
+    group: builtins.list[tuple[_T, Location]] = []
+    start = end = 0
+    for item in chunks:
+        where = item[1]
+        if group and (
+            where.offset - end > COALESCE_GAP or where.offset + where.length - start > MAX_READ
+        ):
+            yield group
+            group = []
+        if not group:
+            start = where.offset
+        group.append(item)
+        end = max(end if len(group) > 1 else 0, where.offset + where.length)
+    if group:
+        yield group
+
+
 class _Upload:
-    """One put: chunk, hash and check each file; upload new chunks on a pool."""
+    """One put, as a pipeline: the calling thread cuts each file into chunks; a pool
+    hashes and compresses them; the calling thread places them, in order, into packs;
+    another pool uploads the packs. Chunks the store already has are not stored again."""
 
     def __init__(
         self,
@@ -870,49 +1127,94 @@ class _Upload:
         self.manifest = manifest
         self.params = params
         self.progress = progress
-        self.claimed: set[str] = set()
-        """Chunks this put has already handled (or is handling)."""
+        self.files: dict[str, builtins.list[tuple[str, int]]] = {}
+        """Each file's chunks (sha256, size), in order."""
+        self.locations: dict[str, Location] = {}
+        """Where each distinct chunk is: in a pack of this put, or one it reuses."""
+        self.sources: dict[str, tuple[str, int, int]] = {}
+        """Where each distinct chunk is in the snapshot: file, offset, size."""
+        self.known: dict[str, Location] = {}
+        """The chunks the store has (listed at the start)."""
         self.lock = threading.Lock()
-        self.index: dict[str, _ChunkStat] | None = None
-        """The store's chunks listed at the start, where the store lists them."""
+        self._relied: set[str] = set()
+        self._written: set[str] = set()
         self.new_bytes = 0
         self.done_bytes = 0
 
-    def run(self) -> tuple[dict[str, builtins.list[ChunkRef]], int]:
-        chunks: dict[str, builtins.list[ChunkRef]] = {}
+    def relied_on(self) -> set[str]:
+        """Every pack this put has written, is writing, or reuses chunks of."""
+        with self.lock:
+            return self._relied | self._written
+
+    def written(self) -> set[str]:
+        with self.lock:
+            return set(self._written)
+
+    def refs(self) -> dict[str, builtins.list[ChunkRef]]:
+        return {
+            path: [ChunkRef(digest, size, self.locations[digest]) for digest, size in chunks]
+            for path, chunks in self.files.items()
+        }
+
+    def run(self) -> None:
         total = self.manifest.total_bytes
         _report(self.progress, "uploading", 0, total)
-        self.index = self.store._chunk_index()
-        with ThreadPoolExecutor(max_workers=self.store.max_workers) as pool:
+        records = self.store._all_records(strict=False)
+        self.known = _Catalog(self.store, records.values()).located
+        with _Packer(self) as packer, ThreadPoolExecutor(self.store.max_workers) as pool:
             tasks = _Bounded(pool, 2 * self.store.max_workers)
             try:
                 for entry in self.manifest.files:
-                    refs = chunks[entry.path] = []
+                    chunks = self.files[entry.path] = []
+                    compressibility = packs.Compressibility()
                     for data in self._read_checked(entry):
-                        self._done(refs, tasks.submit(self._chunk, data))
-                    self._done(refs, tasks.drain())
+                        for done in tasks.submit(self._prepare, data, compressibility):
+                            self._place(packer, entry.path, chunks, done)
+                    for done in tasks.drain():
+                        self._place(packer, entry.path, chunks, done)
             except BaseException:
                 tasks.cancel()
                 raise
-        sizes = {
-            ref.hash: ref.stored_size for refs in chunks.values() for ref in refs if ref.stored_size
-        }
-        for path, refs in chunks.items():
-            chunks[path] = [ChunkRef(r.hash, r.size, sizes[r.hash]) for r in refs]
-        return chunks, self.new_bytes
 
-    def _done(self, refs: builtins.list[ChunkRef], done: Iterable[ChunkRef]) -> None:
-        for ref in done:
-            refs.append(ref)
-            self.done_bytes += ref.size
-            _report(self.progress, "uploading", self.done_bytes, self.manifest.total_bytes)
+    def _prepare(
+        self, data: bytes | memoryview, compressibility: packs.Compressibility
+    ) -> tuple[str, int, bytes | memoryview | None, packs.Codec]:
+        """On a worker: hash the chunk; compress it unless the store has it (a chunk this
+        put has twice is compressed twice: which comes first is known only in order)."""
+        digest = hashlib.sha256(data).hexdigest()
+        if digest in self.known:
+            return digest, len(data), None, "raw"
+        blob, codec = packs.encode(data, compressibility.worth_trying())
+        compressibility.saw(codec)
+        return digest, len(data), blob, codec
+
+    def _place(
+        self,
+        packer: _Packer,
+        path: str,
+        chunks: builtins.list[tuple[str, int]],
+        prepared: tuple[str, int, bytes | memoryview | None, packs.Codec],
+    ) -> None:
+        """On the calling thread, in file order: reuse or pack one chunk."""
+        digest, size, blob, codec = prepared
+        if digest not in self.locations:
+            offset = sum(s for _, s in chunks)
+            self.sources[digest] = (path, offset, size)
+            if blob is None:
+                where = self.known[digest]
+                with self.lock:
+                    self._relied.add(where.obj)
+            else:
+                where = packer.add(digest, size, blob, codec)
+                self.new_bytes += where.length
+            self.locations[digest] = where
+        chunks.append((digest, size))
+        self.done_bytes += size
+        _report(self.progress, "uploading", self.done_bytes, self.manifest.total_bytes)
 
     def _read_checked(self, entry: manifest_mod.FileEntry) -> Iterator[bytes | memoryview]:
         """The file's chunks; raises at the end if its size or sha256 is not the manifest's."""
-        try:
-            path = self.root / _safe_relpath(entry.path)
-        except ValueError as exc:
-            raise _corrupt(self.manifest.id, str(exc)) from exc
+        path = self._path(entry.path)
         try:
             with path.open("rb") as fh:
                 digest = hashlib.sha256()
@@ -928,107 +1230,350 @@ class _Upload:
         if size != entry.size or digest.hexdigest() != entry.sha256:
             raise _corrupt(self.manifest.id, f"{entry.path} differs from its manifest entry")
 
-    def _chunk(self, data: bytes | memoryview) -> ChunkRef:
-        """Upload one chunk unless the store (or this put) has it; stored_size 0 = not known yet."""
-        digest = _sha256(data)
-        with self.lock:
-            first = digest not in self.claimed
-            self.claimed.add(digest)
-        if not first:
-            return ChunkRef(digest, len(data), 0)
-        stat = self.index.get(digest) if self.index is not None else self.store._stat_chunk(digest)
-        if stat is not None:
-            if stat.mtime < time.time() - self.store.grace_seconds / 2:
-                self.store._touch_chunk(digest)
-            return ChunkRef(digest, len(data), stat.stored_size)
-        stored = self.store._compress_and_write(digest, data)
-        with self.lock:
-            self.new_bytes += stored
-        return ChunkRef(digest, len(data), stored)
+    def _path(self, relpath: str) -> Path:
+        try:
+            return self.root / _safe_relpath(relpath)
+        except ValueError as exc:
+            raise _corrupt(self.manifest.id, str(exc)) from exc
 
-    def relied_on(self) -> set[str]:
-        """Every chunk this put has written, reused or is handling so far."""
-        with self.lock:
-            return set(self.claimed)
+    def recheck(self) -> builtins.list[str]:
+        """After the claim is published and clean-ups are waited out: find chunks whose pack
+        a concurrent clean-up removed (moved ones get their new place); the lost ones."""
+        objects = self.store._list_all_objects()
+        gone = [digest for digest, where in self.locations.items() if where.obj not in objects]
+        if not gone:
+            return []
+        records = self.store._all_records(strict=False)
+        located = _Catalog(self.store, records.values(), objects).located
+        lost = []
+        for digest in gone:
+            if digest in located:
+                self.locations[digest] = located[digest]
+                with self.lock:
+                    self._relied.add(located[digest].obj)
+            else:
+                lost.append(digest)
+        return lost
 
-    def recheck(self) -> None:
-        """Fail rather than record a chunk that a concurrent sweep or clean-up removed
-        after all (reused ones, and written ones another failed put also wrote)."""
-        relied = sorted(self.relied_on())
-        index = self.store._chunk_index() if self.index is not None else None
-        if index is not None:
-            stats: Iterable[_ChunkStat | None] = [index.get(d) for d in relied]
-        else:
-            with ThreadPoolExecutor(max_workers=self.store.max_workers) as pool:
-                stats = builtins.list(pool.map(self.store._stat_chunk, relied))
-        for digest, stat in zip(relied, stats, strict=True):
-            if stat is None:
-                raise StoreError(
-                    f"Chunk {digest[:12]}… of snapshot {self.manifest.id} was deleted while it "
-                    "was being stored (a concurrent delete or clean-up removed it).",
-                    hint="Store the snapshot again.",
-                )
+    def upload_again(self, digests: builtins.list[str]) -> None:
+        """Pack the lost chunks again, read from the snapshot's files."""
+        with _Packer(self) as packer:
+            for digest in digests:
+                relpath, offset, size = self.sources[digest]
+                path = self._path(relpath)
+                try:
+                    with path.open("rb") as fh:
+                        data = os.pread(fh.fileno(), size, offset)
+                except OSError as exc:
+                    raise StoreError(f"Cannot read {path}: {exc}", hint=_os_hint(exc)) from exc
+                try:
+                    packs.check_chunk(data, size, digest)
+                except ValueError as exc:
+                    raise _corrupt(self.manifest.id, f"{relpath} changed while stored") from exc
+                blob, codec = packs.encode(data)
+                where = self.locations[digest] = packer.add(digest, size, blob, codec)
+                self.new_bytes += where.length
+
+
+class _Packer:
+    """Fills packs on the calling thread and uploads full ones on a pool (a few in flight)."""
+
+    def __init__(self, upload: _Upload) -> None:
+        self.upload = upload
+        self.store = upload.store
+        self.builder: packs.PackBuilder | None = None
+        self.pool = ThreadPoolExecutor(self.store.max_workers, thread_name_prefix="pack-upload")
+        self.sending = _Bounded(self.pool, self.store.max_workers)
+
+    def __enter__(self) -> _Packer:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        try:
+            if exc_type is None:
+                self._send()
+                builtins.list(self.sending.drain())
+            else:
+                self.sending.cancel()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def add(self, digest: str, size: int, blob: bytes | memoryview, codec: packs.Codec) -> Location:
+        if self.builder is None:
+            self.builder = packs.PackBuilder()
+            with self.upload.lock:  # claimed before it exists
+                self.upload._written.add(self.builder.name)
+        where = self.builder.add(digest, size, blob, codec)
+        if self.builder.size >= self.store.pack_bytes:
+            self._send()
+        return where
+
+    def _send(self) -> None:
+        if self.builder is None:
+            return
+        name, data = self.builder.name, self.builder.finish()
+        self.builder = None
+        self.sending.submit(self.store._write_object, name, data)
+
+
+class _OrderedHasher:
+    """Hashes each file in order as its written prefix grows, on its own thread, so that
+    the files' sha256 are ready when the last chunk lands (chunks land out of order)."""
+
+    def __init__(self, fds: builtins.list[int], sizes: builtins.list[int]) -> None:
+        self.fds = fds
+        self.sizes = sizes
+        self.digests = [hashlib.sha256() for _ in fds]
+        self._ends: builtins.list[dict[int, int]] = [{} for _ in fds]
+        self._contiguous = [0] * len(fds)
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fetch-hasher", daemon=True)
+        self._thread.start()
+
+    def written(self, index: int, offset: int, size: int) -> None:
+        with self._cond:
+            ends = self._ends[index]
+            ends[offset] = offset + size
+            end = self._contiguous[index]
+            while end in ends:
+                end = ends.pop(end)
+            if end != self._contiguous[index]:
+                self._contiguous[index] = end
+                self._cond.notify()
+
+    def _run(self) -> None:
+        try:
+            for index, fd in enumerate(self.fds):
+                hashed = 0
+                while hashed < self.sizes[index]:
+                    with self._cond:
+                        while not self._stopped and self._contiguous[index] <= hashed:
+                            self._cond.wait()
+                        if self._stopped:
+                            return
+                        end = self._contiguous[index]
+                    while hashed < end:
+                        piece = os.pread(fd, min(8 << 20, end - hashed), hashed)
+                        if not piece:
+                            raise OSError(errno.EIO, "short read of a file being fetched")
+                        self.digests[index].update(piece)
+                        hashed += len(piece)
+        except OSError as exc:  # raised on the calling thread by result()
+            self._error = exc
+
+    def result(self) -> builtins.list[str]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return [d.hexdigest() for d in self.digests]
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join()
+
+
+class _Reader:
+    """Reads chunks of one record: coalesced ranges, each chunk decoded and checked; a
+    chunk whose pack is gone is looked up where a repack put it."""
+
+    def __init__(self, store: _ChunkStore, record: _Record) -> None:
+        self.store = store
+        self.record = record
+        self._catalog: _Catalog | None = None
+        self._lock = threading.Lock()
+
+    def plan(self, refs: Iterable[ChunkRef]) -> builtins.list[builtins.list[ChunkRef]]:
+        """The reads that serve ``refs`` (given in the order they are wanted), in that order."""
+        by_object: dict[str, dict[str, ChunkRef]] = {}
+        order: dict[str, int] = {}
+        for i, ref in enumerate(refs):
+            by_object.setdefault(ref.where.obj, {}).setdefault(ref.hash, ref)
+            order.setdefault(ref.hash, i)
+        reads = [
+            [ref for ref, _ in group]
+            for chunks in by_object.values()
+            for group in _coalesce(
+                sorted(((r, r.where) for r in chunks.values()), key=lambda c: c[1].offset)
+            )
+        ]
+        return sorted(reads, key=lambda group: min(order[r.hash] for r in group))
+
+    def read(self, group: builtins.list[ChunkRef]) -> Iterator[tuple[ChunkRef, bytes | memoryview]]:
+        """Each chunk of a planned read with its bytes, checked."""
+        obj = group[0].where.obj
+        start = min(r.where.offset for r in group)
+        end = max(r.where.offset + r.where.length for r in group)
+        data = self.store._read_object(obj, start, end - start)
+        if data is None:
+            yield from self._moved(group)
+            return
+        if len(data) != end - start:
+            raise self._damaged(group[0], f"{obj} is shorter than its record says")
+        view = memoryview(data)
+        for ref in group:
+            offset = ref.where.offset - start
+            yield ref, self._decoded(ref, view[offset : offset + ref.where.length])
+
+    def _moved(
+        self, group: builtins.list[ChunkRef]
+    ) -> Iterator[tuple[ChunkRef, bytes | memoryview]]:
+        with self._lock:
+            if self._catalog is None or group[0].where.obj in self._catalog.objects:
+                records = self.store._all_records(strict=False)
+                records[self.record.manifest.id] = self.record
+                self._catalog = _Catalog(self.store, records.values())
+            catalog = self._catalog
+        moved = []
+        for ref in group:
+            where = catalog.resolve(ref)
+            if where is None or where.obj == ref.where.obj:
+                raise self._damaged(ref, "is missing from the store")
+            moved.append(ChunkRef(ref.hash, ref.size, where))
+        for read in self.plan(moved):
+            yield from self.read(read)
+
+    def _decoded(self, ref: ChunkRef, blob: memoryview) -> bytes | memoryview:
+        try:
+            data = packs.decode(blob, ref.where.codec, ref.size)
+            packs.check_chunk(data, ref.size, ref.hash)
+        except ValueError as exc:
+            raise self._damaged(ref, str(exc)) from exc
+        return data
+
+    def _damaged(self, ref: ChunkRef, what: str) -> SnapshotCorruptError:
+        path = next(
+            (p for p, refs in self.record.chunks.items() if any(r.hash == ref.hash for r in refs)),
+            "?",
+        )
+        return _corrupt(self.record.manifest.id, f"chunk {ref.hash[:12]}… of {path} {what}")
 
 
 class _Download:
-    """One fetch: GET and check chunks on a pool; write each file in order, hashing it.
-
-    The calling thread writes and hashes each file sequentially as the chunks come back,
-    so every file's size and sha256 are checked against the manifest without reading it
-    again (the result passes ``manifest.verify``).
-    """
+    """One fetch in one concurrent pass: a pool reads coalesced ranges of packs, decodes
+    and checks each chunk and writes it where it belongs; a thread hashes each file as
+    its written prefix grows, so every file is checked against the manifest at the end."""
 
     def __init__(
-        self, store: _ChunkStore, record: _Record, staging: Path, progress: Progress | None
+        self,
+        store: _ChunkStore,
+        record: _Record,
+        staging: Path,
+        progress: Progress | None,
+        skip: Callable[[str], bool] | None = None,
     ) -> None:
         self.store = store
         self.record = record
         self.staging = staging
         self.progress = progress
+        self.entries = [e for e in record.manifest.files if skip is None or not skip(e.path)]
+        self.total = sum(e.size for e in self.entries)
         self.done_bytes = 0
+        self._lock = threading.Lock()
+        self.targets: dict[str, builtins.list[tuple[int, int]]] = {}
+        """sha256 -> every (file index, offset) the chunk goes to."""
 
     def run(self) -> None:
-        _report(self.progress, "downloading", 0, self.record.manifest.total_bytes)
-        with ThreadPoolExecutor(max_workers=self.store.max_workers) as pool:
-            tasks = _Bounded(pool, 2 * self.store.max_workers)
-            try:
-                for entry in self.record.manifest.files:
-                    target = self.staging / _safe_relpath(entry.path)
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    digest = hashlib.sha256()
-                    with target.open("xb") as fh:
-                        for ref in self.record.chunks[entry.path]:
-                            self._write(fh, digest, tasks.submit(self._chunk, entry.path, ref))
-                        self._write(fh, digest, tasks.drain())
-                        fh.flush()
-                        os.fsync(fh.fileno())
-                    if digest.hexdigest() != entry.sha256:
-                        raise _corrupt(
-                            self.record.manifest.id, f"{entry.path} differs from its manifest entry"
-                        )
-            except BaseException:
-                tasks.cancel()
-                raise
-
-    def _write(self, fh: BinaryIO, digest: hashlib._Hash, pieces: Iterable[bytes]) -> None:
-        for data in pieces:
-            fh.write(data)
-            digest.update(data)
-            self.done_bytes += len(data)
-            _report(self.progress, "downloading", self.done_bytes, self.record.manifest.total_bytes)
-
-    def _chunk(self, path: str, ref: ChunkRef) -> bytes:
-        data = self.store._read_chunk(ref.hash)
-        where = f"chunk {ref.hash[:12]}… of {path}"
-        if data is None:
-            raise _corrupt(self.record.manifest.id, f"{where} is missing from the store")
+        _report(self.progress, "downloading", 0, self.total)
+        wanted: builtins.list[ChunkRef] = []
+        for index, entry in enumerate(self.entries):
+            offset = 0
+            for ref in self.record.chunks[entry.path]:
+                self.targets.setdefault(ref.hash, []).append((index, offset))
+                wanted.append(ref)
+                offset += ref.size
+        fds: builtins.list[int] = []
+        hasher = None
+        reader = _Reader(self.store, self.record)
         try:
-            raw = self.store._decompress(data, ref.size)
-        except (zstandard.ZstdError, ValueError) as exc:
-            raise _corrupt(self.record.manifest.id, f"{where} cannot be decompressed") from exc
-        if len(raw) != ref.size or _sha256(raw) != ref.hash:
-            raise _corrupt(self.record.manifest.id, f"{where} has the wrong sha256")
-        return raw
+            for entry in self.entries:
+                target = self.staging / _safe_relpath(entry.path)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                fds.append(fd)
+                os.ftruncate(fd, entry.size)
+            hasher = _OrderedHasher(fds, [e.size for e in self.entries])
+            with ThreadPoolExecutor(self.store.max_workers) as pool:
+                tasks = _Bounded(pool, self.store.max_workers)
+                try:
+                    for group in reader.plan(wanted):
+                        for written in tasks.submit(self._fetch, reader, hasher, fds, group):
+                            self._progress(written)
+                    for written in tasks.drain():
+                        self._progress(written)
+                except BaseException:
+                    tasks.cancel()
+                    raise
+            digests = hasher.result()
+            for entry, digest, fd in zip(self.entries, digests, fds, strict=True):
+                if digest != entry.sha256:
+                    raise _corrupt(
+                        self.record.manifest.id, f"{entry.path} differs from its manifest entry"
+                    )
+                os.fsync(fd)
+        finally:
+            if hasher is not None:
+                hasher.stop()
+            for fd in fds:
+                os.close(fd)
+
+    def _fetch(
+        self,
+        reader: _Reader,
+        hasher: _OrderedHasher,
+        fds: builtins.list[int],
+        group: builtins.list[ChunkRef],
+    ) -> int:
+        written = 0
+        for ref, data in reader.read(group):
+            for index, offset in self.targets[ref.hash]:
+                os.pwrite(fds[index], data, offset)
+                hasher.written(index, offset, ref.size)
+                written += ref.size
+        return written
+
+    def _progress(self, written: int) -> None:
+        self.done_bytes += written
+        _report(self.progress, "downloading", self.done_bytes, self.total)
+
+
+class SnapshotImages:
+    """Ranges of a stored snapshot's files, read from the store when asked, every chunk
+    checked against its sha256: what a lazy restore serves pages from. Thread-safe."""
+
+    def __init__(self, store: _ChunkStore, record: _Record) -> None:
+        self.manifest = record.manifest
+        self._reader = _Reader(store, record)
+        self._starts: dict[str, builtins.list[int]] = {}
+        self._refs = record.chunks
+        for path, refs in record.chunks.items():
+            starts, offset = [], 0
+            for ref in refs:
+                starts.append(offset)
+                offset += ref.size
+            self._starts[path] = starts
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of file ``path`` from ``offset`` (fewer at its end)."""
+        if path not in self._refs:
+            raise _corrupt(self.manifest.id, f"it has no file {path!r}")
+        starts, refs = self._starts[path], self._refs[path]
+        first = max(bisect.bisect_right(starts, offset) - 1, 0)
+        last = bisect.bisect_left(starts, offset + length)
+        wanted = refs[first:last]
+        found: dict[str, bytes | memoryview] = {}
+        for group in self._reader.plan(wanted):
+            for ref, data in self._reader.read(group):
+                found[ref.hash] = data
+        joined = b"".join(found[ref.hash] for ref in wanted)
+        skip = offset - starts[first] if wanted else 0
+        return joined[skip : skip + length]
+
+    def close(self) -> None:
+        """Nothing to let go; for symmetry with files."""
 
 
 def _process_identity(pid: int | None = None) -> dict[str, Any]:
@@ -1102,19 +1647,23 @@ class LocalStore(_ChunkStore):
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
         chunking: ChunkParams | None = None,
         max_workers: int = 8,
+        pack_bytes: int = packs.DEFAULT_PACK_BYTES,
+        repack_below: float = REPACK_BELOW,
     ) -> None:
         super().__init__(
             max_workers=max_workers,
             grace_seconds=grace_seconds,
             chunking=chunking,
+            pack_bytes=pack_bytes,
+            repack_below=repack_below,
         )
         self.root = Path(root)
         self._unsynced: set[Path] = set()
-        """Chunk directories with renames not yet made durable (one fsync each per put)."""
+        """Pack directories with renames not yet made durable (one fsync each per put)."""
         self._unsynced_lock = threading.Lock()
 
-    def _chunk_path(self, digest: str) -> Path:
-        return self.root / "chunks" / digest[:2] / digest
+    def _object_path(self, name: str) -> Path:
+        return self.root / name
 
     def _record_path(self, snapshot_id: str) -> Path:
         return self.root / "snapshots" / f"{snapshot_id}.json"
@@ -1183,25 +1732,16 @@ class LocalStore(_ChunkStore):
         except OSError as exc:
             raise self._error(f"delete the record of {snapshot_id}", exc) from exc
 
-    def _stat_chunk(self, digest: str) -> _ChunkStat | None:
-        try:
-            st = self._chunk_path(digest).stat()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise self._error(f"look up chunk {digest}", exc) from exc
-        return _ChunkStat(st.st_size, st.st_mtime)
-
-    def _write_chunk(self, digest: str, data: bytes) -> None:
-        path = self._chunk_path(digest)
+    def _write_object(self, name: str, data: bytes) -> None:
+        path = self._object_path(name)
         try:
             os.replace(self._write_new(path, data), path)
         except OSError as exc:
-            raise self._error(f"write chunk {digest}", exc) from exc
+            raise self._error(f"write {name}", exc) from exc
         with self._unsynced_lock:
             self._unsynced.add(path.parent)
 
-    def _sync_chunks(self) -> None:
+    def _sync_objects(self) -> None:
         with self._unsynced_lock:
             directories = set(self._unsynced)
         try:
@@ -1212,54 +1752,41 @@ class LocalStore(_ChunkStore):
         with self._unsynced_lock:  # only now: a concurrent put may be relying on them
             self._unsynced -= directories
 
-    def _read_chunk(self, digest: str) -> bytes | None:
+    def _read_object(self, name: str, offset: int, length: int) -> bytes | None:
         try:
-            return self._chunk_path(digest).read_bytes()
+            with self._object_path(name).open("rb") as fh:
+                return os.pread(fh.fileno(), length, offset)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise self._error(f"read chunk {digest}", exc) from exc
-
-    def _touch_chunk(self, digest: str) -> None:
-        try:
-            os.utime(self._chunk_path(digest))
-        except OSError as exc:
-            raise self._error(f"touch chunk {digest}", exc) from exc
+            raise self._error(f"read {name}", exc) from exc
 
     def close(self) -> None:
         """Nothing to let go: files are opened per call."""
 
-    def _list_chunks(self) -> Iterator[tuple[str, _ChunkStat]]:
+    def _list_objects(self, directory: str) -> Iterator[tuple[str, _ObjectStat]]:
         try:
-            for sub in _scandir(self.root / "chunks"):
+            for sub in _scandir(self.root / directory):
                 for entry in _scandir(Path(sub.path)):
-                    if _HASH_RE.match(entry.name):
-                        st = entry.stat()
-                        yield entry.name, _ChunkStat(st.st_size, st.st_mtime)
+                    name = f"{directory}/{sub.name}/{entry.name}"
+                    if packs.is_object_name(name):
+                        with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                            st = entry.stat()
+                            yield name, _ObjectStat(st.st_size, st.st_mtime)
         except OSError as exc:
-            raise self._error("list its chunks", exc) from exc
+            raise self._error(f"list its {directory}", exc) from exc
 
-    def _delete_chunk(self, digest: str, older_than: float) -> None:
-        path = self._chunk_path(digest)
-        try:
-            if path.stat().st_mtime <= older_than:
-                path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise self._error(f"delete chunk {digest}", exc) from exc
-
-    def _delete_chunks(self, digests: builtins.list[str]) -> None:
+    def _delete_objects(self, names: builtins.list[str]) -> None:
         """On a pool: an unlink of a freshly written file costs ~1 ms on ext4 here."""
 
-        def delete(digest: str) -> None:
+        def delete(name: str) -> None:
             try:
-                self._chunk_path(digest).unlink(missing_ok=True)
+                self._object_path(name).unlink(missing_ok=True)
             except OSError as exc:
-                raise self._error(f"delete chunk {digest}", exc) from exc
+                raise self._error(f"delete {name}", exc) from exc
 
         with ThreadPoolExecutor(max_workers=self.max_workers) as pool:
-            builtins.list(pool.map(delete, digests))
+            builtins.list(pool.map(delete, names))
 
     def _list_puts(self) -> builtins.list[tuple[str, float]]:
         found = []
@@ -1321,7 +1848,11 @@ class LocalStore(_ChunkStore):
         """Also remove temporary files that a killed put left behind."""
         super()._sweep()
         cutoff = time.time() - self.grace_seconds
-        for tmp in [*self.root.glob("chunks/*/.*.tmp"), *self.root.glob("snapshots/.*.tmp")]:
+        for tmp in [
+            *self.root.glob("packs/*/.*.tmp"),
+            *self.root.glob("chunks/*/.*.tmp"),
+            *self.root.glob("snapshots/.*.tmp"),
+        ]:
             with contextlib.suppress(FileNotFoundError):
                 if tmp.stat().st_mtime <= cutoff:
                     tmp.unlink()
@@ -1364,9 +1895,8 @@ _CREDENTIAL_CODES = {
 class S3Store(_ChunkStore):
     """A store in an S3 bucket under a prefix (one prefix per user keeps users apart).
 
-    Credentials come from boto3's standard chain. Chunks are at most
-    ``ChunkParams.max_size`` (4 MiB), so every object is a single PUT: no multipart
-    uploads, whose ETags are not content hashes (none are used as one here anyway).
+    Credentials come from boto3's standard chain. Packs are a single PUT each (16 MiB by
+    default); reads are ranged GETs of the chunks a restore needs, coalesced.
     """
 
     def __init__(
@@ -1380,8 +1910,16 @@ class S3Store(_ChunkStore):
         *,
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
         chunking: ChunkParams | None = None,
+        pack_bytes: int = packs.DEFAULT_PACK_BYTES,
+        repack_below: float = REPACK_BELOW,
     ) -> None:
-        super().__init__(max_workers=max_workers, grace_seconds=grace_seconds, chunking=chunking)
+        super().__init__(
+            max_workers=max_workers,
+            grace_seconds=grace_seconds,
+            chunking=chunking,
+            pack_bytes=pack_bytes,
+            repack_below=repack_below,
+        )
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.list_page_size = 1000
@@ -1412,9 +1950,6 @@ class S3Store(_ChunkStore):
 
     def _key(self, *parts: str) -> str:
         return "/".join((self.prefix, *parts) if self.prefix else parts)
-
-    def _chunk_key(self, digest: str) -> str:
-        return self._key("chunks", digest[:2], digest)
 
     def _record_key(self, snapshot_id: str) -> str:
         return self._key("snapshots", f"{snapshot_id}.json")
@@ -1459,10 +1994,10 @@ class S3Store(_ChunkStore):
             hint = "Retry; if it keeps failing, check the S3 service and this store's settings."
         raise StoreError(f"S3 {op} of s3://{self.bucket}/{key} failed: {exc}", hint=hint) from exc
 
-    def _read(self, key: str) -> bytes | None:
+    def _read(self, key: str, **kw: Any) -> bytes | None:
         from botocore.exceptions import BotoCoreError
 
-        response = self._call("get_object", key, missing_ok=True)
+        response = self._call("get_object", key, missing_ok=True, **kw)
         if response is None:
             return None
         try:
@@ -1491,38 +2026,32 @@ class S3Store(_ChunkStore):
         for page in self._pages(under, start_after):
             yield from page.get("Contents", [])
 
-    def _chunk_objects(self) -> Iterator[dict[str, Any]]:
-        """Every chunk object: one request for a small store; past one page, the rest is
-        listed per chunk directory (chunks/00 to chunks/ff) in parallel, since a store of a
-        million chunks is a thousand pages, seconds when listed one after another."""
-        pages = self._pages("chunks")
+    def _objects_under(self, directory: str) -> Iterator[dict[str, Any]]:
+        """Every object under ``directory``: one request for a small store; past one page,
+        the rest is listed per subdirectory (00 to ff) in parallel, since a million
+        objects are a thousand pages, seconds when listed one after another."""
+        pages = self._pages(directory)
         first = next(pages, {})
         contents = first.get("Contents", [])
         yield from contents
         if not first.get("IsTruncated"):
             return
         last = contents[-1]["Key"]
-        directory = last.removeprefix(self._key("chunks") + "/").split("/")[0]
-        if not re.fullmatch(r"[0-9a-f]{2}", directory):  # not our layout: go on in order
+        sub = last.removeprefix(self._key(directory) + "/").split("/")[0]
+        if not re.fullmatch(r"[0-9a-f]{2}", sub):  # not our layout: go on in order
             for page in pages:
                 yield from page.get("Contents", [])
             return
-        first_dir = int(directory, 16)
+        first_sub = int(sub, 16)
         with ThreadPoolExecutor(max_workers=self.max_workers) as pool:
             listings = pool.map(
                 lambda d: builtins.list(
-                    self._list(f"chunks/{d:02x}", last if d == first_dir else "")
+                    self._list(f"{directory}/{d:02x}", last if d == first_sub else "")
                 ),
-                range(first_dir, 256),
+                range(first_sub, 256),
             )
             for objects in listings:
                 yield from objects
-
-    def _head(self, digest: str) -> _ChunkStat | None:
-        response = self._call("head_object", self._chunk_key(digest), missing_ok=True)
-        if response is None:
-            return None
-        return _ChunkStat(int(response["ContentLength"]), response["LastModified"].timestamp())
 
     def _location(self, snapshot_id: str) -> str:
         return f"s3://{self.bucket}/{self._record_key(snapshot_id)}"
@@ -1549,65 +2078,43 @@ class S3Store(_ChunkStore):
     def _delete_record(self, snapshot_id: str) -> None:
         self._call("delete_object", self._record_key(snapshot_id))
 
-    def _stat_chunk(self, digest: str) -> _ChunkStat | None:
-        return self._head(digest)
-
     def close(self) -> None:
         self.client.close()
 
-    def _chunk_index(self) -> dict[str, _ChunkStat]:
-        """One listing (1000 keys per request) instead of a HEAD per chunk: a snapshot has
-        thousands of chunks, and a put asks for each twice (before and after)."""
-        return dict(self._list_chunks())
+    def _write_object(self, name: str, data: bytes) -> None:
+        self._call("put_object", self._key(name), Body=data)
 
-    def _write_chunk(self, digest: str, data: bytes) -> None:
-        self._call("put_object", self._chunk_key(digest), Body=data)
-
-    def _sync_chunks(self) -> None:
+    def _sync_objects(self) -> None:
         """Nothing to do: S3 acknowledges a PUT only once the object is durable."""
 
-    def _read_chunk(self, digest: str) -> bytes | None:
-        return self._read(self._chunk_key(digest))
+    def _read_object(self, name: str, offset: int, length: int) -> bytes | None:
+        return self._read(self._key(name), Range=f"bytes={offset}-{offset + length - 1}")
 
-    def _touch_chunk(self, digest: str) -> None:
-        key = self._chunk_key(digest)
-        self._call(
-            "copy_object",
-            key,
-            CopySource={"Bucket": self.bucket, "Key": key},
-            MetadataDirective="REPLACE",
-            Metadata={"touched": str(int(time.time()))},
-        )
+    def _list_objects(self, directory: str) -> Iterator[tuple[str, _ObjectStat]]:
+        root = self._key() + "/" if self.prefix else ""
+        for obj in self._objects_under(directory):
+            name = obj["Key"].removeprefix(root)
+            if packs.is_object_name(name):
+                yield name, _ObjectStat(int(obj["Size"]), obj["LastModified"].timestamp())
 
-    def _list_chunks(self) -> Iterator[tuple[str, _ChunkStat]]:
-        for obj in self._chunk_objects():
-            digest = obj["Key"].rsplit("/", 1)[-1]
-            if _HASH_RE.match(digest):
-                yield digest, _ChunkStat(int(obj["Size"]), obj["LastModified"].timestamp())
-
-    def _delete_chunk(self, digest: str, older_than: float) -> None:
-        stat = self._head(digest)
-        if stat is not None and stat.mtime <= older_than:
-            self._call("delete_object", self._chunk_key(digest))
-
-    def _delete_chunks(self, digests: builtins.list[str]) -> None:
+    def _delete_objects(self, names: builtins.list[str]) -> None:
         """DeleteObjects, 1000 keys a request (S3's most)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        for start in range(0, len(digests), 1000):
-            keys = [{"Key": self._chunk_key(d)} for d in digests[start : start + 1000]]
+        for start in range(0, len(names), 1000):
+            keys = [{"Key": self._key(name)} for name in names[start : start + 1000]]
             try:
                 response = self.client.delete_objects(
                     Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True}
                 )
             except (BotoCoreError, ClientError) as exc:
-                self._raise("delete_objects", self._key("chunks"), exc)
+                self._raise("delete_objects", self._key("packs"), exc)
             errors = response.get("Errors") or []
             if errors:
                 first = errors[0]
                 raise StoreError(
-                    f"S3 delete_objects in s3://{self.bucket}/{self._key('chunks')} failed for "
-                    f"{len(errors)} chunks, e.g. {first.get('Key')}: {first.get('Code')} "
+                    f"S3 delete_objects in s3://{self.bucket}/{self._key()} failed for "
+                    f"{len(errors)} objects, e.g. {first.get('Key')}: {first.get('Code')} "
                     f"{first.get('Message')}",
                     hint=_CREDENTIALS_HINT.format(bucket=self.bucket, prefix=self.prefix),
                 )
