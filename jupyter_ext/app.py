@@ -86,6 +86,16 @@ class SnapshotExtensionApp(ExtensionApp):
         help="""Fast local directory where kernels are dumped before upload and snapshots are
         downloaded before restore. Default: <Jupyter data dir>/kernel_snapshots/work.""",
     )
+    image_cache_max_bytes = Int(
+        -1,
+        config=True,
+        help="""Byte budget of the local image cache: the newest snapshot of each kernel stays
+        unpacked in work_dir/image-cache, so that a restore on this machine reads no store
+        and checks its files with one stat each (about a bare criu restore). Past the
+        budget, or when less than 10 % of the disk (and less than the newest snapshot's
+        size) would stay free, the oldest entries go. Default: -1, a quarter of the work
+        directory's disk. 0 turns the cache off.""",
+    )
     periodic_interval = Float(
         0.0,
         config=True,
@@ -216,6 +226,7 @@ class SnapshotExtensionApp(ExtensionApp):
         self.manager.release_gpu_caches = self.release_gpu_caches
         self.manager.keep_last = self.keep_last
         self.manager.max_bytes = self.max_store_bytes
+        self.manager.image_cache.max_bytes = self.image_cache_max_bytes
         self._policy_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Future[None] | None = None
         self._recovery: asyncio.Future[None] | None = None

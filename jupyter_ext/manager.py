@@ -28,10 +28,10 @@ from .core.errors import (
     SnapshotNotFoundError,
     WrapperUnavailableError,
 )
+from .core.imagecache import ImageCache, Lease, Stamps, lock_shared, stamp_tree
 from .core.leftovers import (
     DumpLock,
     after_failed_dump,
-    lock_directory,
     remove_orphaned_dumps,
     remove_unlocked,
 )
@@ -190,6 +190,8 @@ class SnapshotManager:
         self.release_gpu_caches = True
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
+        #: The newest snapshot of each kernel, unpacked (budget: the app's trait).
+        self.image_cache = ImageCache(self.image_cache_dir)
 
     @property
     def staging_dir(self) -> Path:
@@ -198,6 +200,10 @@ class SnapshotManager:
     @property
     def cache_dir(self) -> Path:
         return self.work_dir / "cache"
+
+    @property
+    def image_cache_dir(self) -> Path:
+        return self.work_dir / "image-cache"
 
     # ---------------------------------------------------------------- kernels
 
@@ -508,6 +514,10 @@ class SnapshotManager:
 
         if job is not None:
             self._progress(job, "uploading")
+        stamps: Stamps | None = None
+        if self.image_cache.enabled:  # stamped before the put reads and checks every byte
+            with contextlib.suppress(OSError):
+                stamps = await asyncio.to_thread(stamp_tree, directory)
         try:
             stored = await asyncio.to_thread(
                 store.put, directory, self._progress_callback(job, "uploading")
@@ -519,7 +529,9 @@ class SnapshotManager:
         finally:
             pending.in_flight = False
         del self.pending[manifest.id]
-        shutil.rmtree(directory, ignore_errors=True)
+        if stamps is not None:  # kept for restores on this machine
+            await asyncio.to_thread(self.image_cache.admit, directory, stamps)
+        shutil.rmtree(directory, ignore_errors=True)  # not admitted
         await asyncio.to_thread(self.apply_retention, stored.manifest)
         return self._describe(stored, "complete")
 
@@ -545,6 +557,8 @@ class SnapshotManager:
                     log.info("Removed %s, left by a dump whose server ended", path)
         for path in remove_unlocked(self.cache_dir):  # likewise its downloads
             log.info("Removed %s, left by a restore whose server ended", path)
+        for path in self.image_cache.recover():
+            log.info("Removed %s from the image cache (broken, or left by a crash)", path)
         for entry in sorted(self.staging_dir.iterdir()):
             if SNAPSHOT_ID_RE.match(entry.name) and (entry / MANIFEST_NAME).is_file():
                 try:
@@ -618,6 +632,7 @@ class SnapshotManager:
                 store.delete(s.manifest.id)
                 removed.append(s.manifest.id)
         for snapshot_id in removed:
+            self.image_cache.discard(snapshot_id)
             self.emit("deleted", {"snapshot_id": snapshot_id, "reason": "retention"})
         return removed
 
@@ -654,11 +669,13 @@ class SnapshotManager:
         stored = await asyncio.to_thread(self.store.get, snapshot_id)
         return stored.manifest
 
-    async def _local_copy(self, job: Job, snapshot_id: str) -> tuple[Path, bool]:
-        """A local directory of the snapshot, and whether it is a temporary copy."""
+    async def _local_copy(self, job: Job, snapshot_id: str) -> tuple[Path, int]:
+        """A local directory of the snapshot, and for a temporary copy (a download) the fd
+        that holds its lock (-1 for a snapshot waiting for its upload): the caller closes
+        it once the copy is removed or admitted into the image cache."""
         pending = self.pending.get(snapshot_id)
         if pending is not None:
-            return pending.directory, False
+            return pending.directory, -1
         dest = self.cache_dir / f"{snapshot_id}-{secrets.token_hex(4)}"
         self._progress(job, "downloading")
         try:
@@ -667,36 +684,63 @@ class SnapshotManager:
             )
             # Locked until the restore removed the copy (the store locks it while it
             # downloads): after a crash of this server, its next start removes it at once.
-            fd = lock_directory(dest)
+            # Shared: the image cache's lease on it, once admitted, is shared too.
+            fd = lock_shared(dest)
         except BaseException:
             remove_tree(dest)  # the store removes its partial download; this is the rest
             raise
+        return dest, fd
 
-        async def unlock_once_removed() -> None:
-            try:
-                while os.path.lexists(dest):
-                    await asyncio.sleep(1)
-            finally:
-                os.close(fd)
-
-        task = asyncio.ensure_future(unlock_once_removed())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return dest, True
+    async def _cached(self, job: Job, snapshot_id: str) -> Lease | None:
+        """The snapshot's entry in the image cache, checked and held for the restore, or
+        None (not cached, or its check failed: then it is dropped and the store serves)."""
+        if snapshot_id in self.pending or not self.image_cache.enabled:
+            return None
+        lease = await asyncio.to_thread(self.image_cache.lease, snapshot_id)
+        if lease is None:
+            return None
+        self._progress(job, "checking-cache")
+        if not lease.fresh:  # its files' stamps changed: hashed again here, locally
+            self._progress(job, "verifying", 0, lease.entry.bytes)
+            if not await asyncio.to_thread(lease.reverify):
+                log.warning(
+                    "cached snapshot %s failed its check: restoring from the store", snapshot_id
+                )
+                return None
+        return lease
 
     async def _restore(
         self, job: Job, snapshot_id: str, kernel_id: str | None, path: str | None
     ) -> dict[str, Any]:
-        # Refused before any download (the request answers 404 or 422): a snapshot that is
-        # not there, or that cannot run on this machine, as its stored manifest says.
-        check_compatible(await self._manifest_of(snapshot_id))
-        job.checked.set()
-        directory, temporary = await self._local_copy(job, snapshot_id)
+        # Served from the image cache when it holds the snapshot intact: no store request.
+        lease = await self._cached(job, snapshot_id)
+        temporary = False
+        download_lock = -1
         try:
-            # Every file against its sha256 before CRIU starts: a corrupt snapshot fails
-            # the job here, and a kernel restored in place keeps running untouched.
-            self._progress(job, "verifying")
-            manifest = await asyncio.to_thread(verify, directory)
+            # Refused before any download (the request answers 404 or 422): a snapshot that
+            # is not there, or that cannot run on this machine, as its manifest says.
+            check_compatible(lease.manifest if lease else await self._manifest_of(snapshot_id))
+            job.checked.set()
+            if lease is not None:
+                directory, manifest, source = lease.path, lease.manifest, "cache"
+            else:
+                directory, download_lock = await self._local_copy(job, snapshot_id)
+                temporary = download_lock >= 0
+                source = "store" if temporary else "work-directory"
+                stamps: Stamps | None = None
+                if temporary and self.image_cache.enabled:  # before verify reads every byte
+                    with contextlib.suppress(OSError):
+                        stamps = await asyncio.to_thread(stamp_tree, directory)
+                # Every file against its sha256 before CRIU starts: a corrupt snapshot fails
+                # the job here, and a kernel restored in place keeps running untouched.
+                self._progress(job, "verifying")
+                manifest = await asyncio.to_thread(verify, directory)
+                if stamps is not None:  # kept for the next restore on this machine
+                    lease = await asyncio.to_thread(
+                        self.image_cache.admit, directory, stamps, lease=True
+                    )
+                    if lease is not None:
+                        directory, temporary = lease.path, False
             self._progress(job, "restoring")
             if kernel_id is not None:
                 await self._restore_in_place(job, kernel_id, directory)
@@ -707,6 +751,10 @@ class SnapshotManager:
         finally:
             if temporary:
                 shutil.rmtree(directory, ignore_errors=True)
+            if download_lock >= 0:  # removed, or admitted (the lease holds it now)
+                os.close(download_lock)
+            if lease is not None:
+                lease.release()
         self.emit(
             "restored", {"snapshot_id": snapshot_id, "kernel_id": kernel_id, "path": target_path}
         )
@@ -715,6 +763,7 @@ class SnapshotManager:
             "snapshot_id": snapshot_id,
             "session": session,
             "running_request": manifest.running_request,
+            "source": source,
         }
 
     async def _restore_in_place(self, job: Job, kernel_id: str, directory: Path) -> None:
@@ -830,6 +879,7 @@ class SnapshotManager:
             shutil.rmtree(pending.directory, ignore_errors=True)
         else:
             await asyncio.to_thread(self.store.delete, snapshot_id)
+            await asyncio.to_thread(self.image_cache.discard, snapshot_id)
         self.emit("deleted", {"snapshot_id": snapshot_id, "reason": "request"})
 
     # ---------------------------------------------------------------- suspend

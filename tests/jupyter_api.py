@@ -38,6 +38,9 @@ def server_config(tmp_path: Path, **extension: Any) -> dict[str, Any]:
             "snapshot_before_shutdown": False,
             "keep_last": 0,
             "policy_tick": 0.2,
+            # Restores read the store (what most tests check): tests/test_image_cache.py
+            # turns the local image cache on.
+            "image_cache_max_bytes": 0,
             **extension,
         },
     }

@@ -85,7 +85,7 @@ export interface IJob {
   kind: JobKind | string;
   kernel_id: string | null;
   status: 'running' | 'done' | 'failed' | string;
-  /** queued, dumping, hashing, uploading, downloading, verifying, restoring, done */
+  /** queued, dumping, hashing, uploading, checking-cache, downloading, verifying, restoring, done */
   phase: string;
   done_bytes: number;
   total_bytes: number;

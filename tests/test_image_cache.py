@@ -1,0 +1,273 @@
+"""The local image cache (issue 16.3): the newest snapshot of each kernel stays unpacked in
+the work directory, and a restore on the same machine is served from it, checked with a
+stat per file, without reading the store. Real jupyter_server, kernels and CRIU."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jupyter_ext.core.imagecache import RECORD_NAME, ImageCache, stamp_tree
+from jupyter_ext.core.manifest import MANIFEST_NAME, Manifest, seal
+from jupyter_ext.manager import SnapshotManager
+
+from .jupyter_api import Fetch, call, server_config, snapshot, wait_job
+
+pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
+
+STATE = "import numpy as np; st = np.arange({n}); st_sum = int(st.sum())"
+CHECK = "print(int(st.sum()) == st_sum, len(st))"
+
+
+@pytest.fixture
+def jp_server_config(tmp_path: Path) -> dict[str, Any]:
+    return server_config(tmp_path, image_cache_max_bytes=-1)
+
+
+def manager_of(jp_serverapp: Any) -> SnapshotManager:
+    manager: SnapshotManager = jp_serverapp.extension_manager.extension_points[
+        "jupyter_ext"
+    ].app.manager
+    return manager
+
+
+def cached_ids(manager: SnapshotManager) -> list[str]:
+    return sorted(e.snapshot_id for e in manager.image_cache.entries())
+
+
+def pages_file(entry: Path) -> Path:
+    """The largest image of an entry: the kernel's memory."""
+    return max((entry / "images").iterdir(), key=lambda p: p.stat().st_size)
+
+
+async def restore(jp_fetch: Fetch, snapshot_id: str, **body: str) -> dict[str, Any]:
+    answer = await call(jp_fetch, "POST", snapshot_id, "restore", body=body)
+    job = await wait_job(jp_fetch, answer["job"])
+    assert job["status"] == "done", job
+    result: dict[str, Any] = job["result"]
+    return result
+
+
+async def run_in(start_kernel: Any, kernel_id: str, code: str) -> str:
+    kernel = await start_kernel(kernel_id)
+    out: str = await kernel.run(code)
+    return out.strip()
+
+
+async def test_restore_is_served_from_the_cache_without_the_store(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any, tmp_path: Path
+) -> None:
+    manager = manager_of(jp_serverapp)
+    kernel = await start_kernel()
+    await kernel.run(STATE.format(n=2_000_000))
+    snap = (await snapshot(jp_fetch, kernel.id))["result"]
+    assert snap["status"] == "complete"
+    entry = manager.image_cache_dir / snap["id"]
+    assert cached_ids(manager) == [snap["id"]]
+    assert Manifest.read(entry).id == snap["id"]
+    assert not pages_file(entry).stat().st_mode & 0o222, "cached files are read-only"
+    assert not list(manager.staging_dir.iterdir()), "the dump moved into the cache"
+
+    # The store is gone while the restore runs: only the cache can serve it.
+    (tmp_path / "store").rename(tmp_path / "store-away")
+    try:
+        result = await restore(jp_fetch, snap["id"])
+    finally:
+        (tmp_path / "store-away").rename(tmp_path / "store")
+    assert result["source"] == "cache"
+    assert result["kernel_id"] != kernel.id
+    assert await run_in(start_kernel, result["kernel_id"], CHECK) == "True 2000000"
+
+    # In place too; the entry is still there and intact afterwards.
+    await kernel.run("st = None")
+    result = await restore(jp_fetch, snap["id"], kernel_id=kernel.id)
+    assert result["source"] == "cache"
+    assert (await kernel.run(CHECK)).strip() == "True 2000000"
+    assert manager.image_cache.wait_unused(snap["id"])
+    assert cached_ids(manager) == [snap["id"]]
+
+
+async def test_a_changed_entry_is_hashed_again_and_a_tampered_one_falls_back_to_the_store(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any
+) -> None:
+    manager = manager_of(jp_serverapp)
+    kernel = await start_kernel()
+    await kernel.run(STATE.format(n=1_000_000))
+    snap = (await snapshot(jp_fetch, kernel.id))["result"]
+    entry = manager.image_cache_dir / snap["id"]
+    pages = pages_file(entry)
+
+    # Only its ctime changes (a chmod, as when a hard link goes away): hashed again, kept.
+    pages.chmod(0o644)
+    pages.chmod(0o444)
+    result = await restore(jp_fetch, snap["id"])
+    assert result["source"] == "cache"
+    assert await run_in(start_kernel, result["kernel_id"], CHECK) == "True 1000000"
+
+    # One byte of the kernel's memory changed, size and mtime put back: dropped, and the
+    # restore comes from the store (and leaves the good copy cached).
+    good = pages.read_bytes()
+    before = pages.stat()
+    pages.chmod(0o644)
+    with pages.open("r+b") as fh:
+        fh.seek(len(good) // 2)
+        fh.write(bytes([good[len(good) // 2] ^ 0xFF]))
+    os.utime(pages, ns=(before.st_atime_ns, before.st_mtime_ns))
+    pages.chmod(0o444)
+    await kernel.run("st = None")
+    result = await restore(jp_fetch, snap["id"], kernel_id=kernel.id)
+    assert result["source"] == "store"
+    assert (await kernel.run(CHECK)).strip() == "True 1000000"
+    assert manager.image_cache.wait_unused(snap["id"])
+    assert cached_ids(manager) == [snap["id"]]
+    assert pages_file(entry).read_bytes() == good
+    assert (await restore(jp_fetch, snap["id"], kernel_id=kernel.id))["source"] == "cache"
+
+
+async def test_newest_per_kernel_stays_oldest_goes_past_the_budget_not_one_in_use(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any
+) -> None:
+    manager = manager_of(jp_serverapp)
+    cache = manager.image_cache
+    a, b, c = [await start_kernel() for _ in range(3)]
+    for kernel in (a, b, c):
+        await kernel.run(STATE.format(n=1_000_000))
+
+    first = (await snapshot(jp_fetch, a.id))["result"]["id"]
+    newer = (await snapshot(jp_fetch, a.id))["result"]["id"]
+    assert cached_ids(manager) == [newer], "a kernel's older snapshot leaves the cache"
+
+    size = cache.entries()[0].bytes
+    cache.max_bytes = int(size * 2.5)  # room for two
+    b_snap = (await snapshot(jp_fetch, b.id))["result"]["id"]
+    assert cached_ids(manager) == sorted([newer, b_snap])
+    held = cache.lease(newer)  # a restore reading a's snapshot: it must stay
+    assert held is not None
+    assert held.fresh
+    try:
+        c_snap = (await snapshot(jp_fetch, c.id))["result"]["id"]
+        assert cached_ids(manager) == sorted([newer, c_snap]), "b's went, not a's in use"
+    finally:
+        held.release()
+    d_snap = (await snapshot(jp_fetch, b.id))["result"]["id"]
+    assert cached_ids(manager) == sorted([c_snap, d_snap]), "now the oldest, a's, goes"
+    assert first not in cached_ids(manager)
+
+    # Deleting a snapshot removes its entry; a restore of an uncached one downloads it.
+    await call(jp_fetch, "DELETE", c_snap)
+    assert cached_ids(manager) == [d_snap]
+    result = await restore(jp_fetch, newer)
+    assert result["source"] == "store"
+    assert await run_in(start_kernel, result["kernel_id"], CHECK) == "True 1000000"
+
+
+async def test_one_cached_snapshot_restored_twice_side_by_side(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any
+) -> None:
+    manager = manager_of(jp_serverapp)
+    kernel = await start_kernel()
+    await kernel.run(STATE.format(n=3_000_000))
+    snap = (await snapshot(jp_fetch, kernel.id))["result"]
+    pages = pages_file(manager.image_cache_dir / snap["id"])
+    before = pages.stat()
+    started = [
+        (await call(jp_fetch, "POST", snap["id"], "restore", body={}))["job"] for _ in range(2)
+    ]
+    jobs = await asyncio.gather(*(wait_job(jp_fetch, job) for job in started))
+    assert [job["status"] for job in jobs] == ["done", "done"], jobs
+    assert [job["result"]["source"] for job in jobs] == ["cache", "cache"]
+    kernel_ids = {job["result"]["kernel_id"] for job in jobs}
+    assert len(kernel_ids) == 2
+    assert kernel.id not in kernel_ids
+    for kernel_id in kernel_ids:
+        assert await run_in(start_kernel, kernel_id, CHECK) == "True 3000000"
+        await run_in(start_kernel, kernel_id, "st[:] = 0")  # each its own memory
+    after = pages.stat()
+    assert (after.st_ino, after.st_mtime_ns, after.st_ctime_ns) == (
+        before.st_ino,
+        before.st_mtime_ns,
+        before.st_ctime_ns,
+    ), "CRIU never wrote to the cached images"
+    assert (await kernel.run(CHECK)).strip() == "True 3000000"
+
+
+def test_a_file_changed_after_its_check_is_not_admitted(tmp_path: Path) -> None:
+    """Stamps are taken before the bytes are checked; a write after that check (same size,
+    mtime put back) shows in the ctime, and the directory is not admitted."""
+    manifest = Manifest(
+        id="f" * 32,
+        lineage="l",
+        sequence=1,
+        created="2026-01-01T00:00:00.000+00:00",
+        trigger="manual",
+        runtime_dir="/r",
+        runtime_dir_key="k",
+        stdio_pipe="pipe:[1]",
+    )
+    staging = tmp_path / ".staging"
+    staging.mkdir()
+    (staging / "images").mkdir()
+    (staging / "images" / "pages-1.img").write_bytes(b"a" * 4096)
+    sealed = tmp_path / "sealed"
+    seal(staging, manifest, sealed)
+    cache = ImageCache(tmp_path / "cache", max_bytes=1 << 30)
+    stamps = stamp_tree(sealed)
+    pages = sealed / "images" / "pages-1.img"
+    assert not stat.S_IMODE(pages.stat().st_mode) & 0o222
+    before = pages.stat()
+    pages.chmod(0o644)
+    pages.write_bytes(b"b" * 4096)
+    os.utime(pages, ns=(before.st_atime_ns, before.st_mtime_ns))
+    pages.chmod(0o444)
+    assert cache.admit(sealed, stamps) is None
+    assert sealed.is_dir()
+    assert cache.entries() == []
+    stamps = stamp_tree(sealed)  # checked again (here: unchanged since), then admitted
+    cache.admit(sealed, stamps)
+    assert not sealed.exists()
+    assert [e.snapshot_id for e in cache.entries()] == [manifest.id]
+    assert (cache.root / manifest.id / RECORD_NAME).is_file()
+    assert (cache.root / manifest.id / MANIFEST_NAME).is_file()
+
+
+def test_the_cache_survives_a_restart_and_broken_entries_are_removed(tmp_path: Path) -> None:
+    from .servers import ServerProcess, follow, ws_execute
+
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    config = server_config(tmp_path, image_cache_max_bytes=-1)
+    server = ServerProcess(tmp_path / "server", notebooks, config)
+    try:
+        kernel_id = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+        ws_execute(server, kernel_id, STATE.format(n=1_000_000))
+        job = server.client.call("POST", "", body={"kernel_id": kernel_id})["job"]
+        snap = follow(server, job)["result"]["id"]
+    finally:
+        assert server.stop() == 0
+    cache_dir = tmp_path / "work" / "image-cache"
+    assert (cache_dir / snap / RECORD_NAME).is_file()
+    # What crashes and damage leave: an admission cut short, an entry without its record,
+    # and one that lost an image.
+    (cache_dir / f".{'a' * 32}.admitting-0123abcd" / "images").mkdir(parents=True)
+    (cache_dir / ("b" * 32) / "images").mkdir(parents=True)
+    broken = cache_dir / ("c" * 32)
+    shutil.copytree(cache_dir / snap, broken)
+    record = (broken / RECORD_NAME).read_text().replace(snap, "c" * 32)
+    (broken / RECORD_NAME).write_text(record)
+    pages_file(broken).unlink()
+
+    server = ServerProcess(tmp_path / "server2", notebooks, config)
+    try:
+        assert sorted(p.name for p in cache_dir.iterdir()) == [".lock", snap]
+        job = server.client.call("POST", f"{snap}/restore", body={})["job"]
+        result = follow(server, job)["result"]
+        assert result["source"] == "cache"
+        assert ws_execute(server, result["kernel_id"], CHECK).strip() == "True 1000000"
+    finally:
+        server.stop()
