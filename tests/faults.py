@@ -87,6 +87,9 @@ class Lab:
             # Fewer, larger chunks than the automatic size: the same code paths, less
             # work for 2 cores and moto.
             "chunk_kib": 256,
+            # Restores go through the store (its faults are under test), not the local
+            # image cache (tests/test_image_cache.py).
+            "image_cache_max_bytes": 0,
         }
         if self.store == "s3":
             app.update(s3_bucket=self.s3_bucket, s3_endpoint_url=self.s3_url, s3_prefix=S3_PREFIX)
