@@ -197,6 +197,39 @@ async def test_one_cached_snapshot_restored_twice_side_by_side(
     assert (await kernel.run(CHECK)).strip() == "True 3000000"
 
 
+async def test_a_suspended_kernels_snapshot_is_cached_and_restores_after_its_resume(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any
+) -> None:
+    """The store's copy of a suspend shares its files (hard links) with the wrapper's,
+    which the wrapper removes once it resumed: a link count changes each ctime, so the
+    entry is hashed again locally, and served from the cache."""
+    manager = manager_of(jp_serverapp)
+    kernel = await start_kernel()
+    await kernel.run(STATE.format(n=1_000_000))
+    job = await call(jp_fetch, "POST", "kernels", kernel.id, "suspend")
+    suspended = await wait_job(jp_fetch, job["job"])
+    assert suspended["status"] == "done", suspended
+    snapshot_id = suspended["result"]["id"]
+    assert cached_ids(manager) == [snapshot_id]
+    resumed = await wait_job(
+        jp_fetch, (await call(jp_fetch, "POST", "kernels", kernel.id, "resume"))["job"]
+    )
+    assert resumed["status"] == "done", resumed
+    assert (await kernel.run(CHECK)).strip() == "True 1000000"
+    lease = manager.image_cache.lease(snapshot_id)
+    assert lease is not None
+    fresh = lease.fresh
+    lease.release()
+    assert not fresh, "the wrapper's links are gone: the stamps changed"
+    result = await restore(jp_fetch, snapshot_id)
+    assert result["source"] == "cache"
+    assert await run_in(start_kernel, result["kernel_id"], CHECK) == "True 1000000"
+    lease = manager.image_cache.lease(snapshot_id)
+    assert lease is not None
+    assert lease.fresh, "stamped anew after the local hash"
+    lease.release()
+
+
 def test_a_file_changed_after_its_check_is_not_admitted(tmp_path: Path) -> None:
     """Stamps are taken before the bytes are checked; a write after that check (same size,
     mtime put back) shows in the ctime, and the directory is not admitted."""
