@@ -58,6 +58,9 @@ PROGRESS_EVENT_INTERVAL = 0.25
 EmitEvent = Callable[[str, dict[str, Any]], None]
 
 
+#: The longest a cache entry stays held for a kernel's lazy restore after its job ended.
+LAZY_HOLD_SECONDS = 3600.0
+
 #: A dump or download directory nothing was written to for this long was left by a crash
 #: (an active one writes its files within seconds).
 STALE_WORK_SECONDS = 3600.0
@@ -746,6 +749,9 @@ class SnapshotManager:
                 await self._restore_in_place(job, kernel_id, directory)
             else:
                 kernel_id = await self._start_restored_kernel(manifest, directory)
+            if lease is not None:  # a lazily restored kernel still reads its pages there
+                self._hold_while_lazy(kernel_id, lease)
+                lease = None
             target_path = path or manifest.notebook_path
             session = await self._attach(kernel_id, target_path) if target_path else None
         finally:
@@ -765,6 +771,27 @@ class SnapshotManager:
             "running_request": manifest.running_request,
             "source": source,
         }
+
+    def _hold_while_lazy(self, kernel_id: str, lease: Lease) -> None:
+        """Keep a cache entry held after the restore job while its kernel's wrapper still
+        serves the kernel's memory from it (lazy restore: "transferring" in its status),
+        so that no eviction removes pages not read yet; then release it."""
+
+        async def hold() -> None:
+            try:
+                deadline = time.monotonic() + LAZY_HOLD_SECONDS
+                while time.monotonic() < deadline:
+                    status = await self.kernel_status(kernel_id)
+                    lazy = status.get("lazy_restore") or {}
+                    if not status.get("snapshots") or lazy.get("state") != "transferring":
+                        return
+                    await asyncio.sleep(0.2)
+            finally:
+                lease.release()
+
+        task = asyncio.ensure_future(hold())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _restore_in_place(self, job: Job, kernel_id: str, directory: Path) -> None:
         """Restore ``directory`` into the running kernel. The wrapper first saves that

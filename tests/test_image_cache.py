@@ -46,6 +46,17 @@ def pages_file(entry: Path) -> Path:
     return max((entry / "images").iterdir(), key=lambda p: p.stat().st_size)
 
 
+async def unused(manager: SnapshotManager, snapshot_id: str, timeout: float = 120) -> bool:
+    """Whether no restore holds the entry any more (a lazily restored kernel holds it
+    until its memory has arrived), waiting without blocking the server's loop."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not manager.image_cache.wait_unused(snapshot_id, timeout=0):
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
 async def restore(jp_fetch: Fetch, snapshot_id: str, **body: str) -> dict[str, Any]:
     answer = await call(jp_fetch, "POST", snapshot_id, "restore", body=body)
     job = await wait_job(jp_fetch, answer["job"])
@@ -89,7 +100,7 @@ async def test_restore_is_served_from_the_cache_without_the_store(
     result = await restore(jp_fetch, snap["id"], kernel_id=kernel.id)
     assert result["source"] == "cache"
     assert (await kernel.run(CHECK)).strip() == "True 2000000"
-    assert manager.image_cache.wait_unused(snap["id"])
+    assert await unused(manager, snap["id"])
     assert cached_ids(manager) == [snap["id"]]
 
 
@@ -124,7 +135,7 @@ async def test_a_changed_entry_is_hashed_again_and_a_tampered_one_falls_back_to_
     result = await restore(jp_fetch, snap["id"], kernel_id=kernel.id)
     assert result["source"] == "store"
     assert (await kernel.run(CHECK)).strip() == "True 1000000"
-    assert manager.image_cache.wait_unused(snap["id"])
+    assert await unused(manager, snap["id"])
     assert cached_ids(manager) == [snap["id"]]
     assert pages_file(entry).read_bytes() == good
     assert (await restore(jp_fetch, snap["id"], kernel_id=kernel.id))["source"] == "cache"
