@@ -13,7 +13,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Protocol
 
 PAGE_SIZE = 4096
 
@@ -82,7 +82,11 @@ def auto_chunk_kib(total_bytes: int, previous_kib: int | None = None) -> int:
     return ideal
 
 
-def iter_chunks(fh: BinaryIO, params: ChunkParams) -> Iterator[bytes | memoryview]:
+class Readable(Protocol):
+    def read(self, size: int, /) -> bytes | memoryview: ...
+
+
+def iter_chunks(fh: Readable, params: ChunkParams) -> Iterator[bytes | memoryview]:
     """Split a file into chunks; most come back as zero-copy views of the read blocks.
 
     Reading ``4 * max_size`` at a time keeps the per-page Python loop the only per-page

@@ -1,0 +1,338 @@
+"""Resume in seconds: snapshot until durable and restore until a cell's first output,
+through the REST API, beside the ceilings of the parts it uses, in one run.
+
+For each kernel size (numpy random floats: they neither compress nor deduplicate):
+
+- ours, through the REST API of a real jupyter_server with this extension, three ways:
+  ``local`` (the local store, image cache off: the restore reads the store), ``s3`` (moto
+  on 127.0.0.1, image cache off) and ``cache`` (local store, image cache on: a restore
+  on the same machine). Snapshot: ``POST /api/snapshots`` until the job is done (the
+  snapshot is durable); restore: ``POST /api/snapshots/<id>/restore`` into a new kernel
+  until the first output of ``print`` in it. The job's phases are timed as polled.
+  A second snapshot of the idle kernel gives the share of new bytes.
+- the ceilings, on the same kernel size: bare ``criu dump`` of a plain ipykernel (and the
+  same plus an ``fsync`` of its images: the price of durability on this disk), bare
+  ``criu restore`` until a cell's first output, and boto3 PUT / GET of the same images as
+  16 MiB objects with 8 threads to the same S3 server.
+
+Goals (issue #16): S3 durable <= 2.5x raw PUT; S3 restore <= 2.5x raw GET (or under 2 s
+lazily); local durable <= 3x bare dump; same-machine restore <= 1.3x bare restore;
+second snapshot of an idle kernel <= 2 % new bytes.
+
+    sudo nice -n 5 .venv/bin/python bench/bench_resume.py --sizes 256,1024,4096 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_peers import BareKernel, Deadline, PeerError, Server, criu_dump, execute, free_port
+
+from jupyter_ext.core.criu import Criu
+from jupyter_ext.core.humanize import human_bytes
+
+MIB = 1 << 20
+OBJECT = 16 * MIB
+BUCKET = "bench-resume"
+ALLOCATE = "import numpy as np\ndata = np.random.default_rng(7).random({n})\nprint(data[:3].sum())"
+
+
+class Moto:
+    """moto's standalone S3 server on 127.0.0.1."""
+
+    def __init__(self, work: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = (work / "moto.log").open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.client = self.make_client()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.client.create_bucket(Bucket=BUCKET)
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def make_client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            aws_access_key_id="bench",
+            aws_secret_access_key="bench",
+            config=Config(max_pool_connections=16),
+        )
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+        self._log.close()
+
+
+def ours(server: Server, mib: int, timeout: float) -> dict[str, Any]:
+    """Snapshot until durable, a second one, restore into a new kernel until first output."""
+    deadline = Deadline(timeout)
+    kernel = server.start_session(f"k{mib}-{time.monotonic_ns()}.ipynb", "python3-snapshot")
+    execute(server, kernel, ALLOCATE.format(n=mib * MIB // 8), deadline.left())
+    first, durable, phases = timed_job(server, "api/snapshots", {"kernel_id": kernel}, deadline)
+    second, _, _ = timed_job(server, "api/snapshots", {"kernel_id": kernel}, deadline)
+    server.end_sessions()
+    started = time.monotonic()
+    restored, _, restore_phases = timed_job(
+        server, f"api/snapshots/{second['id']}/restore", {}, deadline
+    )
+    ready = execute(server, restored["kernel_id"], "print('ready')", deadline.left())
+    restore = time.monotonic() - started - ready["elapsed"] + ready["first_output"]
+    server.end_sessions()
+    return {
+        "durable": durable,
+        "pause": first.get("pause_seconds"),
+        "image_bytes": first.get("total_bytes"),
+        "stored_bytes": first.get("stored_bytes"),
+        "second_new_share": second["new_bytes"] / max(second["stored_bytes"], 1),
+        "restore": restore,
+        "snapshot_phases": phases,
+        "restore_phases": restore_phases,
+    }
+
+
+def timed_job(
+    server: Server, path: str, body: dict[str, Any], deadline: Deadline
+) -> tuple[dict[str, Any], float, dict[str, float]]:
+    """Start a job and follow it; its result, its seconds, and the seconds of each phase."""
+    started = time.monotonic()
+    job = server.api("POST", path, body)["job"]
+    seen: dict[str, float] = {}
+    while job["status"] == "running":
+        seen.setdefault(job.get("phase") or "?", time.monotonic())
+        deadline.left()
+        time.sleep(0.01)
+        job = server.api("GET", f"api/snapshots/jobs/{job['id']}")
+    ended = time.monotonic()
+    if job["status"] != "done":
+        error = job.get("error") or {}
+        raise PeerError(f"{error.get('code')}: {error.get('message')}")
+    marks = sorted(seen.items(), key=lambda kv: kv[1]) + [("end", ended)]
+    phases = {name: round(marks[i + 1][1] - at, 3) for i, (name, at) in enumerate(marks[:-1])}
+    return job["result"], ended - started, phases
+
+
+def ceilings(work: Path, criu: Criu, moto: Moto, mib: int, timeout: float) -> dict[str, Any]:
+    """Bare CRIU dump / restore of the same kernel size, and raw S3 PUT / GET of its images."""
+    deadline = Deadline(timeout)
+    kernel = BareKernel(work)
+    restored_pid = None
+    images = work / "images"
+    try:
+        kernel.run(ALLOCATE.format(n=mib * MIB // 8), deadline.left())
+        kernel.disconnect()
+        started = time.monotonic()
+        criu_dump(criu, kernel.pid, images, None, deadline)
+        dump = time.monotonic() - started
+        files = [p for p in images.iterdir() if p.is_file()]
+        for path in files:  # durable: as the store makes its packs
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        dump_durable = time.monotonic() - started
+        kernel.kill()
+        subprocess.run(["sync"], check=True)
+        started = time.monotonic()
+        result = subprocess.run(
+            [
+                str(criu.path),
+                "restore",
+                "-D",
+                str(images),
+                "-o",
+                "restore.log",
+                "--file-locks",
+                "--restore-detached",
+                "--pidfile",
+                str(work / "restored.pid"),
+            ],
+            capture_output=True,
+            timeout=deadline.left(),
+        )
+        if result.returncode != 0:
+            raise PeerError(f"criu restore failed: {result.stderr[-500:]!r}")
+        restored_pid = int((work / "restored.pid").read_text())
+        kernel.connect()
+        sent = time.monotonic()
+        ready = kernel.run("print('ready')", deadline.left())
+        restore = sent - started + ready["first_output"]
+        put, get, total = raw_s3(moto, files)
+        return {
+            "dump": dump,
+            "dump_durable": dump_durable,
+            "restore": restore,
+            "raw_put": put,
+            "raw_get": get,
+            "image_bytes": total,
+        }
+    finally:
+        if kernel.client is not None:
+            kernel.client.stop_channels()
+        kernel.kill()
+        if restored_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(restored_pid, 9)
+        shutil.rmtree(images, ignore_errors=True)
+
+
+def raw_s3(moto: Moto, files: list[Path]) -> tuple[float, float, int]:
+    """boto3 PUT, then GET, of the files' bytes as 16 MiB objects, 8 at a time."""
+    pieces = [(path, offset) for path in files for offset in range(0, path.stat().st_size, OBJECT)]
+
+    def put(item: tuple[int, tuple[Path, int]]) -> int:
+        index, (path, offset) = item
+        with path.open("rb") as fh:
+            fh.seek(offset)
+            data = fh.read(OBJECT)
+        moto.client.put_object(Bucket=BUCKET, Key=f"raw/{index}", Body=data)
+        return len(data)
+
+    def get(index: int) -> int:
+        body = moto.client.get_object(Bucket=BUCKET, Key=f"raw/{index}")["Body"].read()
+        return len(body)
+
+    with ThreadPoolExecutor(8) as pool:
+        started = time.monotonic()
+        total = sum(pool.map(put, enumerate(pieces)))
+        put_seconds = time.monotonic() - started
+        started = time.monotonic()
+        sum(pool.map(get, range(len(pieces))))
+        get_seconds = time.monotonic() - started
+    moto.client.delete_objects(
+        Bucket=BUCKET, Delete={"Objects": [{"Key": f"raw/{i}"} for i in range(len(pieces))]}
+    )
+    return put_seconds, get_seconds, total
+
+
+def servers(work: Path, moto: Moto) -> dict[str, Server]:
+    root = work / "notebooks"
+    root.mkdir(parents=True, exist_ok=True)
+    common = {
+        "idle_suspend_after": 0,
+        "snapshot_before_shutdown": False,
+        "keep_last": 0,
+        "periodic_interval": 0,
+    }
+    configs = {
+        "local": {"local_store_dir": str(work / "store-local"), "image_cache_max_bytes": 0},
+        "s3": {
+            "store": "s3",
+            "s3_bucket": BUCKET,
+            "s3_endpoint_url": moto.url,
+            "s3_region": "us-east-1",
+            "image_cache_max_bytes": 0,
+        },
+        "cache": {"local_store_dir": str(work / "store-cache")},
+    }
+    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
+    made = {}
+    for name, extra in configs.items():
+        config = {
+            "ServerApp": {"jpserver_extensions": {"jupyter_ext": True}},
+            "SnapshotExtensionApp": {
+                **common,
+                **extra,
+                "work_dir": str(work / f"snapwork-{name}"),
+            },
+        }
+        made[name] = Server(work / f"server-{name}", root, config, env)
+    return made
+
+
+def ratio(value: float | None, base: float | None) -> str:
+    return f"{value / base:.2f}x" if value and base else "-"
+
+
+def seconds(value: float | None) -> str:
+    return f"{value:.2f} s" if value is not None else "-"
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| kernel | images | local durable | bare dump | +fsync | ratio (dump / +fsync) "
+        "| S3 durable | raw PUT | ratio | local restore | S3 restore | raw GET | ratio "
+        "| cache restore | bare restore | ratio | 2nd snapshot new |",
+        "|" + "---|" * 17,
+    ]
+    for row in rows:
+        c, local, s3, cache = row["ceilings"], row["local"], row["s3"], row["cache"]
+        lines.append(
+            f"| {human_bytes(row['mib'] * MIB)} | {human_bytes(c['image_bytes'])} "
+            f"| {seconds(local['durable'])} | {seconds(c['dump'])} | {seconds(c['dump_durable'])} "
+            f"| {ratio(local['durable'], c['dump'])} / {ratio(local['durable'], c['dump_durable'])} "
+            f"| {seconds(s3['durable'])} | {seconds(c['raw_put'])} "
+            f"| {ratio(s3['durable'], c['raw_put'])} "
+            f"| {seconds(local['restore'])} | {seconds(s3['restore'])} | {seconds(c['raw_get'])} "
+            f"| {ratio(s3['restore'], c['raw_get'])} "
+            f"| {seconds(cache['restore'])} | {seconds(c['restore'])} "
+            f"| {ratio(cache['restore'], c['restore'])} "
+            f"| {local['second_new_share']:.2%} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="256,1024,4096", help="MiB of kernel memory")
+    parser.add_argument("--json", type=Path, help="also write every number here")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per size")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench-resume-", dir="/var/tmp"))
+    criu = Criu.locate()
+    moto = Moto(work)
+    made: dict[str, Server] = {}
+    rows = []
+    try:
+        made = servers(work, moto)
+        for mib in (int(s) for s in args.sizes.split(",")):
+            row: dict[str, Any] = {"mib": mib}
+            row["ceilings"] = ceilings(work, criu, moto, mib, args.timeout)
+            for name, server in made.items():
+                row[name] = ours(server, mib, args.timeout)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        for server in made.values():
+            with contextlib.suppress(Exception):
+                server.stop()
+        moto.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    print(markdown(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"date": time.strftime("%F %T"), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""A process that stores and deletes snapshots without end, to be killed at any point.
+
+``python -m tests.store_worker (put|repack) <root-or-s3-url> <seed>``: ``put`` stores new
+snapshots of a slowly changing kernel; ``repack`` also deletes the oldest each time (with
+no grace period, so every delete sweeps and repacks). Each finished step prints a line.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+from jupyter_ext.core.store import LocalStore, S3Store
+
+from .test_store import make_snapshot, mutate, random_pages
+
+PACK_BYTES = 256 << 10
+"""Small packs: a put of 4 MiB writes many, so a kill lands between them."""
+
+
+def open_store(where: str, **kwargs: object) -> LocalStore | S3Store:
+    if where.startswith("s3://"):
+        endpoint, bucket, prefix = where.removeprefix("s3://").split("|")
+        return S3Store(bucket, prefix, endpoint_url=endpoint, region="us-east-1", **kwargs)  # type: ignore[arg-type]
+    return LocalStore(Path(where), **kwargs)  # type: ignore[arg-type]
+
+
+def main() -> None:
+    mode, where, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rng = random.Random(seed)
+    store = open_store(where, grace_seconds=0, pack_bytes=PACK_BYTES, repack_below=0.9)
+    pages = random_pages(rng, 1024)
+    with tempfile.TemporaryDirectory() as tmp:
+        for sequence in range(1, 1000):
+            pages = mutate(pages, rng, inserts=4, changes=64)
+            stored = store.put(make_snapshot(Path(tmp), pages, sequence=sequence))
+            print("put", stored.manifest.id, flush=True)
+            snapshots = store.list()
+            if mode == "repack" and len(snapshots) > 2:
+                store.delete(snapshots[0].manifest.id)
+                print("deleted", snapshots[0].manifest.id, flush=True)
+
+
+if __name__ == "__main__":
+    main()
