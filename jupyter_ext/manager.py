@@ -735,9 +735,13 @@ class SnapshotManager:
                     with contextlib.suppress(OSError):
                         stamps = await asyncio.to_thread(stamp_tree, directory)
                 # Every file against its sha256 before CRIU starts: a corrupt snapshot fails
-                # the job here, and a kernel restored in place keeps running untouched.
-                self._progress(job, "verifying")
-                manifest = await asyncio.to_thread(verify, directory)
+                # the job here, and a kernel restored in place keeps running untouched. A
+                # download from the store checked each file as it wrote it.
+                if temporary:
+                    manifest = await asyncio.to_thread(Manifest.read, directory)
+                else:
+                    self._progress(job, "verifying")
+                    manifest = await asyncio.to_thread(verify, directory)
                 if stamps is not None:  # kept for the next restore on this machine
                     lease = await asyncio.to_thread(
                         self.image_cache.admit, directory, stamps, lease=True
