@@ -19,7 +19,9 @@ from a plain ipykernel in three ways, each needed for a clean CRIU image:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -31,6 +33,7 @@ from ipykernel.iostream import IOPubThread
 from ipykernel.kernelapp import IPKernelApp
 
 import kernel_snapshots
+from jupyter_ext.core import proctree
 
 from .agent import AGENT_PORT, SnapshotAgent
 from .agent import wanted as agent_wanted
@@ -66,6 +69,11 @@ def _watch_wrapper(runtime_dir: Path) -> None:
         # Two misses in a row: the wrapper rewrites the file (atomically) during a restore.
         misses = 0 if wrapper_alive(runtime_dir) else misses + 1
         if misses >= 2:
+            if os.getpid() != 1:
+                # No PID namespace (non-root mode): our children would outlive us.
+                for pid in proctree.descendants(os.getpid())[1:]:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
             os._exit(0)
 
 

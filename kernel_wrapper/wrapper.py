@@ -51,7 +51,7 @@ from jupyter_client.session import DELIM, Session
 
 from jupyter_ext import __version__
 from jupyter_ext.core import netports, proctree, sockdiag
-from jupyter_ext.core.criu import Criu, external_file_key
+from jupyter_ext.core.criu import Criu, external_file_key, unprivileged
 from jupyter_ext.core.errors import (
     IncompatibleSnapshotError,
     KernelNotRunningError,
@@ -502,13 +502,29 @@ class KernelWrapper:
         env = dict(os.environ)
         env.pop("JPY_PARENT_PID", None)  # ipykernel would exit when its parent changes
         env["JUPYTER_SNAPSHOT_INNER_DIR"] = self._inner_dir
-        argv = ["unshare", "--pid", "--fork"]
-        if Path("/proc/self/ns/time").exists():
-            argv.append("--time")  # monotonic clocks continue across restores elsewhere
-        argv += [sys.executable, "-m", "kernel_wrapper.inner"]
+        argv = [sys.executable, "-m", "kernel_wrapper.inner"]
         argv += ["-f", str(self._inner_connection_file()), *self.kernel_args]
+        if unprivileged():
+            # Without root: no namespaces (CRIU --unprivileged cannot dump a task in another
+            # PID namespace), the kernel is our child (it makes itself a session leader),
+            # and no parent-death signal (a restored one would fire at once). docs/nonroot.md
+            self.launcher = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=self._stdio_w,
+                stderr=self._stdio_w,
+                env=env,
+                pass_fds=(self._dir_fd,),
+            )
+            self.inner_pid = self.launcher.pid
+            self._watch(self.launcher.pid)
+            self._set_state(State.RUNNING)
+            return
+        ns = ["unshare", "--pid", "--fork"]
+        if Path("/proc/self/ns/time").exists():
+            ns.append("--time")  # monotonic clocks continue across restores elsewhere
         self.launcher = subprocess.Popen(
-            argv,
+            ns + argv,
             stdin=subprocess.DEVNULL,
             stdout=self._stdio_w,
             stderr=self._stdio_w,
@@ -591,8 +607,11 @@ class KernelWrapper:
         if pid is None:
             return
         self._expected_exit = True
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        # Without a PID namespace (non-root) the kernel's own children do not die with it.
+        tree = proctree.descendants(pid) if unprivileged() else [pid]
+        for task in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(task, signal.SIGKILL)
         if self.launcher is not None:
             with contextlib.suppress(ProcessLookupError):
                 self.launcher.kill()

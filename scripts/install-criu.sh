@@ -9,6 +9,13 @@
 #
 # Usage: scripts/install-criu.sh [PREFIX]   (default /opt/jupyter-kernel-snapshots/criu)
 # Afterwards PREFIX/bin/criu is what `jupyter snapshot doctor` finds.
+#
+# Non-root use (docs/nonroot.md): PREFIX/bin/criu is the product's own copy (never the
+# system's binary) and gets the file capabilities cap_checkpoint_restore,cap_setpcap+ep,
+# with which an ordinary user dumps and restores their own kernels. Who may run it:
+# JKS_CRIU_GROUP (default jupyter-snapshots; created if missing) owns it, mode 0750, so
+# only members (and root) can; JKS_CRIU_GROUP=- leaves it 0755 for everyone (a container
+# with one user). JKS_CRIU_CAPS=0 leaves it without capabilities (root only).
 set -euo pipefail
 
 PREFIX="${1:-${JUPYTER_SNAPSHOT_CRIU_PREFIX:-/opt/jupyter-kernel-snapshots/criu}}"
@@ -23,6 +30,30 @@ die() { log "error: $*"; exit 1; }
 [ "$(id -u)" = 0 ] || die "run as root (apt-get and CRIU itself need it)"
 command -v apt-get >/dev/null || die "this script supports Debian/Ubuntu (apt-get not found)"
 
+# grant_user_caps: let JKS_CRIU_GROUP's members run PREFIX/bin/criu as non-root.
+grant_user_caps() {
+  local criu="$PREFIX/bin/criu" group="${JKS_CRIU_GROUP:-jupyter-snapshots}"
+  [ "${JKS_CRIU_CAPS:-1}" = 0 ] && return 0
+  # An older install linked the system's criu: capabilities go on a copy of our own.
+  if [ -L "$criu" ]; then cp --remove-destination "$(readlink -f "$criu")" "$criu"; fi
+  if ! command -v setcap >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libcap2-bin >/dev/null
+  fi
+  if [ "$group" = - ]; then
+    chown root:root "$criu"
+    chmod 0755 "$criu"
+  else
+    getent group "$group" >/dev/null || groupadd --system "$group"
+    chown "root:$group" "$criu"
+    chmod 0750 "$criu"
+  fi
+  # After chown/chmod: changing the owner clears file capabilities.
+  setcap cap_checkpoint_restore,cap_setpcap+ep "$criu" \
+    || die "setcap failed on $criu (a file system without extended attributes?)"
+  log "file capabilities $(getcap "$criu" | cut -d' ' -f2-) on $criu (run by: ${group/#-/everyone})"
+}
+
 version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
 
 criu_version() { "$1" --version 2>/dev/null | sed -n 's/^Version: *//p' | head -n1; }
@@ -30,6 +61,7 @@ criu_version() { "$1" --version 2>/dev/null | sed -n 's/^Version: *//p' | head -
 if [ -x "$PREFIX/bin/criu" ] && v=$(criu_version "$PREFIX/bin/criu") && [ -n "$v" ] \
     && version_ge "$v" "$MIN_VERSION"; then
   log "CRIU $v already installed at $PREFIX/bin/criu"
+  grant_user_caps
   exit 0
 fi
 
@@ -47,7 +79,10 @@ if [ -n "$candidate" ] && [ "$candidate" != "(none)" ] && version_ge "$candidate
   log "installing the distribution's criu $candidate"
   apt-get install -y -qq criu >/dev/null
   mkdir -p "$PREFIX/bin"
-  ln -sf "$(command -v criu)" "$PREFIX/bin/criu"
+  # A copy, not a link: the capabilities below go on the product's copy only.
+  cp "$(command -v criu)" "$PREFIX/bin/criu.new"
+  mv -f "$PREFIX/bin/criu.new" "$PREFIX/bin/criu"
+  grant_user_caps
   exit 0
 fi
 
@@ -77,5 +112,6 @@ mv "$stage" "$PREFIX"
 v=$(criu_version "$PREFIX/bin/criu") || die "the installed criu does not start; run $PREFIX/bin/criu --version"
 version_ge "$v" "$MIN_VERSION" || die "installed criu $v is older than $MIN_VERSION"
 log "CRIU $v installed at $PREFIX/bin/criu"
+grant_user_caps
 "$PREFIX/bin/criu" check >/dev/null 2>&1 && log "criu check: looks good" \
   || log "warning: 'criu check' reports problems; run '$PREFIX/bin/criu check' to see them"

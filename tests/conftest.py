@@ -14,15 +14,32 @@ from .harness import KernelProcess
 from .s3server import CuttableProxy, MotoServer
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """As an ordinary user, tests marked ``needs_root`` are skipped, saying why."""
+    if os.geteuid() == 0:
+        return
+    for item in items:
+        marker = item.get_closest_marker("needs_root")
+        if marker is not None:
+            why = marker.args[0] if marker.args else "needs root"
+            item.add_marker(pytest.mark.skip(reason=f"non-root run: {why} (docs/nonroot.md)"))
+
+
 @pytest.fixture(scope="session")
 def criu() -> Criu:
-    """The CRIU the product would use. Missing CRIU is an error, not a skip: CI installs it."""
-    if os.geteuid() != 0:
-        pytest.fail("these tests run CRIU and need root")
+    """The CRIU the product would use. Missing CRIU is an error, not a skip: CI installs it.
+    As an ordinary user it must carry the file capabilities of docs/nonroot.md."""
     try:
-        return Criu.locate()
+        found = Criu.locate()
     except CriuNotFoundError as exc:
         pytest.fail(str(exc))
+    if os.geteuid() != 0:
+        from jupyter_ext.core.doctor import check_criu_capabilities
+
+        check = check_criu_capabilities(found)
+        if not check.ok:
+            pytest.fail(f"{check.detail} Fix: {check.fix}")
+    return found
 
 
 @pytest.fixture

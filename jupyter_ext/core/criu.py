@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,27 @@ def criu_candidates(configured: str | os.PathLike[str] | None = None) -> list[tu
     if on_path:
         found.append(("PATH", Path(on_path)))
     return found
+
+
+#: File capabilities with which an ordinary user runs the product's CRIU copy
+#: (docs/nonroot.md, measured): CAP_CHECKPOINT_RESTORE opens /proc/PID/map_files and picks
+#: the restored PIDs (clone3 set_tid); CAP_SETPCAP lets a restore trim the bounding set to
+#: the image's. No CAP_SYS_PTRACE: the kernels are the user's own, ptrace needs none.
+UNPRIVILEGED_CAPS = "cap_checkpoint_restore,cap_setpcap+ep"
+CAP_SETPCAP = 8
+CAP_CHECKPOINT_RESTORE = 40
+
+
+def unprivileged() -> bool:
+    """Whether CRIU runs without root: then with ``--unprivileged`` on its file
+    capabilities, and kernels have no PID or time namespace of their own (CRIU 4.2 cannot
+    dump a task in another PID namespace without CAP_SYS_ADMIN; docs/nonroot.md)."""
+    return os.geteuid() != 0
+
+
+def mode_args() -> list[str]:
+    """CRIU options for this process's privileges."""
+    return ["--unprivileged"] if unprivileged() else []
 
 
 #: How a dump treats the kernel's TCP connections. ``--tcp-close`` records them without
@@ -115,7 +137,9 @@ class Criu:
 
     def check(self) -> tuple[bool, str]:
         """Run ``criu check``: whether it passed, and what it printed."""
-        out = subprocess.run([str(self.path), "check"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [str(self.path), "check", *mode_args()], capture_output=True, text=True, timeout=60
+        )
         text = (out.stdout + out.stderr).strip()
         return out.returncode == 0 and "Looks good" in text, text
 
@@ -135,7 +159,7 @@ class Criu:
         how long the tree was frozen (see :func:`frozen_seconds`).
         """
         args = ["dump", "-t", str(pid), "-D", str(images_dir), "-W", str(work_dir)]
-        args += ["-o", "dump.log", "-v4", "--file-locks", *TCP_DUMP_OPTIONS]
+        args += ["-o", "dump.log", "-v4", "--file-locks", *TCP_DUMP_OPTIONS, *mode_args()]
         for key in externals:
             args += ["--external", key]
         if leave_running:
@@ -164,10 +188,14 @@ class Criu:
         pidfile = work_dir / "restored.pid"
         args = ["restore", "-D", str(images_dir), "-W", str(work_dir), "-o", "restore.log"]
         args += ["-v4", "--file-locks", "--restore-detached", "--restore-sibling", "--tcp-close"]
-        args += ["--pidfile", str(pidfile)]
+        args += ["--pidfile", str(pidfile), *mode_args()]
         for fd, resource in inherit_fds:
             args += ["--inherit-fd", f"fd[{fd}]:{resource}"]
         rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
+        deadline = time.monotonic() + PID_FREE_WAIT_SECONDS
+        while rc != 0 and time.monotonic() < deadline and pid_being_freed(work_dir):
+            await asyncio.sleep(0.05)
+            rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
         if rc != 0:
             excerpt = log_excerpt(work_dir / "restore.log", output)
             message, hint = explain_failure(excerpt, restoring=True)
@@ -193,6 +221,26 @@ class Criu:
             raise CriuError(f"Could not start {self.path}: {exc}", hint=INSTALL_HINT) from exc
         out, _ = await proc.communicate()
         return proc.returncode or 0, out.decode(errors="replace")
+
+
+#: How long a restore without a PID namespace waits for a process id of the snapshot that
+#: a killed process still holds (a zombie its new parent has not reaped yet).
+PID_FREE_WAIT_SECONDS = 5.0
+_PID_TAKEN = re.compile(r"Can't fork for (\d+): File exists")
+
+
+def pid_being_freed(work_dir: Path) -> bool:
+    """Whether a failed restore only lacked a process id that is on its way to be free.
+
+    Without root the kernel keeps its PIDs (docs/nonroot.md); the kernel that was killed
+    for a restore in place, and its children, may still be zombies for a moment.
+    """
+    try:
+        text = (work_dir / "restore.log").read_text(errors="replace")
+    except OSError:
+        return False
+    match = _PID_TAKEN.search(text)
+    return match is not None and not proctree.is_alive(int(match[1]))
 
 
 #: What CRIU's parasite creates, and mounts a private /proc on, in the working directory of
@@ -371,16 +419,35 @@ _KNOWN_FAILURES: list[tuple[str, str, str]] = [
         "Retry; restores run in a fresh PID namespace, so this points to a CRIU problem.",
     ),
     (
+        r"needs to have the CAP_SYS_ADMIN or the CAP_CHECKPOINT_RESTORE|Effective capability "
+        r"\d+ missing",
+        "CRIU runs without the privileges it needs: not as root, and its binary lacks the "
+        "file capabilities of non-root mode.",
+        f"As root: setcap {UNPRIVILEGED_CAPS} on the product's CRIU copy "
+        "(scripts/install-criu.sh does it, for the group jupyter-snapshots), or run Jupyter "
+        "as root; 'jupyter snapshot doctor' names what is missing (docs/nonroot.md).",
+    ),
+    (
+        r"Can't fork for \d+: File exists",
+        "A process id the snapshot's kernel had is in use on this machine. Without root a "
+        "restored kernel keeps its process ids (it has no PID namespace of its own), so "
+        "two kernels restored from one snapshot cannot run side by side.",
+        "Shut down the kernel that holds the id (the kernel this snapshot was taken from, "
+        "or another copy of it) and retry, or run Jupyter as root, where every restored "
+        "kernel gets its own PID namespace (docs/nonroot.md).",
+    ),
+    (
         r"Operation not permitted|EPERM|Permission denied",
         "CRIU lacked a privilege it needs.",
-        "Run Jupyter as root (or with CAP_CHECKPOINT_RESTORE and CAP_SYS_ADMIN); see "
-        "'jupyter snapshot doctor'.",
+        "Run 'jupyter snapshot doctor': without root, CRIU needs the file capabilities "
+        f"{UNPRIVILEGED_CAPS} on the product's CRIU copy (sudo scripts/install-criu.sh), "
+        "and a snapshot taken by root (in a PID namespace) restores only as root.",
     ),
 ]
 
 
 #: Error lines CRIU prints on success too; they explain nothing.
-_HARMLESS = re.compile(r"RLIMIT_NOFILE|Can't keep kdat cache")
+_HARMLESS = re.compile(r"RLIMIT_NOFILE|Can't keep kdat cache|location for kerndat file")
 
 
 def explain_failure(excerpt: str, *, restoring: bool) -> tuple[str, str]:

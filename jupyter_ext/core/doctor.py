@@ -9,11 +9,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .criu import Criu
+from .criu import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, UNPRIVILEGED_CAPS, Criu, unprivileged
 from .errors import CriuNotFoundError
 
-CAP_SYS_ADMIN = 21
-CAP_CHECKPOINT_RESTORE = 40
+VFS_CAP_FLAGS_EFFECTIVE = 0x1
+ST_NOSUID = 2
+GRANT_HINT = (
+    f"As root: 'scripts/install-criu.sh' (setcap {UNPRIVILEGED_CAPS} on the product's CRIU "
+    "copy, executable by the group jupyter-snapshots), then 'usermod -aG jupyter-snapshots "
+    "USER' and log in again; in a container see docs/nonroot.md."
+)
 
 
 @dataclass
@@ -29,31 +34,110 @@ class Check:
         return asdict(self)
 
 
-def _effective_capabilities() -> int:
+def _status_field(name: str) -> str:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return int(line.split()[1], 16)
-    return 0
+        if line.startswith(f"{name}:"):
+            return line.split()[1]
+    return ""
 
 
 def check_privileges() -> Check:
-    caps = _effective_capabilities()
-    has = [
-        name
-        for bit, name in (
-            (CAP_SYS_ADMIN, "CAP_SYS_ADMIN"),
-            (CAP_CHECKPOINT_RESTORE, "CAP_CHECKPOINT_RESTORE"),
-        )
-        if caps & (1 << bit)
-    ]
-    ok = os.geteuid() == 0 or len(has) == 2
-    detail = "running as root" if os.geteuid() == 0 else f"uid {os.geteuid()}, capabilities: {has}"
+    """Root, or non-root mode (docs/nonroot.md): both work, with different limits."""
+    if not unprivileged():
+        return Check("privileges", True, "running as root")
     return Check(
         "privileges",
-        ok,
-        detail,
-        fix="Run Jupyter as root, or grant CAP_SYS_ADMIN and CAP_CHECKPOINT_RESTORE "
-        "(Kubernetes: securityContext.capabilities.add).",
+        True,
+        f"uid {os.geteuid()}: non-root mode (CRIU --unprivileged on the file capabilities "
+        "of its binary; kernels without PID and time namespaces of their own)",
+        required=False,
+    )
+
+
+def file_capabilities(path: Path) -> tuple[int, bool]:
+    """The permitted file capabilities of ``path`` and whether they are effective, from
+    its ``security.capability`` attribute (what ``getcap`` prints); (0, False) if none."""
+    try:
+        raw = os.getxattr(path, "security.capability")
+    except OSError:
+        return 0, False
+    if len(raw) < 12:
+        return 0, False
+    words = [int.from_bytes(raw[i : i + 4], "little") for i in range(0, len(raw) - 3, 4)]
+    permitted = words[1] | (words[3] << 32 if len(words) > 3 else 0)
+    return permitted, bool(words[0] & VFS_CAP_FLAGS_EFFECTIVE)
+
+
+def check_criu_capabilities(criu: Criu | None) -> Check:
+    """Without root: whether this user can run CRIU with the capabilities it needs, and if
+    not, which privilege is missing and how to grant it."""
+    name = "criu capabilities"
+    if not unprivileged():
+        return Check(name, True, "not needed: running as root", required=False)
+    if criu is None:
+        return Check(name, False, "skipped: no CRIU", fix="Install CRIU first.")
+    path = criu.path.resolve()
+    needed = {CAP_CHECKPOINT_RESTORE: "cap_checkpoint_restore", CAP_SETPCAP: "cap_setpcap"}
+    permitted, effective = file_capabilities(path)
+    missing = [cap for bit, cap in needed.items() if not permitted & (1 << bit)]
+    if missing or not effective:
+        return Check(
+            name,
+            False,
+            f"{path} lacks the file capabilities {','.join(missing) or 'effective flag'} "
+            "(CAP_CHECKPOINT_RESTORE reads the kernel's mappings and sets the restored "
+            "process ids; CAP_SETPCAP lets a restore trim the bounding set).",
+            fix=GRANT_HINT,
+        )
+    if os.statvfs(path).f_flag & ST_NOSUID:
+        return Check(
+            name,
+            False,
+            f"{path} is on a file system mounted nosuid: its file capabilities are ignored.",
+            fix="Install CRIU on a file system without nosuid (scripts/install-criu.sh PREFIX).",
+        )
+    if _status_field("NoNewPrivs") == "1":
+        return Check(
+            name,
+            False,
+            "this process runs with no_new_privs, which ignores file capabilities "
+            "(Kubernetes: allowPrivilegeEscalation: false; systemd: NoNewPrivileges=yes).",
+            fix="Start Jupyter without no_new_privs: allowPrivilegeEscalation: true in the "
+            "pod's securityContext (docs/jupyterhub.md).",
+        )
+    bounding = int(_status_field("CapBnd") or "0", 16)
+    outside = [cap for bit, cap in needed.items() if not bounding & (1 << bit)]
+    if outside:
+        return Check(
+            name,
+            False,
+            f"{','.join(outside)} are not in this process's capability bounding set "
+            "(a container that dropped them), so CRIU cannot get them.",
+            fix="Add them to the container: securityContext.capabilities.add: "
+            "[CHECKPOINT_RESTORE, SETPCAP] (docs/jupyterhub.md); Linux >= 5.9 is needed "
+            "for CAP_CHECKPOINT_RESTORE.",
+        )
+    return Check(
+        name,
+        True,
+        f"{path} has {UNPRIVILEGED_CAPS}, in this process's bounding set, no no_new_privs",
+    )
+
+
+def check_pid_namespaces() -> Check:
+    """What a kernel without a PID namespace of its own (non-root mode) cannot do."""
+    if not unprivileged():
+        return _namespace_check("pid", "restored kernels get fresh PIDs", True)
+    return Check(
+        "pid namespaces",
+        False,
+        "not used without root: a restored kernel keeps its process ids, so they must be "
+        "free (restore in place, resume after suspend and restore on a fresh node work; two "
+        "kernels restored from one snapshot cannot run side by side, and a snapshot taken "
+        "as root restores only as root)",
+        fix="Run Jupyter as root (CRIU needs CAP_SYS_ADMIN to dump a kernel in its own PID "
+        "namespace); docs/nonroot.md",
+        required=False,
     )
 
 
@@ -78,6 +162,25 @@ def check_criu_works(criu: Criu | None) -> Check:
         lines[-1] if lines else "no output",
         fix="Read `criu check --all` for the missing kernel feature; a kernel >= 5.10 with "
         "CONFIG_CHECKPOINT_RESTORE is needed.",
+    )
+
+
+def check_lazy_pages(criu: Criu | None) -> Check:
+    """Lazy restore (CRIU's userfaultfd lazy pages): the first cell of a restored kernel
+    runs before its memory has arrived. Without it restores copy every page first."""
+    name = "lazy restore"
+    if criu is None:
+        return Check(name, False, "skipped: no CRIU", fix="Install CRIU first.", required=False)
+    ok, said = criu.supports_lazy_pages()
+    if ok:
+        return Check(name, True, f"supported ({said})", required=False)
+    return Check(
+        name,
+        False,
+        f"not possible here, restores copy every page first: {said}",
+        fix="Run Jupyter as root on a Linux kernel with userfaultfd (CONFIG_USERFAULTFD, "
+        ">= 4.11); set SnapshotExtensionApp.lazy_restore = False to silence this.",
+        required=False,
     )
 
 
@@ -159,10 +262,20 @@ def run_checks(
     """Every check, in the order a person fixing the machine would go through them."""
     checks = [check_privileges()]
     criu_check, criu = check_criu(criu_path)
-    checks += [criu_check, check_criu_works(criu)]
+    checks += [criu_check, check_criu_capabilities(criu), check_criu_works(criu)]
+    checks.append(check_lazy_pages(criu))
     checks += [
-        _namespace_check("pid", "restored kernels get fresh PIDs", True),
-        _namespace_check("time", "clocks continue across machines", False),
+        check_pid_namespaces(),
+        _namespace_check("time", "clocks continue across machines", False)
+        if not unprivileged()
+        else Check(
+            "time namespaces",
+            False,
+            "not used without root: the monotonic clock of a kernel restored on another "
+            "machine jumps to that machine's",
+            fix="Run Jupyter as root; docs/nonroot.md",
+            required=False,
+        ),
         check_tools(),
         check_sock_diag(),
         check_tcp_connections(criu),
