@@ -470,6 +470,39 @@ def test_mostly_unused_packs_are_repacked(make_store: MakeStore, tmp_path: Path)
     assert third.new_bytes < 16 << 10  # the moved chunks are found and shared
 
 
+def test_a_put_finds_chunks_a_concurrent_repack_moved(
+    make_store: MakeStore, tmp_path: Path
+) -> None:
+    """Another server repacks the pack a put reuses chunks of while the put uploads (its
+    claim does not list them yet; another snapshot needs them, so they are moved): the
+    put finds them in the new pack and records that."""
+    store = make_store(grace_seconds=0, pack_bytes=2 << 20)
+    other = type(store)(**reopen_args(store), grace_seconds=0, pack_bytes=2 << 20)
+    rng = random.Random(33)
+    shared = rng.randbytes(256 << 10)
+    first = store.put(
+        make_snapshot(tmp_path, rng.randbytes(1 << 20) + shared + rng.randbytes(1 << 20))
+    )
+    old_packs = packs_of(store, first)
+    kept = store.put(make_snapshot(tmp_path, shared + rng.randbytes(4096), sequence=2))
+    assert old_packs & packs_of(store, kept)  # it needs the shared chunks: they move
+    source = make_snapshot(tmp_path, shared + rng.randbytes(512 << 10), sequence=3)
+    total = manifest_mod.Manifest.read(source).total_bytes
+
+    def repack_now(event: dict[str, Any]) -> None:
+        if event["phase"] == "uploading" and event["done_bytes"] == total:
+            other.delete(first.manifest.id)
+
+    try:
+        second = store.put(source, progress=repack_now)
+    finally:
+        other.close()
+    assert not old_packs & stored_objects(store)  # repacked while the put ran
+    assert not old_packs & packs_of(store, second)
+    assert second.new_bytes < second.stored_bytes  # the moved chunks were not stored again
+    assert tree(store.fetch(second.manifest.id, tmp_path / "out")) == tree(source)
+
+
 def reopen_args(store: Store) -> dict[str, Any]:
     """How to open the same store again, as another process would."""
     if isinstance(store, S3Store):

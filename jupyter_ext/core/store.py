@@ -345,7 +345,9 @@ class _Catalog:
         store: _ChunkStore,
         records: Iterable[_Record],
         objects: dict[str, _ObjectStat] | None = None,
+        wanted: Iterable[str] = (),
     ) -> None:
+        """``wanted``: more chunks to look for (a put's, whose pack went meanwhile)."""
         self.objects = store._list_all_objects() if objects is None else objects
         self.located: dict[str, Location] = {}
         named: set[str] = set()
@@ -358,7 +360,7 @@ class _Catalog:
                         self.located.setdefault(ref.hash, ref.where)
                     else:
                         lost.add(ref.hash)
-        lost -= self.located.keys()
+        lost = (lost | set(wanted)) - self.located.keys()
         # Packs no record names are where repacks put chunks; a later put may have reused
         # some chunks of such a pack (and named it) but not others: those are looked for
         # in the named packs too, last.
@@ -1311,7 +1313,7 @@ class _Upload:
         if not gone:
             return []
         records = self.store._all_records(strict=False)
-        located = _Catalog(self.store, records.values(), objects).located
+        located = _Catalog(self.store, records.values(), objects, gone).located
         lost = []
         for digest in gone:
             if digest in located:
