@@ -38,7 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from .errors import IncompatibleSnapshotError, SnapshotError
+from ..errors import IncompatibleSnapshotError, SnapshotError
 
 LIBCUDA_ENV = "JUPYTER_SNAPSHOT_LIBCUDA"
 """Environment variable naming the libcuda to load (default ``libcuda.so.1``)."""
