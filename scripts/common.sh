@@ -50,6 +50,8 @@ setup_machine() {
   fi
   log "Python packages"
   "$VENV/bin/pip" install -q --upgrade pip
+  # Tests run bench/bench_peers.py at its smallest size (tests/test_bench_peers.py).
+  if [[ ",$extras," == *",test,"* ]]; then extras="$extras,bench"; fi
   "$VENV/bin/pip" install -q -e ".[$extras]"
   if [[ ",$extras," == *",test,"* ]]; then
     log "configurable-http-proxy for the JupyterHub tests (npm ci in tests/chp)"
