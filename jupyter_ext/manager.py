@@ -695,22 +695,25 @@ class SnapshotManager:
         return dest, fd
 
     async def _cached(self, job: Job, snapshot_id: str) -> Lease | None:
-        """The snapshot's entry in the image cache, checked and held for the restore, or
-        None (not cached, or its check failed: then it is dropped and the store serves)."""
+        """The snapshot's entry in the image cache, held for the restore, or None. Its
+        manifest is checked (its own checksum); its files by :meth:`_intact`."""
         if snapshot_id in self.pending or not self.image_cache.enabled:
             return None
         lease = await asyncio.to_thread(self.image_cache.lease, snapshot_id)
-        if lease is None:
-            return None
-        self._progress(job, "checking-cache")
-        if not lease.fresh:  # its files' stamps changed: hashed again here, locally
-            self._progress(job, "verifying", 0, lease.entry.bytes)
-            if not await asyncio.to_thread(lease.reverify):
-                log.warning(
-                    "cached snapshot %s failed its check: restoring from the store", snapshot_id
-                )
-                return None
+        if lease is not None:
+            self._progress(job, "checking-cache")
         return lease
+
+    async def _intact(self, job: Job, lease: Lease) -> Lease | None:
+        """The lease if its files are as stamped; else they are hashed again here, locally
+        (after the request was answered), and the entry is dropped if a byte differs."""
+        if lease.fresh:
+            return lease
+        self._progress(job, "verifying", 0, lease.entry.bytes)
+        if await asyncio.to_thread(lease.reverify):
+            return lease
+        log.warning("cached snapshot %s failed its check: restoring from the store", lease.path)
+        return None
 
     async def _restore(
         self, job: Job, snapshot_id: str, kernel_id: str | None, path: str | None
@@ -725,13 +728,15 @@ class SnapshotManager:
             check_compatible(lease.manifest if lease else await self._manifest_of(snapshot_id))
             job.checked.set()
             if lease is not None:
+                lease = await self._intact(job, lease)
+            if lease is not None:
                 directory, manifest, source = lease.path, lease.manifest, "cache"
             else:
                 directory, download_lock = await self._local_copy(job, snapshot_id)
                 temporary = download_lock >= 0
                 source = "store" if temporary else "work-directory"
                 stamps: Stamps | None = None
-                if temporary and self.image_cache.enabled:  # before verify reads every byte
+                if temporary and self.image_cache.enabled:  # as soon as it is written
                     with contextlib.suppress(OSError):
                         stamps = await asyncio.to_thread(stamp_tree, directory)
                 # Every file against its sha256 before CRIU starts: a corrupt snapshot fails
