@@ -178,6 +178,23 @@ async def test_newest_per_kernel_stays_oldest_goes_past_the_budget_not_one_in_us
     assert await run_in(start_kernel, result["kernel_id"], CHECK) == "True 1000000"
 
 
+async def test_a_budget_of_zero_turns_the_cache_off(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any
+) -> None:
+    manager = manager_of(jp_serverapp)
+    manager.image_cache.max_bytes = 0
+    kernel = await start_kernel()
+    await kernel.run(STATE.format(n=1_000_000))
+    snap = (await snapshot(jp_fetch, kernel.id))["result"]
+    assert cached_ids(manager) == []
+    assert not list(manager.staging_dir.iterdir()), "the stored dump is removed"
+    result = await restore(jp_fetch, snap["id"])
+    assert result["source"] == "store"
+    assert await run_in(start_kernel, result["kernel_id"], CHECK) == "True 1000000"
+    assert cached_ids(manager) == []
+    assert not list(manager.cache_dir.iterdir()), "the download is removed"
+
+
 async def test_one_cached_snapshot_restored_twice_side_by_side(
     jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any
 ) -> None:
