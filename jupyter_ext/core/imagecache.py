@@ -16,8 +16,9 @@ across threads). So an entry's files are made read-only and *stamped* (inode, si
 mtime_ns, ctime_ns, as git's index does) before something reads and checks every byte
 against the manifest's sha256 (the store's put), and the stamps are checked unchanged
 after that read: the bytes that were hashed are the bytes stamped. A download is stamped
-as soon as the store has written it (checking each file as it wrote it). A restore then checks one ``stat`` per file (~0.05 ms for 41 files). Any write,
-chmod, rename over or re-link of a file changes its ctime, which no user can set. An entry
+as soon as the store has written it (checking each file as it wrote it). A restore then
+checks one ``stat`` per file (~0.05 ms for 41 files). Any write, chmod, rename over or
+re-link of a file changes its ctime, which no user can set. An entry
 whose stamps changed is hashed again locally (a suspend's hard links going away changes
 ctimes), and dropped if a byte differs: the restore then falls back to the store.
 
