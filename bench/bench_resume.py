@@ -181,7 +181,8 @@ def ceilings(work: Path, criu: Criu, moto: Moto, mib: int, timeout: float) -> di
             timeout=deadline.left(),
         )
         if result.returncode != 0:
-            raise PeerError(f"criu restore failed: {result.stderr[-500:]!r}")
+            log = (images / "restore.log").read_text(errors="replace").splitlines()
+            raise PeerError(f"criu restore failed: {[l for l in log if 'Error' in l][-3:]}")
         restored_pid = int((work / "restored.pid").read_text())
         kernel.connect()
         sent = time.monotonic()

@@ -23,6 +23,7 @@ import re
 import secrets
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -159,10 +160,15 @@ class PackBuilder:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def finish(self) -> bytes:
+    def finish(self) -> Parts:
+        """The pack as its parts, in order: joined only where a store needs one buffer."""
         trailer = _codec.compressor.compress(json.dumps(self._entries).encode())
         footer = _FOOTER.pack(len(trailer)) + PACK_MAGIC
-        return b"".join([*self._parts, trailer, footer])
+        return [*self._parts, trailer, footer]
+
+
+Parts = Sequence[bytes | memoryview]
+"""An object's bytes as pieces, in order."""
 
 
 def trailer_length(footer: bytes) -> int:

@@ -87,6 +87,10 @@ MARKER_STALE_SECONDS = 6 * MARKER_REFRESH_SECONDS
 clean-up stops deleting once its own heartbeat is half this old). Puts wait while a
 marker is fresh; one whose process is gone from this host is ignored at once."""
 PUTS_DIR = "puts"
+BATCH_BYTES = 1 << 20
+"""Chunks go to the hashing workers in batches of about this many bytes."""
+REPORT_EVERY = 4 << 20
+"""Progress is reported every this many bytes (or every 0.5 %, whichever is more)."""
 REUPLOAD_ROUNDS = 3
 """A put uploads again the chunks a concurrent clean-up removed, this many times at most."""
 
@@ -469,8 +473,8 @@ class _ChunkStore(abc.ABC):
     def _delete_record(self, snapshot_id: str) -> None: ...
 
     @abc.abstractmethod
-    def _write_object(self, name: str, data: bytes) -> None:
-        """Store a pack (``packs/<hh>/<name>``) whole."""
+    def _write_object(self, name: str, data: packs.Parts) -> None:
+        """Store a pack (``packs/<hh>/<name>``) whole, from its parts."""
 
     @abc.abstractmethod
     def _sync_objects(self) -> None:
@@ -1132,6 +1136,10 @@ class _Heartbeat:
                 logger.warning("Store heartbeat failed: %s", exc)
 
 
+def _sha256_hex(data: memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def _coalesce(
     chunks: Iterable[tuple[_T, Location]],
 ) -> Iterator[builtins.list[tuple[_T, Location]]]:
@@ -1160,15 +1168,15 @@ class _MappedFile:
 
     def __init__(self, fh: BinaryIO) -> None:
         size = os.fstat(fh.fileno()).st_size
-        self._view = memoryview(b"")
+        self.view = memoryview(b"")
         if size:
             mapped = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
             mapped.madvise(mmap.MADV_SEQUENTIAL)
-            self._view = memoryview(mapped)
+            self.view = memoryview(mapped)
         self._pos = 0
 
     def read(self, size: int) -> memoryview:
-        piece = self._view[self._pos : self._pos + size]
+        piece = self.view[self._pos : self._pos + size]
         self._pos += len(piece)
         return piece
 
@@ -1206,6 +1214,7 @@ class _Upload:
         self.done_bytes = 0
         self.file_offset = 0
         """Where the next chunk starts in the file being cut."""
+        self._next_report = 0
 
     def relied_on(self) -> set[str]:
         """Every pack this put has written, is writing, or reuses chunks of."""
@@ -1234,14 +1243,22 @@ class _Upload:
                     chunks = self.files[entry.path] = []
                     self.file_offset = 0
                     compressibility = packs.Compressibility()
-                    for data in self._read_checked(entry):
-                        for done in tasks.submit(self._prepare, data, compressibility):
-                            self._place(packer, entry.path, chunks, done)
+                    for batch in self._read_checked(entry):
+                        for done in tasks.submit(self._prepare_all, batch, compressibility):
+                            for prepared in done:
+                                self._place(packer, entry.path, chunks, prepared)
                     for done in tasks.drain():
-                        self._place(packer, entry.path, chunks, done)
+                        for prepared in done:
+                            self._place(packer, entry.path, chunks, prepared)
             except BaseException:
                 tasks.cancel()
                 raise
+
+    def _prepare_all(
+        self, batch: builtins.list[bytes | memoryview], compressibility: packs.Compressibility
+    ) -> builtins.list[tuple[str, int, bytes | memoryview | None, packs.Codec]]:
+        """On a worker: a batch of chunks (a task per chunk cost more than hashing one)."""
+        return [self._prepare(data, compressibility) for data in batch]
 
     def _prepare(
         self, data: bytes | memoryview, compressibility: packs.Compressibility
@@ -1277,26 +1294,40 @@ class _Upload:
         chunks.append((digest, size))
         self.file_offset += size
         self.done_bytes += size
-        _report(self.progress, "uploading", self.done_bytes, self.manifest.total_bytes)
+        total = self.manifest.total_bytes
+        if self.done_bytes >= self._next_report or self.done_bytes == total:
+            self._next_report = self.done_bytes + max(REPORT_EVERY, total // 200)
+            _report(self.progress, "uploading", self.done_bytes, total)
 
-    def _read_checked(self, entry: manifest_mod.FileEntry) -> Iterator[bytes | memoryview]:
-        """The file's chunks; raises at the end if its size or sha256 is not the manifest's."""
+    def _read_checked(
+        self, entry: manifest_mod.FileEntry
+    ) -> Iterator[builtins.list[bytes | memoryview]]:
+        """The file's chunks, in batches of about BATCH_BYTES; raises at the end if its
+        size or sha256 is not the manifest's (hashed whole on a thread of its own, beside
+        the chunk workers)."""
         path = self._path(entry.path)
-        digest = hashlib.sha256()
         size = 0
-        # The file's own sha256 on a thread of its own, in order, beside the chunk workers.
-        with ThreadPoolExecutor(1, thread_name_prefix="put-file-hash") as hasher:
-            try:
-                with path.open("rb") as fh:
-                    for data in iter_chunks(_MappedFile(fh), self.params):
-                        hasher.submit(digest.update, data)
-                        size += len(data)
-                        yield data
-            except FileNotFoundError as exc:
-                raise _corrupt(self.manifest.id, f"{entry.path} is missing") from exc
-            except OSError as exc:
-                raise StoreError(f"Cannot read {path}: {exc}", hint=_os_hint(exc)) from exc
-        if size != entry.size or digest.hexdigest() != entry.sha256:
+        try:
+            with path.open("rb") as fh, ThreadPoolExecutor(1) as hasher:
+                mapped = _MappedFile(fh)
+                digest = hasher.submit(_sha256_hex, mapped.view)
+                batch: builtins.list[bytes | memoryview] = []
+                batch_bytes = 0
+                for data in iter_chunks(mapped, self.params):
+                    batch.append(data)
+                    batch_bytes += len(data)
+                    size += len(data)
+                    if batch_bytes >= BATCH_BYTES:
+                        yield batch
+                        batch, batch_bytes = [], 0
+                if batch:
+                    yield batch
+                file_hash = digest.result()
+        except FileNotFoundError as exc:
+            raise _corrupt(self.manifest.id, f"{entry.path} is missing") from exc
+        except OSError as exc:
+            raise StoreError(f"Cannot read {path}: {exc}", hint=_os_hint(exc)) from exc
+        if size != entry.size or file_hash != entry.sha256:
             raise _corrupt(self.manifest.id, f"{entry.path} differs from its manifest entry")
 
     def _path(self, relpath: str) -> Path:
@@ -1761,15 +1792,21 @@ class LocalStore(_ChunkStore):
             hint=_os_hint(exc),
         )
 
-    def _write_new(self, path: Path, data: bytes) -> Path:
-        """Write a uniquely named temporary file next to ``path``, durably."""
+    def _write_new(self, path: Path, data: bytes | packs.Parts, durably: bool = True) -> Path:
+        """Write a uniquely named temporary file next to ``path`` (and sync it)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            with tmp.open("wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
+            with tmp.open("wb", buffering=0) as fh:
+                for part in [data] if isinstance(data, bytes) else data:
+                    view = memoryview(part)
+                    while view:
+                        written = fh.write(view)
+                        if not written:
+                            raise OSError(errno.EIO, f"could not write {tmp}")
+                        view = view[written:]
+                if durably:
+                    os.fsync(fh.fileno())
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -1819,25 +1856,43 @@ class LocalStore(_ChunkStore):
         except OSError as exc:
             raise self._error(f"delete the record of {snapshot_id}", exc) from exc
 
-    def _write_object(self, name: str, data: bytes) -> None:
+    def _write_object(self, name: str, data: packs.Parts) -> None:
+        """Written whole under a temporary name, renamed into place; made durable by
+        :meth:`_sync_objects` before a record names it. One fsync a pack as it is
+        written took 0.67 s for 300 MB here; all of them at the end, 0.28 s. The parts
+        are written one by one, never joined (fresh memory costs ~3 ms a MB here)."""
         path = self._object_path(name)
         try:
-            os.replace(self._write_new(path, data), path)
+            os.replace(self._write_new(path, data, durably=False), path)
         except OSError as exc:
             raise self._error(f"write {name}", exc) from exc
         with self._unsynced_lock:
-            self._unsynced.add(path.parent)
+            self._unsynced.update((path, path.parent))
 
     def _sync_objects(self) -> None:
         with self._unsynced_lock:
-            directories = set(self._unsynced)
+            paths = set(self._unsynced)
+
+        def sync(path: Path) -> None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return  # removed meanwhile (a failed put's clean-up): nothing names it
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        directories = {p for p in paths if p.is_dir()}
         try:
-            for directory in directories:
-                _fsync_dir(directory)
+            with ThreadPoolExecutor(max_workers=self.max_workers) as pool:
+                builtins.list(pool.map(sync, paths - directories))  # the data, all at once
+            for directory in directories:  # then the names
+                sync(directory)
         except OSError as exc:
-            raise self._error(f"sync {directory}", exc) from exc
+            raise self._error("sync its packs", exc) from exc
         with self._unsynced_lock:  # only now: a concurrent put may be relying on them
-            self._unsynced -= directories
+            self._unsynced -= paths
 
     def _read_object(self, name: str, offset: int, length: int) -> bytes | memoryview | None:
         """A view of the mapped file: no copy until the bytes land in an image file."""
@@ -2172,8 +2227,8 @@ class S3Store(_ChunkStore):
     def close(self) -> None:
         self.client.close()
 
-    def _write_object(self, name: str, data: bytes) -> None:
-        self._call("put_object", self._key(name), Body=data)
+    def _write_object(self, name: str, data: packs.Parts) -> None:
+        self._call("put_object", self._key(name), Body=b"".join(data))
 
     def _sync_objects(self) -> None:
         """Nothing to do: S3 acknowledges a PUT only once the object is durable."""
