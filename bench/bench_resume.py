@@ -136,7 +136,7 @@ def timed_job(
     if job["status"] != "done":
         error = job.get("error") or {}
         raise PeerError(f"{error.get('code')}: {error.get('message')}")
-    marks = sorted(seen.items(), key=lambda kv: kv[1]) + [("end", ended)]
+    marks = [*sorted(seen.items(), key=lambda kv: kv[1]), ("end", ended)]
     phases = {name: round(marks[i + 1][1] - at, 3) for i, (name, at) in enumerate(marks[:-1])}
     return job["result"], ended - started, phases
 
@@ -182,7 +182,8 @@ def ceilings(work: Path, criu: Criu, moto: Moto, mib: int, timeout: float) -> di
         )
         if result.returncode != 0:
             log = (images / "restore.log").read_text(errors="replace").splitlines()
-            raise PeerError(f"criu restore failed: {[l for l in log if 'Error' in l][-3:]}")
+            errors = [line for line in log if "Error" in line][-3:]
+            raise PeerError(f"criu restore failed: {errors}")
         restored_pid = int((work / "restored.pid").read_text())
         kernel.connect()
         sent = time.monotonic()
@@ -291,7 +292,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {human_bytes(row['mib'] * MIB)} | {human_bytes(c['image_bytes'])} "
             f"| {seconds(local['durable'])} | {seconds(c['dump'])} | {seconds(c['dump_durable'])} "
-            f"| {ratio(local['durable'], c['dump'])} / {ratio(local['durable'], c['dump_durable'])} "
+            f"| {ratio(local['durable'], c['dump'])} "
+            f"/ {ratio(local['durable'], c['dump_durable'])} "
             f"| {seconds(s3['durable'])} | {seconds(c['raw_put'])} "
             f"| {ratio(s3['durable'], c['raw_put'])} "
             f"| {seconds(local['restore'])} | {seconds(s3['restore'])} | {seconds(c['raw_get'])} "
