@@ -163,6 +163,7 @@ def ceilings(work: Path, criu: Criu, moto: Moto, mib: int, timeout: float) -> di
         dump_durable = time.monotonic() - started
         kernel.kill()
         subprocess.run(["sync"], check=True)
+        (work / "restored.pid").unlink(missing_ok=True)
         started = time.monotonic()
         result = subprocess.run(
             [
