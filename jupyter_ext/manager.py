@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .core.compat import check_compatible
 from .core.errors import (
     KernelNotRunningError,
     SnapshotBusyError,
@@ -39,12 +40,12 @@ from .core.manifest import (
     MANIFEST_NAME,
     SNAPSHOT_ID_RE,
     Manifest,
-    check_compatible,
     new_snapshot_id,
     remove_tree,
     verify,
 )
 from .core.protocol import WrapperClient, WrapperInfo
+from .core.retention import Retained, RetentionPolicy, plan_retention
 from .core.store import SnapshotStore, StoredSnapshot, StoreError
 
 log = logging.getLogger("jupyter_ext")
@@ -596,44 +597,25 @@ class SnapshotManager:
     max_bytes: int = 0
 
     def apply_retention(self, newest: Manifest) -> list[str]:
-        """Keep the last N per notebook and a total byte budget; never the newest of any."""
+        """Keep the last N per notebook and a total byte budget; never the newest of any
+        (the choice is :func:`~.core.retention.plan_retention`'s)."""
         store = self.store
-        snapshots = store.list()
+        plan = plan_retention(
+            (Retained.of(s.manifest) for s in store.list()),
+            Retained.of(newest),
+            RetentionPolicy(keep_last=self.keep_last, max_bytes=self.max_bytes),
+        )
         removed: list[str] = []
-
-        def group(s: StoredSnapshot) -> str:
-            return s.manifest.notebook_path or f"lineage:{s.manifest.lineage}"
-
-        by_group: dict[str, list[StoredSnapshot]] = {}
-        for s in snapshots:
-            by_group.setdefault(group(s), []).append(s)
-        for items in by_group.values():
-            items.sort(
-                key=lambda s: (
-                    s.manifest.lineage == newest.lineage,
-                    s.manifest.sequence,
-                    s.manifest.created,
-                )
-            )
-        protected = {items[-1].manifest.id for items in by_group.values()} | {newest.id}
-        if self.keep_last > 0:
-            for items in by_group.values():
-                for s in items[: max(0, len(items) - self.keep_last)]:
-                    if s.manifest.id not in protected:
-                        store.delete(s.manifest.id)
-                        removed.append(s.manifest.id)
-        if self.max_bytes > 0:
+        for snapshot_id in plan.by_count:
+            store.delete(snapshot_id)
+            removed.append(snapshot_id)
+        for snapshot_id in plan.over_budget:
             # Chunks are shared between snapshots: what a deletion frees is what the store
             # says it holds afterwards, not the sum of the snapshots' sizes.
-            candidates = sorted(
-                (s for s in snapshots if s.manifest.id not in protected | set(removed)),
-                key=lambda s: (-len(by_group[group(s)]), s.manifest.sequence),
-            )
-            for s in candidates:
-                if store.stats().stored_bytes <= self.max_bytes:
-                    break
-                store.delete(s.manifest.id)
-                removed.append(s.manifest.id)
+            if store.stats().stored_bytes <= self.max_bytes:
+                break
+            store.delete(snapshot_id)
+            removed.append(snapshot_id)
         for snapshot_id in removed:
             self.image_cache.discard(snapshot_id)
             self.emit("deleted", {"snapshot_id": snapshot_id, "reason": "retention"})

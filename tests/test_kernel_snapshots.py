@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from jupyter_ext.core import proctree
+from jupyter_ext.core.compat import check_compatible
 from jupyter_ext.core.criu import Criu, frozen_seconds
 from jupyter_ext.core.errors import (
     CriuNotFoundError,
@@ -30,13 +31,7 @@ from jupyter_ext.core.errors import (
     SnapshotCorruptError,
     SnapshotError,
 )
-from jupyter_ext.core.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    check_compatible,
-    manifest_checksum,
-    verify,
-)
+from jupyter_ext.core.manifest import MANIFEST_NAME, Manifest, manifest_checksum, verify
 
 from .harness import KernelProcess, wait_until
 

@@ -24,8 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .errors import IncompatibleSnapshotError, SnapshotCorruptError
-from .gpu import check_restore_compatible
+from .errors import SnapshotCorruptError
 
 FORMAT_VERSION = 2
 """2: the manifest carries its own checksum. Format 1 (no checksum) is still read."""
@@ -39,12 +38,6 @@ TRIGGERS = ("manual", "periodic", "idle-suspend", "before-shutdown", "before-res
 
 def new_snapshot_id() -> str:
     return uuid.uuid4().hex
-
-
-def product_version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 def cpu_flags() -> list[str]:
@@ -261,34 +254,12 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
-def check_compatible(manifest: Manifest) -> None:
-    """Refuse, before CRIU starts, a snapshot that cannot run on this machine: another
-    architecture, missing CPU instruction sets, files the kernel had open that are gone or
-    changed, no fit GPU (model, driver, free memory) for the GPU memory it holds."""
-    from .proctree import missing_files
+def __getattr__(name: str) -> Any:
+    """``check_compatible`` moved to :mod:`.compat`; this keeps ``from .manifest import
+    check_compatible`` working (kernel_wrapper still imports it from here) without this
+    data format importing policy or GPU code when it is loaded."""
+    if name == "check_compatible":
+        from .compat import check_compatible
 
-    if manifest.machine != platform.machine():
-        raise IncompatibleSnapshotError(
-            f"The snapshot was taken on {manifest.machine}; this machine is {platform.machine()}.",
-            hint="Restore it on a machine of the same architecture.",
-        )
-    missing_flags = set(manifest.cpu_flags) - set(cpu_flags())
-    important = sorted(f for f in missing_flags if f.startswith(_INSTRUCTION_SET_FLAGS))
-    if important:
-        raise IncompatibleSnapshotError(
-            f"This CPU lacks instruction sets the snapshot's CPU ({manifest.cpu_model}) had: "
-            + ", ".join(important[:8]),
-            hint="Restore on a machine with the same or a newer CPU model.",
-        )
-    problems = missing_files(manifest.needed_files)
-    if problems:
-        raise IncompatibleSnapshotError(
-            "Files the kernel had open are missing or changed here: " + "; ".join(problems[:5]),
-            hint="Make those files available at the same paths (same content), then restore.",
-        )
-    if manifest.gpu.get("ns_pids") and manifest.gpu.get("available"):
-        check_restore_compatible(manifest.gpu, int(manifest.gpu.get("needed_bytes", 0)))
-
-
-#: CPU flags whose absence breaks code already compiled or selected for them.
-_INSTRUCTION_SET_FLAGS = ("avx", "sse", "fma", "amx", "bmi", "f16c", "popcnt", "aes", "sha_ni")
+        return check_compatible
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

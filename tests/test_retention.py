@@ -1,0 +1,232 @@
+"""Retention: which stored snapshots go (the pure planner), and the manager applying it to
+a real local store (no kernels: snapshot directories are built as in test_store.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jupyter_ext.core.manifest import Manifest
+from jupyter_ext.core.retention import Retained, RetentionPolicy, plan_retention
+from jupyter_ext.core.store import LocalStore
+from jupyter_ext.manager import SnapshotManager
+
+from .test_store import make_snapshot
+
+A, B, C = "a" * 32, "b" * 32, "c" * 32
+
+
+def snap(
+    ident: str,
+    sequence: int,
+    *,
+    lineage: str = A,
+    notebook: str | None = "nb.ipynb",
+    created: str = "",
+) -> Retained:
+    return Retained(
+        id=ident,
+        lineage=lineage,
+        sequence=sequence,
+        created=created or f"2026-12-01T00:00:{sequence:02d}.000+00:00",
+        notebook_path=notebook,
+    )
+
+
+def plan(
+    snapshots: list[Retained], newest: Retained, keep_last: int = 0, max_bytes: int = 0
+) -> tuple[list[str], list[str]]:
+    result = plan_retention(snapshots, newest, RetentionPolicy(keep_last, max_bytes))
+    return result.by_count, result.over_budget
+
+
+# -- the planner ---------------------------------------------------------------------------
+
+
+def test_nothing_listed_nothing_planned() -> None:
+    newest = snap("n", 1)
+    assert plan([], newest, keep_last=1, max_bytes=1) == ([], [])
+
+
+def test_no_policy_deletes_nothing() -> None:
+    listed = [snap(f"s{i}", i) for i in range(1, 6)]
+    assert plan(listed, listed[-1]) == ([], [])
+
+
+def test_keep_last_per_notebook_oldest_first() -> None:
+    one = [snap(f"one{i}", i, notebook="one.ipynb") for i in range(1, 5)]
+    two = [snap(f"two{i}", i, lineage=B, notebook="two.ipynb") for i in range(1, 3)]
+    by_count, over_budget = plan(one + two, one[-1], keep_last=2)
+    assert by_count == ["one1", "one2"]
+    assert over_budget == []  # no byte budget
+
+
+def test_kernels_without_notebook_group_by_lineage() -> None:
+    a = [snap(f"a{i}", i, notebook=None) for i in range(1, 4)]
+    b = [snap(f"b{i}", i, lineage=B, notebook=None) for i in range(1, 4)]
+    by_count, _ = plan(a + b, a[-1], keep_last=1)
+    assert by_count == ["a1", "a2", "b1", "b2"]
+
+
+def test_the_newest_lineage_counts_as_the_most_recent() -> None:
+    """A kernel restored from an old snapshot starts a new lineage at sequence 1: its
+    snapshots are the notebook's newest, whatever the old lineage's sequence numbers."""
+    old = [snap(f"old{i}", i, lineage=B) for i in range(1, 6)]
+    new = [snap("new1", 1, lineage=C, created="2026-12-01T00:00:00.000+00:00")]
+    by_count, _ = plan(old + new, new[0], keep_last=2)
+    assert by_count == ["old1", "old2", "old3", "old4"]
+
+
+def test_the_snapshot_just_stored_is_never_deleted() -> None:
+    """An upload retried after later snapshots were stored: it is not the last of its
+    notebook, but retention after it keeps it, and the notebook then keeps one more."""
+    listed = [snap(f"s{i}", i) for i in range(1, 4)]
+    late = listed[1]
+    by_count, over_budget = plan(listed, late, keep_last=1, max_bytes=1)
+    assert by_count == ["s1"]
+    assert over_budget == []  # s2 just stored, s3 the last of the notebook
+
+
+def test_the_last_of_every_notebook_survives_any_budget() -> None:
+    one = [snap(f"one{i}", i, notebook="one.ipynb") for i in range(1, 3)]
+    two = [snap("two1", 1, lineage=B, notebook="two.ipynb")]
+    three = [snap("three1", 1, lineage=C, notebook="three.ipynb")]
+    _, over_budget = plan(one + two + three, three[0], max_bytes=1)
+    assert over_budget == ["one1"]
+
+
+def test_budget_order_largest_notebook_first_then_lowest_sequence() -> None:
+    big = [snap(f"big{i}", i, notebook="big.ipynb") for i in range(1, 5)]
+    small = [snap(f"small{i}", i, lineage=B, notebook="small.ipynb") for i in range(1, 3)]
+    mid = [snap(f"mid{i}", i + 10, lineage=C, notebook="mid.ipynb") for i in range(1, 4)]
+    newest = snap("other", 1, lineage="d" * 32, notebook="other.ipynb")
+    _, over_budget = plan(small + mid + big + [newest], newest, max_bytes=10)
+    assert over_budget == ["big1", "big2", "big3", "mid1", "mid2", "small1"]
+
+
+def test_budget_ties_follow_lineage_then_id() -> None:
+    """Equal group sizes and sequences: the store's listing order (lineage, sequence, id)
+    decides, whatever order the snapshots come in."""
+    x = [snap("x2", 1, lineage=B, notebook="x.ipynb"), snap("x9", 2, lineage=B, notebook="x.ipynb")]
+    y = [snap("y1", 1, lineage=A, notebook="y.ipynb"), snap("y5", 2, lineage=A, notebook="y.ipynb")]
+    newest = snap("z", 1, lineage=C, notebook="z.ipynb")
+    listed = [*x, *y, newest]
+    expected = ["y1", "x2"]
+    for seed in range(6):
+        random.Random(seed).shuffle(listed)
+        assert plan(listed, newest, max_bytes=1)[1] == expected
+
+
+def test_sequence_ties_within_a_notebook_go_by_creation_time() -> None:
+    """Two kernels of one lineage (restored twice from one snapshot) both at sequence 3."""
+    listed = [
+        snap("early", 3, created="2026-12-01T00:00:01.000+00:00"),
+        snap("late", 3, created="2026-12-01T00:00:09.000+00:00"),
+        snap("first", 2),
+    ]
+    assert plan(listed, listed[1], keep_last=1)[0] == ["first", "early"]
+
+
+def test_count_deletions_are_not_planned_again_for_the_budget() -> None:
+    listed = [snap(f"s{i}", i) for i in range(1, 6)]
+    by_count, over_budget = plan(listed, listed[-1], keep_last=3, max_bytes=1)
+    assert by_count == ["s1", "s2"]
+    assert over_budget == ["s3", "s4"]
+
+
+def test_retained_reads_a_manifest(tmp_path: Path) -> None:
+    manifest = Manifest.read(make_snapshot(tmp_path, b"", lineage=B, sequence=7))
+    retained = Retained.of(manifest)
+    assert retained == Retained(manifest.id, B, 7, manifest.created, "work/analysis.ipynb")
+    assert retained.group == "work/analysis.ipynb"
+    without_notebook = Retained.of(dataclasses.replace(manifest, notebook_path=None))
+    assert without_notebook.group == f"lineage:{B}"
+
+
+# -- the manager with a real store ---------------------------------------------------------
+
+
+Events = list[tuple[str, dict[str, Any]]]
+
+
+@pytest.fixture
+def events() -> Events:
+    return []
+
+
+@pytest.fixture
+def manager(tmp_path: Path, events: Events) -> Iterator[SnapshotManager]:
+    """A manager without kernels (none are needed to apply retention), on a local store
+    that deletes unreferenced packs at once (grace 0)."""
+    store = LocalStore(tmp_path / "store", grace_seconds=0)
+    yield SnapshotManager(
+        kernel_manager=None,
+        session_manager=None,
+        store=store,
+        work_dir=tmp_path / "work",
+        emit=lambda name, data: events.append((name, data)),
+    )
+    store.close()
+
+
+def put_snapshots(manager: SnapshotManager, root: Path, count: int) -> list[Manifest]:
+    """``count`` snapshots of one notebook, no pages shared (each frees its own packs)."""
+    rng = random.Random(count)
+    stored = []
+    for sequence in range(1, count + 1):
+        directory = make_snapshot(root, rng.randbytes(64 * 4096), lineage=A, sequence=sequence)
+        stored.append(manager.store.put(directory).manifest)
+    return stored
+
+
+def test_manager_deletes_along_the_budget_until_the_store_fits(
+    manager: SnapshotManager, events: Events, tmp_path: Path
+) -> None:
+    s1, s2, s3, s4 = put_snapshots(manager, tmp_path / "dirs", 4)
+    before = manager.store.stats().stored_bytes
+    manager.max_bytes = before - 1  # one deletion is enough
+    assert manager.apply_retention(s4) == [s1.id]
+    assert manager.store.stats().stored_bytes <= manager.max_bytes
+    assert events == [("deleted", {"snapshot_id": s1.id, "reason": "retention"})]
+
+    manager.max_bytes = 1  # cannot be met: everything but the notebook's newest goes
+    assert manager.apply_retention(s4) == [s2.id, s3.id]
+    assert [s.manifest.id for s in manager.store.list()] == [s4.id]
+
+
+def test_manager_keep_last_and_budget_together(manager: SnapshotManager, tmp_path: Path) -> None:
+    s1, s2, s3, s4 = put_snapshots(manager, tmp_path / "dirs", 4)
+    manager.keep_last = 3
+    manager.max_bytes = manager.store.stats().stored_bytes  # met once s1 is gone
+    assert manager.apply_retention(s4) == [s1.id]
+    assert [s.manifest.id for s in manager.store.list()] == [s2.id, s3.id, s4.id]
+
+
+# -- the module layout ---------------------------------------------------------------------
+
+
+def test_manifest_and_retention_are_leaves() -> None:
+    """The snapshot format and the planner load no GPU, store or host-check code."""
+    code = (
+        "import json, sys, jupyter_ext.core.manifest, jupyter_ext.core.retention\n"
+        "print(json.dumps([m for m in sys.modules if m.startswith('jupyter_ext')]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    loaded = set(json.loads(out))
+    assert loaded == {
+        "jupyter_ext",
+        "jupyter_ext.core",
+        "jupyter_ext.core.errors",
+        "jupyter_ext.core.manifest",
+        "jupyter_ext.core.retention",
+    }
