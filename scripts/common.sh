@@ -7,6 +7,27 @@ PYTHON="${PYTHON:-python3}"
 
 log() { printf '\n== %s\n' "$*" >&2; }
 
+# runs_for_others PYTHON: whether an ordinary user (nobody) can run PYTHON. A virtualenv
+# links to the Python it was made from; one under a private directory (/root/.pyenv) is
+# root's alone, and non-root use (docs/nonroot.md) needs one every user can run.
+runs_for_others() {
+  runuser -u nobody -- "$1" -c 'import ssl' >/dev/null 2>&1
+}
+
+# base_python: $PYTHON if other users can run it, else Debian's /usr/bin/python3.
+base_python() {
+  local py
+  py="$(command -v "$PYTHON" || true)"
+  if [ -n "$py" ] && { [ "$(id -u)" != 0 ] || runs_for_others "$py"; }; then
+    echo "$py"
+  elif [ -x /usr/bin/python3 ] && runs_for_others /usr/bin/python3; then
+    log "$PYTHON ($py) cannot be run by other users: the virtualenv uses /usr/bin/python3"
+    echo /usr/bin/python3
+  else
+    echo "${py:-$PYTHON}"
+  fi
+}
+
 # apt_install PKG...: install the packages that are missing.
 apt_install() {
   local missing=()
@@ -46,7 +67,10 @@ setup_machine() {
   "$ROOT/scripts/install-criu.sh"
   if [ ! -x "$VENV/bin/python" ]; then
     log "virtualenv $VENV"
-    "$PYTHON" -m venv "$VENV"
+    "$(base_python)" -m venv "$VENV"
+  elif ! runs_for_others "$VENV/bin/python"; then
+    log "warning: other users cannot run $VENV/bin/python (made from a Python in a private" \
+      "directory); for non-root use remove $VENV and run the set-up again (docs/nonroot.md)"
   fi
   log "Python packages"
   "$VENV/bin/pip" install -q --upgrade pip

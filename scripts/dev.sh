@@ -5,6 +5,9 @@
 #                         (local snapshot store under the Jupyter data directory)
 #   scripts/dev.sh test   set everything up, then run the whole test suite (what CI runs):
 #                         ruff, mypy, pytest, then the UI tests (scripts/ui-tests.sh)
+#   scripts/dev.sh setup  set everything up only; then members of the group
+#                         jupyter-snapshots can run .venv/bin/jupyter as themselves
+#                         (non-root mode, docs/nonroot.md)
 #
 # Set-up is idempotent: system packages (apt, Node.js if missing), CRIU >= 4.2 in a
 # private prefix (scripts/install-criu.sh), a virtualenv in .venv with the package
@@ -22,6 +25,11 @@ case "${1:-}" in
     "$VENV/bin/jupyter" snapshot doctor || true
     exec "$VENV/bin/jupyter" lab --allow-root "$@"
     ;;
+  setup)
+    setup_machine dev
+    "$VENV/bin/jupyter" snapshot doctor || true
+    log "non-root use: sudo usermod -aG jupyter-snapshots USER, then as USER: $VENV/bin/jupyter lab"
+    ;;
   test)
     shift
     # postgresql: a real database server for tests/test_network.py (psycopg is its client).
@@ -36,7 +44,7 @@ case "${1:-}" in
     exec scripts/ui-tests.sh
     ;;
   *)
-    echo "usage: $0 lab|test [args...]" >&2
+    echo "usage: $0 lab|test|setup [args...]" >&2
     exit 2
     ;;
 esac

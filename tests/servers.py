@@ -105,6 +105,17 @@ class Endpoint:
         return json.loads(data) if data else None
 
 
+def give_to(user: str, *paths: Path) -> None:
+    """Make ``paths`` the ordinary ``user``'s (recursively), and let them through every
+    directory above (pytest's own temporary directory is root's alone, mode 0700)."""
+    for path in paths:
+        subprocess.run(["chown", "-R", f"{user}:", str(path)], check=True)
+        for parent in path.resolve().parents:
+            mode = parent.stat().st_mode
+            if not mode & 0o001:
+                parent.chmod(mode | 0o001)
+
+
 class ServerProcess(Endpoint):
     """``jupyter server`` with the snapshot extension, in its own data and runtime dirs."""
 
@@ -117,7 +128,10 @@ class ServerProcess(Endpoint):
         netns: str | None = None,
         address: str = "127.0.0.1",
         env: dict[str, str] | None = None,
+        user: str | None = None,
     ) -> None:
+        """``user``: run the server (and so its kernels and CRIU) as this ordinary user,
+        from a root test run (non-root mode on other nodes, docs/nonroot.md)."""
         from .s3server import free_port
 
         home.mkdir(parents=True, exist_ok=True)
@@ -148,6 +162,10 @@ class ServerProcess(Endpoint):
             f"--ServerApp.root_dir={root_dir}",
             f"--config={config_file}",
         ]
+        if user is not None:
+            self.env.update(HOME=str(home), USER=user, LOGNAME=user, PYTHONDONTWRITEBYTECODE="1")
+            give_to(user, home, root_dir)
+            argv = ["runuser", "-u", user, "--", *argv]
         if netns is not None:
             argv = ["ip", "netns", "exec", netns, *argv]
         self.log_path = home / "server.log"

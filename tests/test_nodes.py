@@ -19,8 +19,14 @@ import pytest
 from .s3server import free_port
 from .servers import HOST_ADDRESS, Network, ServerProcess, follow, ws_execute
 
-pytestmark = pytest.mark.usefixtures("criu")
+pytestmark = [
+    pytest.mark.usefixtures("criu"),
+    pytest.mark.needs_root("network namespaces as nodes; JKS_NODE_USER runs the nodes as a user"),
+]
 BUCKET = "kernel-snapshots-nodes"
+#: Run the nodes' servers (their kernels and CRIU) as this ordinary user: the other-node test
+#: of non-root mode (scripts/nonroot-tests.sh sets it; the network still needs root).
+NODE_USER = os.environ.get("JKS_NODE_USER") or None
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +90,9 @@ def node_server(
             "snapshot_before_shutdown": False,
         }
     }
-    return ServerProcess(home, notebooks, config, netns=netns, address=address, env=S3_ENV)
+    return ServerProcess(
+        home, notebooks, config, netns=netns, address=address, env=S3_ENV, user=NODE_USER
+    )
 
 
 def test_restore_on_another_node_after_node_loss(

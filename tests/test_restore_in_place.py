@@ -4,6 +4,7 @@ after the checks passed leaves the kernel that was there as it was, and says so.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import stat
@@ -29,10 +30,13 @@ def kernel_with_state(kernel_factory: Factory) -> KernelProcess:
 
 
 def snapshotted_kernel(kernel_factory: Factory, dest: Path) -> KernelProcess:
-    """A kernel holding ``x = 1``, snapshotted into ``dest``."""
+    """A kernel holding ``x = 1``, snapshotted into ``dest``. Without root it then ends: a
+    restore keeps its process ids, which it would hold (docs/nonroot.md)."""
     kernel = kernel_factory()
     kernel.execute("x = 1")
     kernel.snapshot(dest)
+    if os.geteuid() != 0:
+        kernel.kill_all()
     return kernel
 
 
