@@ -16,6 +16,7 @@ from jupyter_server.serverapp import ServerApp
 from traitlets import Bool, Float, Int, Unicode, default
 
 from .core.chunking import ChunkParams
+from .core.lazypages import ENV_LAZY_RESTORE
 from .core.store import LocalStore, S3Store, SnapshotStore
 from .handlers import route_table
 from .manager import SnapshotManager, user_prefix
@@ -104,6 +105,16 @@ class SnapshotExtensionApp(ExtensionApp):
         budget, or when less than 10 % of the disk (and less than the newest snapshot's
         size) would stay free, the oldest entries go. Default: -1, a quarter of the work
         directory's disk. 0 turns the cache off.""",
+    )
+    lazy_restore = Bool(
+        True,
+        config=True,
+        help="""Restore kernels with CRIU's lazy pages: the kernel runs as soon as CRIU has
+        rebuilt its processes, each page of memory it touches is served on demand and the
+        rest streams in behind it, so the first cell answers within about a second at
+        any size. A page that cannot be read stops the restore and puts the previous
+        kernel back. Used where 'jupyter snapshot doctor' says "lazy restore" is
+        supported (root), never for kernels with GPU state. Default: True.""",
     )
     periodic_interval = Float(
         0.0,
@@ -241,6 +252,8 @@ class SnapshotExtensionApp(ExtensionApp):
         self.manager.keep_last = self.keep_last
         self.manager.max_bytes = self.max_store_bytes
         self.manager.image_cache.max_bytes = self.image_cache_max_bytes
+        # Kernel wrappers are started by the kernel manager with this process's environment.
+        os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"
         self._policy_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Future[None] | None = None
         self._recovery: asyncio.Future[None] | None = None

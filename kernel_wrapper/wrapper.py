@@ -51,10 +51,11 @@ from jupyter_client.session import DELIM, Session
 
 from jupyter_ext import __version__
 from jupyter_ext.core import netports, proctree, sockdiag
-from jupyter_ext.core.criu import Criu, external_file_key, unprivileged
+from jupyter_ext.core.criu import Criu, LazyTransfer, external_file_key, unprivileged
 from jupyter_ext.core.errors import (
     IncompatibleSnapshotError,
     KernelNotRunningError,
+    RestoreError,
     SnapshotBusyError,
     SnapshotError,
 )
@@ -67,6 +68,7 @@ from jupyter_ext.core.gpu import (
     open_backend,
     plan_gpu_pairs,
 )
+from jupyter_ext.core.lazypages import ENV_LAZY_RESTORE, DirectoryPages, stage_pages_files
 from jupyter_ext.core.manifest import (
     IMAGES_DIR,
     Manifest,
@@ -362,6 +364,14 @@ class KernelWrapper:
         self.suspended_snapshot: Path | None = None
         """The snapshot a suspended kernel comes back from."""
         self._discard_after_resume = False
+        self.lazy_restore = os.environ.get(ENV_LAZY_RESTORE, "1") != "0"
+        """Restore with CRIU's lazy pages where the machine supports it (the server's
+        SnapshotExtensionApp.lazy_restore trait, through the environment)."""
+        self._lazy_supported: bool | None = None
+        self._lazy: LazyTransfer | None = None
+        self._lazy_task: asyncio.Task[None] | None = None
+        self.lazy_status: dict[str, Any] = {}
+        """The last lazy restore: state (transferring/complete/failed), bytes, error."""
         self._control_path = self.runtime_dir / "control"
         self._executing: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         """execute_requests the kernel got and has not answered, oldest (running) first:
@@ -1212,6 +1222,7 @@ class KernelWrapper:
             "sequence": self.sequence,
             "busy": self._op_lock.locked(),
             "resumed_request": self.resumed_request,
+            "lazy_restore": self.lazy_status,
         }
 
     def _criu_binary(self) -> Criu:
@@ -1266,6 +1277,12 @@ class KernelWrapper:
             )
         if dest.exists():
             raise SnapshotError(f"The snapshot directory {dest} already exists.")
+        await self._lazy_settled()
+        if self.state != State.RUNNING or self.inner_pid is None:
+            raise KernelNotRunningError(
+                f"The kernel did not come back from its lazy restore ({self.state.value}).",
+                hint="See the kernel's status (lazy_restore) for why.",
+            )
         criu = self._criu_binary()
         dest.parent.mkdir(parents=True, exist_ok=True)
         staging = dest.parent / f".{dest.name}.partial-{secrets.token_hex(4)}"
@@ -1458,6 +1475,7 @@ class KernelWrapper:
         source: str,
         verified: bool = False,
         save_to: str | None = None,
+        pages_from: str | None = None,
     ) -> dict[str, Any]:
         if self._op_lock.locked():
             raise SnapshotBusyError(
@@ -1469,6 +1487,7 @@ class KernelWrapper:
             progress,
             verified=verified,
             save_to=Path(save_to) if save_to else None,
+            pages_from=Path(pages_from) if pages_from else None,
         )
         return {
             "inner_pid": self.inner_pid,
@@ -1483,8 +1502,14 @@ class KernelWrapper:
         progress: Callable[[dict[str, Any]], None],
         verified: bool = False,
         save_to: Path | None = None,
+        pages_from: Path | None = None,
     ) -> Manifest:
         """Replace the inner kernel (if any) by the snapshot in ``source``.
+
+        With lazy restore the kernel runs as soon as CRIU has rebuilt it, its memory
+        served page by page (from ``pages_from`` when given, filling in the sparse
+        ``pages-*.img`` of ``source``; else from ``source``) while the rest arrives in the
+        background; a kernel saved before the restore is kept until every page is in.
 
         ``verified`` skips re-hashing files the caller has just checked (the server
         extension verifies every download); the manifest and compatibility are still read.
@@ -1504,6 +1529,7 @@ class KernelWrapper:
             check_compatible(manifest)
             self._check_ports_free(manifest)
             criu = self._criu_binary()
+            lazy = self._lazy_wanted(manifest, criu, pages_from)  # refused before any change
             saved: _SavedKernel | None = None
             if self.state == State.RUNNING and self.inner_pid is not None:
                 saved = await self._save_before_restore(
@@ -1517,12 +1543,16 @@ class KernelWrapper:
                 self.executions_since_snapshot = 0
 
             try:
-                await self._replace_inner(source, manifest, criu, restored)
+                await self._replace_inner(
+                    source, manifest, criu, restored, lazy=lazy, pages_from=pages_from
+                )
             except SnapshotError as exc:
                 if saved is None:
                     raise
                 await self._put_back(saved, exc, criu)
-            if saved is not None:
+            if self._lazy is not None:
+                self._lazy_task = asyncio.create_task(self._complete_lazy(self._lazy, saved, criu))
+            elif saved is not None:
                 remove_tree(saved.directory)
             if self.suspended_snapshot is not None:
                 if self._discard_after_resume and self.suspended_snapshot == source:
@@ -1618,8 +1648,78 @@ class KernelWrapper:
             log_excerpt=failure.log_excerpt,
         ) from failure
 
+    def _lazy_wanted(self, manifest: Manifest, criu: Criu, pages_from: Path | None) -> bool:
+        """Lazy restore unless turned off, unsupported here, or the kernel had CUDA state
+        (the CUDA restore reads all of its memory at once: nothing to gain)."""
+        if not self.lazy_restore or manifest.gpu.get("ns_pids"):
+            if pages_from is not None:
+                raise RestoreError(
+                    "Pages can only be served from elsewhere with lazy restore, which is off "
+                    "or not possible for this kernel.",
+                    hint="Restore from a complete snapshot directory.",
+                )
+            return False
+        if self._lazy_supported is None:
+            self._lazy_supported, said = criu.supports_lazy_pages()
+            if not self._lazy_supported:
+                log.warning("lazy restore is not supported here (%s); restoring in full", said)
+        return self._lazy_supported
+
+    async def _complete_lazy(
+        self, transfer: LazyTransfer, saved: _SavedKernel | None, criu: Criu
+    ) -> None:
+        """Wait for the rest of a lazily restored kernel's memory. If a page cannot be
+        had, the kernel (frozen at its first missing page) is killed: no half-restored
+        kernel stays; one saved before a restore in place is put back."""
+        pid = self.inner_pid
+        try:
+            await transfer.wait()
+            filled = await asyncio.to_thread(transfer.server.fill_gaps)
+        except SnapshotError as exc:
+            log.error("lazy restore failed: %s", exc)
+            self.lazy_status = {"state": "failed", "error": exc.to_dict()}
+            async with self._op_lock:
+                if self.inner_pid == pid:
+                    await self._kill_inner()
+                self._lazy = None
+                transfer.close()
+                shutil.rmtree(transfer.work_dir, ignore_errors=True)
+                if saved is None:
+                    self._stop_pumps()
+                    self._set_state(State.DEAD)
+                    return
+                try:
+                    await self._put_back(saved, exc, criu)
+                except SnapshotError as final:
+                    self.lazy_status["error"] = final.to_dict()
+            return
+        self._lazy = None
+        transfer.close()
+        shutil.rmtree(transfer.work_dir, ignore_errors=True)
+        self.lazy_status = {
+            "state": "complete",
+            "bytes": transfer.server.bytes_served + filled,
+            "seconds": round((transfer.finished or time.monotonic()) - transfer.started, 3),
+        }
+        log.info("lazy restore complete: %s", self.lazy_status)
+        if saved is not None:
+            remove_tree(saved.directory)
+
+    async def _lazy_settled(self) -> None:
+        """Before a dump: wait until a lazily restored kernel has all of its memory."""
+        task = self._lazy_task
+        if task is not None and not task.done():
+            await asyncio.shield(asyncio.wait([task]))
+
     async def _replace_inner(
-        self, source: Path, manifest: Manifest, criu: Criu, before_running: Callable[[], None]
+        self,
+        source: Path,
+        manifest: Manifest,
+        criu: Criu,
+        before_running: Callable[[], None],
+        *,
+        lazy: bool = False,
+        pages_from: Path | None = None,
     ) -> None:
         """CRIU (and CUDA) restore of ``source`` as the inner kernel, after ending the one
         there is; ``before_running`` updates the kernel's records just before requests flow
@@ -1645,22 +1745,39 @@ class KernelWrapper:
             )
             work_dir = Path(tempfile.mkdtemp(prefix="restore-", dir=self.runtime_dir))
             before = set(proctree.children(os.getpid()))
+            images = source / IMAGES_DIR
+            inherit_fds = [
+                (self._stdio_w, manifest.stdio_pipe),
+                (self._dir_fd, manifest.runtime_dir_key),
+            ]
             try:
-                pid = await criu.restore(
-                    source / IMAGES_DIR,
-                    work_dir,
-                    inherit_fds=[
-                        (self._stdio_w, manifest.stdio_pipe),
-                        (self._dir_fd, manifest.runtime_dir_key),
-                    ],
-                )
-            except BaseException:
+                if lazy:
+                    pages = DirectoryPages(pages_from or images)
+                    if pages_from is not None and not any(images.glob("pages-*.img")):
+                        await asyncio.to_thread(stage_pages_files, images, pages)
+                    self.lazy_status = {"state": "transferring"}
+                    pid, self._lazy = await criu.restore_lazy(
+                        images,
+                        work_dir,
+                        pages,
+                        write_through=pages_from is not None,
+                        kill_tree=lambda daemon: self._kill_children_except(before | {daemon}),
+                        inherit_fds=inherit_fds,
+                    )
+                else:
+                    pid = await criu.restore(images, work_dir, inherit_fds=inherit_fds)
+            except BaseException as exc:
                 # CRIU restores the tree as our child: one it gave up on (or that died with
                 # it) must not stay behind, half-restored.
                 self._kill_children_except(before)
+                if lazy:
+                    self.lazy_status = {"state": "failed"}
+                    if isinstance(exc, SnapshotError):
+                        self.lazy_status["error"] = exc.to_dict()
                 raise
             finally:
-                shutil.rmtree(work_dir, ignore_errors=True)
+                if self._lazy is None:
+                    shutil.rmtree(work_dir, ignore_errors=True)
             try:
                 self.last_gpu_restore = await self._gpu_restore(manifest, pid)
             except BaseException:
@@ -1668,6 +1785,10 @@ class KernelWrapper:
                     os.kill(pid, signal.SIGKILL)
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, 0)
+                if self._lazy is not None:
+                    self._lazy.close()
+                    self._lazy = None
+                    shutil.rmtree(work_dir, ignore_errors=True)
                 raise
         except BaseException:
             if self._inner is not None and self.inner_pid is None:

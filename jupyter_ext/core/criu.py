@@ -17,14 +17,18 @@ import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import proctree
 from .errors import CriuError, CriuNotFoundError, DumpError, IncompatibleSnapshotError, RestoreError
+from .lazypages import PageServer, PageSource
 
 log = logging.getLogger(__name__)
 
@@ -185,10 +189,87 @@ class Criu:
         image (``pipe:[INODE]``, or an external ``file[MNT:INODE]``), so the restored
         kernel uses our pipes and directories, not those of the process that was dumped.
         """
+        return await self._restore(images_dir, work_dir, inherit_fds, lazy=False)
+
+    async def restore_lazy(
+        self,
+        images_dir: Path,
+        work_dir: Path,
+        source: PageSource,
+        *,
+        write_through: bool,
+        kill_tree: Callable[[int], None],
+        inherit_fds: Sequence[tuple[int, str]] = (),
+    ) -> tuple[int, LazyTransfer]:
+        """Restore as :meth:`restore` does, but with lazy pages: the tree runs at once and
+        its memory is read from ``source`` as it touches it, the rest in the background.
+
+        ``images_dir`` needs every image; ``pages-*.img`` may be the sparse files of
+        :func:`lazypages.stage_pages_files` (then ``write_through`` fills them in). The
+        returned :class:`LazyTransfer` must be awaited; if it fails, kill the tree before
+        closing it (a tree left alone without its pages would read zeros). ``work_dir``
+        must stay until then. If the restore fails, ``kill_tree`` is called to kill
+        every process it made except the lazy-pages daemon (whose pid it gets).
+        """
+        server = PageServer(images_dir, source, write_through=write_through)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            lazy_args = ["lazy-pages", "-D", str(images_dir), "-W", str(work_dir)]
+            lazy_args += [
+                "-o",
+                "lazy-pages.log",
+                "--page-server",
+                "--ps-socket",
+                str(theirs.fileno()),
+            ]
+            daemon = await self._start(
+                lazy_args,
+                pass_fds=[theirs.fileno()],
+            )
+        except BaseException:
+            ours.close()
+            server.close()
+            raise
+        finally:
+            theirs.close()
+        transfer = LazyTransfer(server, daemon, ours, work_dir)
+        try:
+            await transfer.listening()
+            restoring = asyncio.ensure_future(
+                self._restore(images_dir, work_dir, inherit_fds, lazy=True)
+            )
+            # CRIU's restorer itself touches lazy memory (rseq, TLS): a page that cannot
+            # be had leaves `criu restore` waiting for ever, so watch the server too.
+            either: list[asyncio.Future[Any]] = [restoring, transfer.served]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if not restoring.done() and server.error is not None:
+                restoring.cancel()
+                with contextlib.suppress(asyncio.CancelledError, CriuError):
+                    await restoring
+                raise server.error
+            pid = await restoring
+        except BaseException:
+            # First the tree (stuck at a missing page), then the daemon: a tree that lost
+            # its userfaultfd would run on with zeros for memory.
+            kill_tree(daemon.pid)
+            transfer.close()
+            raise
+        return pid, transfer
+
+    async def _restore(
+        self,
+        images_dir: Path,
+        work_dir: Path,
+        inherit_fds: Sequence[tuple[int, str]],
+        *,
+        lazy: bool,
+    ) -> int:
         pidfile = work_dir / "restored.pid"
         args = ["restore", "-D", str(images_dir), "-W", str(work_dir), "-o", "restore.log"]
         args += ["-v4", "--file-locks", "--restore-detached", "--restore-sibling", "--tcp-close"]
         args += ["--pidfile", str(pidfile), *mode_args()]
+        if lazy:
+            args.append("--lazy-pages")
         for fd, resource in inherit_fds:
             args += ["--inherit-fd", f"fd[{fd}]:{resource}"]
         rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
@@ -205,9 +286,30 @@ class Criu:
             raise error_cls(message, hint=hint.removeprefix("incompatible:"), log_excerpt=excerpt)
         return int(pidfile.read_text().strip())
 
-    async def _run(self, args: list[str], pass_fds: Sequence[int] = ()) -> tuple[int, str]:
+    def supports_lazy_pages(self) -> tuple[bool, str]:
+        """Whether this kernel and CRIU can restore with lazy pages (userfaultfd with
+        fork and remove events), and what ``criu check`` said."""
+        if os.geteuid() != 0:
+            # The restored kernel makes its own userfaultfd: without root that needs
+            # vm.unprivileged_userfaultfd = 1 and CRIU's --unprivileged lazy mode, untested.
+            return False, "lazy pages need root"
         try:
-            proc = await asyncio.create_subprocess_exec(
+            out = subprocess.run(
+                [str(self.path), "check", "--feature", "uffd-noncoop"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return False, str(exc)
+        text = (out.stdout + out.stderr).strip()
+        return out.returncode == 0 and "is supported" in text, text
+
+    async def _start(
+        self, args: list[str], pass_fds: Sequence[int] = ()
+    ) -> asyncio.subprocess.Process:
+        try:
+            return await asyncio.create_subprocess_exec(
                 str(self.path),
                 *args,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -219,8 +321,92 @@ class Criu:
             )
         except OSError as exc:
             raise CriuError(f"Could not start {self.path}: {exc}", hint=INSTALL_HINT) from exc
+
+    async def _run(self, args: list[str], pass_fds: Sequence[int] = ()) -> tuple[int, str]:
+        proc = await self._start(args, pass_fds)
         out, _ = await proc.communicate()
         return proc.returncode or 0, out.decode(errors="replace")
+
+
+#: How long CRIU's lazy-pages daemon may take to listen before a lazy restore gives up.
+LAZY_DAEMON_START_SECONDS = 10.0
+
+
+class LazyTransfer:
+    """The pages of a lazily restored tree on their way: CRIU's lazy-pages daemon, and
+    the :class:`PageServer` thread that answers it."""
+
+    def __init__(
+        self,
+        server: PageServer,
+        daemon: asyncio.subprocess.Process,
+        sock: socket.socket,
+        work_dir: Path,
+    ) -> None:
+        self.server = server
+        self.daemon = daemon
+        self.work_dir = work_dir
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self._sock = sock
+        loop = asyncio.get_running_loop()
+        self.served: asyncio.Future[None] = loop.create_future()
+
+        def serve() -> None:
+            try:
+                server.serve(sock)
+            finally:
+                loop.call_soon_threadsafe(self._set_served)
+
+        self._thread = threading.Thread(target=serve, name="lazy-pages", daemon=True)
+        self._thread.start()
+
+    def _set_served(self) -> None:
+        if not self.served.done():
+            self.served.set_result(None)
+
+    async def listening(self) -> None:
+        """Wait until the daemon listens for ``criu restore --lazy-pages``."""
+        socket_path = self.work_dir / "lazy-pages.socket"
+        deadline = time.monotonic() + LAZY_DAEMON_START_SECONDS
+        while not socket_path.exists():
+            if self.daemon.returncode is not None or time.monotonic() > deadline:
+                raise RestoreError(
+                    "CRIU's lazy-pages daemon did not start.",
+                    hint="Check 'jupyter snapshot doctor' (lazy restore), or set "
+                    "SnapshotExtensionApp.lazy_restore = False.",
+                    log_excerpt=log_excerpt(self.work_dir / "lazy-pages.log", ""),
+                )
+            await asyncio.sleep(0.005)
+
+    async def wait(self) -> None:
+        """Until every page is in place; raises (leaving the daemon waiting, so the tree
+        stays frozen at its next missing page) when a page could not be served."""
+        await asyncio.shield(self.served)
+        if self.server.error is not None:
+            raise self.server.error
+        rc = await self.daemon.wait()
+        self.finished = time.monotonic()
+        if rc != 0:
+            excerpt = log_excerpt(self.work_dir / "lazy-pages.log", "")
+            raise RestoreError(
+                f"CRIU's lazy-pages daemon failed (exit status {rc}) before every page of "
+                "the kernel was in place.",
+                hint="Read the CRIU log lines below; restore again, or set "
+                "SnapshotExtensionApp.lazy_restore = False.",
+                log_excerpt=excerpt,
+            )
+
+    def close(self) -> None:
+        """End the transfer: the daemon ends when its page server goes away."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=10)
+        self._sock.close()
+        if self.daemon.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.daemon.kill()
+        self.server.close()
 
 
 #: How long a restore without a PID namespace waits for a process id of the snapshot that

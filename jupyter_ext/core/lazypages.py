@@ -1,0 +1,453 @@
+"""Lazy restore: the restored kernel runs while its memory arrives.
+
+CRIU's ``lazy-pages`` daemon registers the kernel's anonymous memory with userfaultfd;
+a page the kernel touches, and then all the others in the background, are asked of a
+*page server* (``--page-server --ps-socket FD``). This module is that page server: it
+answers CRIU's page-server requests (criu/page-xfer.c: ``PS_IOV_GET`` for a process,
+an address and a page count; the answer is a ``PS_IOV_ADD_F`` header and the raw pages)
+from a :class:`PageSource` (a local images directory, or the store's packs), so a restore
+needs every image *except* ``pages-*.img`` before it starts, and the first cell runs
+after a fraction of a second whatever the kernel's size.
+
+Pages that arrive are also written into the local ``pages-N.img`` (a sparse file of the
+right size, made by :func:`stage_pages_files`), so the restore ends with complete images
+on this machine. A page that cannot be read is retried; then the server stops answering
+and reports the error, and the caller kills the half-restored tree (a process whose
+userfaultfd goes away would read zeros instead of its memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from .errors import RestoreError, SnapshotCorruptError
+
+log = logging.getLogger(__name__)
+
+#: "0" turns lazy restore off in kernel wrappers (set from SnapshotExtensionApp.lazy_restore).
+ENV_LAZY_RESTORE = "JUPYTER_SNAPSHOT_LAZY_RESTORE"
+PAGE_SIZE = mmap.PAGESIZE
+IMG_COMMON_MAGIC = 0x54564319
+PAGEMAP_MAGIC = 0x56084025
+#: pagemap_entry.flags (criu/include/pagemap.h)
+PE_PARENT = 1 << 0
+PE_LAZY = 1 << 1
+PE_PRESENT = 1 << 2
+
+#: struct page_server_iov { u32 cmd; u64 nr_pages; u64 vaddr; u64 dst_id; } (natural alignment)
+_PSI = struct.Struct("<I4xQQQ")
+PS_IOV_ADD_F = 6
+PS_IOV_GET = 7
+PS_IOV_CLOSE = 0x1023
+PS_IOV_FORCE_CLOSE = 0x1024
+PS_CMD_BITS = 16
+PS_CMD_MASK = (1 << PS_CMD_BITS) - 1
+
+#: How many times a failed page read is tried, and the pause before each retry.
+READ_ATTEMPTS = 4
+RETRY_DELAY = 0.25
+#: Largest read when filling gaps after CRIU is done (CRIU itself asks at most 4 MiB).
+FILL_CHUNK = 8 << 20
+
+
+class PageSource(Protocol):
+    """Where page contents come from."""
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` of the image file ``path`` (e.g. "pages-1.img"),
+        verified; raises on any failure (a short read is a failure too)."""
+        ...
+
+
+class PageFetchError(RestoreError):
+    """Pages of a lazily restored kernel could not be read from their source."""
+
+
+@dataclass(frozen=True)
+class DirectoryPages:
+    """Pages read from a complete images directory on this machine."""
+
+    root: Path
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        with open(self.root / path, "rb") as fh:
+            data = os.pread(fh.fileno(), length, offset)
+        if len(data) != length:
+            raise OSError(f"{self.root / path}: short read at {offset} ({len(data)} of {length})")
+        return data
+
+
+# -- pagemap-N.img ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PagemapEntry:
+    """A run of pages of one process: where it is mapped, and where in pages-N.img."""
+
+    vaddr: int
+    nr_pages: int
+    flags: int
+    offset: int  # in the pages file; -1 when the pages are not in it
+
+    @property
+    def end(self) -> int:
+        return self.vaddr + self.nr_pages * PAGE_SIZE
+
+    @property
+    def lazy(self) -> bool:
+        return bool(self.flags & PE_LAZY)
+
+
+@dataclass
+class Pagemap:
+    """A decoded ``pagemap-N.img``."""
+
+    pages_id: int
+    entries: list[PagemapEntry] = field(default_factory=list)
+
+    @property
+    def pages_file(self) -> str:
+        return f"pages-{self.pages_id}.img"
+
+    @property
+    def size(self) -> int:
+        """The size of the pages file this pagemap describes."""
+        return sum(e.nr_pages for e in self.entries if e.offset >= 0) * PAGE_SIZE
+
+    def locate(self, vaddr: int, nr_pages: int) -> tuple[int, int]:
+        """(offset in the pages file, pages available there) for a run starting at
+        ``vaddr``: at most ``nr_pages``, never past the entry it starts in."""
+        for entry in self.entries:
+            if entry.vaddr <= vaddr < entry.end and entry.offset >= 0:
+                skip = (vaddr - entry.vaddr) // PAGE_SIZE
+                return entry.offset + skip * PAGE_SIZE, min(nr_pages, entry.nr_pages - skip)
+        raise KeyError(vaddr)
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(message: bytes) -> dict[int, int]:
+    """The varint fields of a protobuf message (all pagemap fields are varints)."""
+    out: dict[int, int] = {}
+    pos = 0
+    while pos < len(message):
+        key, pos = _varint(message, pos)
+        if key & 7 != 0:
+            raise ValueError(f"unexpected wire type {key & 7} in a pagemap entry")
+        out[key >> 3], pos = _varint(message, pos)
+    return out
+
+
+def parse_pagemap(data: bytes, name: str = "pagemap") -> Pagemap:
+    """Decode a pagemap image: magic, then length-prefixed protobuf messages, the first a
+    ``pagemap_head`` (pages_id), the others ``pagemap_entry`` (images/pagemap.proto)."""
+    try:
+        magic, kind = struct.unpack_from("<II", data, 0)
+        if magic != IMG_COMMON_MAGIC or kind != PAGEMAP_MAGIC:
+            raise ValueError("not a CRIU pagemap image")
+        messages: list[bytes] = []
+        pos = 8
+        while pos < len(data):
+            (size,) = struct.unpack_from("<I", data, pos)
+            pos += 4
+            if pos + size > len(data):
+                raise ValueError("truncated entry")
+            messages.append(data[pos : pos + size])
+            pos += size
+        if not messages:
+            raise ValueError("no pagemap head")
+        pagemap = Pagemap(pages_id=_fields(messages[0]).get(1, 0))
+        offset = 0
+        for message in messages[1:]:
+            f = _fields(message)
+            nr_pages = f.get(5, f.get(2, 0))
+            flags = f.get(4, PE_PARENT if f.get(3) else PE_PRESENT)
+            if flags & PE_PARENT:
+                raise ValueError(
+                    "pages kept in a parent image (incremental dumps) are not supported"
+                )
+            present = bool(flags & PE_PRESENT)
+            pagemap.entries.append(
+                PagemapEntry(f.get(1, 0), nr_pages, flags, offset if present else -1)
+            )
+            if present:
+                offset += nr_pages * PAGE_SIZE
+    except (ValueError, struct.error, IndexError) as exc:
+        raise SnapshotCorruptError(
+            f"The snapshot's {name} cannot be read: {exc}.",
+            hint="The snapshot is damaged or was not written by CRIU; restore another one.",
+        ) from exc
+    return pagemap
+
+
+def read_pagemaps(images_dir: Path) -> dict[int, Pagemap]:
+    """Every process's pagemap in ``images_dir``, by the process id CRIU asks with."""
+    maps: dict[int, Pagemap] = {}
+    for path in images_dir.glob("pagemap-*.img"):
+        suffix = path.name[len("pagemap-") : -len(".img")]
+        if suffix.isdigit():
+            maps[int(suffix)] = parse_pagemap(path.read_bytes(), path.name)
+    return maps
+
+
+def stage_pages_files(images_dir: Path, source: PageSource) -> int:
+    """Make each ``pages-N.img`` in ``images_dir`` a sparse file of its full size holding
+    only the pages ``criu restore`` reads itself (not lazy: stacks, shared or file
+    memory); the lazy ones arrive through :class:`PageServer`. Returns the bytes read."""
+    read = 0
+    for pagemap in read_pagemaps(images_dir).values():
+        with open(images_dir / pagemap.pages_file, "wb") as fh:
+            fh.truncate(pagemap.size)
+            for entry in pagemap.entries:
+                if entry.offset < 0 or entry.lazy:
+                    continue
+                length = entry.nr_pages * PAGE_SIZE
+                os.pwrite(
+                    fh.fileno(), source.read(pagemap.pages_file, entry.offset, length), entry.offset
+                )
+                read += length
+    return read
+
+
+def lazy_ranges(pagemap: Pagemap) -> Iterator[tuple[int, int]]:
+    """(offset, length) of the lazy pages of one pages file, as stored."""
+    for entry in pagemap.entries:
+        if entry.offset >= 0 and entry.lazy:
+            yield entry.offset, entry.nr_pages * PAGE_SIZE
+
+
+# -- the page server ------------------------------------------------------------------
+
+
+class _Landed:
+    """Which pages of one local pages file hold their real contents already."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path = path
+        self.pages = bytearray(size // PAGE_SIZE)
+        self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+
+    def has(self, offset: int, length: int) -> bool:
+        first = offset // PAGE_SIZE
+        return all(self.pages[first : first + length // PAGE_SIZE])
+
+    def put(self, offset: int, data: bytes) -> None:
+        os.pwrite(self.fd, data, offset)
+        first = offset // PAGE_SIZE
+        self.pages[first : first + len(data) // PAGE_SIZE] = b"\1" * (len(data) // PAGE_SIZE)
+
+
+class PageServer:
+    """Answers CRIU's ``lazy-pages --page-server`` on one connected socket.
+
+    ``images_dir`` holds the pagemaps (and, with ``write_through``, the sparse pages files
+    from :func:`stage_pages_files`, filled in as pages arrive). ``source`` gives the bytes.
+    """
+
+    def __init__(
+        self,
+        images_dir: Path,
+        source: PageSource,
+        *,
+        write_through: bool,
+        attempts: int = READ_ATTEMPTS,
+        retry_delay: float = RETRY_DELAY,
+    ) -> None:
+        self.images_dir = images_dir
+        self.source = source
+        self.pagemaps = read_pagemaps(images_dir)
+        self.attempts = attempts
+        self.retry_delay = retry_delay
+        self.error: PageFetchError | None = None
+        self.pages_served = 0
+        self.bytes_served = 0
+        self.first_request_at: float | None = None
+        self._lock = threading.Lock()
+        self._landed: dict[str, _Landed] = {}
+        self._source_fds: dict[str, int] = {}
+        if write_through:
+            for pagemap in self.pagemaps.values():
+                landed = _Landed(images_dir / pagemap.pages_file, pagemap.size)
+                for entry in pagemap.entries:  # criu restore's own pages: staged already
+                    if entry.offset >= 0 and not entry.lazy:
+                        first = entry.offset // PAGE_SIZE
+                        landed.pages[first : first + entry.nr_pages] = b"\1" * entry.nr_pages
+                self._landed[pagemap.pages_file] = landed
+
+    def close(self) -> None:
+        for landed in self._landed.values():
+            os.close(landed.fd)
+        self._landed.clear()
+        for fd in self._source_fds.values():
+            os.close(fd)
+        self._source_fds.clear()
+
+    def read(self, pages_file: str, offset: int, length: int) -> bytes:
+        """Bytes of a pages file: from the local copy when it has them, else from the
+        source (retried), written through to the local copy."""
+        landed = self._landed.get(pages_file)
+        if landed is not None:
+            with self._lock:
+                if landed.has(offset, length):
+                    return os.pread(landed.fd, length, offset)
+        data = self._fetch(pages_file, offset, length)
+        if landed is not None:
+            with self._lock:
+                landed.put(offset, data)
+        return data
+
+    def _local_fd(self, pages_file: str, offset: int, length: int) -> int | None:
+        """An fd holding these bytes on this machine: the local copy once they landed,
+        or the source's own file when it is a directory here."""
+        landed = self._landed.get(pages_file)
+        if landed is not None:
+            with self._lock:
+                return landed.fd if landed.has(offset, length) else None
+        if isinstance(self.source, DirectoryPages):
+            fd = self._source_fds.get(pages_file)
+            if fd is None:
+                try:
+                    fd = os.open(self.source.root / pages_file, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    return None  # read() retries and reports it
+                self._source_fds[pages_file] = fd
+            if os.fstat(fd).st_size >= offset + length:
+                return fd
+        return None
+
+    def _fetch(self, pages_file: str, offset: int, length: int) -> bytes:
+        last: BaseException | None = None
+        for attempt in range(self.attempts):
+            if attempt:
+                time.sleep(self.retry_delay * attempt)
+            try:
+                data = self.source.read(pages_file, offset, length)
+            except Exception as exc:  # noqa: BLE001 -- any failure of a source is retried, then reported
+                last = exc
+                log.warning(
+                    "reading %s at %d failed (try %d): %s", pages_file, offset, attempt + 1, exc
+                )
+                continue
+            if len(data) == length:
+                return data
+            last = OSError(f"got {len(data)} of {length} bytes")
+        raise PageFetchError(
+            f"The kernel's memory could not be read from the snapshot's source "
+            f"({pages_file}, {length} bytes at offset {offset}; tried {self.attempts} times: "
+            f"{last}). The half-restored kernel was stopped.",
+            hint="Make sure the store is reachable, then restore again; or set "
+            "SnapshotExtensionApp.lazy_restore = False so restores copy every file first.",
+        )
+
+    def serve(self, sock: socket.socket) -> None:
+        """Answer requests until CRIU closes; on a read failure record it and return
+        without answering (CRIU keeps the faulting kernel waiting until it is killed)."""
+        try:
+            while True:
+                header = _recv_exact(sock, _PSI.size)
+                if header is None:
+                    return
+                cmd, nr_pages, vaddr, dst_id = _PSI.unpack(header)
+                op = cmd & PS_CMD_MASK
+                if op in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
+                    sock.sendall(struct.pack("<i", 0))
+                    return
+                if op != PS_IOV_GET:
+                    raise PageFetchError(
+                        f"CRIU sent an unknown page-server command {cmd:#x}.",
+                        hint="Use the CRIU that 'jupyter snapshot doctor' finds (>= 4.2).",
+                    )
+                if self.first_request_at is None:
+                    self.first_request_at = time.monotonic()
+                pagemap = self.pagemaps.get(dst_id)
+                if pagemap is None:
+                    raise PageFetchError(
+                        f"CRIU asked for pages of process {dst_id}, not in the snapshot."
+                    )
+                try:
+                    offset, count = pagemap.locate(vaddr, nr_pages)
+                except KeyError:
+                    raise PageFetchError(
+                        f"CRIU asked for pages at {vaddr:#x} of process {dst_id}, "
+                        "not in the snapshot."
+                    ) from None
+                length = count * PAGE_SIZE
+                reply = _PSI.pack(PS_IOV_ADD_F | (PE_PRESENT << PS_CMD_BITS), count, vaddr, dst_id)
+                local = self._local_fd(pagemap.pages_file, offset, length)
+                if local is not None:  # in place already: straight from the file, no copy
+                    sock.sendall(reply)
+                    _sendfile_all(sock, local, offset, length)
+                else:
+                    data = self.read(pagemap.pages_file, offset, length)
+                    sent = sock.sendmsg([reply, data])
+                    if sent < len(reply) + len(data):  # interrupted part-way: send the rest
+                        sock.sendall((reply + data)[sent:])
+                self.pages_served += count
+                self.bytes_served += length
+        except PageFetchError as exc:
+            self.error = exc
+        except OSError as exc:
+            self.error = PageFetchError(
+                f"The connection to CRIU's lazy-pages daemon failed: {exc}."
+            )
+
+    def fill_gaps(self, progress: Callable[[int], None] | None = None) -> int:
+        """Read every page the local copies still lack (pages CRIU never asked for, e.g.
+        memory the kernel freed meanwhile), so the images directory ends up complete."""
+        filled = 0
+        for pages_file, landed in list(self._landed.items()):
+            pagemap = next(p for p in self.pagemaps.values() if p.pages_file == pages_file)
+            for start, length in lazy_ranges(pagemap):
+                for offset in range(start, start + length, FILL_CHUNK):
+                    size = min(FILL_CHUNK, start + length - offset)
+                    if landed.has(offset, size):
+                        continue
+                    self.read(pages_file, offset, size)
+                    filled += size
+                    if progress is not None:
+                        progress(filled)
+        return filled
+
+
+def _sendfile_all(sock: socket.socket, fd: int, offset: int, length: int) -> None:
+    end = offset + length
+    while offset < end:
+        sent = os.sendfile(sock.fileno(), fd, offset, end - offset)
+        if sent == 0:
+            raise OSError(f"the pages file ends before {end}")
+        offset += sent
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < size:
+        chunk = sock.recv(size - len(buf))
+        if not chunk:
+            if buf:
+                raise OSError("CRIU closed the connection mid-request")
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def total_lazy_bytes(pagemaps: Iterable[Pagemap]) -> int:
+    return sum(length for p in pagemaps for _, length in lazy_ranges(p))
