@@ -635,8 +635,11 @@ class KernelWrapper:
         """SIGKILL and reap every child process of the wrapper not in ``keep``."""
         for pid in set(proctree.children(os.getpid())) - keep:
             log.warning("removing process %d left by a failed restore", pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            # Without a PID namespace (non-root) its restored children would live on,
+            # holding process ids the next restore needs.
+            for task in proctree.descendants(pid) if unprivileged() else [pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(task, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
 
