@@ -68,7 +68,12 @@ from jupyter_ext.core.gpu import (
     open_backend,
     plan_gpu_pairs,
 )
-from jupyter_ext.core.lazypages import ENV_LAZY_RESTORE, DirectoryPages, stage_pages_files
+from jupyter_ext.core.lazypages import (
+    ENV_LAZY_RESTORE,
+    DirectoryPages,
+    page_source,
+    stage_pages_files,
+)
 from jupyter_ext.core.manifest import (
     IMAGES_DIR,
     Manifest,
@@ -1490,7 +1495,7 @@ class KernelWrapper:
             progress,
             verified=verified,
             save_to=Path(save_to) if save_to else None,
-            pages_from=Path(pages_from) if pages_from else None,
+            pages_from=pages_from or None,
         )
         return {
             "inner_pid": self.inner_pid,
@@ -1505,12 +1510,13 @@ class KernelWrapper:
         progress: Callable[[dict[str, Any]], None],
         verified: bool = False,
         save_to: Path | None = None,
-        pages_from: Path | None = None,
+        pages_from: str | None = None,
     ) -> Manifest:
         """Replace the inner kernel (if any) by the snapshot in ``source``.
 
         With lazy restore the kernel runs as soon as CRIU has rebuilt it, its memory
-        served page by page (from ``pages_from`` when given, filling in the sparse
+        served page by page (from ``pages_from`` when given: an images directory, or
+        ``unix:PATH`` of a lazypages.RangeServer lending the store; filling in the sparse
         ``pages-*.img`` of ``source``; else from ``source``) while the rest arrives in the
         background; a kernel saved before the restore is kept until every page is in.
 
@@ -1651,7 +1657,7 @@ class KernelWrapper:
             log_excerpt=failure.log_excerpt,
         ) from failure
 
-    def _lazy_wanted(self, manifest: Manifest, criu: Criu, pages_from: Path | None) -> bool:
+    def _lazy_wanted(self, manifest: Manifest, criu: Criu, pages_from: str | None) -> bool:
         """Lazy restore unless turned off, unsupported here, or the kernel had CUDA state
         (the CUDA restore reads all of its memory at once: nothing to gain)."""
         if not self.lazy_restore or manifest.gpu.get("ns_pids"):
@@ -1722,7 +1728,7 @@ class KernelWrapper:
         before_running: Callable[[], None],
         *,
         lazy: bool = False,
-        pages_from: Path | None = None,
+        pages_from: str | None = None,
     ) -> None:
         """CRIU (and CUDA) restore of ``source`` as the inner kernel, after ending the one
         there is; ``before_running`` updates the kernel's records just before requests flow
@@ -1755,7 +1761,7 @@ class KernelWrapper:
             ]
             try:
                 if lazy:
-                    pages = DirectoryPages(pages_from or images)
+                    pages = page_source(pages_from) if pages_from else DirectoryPages(images)
                     if pages_from is not None and not any(images.glob("pages-*.img")):
                         await asyncio.to_thread(stage_pages_files, images, pages)
                     self.lazy_status = {"state": "transferring"}

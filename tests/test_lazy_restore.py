@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import filecmp
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,11 +30,14 @@ from jupyter_ext.core.lazypages import (
     DirectoryPages,
     PageFetchError,
     PageSource,
+    PrefixedPages,
+    RangeServer,
     parse_pagemap,
     read_pagemaps,
     stage_pages_files,
 )
 from jupyter_ext.core.manifest import IMAGES_DIR, verify
+from jupyter_ext.core.store import LocalStore
 
 from .harness import KernelProcess, wait_until
 
@@ -45,6 +49,7 @@ STATE = (
     "lazy_sum = float(lazy_a.sum())"
 )
 CHECK = "print(float(lazy_a.sum()) == lazy_sum, lazy_a.nbytes)"
+PAGES = re.compile(rf"{IMAGES_DIR}/pages-\d+\.img")
 
 
 @pytest.fixture(autouse=True)
@@ -146,6 +151,34 @@ def test_pages_from_elsewhere_complete_the_local_images(
     for original in (tmp_path / "snap" / IMAGES_DIR).glob("pages-*.img"):
         assert filecmp.cmp(original, local / IMAGES_DIR / original.name, shallow=False)
     verify(local)
+    only_the_kernel_left(kernel)
+
+
+def test_restore_straight_from_the_store(kernel_factory: Factory, tmp_path: Path) -> None:
+    """Every file but pages-*.img comes from the store; the server process lends the
+    wrapper the store's verified ranges (RangeServer); the kernel runs and the local
+    images end up complete and intact."""
+    kernel = kernel_factory()
+    kernel.execute(STATE)
+    kernel.snapshot(tmp_path / "snap")
+    store = LocalStore(tmp_path / "store")
+    stored = store.put(tmp_path / "snap")
+    local = tmp_path / "local"
+    store.fetch(stored.manifest.id, local, skip=lambda path: PAGES.fullmatch(path) is not None)
+    assert not list((local / IMAGES_DIR).glob("pages-*.img"))
+    server = RangeServer(
+        PrefixedPages(store.open_images(stored.manifest.id), f"{IMAGES_DIR}/"),
+        tmp_path / "pages.sock",
+    )
+    try:
+        kernel.execute("lazy_a[:] = 0")
+        restore(kernel, local, verified=True, pages_from=server.address)
+        assert kernel.execute(CHECK).strip() == "True 67108864"
+        assert settled(kernel)["state"] == "complete"
+    finally:
+        server.close()
+        store.close()
+    verify(local)  # every pages file complete, each byte as the snapshot had it
     only_the_kernel_left(kernel)
 
 

@@ -18,6 +18,7 @@ userfaultfd goes away would read zeros instead of its memory).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -56,6 +57,8 @@ PS_CMD_MASK = (1 << PS_CMD_BITS) - 1
 #: How many times a failed page read is tried, and the pause before each retry.
 READ_ATTEMPTS = 4
 RETRY_DELAY = 0.25
+#: What a page fault fetches from a remote source: the aligned block around the page.
+READ_BLOCK = 1 << 20
 #: Largest read when filling gaps after CRIU is done (CRIU itself asks at most 4 MiB).
 FILL_CHUNK = 8 << 20
 
@@ -85,6 +88,136 @@ class DirectoryPages:
         if len(data) != length:
             raise OSError(f"{self.root / path}: short read at {offset} ({len(data)} of {length})")
         return data
+
+
+@dataclass(frozen=True)
+class PrefixedPages:
+    """A source whose files sit under a folder: the store names them ``images/pages-1.img``."""
+
+    inner: PageSource
+    prefix: str
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        return self.inner.read(self.prefix + path, offset, length)
+
+
+# -- a page source in another process -------------------------------------------------
+#
+# The store is open in the server process; CRIU runs under the kernel's wrapper. The
+# server lends the wrapper its source over a unix socket: a request is (path length,
+# offset, length) and the path; an answer is (status, size) and the bytes, or the error.
+
+_RANGE_REQUEST = struct.Struct("<HQI")
+_RANGE_REPLY = struct.Struct("<BI")
+#: ``pages_from`` of a wrapper restore naming a :class:`RangeServer`.
+UNIX_PREFIX = "unix:"
+
+
+class RangeServer:
+    """Serves ``source`` on the unix socket ``path`` (one thread per connection) until
+    :meth:`close`."""
+
+    def __init__(self, source: PageSource, path: Path) -> None:
+        self.source = source
+        self.path = path
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(path))
+        os.chmod(path, 0o600)
+        self._listener.listen()
+        self._closed = False
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, name="range-server", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return UNIX_PREFIX + str(self.path)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while True:
+                try:
+                    head = _recv_exact(conn, _RANGE_REQUEST.size)
+                    if head is None:
+                        return
+                    size, offset, length = _RANGE_REQUEST.unpack(head)
+                    name = _recv_exact(conn, size)
+                    if name is None:
+                        return
+                except OSError:
+                    return
+                try:
+                    data = self.source.read(name.decode(), offset, length)
+                    status = 0
+                except Exception as exc:  # noqa: BLE001 -- sent to the reader, which retries
+                    data, status = f"{type(exc).__name__}: {exc}".encode(), 1
+                try:
+                    conn.sendall(_RANGE_REPLY.pack(status, len(data)) + data)
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for conn in self._conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+class RemotePages:
+    """A :class:`PageSource` served by a :class:`RangeServer` in another process."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        name = path.encode()
+        with self._lock:
+            try:
+                if self._sock is None:
+                    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    self._sock.connect(str(self.path))
+                self._sock.sendall(_RANGE_REQUEST.pack(len(name), offset, length) + name)
+                head = _recv_exact(self._sock, _RANGE_REPLY.size)
+                if head is None:
+                    raise OSError("the page source closed the connection")
+                status, size = _RANGE_REPLY.unpack(head)
+                data = _recv_exact(self._sock, size) if size else b""
+                if data is None:
+                    raise OSError("the page source closed the connection")
+            except OSError:
+                self.close_locked()  # the next try connects again
+                raise
+        if status != 0:
+            raise OSError(data.decode(errors="replace"))
+        return data
+
+    def close_locked(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def page_source(spec: str) -> PageSource:
+    """The source a wrapper restore's ``pages_from`` names: ``unix:PATH`` (a
+    :class:`RangeServer`) or an images directory."""
+    if spec.startswith(UNIX_PREFIX):
+        return RemotePages(Path(spec[len(UNIX_PREFIX) :]))
+    return DirectoryPages(Path(spec))
 
 
 # -- pagemap-N.img ------------------------------------------------------------------
@@ -243,6 +376,7 @@ class _Landed:
 
     def __init__(self, path: Path, size: int) -> None:
         self.path = path
+        self.size = size
         self.pages = bytearray(size // PAGE_SIZE)
         self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
 
@@ -284,6 +418,14 @@ class PageServer:
         self._lock = threading.Lock()
         self._landed: dict[str, _Landed] = {}
         self._source_fds: dict[str, int] = {}
+        if isinstance(source, DirectoryPages) and not write_through:
+            # Opened now: the directory may be removed while the kernel still reads from it
+            # (a download the restore job cleans up); open files stay readable.
+            for pagemap in self.pagemaps.values():
+                with contextlib.suppress(OSError):  # read() retries and reports it
+                    self._source_fds[pagemap.pages_file] = os.open(
+                        source.root / pagemap.pages_file, os.O_RDONLY | os.O_CLOEXEC
+                    )
         if write_through:
             for pagemap in self.pagemaps.values():
                 landed = _Landed(images_dir / pagemap.pages_file, pagemap.size)
@@ -305,15 +447,19 @@ class PageServer:
         """Bytes of a pages file: from the local copy when it has them, else from the
         source (retried), written through to the local copy."""
         landed = self._landed.get(pages_file)
-        if landed is not None:
-            with self._lock:
-                if landed.has(offset, length):
-                    return os.pread(landed.fd, length, offset)
-        data = self._fetch(pages_file, offset, length)
-        if landed is not None:
-            with self._lock:
-                landed.put(offset, data)
-        return data
+        if landed is None:
+            return self._fetch(pages_file, offset, length)
+        with self._lock:
+            if landed.has(offset, length):
+                return os.pread(landed.fd, length, offset)
+        # A fault asks for one page; the store reads (and checks) whole chunks anyway, and
+        # its neighbours are likely next: fetch the aligned block around it, keep it all.
+        start = offset - offset % READ_BLOCK
+        end = max(offset + length, min(start + READ_BLOCK, landed.size))
+        block = self._fetch(pages_file, start, end - start)
+        with self._lock:
+            landed.put(start, block)
+        return block[offset - start : offset - start + length]
 
     def _local_fd(self, pages_file: str, offset: int, length: int) -> int | None:
         """An fd holding these bytes on this machine: the local copy once they landed,
@@ -322,16 +468,9 @@ class PageServer:
         if landed is not None:
             with self._lock:
                 return landed.fd if landed.has(offset, length) else None
-        if isinstance(self.source, DirectoryPages):
-            fd = self._source_fds.get(pages_file)
-            if fd is None:
-                try:
-                    fd = os.open(self.source.root / pages_file, os.O_RDONLY | os.O_CLOEXEC)
-                except OSError:
-                    return None  # read() retries and reports it
-                self._source_fds[pages_file] = fd
-            if os.fstat(fd).st_size >= offset + length:
-                return fd
+        fd = self._source_fds.get(pages_file)
+        if fd is not None and os.fstat(fd).st_size >= offset + length:
+            return fd
         return None
 
     def _fetch(self, pages_file: str, offset: int, length: int) -> bytes:
