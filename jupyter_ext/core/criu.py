@@ -248,6 +248,7 @@ class Criu:
                     await restoring
                 raise server.error
             pid = await restoring
+            server.start_prefetch()
         except BaseException:
             # First the tree (stuck at a missing page), then the daemon: a tree that lost
             # its userfaultfd would run on with zeros for memory.

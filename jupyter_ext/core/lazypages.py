@@ -59,6 +59,13 @@ READ_ATTEMPTS = 4
 RETRY_DELAY = 0.25
 #: What a page fault fetches from a remote source: the aligned block around the page.
 READ_BLOCK = 1 << 20
+#: Threads reading ahead of CRIU from a remote source (the store decompresses and
+#: hashes outside the GIL).
+PREFETCH_WORKERS = 2
+#: Requests of at most this many pages are the kernel's faults (CRIU's background
+#: transfer starts at 64 KiB); prefetching pauses until none came for FAULT_QUIET s.
+FAULT_PAGES = 8
+FAULT_QUIET = 0.05
 #: Largest read when filling gaps after CRIU is done (CRIU itself asks at most 4 MiB).
 FILL_CHUNK = 8 << 20
 
@@ -418,6 +425,9 @@ class PageServer:
         self._lock = threading.Lock()
         self._landed: dict[str, _Landed] = {}
         self._source_fds: dict[str, int] = {}
+        self._stopping = threading.Event()
+        self._last_fault = 0.0
+        self._prefetchers: list[threading.Thread] = []
         if isinstance(source, DirectoryPages) and not write_through:
             # Opened now: the directory may be removed while the kernel still reads from it
             # (a download the restore job cleans up); open files stay readable.
@@ -436,6 +446,9 @@ class PageServer:
                 self._landed[pagemap.pages_file] = landed
 
     def close(self) -> None:
+        self._stopping.set()
+        for thread in self._prefetchers:
+            thread.join(timeout=30)
         for landed in self._landed.values():
             os.close(landed.fd)
         self._landed.clear()
@@ -517,6 +530,8 @@ class PageServer:
                     )
                 if self.first_request_at is None:
                     self.first_request_at = time.monotonic()
+                if nr_pages <= FAULT_PAGES:  # a fault; CRIU's background asks from 16 up
+                    self._last_fault = time.monotonic()
                 pagemap = self.pagemaps.get(dst_id)
                 if pagemap is None:
                     raise PageFetchError(
@@ -548,6 +563,54 @@ class PageServer:
             self.error = PageFetchError(
                 f"The connection to CRIU's lazy-pages daemon failed: {exc}."
             )
+
+    def start_prefetch(self, workers: int = PREFETCH_WORKERS) -> None:
+        """Read the pages ahead of CRIU, in large blocks from several threads, into the
+        local copies (write-through only): CRIU's own background requests (one of at most
+        4 MiB at a time) then find them here. Failures are left to the requests that
+        need the pages (retried, then reported)."""
+        if not self._landed:
+            return
+        blocks = [
+            (pagemap.pages_file, offset, min(FILL_CHUNK, start + length - offset))
+            for pagemap in self.pagemaps.values()
+            for start, length in lazy_ranges(pagemap)
+            for offset in range(start, start + length, FILL_CHUNK)
+        ]
+        todo = iter(blocks)
+        lock = threading.Lock()
+
+        def work() -> None:
+            while not self._stopping.is_set():
+                # The kernel's page faults come first: stand back while they arrive.
+                quiet = time.monotonic() - self._last_fault
+                if quiet < FAULT_QUIET:
+                    time.sleep(FAULT_QUIET - quiet)
+                    continue
+                with lock:
+                    item = next(todo, None)
+                if item is None:
+                    return
+                pages_file, offset, size = item
+                landed = self._landed.get(pages_file)
+                if landed is None:
+                    return
+                with self._lock:
+                    if landed.has(offset, size):
+                        continue
+                try:
+                    data = self.source.read(pages_file, offset, size)
+                except Exception as exc:  # noqa: BLE001 -- the demand path retries and reports
+                    log.info("prefetch of %s at %d failed: %s", pages_file, offset, exc)
+                    continue
+                if len(data) == size and not self._stopping.is_set():
+                    with self._lock:
+                        landed.put(offset, data)
+
+        for _ in range(workers):
+            thread = threading.Thread(target=work, name="lazy-prefetch", daemon=True)
+            thread.start()
+            self._prefetchers.append(thread)
 
     def fill_gaps(self, progress: Callable[[int], None] | None = None) -> int:
         """Read every page the local copies still lack (pages CRIU never asked for, e.g.
