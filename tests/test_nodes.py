@@ -5,6 +5,7 @@ an S3 server (moto, real HTTP) and the notebooks' directory (a user's home movin
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -137,6 +138,9 @@ def test_restore_on_another_node_after_node_loss(
     assert [s["kernel"]["id"] for s in sessions if s["path"] == "work/n.ipynb"] == [kernel_b]
     out = ws_execute(node_b, kernel_b, "print(secret, a.sum(), later(21))")
     assert out.split() == ["from", "node", "a:", os.uname().nodename, "499999500000", "42"]
+    # With JKS_NODE_USER the kernel was dumped and restored by that user, not root.
+    uid = ws_execute(node_b, kernel_b, "import os; print(os.getuid())").strip()
+    assert int(uid) == (pwd.getpwnam(NODE_USER).pw_uid if NODE_USER else 0)
 
     # Another user's server on the same bucket sees none of it.
     node_c = node_server(network, 3, tmp_path / "node-c", notebooks, s3_url, "bob")
