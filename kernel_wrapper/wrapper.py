@@ -1686,7 +1686,7 @@ class KernelWrapper:
             filled = await asyncio.to_thread(transfer.server.fill_gaps)
         except SnapshotError as exc:
             log.error("lazy restore failed: %s", exc)
-            self.lazy_status = {"state": "failed", "error": exc.to_dict()}
+            error = exc
             async with self._op_lock:
                 if self.inner_pid == pid:
                     await self._kill_inner()
@@ -1696,11 +1696,13 @@ class KernelWrapper:
                 if saved is None:
                     self._stop_pumps()
                     self._set_state(State.DEAD)
-                    return
-                try:
-                    await self._put_back(saved, exc, criu)
-                except SnapshotError as final:
-                    self.lazy_status["error"] = final.to_dict()
+                else:
+                    try:
+                        await self._put_back(saved, exc, criu)
+                    except SnapshotError as final:
+                        error = final  # says whether the kernel is back
+                # Reported once settled: what the status shows then is the outcome.
+                self.lazy_status = {"state": "failed", "error": error.to_dict()}
             return
         self._lazy = None
         transfer.close()

@@ -306,6 +306,47 @@ def test_a_page_that_cannot_be_read_is_retried_then_the_tree_stops(
     assert not Path(f"/proc/{pid}").exists()
 
 
+def test_store_gone_while_the_kernel_runs_puts_the_kernel_back(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """The restore succeeds and the kernel runs; then the source fails for the inside of
+    its big array (never touched by CRIU's restorer): the background transfer retries,
+    gives up, the restored kernel is killed and the one it replaced comes back."""
+    kernel = kernel_factory()
+    kernel.execute(STATE)
+    address = int(kernel.execute("print(lazy_a.__array_interface__['data'][0])"))
+    kernel.snapshot(tmp_path / "snap")
+    kernel.execute("before_restore = 43")
+    before = kernel.status()
+    local = tmp_path / "local"
+    shutil.copytree(tmp_path / "snap", local, ignore=shutil.ignore_patterns("pages-*.img"))
+    pagemap = read_pagemaps(local / IMAGES_DIR)[1]
+    margin = 2 << 20  # whole 1 MiB blocks of the array only: the restore itself succeeds
+    first, _ = pagemap.locate(address - address % PAGE_SIZE + margin, 1)
+    last, _ = pagemap.locate(address - address % PAGE_SIZE + (64 << 20) - margin, 1)
+    source = FailingPages(
+        PrefixedPages(DirectoryPages(tmp_path / "snap"), f"{IMAGES_DIR}/"), range(first, last)
+    )
+    server = RangeServer(source, tmp_path / "pages.sock")
+    try:
+        restore(kernel, local, verified=True, pages_from=server.address)
+        restored_pid = kernel.status()["inner_pid"]
+        outcome = settled(kernel)
+    finally:
+        server.close()
+    assert outcome["state"] == "failed"
+    assert source.failures >= READ_ATTEMPTS
+    message = outcome["error"]["message"]
+    assert "the store is gone" in message
+    assert "put back" in message
+    wait_until(lambda: kernel.status()["state"] == "running", 60, "the kernel put back")
+    assert kernel.status()["inner_pid"] not in (before["inner_pid"], restored_pid)
+    assert not Path(f"/proc/{restored_pid}").exists()
+    assert kernel.execute("print(before_restore)").strip() == "43"
+    assert kernel.execute(CHECK).strip() == "True 67108864"
+    only_the_kernel_left(kernel)
+
+
 def test_lazy_restore_can_be_turned_off(kernel_factory: Factory, tmp_path: Path) -> None:
     kernel = kernel_factory(env={ENV_LAZY_RESTORE: "0"})
     kernel.execute(STATE)
