@@ -184,39 +184,37 @@ class RangeServer:
 
 
 class RemotePages:
-    """A :class:`PageSource` served by a :class:`RangeServer` in another process."""
+    """A :class:`PageSource` served by a :class:`RangeServer` in another process; one
+    connection per thread, so prefetching and the kernel's faults go side by side."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
+        self._local = threading.local()
 
     def read(self, path: str, offset: int, length: int) -> bytes:
         name = path.encode()
-        with self._lock:
-            try:
-                if self._sock is None:
-                    self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    self._sock.connect(str(self.path))
-                self._sock.sendall(_RANGE_REQUEST.pack(len(name), offset, length) + name)
-                head = _recv_exact(self._sock, _RANGE_REPLY.size)
-                if head is None:
-                    raise OSError("the page source closed the connection")
-                status, size = _RANGE_REPLY.unpack(head)
-                data = _recv_exact(self._sock, size) if size else b""
-                if data is None:
-                    raise OSError("the page source closed the connection")
-            except OSError:
-                self.close_locked()  # the next try connects again
-                raise
+        sock: socket.socket | None = getattr(self._local, "sock", None)
+        try:
+            if sock is None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._local.sock = sock
+                sock.connect(str(self.path))
+            sock.sendall(_RANGE_REQUEST.pack(len(name), offset, length) + name)
+            head = _recv_exact(sock, _RANGE_REPLY.size)
+            if head is None:
+                raise OSError("the page source closed the connection")
+            status, size = _RANGE_REPLY.unpack(head)
+            data = _recv_exact(sock, size) if size else b""
+            if data is None:
+                raise OSError("the page source closed the connection")
+        except OSError:
+            if sock is not None:
+                sock.close()
+            self._local.sock = None  # the next try connects again
+            raise
         if status != 0:
             raise OSError(data.decode(errors="replace"))
         return data
-
-    def close_locked(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
 
 
 def page_source(spec: str) -> PageSource:
