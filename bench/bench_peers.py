@@ -607,18 +607,24 @@ def kishu_intervals(marks: list[tuple[str, float]]) -> list[tuple[float, float]]
     return found
 
 
-def kishu_cli(ctx: Context, *args: str, deadline: Deadline) -> str:
-    result = subprocess.run(
-        [str(Path(sys.executable).parent / "kishu"), *args],
-        env={**ctx.peer_server.env, "COLUMNS": "500"},
-        capture_output=True,
-        text=True,
-        timeout=deadline.left(),
-    )
-    out = result.stdout + result.stderr
-    if result.returncode != 0 or "'error'" in out or "status='error'" in out:
-        raise PeerError(f"kishu {args[0]}: {' '.join(out.split())[-400:]}")
-    return out
+def kishu_command(ctx: Context, command: str, *args: str) -> None:
+    """``kishu <command> <args>`` as Kishu's JupyterLab extension runs it: KishuCommand in
+    a process that finds the server in its Jupyter runtime directory (the CLI would add
+    4-6 s of start-up here)."""
+    from kishu.commands import KishuCommand
+
+    saved = os.environ.get("JUPYTER_RUNTIME_DIR")
+    os.environ["JUPYTER_RUNTIME_DIR"] = ctx.peer_server.env["JUPYTER_RUNTIME_DIR"]
+    try:
+        result = getattr(KishuCommand, command)(Path(args[0]), *args[1:])
+    finally:
+        if saved is None:
+            del os.environ["JUPYTER_RUNTIME_DIR"]
+        else:
+            os.environ["JUPYTER_RUNTIME_DIR"] = saved
+    status = getattr(result, "status", "ok")
+    if status != "ok":
+        raise PeerError(f"kishu {command}: {status}: {getattr(result, 'message', result)}")
 
 
 def run_kishu(ctx: Context, session: Session, deadline: Deadline) -> dict[str, Any]:
@@ -629,7 +635,7 @@ def run_kishu(ctx: Context, session: Session, deadline: Deadline) -> dict[str, A
     write_notebook(nb, session)
     kernel = server.start_session(nb.name, "python3")
     execute(server, kernel, HOOKS.format("outer"), deadline.left())
-    kishu_cli(ctx, "init", str(nb), deadline=deadline)
+    kishu_command(ctx, "init", str(nb))
     execute(server, kernel, HOOKS.format("inner"), deadline.left())
     execute(server, kernel, READ_MARKS, deadline.left())
     series: list[tuple[float, int]] = []
@@ -668,10 +674,10 @@ def run_kishu(ctx: Context, session: Session, deadline: Deadline) -> dict[str, A
     # answer (ipylab), which a headless run has not: not counted, as a user with a
     # browser would not wait for it.
     started = time.monotonic()
-    kishu_cli(ctx, "init", str(nb), deadline=deadline)
+    kishu_command(ctx, "init", str(nb))
     reattach = time.monotonic() - started
     started = time.monotonic()
-    kishu_cli(ctx, "checkout", str(nb), str(head), deadline=deadline)
+    kishu_command(ctx, "checkout", str(nb), str(head))
     checkout = time.monotonic() - started
     sent = time.monotonic()
     ready = execute(server, kernel, "print('ready')", deadline.left())
@@ -794,6 +800,7 @@ class Context:
             # A plain server, as Kishu's users run it (the extension is not enabled).
             config = {"ServerApp": {"jpserver_extensions": {"jupyter_ext": False}}}
             env = {"KISHU_PATH_ROOT": str(work / "kishu-home")}
+            os.environ.update(env)  # for KishuCommand in this process (read on import)
             # Kishu's switch for running without a browser: it then no longer waits
             # (5 s a checkout) for JupyterLab to save and reload the notebook.
             (work / "kishu-home" / ".kishu").mkdir(parents=True, exist_ok=True)
@@ -876,6 +883,13 @@ def versions() -> dict[str, str]:
         with contextlib.suppress(PackageNotFoundError):
             found[name] = version(name)
     found["criu"] = Criu.locate().version_text
+    head = subprocess.run(
+        ["git", "-C", str(Path(__file__).resolve().parent), "describe", "--always", "--dirty"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    found["commit"] = head.stdout.strip() or "unknown"
     found["python"] = sys.version.split()[0]
     return found
 
