@@ -221,7 +221,9 @@ class Lab:
         for path in sorted(self.work_dir.rglob("*")):
             rel = path.relative_to(self.work_dir)
             parts = rel.parts
-            if parts in (("staging",), ("cache",), ("suspended",)):
+            if parts in (("staging",), ("cache",), ("suspended",), ("image-cache",)):
+                continue
+            if parts == ("image-cache", ".lock"):  # the (empty, off) image cache's lock
                 continue
             if (
                 parts[0] == "staging"
