@@ -1136,6 +1136,15 @@ class _Heartbeat:
                 logger.warning("Store heartbeat failed: %s", exc)
 
 
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """pwrite until all is written: a short write (a disk filling up) is followed by one
+    that raises the error, rather than counted as done."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
 def _sha256_hex(data: memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -1421,12 +1430,12 @@ class _OrderedHasher:
     the files' sha256 are ready when the last chunk lands (chunks land out of order)."""
 
     def __init__(self, fds: builtins.list[int], sizes: builtins.list[int]) -> None:
+        self.fds = fds
         self.sizes = sizes
-        self.views = [
-            memoryview(mmap.mmap(fd, 0, prot=mmap.PROT_READ)) if size else memoryview(b"")
-            for fd, size in zip(fds, sizes, strict=True)
-        ]
-        """Each file as written so far, through the page cache: hashed without copies."""
+        self._buffer = bytearray(8 << 20)
+        """Read into one buffer, again and again: no fresh memory per read. Not a mapping:
+        a mapping of a file on a full tmpfs kills the process with SIGBUS."""
+        self._view = memoryview(self._buffer)
         self.digests = [hashlib.sha256() for _ in fds]
         self._ends: builtins.list[dict[int, int]] = [{} for _ in fds]
         self._contiguous = [0] * len(fds)
@@ -1449,7 +1458,7 @@ class _OrderedHasher:
 
     def _run(self) -> None:
         try:
-            for index in range(len(self.views)):
+            for index in range(len(self.fds)):
                 hashed = 0
                 while hashed < self.sizes[index]:
                     with self._cond:
@@ -1458,11 +1467,13 @@ class _OrderedHasher:
                         if self._stopped:
                             return
                         end = self._contiguous[index]
-                    view = self.views[index]
                     while hashed < end:
-                        step = min(8 << 20, end - hashed)
-                        self.digests[index].update(view[hashed : hashed + step])
-                        hashed += step
+                        step = min(len(self._buffer), end - hashed)
+                        got = os.preadv(self.fds[index], [self._view[:step]], hashed)
+                        if got <= 0:
+                            raise OSError(errno.EIO, "a file being fetched is shorter")
+                        self.digests[index].update(self._view[:got])
+                        hashed += got
         except OSError as exc:  # raised on the calling thread by result()
             self._error = exc
 
@@ -1617,7 +1628,7 @@ class _Download:
             digests = hasher.result()
             for index, (entry, digest) in enumerate(zip(self.entries, digests, strict=True)):
                 if digest != entry.sha256:
-                    raise self._culprit(reader, entry, hasher.views[index])
+                    raise self._culprit(reader, entry, fds[index])
             for fd in fds:
                 os.fsync(fd)
         finally:
@@ -1636,18 +1647,18 @@ class _Download:
         written = 0
         for ref, data in reader.read(group, check=False):
             for index, offset in self.targets[ref.hash]:
-                os.pwrite(fds[index], data, offset)
+                _pwrite_all(fds[index], data, offset)
                 hasher.written(index, offset, ref.size)
                 written += ref.size
         return written
 
     def _culprit(
-        self, reader: _Reader, entry: manifest_mod.FileEntry, written: memoryview
+        self, reader: _Reader, entry: manifest_mod.FileEntry, fd: int
     ) -> SnapshotCorruptError:
         """The error for a file whose sha256 is wrong: it names the damaged chunk."""
         offset = 0
         for ref in self.record.chunks[entry.path]:
-            data = written[offset : offset + ref.size]
+            data = os.pread(fd, ref.size, offset)
             if hashlib.sha256(data).hexdigest() != ref.hash:
                 return reader.damaged(ref, "has the wrong sha256")
             offset += ref.size
