@@ -102,9 +102,9 @@ class SnapshotExtensionApp(ExtensionApp):
         help="""Byte budget of the local image cache: the newest snapshot of each kernel stays
         unpacked in work_dir/image-cache, so that a restore on this machine reads no store
         and checks its files with one stat each (about a bare criu restore). Past the
-        budget, or when less than 10 % of the disk (and less than the newest snapshot's
-        size) would stay free, the oldest entries go. Default: -1, a quarter of the work
-        directory's disk. 0 turns the cache off.""",
+        budget, or when less than 10 % of the disk (at most 2 GiB, and not less than the
+        newest snapshot's size) would stay free, the oldest entries go. Default: -1, a
+        quarter of the work directory's disk. 0 turns the cache off.""",
     )
     lazy_restore = Bool(
         True,

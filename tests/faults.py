@@ -438,14 +438,21 @@ class Checked:
 
 
 def wait_quiet(lab: Lab, timeout: float = 120, allow_pending: bool = False) -> dict[str, Any]:
-    """Wait until no job runs and no upload is in flight (nor, unless ``allow_pending``,
-    waits for its retry: the store works, so every snapshot must end up stored, those a
-    killed server left in staging too); returns the listing."""
+    """Wait until no job runs, no lazily restored kernel still pulls its pages (it keeps
+    the kernel saved before a restore in place until then) and no upload is in flight
+    (nor, unless ``allow_pending``, waits for its retry: the store works, so every
+    snapshot must end up stored, those a killed server left in staging too); returns the
+    listing."""
     server = lab.up
     deadline = time.monotonic() + timeout
     while True:
         kernels = server.client.call("GET", "kernels")["kernels"]
-        busy = [k for k in kernels if (k.get("job") or {}).get("status") == "running"]
+        busy = [
+            k
+            for k in kernels
+            if (k.get("job") or {}).get("status") == "running"
+            or (k.get("lazy_restore") or {}).get("state") == "transferring"
+        ]
         listing: dict[str, Any] = server.client.call("GET", "")
         waiting = {"uploading"} if allow_pending else {"uploading", "upload-failed"}
         uploading = [s for s in listing["snapshots"] if s["status"] in waiting]

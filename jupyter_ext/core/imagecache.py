@@ -24,8 +24,9 @@ ctimes), and dropped if a byte differs: the restore then falls back to the store
 
 **What stays.** Per group (the kernel that took the snapshot: lineage and kernel id) only
 the newest snapshot, by sequence. Past the byte budget, or when the disk's free space
-falls below the reserve (10 % of the disk, and never less than the newest entry, so that
-the next dump of that kernel finds room), the oldest entries go first.
+falls below the reserve (10 % of the disk but at most 2 GiB, and never less than the
+newest entry, so that the next dump of that kernel finds room), the oldest entries go
+first.
 
 **Never changed under CRIU.** A restore holds a shared flock on its entry's directory for
 as long as CRIU and the wrapper read it (a lease); removal needs the exclusive lock and
@@ -60,8 +61,10 @@ RECORD_NAME = "cache-entry.json"
 RECORD_VERSION = 1
 #: The default budget (max_bytes < 0): this fraction of the work directory's disk.
 DEFAULT_DISK_FRACTION = 0.25
-#: Never fill the disk: at least this fraction of it stays free (and the newest entry's size).
+#: Never fill the disk: at least this fraction of it stays free, up to RESERVE_CAP_BYTES
+#: (10 % of a 250 GB disk would keep 25 GB from the cache), and the newest entry's size.
 RESERVE_FRACTION = 0.10
+RESERVE_CAP_BYTES = 2 << 30
 
 Stamps = dict[str, list[int]]
 """Relative path -> [inode, size, mtime_ns, ctime_ns] of each file of a snapshot directory."""
@@ -408,7 +411,10 @@ class ImageCache:
         entries = [e for e in entries if e.snapshot_id not in removed]
         budget = self.budget()
         usage = shutil.disk_usage(self.root)
-        reserve = max(int(usage.total * RESERVE_FRACTION), newest.bytes if newest else 0)
+        reserve = max(
+            min(int(usage.total * RESERVE_FRACTION), RESERVE_CAP_BYTES),
+            newest.bytes if newest else 0,
+        )
         total = sum(e.bytes for e in entries)
         free = usage.free
         for e in entries:  # oldest first
