@@ -252,6 +252,7 @@ class SnapshotExtensionApp(ExtensionApp):
         self.manager.keep_last = self.keep_last
         self.manager.max_bytes = self.max_store_bytes
         self.manager.image_cache.max_bytes = self.image_cache_max_bytes
+        self.manager.lazy_restore = self.lazy_restore
         # Kernel wrappers are started by the kernel manager with this process's environment.
         os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"
         self._policy_task: asyncio.Task[None] | None = None

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import re
 import secrets
 import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from .core.errors import (
     WrapperUnavailableError,
 )
 from .core.imagecache import ImageCache, Lease, Stamps, lock_shared, stamp_tree
+from .core.lazypages import PrefixedPages, RangeServer, worth_lazy
 from .core.leftovers import (
     DumpLock,
     after_failed_dump,
@@ -37,6 +38,7 @@ from .core.leftovers import (
     remove_unlocked,
 )
 from .core.manifest import (
+    IMAGES_DIR,
     MANIFEST_NAME,
     SNAPSHOT_ID_RE,
     Manifest,
@@ -44,15 +46,13 @@ from .core.manifest import (
     remove_tree,
     verify,
 )
-from .core.protocol import WrapperClient, WrapperInfo
+from .core.protocol import RESTORE_REQUEST_ENV, RestoreRequest, WrapperClient, WrapperInfo
 from .core.retention import Retained, RetentionPolicy, plan_retention
-from .core.store import SnapshotStore, StoredSnapshot, StoreError
+from .core.store import SnapshotImages, SnapshotStore, StoredSnapshot, StoreError
 
 log = logging.getLogger("jupyter_ext")
 
 KERNEL_ID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
-#: Environment variable naming a one-shot restore request for a new kernel (see wrapper).
-RESTORE_ENV = "JUPYTER_SNAPSHOT_RESTORE_REQUEST"
 #: Byte progress goes out as events at most this often (seconds) per job.
 PROGRESS_EVENT_INTERVAL = 0.25
 
@@ -61,6 +61,43 @@ EmitEvent = Callable[[str, dict[str, Any]], None]
 
 #: The longest a cache entry stays held for a kernel's lazy restore after its job ended.
 LAZY_HOLD_SECONDS = 3600.0
+#: The images a lazy restore from the store does not download first: the kernel's memory.
+PAGES_FILE_RE = re.compile(rf"{IMAGES_DIR}/pages-\d+\.img")
+
+
+def _released(lease: Lease) -> Callable[[dict[str, Any]], Awaitable[None]]:
+    async def release(_outcome: dict[str, Any]) -> None:
+        lease.release()
+
+    return release
+
+
+class LentPages:
+    """A stored snapshot's memory lent to the wrapper that restores it lazily: the
+    store's verified ranges, served on a unix socket in a private folder (the wrapper is
+    another process; socket paths must stay short)."""
+
+    def __init__(self, snapshot_id: str, images: SnapshotImages) -> None:
+        self.snapshot_id = snapshot_id
+        self.images = images
+        self.folder = Path(tempfile.mkdtemp(prefix="jks-pages-"))
+        try:
+            self.server = RangeServer(
+                PrefixedPages(images, f"{IMAGES_DIR}/"), self.folder / "pages.sock"
+            )
+        except BaseException:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def close(self) -> None:
+        self.server.close()
+        self.images.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
 
 #: A dump or download directory nothing was written to for this long was left by a crash
 #: (an active one writes its files within seconds).
@@ -188,10 +225,16 @@ class SnapshotManager:
         self.jobs: dict[str, Job] = {}
         self._kernel_jobs: dict[str, Job] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._lazy_watchers: set[asyncio.Task[Any]] = set()
         self.pending: dict[str, PendingUpload] = {}
         self.periodic_opt_out: set[str] = set()
         #: Ask GPU kernels to release framework caches before a checkpoint (app trait).
         self.release_gpu_caches = True
+        #: Restores from the store download all but the kernel's memory, which the
+        #: restored kernel then reads as it runs (app trait lazy_restore).
+        self.lazy_restore = True
+        #: Stored snapshots whose pages lazily restored kernels still read.
+        self.lent: set[LentPages] = set()
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         #: The newest snapshot of each kernel, unpacked (budget: the app's trait).
@@ -607,6 +650,8 @@ class SnapshotManager:
         )
         removed: list[str] = []
         for snapshot_id in plan.by_count:
+            if self._is_lent(snapshot_id):  # a kernel still reads its pages: next time
+                continue
             store.delete(snapshot_id)
             removed.append(snapshot_id)
         for snapshot_id in plan.over_budget:
@@ -614,6 +659,8 @@ class SnapshotManager:
             # says it holds afterwards, not the sum of the snapshots' sizes.
             if store.stats().stored_bytes <= self.max_bytes:
                 break
+            if self._is_lent(snapshot_id):
+                continue
             store.delete(snapshot_id)
             removed.append(snapshot_id)
         for snapshot_id in removed:
@@ -654,10 +701,13 @@ class SnapshotManager:
         stored = await asyncio.to_thread(self.store.get, snapshot_id)
         return stored.manifest
 
-    async def _local_copy(self, job: Job, snapshot_id: str) -> tuple[Path, int]:
+    async def _local_copy(
+        self, job: Job, snapshot_id: str, *, without_pages: bool = False
+    ) -> tuple[Path, int]:
         """A local directory of the snapshot, and for a temporary copy (a download) the fd
         that holds its lock (-1 for a snapshot waiting for its upload): the caller closes
-        it once the copy is removed or admitted into the image cache."""
+        it once the copy is removed or admitted into the image cache. ``without_pages``
+        leaves the kernel's memory in the store (a lazy restore reads it from there)."""
         pending = self.pending.get(snapshot_id)
         if pending is not None:
             return pending.directory, -1
@@ -665,7 +715,13 @@ class SnapshotManager:
         self._progress(job, "downloading")
         try:
             await asyncio.to_thread(
-                self.store.fetch, snapshot_id, dest, self._progress_callback(job, "downloading")
+                self.store.fetch,
+                snapshot_id,
+                dest,
+                self._progress_callback(job, "downloading"),
+                skip=(lambda path: PAGES_FILE_RE.fullmatch(path) is not None)
+                if without_pages
+                else None,
             )
             # Locked until the restore removed the copy (the store locks it while it
             # downloads): after a crash of this server, its next start removes it at once.
@@ -704,21 +760,34 @@ class SnapshotManager:
         lease = await self._cached(job, snapshot_id)
         temporary = False
         download_lock = -1
+        lent: LentPages | None = None
         try:
             # Refused before any download (the request answers 404 or 422): a snapshot that
             # is not there, or that cannot run on this machine, as its manifest says.
-            check_compatible(lease.manifest if lease else await self._manifest_of(snapshot_id))
+            manifest = lease.manifest if lease else await self._manifest_of(snapshot_id)
+            check_compatible(manifest)
             job.checked.set()
             if lease is not None:
                 lease = await self._intact(job, lease)
             if lease is not None:
                 directory, manifest, source = lease.path, lease.manifest, "cache"
             else:
-                directory, download_lock = await self._local_copy(job, snapshot_id)
+                # From the store, lazily: all but the kernel's memory first; the restored
+                # kernel runs while its pages come (read and checked chunk by chunk).
+                lazily = (
+                    self.lazy_restore
+                    and snapshot_id not in self.pending
+                    and worth_lazy(manifest.gpu)
+                )
+                directory, download_lock = await self._local_copy(
+                    job, snapshot_id, without_pages=lazily
+                )
                 temporary = download_lock >= 0
                 source = "store" if temporary else "work-directory"
+                if lazily:
+                    lent = await self._lend(snapshot_id)
                 stamps: Stamps | None = None
-                if temporary and self.image_cache.enabled:  # as soon as it is written
+                if temporary and self.image_cache.enabled and not lazily:  # as soon as written
                     with contextlib.suppress(OSError):
                         stamps = await asyncio.to_thread(stamp_tree, directory)
                 # Every file against its sha256 before CRIU starts: a corrupt snapshot fails
@@ -736,16 +805,24 @@ class SnapshotManager:
                     if lease is not None:
                         directory, temporary = lease.path, False
             self._progress(job, "restoring")
+            pages_from = lent.address if lent is not None else None
             if kernel_id is not None:
-                await self._restore_in_place(job, kernel_id, directory)
+                await self._restore_in_place(job, kernel_id, directory, pages_from)
             else:
-                kernel_id = await self._start_restored_kernel(manifest, directory)
+                kernel_id = await self._start_restored_kernel(manifest, directory, pages_from)
             if lease is not None:  # a lazily restored kernel still reads its pages there
-                self._hold_while_lazy(kernel_id, lease)
+                self._after_lazy(kernel_id, _released(lease), LAZY_HOLD_SECONDS)
                 lease = None
+            if lent is not None:  # lent until every page is in, then cached
+                self._after_lazy(
+                    kernel_id, self._lazy_download_done(directory, download_lock, lent)
+                )
+                lent, temporary, download_lock = None, False, -1
             target_path = path or manifest.notebook_path
             session = await self._attach(kernel_id, target_path) if target_path else None
         finally:
+            if lent is not None:
+                self._give_back(lent)
             if temporary:
                 shutil.rmtree(directory, ignore_errors=True)
             if download_lock >= 0:  # removed, or admitted (the lease holds it now)
@@ -763,28 +840,84 @@ class SnapshotManager:
             "source": source,
         }
 
-    def _hold_while_lazy(self, kernel_id: str, lease: Lease) -> None:
-        """Keep a cache entry held after the restore job while its kernel's wrapper still
-        serves the kernel's memory from it (lazy restore: "transferring" in its status),
-        so that no eviction removes pages not read yet; then release it."""
+    def _after_lazy(
+        self,
+        kernel_id: str,
+        then: Callable[[dict[str, Any]], Awaitable[None]],
+        timeout: float | None = None,
+    ) -> None:
+        """Once a lazily restored kernel has all of its memory ("transferring" no longer
+        in its status), or is gone, or after ``timeout``: ``then(outcome)``, the status's
+        ``lazy_restore`` (empty when the kernel is gone or still transferring). Until then
+        what its pages are read from stays (a cache entry no eviction removes, a download
+        and the store lent to its wrapper)."""
 
-        async def hold() -> None:
+        async def wait() -> None:
+            outcome: dict[str, Any] = {}
             try:
-                deadline = time.monotonic() + LAZY_HOLD_SECONDS
-                while time.monotonic() < deadline:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while deadline is None or time.monotonic() < deadline:
                     status = await self.kernel_status(kernel_id)
                     lazy = status.get("lazy_restore") or {}
-                    if not status.get("snapshots") or lazy.get("state") != "transferring":
-                        return
+                    if not status.get("snapshots"):
+                        break
+                    if lazy.get("state") != "transferring":
+                        outcome = lazy
+                        break
                     await asyncio.sleep(0.2)
             finally:
-                lease.release()
+                await then(outcome)
 
-        task = asyncio.ensure_future(hold())
+        task = asyncio.ensure_future(wait())
         self._tasks.add(task)
+        self._lazy_watchers.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._lazy_watchers.discard)
 
-    async def _restore_in_place(self, job: Job, kernel_id: str, directory: Path) -> None:
+    async def lazy_restores_settled(self) -> None:
+        """Wait until every lazily restored kernel has its memory, and what it was read
+        from is given back (cached or removed)."""
+        while self._lazy_watchers:
+            await asyncio.wait(list(self._lazy_watchers))
+
+    async def _lend(self, snapshot_id: str) -> LentPages:
+        """Lend a stored snapshot's pages to a lazy restore; it is not deleted meanwhile."""
+        lent = LentPages(snapshot_id, await asyncio.to_thread(self.store.open_images, snapshot_id))
+        self.lent.add(lent)
+        return lent
+
+    def _give_back(self, lent: LentPages) -> None:
+        self.lent.discard(lent)
+        lent.close()
+
+    def _is_lent(self, snapshot_id: str) -> bool:
+        return any(lent.snapshot_id == snapshot_id for lent in list(self.lent))
+
+    def _lazy_download_done(
+        self, directory: Path, download_lock: int, lent: LentPages
+    ) -> Callable[[dict[str, Any]], Awaitable[None]]:
+        """After a lazy restore from the store: stop lending its pages; the download, now
+        complete, is checked file by file and kept in the image cache, or removed."""
+
+        async def done(outcome: dict[str, Any]) -> None:
+            self._give_back(lent)
+            complete = outcome.get("state") == "complete" and not outcome.get("local_copy_error")
+            try:
+                if complete and self.image_cache.enabled:
+                    stamps = await asyncio.to_thread(stamp_tree, directory)
+                    await asyncio.to_thread(verify, directory)  # every byte, as for a put
+                    await asyncio.to_thread(self.image_cache.admit, directory, stamps)
+            except (SnapshotError, OSError) as exc:
+                log.warning("not caching the lazily restored %s: %s", directory.name, exc)
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)  # unless admitted
+                os.close(download_lock)
+
+        return done
+
+    async def _restore_in_place(
+        self, job: Job, kernel_id: str, directory: Path, pages_from: str | None = None
+    ) -> None:
         """Restore ``directory`` into the running kernel. The wrapper first saves that
         kernel into staging (a failed restore puts it back). If the wrapper dies meanwhile,
         what it saved is stored like any snapshot when it was sealed (the kernel's state,
@@ -798,7 +931,12 @@ class SnapshotManager:
         try:
             await self.wrapper(kernel_id).request(
                 "restore",
-                {"source": str(directory), "verified": True, "save_to": str(save_to)},
+                {
+                    "source": str(directory),
+                    "verified": True,
+                    "save_to": str(save_to),
+                    "pages_from": pages_from,
+                },
                 on_progress=self._wrapper_progress(job),
             )
         except WrapperUnavailableError as exc:
@@ -812,33 +950,34 @@ class SnapshotManager:
         finally:
             lock.release()
 
-    async def _start_restored_kernel(self, manifest: Manifest, directory: Path) -> str:
+    async def _start_restored_kernel(
+        self, manifest: Manifest, directory: Path, pages_from: str | None = None
+    ) -> str:
         """Start a new kernel whose wrapper restores ``directory`` instead of starting fresh."""
         request = self.work_dir / f"restore-{secrets.token_hex(8)}.json"
-        report = Path(f"{request}.result")
-        request.write_text(json.dumps({"source": str(directory), "verified": True}))
+        RestoreRequest(directory, verified=True, pages_from=pages_from).write(request)
         notebook_dir = None
         if manifest.notebook_path:
             notebook_dir = str(Path(manifest.notebook_path).parent)
-        env = {**os.environ, RESTORE_ENV: str(request)}
+        env = {**os.environ, RESTORE_REQUEST_ENV: str(request)}
         kernel_name = manifest.kernel_spec.get("name") or self.kernel_name
         try:
             kernel_id: str = await self.kernel_manager.start_kernel(
                 kernel_name=kernel_name, path=notebook_dir, env=env
             )
-            await self._wait_restored(kernel_id, manifest, report)
+            await self._wait_restored(kernel_id, manifest, request)
         finally:
-            request.unlink(missing_ok=True)
-            report.unlink(missing_ok=True)
+            RestoreRequest.remove(request)
         return kernel_id
 
-    async def _wait_restored(self, kernel_id: str, manifest: Manifest, report: Path) -> None:
+    async def _wait_restored(self, kernel_id: str, manifest: Manifest, request: Path) -> None:
         km = self._kernel(kernel_id)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            if report.exists():
+            failure = RestoreRequest.failure(request)
+            if failure is not None:
                 await self.kernel_manager.shutdown_kernel(kernel_id, now=True)
-                raise SnapshotError.from_dict(json.loads(report.read_text())["error"])
+                raise failure
             if not await km.is_alive():
                 await self.kernel_manager.shutdown_kernel(kernel_id, now=True)
                 raise KernelNotRunningError(
@@ -896,6 +1035,9 @@ class SnapshotManager:
             del self.pending[snapshot_id]
             shutil.rmtree(pending.directory, ignore_errors=True)
         else:
+            # A kernel restored lazily from it reads its pages yet: deleted once they are in.
+            while self._is_lent(snapshot_id):
+                await asyncio.sleep(0.1)
             await asyncio.to_thread(self.store.delete, snapshot_id)
             await asyncio.to_thread(self.image_cache.discard, snapshot_id)
         self.emit("deleted", {"snapshot_id": snapshot_id, "reason": "request"})

@@ -4,35 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 
 from jupyter_ext.core.errors import SnapshotError
-from jupyter_ext.core.protocol import DEFAULT_RUNTIME_ROOT
+from jupyter_ext.core.protocol import DEFAULT_RUNTIME_ROOT, RESTORE_REQUEST_ENV, RestoreRequest
 
 from .wrapper import KernelWrapper
-
-#: Set by the server extension to start a kernel as a restore: the path of a one-shot
-#: request file naming the snapshot directory. The wrapper deletes it, so a later restart
-#: of the same kernel (same environment) starts fresh, as a restart should.
-RESTORE_ENV = "JUPYTER_SNAPSHOT_RESTORE_REQUEST"
-
-
-def take_restore_request() -> tuple[Path | None, bool, Path | None]:
-    """The snapshot directory to start from, whether the requester verified it, and where
-    to report a failure (``<request>.result``), from a one-shot request file."""
-    request = os.environ.get(RESTORE_ENV)
-    if not request:
-        return None, False, None
-    try:
-        data = json.loads(Path(request).read_text())
-        Path(request).unlink()
-        return Path(data["source"]), bool(data.get("verified")), Path(request + ".result")
-    except (OSError, ValueError, KeyError):
-        return None, False, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,24 +40,29 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="[kernel_wrapper %(levelname)s] %(message)s", stream=sys.stderr
     )
-    restore_from, verified, report = args.restore_from, False, None
-    if restore_from is None:
-        restore_from, verified, report = take_restore_request()
+    restore, request = None, None
+    if args.restore_from is not None:
+        restore = RestoreRequest(args.restore_from)
+    elif os.environ.get(RESTORE_REQUEST_ENV):
+        request = Path(os.environ[RESTORE_REQUEST_ENV])
+        restore = RestoreRequest.take(request)
     wrapper = KernelWrapper(
         args.connection_file,
         runtime_root=args.runtime_dir,
         on_inner_death=args.on_inner_death,
         criu_path=args.criu,
-        restore_from=restore_from,
-        restore_verified=verified,
+        restore=restore,
         kernel_args=kernel_args,
     )
     try:
         return asyncio.run(wrapper.run())
     except SnapshotError as exc:
         print(f"kernel_wrapper: {exc}", file=sys.stderr)
-        if report is not None:
-            report.write_text(json.dumps({"error": exc.to_dict()}))
+        if request is not None and restore is not None:
+            try:
+                RestoreRequest.report_failure(request, exc)
+            except OSError as write_error:
+                print(f"kernel_wrapper: cannot report it: {write_error}", file=sys.stderr)
         return 2
 
 

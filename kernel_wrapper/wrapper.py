@@ -27,6 +27,7 @@ import collections
 import contextlib
 import dataclasses
 import enum
+import errno
 import hmac
 import json
 import logging
@@ -51,6 +52,7 @@ from jupyter_client.session import DELIM, Session
 
 from jupyter_ext import __version__
 from jupyter_ext.core import netports, proctree, sockdiag
+from jupyter_ext.core.compat import check_compatible
 from jupyter_ext.core.criu import Criu, LazyTransfer, external_file_key, unprivileged
 from jupyter_ext.core.errors import (
     IncompatibleSnapshotError,
@@ -73,18 +75,18 @@ from jupyter_ext.core.lazypages import (
     DirectoryPages,
     page_source,
     stage_pages_files,
+    worth_lazy,
 )
 from jupyter_ext.core.manifest import (
     IMAGES_DIR,
     Manifest,
-    check_compatible,
     new_snapshot_id,
     remove_tree,
     seal,
     utc_now,
     verify,
 )
-from jupyter_ext.core.protocol import DEFAULT_RUNTIME_ROOT, WrapperInfo, info_path
+from jupyter_ext.core.protocol import DEFAULT_RUNTIME_ROOT, RestoreRequest, WrapperInfo, info_path
 from kernel_snapshots import write_restore_info
 
 from .agent import AGENT_PORT
@@ -320,8 +322,7 @@ class KernelWrapper:
         runtime_root: Path = DEFAULT_RUNTIME_ROOT,
         on_inner_death: str = "exit",
         criu_path: str | None = None,
-        restore_from: Path | None = None,
-        restore_verified: bool = False,
+        restore: RestoreRequest | None = None,
         kernel_args: list[str] | None = None,
     ) -> None:
         self.connection_file = connection_file.resolve()
@@ -333,8 +334,8 @@ class KernelWrapper:
         self.runtime_root = runtime_root
         self.on_inner_death = on_inner_death
         self.criu_path = criu_path
-        self.restore_from = restore_from
-        self.restore_verified = restore_verified
+        self.restore = restore
+        """Start by restoring this instead of launching a fresh kernel."""
         self.kernel_args = kernel_args or []
         self.state = State.STARTING
         self.lineage = secrets.token_hex(8)
@@ -407,9 +408,12 @@ class KernelWrapper:
         self._subscription_task = asyncio.create_task(self._forward_subscriptions())
         self._watch_parent()
         try:
-            if self.restore_from is not None:
+            if self.restore is not None:
                 await self._restore(
-                    self.restore_from, lambda _: None, verified=self.restore_verified
+                    self.restore.source,
+                    lambda _: None,
+                    verified=self.restore.verified,
+                    pages_from=self.restore.pages_from,
                 )
             else:
                 await self._launch_inner()
@@ -1538,7 +1542,7 @@ class KernelWrapper:
             check_compatible(manifest)
             self._check_ports_free(manifest)
             criu = self._criu_binary()
-            lazy = self._lazy_wanted(manifest, criu, pages_from)  # refused before any change
+            lazy = self._lazy_wanted(manifest, criu)
             saved: _SavedKernel | None = None
             if self.state == State.RUNNING and self.inner_pid is not None:
                 saved = await self._save_before_restore(
@@ -1657,16 +1661,10 @@ class KernelWrapper:
             log_excerpt=failure.log_excerpt,
         ) from failure
 
-    def _lazy_wanted(self, manifest: Manifest, criu: Criu, pages_from: str | None) -> bool:
+    def _lazy_wanted(self, manifest: Manifest, criu: Criu) -> bool:
         """Lazy restore unless turned off, unsupported here, or the kernel had CUDA state
         (the CUDA restore reads all of its memory at once: nothing to gain)."""
-        if not self.lazy_restore or manifest.gpu.get("ns_pids"):
-            if pages_from is not None:
-                raise RestoreError(
-                    "Pages can only be served from elsewhere with lazy restore, which is off "
-                    "or not possible for this kernel.",
-                    hint="Restore from a complete snapshot directory.",
-                )
+        if not self.lazy_restore or not worth_lazy(manifest.gpu):
             return False
         if self._lazy_supported is None:
             self._lazy_supported, said = criu.supports_lazy_pages()
@@ -1704,6 +1702,7 @@ class KernelWrapper:
                 # Reported once settled: what the status shows then is the outcome.
                 self.lazy_status = {"state": "failed", "error": error.to_dict()}
             return
+        local_copy_error = transfer.server.local_copy_error  # known until it is closed
         self._lazy = None
         transfer.close()
         shutil.rmtree(transfer.work_dir, ignore_errors=True)
@@ -1712,6 +1711,8 @@ class KernelWrapper:
             "bytes": transfer.server.bytes_served + filled,
             "seconds": round((transfer.finished or time.monotonic()) - transfer.started, 3),
         }
+        if local_copy_error:  # the kernel has all of its memory; the local images do not
+            self.lazy_status["local_copy_error"] = local_copy_error
         log.info("lazy restore complete: %s", self.lazy_status)
         if saved is not None:
             remove_tree(saved.directory)
@@ -1762,10 +1763,22 @@ class KernelWrapper:
                 (self._dir_fd, manifest.runtime_dir_key),
             ]
             try:
+                pages = page_source(pages_from) if pages_from else DirectoryPages(images)
+                if pages_from is not None and not any(images.glob("pages-*.img")):
+                    # Not lazy: every page now, before CRIU reads them.
+                    try:
+                        await asyncio.to_thread(stage_pages_files, images, pages, lazy_too=not lazy)
+                    except OSError as exc:
+                        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                        raise RestoreError(
+                            f"The kernel's memory could not be staged in {images}: "
+                            f"{exc.strerror or exc}.",
+                            hint="Free space on that disk (or set work_dir to one with room "
+                            "for the kernel's memory), then restore again."
+                            if full
+                            else "Make sure the store is reachable, then restore again.",
+                        ) from exc
                 if lazy:
-                    pages = page_source(pages_from) if pages_from else DirectoryPages(images)
-                    if pages_from is not None and not any(images.glob("pages-*.img")):
-                        await asyncio.to_thread(stage_pages_files, images, pages)
                     self.lazy_status = {"state": "transferring"}
                     pid, self._lazy = await criu.restore_lazy(
                         images,

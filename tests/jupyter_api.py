@@ -14,6 +14,8 @@ from jupyter_client.asynchronous import AsyncKernelClient
 from tornado.httpclient import HTTPClientError
 
 from jupyter_ext.cli import install_kernelspec
+from jupyter_ext.core.store import LocalStore
+from jupyter_ext.manager import SnapshotManager
 
 Fetch = Callable[..., Awaitable[Any]]
 
@@ -22,6 +24,27 @@ Fetch = Callable[..., Awaitable[Any]]
 def snapshot_kernelspec(jp_environ: None) -> str:
     """The server's kernels come from an isolated data dir: install ours there."""
     return install_kernelspec(user=True)
+
+
+def manager_of(jp_serverapp: Any) -> SnapshotManager:
+    manager: SnapshotManager = jp_serverapp.extension_manager.extension_points[
+        "jupyter_ext"
+    ].app.manager
+    return manager
+
+
+def damage_chunk(manager: SnapshotManager, snapshot_id: str, path: str) -> None:
+    """Flip a byte of the stored middle chunk of a snapshot's file ``path`` (local store)."""
+    store = manager.store
+    assert isinstance(store, LocalStore)
+    record = store._load(snapshot_id)
+    assert record is not None
+    refs = record.chunks[path]
+    where = refs[len(refs) // 2].where
+    pack = store.root / where.obj
+    data = bytearray(pack.read_bytes())
+    data[where.offset + where.length // 2] ^= 0xFF
+    pack.write_bytes(bytes(data))
 
 
 def server_config(tmp_path: Path, **extension: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from jupyter_ext.core.imagecache import RECORD_NAME, ImageCache, stamp_tree
 from jupyter_ext.core.manifest import MANIFEST_NAME, Manifest, seal
 from jupyter_ext.manager import SnapshotManager
 
-from .jupyter_api import Fetch, call, server_config, snapshot, wait_job
+from .jupyter_api import Fetch, call, manager_of, server_config, snapshot, wait_job
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
 
@@ -28,13 +28,6 @@ CHECK = "print(int(st.sum()) == st_sum, len(st))"
 @pytest.fixture
 def jp_server_config(tmp_path: Path) -> dict[str, Any]:
     return server_config(tmp_path, image_cache_max_bytes=-1)
-
-
-def manager_of(jp_serverapp: Any) -> SnapshotManager:
-    manager: SnapshotManager = jp_serverapp.extension_manager.extension_points[
-        "jupyter_ext"
-    ].app.manager
-    return manager
 
 
 def cached_ids(manager: SnapshotManager) -> list[str]:
@@ -135,7 +128,7 @@ async def test_a_changed_entry_is_hashed_again_and_a_tampered_one_falls_back_to_
     result = await restore(jp_fetch, snap["id"], kernel_id=kernel.id)
     assert result["source"] == "store"
     assert (await kernel.run(CHECK)).strip() == "True 1000000"
-    assert await unused(manager, snap["id"])
+    await manager.lazy_restores_settled()  # all pages in: the download is checked, cached
     assert cached_ids(manager) == [snap["id"]]
     assert pages_file(entry).read_bytes() == good
     assert (await restore(jp_fetch, snap["id"], kernel_id=kernel.id))["source"] == "cache"
@@ -191,6 +184,7 @@ async def test_a_budget_of_zero_turns_the_cache_off(
     result = await restore(jp_fetch, snap["id"])
     assert result["source"] == "store"
     assert await run_in(start_kernel, result["kernel_id"], CHECK) == "True 1000000"
+    await manager.lazy_restores_settled()
     assert cached_ids(manager) == []
     assert not list(manager.cache_dir.iterdir()), "the download is removed"
 

@@ -354,9 +354,14 @@ def test_lazy_restore_can_be_turned_off(kernel_factory: Factory, tmp_path: Path)
     restore(kernel, tmp_path / "snap")
     assert lazy_state(kernel) == {}
     assert kernel.execute(CHECK).strip() == "True 67108864"
-    with pytest.raises(RestoreError, match="only be served from elsewhere with lazy restore"):
-        restore(kernel, tmp_path / "snap", pages_from=str(tmp_path / "snap" / IMAGES_DIR))
+    # Pages from elsewhere (the store's way) without lazy restore: all read first.
+    local = tmp_path / "local"
+    shutil.copytree(tmp_path / "snap", local, ignore=shutil.ignore_patterns("pages-*.img"))
+    kernel.execute("lazy_a[:] = 0")
+    restore(kernel, local, verified=True, pages_from=str(tmp_path / "snap" / IMAGES_DIR))
+    assert lazy_state(kernel) == {}
     assert kernel.execute(CHECK).strip() == "True 67108864"
+    verify(local)
 
 
 def test_doctor_says_whether_lazy_restore_works(criu: Criu) -> None:

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from .jupyter_api import Fetch, call, error_of, server_config, snapshot, wait_job
+from .jupyter_api import (
+    Fetch,
+    call,
+    damage_chunk,
+    error_of,
+    manager_of,
+    server_config,
+    snapshot,
+    wait_job,
+)
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
 
@@ -121,21 +132,24 @@ async def test_bad_requests_get_clear_errors(jp_fetch: Fetch, start_kernel: Any)
     assert (await wait_job(jp_fetch, first["job"]))["status"] == "done"
 
 
+@pytest.mark.parametrize(
+    ("lazy", "damaged"),
+    [(False, "images/pages-1.img"), (True, "images/core-1.img")],
+    ids=["full-download", "lazy-non-page-image"],
+)
 async def test_corrupt_snapshot_fails_its_restore_before_criu(
-    jp_fetch: Fetch, start_kernel: Any, tmp_path: Path
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any, tmp_path: Path, lazy: bool, damaged: str
 ) -> None:
     """The request is answered once the manifest is checked; the download's hash check
-    fails the job, and the kernel that was to be replaced runs on untouched."""
+    fails the job, and the kernel that was to be replaced runs on untouched. A lazy
+    restore downloads every image but the kernel's memory first: the same for those."""
+    manager_of(jp_serverapp).lazy_restore = lazy
     kernel = await start_kernel()
     await kernel.run("x = 1")
     job = await wait_job(
         jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
     )
-    packs = sorted((tmp_path / "store").rglob("packs/*/*"), key=lambda p: p.stat().st_size)
-    biggest = packs[-1]
-    data = bytearray(biggest.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    biggest.write_bytes(bytes(data))
+    damage_chunk(manager_of(jp_serverapp), job["result"]["id"], damaged)
     restore = await call(
         jp_fetch, "POST", job["result"]["id"], "restore", body={"kernel_id": kernel.id}
     )
@@ -144,6 +158,102 @@ async def test_corrupt_snapshot_fails_its_restore_before_criu(
     assert failed["error"]["code"] == "snapshot-corrupt"
     assert failed["phase"] == "downloading"
     assert (await kernel.run("print(x)")).strip() == "1"
+    assert not list((tmp_path / "work" / "cache").iterdir())
+    assert not manager_of(jp_serverapp).lent
+
+
+async def test_damaged_memory_found_by_a_lazy_restore_puts_the_kernel_back(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any, tmp_path: Path
+) -> None:
+    """A lazy restore reads the kernel's memory from the store as it runs, each chunk
+    checked against its sha256: a damaged one never reaches the kernel. The restored
+    kernel is stopped, the one it replaced is put back, and the kernel's status says why."""
+    kernel = await start_kernel()
+    await kernel.run("import numpy as np; a = np.full(16 << 20, 7.0); x = 1")
+    job = await wait_job(
+        jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
+    )
+    snapshot_id = job["result"]["id"]
+    damage_chunk(manager_of(jp_serverapp), snapshot_id, "images/pages-1.img")
+    await kernel.run("x = 2")
+    restore = await call(jp_fetch, "POST", snapshot_id, "restore", body={"kernel_id": kernel.id})
+    job = await wait_job(jp_fetch, restore["job"])
+    deadline = time.monotonic() + 120
+    if job["status"] == "failed":  # the kernel touched the damaged memory while restoring
+        error = job["error"]
+    else:  # or later, after its first cells ran
+        assert job["status"] == "done", job
+        while (lazy := (await call(jp_fetch, "GET", "kernels", kernel.id))["lazy_restore"]).get(
+            "state"
+        ) == "transferring":
+            assert time.monotonic() < deadline, lazy
+            await asyncio.sleep(0.2)
+        assert lazy["state"] == "failed", lazy
+        error = lazy["error"]
+    assert error["code"] == "snapshot-corrupt", error
+    assert "is damaged" in error["message"], error
+    assert "put back" in error["message"], error
+    assert (await kernel.run("print(x, a.sum() == 7.0 * (16 << 20))")).strip() == "2 True"
+    manager = manager_of(jp_serverapp)
+    while manager.lent:  # given back by its watcher, and the download removed
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    assert not list((tmp_path / "work" / "cache").iterdir())
+
+
+class SlowPages:
+    """The store's page reads at 8 MB/s each: a lazy restore that is still transferring
+    when the test acts (the reads themselves are the real store's)."""
+
+    def __init__(self, images: Any) -> None:
+        self.images = images
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        time.sleep(length / 8e6)
+        data: bytes = self.images.read(path, offset, length)
+        return data
+
+    def close(self) -> None:
+        self.images.close()
+
+
+async def test_a_snapshot_a_kernel_still_reads_is_deleted_once_its_pages_are_in(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any, tmp_path: Path
+) -> None:
+    """A kernel restored lazily from the store reads its memory from the snapshot as it
+    runs: deleting the snapshot meanwhile (or retention) must not take it away."""
+    manager = manager_of(jp_serverapp)
+    kernel = await start_kernel()
+    await kernel.run("import numpy as np; a = np.full(8 << 20, 3.0)")
+    job = await wait_job(
+        jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
+    )
+    snapshot_id = job["result"]["id"]
+    store = manager.store
+    real_open = store.open_images
+    store.open_images = lambda sid: SlowPages(real_open(sid))  # type: ignore[method-assign]
+    try:
+        restore = await call(jp_fetch, "POST", snapshot_id, "restore")
+        restored = await wait_job(jp_fetch, restore["job"])
+    finally:
+        store.open_images = real_open  # type: ignore[method-assign]
+    assert restored["status"] == "done", restored
+    new_kernel = restored["result"]["kernel_id"]
+    status = await call(jp_fetch, "GET", "kernels", new_kernel)
+    assert status["lazy_restore"]["state"] == "transferring", status["lazy_restore"]
+    assert [lent.snapshot_id for lent in manager.lent] == [snapshot_id]
+    manager.keep_last = 1  # the next snapshot of that kernel would retire this one
+    await snapshot(jp_fetch, kernel.id)
+    assert store.get(snapshot_id), "retention passed it over"
+
+    await call(jp_fetch, "DELETE", snapshot_id)  # waits for the pages
+    assert not manager.lent
+    status = await call(jp_fetch, "GET", "kernels", new_kernel)
+    assert status["lazy_restore"]["state"] == "complete", status["lazy_restore"]
+    code, _error = await error_of(jp_fetch, "GET", snapshot_id)
+    assert code == 404
+    restored_kernel = await start_kernel(new_kernel)
+    assert (await restored_kernel.run("print(a.sum() == 3.0 * (8 << 20))")).strip() == "True"
 
 
 async def test_incompatible_snapshot_is_422_before_any_download(

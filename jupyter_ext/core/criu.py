@@ -411,7 +411,7 @@ class LazyTransfer:
 
 
 #: How long a restore without a PID namespace waits for a process id of the snapshot that
-#: a killed process still holds (a zombie its new parent has not reaped yet).
+#: a killed process still holds (SIGKILL pending, or a zombie not reaped yet).
 PID_FREE_WAIT_SECONDS = 5.0
 _PID_TAKEN = re.compile(r"Can't fork for (\d+): File exists")
 
@@ -427,7 +427,9 @@ def pid_being_freed(work_dir: Path) -> bool:
     except OSError:
         return False
     match = _PID_TAKEN.search(text)
-    return match is not None and not proctree.is_alive(int(match[1]))
+    return match is not None and (
+        not proctree.is_alive(int(match[1])) or proctree.dying(int(match[1]))
+    )
 
 
 #: What CRIU's parasite creates, and mounts a private /proc on, in the working directory of

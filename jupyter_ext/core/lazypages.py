@@ -19,6 +19,7 @@ userfaultfd goes away would read zeros instead of its memory).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import mmap
 import os
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .errors import RestoreError, SnapshotCorruptError
+from .errors import RestoreError, SnapshotCorruptError, SnapshotError
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,8 @@ class PrefixedPages:
 #
 # The store is open in the server process; CRIU runs under the kernel's wrapper. The
 # server lends the wrapper its source over a unix socket: a request is (path length,
-# offset, length) and the path; an answer is (status, size) and the bytes, or the error.
+# offset, length) and the path; an answer is (status, size) and the bytes, or the error:
+# a SnapshotError as its JSON (status 2, rebuilt on the other side), else its text.
 
 _RANGE_REQUEST = struct.Struct("<HQI")
 _RANGE_REPLY = struct.Struct("<BI")
@@ -164,6 +166,8 @@ class RangeServer:
                 try:
                     data = self.source.read(name.decode(), offset, length)
                     status = 0
+                except SnapshotError as exc:  # e.g. a damaged chunk: said as it is
+                    data, status = json.dumps(exc.to_dict()).encode(), 2
                 except Exception as exc:  # noqa: BLE001 -- sent to the reader, which retries
                     data, status = f"{type(exc).__name__}: {exc}".encode(), 1
                 try:
@@ -212,6 +216,8 @@ class RemotePages:
                 sock.close()
             self._local.sock = None  # the next try connects again
             raise
+        if status == 2:
+            raise SnapshotError.from_dict(json.loads(data))
         if status != 0:
             raise OSError(data.decode(errors="replace"))
         return data
@@ -347,23 +353,43 @@ def read_pagemaps(images_dir: Path) -> dict[int, Pagemap]:
     return maps
 
 
-def stage_pages_files(images_dir: Path, source: PageSource) -> int:
+def stage_pages_files(images_dir: Path, source: PageSource, *, lazy_too: bool = False) -> int:
     """Make each ``pages-N.img`` in ``images_dir`` a sparse file of its full size holding
     only the pages ``criu restore`` reads itself (not lazy: stacks, shared or file
-    memory); the lazy ones arrive through :class:`PageServer`. Returns the bytes read."""
+    memory); the lazy ones arrive through :class:`PageServer`. With ``lazy_too`` (a
+    restore that cannot be lazy) every page is read here. Returns the bytes read."""
     read = 0
     for pagemap in read_pagemaps(images_dir).values():
         with open(images_dir / pagemap.pages_file, "wb") as fh:
             fh.truncate(pagemap.size)
             for entry in pagemap.entries:
-                if entry.offset < 0 or entry.lazy:
+                if entry.offset < 0 or (entry.lazy and not lazy_too):
                     continue
-                length = entry.nr_pages * PAGE_SIZE
-                os.pwrite(
-                    fh.fileno(), source.read(pagemap.pages_file, entry.offset, length), entry.offset
-                )
-                read += length
+                end = entry.offset + entry.nr_pages * PAGE_SIZE
+                for offset in range(entry.offset, end, FILL_CHUNK):
+                    length = min(FILL_CHUNK, end - offset)
+                    data = source.read(pagemap.pages_file, offset, length)
+                    if len(data) != length:
+                        raise SnapshotCorruptError(
+                            f"{pagemap.pages_file} ends before offset {offset + length}.",
+                            hint="The snapshot is damaged; pick another one.",
+                        )
+                    _pwrite_all(fh.fileno(), data, offset)
+                    read += length
     return read
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def worth_lazy(gpu: dict[str, object]) -> bool:
+    """Whether a kernel is restored lazily at all (given the manifest's ``gpu``): not one
+    with CUDA state, whose restore reads all of its memory at once."""
+    return not gpu.get("ns_pids")
 
 
 def lazy_ranges(pagemap: Pagemap) -> Iterator[tuple[int, int]]:
@@ -384,13 +410,25 @@ class _Landed:
         self.size = size
         self.pages = bytearray(size // PAGE_SIZE)
         self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self.failed: OSError | None = None
+        """Why the local copy was given up (a full disk, say), if it was."""
 
     def has(self, offset: int, length: int) -> bool:
         first = offset // PAGE_SIZE
         return all(self.pages[first : first + length // PAGE_SIZE])
 
     def put(self, offset: int, data: bytes) -> None:
-        os.pwrite(self.fd, data, offset)
+        """Keep ``data`` in the local copy. One that cannot be written is given up: the
+        kernel still gets every page from the source; only the local images stay
+        incomplete (the restore's status says so)."""
+        if self.failed is not None:
+            return
+        try:
+            _pwrite_all(self.fd, data, offset)
+        except OSError as exc:
+            self.failed = exc
+            log.warning("stopped keeping %s locally: %s", self.path.name, exc)
+            return
         first = offset // PAGE_SIZE
         self.pages[first : first + len(data) // PAGE_SIZE] = b"\1" * (len(data) // PAGE_SIZE)
 
@@ -416,7 +454,7 @@ class PageServer:
         self.pagemaps = read_pagemaps(images_dir)
         self.attempts = attempts
         self.retry_delay = retry_delay
-        self.error: PageFetchError | None = None
+        self.error: SnapshotError | None = None
         self.pages_served = 0
         self.bytes_served = 0
         self.first_request_at: float | None = None
@@ -442,6 +480,15 @@ class PageServer:
                         first = entry.offset // PAGE_SIZE
                         landed.pages[first : first + entry.nr_pages] = b"\1" * entry.nr_pages
                 self._landed[pagemap.pages_file] = landed
+
+    @property
+    def local_copy_error(self) -> str:
+        """Why the local images stay incomplete ("" when they are complete or not kept)."""
+        return "; ".join(
+            f"{name}: {landed.failed.strerror or landed.failed}"
+            for name, landed in self._landed.items()
+            if landed.failed is not None
+        )
 
     def close(self) -> None:
         self._stopping.set()
@@ -491,6 +538,12 @@ class PageServer:
                 time.sleep(self.retry_delay * attempt)
             try:
                 data = self.source.read(pages_file, offset, length)
+            except SnapshotCorruptError as exc:  # no retry brings a damaged chunk back
+                raise SnapshotCorruptError(
+                    f"The kernel's memory could not be read: {exc.message} "
+                    "The half-restored kernel was stopped.",
+                    hint=exc.hint,
+                ) from exc
             except Exception as exc:  # noqa: BLE001 -- any failure of a source is retried, then reported
                 last = exc
                 log.warning(
@@ -555,7 +608,7 @@ class PageServer:
                         sock.sendall((reply + data)[sent:])
                 self.pages_served += count
                 self.bytes_served += length
-        except PageFetchError as exc:
+        except SnapshotError as exc:
             self.error = exc
         except OSError as exc:
             self.error = PageFetchError(
@@ -615,6 +668,8 @@ class PageServer:
         memory the kernel freed meanwhile), so the images directory ends up complete."""
         filled = 0
         for pages_file, landed in list(self._landed.items()):
+            if landed.failed is not None:
+                continue
             pagemap = next(p for p in self.pagemaps.values() if p.pages_file == pages_file)
             for start, length in lazy_ranges(pagemap):
                 for offset in range(start, start + length, FILL_CHUNK):

@@ -252,14 +252,3 @@ def remove_tree(path: Path) -> None:
 
 def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-
-
-def __getattr__(name: str) -> Any:
-    """``check_compatible`` moved to :mod:`.compat`; this keeps ``from .manifest import
-    check_compatible`` working (kernel_wrapper still imports it from here) without this
-    data format importing policy or GPU code when it is loaded."""
-    if name == "check_compatible":
-        from .compat import check_compatible
-
-        return check_compatible
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

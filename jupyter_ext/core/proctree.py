@@ -53,6 +53,23 @@ def is_alive(pid: int) -> bool:
     return text.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def dying(pid: int) -> bool:
+    """True while ``pid`` is a zombie or has a SIGKILL pending: on its way to be gone
+    (a kernel whose wrapper was killed gets SIGKILL through PR_SET_PDEATHSIG)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    kill_bit = 1 << (signal.SIGKILL - 1)
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key == "State" and value.split()[:1] in (["Z"], ["X"]):
+            return True
+        if key in ("SigPnd", "ShdPnd") and int(value.strip(), 16) & kill_bit:
+            return True
+    return False
+
+
 def needed_files(pids: list[int]) -> list[dict[str, object]]:
     """Regular files a restore of these processes needs at the same path and size.
 

@@ -31,6 +31,10 @@ DEFAULT_RUNTIME_ROOT = Path(
     )
 )
 ProgressCallback = Callable[[dict[str, Any]], None]
+#: Set by the server extension to start a kernel as a restore: the path of a one-shot
+#: :class:`RestoreRequest` file. The wrapper deletes it, so a later restart of the same
+#: kernel (same environment) starts fresh, as a restart should.
+RESTORE_REQUEST_ENV = "JUPYTER_SNAPSHOT_RESTORE_REQUEST"
 
 
 def info_path(connection_file: Path) -> Path:
@@ -61,6 +65,72 @@ class WrapperInfo:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps({"control": str(self.control), "pid": self.pid}))
         os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class RestoreRequest:
+    """The ``restore`` operation's arguments for a kernel that is not running yet: handed
+    to its wrapper in a file named by :data:`RESTORE_REQUEST_ENV`. A failure is reported
+    in :meth:`report_path`."""
+
+    source: Path
+    """The snapshot directory (its ``pages-*.img`` may be missing: see ``pages_from``)."""
+    verified: bool = False
+    """The requester checked every file against its sha256 already."""
+    pages_from: str | None = None
+    """Where the kernel's memory comes from when not from ``source``: an images
+    directory, or ``unix:PATH`` of a server lending the store (lazy restore)."""
+
+    def write(self, path: Path) -> None:
+        data = {"source": str(self.source), "verified": self.verified}
+        if self.pages_from:
+            data["pages_from"] = self.pages_from
+        path.write_text(json.dumps(data))
+
+    @classmethod
+    def take(cls, path: Path) -> RestoreRequest | None:
+        """Read and delete the request (None if there is no readable one)."""
+        try:
+            data = json.loads(path.read_text())
+            path.unlink()
+            return cls(
+                Path(data["source"]), bool(data.get("verified")), data.get("pages_from") or None
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    @staticmethod
+    def report_failure(path: Path, error: SnapshotError) -> None:
+        """The wrapper's answer to the request at ``path`` when the restore failed: whole
+        or not at all (the server reads it as soon as it exists). On a full disk it cannot
+        be written; the server then sees the kernel exit."""
+        report = _report_path(path)
+        tmp = report.with_name(report.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps({"error": error.to_dict()}))
+            tmp.rename(report)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @staticmethod
+    def failure(path: Path) -> SnapshotError | None:
+        """The failure the wrapper reported for the request at ``path``, if any yet."""
+        try:
+            data = json.loads(_report_path(path).read_text())
+        except FileNotFoundError:
+            return None
+        return SnapshotError.from_dict(data["error"])
+
+    @staticmethod
+    def remove(path: Path) -> None:
+        """The request at ``path`` and whatever answered it."""
+        report = _report_path(path)
+        for leftover in (path, report, report.with_name(report.name + ".tmp")):
+            leftover.unlink(missing_ok=True)
+
+
+def _report_path(request: Path) -> Path:
+    return request.with_name(request.name + ".result")
 
 
 class WrapperClient:
