@@ -772,10 +772,12 @@ class SnapshotManager:
             if lease is not None:
                 directory, manifest, source = lease.path, lease.manifest, "cache"
             else:
-                # From the store, lazily: all but the kernel's memory first; the restored
-                # kernel runs while its pages come (read and checked chunk by chunk).
+                # Into a new kernel, lazily: all but the kernel's memory first; the kernel
+                # runs while its pages come (each chunk checked). Not in place: there a
+                # damaged chunk must fail the restore before the running kernel is touched.
                 lazily = (
                     self.lazy_restore
+                    and kernel_id is None
                     and snapshot_id not in self.pending
                     and worth_lazy(manifest.gpu)
                 )
@@ -867,6 +869,19 @@ class SnapshotManager:
                     await asyncio.sleep(0.2)
             finally:
                 await then(outcome)
+            if outcome.get("state") == "failed":  # after the job said "done": say it now
+                error = outcome.get("error") or {}
+                log.warning("lazy restore of kernel %s failed: %s", kernel_id, error)
+                self.emit(
+                    "failed",
+                    {
+                        "kind": "restore",
+                        "kernel_id": kernel_id,
+                        "phase": "transferring",
+                        "message": error.get("message", "the kernel's memory did not arrive"),
+                        "hint": error.get("hint", ""),
+                    },
+                )
 
         task = asyncio.ensure_future(wait())
         self._tasks.add(task)

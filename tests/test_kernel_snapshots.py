@@ -581,9 +581,9 @@ def test_a_killed_process_counts_as_dying_until_it_is_reaped() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert not proctree.dying(child.pid)
-        os.kill(child.pid, signal.SIGKILL)
-        wait_until(lambda: proctree.dying(child.pid), what="the child to be a zombie")
-        assert not proctree.is_alive(child.pid)
+        os.kill(child.pid, signal.SIGKILL)  # dying from now on: SIGKILL pending, then a zombie
+        wait_until(lambda: not proctree.is_alive(child.pid), what="the child to be a zombie")
+        assert proctree.dying(child.pid)
     finally:
         child.kill()
         child.wait()
