@@ -15,6 +15,7 @@ from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.serverapp import ServerApp
 from traitlets import Bool, Float, Int, Unicode, default
 
+from .core import proctree
 from .core.chunking import ChunkParams
 from .core.lazypages import ENV_LAZY_RESTORE
 from .core.store import LocalStore, S3Store, SnapshotStore
@@ -112,9 +113,11 @@ class SnapshotExtensionApp(ExtensionApp):
         help="""Restore kernels with CRIU's lazy pages: the kernel runs as soon as CRIU has
         rebuilt its processes, each page of memory it touches is served on demand and the
         rest streams in behind it, so the first cell answers within about a second at
-        any size. A page that cannot be read stops the restore and puts the previous
-        kernel back. Used where 'jupyter snapshot doctor' says "lazy restore" is
-        supported (root), never for kernels with GPU state. Default: True.""",
+        any size. A restore into a new kernel reads the memory straight from the store
+        (every chunk checked); a restore in place downloads and checks it first. A page
+        that cannot be read stops the restored kernel (in place: the previous kernel is
+        put back). Used where 'jupyter snapshot doctor' says "lazy restore" is supported
+        (root), never for kernels with GPU state. Default: True.""",
     )
     periodic_interval = Float(
         0.0,
@@ -292,9 +295,22 @@ class SnapshotExtensionApp(ExtensionApp):
             except Exception:
                 self.log.exception("snapshot policy tick failed")
 
+    def _adopt_orphans(self) -> None:
+        """Without root, a restored kernel keeps its process ids: one a killed kernel
+        still holds as a zombie (its wrapper gone, the zombie waiting for PID 1) blocks
+        the restore of its snapshot. This server adopts such orphans and reaps them as
+        they end."""
+        if os.geteuid() == 0 or not proctree.become_subreaper():
+            return
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGCHLD, proctree.reap_adopted)
+        proctree.reap_adopted()
+
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         """Called by jupyter_server once its event loop runs: start the policies, and the
         uploads of snapshots a previous run of this server could not store."""
+        self._adopt_orphans()
         recovered = self.manager.recover_staged()
         if recovered:
             self.log.info("uploading %d snapshot(s) kept locally: %s", len(recovered), recovered)

@@ -588,3 +588,34 @@ def test_a_killed_process_counts_as_dying_until_it_is_reaped() -> None:
         child.kill()
         child.wait()
     assert not proctree.dying(child.pid)
+
+
+ADOPTER = """
+import os, subprocess, sys, time
+from jupyter_ext.core import proctree
+assert proctree.become_subreaper()
+own = subprocess.Popen([sys.executable, "-c", "pass"])  # ours: left to its Popen
+# A "wrapper" in its own session starts a "kernel", then dies: the kernel is adopted.
+wrapper = subprocess.Popen(
+    [sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen([sys.executable, "
+     "'-c', 'import time; time.sleep(0.5)']); print(p.pid, flush=True)"],
+    stdout=subprocess.PIPE, start_new_session=True, text=True,
+)
+orphan = int(wrapper.stdout.readline())
+wrapper.wait()
+deadline = time.monotonic() + 30
+reaped = []
+while orphan not in reaped and time.monotonic() < deadline:
+    time.sleep(0.05)
+    reaped += proctree.reap_adopted()
+print(orphan in reaped, os.path.exists(f"/proc/{orphan}"), own.pid not in reaped, own.wait())
+"""
+
+
+def test_a_subreaper_reaps_adopted_kernels_not_its_own_children() -> None:
+    """Without root the server adopts the kernels of killed wrappers and reaps them, so
+    their process ids are free for a restore; its own children stay for their Popen."""
+    out = subprocess.run(
+        [sys.executable, "-c", ADOPTER], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split() == ["True", "False", "True", "0"], out

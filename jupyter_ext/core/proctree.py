@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 
 
 def die_with_parent() -> None:
@@ -17,6 +18,34 @@ def die_with_parent() -> None:
     that no helper (the inner kernel's launcher, a CRIU run) outlives a killed wrapper."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def become_subreaper() -> bool:
+    """Adopt this process's orphaned descendants (prctl PR_SET_CHILD_SUBREAPER), so that
+    :func:`reap_adopted` can free their process ids at once instead of waiting for PID 1
+    (in a container, PID 1 may never reap them)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+
+
+def reap_adopted() -> list[int]:
+    """Reap the zombies this (subreaper) process adopted: children in a session that is
+    neither ours nor their own. The processes it started itself (in its session, or
+    session leaders such as kernels and terminals) are left to whoever waits for them."""
+    me = os.getpid()
+    own_session = os.getsid(0)
+    reaped = []
+    for pid in children(me):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, session = fields[0], int(fields[3])
+        if state == "Z" and session not in (own_session, pid):
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    reaped.append(pid)
+    return reaped
 
 
 def children(pid: int) -> list[int]:
