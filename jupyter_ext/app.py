@@ -256,6 +256,9 @@ class SnapshotExtensionApp(ExtensionApp):
         self.manager.max_bytes = self.max_store_bytes
         self.manager.image_cache.max_bytes = self.image_cache_max_bytes
         self.manager.lazy_restore = self.lazy_restore
+        # Without root a restored kernel keeps its process ids: this server adopts the
+        # kernels of killed wrappers, so that it can free their ids at once (see manager).
+        self.manager.reaps_orphans = os.geteuid() != 0 and proctree.become_subreaper()
         # Kernel wrappers are started by the kernel manager with this process's environment.
         os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"
         self._policy_task: asyncio.Task[None] | None = None
@@ -295,22 +298,9 @@ class SnapshotExtensionApp(ExtensionApp):
             except Exception:
                 self.log.exception("snapshot policy tick failed")
 
-    def _adopt_orphans(self) -> None:
-        """Without root, a restored kernel keeps its process ids: one a killed kernel
-        still holds as a zombie (its wrapper gone, the zombie waiting for PID 1) blocks
-        the restore of its snapshot. This server adopts such orphans and reaps them as
-        they end."""
-        if os.geteuid() == 0 or not proctree.become_subreaper():
-            return
-        loop = asyncio.get_running_loop()
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(signal.SIGCHLD, proctree.reap_adopted)
-        proctree.reap_adopted()
-
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         """Called by jupyter_server once its event loop runs: start the policies, and the
         uploads of snapshots a previous run of this server could not store."""
-        self._adopt_orphans()
         recovered = self.manager.recover_staged()
         if recovered:
             self.log.info("uploading %d snapshot(s) kept locally: %s", len(recovered), recovered)

@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -21,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .core import proctree
 from .core.compat import check_compatible
 from .core.errors import (
     KernelNotRunningError,
@@ -235,6 +237,9 @@ class SnapshotManager:
         self.lazy_restore = True
         #: Stored snapshots whose pages lazily restored kernels still read.
         self.lent: set[LentPages] = set()
+        #: This process is a child subreaper that reaps the kernels it adopts (non-root).
+        self.reaps_orphans = False
+        self._reaping_on: asyncio.AbstractEventLoop | None = None
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         #: The newest snapshot of each kernel, unpacked (budget: the app's trait).
@@ -965,10 +970,24 @@ class SnapshotManager:
         finally:
             lock.release()
 
+    def _reap_orphans(self) -> None:
+        """Free the process ids that killed kernels still hold as zombies (adopted by this
+        server: see app), now and, from now on, as each ends (SIGCHLD). Without root a
+        restored kernel needs its old ids; PID 1 may take long to reap them, or never."""
+        if not self.reaps_orphans:
+            return
+        loop = asyncio.get_running_loop()
+        if self._reaping_on is not loop:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(signal.SIGCHLD, proctree.reap_adopted)
+                self._reaping_on = loop
+        proctree.reap_adopted()
+
     async def _start_restored_kernel(
         self, manifest: Manifest, directory: Path, pages_from: str | None = None
     ) -> str:
         """Start a new kernel whose wrapper restores ``directory`` instead of starting fresh."""
+        self._reap_orphans()
         request = self.work_dir / f"restore-{secrets.token_hex(8)}.json"
         RestoreRequest(directory, verified=True, pages_from=pages_from).write(request)
         notebook_dir = None

@@ -574,22 +574,6 @@ def is_sleep(pid: int) -> bool:
         return False
 
 
-def test_a_killed_process_counts_as_dying_until_it_is_reaped() -> None:
-    """Without a PID namespace a restore waits for the snapshot's process ids that a
-    killed kernel still holds (criu.pid_being_freed): a process with SIGKILL pending or a
-    zombie is dying; a live one, or one gone, is not."""
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        assert not proctree.dying(child.pid)
-        os.kill(child.pid, signal.SIGKILL)  # dying from now on: SIGKILL pending, then a zombie
-        wait_until(lambda: not proctree.is_alive(child.pid), what="the child to be a zombie")
-        assert proctree.dying(child.pid)
-    finally:
-        child.kill()
-        child.wait()
-    assert not proctree.dying(child.pid)
-
-
 ADOPTER = """
 import os, subprocess, sys, time
 from jupyter_ext.core import proctree

@@ -275,8 +275,8 @@ class Criu:
             args += ["--inherit-fd", f"fd[{fd}]:{resource}"]
         rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
         deadline = time.monotonic() + PID_FREE_WAIT_SECONDS
-        while rc != 0 and time.monotonic() < deadline and pid_being_freed(work_dir):
-            await asyncio.sleep(0.05)
+        while rc != 0 and time.monotonic() < deadline and pid_taken(work_dir):
+            await asyncio.sleep(0.1)
             rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
         if rc != 0:
             excerpt = log_excerpt(work_dir / "restore.log", output)
@@ -411,25 +411,23 @@ class LazyTransfer:
 
 
 #: How long a restore without a PID namespace waits for a process id of the snapshot that
-#: a killed process still holds (SIGKILL pending, or a zombie not reaped yet).
+#: another process holds: a killed one (SIGKILL pending, or a zombie not reaped yet), or
+#: the kernel of a killed wrapper, which notices within about a second and exits.
 PID_FREE_WAIT_SECONDS = 5.0
 _PID_TAKEN = re.compile(r"Can't fork for (\d+): File exists")
 
 
-def pid_being_freed(work_dir: Path) -> bool:
-    """Whether a failed restore only lacked a process id that is on its way to be free.
+def pid_taken(work_dir: Path) -> bool:
+    """Whether a failed restore only lacked a process id that another process holds.
 
     Without root the kernel keeps its PIDs (docs/nonroot.md); the kernel that was killed
-    for a restore in place, and its children, may still be zombies for a moment.
+    for a restore in place, or whose wrapper was killed, may hold them for a moment.
     """
     try:
         text = (work_dir / "restore.log").read_text(errors="replace")
     except OSError:
         return False
-    match = _PID_TAKEN.search(text)
-    return match is not None and (
-        not proctree.is_alive(int(match[1])) or proctree.dying(int(match[1]))
-    )
+    return _PID_TAKEN.search(text) is not None
 
 
 #: What CRIU's parasite creates, and mounts a private /proc on, in the working directory of

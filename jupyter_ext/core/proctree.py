@@ -82,29 +82,6 @@ def is_alive(pid: int) -> bool:
     return text.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-#: task flags (include/linux/sched.h): the process is in do_exit.
-PF_EXITING = 0x4
-
-
-def dying(pid: int) -> bool:
-    """True while ``pid`` is on its way to be gone: exiting, with a SIGKILL pending, or a
-    zombie not reaped yet (a kernel whose wrapper was killed gets SIGKILL through
-    PR_SET_PDEATHSIG)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    if fields[0] in ("Z", "X") or int(fields[6]) & PF_EXITING:
-        return True
-    kill_bit = 1 << (signal.SIGKILL - 1)
-    for line in status.splitlines():
-        key, _, value = line.partition(":")
-        if key in ("SigPnd", "ShdPnd") and int(value.strip(), 16) & kill_bit:
-            return True
-    return False
-
-
 def needed_files(pids: list[int]) -> list[dict[str, object]]:
     """Regular files a restore of these processes needs at the same path and size.
 
