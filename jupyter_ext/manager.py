@@ -240,6 +240,9 @@ class SnapshotManager:
         #: This process is a child subreaper that reaps the kernels it adopts (non-root).
         self.reaps_orphans = False
         self._reaping_on: asyncio.AbstractEventLoop | None = None
+        self._kernel_pids: dict[int, str] = {}
+        """Kernel processes seen (non-root), with their start times: reaped once their
+        wrapper is gone."""
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         #: The newest snapshot of each kernel, unpacked (budget: the app's trait).
@@ -267,7 +270,10 @@ class SnapshotManager:
 
     def wrapper(self, kernel_id: str) -> WrapperClient:
         km = self._kernel(kernel_id)
-        return WrapperClient(WrapperInfo.for_connection_file(Path(km.connection_file)).control)
+        info = WrapperInfo.for_connection_file(Path(km.connection_file))
+        if self.reaps_orphans and info.inner_pid:
+            self._kernel_pids.setdefault(info.inner_pid, proctree.start_time(info.inner_pid))
+        return WrapperClient(info.control)
 
     async def notebook_path(self, kernel_id: str) -> str | None:
         with contextlib.suppress(Exception):
@@ -979,9 +985,18 @@ class SnapshotManager:
         loop = asyncio.get_running_loop()
         if self._reaping_on is not loop:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(signal.SIGCHLD, proctree.reap_adopted)
+                loop.add_signal_handler(signal.SIGCHLD, self._reap_now)
                 self._reaping_on = loop
-        proctree.reap_adopted()
+        self._reap_now()
+
+    def _reap_now(self) -> None:
+        self._kernel_pids = {  # still those processes (a pid may be reused)
+            pid: start
+            for pid, start in self._kernel_pids.items()
+            if start and proctree.start_time(pid) == start
+        }
+        for pid in proctree.reap_adopted(self._kernel_pids):
+            self._kernel_pids.pop(pid, None)
 
     async def _start_restored_kernel(
         self, manifest: Manifest, directory: Path, pages_from: str | None = None

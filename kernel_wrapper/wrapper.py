@@ -343,7 +343,8 @@ class KernelWrapper:
         self._dir_fd = self._make_runtime_dir()
         self.sequence = 0
         self.parent_snapshot: str | None = None
-        self.inner_pid: int | None = None
+        self._announced = False
+        self._inner_pid: int | None = None
         self.launcher: subprocess.Popen[bytes] | None = None
         self.kernel_info: dict[str, Any] = {}
         self.execution_state = "starting"
@@ -404,7 +405,8 @@ class KernelWrapper:
         loop.add_signal_handler(signal.SIGTERM, self._terminate)
         server = await asyncio.start_unix_server(self._handle_control, path=str(self._control_path))
         os.chmod(self._control_path, 0o600)
-        WrapperInfo(self._control_path, os.getpid()).write(self.connection_file)
+        self._announced = True
+        self._announce()
         self._subscription_task = asyncio.create_task(self._forward_subscriptions())
         self._watch_parent()
         try:
@@ -1236,6 +1238,21 @@ class KernelWrapper:
             "resumed_request": self.resumed_request,
             "lazy_restore": self.lazy_status,
         }
+
+    @property
+    def inner_pid(self) -> int | None:
+        """The kernel process (the namespace's launcher with root), None while none runs."""
+        return self._inner_pid
+
+    @inner_pid.setter
+    def inner_pid(self, pid: int | None) -> None:
+        self._inner_pid = pid
+        if self._announced:
+            self._announce()
+
+    def _announce(self) -> None:
+        """Where the server finds this wrapper, and its kernel's process."""
+        WrapperInfo(self._control_path, os.getpid(), self.inner_pid).write(self.connection_file)
 
     def _criu_binary(self) -> Criu:
         if self._criu is None:

@@ -579,20 +579,24 @@ import os, subprocess, sys, time
 from jupyter_ext.core import proctree
 assert proctree.become_subreaper()
 own = subprocess.Popen([sys.executable, "-c", "pass"])  # ours: left to its Popen
-# A "wrapper" in its own session starts a "kernel", then dies: the kernel is adopted.
+# A "wrapper" in its own session starts a "kernel" leading its own session too (as
+# kernel_wrapper.inner does), then dies: the kernel is adopted.
 wrapper = subprocess.Popen(
     [sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen([sys.executable, "
-     "'-c', 'import time; time.sleep(0.5)']); print(p.pid, flush=True)"],
+     "'-c', 'import time; time.sleep(0.5)'], start_new_session=True); print(p.pid, flush=True)"],
     stdout=subprocess.PIPE, start_new_session=True, text=True,
 )
+# A session leader it did not name as a kernel (a terminal, say) is left alone.
+leader = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
 orphan = int(wrapper.stdout.readline())
 wrapper.wait()
 deadline = time.monotonic() + 30
 reaped = []
 while orphan not in reaped and time.monotonic() < deadline:
     time.sleep(0.05)
-    reaped += proctree.reap_adopted()
-print(orphan in reaped, os.path.exists(f"/proc/{orphan}"), own.pid not in reaped, own.wait())
+    reaped += proctree.reap_adopted(kernels=[orphan])
+print(orphan in reaped, os.path.exists(f"/proc/{orphan}"), own.pid not in reaped,
+      leader.pid not in reaped, own.wait(), leader.wait())
 """
 
 
@@ -602,4 +606,4 @@ def test_a_subreaper_reaps_adopted_kernels_not_its_own_children() -> None:
     out = subprocess.run(
         [sys.executable, "-c", ADOPTER], capture_output=True, text=True, timeout=60, check=True
     )
-    assert out.stdout.split() == ["True", "False", "True", "0"], out
+    assert out.stdout.split() == ["True", "False", "True", "True", "0", "0"], out

@@ -7,6 +7,7 @@ import ctypes
 import os
 import signal
 import stat
+from collections.abc import Collection
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -28,10 +29,21 @@ def become_subreaper() -> bool:
     return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
 
 
-def reap_adopted() -> list[int]:
-    """Reap the zombies this (subreaper) process adopted: children in a session that is
-    neither ours nor their own. The processes it started itself (in its session, or
-    session leaders such as kernels and terminals) are left to whoever waits for them."""
+def start_time(pid: int) -> str:
+    """When ``pid`` started (clock ticks since boot), "" if there is no such process: with
+    the pid, it names one process (a pid is reused, its start time is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def reap_adopted(kernels: Collection[int] = ()) -> list[int]:
+    """Reap the zombies this (subreaper) process adopted: ``kernels`` (processes it knows
+    were kernels, which lead their own sessions), and children in a session that is
+    neither ours nor their own (what those kernels started). What it started itself (in
+    its session, or session leaders such as kernel wrappers and terminals) is left to
+    whoever waits for it."""
     me = os.getpid()
     own_session = os.getsid(0)
     reaped = []
@@ -41,7 +53,8 @@ def reap_adopted() -> list[int]:
         except OSError:
             continue
         state, session = fields[0], int(fields[3])
-        if state == "Z" and session not in (own_session, pid):
+        adopted = pid in kernels or session not in (own_session, pid)
+        if state == "Z" and adopted:
             with contextlib.suppress(ChildProcessError):
                 if os.waitpid(pid, os.WNOHANG)[0] == pid:
                     reaped.append(pid)

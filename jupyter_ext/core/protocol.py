@@ -46,13 +46,17 @@ def info_path(connection_file: Path) -> Path:
 class WrapperInfo:
     control: Path
     pid: int
+    inner_pid: int | None = None
+    """The kernel process (rewritten as it changes): the server reaps it once it is
+    orphaned (without root, see SnapshotManager)."""
 
     @classmethod
     def for_connection_file(cls, connection_file: Path) -> WrapperInfo:
         path = info_path(connection_file)
         try:
             data = json.loads(path.read_text())
-            return cls(Path(data["control"]), int(data["pid"]))
+            inner = data.get("inner_pid")
+            return cls(Path(data["control"]), int(data["pid"]), int(inner) if inner else None)
         except (OSError, ValueError, KeyError) as exc:
             raise WrapperUnavailableError(
                 f"The kernel with connection file {connection_file} is not a snapshot kernel "
@@ -63,7 +67,9 @@ class WrapperInfo:
     def write(self, connection_file: Path) -> None:
         path = info_path(connection_file)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"control": str(self.control), "pid": self.pid}))
+        tmp.write_text(
+            json.dumps({"control": str(self.control), "pid": self.pid, "inner_pid": self.inner_pid})
+        )
         os.replace(tmp, path)
 
 

@@ -58,7 +58,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, NamedTuple, NoReturn, Protocol, TypeVar
 
 from . import manifest as manifest_mod
-from . import packs
+from . import packs, proctree
 from .chunking import ChunkParams, auto_chunk_kib, iter_chunks
 from .errors import SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
 from .humanize import human_bytes
@@ -1709,12 +1709,7 @@ def _process_identity(pid: int | None = None) -> dict[str, Any]:
     """Host, pid and start time of a process (this one by default): a pid reused by a
     later process has another start time. Empty start for a process that is gone."""
     pid = os.getpid() if pid is None else pid
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        start = stat.rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        start = ""
-    return {"host": socket.gethostname(), "pid": pid, "start": start}
+    return {"host": socket.gethostname(), "pid": pid, "start": proctree.start_time(pid)}
 
 
 def _corrupt(snapshot_id: str, what: str) -> SnapshotCorruptError:
