@@ -33,18 +33,28 @@ def manager_of(jp_serverapp: Any) -> SnapshotManager:
     return manager
 
 
-def damage_chunk(manager: SnapshotManager, snapshot_id: str, path: str) -> None:
-    """Flip a byte of the stored middle chunk of a snapshot's file ``path`` (local store)."""
+def damage_chunk(manager: SnapshotManager, snapshot_id: str, prefix: str) -> str:
+    """Flip a byte of the stored middle chunk of a snapshot's largest file whose path
+    starts with ``prefix`` (local store); returns that path. (Image names hold process
+    ids, which differ without root: ``core-1.img`` in a PID namespace.)"""
     store = manager.store
     assert isinstance(store, LocalStore)
     record = store._load(snapshot_id)
     assert record is not None
+    path = max(
+        (p for p in record.chunks if p.startswith(prefix)),
+        key=lambda p: sum(ref.size for ref in record.chunks[p]),
+    )
     refs = record.chunks[path]
     where = refs[len(refs) // 2].where
     pack = store.root / where.obj
+    mode = pack.stat().st_mode
+    pack.chmod(mode | 0o200)  # packs are read-only; root would not notice
     data = bytearray(pack.read_bytes())
     data[where.offset + where.length // 2] ^= 0xFF
     pack.write_bytes(bytes(data))
+    pack.chmod(mode)
+    return path
 
 
 def server_config(tmp_path: Path, **extension: Any) -> dict[str, Any]:

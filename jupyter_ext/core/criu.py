@@ -275,8 +275,8 @@ class Criu:
             args += ["--inherit-fd", f"fd[{fd}]:{resource}"]
         rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
         deadline = time.monotonic() + PID_FREE_WAIT_SECONDS
-        while rc != 0 and time.monotonic() < deadline and pid_taken(work_dir):
-            await asyncio.sleep(0.1)
+        while rc != 0 and time.monotonic() < deadline and pid_being_freed(work_dir):
+            await asyncio.sleep(0.05)
             rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
         if rc != 0:
             excerpt = log_excerpt(work_dir / "restore.log", output)
@@ -417,17 +417,24 @@ PID_FREE_WAIT_SECONDS = 5.0
 _PID_TAKEN = re.compile(r"Can't fork for (\d+): File exists")
 
 
-def pid_taken(work_dir: Path) -> bool:
-    """Whether a failed restore only lacked a process id that another process holds.
+def pid_being_freed(work_dir: Path) -> bool:
+    """Whether a failed restore only lacked a process id that is on its way to be free.
 
-    Without root the kernel keeps its PIDs (docs/nonroot.md); the kernel that was killed
-    for a restore in place, or whose wrapper was killed, may hold them for a moment.
+    Without root the kernel keeps its PIDs (docs/nonroot.md). The kernel that was ended
+    for a restore in place may still be a zombie for a moment; the kernel of a wrapper
+    that was killed is an orphan (its parent PID 1, or this wrapper's parent, the server,
+    which adopts orphans), which notices within about a second and exits. A kernel with
+    a live wrapper is another copy of the snapshot: no use waiting.
     """
     try:
         text = (work_dir / "restore.log").read_text(errors="replace")
     except OSError:
         return False
-    return _PID_TAKEN.search(text) is not None
+    match = _PID_TAKEN.search(text)
+    if match is None:
+        return False
+    pid = int(match[1])
+    return not proctree.is_alive(pid) or proctree.parent(pid) in (1, os.getppid())
 
 
 #: What CRIU's parasite creates, and mounts a private /proc on, in the working directory of

@@ -29,6 +29,14 @@ def become_subreaper() -> bool:
     return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
 
 
+def parent(pid: int) -> int | None:
+    """The parent of ``pid`` (None if there is no such process)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def start_time(pid: int) -> str:
     """When ``pid`` started (clock ticks since boot), "" if there is no such process: with
     the pid, it names one process (a pid is reused, its start time is not)."""
