@@ -86,7 +86,13 @@ from jupyter_ext.core.manifest import (
     utc_now,
     verify,
 )
-from jupyter_ext.core.protocol import DEFAULT_RUNTIME_ROOT, RestoreRequest, WrapperInfo, info_path
+from jupyter_ext.core.protocol import (
+    DEFAULT_RUNTIME_ROOT,
+    RestoreRequest,
+    WrapperInfo,
+    info_path,
+    socket_path,
+)
 from kernel_snapshots import write_restore_info
 
 from .agent import AGENT_PORT
@@ -403,7 +409,8 @@ class KernelWrapper:
         loop.add_reader(self._stdio_r, self._forward_stdio)
         loop.add_signal_handler(signal.SIGINT, self._interrupt)
         loop.add_signal_handler(signal.SIGTERM, self._terminate)
-        server = await asyncio.start_unix_server(self._handle_control, path=str(self._control_path))
+        with socket_path(self._control_path) as address:
+            server = await asyncio.start_unix_server(self._handle_control, path=address)
         os.chmod(self._control_path, 0o600)
         self._announced = True
         self._announce()

@@ -11,9 +11,10 @@ to ``snapshot-wrapper-<connection file name>`` next to the kernel's connection f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,21 @@ ProgressCallback = Callable[[dict[str, Any]], None]
 #: :class:`RestoreRequest` file. The wrapper deletes it, so a later restart of the same
 #: kernel (same environment) starts fresh, as a restart should.
 RESTORE_REQUEST_ENV = "JUPYTER_SNAPSHOT_RESTORE_REQUEST"
+
+
+@contextlib.contextmanager
+def socket_path(path: Path) -> Iterator[str]:
+    """``path`` as a unix socket address can hold it (108 bytes): a long one is reached
+    through an fd of its folder, ``/proc/self/fd/N/NAME`` (runtime directories under a
+    deep temporary folder are longer)."""
+    if len(os.fsencode(path)) < 100:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
 
 
 def info_path(connection_file: Path) -> Path:
@@ -154,7 +170,8 @@ class WrapperClient:
     ) -> Any:
         """Send one request; call ``on_progress`` for each progress event; return the result."""
         try:
-            reader, writer = await asyncio.open_unix_connection(str(self.control), limit=1 << 24)
+            with socket_path(self.control) as address:
+                reader, writer = await asyncio.open_unix_connection(address, limit=1 << 24)
         except OSError as exc:
             raise WrapperUnavailableError(
                 f"The kernel wrapper's control socket {self.control} does not answer ({exc}).",
