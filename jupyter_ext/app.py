@@ -15,7 +15,6 @@ from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.serverapp import ServerApp
 from traitlets import Bool, Float, Int, Unicode, default
 
-from .core import proctree
 from .core.chunking import ChunkParams
 from .core.lazypages import ENV_LAZY_RESTORE
 from .core.store import LocalStore, S3Store, SnapshotStore
@@ -256,9 +255,6 @@ class SnapshotExtensionApp(ExtensionApp):
         self.manager.max_bytes = self.max_store_bytes
         self.manager.image_cache.max_bytes = self.image_cache_max_bytes
         self.manager.lazy_restore = self.lazy_restore
-        # Without root a restored kernel keeps its process ids: this server adopts the
-        # kernels of killed wrappers, so that it can free their ids at once (see manager).
-        self.manager.reaps_orphans = os.geteuid() != 0 and proctree.become_subreaper()
         # Kernel wrappers are started by the kernel manager with this process's environment.
         os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"
         self._policy_task: asyncio.Task[None] | None = None
@@ -301,6 +297,7 @@ class SnapshotExtensionApp(ExtensionApp):
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         """Called by jupyter_server once its event loop runs: start the policies, and the
         uploads of snapshots a previous run of this server could not store."""
+        self.manager.start_reaping()  # without root: see SnapshotManager.start_reaping
         recovered = self.manager.recover_staged()
         if recovered:
             self.log.info("uploading %d snapshot(s) kept locally: %s", len(recovered), recovered)
@@ -335,3 +332,4 @@ class SnapshotExtensionApp(ExtensionApp):
             if jobs:
                 self.log.info("snapshots before shutdown: %s", [j.status for j in jobs])
         self.manager.store.close()
+        self.manager.stop_reaping()

@@ -237,8 +237,8 @@ class SnapshotManager:
         self.lazy_restore = True
         #: Stored snapshots whose pages lazily restored kernels still read.
         self.lent: set[LentPages] = set()
-        #: This process is a child subreaper that reaps the kernels it adopts (non-root).
-        self.reaps_orphans = False
+        #: Adopt and reap orphaned kernels (non-root; see :meth:`start_reaping`).
+        self.reaps_orphans = os.geteuid() != 0
         self._reaping_on: asyncio.AbstractEventLoop | None = None
         self._kernel_pids: dict[int, str] = {}
         """Kernel processes seen (non-root), with their start times: reaped once their
@@ -976,17 +976,31 @@ class SnapshotManager:
         finally:
             lock.release()
 
-    def _reap_orphans(self) -> None:
-        """Free the process ids that killed kernels still hold as zombies (adopted by this
-        server: see app), now and, from now on, as each ends (SIGCHLD). Without root a
-        restored kernel needs its old ids; PID 1 may take long to reap them, or never."""
+    def start_reaping(self) -> None:
+        """Without root a restored kernel needs the process ids it had. A kernel whose
+        wrapper was killed ends within a second, but its zombie keeps its id until its
+        new parent reaps it: PID 1 may take long (or, in a container, never). So this
+        server adopts orphans (a child subreaper) and reaps them as they end (SIGCHLD),
+        from now until :meth:`stop_reaping`. Called when the server starts, and before a
+        restore into a new kernel."""
         if not self.reaps_orphans:
             return
         loop = asyncio.get_running_loop()
         if self._reaping_on is not loop:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(signal.SIGCHLD, self._reap_now)
-                self._reaping_on = loop
+                if proctree.set_subreaper(True):
+                    loop.add_signal_handler(signal.SIGCHLD, self._reap_now)
+                    self._reaping_on = loop
+        self._reap_now()
+
+    def stop_reaping(self) -> None:
+        """Orphans go to PID 1 again (nothing here would reap them once the loop ends)."""
+        loop, self._reaping_on = self._reaping_on, None
+        if loop is None:
+            return
+        proctree.set_subreaper(False)
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(signal.SIGCHLD)
         self._reap_now()
 
     def _reap_now(self) -> None:
@@ -1002,7 +1016,7 @@ class SnapshotManager:
         self, manifest: Manifest, directory: Path, pages_from: str | None = None
     ) -> str:
         """Start a new kernel whose wrapper restores ``directory`` instead of starting fresh."""
-        self._reap_orphans()
+        self.start_reaping()
         request = self.work_dir / f"restore-{secrets.token_hex(8)}.json"
         RestoreRequest(directory, verified=True, pages_from=pages_from).write(request)
         notebook_dir = None

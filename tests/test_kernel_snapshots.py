@@ -577,7 +577,7 @@ def is_sleep(pid: int) -> bool:
 ADOPTER = """
 import os, subprocess, sys, time
 from jupyter_ext.core import proctree
-assert proctree.become_subreaper()
+assert proctree.set_subreaper(True)
 own = subprocess.Popen([sys.executable, "-c", "pass"])  # ours: left to its Popen
 # A "wrapper" in its own session starts a "kernel" leading its own session too (as
 # kernel_wrapper.inner does), then dies: the kernel is adopted.

@@ -21,12 +21,12 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def become_subreaper() -> bool:
-    """Adopt this process's orphaned descendants (prctl PR_SET_CHILD_SUBREAPER), so that
-    :func:`reap_adopted` can free their process ids at once instead of waiting for PID 1
-    (in a container, PID 1 may never reap them)."""
+def set_subreaper(on: bool) -> bool:
+    """Adopt this process's orphaned descendants, or stop (prctl PR_SET_CHILD_SUBREAPER),
+    so that :func:`reap_adopted` can free their process ids at once instead of waiting
+    for PID 1 (in a container, PID 1 may never reap them)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0)
 
 
 def parent(pid: int) -> int | None:
