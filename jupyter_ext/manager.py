@@ -232,9 +232,10 @@ class SnapshotManager:
         self.periodic_opt_out: set[str] = set()
         #: Ask GPU kernels to release framework caches before a checkpoint (app trait).
         self.release_gpu_caches = True
-        #: Restores from the store download all but the kernel's memory, which the
-        #: restored kernel then reads as it runs (app trait lazy_restore).
+        #: Restores lazily (app trait lazy_restore).
         self.lazy_restore = True
+        #: ... into a new kernel, straight from the store (app trait lazy_restore_from_store).
+        self.lazy_from_store = False
         #: Stored snapshots whose pages lazily restored kernels still read.
         self.lent: set[LentPages] = set()
         #: Adopt and reap orphaned kernels (non-root; see :meth:`start_reaping`).
@@ -788,6 +789,7 @@ class SnapshotManager:
                 # damaged chunk must fail the restore before the running kernel is touched.
                 lazily = (
                     self.lazy_restore
+                    and self.lazy_from_store
                     and kernel_id is None
                     and snapshot_id not in self.pending
                     and worth_lazy(manifest.gpu)

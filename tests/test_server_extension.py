@@ -204,6 +204,7 @@ async def test_damaged_memory_stops_a_lazily_restored_kernel(
 
     jp_serverapp.event_logger.add_listener(schema_id=EVENT_SCHEMA_ID, listener=listener)
     manager = manager_of(jp_serverapp)
+    manager.lazy_from_store = True
     kernel = await start_kernel()
     # Random floats: every chunk of the array is its own (none shared with a stack page
     # that criu restore reads before the kernel runs).
@@ -248,6 +249,7 @@ async def test_a_snapshot_a_kernel_still_reads_is_deleted_once_its_pages_are_in(
     """A kernel restored lazily from the store reads its memory from the snapshot as it
     runs: deleting the snapshot meanwhile (or retention) must not take it away."""
     manager = manager_of(jp_serverapp)
+    manager.lazy_from_store = True
     kernel = await start_kernel()
     await kernel.run("import numpy as np; a = np.full(8 << 20, 3.0)")
     job = await wait_job(
