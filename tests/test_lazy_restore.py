@@ -40,6 +40,7 @@ from jupyter_ext.core.manifest import IMAGES_DIR, verify
 from jupyter_ext.core.store import LocalStore
 
 from .harness import KernelProcess, wait_until
+from .tmpfs import small_disk
 
 Factory = Callable[..., KernelProcess]
 
@@ -152,6 +153,33 @@ def test_pages_from_elsewhere_complete_the_local_images(
         assert filecmp.cmp(original, local / IMAGES_DIR / original.name, shallow=False)
     verify(local)
     only_the_kernel_left(kernel)
+
+
+def test_a_disk_too_full_for_the_pages_gives_up_the_local_copy_not_the_kernel(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """The local images sit on a disk with room for all but the kernel's memory: the
+    kernel still gets every page from its source; only the local copy stays incomplete,
+    and the status says why (so the server does not cache it)."""
+    kernel = kernel_factory()
+    kernel.execute(STATE)
+    kernel.snapshot(tmp_path / "snap")
+    with small_disk(tmp_path / "small", "16m") as disk:
+        local = disk / "local"
+        shutil.copytree(tmp_path / "snap", local, ignore=shutil.ignore_patterns("pages-*.img"))
+        kernel.execute("lazy_a[:] = 0")
+        restore(
+            kernel,
+            local,
+            verified=True,
+            pages_from=str(tmp_path / "snap" / IMAGES_DIR),
+            save_to=str(tmp_path / "saved"),  # the kernel it replaces: on the big disk
+        )
+        assert kernel.execute(CHECK).strip() == "True 67108864"
+        done = settled(kernel)
+        assert done["state"] == "complete", done
+        assert "No space left" in done["local_copy_error"], done
+        only_the_kernel_left(kernel)
 
 
 def test_restore_straight_from_the_store(kernel_factory: Factory, tmp_path: Path) -> None:

@@ -209,10 +209,7 @@ async def test_damaged_memory_stops_a_lazily_restored_kernel(
     # Random floats: every chunk of the array is its own (none shared with a stack page
     # that criu restore reads before the kernel runs).
     await kernel.run("import numpy as np; a = np.random.default_rng(1).random(16 << 20); x = 1")
-    job = await wait_job(
-        jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
-    )
-    snapshot_id = job["result"]["id"]
+    snapshot_id = (await snapshot(jp_fetch, kernel.id))["result"]["id"]
     damaged = damage_chunk(manager, snapshot_id, "images/pages-")
     with slow_pages(manager):  # the damage is read after the job said the kernel runs
         restore = await call(jp_fetch, "POST", snapshot_id, "restore")
@@ -252,10 +249,7 @@ async def test_a_snapshot_a_kernel_still_reads_is_deleted_once_its_pages_are_in(
     manager.lazy_from_store = True
     kernel = await start_kernel()
     await kernel.run("import numpy as np; a = np.full(8 << 20, 3.0)")
-    job = await wait_job(
-        jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"]
-    )
-    snapshot_id = job["result"]["id"]
+    snapshot_id = (await snapshot(jp_fetch, kernel.id))["result"]["id"]
     store = manager.store
     with slow_pages(manager):
         restore = await call(jp_fetch, "POST", snapshot_id, "restore")
