@@ -821,8 +821,8 @@ class SnapshotManager:
                         directory, temporary = lease.path, False
             self._progress(job, "restoring")
             pages_from = lent.address if lent is not None else None
-            if kernel_id is not None:
-                await self._restore_in_place(job, kernel_id, directory, pages_from)
+            if kernel_id is not None:  # never lazily from the store (see above)
+                await self._restore_in_place(job, kernel_id, directory)
             else:
                 kernel_id = await self._start_restored_kernel(manifest, directory, pages_from)
             if lease is not None:  # a lazily restored kernel still reads its pages there
@@ -943,9 +943,7 @@ class SnapshotManager:
 
         return done
 
-    async def _restore_in_place(
-        self, job: Job, kernel_id: str, directory: Path, pages_from: str | None = None
-    ) -> None:
+    async def _restore_in_place(self, job: Job, kernel_id: str, directory: Path) -> None:
         """Restore ``directory`` into the running kernel. The wrapper first saves that
         kernel into staging (a failed restore puts it back). If the wrapper dies meanwhile,
         what it saved is stored like any snapshot when it was sealed (the kernel's state,
@@ -959,12 +957,7 @@ class SnapshotManager:
         try:
             await self.wrapper(kernel_id).request(
                 "restore",
-                {
-                    "source": str(directory),
-                    "verified": True,
-                    "save_to": str(save_to),
-                    "pages_from": pages_from,
-                },
+                {"source": str(directory), "verified": True, "save_to": str(save_to)},
                 on_progress=self._wrapper_progress(job),
             )
         except WrapperUnavailableError as exc:
