@@ -272,6 +272,13 @@ def servers(work: Path, moto: Moto) -> dict[str, Server]:
         },
         "cache": {"local_store_dir": str(work / "store-cache")},
     }
+    # The same stores, restores lazily straight from the store (lazy_restore_from_store).
+    for name in ("local", "s3"):
+        configs[f"{name}-lazy"] = {
+            **configs[name],
+            "lazy_restore_from_store": True,
+            **({"local_store_dir": str(work / "store-local-lazy")} if name == "local" else {}),
+        }
     env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
     made = {}
     for name, extra in configs.items():
@@ -317,6 +324,23 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {seconds(cache['restore'])} | {seconds(c['restore'])} "
             f"| {ratio(cache['restore'], c['restore'])} "
             f"| {local['second_new_share']:.2%} |"
+        )
+    lines += [
+        "",
+        "Restore into a new kernel, first output / all memory in:",
+        "",
+        "| kernel | local, download first | local, lazy from the store | S3, download first "
+        "| S3, lazy from the store | S3 raw GET | S3 ratio (download / lazy) |",
+        "|" + "---|" * 7,
+    ]
+    for row in rows:
+        ways = [row[name] for name in ("local", "local-lazy", "s3", "s3-lazy")]
+        lines.append(
+            f"| {human_bytes(row['mib'] * MIB)} | "
+            + " | ".join(f"{seconds(w['restore'])} / {seconds(w['all_memory_in'])}" for w in ways)
+            + f" | {seconds(row['ceilings']['raw_get'])} "
+            f"| {ratio(row['s3']['restore'], row['ceilings']['raw_get'])} "
+            f"/ {ratio(row['s3-lazy']['restore'], row['ceilings']['raw_get'])} |"
         )
     return "\n".join(lines)
 

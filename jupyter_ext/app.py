@@ -118,15 +118,15 @@ class SnapshotExtensionApp(ExtensionApp):
         supported (root), never for kernels with GPU state. Default: True.""",
     )
     lazy_restore_from_store = Bool(
-        False,
+        True,
         config=True,
         help="""With lazy_restore, a restore from the store into a new kernel downloads every
-        image but the kernel's memory, which the kernel then reads straight from the store
-        as it runs (every chunk checked against its sha256), instead of downloading it
-        all first. Restores in place never do (a damaged chunk must fail them before the
-        running kernel is touched). Default: False: measured on a 2-core machine with
-        moto as S3 (bench/RESULTS.md), pages served from the store arrive at 16-120 MB/s
-        against 380 MB/s for a download, and the first cell waits for them.""",
+        image but the kernel's memory, starts the kernel, and downloads its memory as it
+        runs: a page it touches that is not there yet is read from the store at once (every
+        chunk checked against its sha256), so the first cell answers within about 1.5 s at
+        any size (measured, bench/RESULTS.md). Restores in place never do (a damaged chunk
+        must fail them before the running kernel is touched). Default: True; False
+        downloads everything first.""",
     )
     periodic_interval = Float(
         0.0,

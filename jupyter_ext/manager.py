@@ -32,7 +32,7 @@ from .core.errors import (
     WrapperUnavailableError,
 )
 from .core.imagecache import ImageCache, Lease, Stamps, lock_shared, stamp_tree
-from .core.lazypages import PrefixedPages, RangeServer, worth_lazy
+from .core.lazypages import PrefixedPages, RangeServer, restore_order, worth_lazy
 from .core.leftovers import (
     DumpLock,
     after_failed_dump,
@@ -235,7 +235,7 @@ class SnapshotManager:
         #: Restores lazily (app trait lazy_restore).
         self.lazy_restore = True
         #: ... into a new kernel, straight from the store (app trait lazy_restore_from_store).
-        self.lazy_from_store = False
+        self.lazy_from_store = True
         #: Stored snapshots whose pages lazily restored kernels still read.
         self.lent: set[LentPages] = set()
         #: Adopt and reap orphaned kernels (non-root; see :meth:`start_reaping`).
@@ -800,7 +800,7 @@ class SnapshotManager:
                 temporary = download_lock >= 0
                 source = "store" if temporary else "work-directory"
                 if lazily:
-                    lent = await self._lend(snapshot_id)
+                    lent = await self._lend(snapshot_id, directory)
                 stamps: Stamps | None = None
                 if temporary and self.image_cache.enabled and not lazily:  # as soon as written
                     with contextlib.suppress(OSError):
@@ -837,7 +837,7 @@ class SnapshotManager:
             session = await self._attach(kernel_id, target_path) if target_path else None
         finally:
             if lent is not None:
-                self._give_back(lent)
+                await self._give_back(lent)
             if temporary:
                 shutil.rmtree(directory, ignore_errors=True)
             if download_lock >= 0:  # removed, or admitted (the lease holds it now)
@@ -908,15 +908,34 @@ class SnapshotManager:
         while self._lazy_watchers:
             await asyncio.wait(list(self._lazy_watchers))
 
-    async def _lend(self, snapshot_id: str) -> LentPages:
-        """Lend a stored snapshot's pages to a lazy restore; it is not deleted meanwhile."""
-        lent = LentPages(snapshot_id, await asyncio.to_thread(self.store.open_images, snapshot_id))
+    async def _lend(self, snapshot_id: str, directory: Path) -> LentPages:
+        """Lend a stored snapshot's pages to a lazy restore (it is not deleted meanwhile),
+        and download them into ``directory`` as the kernel runs: what ``criu restore``
+        reads from the files before this returns, then the smallest memory areas first."""
+        images = await asyncio.to_thread(self.store.open_images, snapshot_id)
+        lent = LentPages(snapshot_id, images)
         self.lent.add(lent)
+        try:
+            now, first = await asyncio.to_thread(restore_order, directory / IMAGES_DIR)
+            prefix = f"{IMAGES_DIR}/"
+            await asyncio.to_thread(
+                images.download_into,
+                directory,
+                [f.path for f in images.manifest.files if PAGES_FILE_RE.fullmatch(f.path)],
+                now=[(prefix + name, offset, length) for name, offset, length in now],
+                first=[(prefix + name, offset, length) for name, offset, length in first],
+            )
+        except BaseException:
+            await self._give_back(lent)
+            raise
         return lent
 
-    def _give_back(self, lent: LentPages) -> None:
-        self.lent.discard(lent)
-        lent.close()
+    async def _give_back(self, lent: LentPages) -> None:
+        """Stop lending (the download stops; its reads in flight end first)."""
+        try:
+            await asyncio.shield(asyncio.to_thread(lent.close))
+        finally:
+            self.lent.discard(lent)
 
     def _is_lent(self, snapshot_id: str) -> bool:
         return any(lent.snapshot_id == snapshot_id for lent in list(self.lent))
@@ -928,8 +947,12 @@ class SnapshotManager:
         complete, is checked file by file and kept in the image cache, or removed."""
 
         async def done(outcome: dict[str, Any]) -> None:
-            self._give_back(lent)
-            complete = outcome.get("state") == "complete" and not outcome.get("local_copy_error")
+            complete = outcome.get("state") == "complete"
+            try:
+                if complete:  # the kernel has its memory; the download goes on to the end
+                    complete = await asyncio.to_thread(lent.images.wait_downloaded)
+            finally:
+                await self._give_back(lent)
             try:
                 if complete and self.image_cache.enabled:
                     stamps = await asyncio.to_thread(stamp_tree, directory)

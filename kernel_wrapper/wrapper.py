@@ -1788,8 +1788,11 @@ class KernelWrapper:
             ]
             try:
                 pages = page_source(pages_from) if pages_from else DirectoryPages(images)
-                if pages_from is not None and not any(images.glob("pages-*.img")):
-                    # Not lazy: every page now, before CRIU reads them.
+                # Pages files already there are kept by the source (the server downloads
+                # them as the kernel runs); else this wrapper makes and completes them.
+                kept_here = pages_from is not None and not any(images.glob("pages-*.img"))
+                if pages_from is not None and (kept_here or not lazy):
+                    # What criu restore reads from the files itself (not lazy: every page).
                     try:
                         await asyncio.to_thread(stage_pages_files, images, pages, lazy_too=not lazy)
                     except OSError as exc:
@@ -1808,7 +1811,7 @@ class KernelWrapper:
                         images,
                         work_dir,
                         pages,
-                        write_through=pages_from is not None,
+                        write_through=kept_here,
                         kill_tree=lambda daemon: self._kill_children_except(before | {daemon}),
                         inherit_fds=inherit_fds,
                     )

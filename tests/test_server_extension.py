@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,28 +162,36 @@ async def test_corrupt_snapshot_fails_its_restore_before_criu(
     assert not manager_of(jp_serverapp).lent
 
 
-class SlowPages:
-    """The store's page reads at 4 MB/s each: a lazy restore that is still transferring
-    when the test acts (the reads themselves are the real store's)."""
+class SlowPacks:
+    """A store whose pack reads take 1 s per 4 MB, one at a time (the reads themselves
+    are the real store's)."""
 
-    def __init__(self, images: Any) -> None:
-        self.images = images
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._one_at_a_time = threading.Lock()
 
-    def read(self, path: str, offset: int, length: int) -> bytes:
-        time.sleep(length / 4e6)
-        data: bytes = self.images.read(path, offset, length)
-        return data
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
 
-    def close(self) -> None:
-        self.images.close()
+    def _read_object(self, name: str, offset: int, length: int) -> Any:
+        with self._one_at_a_time:
+            time.sleep(length / 4e6)
+        return self._store._read_object(name, offset, length)
 
 
 @contextlib.contextmanager
 def slow_pages(manager: Any) -> Iterator[None]:
-    """Lazy restores started meanwhile read the store through :class:`SlowPages`."""
+    """Lazy restores started meanwhile read their pages through :class:`SlowPacks`: still
+    transferring when the test acts."""
     store = manager.store
     real_open = store.open_images
-    store.open_images = lambda sid: SlowPages(real_open(sid))
+
+    def open_slowly(snapshot_id: str) -> Any:
+        images = real_open(snapshot_id)
+        images._reader.store = SlowPacks(store)
+        return images
+
+    store.open_images = open_slowly
     try:
         yield
     finally:

@@ -6,6 +6,7 @@ few small files, sealed with ``manifest.seal`` like the wrapper does.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -409,6 +410,81 @@ def test_open_images_reads_any_range(make_store: MakeStore, tmp_path: Path) -> N
     assert images.read("images/core-1.img", 10, 20) == core[10:30]
     with pytest.raises(SnapshotCorruptError, match="no file"):
         images.read("images/nope.img", 0, 1)
+
+
+def test_images_downloaded_while_read(make_store: MakeStore, tmp_path: Path) -> None:
+    """A lazy restore from the store: the pages file is downloaded into a local
+    directory in the background, the ranges asked for ``now`` before anything else, while
+    reads of any range (landed or not) give the snapshot's bytes; the download ends with
+    the whole file, identical, and a deduplicated chunk is written wherever it goes."""
+    store = make_store(pack_bytes=64 << 10)
+    rng = random.Random(32)
+    twice = random_pages(rng, 256)
+    data = twice + random_pages(rng, 256) + twice  # the same chunks in two places
+    stored = store.put(make_snapshot(tmp_path, data))
+    refs = refs_of(store, stored)
+    assert len({r.hash for r in refs}) < len(refs)
+    images = store.open_images(stored.manifest.id)
+    local = tmp_path / "local"
+    path = "images/pages-1.img"
+    images.download_into(local, [path], now=[(path, 8192, 4096)], first=[(path, 1 << 20, 9000)])
+    try:
+        now = os.pread(os.open(local / path, os.O_RDONLY), 4096, 8192)
+        assert now == data[8192 : 8192 + 4096]  # written before download_into returned
+        for _ in range(30):
+            offset, length = rng.randrange(len(data)), rng.randrange(1, 200_000)
+            assert images.read(path, offset, length) == data[offset : offset + length]
+        assert images.wait_downloaded()
+    finally:
+        images.close()
+    assert (local / path).read_bytes() == data
+    assert not (local / "images/core-1.img").exists()  # only the files asked for
+
+
+def test_a_disk_too_full_for_the_download_still_serves_every_range(
+    store: Store, tmp_path: Path
+) -> None:
+    """The local copy cannot be written (no room): it is given up, said so, and every
+    read still comes whole from the store."""
+    data = random.Random(34).randbytes(24 << 20)
+    stored = store.put(make_snapshot(tmp_path, data))
+    images = store.open_images(stored.manifest.id)
+    path = "images/pages-1.img"
+    with tmpfs_disk(tmp_path / "disk", "8m") as disk:
+        images.download_into(disk, [path], now=[(path, 0, 4096)])
+        try:
+            for offset in range(0, len(data), 3 << 20):
+                assert images.read(path, offset, 1 << 20) == data[offset : offset + (1 << 20)]
+            assert not images.wait_downloaded()
+            error = images.local_copy_error
+            assert error is not None
+            assert error.errno == errno.ENOSPC
+        finally:
+            images.close()
+
+
+def test_a_damaged_chunk_is_never_read_from_the_download(store: Store, tmp_path: Path) -> None:
+    """The background download skips a chunk that fails its check (nothing of it lands
+    in the local file); a read that needs it says which chunk is damaged, the others
+    read fine, and the download does not count as complete."""
+    data = random.Random(35).randbytes(4 << 20)
+    stored = store.put(make_snapshot(tmp_path, data))
+    refs = refs_of(store, stored)
+    damage(store, refs[2].where)
+    images = store.open_images(stored.manifest.id)
+    path = "images/pages-1.img"
+    images.download_into(tmp_path / "local", [path])
+    try:
+        assert not images.wait_downloaded()
+        start = sum(r.size for r in refs[:2])
+        with pytest.raises(SnapshotCorruptError, match=refs[2].hash[:12]):
+            images.read(path, start, 1)
+        assert images.read(path, 0, start) == data[:start]
+        assert (tmp_path / "local" / path).read_bytes()[start : start + refs[2].size] == bytes(
+            refs[2].size
+        )
+    finally:
+        images.close()
 
 
 def test_delete_removes_only_unreferenced_packs(make_store: MakeStore, tmp_path: Path) -> None:

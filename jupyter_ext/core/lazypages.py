@@ -71,6 +71,10 @@ FAULT_QUIET = 0.05
 FILL_CHUNK = 8 << 20
 
 
+#: (file name, offset, length) of part of an image file.
+Range = tuple[str, int, int]
+
+
 class PageSource(Protocol):
     """Where page contents come from."""
 
@@ -360,7 +364,10 @@ def stage_pages_files(images_dir: Path, source: PageSource, *, lazy_too: bool = 
     restore that cannot be lazy) every page is read here. Returns the bytes read."""
     read = 0
     for pagemap in read_pagemaps(images_dir).values():
-        with open(images_dir / pagemap.pages_file, "wb") as fh:
+        # Never truncated: a source that keeps these files (the server's download) may
+        # be writing them already.
+        fd = os.open(images_dir / pagemap.pages_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        with open(fd, "r+b") as fh:
             fh.truncate(pagemap.size)
             for entry in pagemap.entries:
                 if entry.offset < 0 or (entry.lazy and not lazy_too):
@@ -390,6 +397,26 @@ def worth_lazy(gpu: dict[str, object]) -> bool:
     """Whether a kernel is restored lazily at all (given the manifest's ``gpu``): not one
     with CUDA state, whose restore reads all of its memory at once."""
     return not gpu.get("ns_pids")
+
+
+def restore_order(images_dir: Path) -> tuple[list[Range], list[Range]]:
+    """What a restore from ``images_dir`` reads of its pages files, as (file name, offset,
+    length): first the ranges ``criu restore`` reads from the files itself (needed before
+    it starts), then the lazy ones, the smallest memory areas first (the interpreter's
+    heap and stacks, which the first cell touches, before the big arrays)."""
+    now: list[Range] = []
+    lazy: list[tuple[int, Range]] = []
+    for pagemap in read_pagemaps(images_dir).values():
+        for entry in pagemap.entries:
+            if entry.offset < 0:
+                continue
+            span = (pagemap.pages_file, entry.offset, entry.nr_pages * PAGE_SIZE)
+            if entry.lazy:
+                lazy.append((entry.nr_pages, span))
+            else:
+                now.append(span)
+    lazy.sort(key=lambda item: item[0])
+    return now, [span for _, span in lazy]
 
 
 def lazy_ranges(pagemap: Pagemap) -> Iterator[tuple[int, int]]:

@@ -101,7 +101,9 @@ class RestoreRequest:
     """The requester checked every file against its sha256 already."""
     pages_from: str | None = None
     """Where the kernel's memory comes from when not from ``source``: an images
-    directory, or ``unix:PATH`` of a server lending the store (lazy restore)."""
+    directory, or ``unix:PATH`` of a server lending the store (lazy restore). With
+    ``source``'s pages files missing the wrapper makes them and fills them in; present,
+    they are the lender's (the server downloads them as the kernel runs)."""
 
     def write(self, path: Path) -> None:
         data = {"source": str(self.source), "verified": self.verified}
