@@ -24,6 +24,7 @@ from typing import Any
 
 from .core import proctree
 from .core.compat import check_compatible
+from .core.criu import Criu
 from .core.errors import (
     KernelNotRunningError,
     SnapshotBusyError,
@@ -236,6 +237,7 @@ class SnapshotManager:
         self.lazy_restore = True
         #: ... into a new kernel, straight from the store (app trait lazy_restore_from_store).
         self.lazy_from_store = True
+        self._lazy_pages: bool | None = None
         #: Stored snapshots whose pages lazily restored kernels still read.
         self.lent: set[LentPages] = set()
         #: Adopt and reap orphaned kernels (non-root; see :meth:`start_reaping`).
@@ -793,6 +795,7 @@ class SnapshotManager:
                     and kernel_id is None
                     and snapshot_id not in self.pending
                     and worth_lazy(manifest.gpu)
+                    and await self._lazy_pages_here()
                 )
                 directory, download_lock = await self._local_copy(
                     job, snapshot_id, without_pages=lazily
@@ -907,6 +910,17 @@ class SnapshotManager:
         from is given back (cached or removed)."""
         while self._lazy_watchers:
             await asyncio.wait(list(self._lazy_watchers))
+
+    async def _lazy_pages_here(self) -> bool:
+        """Whether kernels here restore lazily (as their wrappers find out: root and a
+        CRIU whose lazy pages work); if not, restores from the store download first."""
+        if self._lazy_pages is None:
+            try:
+                criu = await asyncio.to_thread(Criu.locate)
+                self._lazy_pages = (await asyncio.to_thread(criu.supports_lazy_pages))[0]
+            except SnapshotError:
+                self._lazy_pages = False
+        return self._lazy_pages
 
     async def _lend(self, snapshot_id: str, directory: Path) -> LentPages:
         """Lend a stored snapshot's pages to a lazy restore (it is not deleted meanwhile),

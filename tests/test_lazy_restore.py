@@ -34,6 +34,7 @@ from jupyter_ext.core.lazypages import (
     RangeServer,
     parse_pagemap,
     read_pagemaps,
+    restore_order,
     stage_pages_files,
 )
 from jupyter_ext.core.manifest import IMAGES_DIR, verify
@@ -390,6 +391,31 @@ def test_lazy_restore_can_be_turned_off(kernel_factory: Factory, tmp_path: Path)
     assert lazy_state(kernel) == {}
     assert kernel.execute(CHECK).strip() == "True 67108864"
     verify(local)
+    # Pages files the source keeps (the server downloading them, only the stacks in so
+    # far): every page is read through the source before CRIU starts, none left a hole.
+    store = LocalStore(tmp_path / "store")
+    stored = store.put(tmp_path / "snap")
+    kept = tmp_path / "kept"
+    store.fetch(stored.manifest.id, kept, skip=lambda path: PAGES.fullmatch(path) is not None)
+    images = store.open_images(stored.manifest.id)
+    now, lazy = restore_order(kept / IMAGES_DIR)
+    pages = sorted({f"{IMAGES_DIR}/{name}" for name, _, _ in now + lazy})
+    images.download_into(kept, pages, now=[(f"{IMAGES_DIR}/{n}", o, s) for n, o, s in now])
+    images.close()  # the download stops; reads now go to the store
+    for name, offset, length in lazy:  # and none of the kernel's memory is there
+        with (kept / IMAGES_DIR / name).open("r+b") as fh:
+            fh.seek(offset)
+            fh.write(bytes(length))
+    server = RangeServer(PrefixedPages(images, f"{IMAGES_DIR}/"), tmp_path / "pages.sock")
+    try:
+        kernel.execute("lazy_a[:] = 0")
+        restore(kernel, kept, verified=True, pages_from=server.address)
+    finally:
+        server.close()
+        store.close()
+    assert lazy_state(kernel) == {}
+    assert kernel.execute(CHECK).strip() == "True 67108864"
+    verify(kept)
 
 
 def test_doctor_says_whether_lazy_restore_works(criu: Criu) -> None:

@@ -1708,6 +1708,8 @@ class SnapshotImages:
         """Downloaded files: path -> (fd, which of its chunks are in it)."""
         self._targets: dict[str, builtins.list[tuple[str, int]]] = {}
         """sha256 -> every (path, chunk index) of a downloaded file it goes to."""
+        self._in_use = threading.Condition()
+        self._readers = 0
         self._stopping = threading.Event()
         self._last_fault = 0.0
         self._thread: threading.Thread | None = None
@@ -1716,6 +1718,16 @@ class SnapshotImages:
 
     def read(self, path: str, offset: int, length: int) -> bytes:
         """``length`` bytes of file ``path`` from ``offset`` (fewer at its end)."""
+        with self._in_use:
+            self._readers += 1
+        try:
+            return self._read(path, offset, length)
+        finally:
+            with self._in_use:
+                self._readers -= 1
+                self._in_use.notify_all()
+
+    def _read(self, path: str, offset: int, length: int) -> bytes:
         if path not in self._refs:
             raise _corrupt(self.manifest.id, f"it has no file {path!r}")
         if length <= FAULT_BYTES:
@@ -1804,8 +1816,10 @@ class SnapshotImages:
     def _keep(self, ref: ChunkRef, data: bytes | memoryview) -> None:
         """Write a checked chunk wherever a downloaded file has it."""
         for path, index in self._targets.get(ref.hash, ()):
-            fd, landed = self._local[path]
             with self._lock:
+                if path not in self._local:  # closed meanwhile
+                    return
+                fd, landed = self._local[path]
                 if landed[index] or self.local_copy_error is not None:
                     continue
             try:
@@ -1870,9 +1884,12 @@ class SnapshotImages:
         self._stopping.set()
         if self._thread is not None:
             self._thread.join()
-        for fd, _ in self._local.values():
+        with self._lock:
+            local, self._local, self._targets = self._local, {}, {}
+        with self._in_use:  # reads that began before use the fds until they end
+            self._in_use.wait_for(lambda: self._readers == 0, timeout=60)
+        for fd, _ in local.values():
             os.close(fd)
-        self._local.clear()
 
 
 def _process_identity(pid: int | None = None) -> dict[str, Any]:
