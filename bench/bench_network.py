@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.harness import KernelProcess
+from jupyter_ext.testing import KernelProcess
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

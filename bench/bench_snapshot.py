@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jupyter_ext.core.criu import Criu, frozen_seconds
 from jupyter_ext.core.humanize import human_bytes
-from tests.harness import KernelProcess, wait_until
+from jupyter_ext.testing import KernelProcess, wait_until
 
 STATE = """
 import numpy as np, threading, time

@@ -9,8 +9,8 @@ import pytest
 
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import CriuNotFoundError
+from jupyter_ext.testing import KernelProcess
 
-from .harness import KernelProcess
 from .s3server import CuttableProxy, MotoServer
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from jupyter_ext.core.gpu import GpuCheckpointError
+from jupyter_ext.testing import KernelProcess
 
 from .fakecuda.build import build_fakecuda
-from .harness import KernelProcess
 
 Factory = Callable[..., KernelProcess]
 

@@ -32,8 +32,7 @@ from jupyter_ext.core.errors import (
     SnapshotError,
 )
 from jupyter_ext.core.manifest import MANIFEST_NAME, Manifest, manifest_checksum, verify
-
-from .harness import KernelProcess, wait_until
+from jupyter_ext.testing import KernelProcess, wait_until
 
 Factory = Callable[..., KernelProcess]
 

@@ -39,8 +39,8 @@ from jupyter_ext.core.lazypages import (
 )
 from jupyter_ext.core.manifest import IMAGES_DIR, verify
 from jupyter_ext.core.store import LocalStore
+from jupyter_ext.testing import KernelProcess, wait_until
 
-from .harness import KernelProcess, wait_until
 from .tmpfs import small_disk
 
 Factory = Callable[..., KernelProcess]

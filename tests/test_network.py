@@ -29,8 +29,8 @@ import pytest
 import kernel_snapshots
 from jupyter_ext.core.errors import DumpError, IncompatibleSnapshotError
 from jupyter_ext.core.store import LocalStore
+from jupyter_ext.testing import KernelProcess
 
-from .harness import KernelProcess
 from .s3server import MotoServer, free_port
 
 Factory = Callable[..., KernelProcess]

@@ -16,8 +16,8 @@ import pytest
 
 from jupyter_ext.app import EVENT_SCHEMA_ID
 from jupyter_ext.core.store import LocalStore
+from jupyter_ext.testing import wait_until
 
-from .harness import wait_until
 from .jupyter_api import Fetch, call, server_config, snapshot, until, wait_job
 from .s3server import CuttableProxy, MotoServer
 from .servers import ServerProcess, ws_execute

@@ -20,8 +20,8 @@ from jupyter_client import BlockingKernelClient
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.manifest import Manifest
+from jupyter_ext.testing import KernelProcess
 
-from .harness import KernelProcess
 from .jupyter_api import server_config
 from .servers import (
     Endpoint,

@@ -9,9 +9,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from jupyter_ext.testing import KernelProcess
 from kernel_wrapper.wrapper import STALE_UNNAMED_SECONDS, remove_stale_runtime_dirs
-
-from .harness import KernelProcess
 
 
 def _named(root: Path, name: str, pid: int, fd: int) -> Path:

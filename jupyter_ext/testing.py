@@ -1,4 +1,5 @@
-"""Real snapshot kernels for tests and benchmarks: a wrapper process and a jupyter_client."""
+"""Real snapshot kernels for the tests and the benchmarks (shipped, so both use one
+harness): a wrapper process (`python -m kernel_wrapper`) and a jupyter_client."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jupyter_client import BlockingKernelClient
+from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.connect import write_connection_file
 
 from jupyter_ext.core import proctree
