@@ -259,13 +259,13 @@ class SnapshotExtensionApp(ExtensionApp):
             store=self.make_store(),
             work_dir=Path(self.work_dir),
             emit=self.emit,
+            keep_last=self.keep_last,
+            max_bytes=self.max_store_bytes,
+            image_cache_max_bytes=self.image_cache_max_bytes,
+            release_gpu_caches=self.release_gpu_caches,
+            lazy_restore=self.lazy_restore,
+            lazy_restore_from_store=self.lazy_restore_from_store,
         )
-        self.manager.release_gpu_caches = self.release_gpu_caches
-        self.manager.keep_last = self.keep_last
-        self.manager.max_bytes = self.max_store_bytes
-        self.manager.image_cache.max_bytes = self.image_cache_max_bytes
-        self.manager.lazy_restore = self.lazy_restore
-        self.manager.lazy_from_store = self.lazy_restore_from_store
         # Kernel wrappers are started by the kernel manager with this process's environment.
         os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"
         self._policy_task: asyncio.Task[None] | None = None

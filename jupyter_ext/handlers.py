@@ -266,14 +266,11 @@ class KernelHandler(SnapshotHandler):
                 raise BadRequest(
                     "periodic must be true or false.", 'Send {"periodic": false} to opt out.'
                 )
-            if body["periodic"]:
-                self.manager.periodic_opt_out.discard(kernel_id)
-            else:
-                self.manager.periodic_opt_out.add(kernel_id)
+            self.manager.set_periodic(kernel_id, body["periodic"])
         self.reply(await self.manager.kernel_status(kernel_id))
 
     def _known(self, kernel_id: str) -> str:
-        self.manager._kernel(kernel_id)
+        self.manager.kernel(kernel_id)
         return kernel_id
 
 

@@ -49,7 +49,17 @@ from .core.manifest import (
     remove_tree,
     verify,
 )
-from .core.protocol import RESTORE_REQUEST_ENV, RestoreRequest, WrapperClient, WrapperInfo
+from .core.protocol import (
+    RESTORE_REQUEST_ENV,
+    Phase,
+    ProgressCallback,
+    ProgressEvent,
+    RestoreRequest,
+    SnapshotArgs,
+    SuspendArgs,
+    WrapperClient,
+    WrapperInfo,
+)
 from .core.retention import Retained, RetentionPolicy, plan_retention
 from .core.store import SnapshotImages, SnapshotStore, StoredSnapshot, StoreError
 
@@ -161,7 +171,7 @@ class Job:
     kind: str
     kernel_id: str | None
     status: str = "running"  # running | done | failed
-    phase: str = "queued"
+    phase: Phase = "queued"
     done_bytes: int = 0
     total_bytes: int = 0
     started: float = field(default_factory=time.time)
@@ -218,7 +228,15 @@ class SnapshotManager:
         work_dir: Path,
         emit: EmitEvent,
         kernel_name: str = "python3-snapshot",
+        keep_last: int = 0,
+        max_bytes: int = 0,
+        image_cache_max_bytes: int = -1,
+        release_gpu_caches: bool = True,
+        lazy_restore: bool = True,
+        lazy_restore_from_store: bool = True,
     ) -> None:
+        """The settings are SnapshotExtensionApp's traits of the same names (there
+        documented); ``max_bytes`` is its ``max_store_bytes``."""
         self.kernel_manager = kernel_manager
         self.session_manager = session_manager
         self.store = store
@@ -231,12 +249,11 @@ class SnapshotManager:
         self._lazy_watchers: set[asyncio.Task[Any]] = set()
         self.pending: dict[str, PendingUpload] = {}
         self.periodic_opt_out: set[str] = set()
-        #: Ask GPU kernels to release framework caches before a checkpoint (app trait).
-        self.release_gpu_caches = True
-        #: Restores lazily (app trait lazy_restore).
-        self.lazy_restore = True
-        #: ... into a new kernel, straight from the store (app trait lazy_restore_from_store).
-        self.lazy_from_store = True
+        self.keep_last = keep_last
+        self.max_bytes = max_bytes
+        self.release_gpu_caches = release_gpu_caches
+        self.lazy_restore = lazy_restore
+        self.lazy_from_store = lazy_restore_from_store
         self._lazy_pages: bool | None = None
         #: Stored snapshots whose pages lazily restored kernels still read.
         self.lent: set[LentPages] = set()
@@ -248,8 +265,8 @@ class SnapshotManager:
         wrapper is gone."""
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        #: The newest snapshot of each kernel, unpacked (budget: the app's trait).
-        self.image_cache = ImageCache(self.image_cache_dir)
+        #: The newest snapshot of each kernel, unpacked.
+        self.image_cache = ImageCache(self.image_cache_dir, image_cache_max_bytes)
 
     @property
     def staging_dir(self) -> Path:
@@ -265,14 +282,22 @@ class SnapshotManager:
 
     # ---------------------------------------------------------------- kernels
 
-    def _kernel(self, kernel_id: str) -> Any:
+    def kernel(self, kernel_id: str) -> Any:
+        """The server's kernel ``kernel_id``; SnapshotNotFoundError if there is none."""
         validate_kernel_id(kernel_id)
         if kernel_id not in self.kernel_manager:
             raise SnapshotNotFoundError(f"There is no kernel {kernel_id} on this server.")
         return self.kernel_manager.get_kernel(kernel_id)
 
+    def set_periodic(self, kernel_id: str, on: bool) -> None:
+        """Periodic snapshots of this kernel on (the default) or off."""
+        if on:
+            self.periodic_opt_out.discard(kernel_id)
+        else:
+            self.periodic_opt_out.add(kernel_id)
+
     def wrapper(self, kernel_id: str) -> WrapperClient:
-        km = self._kernel(kernel_id)
+        km = self.kernel(kernel_id)
         info = WrapperInfo.for_connection_file(Path(km.connection_file))
         if self.reaps_orphans and info.inner_pid:
             self._kernel_pids.setdefault(info.inner_pid, proctree.start_time(info.inner_pid))
@@ -288,7 +313,7 @@ class SnapshotManager:
     async def kernel_status(self, kernel_id: str) -> dict[str, Any]:
         """The wrapper's view of a kernel: state, activity, whether a job runs on it."""
         try:
-            status: dict[str, Any] = await self.wrapper(kernel_id).request("status", timeout=10)
+            status: dict[str, Any] = dict(await self.wrapper(kernel_id).status())
         except (WrapperUnavailableError, SnapshotNotFoundError) as exc:
             # Not a snapshot kernel, or one that went away since it was listed.
             return {"kernel_id": kernel_id, "snapshots": False, "reason": exc.message}
@@ -369,7 +394,7 @@ class SnapshotManager:
     def _progress(
         self,
         job: Job,
-        phase: str | None = None,
+        phase: Phase | None = None,
         done_bytes: int | None = None,
         total_bytes: int | None = None,
     ) -> None:
@@ -399,21 +424,21 @@ class SnapshotManager:
             },
         )
 
-    def _wrapper_progress(self, job: Job) -> Callable[[dict[str, Any]], None]:
+    def _wrapper_progress(self, job: Job) -> ProgressCallback:
         """A progress callback for a wrapper request: its events name the phase."""
-        return lambda event: self._progress(job, str(event.get("phase") or job.phase))
+        return lambda event: self._progress(job, event["phase"])
 
-    def _progress_callback(self, job: Job | None, phase: str) -> Callable[[dict[str, Any]], None]:
+    def _progress_callback(self, job: Job | None) -> ProgressCallback:
         """A progress callback for store work running in a thread: it hands each report
-        to the event loop (events are emitted there only). ``phase`` is the default."""
+        to the event loop (events are emitted there only)."""
         loop = asyncio.get_running_loop()
 
-        def on_progress(event: dict[str, Any]) -> None:
+        def on_progress(event: ProgressEvent) -> None:
             if job is not None:
                 loop.call_soon_threadsafe(
                     self._progress,
                     job,
-                    str(event.get("phase") or phase),
+                    event["phase"],
                     event.get("done_bytes"),
                     event.get("total_bytes"),
                 )
@@ -510,7 +535,7 @@ class SnapshotManager:
 
     def create(self, kernel_id: str, trigger: str = "manual") -> Job:
         """Snapshot a running kernel; the kernel is frozen only while CRIU dumps."""
-        self._kernel(kernel_id)
+        self.kernel(kernel_id)
         self._busy(kernel_id)
         return self._start_job(
             "snapshot", kernel_id, lambda job: self._snapshot(job, kernel_id, trigger)
@@ -519,7 +544,7 @@ class SnapshotManager:
     async def _snapshot(
         self, job: Job, kernel_id: str, trigger: str, leave_running: bool = True
     ) -> dict[str, Any]:
-        km = self._kernel(kernel_id)
+        km = self.kernel(kernel_id)
         path = await self.notebook_path(kernel_id)
         dest = self.staging_dir / new_snapshot_id()
         self.emit("started", {"kernel_id": kernel_id, "trigger": trigger, "job_id": job.id})
@@ -530,16 +555,15 @@ class SnapshotManager:
             wrapper_pid = WrapperInfo.for_connection_file(Path(km.connection_file)).pid
         lock = DumpLock(dest)  # if this server dies meanwhile, its next start cleans up
         try:
-            data = await self.wrapper(kernel_id).request(
-                "snapshot",
-                {
-                    "dest": str(dest),
-                    "trigger": trigger,
-                    "leave_running": leave_running,
-                    "metadata": {"kernel_spec": spec, "notebook_path": path},
-                    "release_gpu_caches": self.release_gpu_caches,
-                },
-                on_progress=self._wrapper_progress(job),
+            data = await self.wrapper(kernel_id).snapshot(
+                SnapshotArgs(
+                    str(dest),
+                    trigger=trigger,
+                    leave_running=leave_running,
+                    metadata={"kernel_spec": spec, "notebook_path": path},
+                    release_gpu_caches=self.release_gpu_caches,
+                ),
+                self._wrapper_progress(job),
             )
         except SnapshotError as exc:
             # A killed wrapper leaves its partial dump (the kernel's size): removed now.
@@ -580,9 +604,7 @@ class SnapshotManager:
             with contextlib.suppress(OSError):
                 stamps = await asyncio.to_thread(stamp_tree, directory)
         try:
-            stored = await asyncio.to_thread(
-                store.put, directory, self._progress_callback(job, "uploading")
-            )
+            stored = await asyncio.to_thread(store.put, directory, self._progress_callback(job))
         except SnapshotError as exc:
             pending.error = exc.message
             log.warning("upload of snapshot %s failed (kept locally): %s", manifest.id, exc)
@@ -650,9 +672,6 @@ class SnapshotManager:
 
     # ---------------------------------------------------------------- retention
 
-    keep_last: int = 0
-    max_bytes: int = 0
-
     def apply_retention(self, newest: Manifest) -> list[str]:
         """Keep the last N per notebook and a total byte budget; never the newest of any
         (the choice is :func:`~.core.retention.plan_retention`'s)."""
@@ -699,7 +718,7 @@ class SnapshotManager:
         if path is not None:
             path = validate_notebook_path(path)
         if kernel_id is not None:
-            self._kernel(kernel_id)
+            self.kernel(kernel_id)
             self._busy(kernel_id)
         return self._start_job(
             "restore",
@@ -732,7 +751,7 @@ class SnapshotManager:
                 self.store.fetch,
                 snapshot_id,
                 dest,
-                self._progress_callback(job, "downloading"),
+                self._progress_callback(job),
                 skip=(lambda path: PAGES_FILE_RE.fullmatch(path) is not None)
                 if without_pages
                 else None,
@@ -988,14 +1007,13 @@ class SnapshotManager:
         save_to = self.staging_dir / new_snapshot_id()
         wrapper_pid = None
         with contextlib.suppress(SnapshotError):
-            km = self._kernel(kernel_id)
+            km = self.kernel(kernel_id)
             wrapper_pid = WrapperInfo.for_connection_file(Path(km.connection_file)).pid
         lock = DumpLock(save_to)  # if this server dies meanwhile, its next start cleans up
         try:
-            await self.wrapper(kernel_id).request(
-                "restore",
-                {"source": str(directory), "verified": True, "save_to": str(save_to)},
-                on_progress=self._wrapper_progress(job),
+            await self.wrapper(kernel_id).restore(
+                RestoreRequest(directory, verified=True, save_to=save_to),
+                self._wrapper_progress(job),
             )
         except WrapperUnavailableError as exc:
             try:
@@ -1066,7 +1084,7 @@ class SnapshotManager:
         return kernel_id
 
     async def _wait_restored(self, kernel_id: str, manifest: Manifest, request: Path) -> None:
-        km = self._kernel(kernel_id)
+        km = self.kernel(kernel_id)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             failure = RestoreRequest.failure(request)
@@ -1141,14 +1159,14 @@ class SnapshotManager:
 
     def suspend(self, kernel_id: str, trigger: str = "idle-suspend") -> Job:
         """Snapshot the kernel and end its process (its GPU memory is freed)."""
-        self._kernel(kernel_id)
+        self.kernel(kernel_id)
         self._busy(kernel_id)
         return self._start_job(
             "suspend", kernel_id, lambda job: self._suspend(job, kernel_id, trigger)
         )
 
     async def _suspend(self, job: Job, kernel_id: str, trigger: str) -> dict[str, Any]:
-        km = self._kernel(kernel_id)
+        km = self.kernel(kernel_id)
         path = await self.notebook_path(kernel_id)
         suspended_dir = self.work_dir / "suspended"
         suspended_dir.mkdir(parents=True, exist_ok=True)
@@ -1160,18 +1178,17 @@ class SnapshotManager:
         wrapper_gone = False
         lock = DumpLock(dest)
         try:
-            data = await self.wrapper(kernel_id).request(
-                "suspend",
-                {
-                    "dest": str(dest),
-                    "trigger": trigger,
-                    "metadata": {
+            data = await self.wrapper(kernel_id).suspend(
+                SuspendArgs(
+                    str(dest),
+                    trigger=trigger,
+                    metadata={
                         "kernel_spec": {"name": km.kernel_name, "kernel_id": kernel_id},
                         "notebook_path": path,
                     },
-                    "release_gpu_caches": self.release_gpu_caches,
-                },
-                on_progress=self._wrapper_progress(job),
+                    release_gpu_caches=self.release_gpu_caches,
+                ),
+                self._wrapper_progress(job),
             )
         except SnapshotError as exc:
             # Sealed before the wrapper died: the kernel's only copy, kept and stored.
@@ -1193,16 +1210,14 @@ class SnapshotManager:
         return stored if stored is not None else await self.get(manifest.id)
 
     def resume(self, kernel_id: str) -> Job:
-        self._kernel(kernel_id)
+        self.kernel(kernel_id)
         self._busy(kernel_id)
 
         async def work(job: Job) -> dict[str, Any]:
             self._progress(job, "restoring")
-            result: dict[str, Any] = await self.wrapper(kernel_id).request(
-                "resume", on_progress=self._wrapper_progress(job)
-            )
-            self.emit("resumed", {"kernel_id": kernel_id, "snapshot_id": result.get("id")})
-            return result
+            result = await self.wrapper(kernel_id).resume(self._wrapper_progress(job))
+            self.emit("resumed", {"kernel_id": kernel_id, "snapshot_id": result["id"]})
+            return dict(result)
 
         return self._start_job("resume", kernel_id, work)
 

@@ -19,7 +19,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.connect import write_connection_file
 
 from jupyter_ext.core import proctree
-from jupyter_ext.core.protocol import WrapperClient, WrapperInfo
+from jupyter_ext.core.protocol import ProgressCallback, WrapperClient, WrapperInfo
 
 #: Seconds without a heartbeat echo before the test client calls the kernel dead.
 HEARTBEAT_GRACE = 10.0
@@ -127,9 +127,7 @@ class KernelProcess:
         )
         return result
 
-    def restore(
-        self, source: Path, on_progress: Callable[[dict[str, Any]], None] | None = None
-    ) -> dict[str, Any]:
+    def restore(self, source: Path, on_progress: ProgressCallback | None = None) -> dict[str, Any]:
         result: dict[str, Any] = self.control.request_sync(
             "restore", {"source": str(source)}, on_progress=on_progress, timeout=300
         )

@@ -88,7 +88,16 @@ from jupyter_ext.core.manifest import (
 )
 from jupyter_ext.core.protocol import (
     DEFAULT_RUNTIME_ROOT,
+    OPERATIONS,
+    KernelStatus,
+    ProgressCallback,
+    ProgressEvent,
+    Restored,
     RestoreRequest,
+    ResumeArgs,
+    SnapshotArgs,
+    StatusArgs,
+    SuspendArgs,
     WrapperInfo,
     info_path,
     socket_path,
@@ -1195,8 +1204,7 @@ class KernelWrapper:
             line = await reader.readline()
             request = json.loads(line)
             op = request.get("op")
-            args = request.get("args") or {}
-            handlers: dict[str, Callable[..., Awaitable[Any]]] = {
+            handlers: dict[str, Callable[[ProgressCallback, Any], Awaitable[Any]]] = {
                 "status": self._op_status,
                 "snapshot": self._op_snapshot,
                 "restore": self._op_restore,
@@ -1205,11 +1213,12 @@ class KernelWrapper:
             }
             if op not in handlers:
                 raise SnapshotError(f"Unknown control operation {op!r}.")
+            args = OPERATIONS[op].from_json(request.get("args") or {})
 
-            def progress(event: dict[str, Any]) -> None:
+            def progress(event: ProgressEvent) -> None:
                 send({"event": "progress", **event})
 
-            result = await handlers[op](progress=progress, **args)
+            result = await handlers[op](progress, args)
             send({"ok": True, "result": result})
         except SnapshotError as exc:
             send({"ok": False, "error": exc.to_dict()})
@@ -1222,12 +1231,10 @@ class KernelWrapper:
             await writer.drain()
         writer.close()
 
-    async def _op_status(
-        self, progress: Callable[[dict[str, Any]], None], gpu: bool = True
-    ) -> dict[str, Any]:
-        """What the server shows and its policies decide on; ``gpu`` adds GPU accounting."""
+    async def _op_status(self, progress: ProgressCallback, args: StatusArgs) -> KernelStatus:
+        """What the server shows and its policies decide on."""
         gpu_status: dict[str, Any] = {"processes": 0, "bytes": 0, "utilization": 0}
-        if gpu and self.inner_pid is not None:
+        if args.gpu and self.inner_pid is not None:
             pids = proctree.descendants(self.inner_pid)
             gpu_status = await asyncio.to_thread(kernel_gpu_status, pids)
         return {
@@ -1266,16 +1273,7 @@ class KernelWrapper:
             self._criu = Criu.locate(self.criu_path)
         return self._criu
 
-    async def _op_snapshot(
-        self,
-        progress: Callable[[dict[str, Any]], None],
-        dest: str,
-        trigger: str = "manual",
-        leave_running: bool = True,
-        metadata: dict[str, Any] | None = None,
-        sequence: int | None = None,
-        release_gpu_caches: bool = True,
-    ) -> dict[str, Any]:
+    async def _op_snapshot(self, progress: ProgressCallback, args: SnapshotArgs) -> dict[str, Any]:
         if self._op_lock.locked():
             raise SnapshotBusyError(
                 "A snapshot or restore of this kernel is already in progress.",
@@ -1283,13 +1281,13 @@ class KernelWrapper:
             )
         async with self._op_lock:
             manifest = await self._snapshot(
-                Path(dest),
-                trigger,
-                leave_running,
-                metadata or {},
-                sequence,
+                Path(args.dest),
+                args.trigger,
+                args.leave_running,
+                args.metadata,
+                args.sequence,
                 progress,
-                release_gpu_caches=release_gpu_caches,
+                release_gpu_caches=args.release_gpu_caches,
             )
             result: dict[str, Any] = json.loads(manifest.to_json())
             return result
@@ -1301,7 +1299,7 @@ class KernelWrapper:
         leave_running: bool,
         metadata: dict[str, Any],
         sequence: int | None,
-        progress: Callable[[dict[str, Any]], None],
+        progress: ProgressCallback,
         *,
         release_gpu_caches: bool = True,
     ) -> Manifest:
@@ -1428,7 +1426,7 @@ class KernelWrapper:
     async def _gpu_checkpoint(
         self,
         inner_pid: int,
-        progress: Callable[[dict[str, Any]], None],
+        progress: ProgressCallback,
         release_caches: bool,
     ) -> tuple[dict[str, Any], GpuCheckpoint | None]:
         """Lock and checkpoint every CUDA process of the kernel: device memory moves into
@@ -1470,15 +1468,7 @@ class KernelWrapper:
         done = await asyncio.to_thread(self._gpu().restore, [by_ns[p] for p in ns_pids], pairs)
         return done.to_dict()
 
-    async def _op_suspend(
-        self,
-        progress: Callable[[dict[str, Any]], None],
-        dest: str,
-        metadata: dict[str, Any] | None = None,
-        discard_after_resume: bool = True,
-        trigger: str = "idle-suspend",
-        release_gpu_caches: bool = True,
-    ) -> dict[str, Any]:
+    async def _op_suspend(self, progress: ProgressCallback, args: SuspendArgs) -> dict[str, Any]:
         """Snapshot the kernel and end its process; the next request brings it back."""
         if self.execution_state == "busy":
             raise SnapshotBusyError(
@@ -1487,43 +1477,38 @@ class KernelWrapper:
             )
         result = await self._op_snapshot(
             progress,
-            dest,
-            trigger=trigger,
-            leave_running=False,
-            metadata=metadata,
-            release_gpu_caches=release_gpu_caches,
+            SnapshotArgs(
+                args.dest,
+                trigger=args.trigger,
+                leave_running=False,
+                metadata=args.metadata,
+                release_gpu_caches=args.release_gpu_caches,
+            ),
         )
-        self.suspended_snapshot = Path(dest)
-        self._discard_after_resume = discard_after_resume
+        self.suspended_snapshot = Path(args.dest)
+        self._discard_after_resume = args.discard_after_resume
         return result
 
-    async def _op_resume(self, progress: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    async def _op_resume(self, progress: ProgressCallback, args: ResumeArgs) -> Restored:
         if self.state != State.SUSPENDED or self.suspended_snapshot is None:
             raise KernelNotRunningError(
                 f"The kernel is not suspended (it is {self.state.value}).",
                 hint="Only suspended kernels can be resumed.",
             )
-        return await self._op_restore(progress, str(self.suspended_snapshot))
+        return await self._op_restore(progress, RestoreRequest(self.suspended_snapshot))
 
-    async def _op_restore(
-        self,
-        progress: Callable[[dict[str, Any]], None],
-        source: str,
-        verified: bool = False,
-        save_to: str | None = None,
-        pages_from: str | None = None,
-    ) -> dict[str, Any]:
+    async def _op_restore(self, progress: ProgressCallback, args: RestoreRequest) -> Restored:
         if self._op_lock.locked():
             raise SnapshotBusyError(
                 "A snapshot or restore of this kernel is already in progress.",
                 hint="Wait for it to finish, then try again.",
             )
         manifest = await self._restore(
-            Path(source),
+            args.source,
             progress,
-            verified=verified,
-            save_to=Path(save_to) if save_to else None,
-            pages_from=pages_from or None,
+            verified=args.verified,
+            save_to=args.save_to,
+            pages_from=args.pages_from,
         )
         return {
             "inner_pid": self.inner_pid,
@@ -1535,7 +1520,7 @@ class KernelWrapper:
     async def _restore(
         self,
         source: Path,
-        progress: Callable[[dict[str, Any]], None],
+        progress: ProgressCallback,
         verified: bool = False,
         save_to: Path | None = None,
         pages_from: str | None = None,
@@ -1622,7 +1607,7 @@ class KernelWrapper:
             )
 
     async def _save_before_restore(
-        self, directory: Path, progress: Callable[[dict[str, Any]], None]
+        self, directory: Path, progress: ProgressCallback
     ) -> _SavedKernel:
         """Dump the running kernel and end it (a suspend), so that a failed restore can
         bring it back. A kernel that cannot be dumped keeps running; the restore is refused."""

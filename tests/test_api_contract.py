@@ -10,12 +10,14 @@ error, a documented status code, content type and body.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import schemathesis
+import yaml
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -24,6 +26,8 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+
+from jupyter_ext.core.protocol import Phase
 
 from .jupyter_api import Fetch, server_config
 from .servers import ServerProcess, follow, ws_execute
@@ -194,3 +198,15 @@ def test_api_keeps_its_openapi_contract(
     # the case itself, so that the checks judge the request that was really sent).
     case.headers = {**(case.headers or {}), "Authorization": f"token {live_server.token}"}
     case.call_and_validate(base_url=live_server.url + "api", checks=CHECKS, timeout=60)
+
+
+def test_the_phases_are_one_list_everywhere() -> None:
+    """The wrapper, the store and the manager report a job's phase as core.protocol's
+    ``Phase``; the REST contract and the panel's types spell the same list, in order."""
+    phases = list(get_args(Phase))
+    spec = yaml.safe_load(OPENAPI.read_text())
+    assert spec["components"]["schemas"]["Job"]["properties"]["phase"]["enum"] == phases
+    tokens = (Path(__file__).parents[1] / "labextension" / "src" / "tokens.ts").read_text()
+    union = re.search(r"export type Phase =(.*?);", tokens, re.S)
+    assert union is not None
+    assert re.findall(r"'([a-z-]+)'", union.group(1)) == phases

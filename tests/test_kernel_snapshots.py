@@ -250,6 +250,26 @@ def test_two_kernels_restored_from_one_snapshot_side_by_side(
     assert two.execute("print(v)").strip() == "shared-two"
 
 
+def test_control_requests_are_checked_against_the_protocol(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """Each operation takes the fields of its dataclass in core.protocol: an unknown
+    operation, an unknown argument or a missing one is refused with the cause, and the
+    kernel goes on as before."""
+    kernel = kernel_factory()
+    kernel.execute("kept = 7")
+    with pytest.raises(SnapshotError, match="Unknown control operation 'dump'"):
+        kernel.control.request_sync("dump", {}, timeout=30)
+    with pytest.raises(SnapshotError, match="Bad control request.*colour"):
+        kernel.control.request_sync("status", {"colour": "red"}, timeout=30)
+    with pytest.raises(SnapshotError, match="Bad control request.*dest"):
+        kernel.control.request_sync("snapshot", {}, timeout=30)
+    with pytest.raises(SnapshotError, match="Bad control request.*source"):
+        kernel.control.request_sync("restore", {"verified": True}, timeout=30)
+    assert not (tmp_path / "snap").exists()
+    assert kernel.execute("print(kept)").strip() == "7"
+
+
 def test_corrupted_snapshot_is_refused_before_criu(kernel_factory: Factory, tmp_path: Path) -> None:
     kernel = kernel_factory()
     kernel.execute("import numpy as np; a = np.ones(1000)")

@@ -15,9 +15,9 @@ import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Required, Self, TypedDict
 
 from .errors import SnapshotError, WrapperUnavailableError
 
@@ -31,7 +31,39 @@ DEFAULT_RUNTIME_ROOT = Path(
         else f"/tmp/jupyter-kernel-snapshots-{os.geteuid()}"
     )
 )
-ProgressCallback = Callable[[dict[str, Any]], None]
+#: Every phase a job goes through, as the wrapper, the store and the manager report it and
+#: the REST API and the panel show it (labextension/src/tokens.ts spells the same list).
+Phase = Literal[
+    "queued",
+    "releasing-gpu-caches",
+    "gpu-checkpoint",
+    "dumping",
+    "hashing",
+    "uploading",
+    "committing",
+    "checking-cache",
+    "downloading",
+    "verifying",
+    "saving-kernel",
+    "restoring",
+    "transferring",
+    "done",
+]
+
+
+class ProgressEvent(TypedDict, total=False):
+    """One progress report: the phase, and for phases that move bytes, how many."""
+
+    phase: Required[Phase]
+    done_bytes: int
+    total_bytes: int
+    bytes: int
+    """Bytes of the finished snapshot (with phase "done")."""
+    processes: int
+    """CUDA processes checkpointed (with phase "gpu-checkpoint")."""
+
+
+ProgressCallback = Callable[[ProgressEvent], None]
 #: Set by the server extension to start a kernel as a restore: the path of a one-shot
 #: :class:`RestoreRequest` file. The wrapper deletes it, so a later restart of the same
 #: kernel (same environment) starts fresh, as a restart should.
@@ -89,11 +121,88 @@ class WrapperInfo:
         os.replace(tmp, path)
 
 
+# -- the operations: one dataclass of arguments each, sent as a JSON object ---------------
+
+
+@dataclass(frozen=True)
+class _Args:
+    """Arguments of a control operation: a JSON object of the dataclass's fields (an
+    unknown or missing one is a TypeError, which the wrapper answers as a bad request)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Self:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class StatusArgs(_Args):
+    gpu: bool = True
+    """Add the kernel's GPU accounting (NVML; skipped by the policies' frequent polls)."""
+
+
+@dataclass(frozen=True)
+class SnapshotArgs(_Args):
+    dest: str
+    """Where the sealed snapshot directory goes (must not exist)."""
+    trigger: str = "manual"
+    leave_running: bool = True
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Manifest fields the server knows: kernel_spec, notebook_path."""
+    sequence: int | None = None
+    release_gpu_caches: bool = True
+
+
+@dataclass(frozen=True)
+class SuspendArgs(_Args):
+    """A snapshot that ends the kernel's process; the next request brings it back."""
+
+    dest: str
+    trigger: str = "idle-suspend"
+    metadata: dict[str, Any] = field(default_factory=dict)
+    discard_after_resume: bool = True
+    release_gpu_caches: bool = True
+
+
+@dataclass(frozen=True)
+class ResumeArgs(_Args):
+    """Bring a suspended kernel back from its snapshot."""
+
+
+class KernelStatus(TypedDict):
+    """The ``status`` operation's reply (the server adds its own fields for the API)."""
+
+    gpu: dict[str, Any]
+    state: str
+    inner_pid: int | None
+    wrapper_pid: int
+    lineage: str
+    runtime_dir: str
+    execution_state: str
+    last_activity: float
+    executions_since_snapshot: int
+    sequence: int
+    busy: bool
+    resumed_request: dict[str, Any] | None
+    lazy_restore: dict[str, Any]
+
+
+class Restored(TypedDict):
+    """The ``restore`` and ``resume`` operations' reply."""
+
+    inner_pid: int | None
+    id: str
+    lineage: str
+    gpu: dict[str, Any] | None
+
+
 @dataclass(frozen=True)
 class RestoreRequest:
-    """The ``restore`` operation's arguments for a kernel that is not running yet: handed
-    to its wrapper in a file named by :data:`RESTORE_REQUEST_ENV`. A failure is reported
-    in :meth:`report_path`."""
+    """The ``restore`` operation's arguments: in place over the control socket, or for a
+    kernel that is not running yet, handed to its wrapper in a file named by
+    :data:`RESTORE_REQUEST_ENV` (a failure is then reported next to it)."""
 
     source: Path
     """The snapshot directory (its ``pages-*.img`` may be missing: see ``pages_from``)."""
@@ -105,11 +214,31 @@ class RestoreRequest:
     ``source``'s pages files missing the wrapper makes them and fills them in; present,
     they are the lender's (the server downloads them as the kernel runs)."""
 
-    def write(self, path: Path) -> None:
-        data = {"source": str(self.source), "verified": self.verified}
+    save_to: Path | None = None
+    """A restore in place first saves the running kernel here (put back on failure)."""
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"source": str(self.source), "verified": self.verified}
         if self.pages_from:
             data["pages_from"] = self.pages_from
-        path.write_text(json.dumps(data))
+        if self.save_to:
+            data["save_to"] = str(self.save_to)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RestoreRequest:
+        unknown = set(data) - {"source", "verified", "pages_from", "save_to"}
+        if unknown or not isinstance(data.get("source"), str):
+            raise TypeError(f"a restore needs a source and takes no {sorted(unknown)}")
+        return cls(
+            Path(data["source"]),
+            bool(data.get("verified")),
+            data.get("pages_from") or None,
+            Path(data["save_to"]) if data.get("save_to") else None,
+        )
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json()))
 
     @classmethod
     def take(cls, path: Path) -> RestoreRequest | None:
@@ -117,9 +246,7 @@ class RestoreRequest:
         try:
             data = json.loads(path.read_text())
             path.unlink()
-            return cls(
-                Path(data["source"]), bool(data.get("verified")), data.get("pages_from") or None
-            )
+            return cls.from_json(data)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -157,11 +284,49 @@ def _report_path(request: Path) -> Path:
     return request.with_name(request.name + ".result")
 
 
+#: Every operation, by name, with its arguments.
+OPERATIONS: dict[str, type[_Args] | type[RestoreRequest]] = {
+    "status": StatusArgs,
+    "snapshot": SnapshotArgs,
+    "suspend": SuspendArgs,
+    "resume": ResumeArgs,
+    "restore": RestoreRequest,
+}
+
+
 class WrapperClient:
-    """Talks to one kernel wrapper over its control socket."""
+    """Talks to one kernel wrapper over its control socket: a typed method per operation,
+    over :meth:`request` (the transport, also for the CLI and tests)."""
 
     def __init__(self, control: Path) -> None:
         self.control = control
+
+    async def status(self, args: StatusArgs = StatusArgs(), timeout: float = 10) -> KernelStatus:
+        status: KernelStatus = await self.request("status", args.to_json(), timeout=timeout)
+        return status
+
+    async def snapshot(
+        self, args: SnapshotArgs, on_progress: ProgressCallback | None = None
+    ) -> dict[str, Any]:
+        """The sealed snapshot's manifest, as JSON."""
+        manifest: dict[str, Any] = await self.request("snapshot", args.to_json(), on_progress)
+        return manifest
+
+    async def suspend(
+        self, args: SuspendArgs, on_progress: ProgressCallback | None = None
+    ) -> dict[str, Any]:
+        manifest: dict[str, Any] = await self.request("suspend", args.to_json(), on_progress)
+        return manifest
+
+    async def resume(self, on_progress: ProgressCallback | None = None) -> Restored:
+        restored: Restored = await self.request("resume", None, on_progress)
+        return restored
+
+    async def restore(
+        self, args: RestoreRequest, on_progress: ProgressCallback | None = None
+    ) -> Restored:
+        restored: Restored = await self.request("restore", args.to_json(), on_progress)
+        return restored
 
     async def request(
         self,
@@ -198,7 +363,7 @@ class WrapperClient:
                     hint="The kernel may have died; check the server log.",
                 )
             message = json.loads(line)
-            if "event" in message:
+            if message.pop("event", None) is not None:
                 if on_progress is not None:
                     on_progress(message)
                 continue

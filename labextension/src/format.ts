@@ -1,7 +1,7 @@
 /**
  * Human-readable sizes, times, triggers and policies.
  */
-import type { IJob, IPolicy, ISnapshot } from './tokens';
+import type { IJob, IPolicy, ISnapshot, Phase } from './tokens';
 
 const UNITS = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
 
@@ -150,16 +150,20 @@ export function baseName(path: string | null | undefined): string {
   return parts[parts.length - 1] || path;
 }
 
-const PHASES: { [key: string]: string } = {
+const PHASES: Record<Phase, string> = {
   queued: 'Waiting',
-  dumping: 'Dumping memory',
+  'releasing-gpu-caches': 'Releasing GPU caches',
   'gpu-checkpoint': 'Checkpointing GPU memory',
+  dumping: 'Dumping memory',
   hashing: 'Hashing',
   uploading: 'Uploading',
+  committing: 'Committing',
+  'checking-cache': 'Checking the local copy',
   downloading: 'Downloading',
   verifying: 'Verifying',
   'saving-kernel': 'Saving the running kernel',
   restoring: 'Restoring',
+  transferring: 'Bringing memory in',
   done: 'Done'
 };
 
@@ -178,7 +182,7 @@ export function formatKind(kind: string): string {
 /** "uploading 12.0 MiB of 40.0 MiB (30%)". */
 export function formatPhase(job: IJob): string {
   const phase = (
-    PHASES[job.phase] ?? job.phase.replace(/-/g, ' ')
+    PHASES[job.phase] ?? String(job.phase).replace(/-/g, ' ')
   ).toLowerCase();
   if (job.total_bytes > 0 && job.phase !== 'done') {
     const percent = Math.floor((100 * job.done_bytes) / job.total_bytes);

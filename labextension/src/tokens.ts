@@ -79,14 +79,30 @@ export interface ISnapshot {
 
 export type JobKind = 'snapshot' | 'restore' | 'suspend' | 'resume';
 
+/** Every phase a job goes through (jupyter_ext/core/protocol.py's Phase, the same list). */
+export type Phase =
+  | 'queued'
+  | 'releasing-gpu-caches'
+  | 'gpu-checkpoint'
+  | 'dumping'
+  | 'hashing'
+  | 'uploading'
+  | 'committing'
+  | 'checking-cache'
+  | 'downloading'
+  | 'verifying'
+  | 'saving-kernel'
+  | 'restoring'
+  | 'transferring'
+  | 'done';
+
 /** A snapshot, restore, suspend or resume in progress (or done). */
 export interface IJob {
   id: string;
   kind: JobKind | string;
   kernel_id: string | null;
   status: 'running' | 'done' | 'failed' | string;
-  /** queued, dumping, hashing, uploading, checking-cache, downloading, verifying, restoring, done */
-  phase: string;
+  phase: Phase;
   done_bytes: number;
   total_bytes: number;
   started: number;
@@ -172,7 +188,7 @@ export interface ISnapshotEvent {
   job_id?: string | null;
   kind?: string | null;
   trigger?: string | null;
-  phase?: string | null;
+  phase?: Phase | null;
   status?: string | null;
   done_bytes?: number | null;
   total_bytes?: number | null;
