@@ -70,6 +70,7 @@ from jupyter_ext.core.gpu import (
     open_backend,
     plan_gpu_pairs,
 )
+from jupyter_ext.core.growinghash import GrowingFileHasher
 from jupyter_ext.core.lazypages import (
     ENV_LAZY_RESTORE,
     DirectoryPages,
@@ -1351,13 +1352,18 @@ class KernelWrapper:
             if not leave_running:
                 self._expected_exit = True
             dump_started = time.monotonic()
-            frozen = await criu.dump(
-                inner_pid,
-                staging / IMAGES_DIR,
-                work_dir,
-                leave_running=leave_running,
-                externals=[runtime_dir_key],
-            )
+            hasher = GrowingFileHasher(staging / IMAGES_DIR)  # the memory, as it is written
+            try:
+                frozen = await criu.dump(
+                    inner_pid,
+                    staging / IMAGES_DIR,
+                    work_dir,
+                    leave_running=leave_running,
+                    externals=[runtime_dir_key],
+                )
+            except BaseException:
+                hasher.cancel()
+                raise
             dump_seconds = time.monotonic() - dump_started
         except BaseException as exc:
             self._expected_exit = False
@@ -1409,7 +1415,14 @@ class KernelWrapper:
         progress({"phase": "hashing"})
         shutil.rmtree(work_dir, ignore_errors=True)
         try:
-            manifest = await asyncio.to_thread(seal, staging, manifest, dest)
+            hashed = await asyncio.to_thread(hasher.finish)
+            manifest = await asyncio.to_thread(
+                seal,
+                staging,
+                manifest,
+                dest,
+                {f"{IMAGES_DIR}/{name}": entry for name, entry in hashed.items()},
+            )
         except BaseException:
             remove_tree(staging)
             raise

@@ -7,8 +7,10 @@ restores it, and lets the restored kernel check its own state.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,7 +33,16 @@ from jupyter_ext.core.errors import (
     SnapshotCorruptError,
     SnapshotError,
 )
-from jupyter_ext.core.manifest import MANIFEST_NAME, Manifest, manifest_checksum, verify
+from jupyter_ext.core.growinghash import GrowingFileHasher
+from jupyter_ext.core.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    manifest_checksum,
+    new_snapshot_id,
+    seal,
+    utc_now,
+    verify,
+)
 from jupyter_ext.testing import KernelProcess, wait_until
 
 Factory = Callable[..., KernelProcess]
@@ -260,11 +271,11 @@ def test_control_requests_are_checked_against_the_protocol(
     kernel.execute("kept = 7")
     with pytest.raises(SnapshotError, match="Unknown control operation 'dump'"):
         kernel.control.request_sync("dump", {}, timeout=30)
-    with pytest.raises(SnapshotError, match="Bad control request.*colour"):
+    with pytest.raises(SnapshotError, match=r"Bad control request.*colour"):
         kernel.control.request_sync("status", {"colour": "red"}, timeout=30)
-    with pytest.raises(SnapshotError, match="Bad control request.*dest"):
+    with pytest.raises(SnapshotError, match=r"Bad control request.*dest"):
         kernel.control.request_sync("snapshot", {}, timeout=30)
-    with pytest.raises(SnapshotError, match="Bad control request.*source"):
+    with pytest.raises(SnapshotError, match=r"Bad control request.*source"):
         kernel.control.request_sync("restore", {"verified": True}, timeout=30)
     assert not (tmp_path / "snap").exists()
     assert kernel.execute("print(kept)").strip() == "7"
@@ -282,6 +293,51 @@ def test_corrupted_snapshot_is_refused_before_criu(kernel_factory: Factory, tmp_
         kernel.restore(tmp_path / "s")
     # The running kernel was not touched.
     assert kernel.execute("print(a.sum())").strip() == "1000.0"
+
+
+def test_memory_images_are_hashed_as_they_are_written(tmp_path: Path) -> None:
+    """The seal's hashes of pages-*.img come from a hasher that read them while they
+    grew (as CRIU writes them, front to back): the same digests as hashing them after,
+    each file whole, and none for a file that is shorter than what was hashed."""
+    images = tmp_path / "staging" / "images"
+    images.mkdir(parents=True)
+    hasher = GrowingFileHasher(images)
+    rng = random.Random(3)
+    written: dict[str, bytes] = {}
+    for name in ("pages-1.img", "pages-2.img"):
+        with (images / name).open("wb") as fh:
+            for _ in range(40):
+                block = rng.randbytes(rng.randrange(1, 300_000))
+                fh.write(block)
+                fh.flush()
+                written[name] = written.get(name, b"") + block
+                time.sleep(0.001)
+    (images / "core-1.img").write_bytes(b"not memory")
+    hashed = hasher.finish()
+    assert hashed == {
+        name: (len(data), hashlib.sha256(data).hexdigest()) for name, data in written.items()
+    }
+    manifest = seal(
+        images.parent,
+        Manifest(
+            id=new_snapshot_id(),
+            lineage="0" * 32,
+            sequence=1,
+            created=utc_now(),
+            trigger="manual",
+            runtime_dir="/run/dummy",
+            runtime_dir_key="dummy",
+            stdio_pipe="pipe:[1]",
+        ),
+        tmp_path / "sealed",
+        {f"images/{name}": entry for name, entry in hashed.items()}
+        | {"images/core-1.img": (99, "0" * 64)},  # not its size: hashed again
+    )
+    verify(tmp_path / "sealed")
+    assert {e.path for e in manifest.files} == {
+        "images/core-1.img",
+        *[f"images/{n}" for n in written],
+    }
 
 
 def test_snapshot_without_manifest_is_not_a_snapshot(tmp_path: Path) -> None:

@@ -163,8 +163,8 @@ async def test_corrupt_snapshot_fails_its_restore_before_criu(
 
 
 class SlowPacks:
-    """A store whose pack reads take 1 s per 4 MB, one at a time (the reads themselves
-    are the real store's)."""
+    """A store whose pack reads take 1 s per 4 MB stored, one at a time (the reads
+    themselves are the real store's): slow for memory that does not compress."""
 
     def __init__(self, store: Any) -> None:
         self._store = store
@@ -257,7 +257,8 @@ async def test_a_snapshot_a_kernel_still_reads_is_deleted_once_its_pages_are_in(
     manager = manager_of(jp_serverapp)
     manager.lazy_from_store = True
     kernel = await start_kernel()
-    await kernel.run("import numpy as np; a = np.full(8 << 20, 3.0)")
+    # Random floats: 64 MiB that neither compress nor deduplicate, read at 4 MB/s.
+    await kernel.run("import numpy as np; a = np.random.default_rng(5).random(8 << 20)")
     snapshot_id = (await snapshot(jp_fetch, kernel.id))["result"]["id"]
     store = manager.store
     with slow_pages(manager):
@@ -279,7 +280,8 @@ async def test_a_snapshot_a_kernel_still_reads_is_deleted_once_its_pages_are_in(
     code, _error = await error_of(jp_fetch, "GET", snapshot_id)
     assert code == 404
     restored_kernel = await start_kernel(new_kernel)
-    assert (await restored_kernel.run("print(a.sum() == 3.0 * (8 << 20))")).strip() == "True"
+    same = "print(a.sum() == np.random.default_rng(5).random(8 << 20).sum())"
+    assert (await restored_kernel.run(same)).strip() == "True"
 
 
 async def test_incompatible_snapshot_is_422_before_any_download(

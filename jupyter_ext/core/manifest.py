@@ -17,7 +17,7 @@ import shutil
 import socket
 import sys
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -190,10 +190,25 @@ def hash_files(root: Path, paths: Iterable[Path]) -> list[FileEntry]:
     ]
 
 
-def seal(staging: Path, manifest: Manifest, final: Path) -> Manifest:
-    """Hash every file in ``staging``, write the manifest last, and rename into place."""
+def seal(
+    staging: Path,
+    manifest: Manifest,
+    final: Path,
+    hashed: Mapping[str, tuple[int, str]] | None = None,
+) -> Manifest:
+    """Hash every file in ``staging``, write the manifest last, and rename into place.
+    ``hashed`` gives (size, sha256) of files hashed already, by relative path (used for a
+    file of that size; the others are hashed here)."""
+    hashed = hashed or {}
     files = [p for p in staging.rglob("*") if p.is_file() and p.name != MANIFEST_NAME]
-    manifest.files = hash_files(staging, files)
+    known = []
+    for path in files:
+        rel = path.relative_to(staging).as_posix()
+        if rel in hashed and hashed[rel][0] == path.stat().st_size:
+            known.append(FileEntry(rel, *hashed[rel]))
+    done = {entry.path for entry in known}
+    rest = [p for p in files if p.relative_to(staging).as_posix() not in done]
+    manifest.files = sorted(known + hash_files(staging, rest), key=lambda e: e.path)
     manifest.total_bytes = sum(entry.size for entry in manifest.files)
     manifest.format_version = FORMAT_VERSION
     manifest.checksum = manifest_checksum(asdict(manifest))
