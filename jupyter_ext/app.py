@@ -16,7 +16,7 @@ from jupyter_server.serverapp import ServerApp
 from traitlets import Bool, Float, Int, Unicode, default
 
 from .core.chunking import ChunkParams
-from .core.lazypages import ENV_LAZY_RESTORE
+from .core.protocol import ENV_LAZY_RESTORE
 from .core.store import LocalStore, S3Store, SnapshotStore
 from .handlers import route_table
 from .manager import SnapshotManager, user_prefix

@@ -50,7 +50,7 @@ from .core.manifest import (
     verify,
 )
 from .core.protocol import (
-    RESTORE_REQUEST_ENV,
+    ENV_RESTORE_REQUEST,
     Phase,
     ProgressCallback,
     ProgressEvent,
@@ -1072,7 +1072,7 @@ class SnapshotManager:
         notebook_dir = None
         if manifest.notebook_path:
             notebook_dir = str(Path(manifest.notebook_path).parent)
-        env = {**os.environ, RESTORE_REQUEST_ENV: str(request)}
+        env = {**os.environ, ENV_RESTORE_REQUEST: str(request)}
         kernel_name = manifest.kernel_spec.get("name") or self.kernel_name
         try:
             kernel_id: str = await self.kernel_manager.start_kernel(

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from jupyter_ext.core.errors import SnapshotError
-from jupyter_ext.core.protocol import DEFAULT_RUNTIME_ROOT, RESTORE_REQUEST_ENV, RestoreRequest
+from jupyter_ext.core.protocol import DEFAULT_RUNTIME_ROOT, ENV_RESTORE_REQUEST, RestoreRequest
 
 from .wrapper import KernelWrapper
 
@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     restore, request = None, None
     if args.restore_from is not None:
         restore = RestoreRequest(args.restore_from)
-    elif os.environ.get(RESTORE_REQUEST_ENV):
-        request = Path(os.environ[RESTORE_REQUEST_ENV])
+    elif os.environ.get(ENV_RESTORE_REQUEST):
+        request = Path(os.environ[ENV_RESTORE_REQUEST])
         restore = RestoreRequest.take(request)
     wrapper = KernelWrapper(
         args.connection_file,

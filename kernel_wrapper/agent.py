@@ -25,8 +25,9 @@ from typing import Any
 
 import zmq
 
+from jupyter_ext.core.protocol import ENV_LIBCUDA
+
 #: The channel "port" of the agent in the runtime directory (see kernel_wrapper.inner).
-AGENT_PORT = 7
 
 
 def wanted() -> bool:
@@ -34,7 +35,7 @@ def wanted() -> bool:
     with an NVIDIA driver, or one where a libcuda is named for the kernel
     (``JUPYTER_SNAPSHOT_LIBCUDA``). Elsewhere the kernel has no extra thread or connection,
     and the wrapper, finding no agent, goes on at once."""
-    return os.path.exists("/dev/nvidiactl") or bool(os.environ.get("JUPYTER_SNAPSHOT_LIBCUDA"))
+    return os.path.exists("/dev/nvidiactl") or bool(os.environ.get(ENV_LIBCUDA))
 
 
 log = logging.getLogger(__name__)

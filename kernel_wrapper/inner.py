@@ -34,8 +34,9 @@ from ipykernel.kernelapp import IPKernelApp
 
 import kernel_snapshots
 from jupyter_ext.core import proctree
+from jupyter_ext.core.protocol import AGENT_PORT, ENV_INNER_DIR
 
-from .agent import AGENT_PORT, SnapshotAgent
+from .agent import SnapshotAgent
 from .agent import wanted as agent_wanted
 
 #: How often the orphan watcher looks for the wrapper, in seconds.
@@ -166,7 +167,7 @@ class SnapshotReadyKernelApp(IPKernelApp):
 
 def main() -> None:
     os.setsid()  # CRIU wants the root task to lead its own session.
-    runtime_dir = Path(os.environ.pop("JUPYTER_SNAPSHOT_INNER_DIR"))
+    runtime_dir = Path(os.environ.pop(ENV_INNER_DIR))
     kernel_snapshots._install(runtime_dir)
     threading.Thread(
         target=_watch_wrapper, args=(runtime_dir,), name="snapshot-wrapper-watch", daemon=True

@@ -72,7 +72,6 @@ from jupyter_ext.core.gpu import (
 )
 from jupyter_ext.core.growinghash import GrowingFileHasher
 from jupyter_ext.core.lazypages import (
-    ENV_LAZY_RESTORE,
     DirectoryPages,
     page_source,
     stage_pages_files,
@@ -88,7 +87,11 @@ from jupyter_ext.core.manifest import (
     verify,
 )
 from jupyter_ext.core.protocol import (
+    AGENT_PORT,
     DEFAULT_RUNTIME_ROOT,
+    ENV_INNER_DIR,
+    ENV_LAZY_RESTORE,
+    INNER_PORTS,
     OPERATIONS,
     KernelStatus,
     ProgressCallback,
@@ -105,12 +108,9 @@ from jupyter_ext.core.protocol import (
 )
 from kernel_snapshots import write_restore_info
 
-from .agent import AGENT_PORT
-
 log = logging.getLogger("kernel_wrapper")
 
 #: Inner channel "ports": the inner kernel connects to ``ipc://<runtime dir>/ch-<port>``.
-INNER_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5, "fork_pipe": 6}
 #: How long the kernel's snapshot agent gets to release GPU caches before a checkpoint.
 AGENT_TIMEOUT = 10.0
 #: The routing id of the wrapper's sockets toward the inner kernel, the same forever,
@@ -539,7 +539,7 @@ class KernelWrapper:
         self._inner = InnerChannels(self.runtime_dir)
         env = dict(os.environ)
         env.pop("JPY_PARENT_PID", None)  # ipykernel would exit when its parent changes
-        env["JUPYTER_SNAPSHOT_INNER_DIR"] = self._inner_dir
+        env[ENV_INNER_DIR] = self._inner_dir
         argv = [sys.executable, "-m", "kernel_wrapper.inner"]
         argv += ["-f", str(self._inner_connection_file()), *self.kernel_args]
         if unprivileged():

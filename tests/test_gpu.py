@@ -25,7 +25,7 @@ import pytest
 
 from jupyter_ext.core.errors import IncompatibleSnapshotError, SnapshotError
 from jupyter_ext.core.gpu import (
-    LIBCUDA_ENV,
+    ENV_LIBCUDA,
     CudaCheckpointTool,
     CudaDriver,
     GpuCheckpoint,
@@ -125,7 +125,7 @@ class FakeCuda:
 def fake(built: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
     state = tmp_path / "fakecuda-state"
     state.mkdir()
-    for name in ("FAKECUDA_FAIL", "FAKECUDA_PERSISTENCE", "FAKECUDA_DRIVER_VERSION", LIBCUDA_ENV):
+    for name in ("FAKECUDA_FAIL", "FAKECUDA_PERSISTENCE", "FAKECUDA_DRIVER_VERSION", ENV_LIBCUDA):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FAKECUDA_STATE_DIR", str(state))
     monkeypatch.setenv("FAKECUDA_LOG", str(state / "calls.log"))
@@ -431,7 +431,7 @@ def test_cuda_driver_version_and_library_choice(
     fake: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKECUDA_DRIVER_VERSION", "13000")
-    monkeypatch.setenv(LIBCUDA_ENV, str(fake.libcuda))
+    monkeypatch.setenv(ENV_LIBCUDA, str(fake.libcuda))
     driver = CudaDriver()
     assert driver.path == str(fake.libcuda)
     assert driver.driver_version() == 13000
@@ -446,7 +446,7 @@ def test_cuda_driver_missing_library_or_api(tmp_path: Path) -> None:
     with pytest.raises(GpuUnavailableError) as info:
         CudaDriver(str(tmp_path / "nowhere" / "libcuda.so.1"))
     assert "cannot be loaded" in info.value.message
-    assert LIBCUDA_ENV in info.value.hint
+    assert ENV_LIBCUDA in info.value.hint
     with pytest.raises(GpuUnavailableError) as info:
         CudaDriver("libc.so.6")
     assert "older than 570" in info.value.message
@@ -814,7 +814,7 @@ def _real_driver_or_skip() -> CudaDriver:
     if not Path("/dev/nvidiactl").exists():
         pytest.skip("no NVIDIA GPU here: /dev/nvidiactl does not exist")
     try:
-        driver = CudaDriver(os.environ.get(LIBCUDA_ENV) or "libcuda.so.1")
+        driver = CudaDriver(os.environ.get(ENV_LIBCUDA) or "libcuda.so.1")
     except GpuUnavailableError as exc:
         pytest.skip(f"no usable NVIDIA driver with the CUDA checkpoint API: {exc.message}")
     if driver.init() != 0:

@@ -24,7 +24,6 @@ from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.doctor import check_lazy_pages
 from jupyter_ext.core.errors import RestoreError, SnapshotCorruptError
 from jupyter_ext.core.lazypages import (
-    ENV_LAZY_RESTORE,
     PAGE_SIZE,
     READ_ATTEMPTS,
     DirectoryPages,
@@ -38,6 +37,7 @@ from jupyter_ext.core.lazypages import (
     stage_pages_files,
 )
 from jupyter_ext.core.manifest import IMAGES_DIR, verify
+from jupyter_ext.core.protocol import ENV_LAZY_RESTORE
 from jupyter_ext.core.store import LocalStore
 from jupyter_ext.testing import KernelProcess, wait_until
 

@@ -29,12 +29,11 @@ from typing import Any
 from . import proctree
 from .errors import CriuError, CriuNotFoundError, DumpError, IncompatibleSnapshotError, RestoreError
 from .lazypages import PageServer, PageSource
+from .protocol import ENV_CRIU, ENV_CRIU_PREFIX
 
 log = logging.getLogger(__name__)
 
 MIN_VERSION = (4, 2)
-ENV_CRIU = "JUPYTER_SNAPSHOT_CRIU"
-ENV_PREFIX = "JUPYTER_SNAPSHOT_CRIU_PREFIX"
 DEFAULT_PREFIX = Path("/opt/jupyter-kernel-snapshots/criu")
 INSTALL_HINT = (
     "Install CRIU >= 4.2 with 'sudo scripts/install-criu.sh' from the jupyter-kernel-snapshots "
@@ -57,7 +56,7 @@ def criu_candidates(configured: str | os.PathLike[str] | None = None) -> list[tu
         found.append(("configuration", Path(configured)))
     if os.environ.get(ENV_CRIU):
         found.append((f"${ENV_CRIU}", Path(os.environ[ENV_CRIU])))
-    prefix = Path(os.environ.get(ENV_PREFIX) or DEFAULT_PREFIX)
+    prefix = Path(os.environ.get(ENV_CRIU_PREFIX) or DEFAULT_PREFIX)
     found.append(("private prefix", prefix / "bin" / "criu"))
     on_path = shutil.which("criu")
     if on_path:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .criu import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, UNPRIVILEGED_CAPS, Criu, unprivileged
 from .errors import CriuNotFoundError
+from .protocol import ENV_RUNTIME_DIR
 
 #: Lines ``criu check`` prints that say nothing about the machine (no kerndat cache).
 _CRIU_NOISE = re.compile(r"kdat cache|location for kerndat file")
@@ -252,7 +253,7 @@ def check_runtime_dir(runtime_dir: Path) -> Check:
             "runtime directory",
             False,
             f"{runtime_dir} is not writable: {exc}",
-            fix="Set JUPYTER_SNAPSHOT_RUNTIME_DIR to a writable directory.",
+            fix=f"Set {ENV_RUNTIME_DIR} to a writable directory.",
         )
     return Check("runtime directory", True, f"{runtime_dir} is writable")
 

@@ -36,8 +36,6 @@ from .errors import RestoreError, SnapshotCorruptError, SnapshotError
 
 log = logging.getLogger(__name__)
 
-#: "0" turns lazy restore off in kernel wrappers (set from SnapshotExtensionApp.lazy_restore).
-ENV_LAZY_RESTORE = "JUPYTER_SNAPSHOT_LAZY_RESTORE"
 PAGE_SIZE = mmap.PAGESIZE
 IMG_COMMON_MAGIC = 0x54564319
 PAGEMAP_MAGIC = 0x56084025

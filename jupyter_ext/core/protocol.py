@@ -21,10 +21,33 @@ from typing import Any, Literal, Required, Self, TypedDict
 
 from .errors import SnapshotError, WrapperUnavailableError
 
+# -- names the server, the wrappers and the kernels share ---------------------------------
+
+#: Environment variables. Set by the operator: where wrappers make their private
+#: directories, which CRIU (or where its private copy lives), which libcuda and
+#: cuda-checkpoint.
+ENV_RUNTIME_DIR = "JUPYTER_SNAPSHOT_RUNTIME_DIR"
+ENV_CRIU = "JUPYTER_SNAPSHOT_CRIU"
+ENV_CRIU_PREFIX = "JUPYTER_SNAPSHOT_CRIU_PREFIX"
+ENV_LIBCUDA = "JUPYTER_SNAPSHOT_LIBCUDA"
+ENV_CUDA_CHECKPOINT = "JUPYTER_SNAPSHOT_CUDA_CHECKPOINT"
+#: Set by the server for the wrappers it starts: "0" turns lazy restore off
+#: (SnapshotExtensionApp.lazy_restore); the path of a one-shot :class:`RestoreRequest` file
+#: that makes a new kernel start as a restore (the wrapper deletes it, so a later restart
+#: of the same kernel, same environment, starts fresh as a restart should).
+ENV_LAZY_RESTORE = "JUPYTER_SNAPSHOT_LAZY_RESTORE"
+ENV_RESTORE_REQUEST = "JUPYTER_SNAPSHOT_RESTORE_REQUEST"
+#: Set by the wrapper for its inner kernel: the private directory of its channels.
+ENV_INNER_DIR = "JUPYTER_SNAPSHOT_INNER_DIR"
+#: The inner kernel's channels, ``ch-N`` sockets in that directory (the wrapper binds,
+#: the kernel connects); the snapshot agent in the kernel is ``ch-7``.
+INNER_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5, "fork_pipe": 6}
+AGENT_PORT = 7
+
 INFO_PREFIX = "snapshot-wrapper-"
-#: Where wrappers make their private directories (JUPYTER_SNAPSHOT_RUNTIME_DIR overrides).
+#: Where wrappers make their private directories ($JUPYTER_SNAPSHOT_RUNTIME_DIR overrides).
 DEFAULT_RUNTIME_ROOT = Path(
-    os.environ.get("JUPYTER_SNAPSHOT_RUNTIME_DIR")
+    os.environ.get(ENV_RUNTIME_DIR)
     or (
         "/run/jupyter-kernel-snapshots"
         if os.geteuid() == 0
@@ -64,10 +87,6 @@ class ProgressEvent(TypedDict, total=False):
 
 
 ProgressCallback = Callable[[ProgressEvent], None]
-#: Set by the server extension to start a kernel as a restore: the path of a one-shot
-#: :class:`RestoreRequest` file. The wrapper deletes it, so a later restart of the same
-#: kernel (same environment) starts fresh, as a restart should.
-RESTORE_REQUEST_ENV = "JUPYTER_SNAPSHOT_RESTORE_REQUEST"
 
 
 @contextlib.contextmanager
@@ -202,7 +221,7 @@ class Restored(TypedDict):
 class RestoreRequest:
     """The ``restore`` operation's arguments: in place over the control socket, or for a
     kernel that is not running yet, handed to its wrapper in a file named by
-    :data:`RESTORE_REQUEST_ENV` (a failure is then reported next to it)."""
+    :data:`ENV_RESTORE_REQUEST` (a failure is then reported next to it)."""
 
     source: Path
     """The snapshot directory (its ``pages-*.img`` may be missing: see ``pages_from``)."""

@@ -38,13 +38,12 @@ by size assertions in :mod:`.driver`; the ``gpu``-marked tests in ``tests/test_g
 run lock, checkpoint, restore and unlock against the real driver.
 """
 
+from ..protocol import ENV_CUDA_CHECKPOINT, ENV_LIBCUDA
 from .backend import CheckpointBackend, open_backend
 from .checkpointer import GpuCheckpoint, GpuCheckpointer, StepTimings
 from .compat import check_restore_compatible, plan_gpu_pairs
 from .driver import CudaDriver, uuid_bytes
 from .errors import (
-    CUDA_CHECKPOINT_ENV,
-    LIBCUDA_ENV,
     GpuCheckpointError,
     GpuUnavailableError,
     ProcessState,
@@ -61,8 +60,8 @@ from .processes import find_cuda_processes, kernel_gpu_status
 from .tool import CudaCheckpointTool
 
 __all__ = [
-    "CUDA_CHECKPOINT_ENV",
-    "LIBCUDA_ENV",
+    "ENV_CUDA_CHECKPOINT",
+    "ENV_LIBCUDA",
     "CheckpointBackend",
     "CudaCheckpointTool",
     "CudaDriver",

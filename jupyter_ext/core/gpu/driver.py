@@ -13,13 +13,13 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from ..protocol import ENV_LIBCUDA
 from .errors import (
     CUDA_ERROR_NAMES,
     CUDA_ERROR_NOT_INITIALIZED,
     CUDA_SUCCESS,
     DEFAULT_LIBCUDA,
     GPU_REMAP_CUDA_DRIVER_VERSION,
-    LIBCUDA_ENV,
     GpuCheckpointError,
     GpuUnavailableError,
     ProcessState,
@@ -124,7 +124,7 @@ class CudaDriver:
     toggle_only = False
 
     def __init__(self, path: str | None = None) -> None:
-        self.path = path or os.environ.get(LIBCUDA_ENV) or DEFAULT_LIBCUDA
+        self.path = path or os.environ.get(ENV_LIBCUDA) or DEFAULT_LIBCUDA
         try:
             lib = ctypes.CDLL(self.path)
         except OSError as exc:
@@ -132,7 +132,7 @@ class CudaDriver:
                 f"The NVIDIA driver library {self.path} cannot be loaded: {exc}",
                 hint=(
                     "Install the NVIDIA driver (>= 570), or point "
-                    f"${LIBCUDA_ENV} at its libcuda.so.1."
+                    f"${ENV_LIBCUDA} at its libcuda.so.1."
                 ),
             ) from exc
         missing = [symbol for symbol in _CHECKPOINT_SYMBOLS if not hasattr(lib, symbol)]
@@ -165,7 +165,7 @@ class CudaDriver:
                 return
             raise GpuUnavailableError(
                 f"{self.path} has no {symbol}; it is not a usable NVIDIA driver library.",
-                hint=f"Point ${LIBCUDA_ENV} at the NVIDIA driver's libcuda.so.1.",
+                hint=f"Point ${ENV_LIBCUDA} at the NVIDIA driver's libcuda.so.1.",
             ) from None
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int

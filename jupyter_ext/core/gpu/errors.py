@@ -10,10 +10,6 @@ import enum
 
 from ..errors import SnapshotError
 
-LIBCUDA_ENV = "JUPYTER_SNAPSHOT_LIBCUDA"
-"""Environment variable naming the libcuda to load (default ``libcuda.so.1``)."""
-CUDA_CHECKPOINT_ENV = "JUPYTER_SNAPSHOT_CUDA_CHECKPOINT"
-"""Environment variable naming the ``cuda-checkpoint`` executable (default: from PATH)."""
 DEFAULT_LIBCUDA = "libcuda.so.1"
 DEFAULT_LOCK_TIMEOUT_MS = 10_000
 MIN_CUDA_DRIVER_VERSION = 12080

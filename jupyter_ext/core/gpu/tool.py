@@ -12,8 +12,8 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 
+from ..protocol import ENV_CUDA_CHECKPOINT
 from .errors import (
-    CUDA_CHECKPOINT_ENV,
     CUDA_ERROR_ILLEGAL_STATE,
     CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_NAMES,
@@ -42,13 +42,13 @@ class CudaCheckpointTool:
     name = "cuda-checkpoint"
 
     def __init__(self, executable: str | None = None, *, timeout_s: float = 600.0) -> None:
-        found = executable or os.environ.get(CUDA_CHECKPOINT_ENV) or shutil.which("cuda-checkpoint")
+        found = executable or os.environ.get(ENV_CUDA_CHECKPOINT) or shutil.which("cuda-checkpoint")
         if not found:
             raise GpuUnavailableError(
                 "NVIDIA's cuda-checkpoint utility is not installed (not on PATH).",
                 hint=(
                     "Install it from https://github.com/NVIDIA/cuda-checkpoint, or set "
-                    f"${CUDA_CHECKPOINT_ENV} to its path."
+                    f"${ENV_CUDA_CHECKPOINT} to its path."
                 ),
             )
         self.executable = found
@@ -60,7 +60,7 @@ class CudaCheckpointTool:
         except (OSError, subprocess.SubprocessError) as exc:
             raise GpuUnavailableError(
                 f"{found} cannot be run: {exc}",
-                hint=f"Check the cuda-checkpoint installation, or set ${CUDA_CHECKPOINT_ENV}.",
+                hint=f"Check the cuda-checkpoint installation, or set ${ENV_CUDA_CHECKPOINT}.",
             ) from exc
         self.help_text = done.stdout + done.stderr
         self.supports_action = "--action" in self.help_text
@@ -98,7 +98,7 @@ class CudaCheckpointTool:
         except OSError as exc:
             raise GpuUnavailableError(
                 f"{self.executable} cannot be run: {exc}",
-                hint=f"Check the cuda-checkpoint installation, or set ${CUDA_CHECKPOINT_ENV}.",
+                hint=f"Check the cuda-checkpoint installation, or set ${ENV_CUDA_CHECKPOINT}.",
                 pid=pid,
                 step=step,
             ) from exc
