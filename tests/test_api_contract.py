@@ -13,7 +13,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, cast, get_args
 
 import pytest
 import schemathesis
@@ -26,8 +26,10 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from tornado import web
 
 from jupyter_ext.core.protocol import Phase
+from jupyter_ext.handlers import route_table
 
 from .jupyter_api import Fetch, server_config
 from .servers import ServerProcess, follow, ws_execute
@@ -210,3 +212,30 @@ def test_the_phases_are_one_list_everywhere() -> None:
     union = re.search(r"export type Phase =(.*?);", tokens, re.S)
     assert union is not None
     assert re.findall(r"'([a-z-]+)'", union.group(1)) == phases
+
+
+def test_openapi_documents_exactly_the_routes() -> None:
+    """Every documented path and method reaches a handler that implements it (the first
+    route that matches, as tornado picks), and every method of every route is documented."""
+    spec = yaml.safe_load(OPENAPI.read_text())
+    base = spec["servers"][0]["url"]
+    routes = route_table(cast(Any, None), {})
+    examples = {"kernel_id": NO_KERNEL, "job_id": "0" * 16, "snapshot_id": NO_SNAPSHOT}
+
+    def implemented(handler: type[web.RequestHandler]) -> set[str]:
+        return {
+            method
+            for method in ("get", "post", "put", "patch", "delete")
+            if getattr(handler, method) is not getattr(web.RequestHandler, method)
+        }
+
+    documented: dict[type[web.RequestHandler], set[str]] = {}
+    for path, operations in spec["paths"].items():
+        url = base + re.sub(r"\{(\w+)\}", lambda m: examples[m.group(1)], path)
+        handler = next((h for pattern, h, _ in routes if re.fullmatch(pattern, url)), None)
+        assert handler is not None, f"{path} is documented but no route serves it"
+        methods = set(operations) - {"parameters"}
+        assert methods <= implemented(handler), (path, methods, handler.__name__)
+        documented.setdefault(handler, set()).update(methods)
+    for pattern, handler, _ in routes:
+        assert implemented(handler) == documented.get(handler, set()), (pattern, handler)
