@@ -17,6 +17,7 @@ from jupyter_server.base.handlers import APIHandler
 from tornado import web
 
 from .core.errors import (
+    BadIdError,
     CriuNotFoundError,
     DumpError,
     IncompatibleSnapshotError,
@@ -33,6 +34,7 @@ from .core.store import StoreError
 from .manager import SnapshotManager, validate_notebook_path
 
 HTTP_STATUS: dict[type[SnapshotError], int] = {
+    BadIdError: 400,
     SnapshotNotFoundError: 404,
     SnapshotBusyError: 409,
     KernelNotRunningError: 409,

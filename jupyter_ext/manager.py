@@ -26,6 +26,7 @@ from .core import proctree
 from .core.compat import check_compatible
 from .core.criu import Criu
 from .core.errors import (
+    BadIdError,
     KernelNotRunningError,
     SnapshotBusyError,
     SnapshotError,
@@ -45,6 +46,7 @@ from .core.manifest import (
     MANIFEST_NAME,
     SNAPSHOT_ID_RE,
     Manifest,
+    check_snapshot_id,
     new_snapshot_id,
     remove_tree,
     verify,
@@ -137,15 +139,12 @@ def _reason(outcome: Job | SnapshotError) -> str:
     return str((outcome.error or {}).get("message", "it failed"))
 
 
-def validate_snapshot_id(snapshot_id: str) -> str:
-    if not SNAPSHOT_ID_RE.match(snapshot_id):
-        raise ValueError(f"{snapshot_id!r} is not a snapshot id (32 lowercase hex digits).")
-    return snapshot_id
-
-
-def validate_kernel_id(kernel_id: str) -> str:
+def check_kernel_id(kernel_id: str) -> str:
     if not KERNEL_ID_RE.match(kernel_id):
-        raise ValueError(f"{kernel_id!r} is not a kernel id (a UUID).")
+        raise BadIdError(
+            f"{kernel_id!r} is not a kernel id (a UUID).",
+            hint="Use a kernel id as GET /api/snapshots/kernels shows it.",
+        )
     return kernel_id
 
 
@@ -284,7 +283,7 @@ class SnapshotManager:
 
     def kernel(self, kernel_id: str) -> Any:
         """The server's kernel ``kernel_id``; SnapshotNotFoundError if there is none."""
-        validate_kernel_id(kernel_id)
+        check_kernel_id(kernel_id)
         if kernel_id not in self.kernel_manager:
             raise SnapshotNotFoundError(f"There is no kernel {kernel_id} on this server.")
         return self.kernel_manager.get_kernel(kernel_id)
@@ -362,7 +361,7 @@ class SnapshotManager:
         return {"snapshots": entries, "store_error": store_error}
 
     async def get(self, snapshot_id: str) -> dict[str, Any]:
-        validate_snapshot_id(snapshot_id)
+        check_snapshot_id(snapshot_id)
         pending = self.pending.get(snapshot_id)
         if pending is not None:
             status = "upload-failed" if pending.error else "uploading"
@@ -714,7 +713,7 @@ class SnapshotManager:
 
         A new kernel is attached to the notebook ``path`` (default: the snapshot's own).
         """
-        validate_snapshot_id(snapshot_id)
+        check_snapshot_id(snapshot_id)
         if path is not None:
             path = validate_notebook_path(path)
         if kernel_id is not None:
@@ -1142,7 +1141,7 @@ class SnapshotManager:
     # ---------------------------------------------------------------- delete
 
     async def delete(self, snapshot_id: str) -> None:
-        validate_snapshot_id(snapshot_id)
+        check_snapshot_id(snapshot_id)
         pending = self.pending.get(snapshot_id)
         if pending is not None:
             del self.pending[snapshot_id]

@@ -26,7 +26,7 @@ import pytest
 from jupyter_ext.core import manifest as manifest_mod
 from jupyter_ext.core import packs
 from jupyter_ext.core.chunking import PAGE_SIZE, ChunkParams, auto_chunk_kib, iter_chunks
-from jupyter_ext.core.errors import SnapshotCorruptError, SnapshotNotFoundError
+from jupyter_ext.core.errors import BadIdError, SnapshotCorruptError, SnapshotNotFoundError
 from jupyter_ext.core.manifest import Manifest
 from jupyter_ext.core.packs import Location
 from jupyter_ext.core.store import LocalStore, S3Store, StoredSnapshot, StoreError
@@ -669,11 +669,11 @@ def test_traversal_paths_in_a_manifest_are_refused(store: Store, tmp_path: Path)
     ["../x", "..", "", "a" * 31, "a" * 33, "A" * 32, "g" * 32, "../" + "a" * 29, "a" * 31 + "/"],
 )
 def test_invalid_ids_are_rejected(store: Store, tmp_path: Path, bad_id: str) -> None:
-    with pytest.raises(SnapshotNotFoundError, match="not a snapshot id"):
+    with pytest.raises(BadIdError, match="not a snapshot id"):
         store.get(bad_id)
-    with pytest.raises(SnapshotNotFoundError):
+    with pytest.raises(BadIdError):
         store.fetch(bad_id, tmp_path / "out")
-    with pytest.raises(SnapshotNotFoundError):
+    with pytest.raises(BadIdError):
         store.delete(bad_id)
     assert not (tmp_path / "out").exists()
 

@@ -101,6 +101,12 @@ class SnapshotNotFoundError(SnapshotError):
     code = "snapshot-not-found"
 
 
+class BadIdError(SnapshotError):
+    """Not an id at all (REST: 400), wherever it is given: API, CLI or store."""
+
+    code = "bad-request"
+
+
 def _error_classes() -> dict[str, type[SnapshotError]]:
     """Every SnapshotError subclass by code, also those defined in other core modules
     (store errors, GPU errors) once imported."""

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .errors import SnapshotCorruptError
+from .errors import BadIdError, SnapshotCorruptError
 
 FORMAT_VERSION = 2
 """2: the manifest carries its own checksum. Format 1 (no checksum) is still read."""
@@ -32,6 +32,18 @@ READABLE_FORMATS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 IMAGES_DIR = "images"
 SNAPSHOT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+def check_snapshot_id(value: object) -> str:
+    """``value`` if it is a snapshot id (it names files and objects: nothing else may pass)."""
+    if not isinstance(value, str) or not SNAPSHOT_ID_RE.match(value):
+        raise BadIdError(
+            f"{value!r} is not a snapshot id (32 lowercase hex digits).",
+            hint="Use an id as 'jupyter snapshot list' or GET /api/snapshots shows it.",
+        )
+    return value
+
+
 TRIGGERS = ("manual", "periodic", "idle-suspend", "before-shutdown", "before-restore")
 """What took a snapshot; "before-restore" saves a kernel a restore in place replaces."""
 

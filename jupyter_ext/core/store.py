@@ -342,14 +342,6 @@ def _safe_relpath(path: str) -> PurePosixPath:
     return pure
 
 
-def _check_id(snapshot_id: str) -> None:
-    if not isinstance(snapshot_id, str) or not manifest_mod.SNAPSHOT_ID_RE.match(snapshot_id):
-        raise SnapshotNotFoundError(
-            f"{snapshot_id!r} is not a snapshot id (32 lowercase hex digits).",
-            hint="Use an id as listed by the store.",
-        )
-
-
 class _Catalog:
     """Where the chunks of the given records are now, in the objects that exist.
 
@@ -1096,7 +1088,7 @@ class _ChunkStore(abc.ABC):
         return record
 
     def _require(self, snapshot_id: str) -> _Record:
-        _check_id(snapshot_id)
+        manifest_mod.check_snapshot_id(snapshot_id)
         record = self._load(snapshot_id)
         if record is None:
             raise SnapshotNotFoundError(
