@@ -654,14 +654,20 @@ def test_invalid_manifests_are_refused(store: Store, tmp_path: Path) -> None:
     assert store.list() == []
 
 
-def test_traversal_paths_in_a_manifest_are_refused(store: Store, tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad_path", ["../outside.img", "/etc/hostname", "images//core.img"])
+def test_traversal_paths_in_a_manifest_are_refused(
+    store: Store, tmp_path: Path, bad_path: str
+) -> None:
+    """By the store's put and by a local check alike (one rule, manifest.safe_relpath)."""
     source = make_snapshot(tmp_path, random_pages(random.Random(12), 16))
     raw = json.loads((source / "manifest.json").read_text())
-    raw["files"][0]["path"] = "../outside.img"
+    raw["files"][0]["path"] = bad_path
     (source / "manifest.json").write_text(json.dumps(reseal(raw)))
     with pytest.raises(SnapshotCorruptError, match="not allowed"):
         store.put(source)
     assert store.list() == []
+    with pytest.raises(SnapshotCorruptError, match="not allowed"):
+        manifest_mod.verify(source)
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import BadIdError, SnapshotCorruptError
@@ -32,6 +32,21 @@ READABLE_FORMATS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 IMAGES_DIR = "images"
 SNAPSHOT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+def safe_relpath(path: str) -> PurePosixPath:
+    """A manifest's file path as a relative path that stays inside the snapshot
+    directory; ValueError for any other (absolute, "..", empty parts, backslashes)."""
+    pure = PurePosixPath(path)
+    if (
+        not path
+        or pure.is_absolute()
+        or any(part in ("", ".", "..") for part in path.split("/"))
+        or "\\" in path
+        or path == MANIFEST_NAME
+    ):
+        raise ValueError(f"file path {path!r} is not allowed in a snapshot")
+    return pure
 
 
 def check_snapshot_id(value: object) -> str:
@@ -242,8 +257,14 @@ def verify(snapshot_dir: Path) -> Manifest:
     manifest = Manifest.read(snapshot_dir)
     listed = {entry.path for entry in manifest.files}
     for entry in manifest.files:
-        path = snapshot_dir / entry.path
-        if ".." in Path(entry.path).parts or not path.is_file():
+        try:
+            path = snapshot_dir / safe_relpath(entry.path)
+        except ValueError as exc:
+            raise SnapshotCorruptError(
+                f"Snapshot {manifest.id} is damaged: {exc}.",
+                hint="Pick another snapshot; this one cannot be restored.",
+            ) from None
+        if not path.is_file():
             raise SnapshotCorruptError(
                 f"Snapshot {manifest.id} is damaged: its file {entry.path} is missing.",
                 hint="Pick another snapshot; this one cannot be restored.",

@@ -55,7 +55,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple, NoReturn, Protocol, TypeVar
 
 from . import manifest as manifest_mod
@@ -312,7 +312,7 @@ def _check_chunk_map(manifest: Manifest, chunks: dict[str, builtins.list[ChunkRe
     if set(chunks) != set(expected) or len(expected) != len(manifest.files):
         raise ValueError("its chunk lists do not match the manifest's files")
     for path, refs in chunks.items():
-        _safe_relpath(path)
+        manifest_mod.safe_relpath(path)
         if sum(r.size for r in refs) != expected[path]:
             raise ValueError(f"the chunks of {path} do not add up to its size")
         for ref in refs:
@@ -326,20 +326,6 @@ def _check_chunk_map(manifest: Manifest, chunks: dict[str, builtins.list[ChunkRe
                 or (where.codec == "raw" and where.length != ref.size)
             ):
                 raise ValueError(f"a chunk of {path} is malformed")
-
-
-def _safe_relpath(path: str) -> PurePosixPath:
-    """A manifest path as a relative path that stays inside the snapshot directory."""
-    pure = PurePosixPath(path)
-    if (
-        not path
-        or pure.is_absolute()
-        or any(part in ("", ".", "..") for part in path.split("/"))
-        or "\\" in path
-        or path == manifest_mod.MANIFEST_NAME
-    ):
-        raise ValueError(f"file path {path!r} is not allowed in a snapshot")
-    return pure
 
 
 class _Catalog:
@@ -1346,7 +1332,7 @@ class _Upload:
 
     def _path(self, relpath: str) -> Path:
         try:
-            return self.root / _safe_relpath(relpath)
+            return self.root / manifest_mod.safe_relpath(relpath)
         except ValueError as exc:
             raise _corrupt(self.manifest.id, str(exc)) from exc
 
@@ -1613,7 +1599,7 @@ class _Download:
         reader = _Reader(self.store, self.record)
         try:
             for entry in self.entries:
-                target = self.staging / _safe_relpath(entry.path)
+                target = self.staging / manifest_mod.safe_relpath(entry.path)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 fds.append(fd)
@@ -1780,7 +1766,7 @@ class SnapshotImages:
         anything asks) before returning, and download the rest in the background: the
         chunks of the ranges ``first`` lists, in that order, then all the others."""
         for path in paths:
-            target = directory / _safe_relpath(path)
+            target = directory / manifest_mod.safe_relpath(path)
             target.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             self._local[path] = (fd, bytearray(len(self._refs[path])))
