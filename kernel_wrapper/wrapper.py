@@ -1274,12 +1274,16 @@ class KernelWrapper:
             self._criu = Criu.locate(self.criu_path)
         return self._criu
 
-    async def _op_snapshot(self, progress: ProgressCallback, args: SnapshotArgs) -> dict[str, Any]:
+    def _refuse_if_busy(self) -> None:
+        """One snapshot or restore at a time: a second one is refused, not queued."""
         if self._op_lock.locked():
             raise SnapshotBusyError(
                 "A snapshot or restore of this kernel is already in progress.",
                 hint="Wait for it to finish, then try again.",
             )
+
+    async def _op_snapshot(self, progress: ProgressCallback, args: SnapshotArgs) -> dict[str, Any]:
+        self._refuse_if_busy()
         async with self._op_lock:
             manifest = await self._snapshot(
                 Path(args.dest),
@@ -1511,11 +1515,7 @@ class KernelWrapper:
         return await self._op_restore(progress, RestoreRequest(self.suspended_snapshot))
 
     async def _op_restore(self, progress: ProgressCallback, args: RestoreRequest) -> Restored:
-        if self._op_lock.locked():
-            raise SnapshotBusyError(
-                "A snapshot or restore of this kernel is already in progress.",
-                hint="Wait for it to finish, then try again.",
-            )
+        self._refuse_if_busy()
         manifest = await self._restore(
             args.source,
             progress,
