@@ -246,6 +246,8 @@ class SnapshotManager:
         self._kernel_jobs: dict[str, Job] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._lazy_watchers: set[asyncio.Task[Any]] = set()
+        self._settling: set[str] = set()
+        """Kernels restored lazily whose restore this server has not wrapped up yet."""
         self.pending: dict[str, PendingUpload] = {}
         self.periodic_opt_out: set[str] = set()
         self.keep_last = keep_last
@@ -310,12 +312,17 @@ class SnapshotManager:
         return None
 
     async def kernel_status(self, kernel_id: str) -> dict[str, Any]:
-        """The wrapper's view of a kernel: state, activity, whether a job runs on it."""
+        """The wrapper's view of a kernel: state, activity, whether a job runs on it. A
+        lazy restore is "transferring" until this server is done with it too (what the
+        pages were read from given back: the download cached or removed)."""
         try:
             status: dict[str, Any] = dict(await self.wrapper(kernel_id).status())
         except (WrapperUnavailableError, SnapshotNotFoundError) as exc:
             # Not a snapshot kernel, or one that went away since it was listed.
             return {"kernel_id": kernel_id, "snapshots": False, "reason": exc.message}
+        lazy = status.get("lazy_restore") or {}
+        if kernel_id in self._settling and lazy.get("state") == "complete":
+            status["lazy_restore"] = {**lazy, "state": "transferring"}
         job = self._kernel_jobs.get(kernel_id)
         status.update(
             kernel_id=kernel_id,
@@ -893,16 +900,20 @@ class SnapshotManager:
             try:
                 deadline = None if timeout is None else time.monotonic() + timeout
                 while deadline is None or time.monotonic() < deadline:
-                    status = await self.kernel_status(kernel_id)
+                    try:
+                        status = await self.wrapper(kernel_id).status()
+                    except (WrapperUnavailableError, SnapshotNotFoundError):
+                        break  # the kernel is gone
                     lazy = status.get("lazy_restore") or {}
-                    if not status.get("snapshots"):
-                        break
                     if lazy.get("state") != "transferring":
                         outcome = lazy
                         break
                     await asyncio.sleep(0.2)
             finally:
-                await then(outcome)
+                try:
+                    await then(outcome)
+                finally:
+                    self._settling.discard(kernel_id)
             if outcome.get("state") == "failed":  # after the job said "done": say it now
                 error = outcome.get("error") or {}
                 log.warning("lazy restore of kernel %s failed: %s", kernel_id, error)
@@ -917,6 +928,7 @@ class SnapshotManager:
                     },
                 )
 
+        self._settling.add(kernel_id)
         task = asyncio.ensure_future(wait())
         self._tasks.add(task)
         self._lazy_watchers.add(task)

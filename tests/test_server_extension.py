@@ -163,11 +163,12 @@ async def test_corrupt_snapshot_fails_its_restore_before_criu(
 
 
 class SlowPacks:
-    """A store whose pack reads take 1 s per 4 MB stored, one at a time (the reads
-    themselves are the real store's): slow for memory that does not compress."""
+    """A store whose pack reads run at ``rate`` bytes stored a second, one at a time (the
+    reads themselves are the real store's): slow for memory that does not compress."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, rate: float) -> None:
         self._store = store
+        self._rate = rate
         self._one_at_a_time = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
@@ -175,12 +176,12 @@ class SlowPacks:
 
     def _read_object(self, name: str, offset: int, length: int) -> Any:
         with self._one_at_a_time:
-            time.sleep(length / 4e6)
+            time.sleep(length / self._rate)
         return self._store._read_object(name, offset, length)
 
 
 @contextlib.contextmanager
-def slow_pages(manager: Any) -> Iterator[None]:
+def slow_pages(manager: Any, rate: float = 4e6) -> Iterator[None]:
     """Lazy restores started meanwhile read their pages through :class:`SlowPacks`: still
     transferring when the test acts."""
     store = manager.store
@@ -188,7 +189,7 @@ def slow_pages(manager: Any) -> Iterator[None]:
 
     def open_slowly(snapshot_id: str) -> Any:
         images = real_open(snapshot_id)
-        images._reader.store = SlowPacks(store)
+        images._reader.store = SlowPacks(store, rate)
         return images
 
     store.open_images = open_slowly
@@ -257,11 +258,11 @@ async def test_a_snapshot_a_kernel_still_reads_is_deleted_once_its_pages_are_in(
     manager = manager_of(jp_serverapp)
     manager.lazy_from_store = True
     kernel = await start_kernel()
-    # Random floats: 64 MiB that neither compress nor deduplicate, read at 4 MB/s.
+    # Random floats: 64 MiB that neither compress nor deduplicate.
     await kernel.run("import numpy as np; a = np.random.default_rng(5).random(8 << 20)")
     snapshot_id = (await snapshot(jp_fetch, kernel.id))["result"]["id"]
     store = manager.store
-    with slow_pages(manager):
+    with slow_pages(manager, rate=2e6):  # 64 MiB: ~30 s of pages, plenty of margin
         restore = await call(jp_fetch, "POST", snapshot_id, "restore")
         restored = await wait_job(jp_fetch, restore["job"])
     assert restored["status"] == "done", restored
@@ -273,7 +274,8 @@ async def test_a_snapshot_a_kernel_still_reads_is_deleted_once_its_pages_are_in(
     await snapshot(jp_fetch, kernel.id)
     assert store.get(snapshot_id), "retention passed it over"
 
-    await call(jp_fetch, "DELETE", snapshot_id)  # waits for the pages
+    # Waits for the pages (seconds at the store's 4 MB/s here: longer than a default request).
+    await jp_fetch("api", "snapshots", snapshot_id, method="DELETE", request_timeout=300)
     assert not manager.lent
     status = await call(jp_fetch, "GET", "kernels", new_kernel)
     assert status["lazy_restore"]["state"] == "complete", status["lazy_restore"]
