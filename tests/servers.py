@@ -276,9 +276,16 @@ async def ws_connect(server: Endpoint, kernel_id: str) -> WebSocketClientConnect
     from tornado.websocket import websocket_connect
 
     url = "ws" + server.url.removeprefix("http") + f"api/kernels/{kernel_id}/channels"
-    return await websocket_connect(
-        HTTPRequest(url, headers={"Authorization": f"token {server.token}"})
+    # jupyter_server answers the handshake once the kernel answered kernel_info, or after
+    # its kernel_info_timeout (60 s) without it; tornado's own default (20 s) would give
+    # up first, and hide what the server says then.
+    request = HTTPRequest(
+        url,
+        headers={"Authorization": f"token {server.token}"},
+        connect_timeout=90,
+        request_timeout=90,
     )
+    return await websocket_connect(request)
 
 
 async def ws_close(ws: WebSocketClientConnection) -> None:

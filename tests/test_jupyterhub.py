@@ -97,10 +97,15 @@ def alice(hub: Hub) -> Endpoint:
 
 
 @pytest.fixture(scope="module")
-def alice_snapshot(alice: Endpoint) -> dict[str, Any]:
+def alice_snapshot(hub: Hub, alice: Endpoint) -> dict[str, Any]:
     """A snapshot of a kernel of alice's that ran a cell, all through the proxy."""
     kernel = alice.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
-    assert ws_execute(alice, kernel, "answer = 6 * 7\nprint(answer)") == "42\n"
+    try:
+        output = ws_execute(alice, kernel, "answer = 6 * 7\nprint(answer)")
+    except Exception as exc:  # the hub's log holds the server's and the kernel's
+        log = "\n".join(hub.log().splitlines()[-150:])
+        raise AssertionError(f"the cell failed ({exc!r}); the hub's log ends:\n{log}") from exc
+    assert output == "42\n"
     job = alice.client.call("POST", "", body={"kernel_id": kernel})["job"]
     snapshot: dict[str, Any] = follow(alice, job)["result"]
     assert snapshot["kernel_id"] == kernel

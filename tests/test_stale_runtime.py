@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jupyter_ext.testing import KernelProcess
-from kernel_wrapper.wrapper import STALE_UNNAMED_SECONDS, remove_stale_runtime_dirs
+from kernel_wrapper.runtime import STALE_UNNAMED_SECONDS, remove_stale_runtime_dirs
 
 
 def _named(root: Path, name: str, pid: int, fd: int) -> Path:

@@ -8,7 +8,7 @@ import select
 import zmq
 import zmq.asyncio
 
-from kernel_wrapper.wrapper import receive_ready, send_now
+from kernel_wrapper.channels import receive_ready, send_now
 
 
 def test_a_send_never_hides_a_message_waiting_to_be_received() -> None:

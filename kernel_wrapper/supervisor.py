@@ -1,0 +1,214 @@
+"""The inner kernel's process: started, or adopted after a restore, watched, ended.
+
+Its exit is reported once: an end the wrapper caused (a kill, a dump that ends it) is
+expected and silent; any other is a death, handed to ``on_death``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+
+from jupyter_ext.core import proctree
+from jupyter_ext.core.criu import unprivileged
+from jupyter_ext.core.errors import KernelNotRunningError
+
+log = logging.getLogger("kernel_wrapper")
+
+#: How long an ended kernel gets to be reaped.
+REAP_TIMEOUT = 10.0
+
+
+class Supervisor:
+    """One inner kernel process at a time (``pid``: None while none runs).
+
+    ``on_death(code)`` is called when the process ends without the wrapper ending it;
+    ``on_pid`` whenever ``pid`` changes. The kernel's stdout and stderr go to a pipe whose
+    read end the wrapper copies to its own stderr; the same pipe is handed to a restored
+    kernel, so its output arrives the same way.
+    """
+
+    def __init__(self, on_death: Callable[[int], None], on_pid: Callable[[], None]) -> None:
+        self._on_death = on_death
+        self._on_pid = on_pid
+        self._pid: int | None = None
+        self._launcher: subprocess.Popen[bytes] | None = None
+        self._pidfd: int | None = None
+        self._expected_exit = False
+        self.stdio_r, self.stdio_w = os.pipe()
+        os.set_blocking(self.stdio_r, False)
+
+    @property
+    def pid(self) -> int | None:
+        """The kernel process (the namespace's launcher with root), None while none runs."""
+        return self._pid
+
+    def _set_pid(self, pid: int | None) -> None:
+        self._pid = pid
+        self._on_pid()
+
+    @property
+    def stdio_pipe(self) -> str:
+        """The pipe as CRIU names it in a dump (``pipe:[INODE]``), to hand it back on restore."""
+        return f"pipe:[{os.fstat(self.stdio_r).st_ino}]"
+
+    def forward_stdio(self) -> None:
+        """Copy what the kernel printed to the wrapper's stderr (the server's log)."""
+        with contextlib.suppress(BlockingIOError):
+            data = os.read(self.stdio_r, 65536)
+            if data:
+                sys.stderr.buffer.write(data)
+                sys.stderr.buffer.flush()
+
+    async def launch(
+        self, argv: Sequence[str], env: dict[str, str], pass_fds: Sequence[int]
+    ) -> None:
+        """Start a fresh kernel: in new PID and time namespaces with root; without root
+        (CRIU --unprivileged cannot dump a task in another PID namespace) as our child,
+        which makes itself a session leader, and without a parent-death signal (a restored
+        one would fire at once). docs/nonroot.md"""
+        if unprivileged():
+            launcher = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=self.stdio_w,
+                stderr=self.stdio_w,
+                env=env,
+                pass_fds=pass_fds,
+            )
+            self._launcher = launcher
+            self._set_pid(launcher.pid)
+            self._watch(launcher.pid)
+            return
+        ns = ["unshare", "--pid", "--fork"]
+        if Path("/proc/self/ns/time").exists():
+            ns.append("--time")  # monotonic clocks continue across restores elsewhere
+        launcher = subprocess.Popen(
+            [*ns, *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=self.stdio_w,
+            stderr=self.stdio_w,
+            env=env,
+            pass_fds=pass_fds,
+            preexec_fn=proctree.die_with_parent,
+        )
+        self._launcher = launcher
+        self._set_pid(await self._first_child(launcher.pid))
+        self._watch(launcher.pid)
+
+    def adopt(self, pid: int) -> None:
+        """Supervise a kernel CRIU restored as our child."""
+        self._launcher = None
+        self._set_pid(pid)
+        self._watch(pid)
+
+    @staticmethod
+    async def _first_child(pid: int, timeout: float = 10.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            kids = proctree.children(pid)
+            if kids:
+                return kids[0]
+            if not proctree.is_alive(pid):
+                break
+            await asyncio.sleep(0.005)
+        raise KernelNotRunningError(
+            "The inner kernel did not start.", hint="See the kernel's output in the server log."
+        )
+
+    def _watch(self, pid: int) -> None:
+        """Notice when ``pid`` (our child) exits, through a pidfd."""
+        loop = asyncio.get_running_loop()
+        self._unwatch()
+        self._pidfd = os.pidfd_open(pid)
+        watched = self._pidfd
+
+        def ready() -> None:
+            if self._pidfd != watched:
+                return
+            self._unwatch()
+            if self._launcher is not None and self._launcher.pid == pid:
+                code = self._launcher.wait()
+            else:
+                _, status = os.waitpid(pid, 0)
+                code = os.waitstatus_to_exitcode(status)
+            self._exited(code)
+
+        loop.add_reader(watched, ready)
+
+    def _unwatch(self) -> None:
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def _exited(self, code: int) -> None:
+        self._launcher = None
+        self._set_pid(None)
+        if self._expected_exit:
+            self._expected_exit = False
+            return
+        self._on_death(code)
+
+    @contextlib.asynccontextmanager
+    async def ending(self) -> AsyncIterator[None]:
+        """The kernel ends inside this block on purpose (killed, or dumped by CRIU without
+        ``--leave-running``): its exit is no death. Leaving the block normally waits until
+        it has been reaped; leaving it by an error makes a later exit a death again."""
+        self._expected_exit = True
+        try:
+            yield
+            await self.gone()
+        finally:
+            self._expected_exit = False
+
+    async def gone(self, timeout: float = REAP_TIMEOUT) -> None:
+        """Wait until no kernel process runs (at most ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while self._pid is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
+    async def kill(self) -> None:
+        """SIGKILL the kernel's tree (with root its namespace dies with its init) and reap it."""
+        pid = self._pid
+        if pid is None:
+            return
+        async with self.ending():
+            # Without a PID namespace (non-root) the kernel's own children do not die with it.
+            for task in proctree.descendants(pid) if unprivileged() else [pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(task, signal.SIGKILL)
+            if self._launcher is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    self._launcher.kill()
+
+    def interrupt(self) -> None:
+        """SIGINT to the kernel's process group (the server's interrupt)."""
+        if self._pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._pid, signal.SIGINT)
+
+    @staticmethod
+    def kill_children_except(keep: set[int]) -> None:
+        """SIGKILL and reap every child process of the wrapper not in ``keep`` (what a
+        failed restore left: CRIU restores the tree as our child)."""
+        for pid in set(proctree.children(os.getpid())) - keep:
+            log.warning("removing process %d left by a failed restore", pid)
+            # Without a PID namespace (non-root) its restored children would live on,
+            # holding process ids the next restore needs.
+            for task in proctree.descendants(pid) if unprivileged() else [pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(task, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+    def close(self) -> None:
+        self._unwatch()

@@ -1,0 +1,299 @@
+"""The wrapper's parts on their own: control server, supervisor, relay and stand-in, each
+on real sockets and processes (the whole wrapper is tested with real kernels elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+from jupyter_client.session import DELIM, Session
+
+from jupyter_ext.core.errors import SnapshotBusyError, SnapshotError
+from jupyter_ext.core.protocol import (
+    INNER_PORTS,
+    ProgressCallback,
+    SnapshotArgs,
+    StatusArgs,
+    WrapperClient,
+)
+from kernel_wrapper.channels import INNER_ROUTING_ID, InnerChannels, ServerChannels
+from kernel_wrapper.control import ControlServer
+from kernel_wrapper.relay import Relay
+from kernel_wrapper.standin import DEAD_TEXT, StandIn
+from kernel_wrapper.supervisor import Supervisor
+
+from .s3server import free_port
+
+KEY = b"test-key"
+
+# -- control server --------------------------------------------------------------------
+
+
+def test_control_server_parses_streams_and_reports(tmp_path: Path) -> None:
+    asyncio.run(_control_server(tmp_path))
+
+
+async def _control_server(tmp_path: Path) -> None:
+    seen: list[Any] = []
+
+    async def snapshot(progress: ProgressCallback, args: SnapshotArgs) -> dict[str, Any]:
+        seen.append(args)
+        progress({"phase": "dumping"})
+        progress({"phase": "done", "bytes": 42})
+        return {"id": "x", "dest": args.dest}
+
+    async def status(progress: ProgressCallback, args: StatusArgs) -> dict[str, Any]:
+        if args.gpu:
+            raise SnapshotBusyError("busy now", hint="wait")
+        raise RuntimeError("a bug")
+
+    server = ControlServer(tmp_path / "control", {"snapshot": snapshot, "status": status})
+    await server.start()
+    try:
+        assert stat.S_IMODE(os.stat(tmp_path / "control").st_mode) == 0o600
+        client = WrapperClient(tmp_path / "control")
+        events: list[dict[str, Any]] = []
+        result = await client.snapshot(SnapshotArgs("/d", trigger="manual"), events.append)
+        assert result == {"id": "x", "dest": "/d"}
+        assert events == [{"phase": "dumping"}, {"phase": "done", "bytes": 42}]
+        assert seen == [SnapshotArgs("/d", trigger="manual")]  # parsed into its dataclass
+        # Errors come back as the error raised, with its hint; others as internal errors.
+        with pytest.raises(SnapshotBusyError, match="busy now"):
+            await client.status()
+        with pytest.raises(SnapshotError, match="Internal error: RuntimeError"):
+            await client.status(StatusArgs(gpu=False))
+        with pytest.raises(SnapshotError, match=r"Bad control request.*frobnicate"):
+            await client.request("snapshot", {"dest": "/d", "frobnicate": 1})
+        with pytest.raises(SnapshotError, match=r"Bad control request.*dest"):
+            await client.request("snapshot", {})
+        with pytest.raises(SnapshotError, match="Unknown control operation 'suspend'"):
+            await client.request("suspend", {"dest": "/d"})
+        assert len(seen) == 1
+    finally:
+        server.close()
+
+
+def test_control_server_serves_only_protocol_operations(tmp_path: Path) -> None:
+    async def anything(progress: ProgressCallback, args: Any) -> None:
+        return None
+
+    with pytest.raises(ValueError, match="frobnicate"):
+        ControlServer(tmp_path / "control", {"frobnicate": anything})
+
+
+# -- supervisor ------------------------------------------------------------------------
+
+
+class Watched:
+    """A supervisor and what it reported."""
+
+    def __init__(self) -> None:
+        self.deaths: list[int] = []
+        self.pids: list[int | None] = []
+        self.process = Supervisor(on_death=self.deaths.append, on_pid=self.pid_changed)
+
+    def pid_changed(self) -> None:
+        self.pids.append(self.process.pid)
+
+    async def until(self, condition: Any, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.01)
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_supervisor_tells_a_death_from_an_end() -> None:
+    asyncio.run(_supervisor())
+
+
+async def _supervisor() -> None:
+    w = Watched()
+    env = dict(os.environ)
+    # A kernel that dies on its own is a death, with its exit code.
+    await w.process.launch(python("print('hello', flush=True); raise SystemExit(3)"), env, ())
+    first = w.process.pid
+    assert first is not None
+    await w.until(lambda: w.deaths)
+    assert w.deaths == [3]
+    assert w.process.pid is None
+    assert w.pids == [first, None]
+    assert b"hello" in os.read(w.process.stdio_r, 1000)  # its output comes through the pipe
+    # One the supervisor kills is not.
+    await w.process.launch(python("import time; time.sleep(60)"), env, ())
+    assert w.process.pid is not None
+    await w.process.kill()
+    assert w.process.pid is None
+    assert w.deaths == [3]
+    # An end announced by ending() is not a death either...
+    await w.process.launch(python("import time; time.sleep(0.2)"), env, ())
+    async with w.process.ending():
+        pass  # waits until it is gone
+    assert w.process.pid is None
+    assert w.deaths == [3]
+    # ...but a block left by an error takes the announcement back.
+    await w.process.launch(python("import time; time.sleep(0.5)"), env, ())
+    with pytest.raises(RuntimeError):
+        async with w.process.ending():
+            raise RuntimeError("the dump failed")
+    await w.until(lambda: len(w.deaths) == 2)
+    assert w.deaths == [3, 0]
+    w.process.close()
+
+
+# -- relay and stand-in ----------------------------------------------------------------
+
+
+class Client:
+    """jupyter_server's side: a shell DEALER and an iopub SUB, signing with the key."""
+
+    def __init__(self, context: zmq.asyncio.Context, connection: dict[str, Any]) -> None:
+        self.session = Session(key=KEY)
+        self.shell = context.socket(zmq.DEALER)
+        self.shell.connect(f"tcp://127.0.0.1:{connection['shell_port']}")
+        self.iopub = context.socket(zmq.SUB)
+        self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.iopub.connect(f"tcp://127.0.0.1:{connection['iopub_port']}")
+
+    def send(self, msg_type: str, content: dict[str, Any] | None = None) -> dict[str, Any]:
+        msg = self.session.msg(msg_type, content or {})
+        self.session.send(self.shell, msg)
+        return msg
+
+    async def reply(self, timeout: float = 10) -> dict[str, Any]:
+        frames = await asyncio.wait_for(self.shell.recv_multipart(), timeout)
+        _, parts = self.session.feed_identities(frames)
+        return self.session.deserialize(parts)  # checks the signature
+
+    async def nothing(self, wait: float = 0.3) -> bool:
+        return not await self.shell.poll(wait * 1000)
+
+
+class Kernel:
+    """The inner kernel's side, unsigned, connected to the wrapper's inner endpoints."""
+
+    def __init__(self, runtime: Path) -> None:
+        self.session = Session(key=b"")
+        self.context = context = zmq.asyncio.Context()
+        self.shell = context.socket(zmq.ROUTER)
+        self.shell.connect(f"ipc://{runtime}/ch-{INNER_PORTS['shell']}")
+        self.iopub = context.socket(zmq.PUB)
+        self.iopub.connect(f"ipc://{runtime}/ch-{INNER_PORTS['iopub']}")
+
+    async def request(self, timeout: float = 10) -> list[bytes]:
+        return await asyncio.wait_for(self.shell.recv_multipart(), timeout)
+
+    def answer(self, request: list[bytes], msg_type: str, content: dict[str, Any]) -> None:
+        idents, parts = self.session.feed_identities(request)
+        parent = self.session.deserialize(parts)
+        self.session.send(self.iopub, "status", {"execution_state": "idle"}, parent=parent)
+        self.session.send(self.shell, msg_type, content, parent=parent, ident=idents)
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+
+
+@asynccontextmanager
+async def wrapper_sockets(tmp_path: Path) -> AsyncIterator[tuple[ServerChannels, Client]]:
+    ports = {f"{name}_port": free_port() for name in ("shell", "stdin", "control", "iopub", "hb")}
+    connection = {"ip": "127.0.0.1", "transport": "tcp", "key": KEY.decode(), **ports}
+    server = ServerChannels(connection)
+    context = zmq.asyncio.Context()
+    try:
+        yield server, Client(context, connection)
+    finally:
+        context.destroy(linger=0)
+        server.context.destroy(linger=0)
+
+
+def test_relay_checks_forwards_and_observes(tmp_path: Path) -> None:
+    asyncio.run(_relay(tmp_path))
+
+
+async def _relay(tmp_path: Path) -> None:
+    async with wrapper_sockets(tmp_path) as (server, client):
+        relay = Relay(Session(key=KEY), server)
+        relay.connect_inner(InnerChannels(tmp_path))
+        kernel = Kernel(tmp_path)
+        # Stopped (a dump): requests wait; started, they reach the kernel, unsigned.
+        relay.stop()
+        request = client.send("execute_request", {"code": "1"})
+        await asyncio.sleep(0.3)
+        assert not await kernel.shell.poll(100)
+        relay.start(requests=True)
+        frames = await kernel.request()
+        assert frames[0] == INNER_ROUTING_ID
+        at = frames.index(DELIM)
+        assert frames[at + 1] == b"", "the kernel holds no key: messages reach it unsigned"
+        assert relay.executions_since_snapshot == 1
+        running = relay.running_request()
+        assert running is not None
+        assert running["header"]["msg_id"] == request["header"]["msg_id"]
+        # Its reply goes out signed by the wrapper (Client.reply checks the signature).
+        kernel.answer(frames, "execute_reply", {"status": "ok", "execution_count": 1})
+        reply = await client.reply()
+        assert reply["parent_header"]["msg_id"] == request["header"]["msg_id"]
+        await asyncio.sleep(0.1)
+        assert relay.running_request() is None
+        assert relay.execution_state == "idle"
+        # A request signed with another key never reaches the kernel.
+        forged = Session(key=b"another key")
+        forged.send(client.shell, forged.msg("execute_request", {"code": "2"}))
+        assert not await kernel.shell.poll(500)
+        assert relay.executions_since_snapshot == 1
+        relay.stop()
+        await relay.close_inner()
+        kernel.close()
+
+
+def test_stand_in_answers_for_a_dead_or_suspended_kernel(tmp_path: Path) -> None:
+    asyncio.run(_stand_in(tmp_path))
+
+
+async def _stand_in(tmp_path: Path) -> None:
+    async with wrapper_sockets(tmp_path) as (server, client):
+        held: list[tuple[str, list[bytes]]] = []
+        woken: list[bool] = []
+        ended: list[bool] = []
+        stand_in = StandIn(
+            Session(key=KEY),
+            server,
+            kernel_info=lambda: {},
+            hold=lambda name, frames: held.append((name, frames)),
+            wake=lambda: woken.append(True),
+            shutdown=lambda: ended.append(True),
+        )
+        # Dead: a cell gets an error that says what to do; kernel_info is answered.
+        stand_in.start(suspended=False)
+        client.send("execute_request", {"code": "1"})
+        reply = await client.reply()
+        assert reply["content"]["status"] == "error"
+        assert reply["content"]["evalue"] == DEAD_TEXT
+        client.send("kernel_info_request")
+        info = await client.reply()
+        assert info["msg_type"] == "kernel_info_reply"
+        assert info["content"]["implementation"] == "kernel_wrapper"
+        # Suspended: a cell is kept for the kernel and wakes it; nothing answers it here.
+        stand_in.start(suspended=True)
+        client.send("execute_request", {"code": "2"})
+        assert await client.nothing()
+        assert [name for name, _ in held] == ["shell"]
+        assert woken == [True]
+        # A shutdown is answered, then the wrapper is told.
+        client.send("shutdown_request", {"restart": False})
+        assert (await client.reply())["msg_type"] == "shutdown_reply"
+        assert ended == [True]
+        stand_in.stop()
