@@ -27,7 +27,6 @@ from .core.compat import check_compatible
 from .core.criu import Criu
 from .core.errors import (
     BadIdError,
-    KernelNotRunningError,
     SnapshotBusyError,
     SnapshotError,
     SnapshotNotFoundError,
@@ -52,7 +51,7 @@ from .core.manifest import (
     verify,
 )
 from .core.protocol import (
-    ENV_RESTORE_REQUEST,
+    ENV_AWAIT_RESTORE,
     Phase,
     ProgressCallback,
     ProgressEvent,
@@ -852,7 +851,7 @@ class SnapshotManager:
             if kernel_id is not None:  # never lazily from the store (see above)
                 await self._restore_in_place(job, kernel_id, directory)
             else:
-                kernel_id = await self._start_restored_kernel(manifest, directory, pages_from)
+                kernel_id = await self._start_restored_kernel(job, manifest, directory, pages_from)
             if lease is not None:  # a lazily restored kernel still reads its pages there
                 self._after_lazy(kernel_id, _released(lease), LAZY_HOLD_SECONDS)
                 lease = None
@@ -1074,46 +1073,35 @@ class SnapshotManager:
             self._kernel_pids.pop(pid, None)
 
     async def _start_restored_kernel(
-        self, manifest: Manifest, directory: Path, pages_from: str | None = None
+        self, job: Job, manifest: Manifest, directory: Path, pages_from: str | None = None
     ) -> str:
-        """Start a new kernel whose wrapper restores ``directory`` instead of starting fresh."""
+        """Start a new kernel whose wrapper waits for a restore, and restore ``directory``
+        into it over its control socket, like any other operation."""
         self.start_reaping()
-        request = self.work_dir / f"restore-{secrets.token_hex(8)}.json"
-        RestoreRequest(directory, verified=True, pages_from=pages_from).write(request)
+        marker = self.work_dir / f"await-restore-{secrets.token_hex(8)}"
+        marker.touch()
         notebook_dir = None
         if manifest.notebook_path:
             notebook_dir = str(Path(manifest.notebook_path).parent)
-        env = {**os.environ, ENV_RESTORE_REQUEST: str(request)}
+        env = {**os.environ, ENV_AWAIT_RESTORE: str(marker)}
         kernel_name = manifest.kernel_spec.get("name") or self.kernel_name
         try:
             kernel_id: str = await self.kernel_manager.start_kernel(
                 kernel_name=kernel_name, path=notebook_dir, env=env
             )
-            await self._wait_restored(kernel_id, manifest, request)
+            km = self.kernel(kernel_id)
+            try:
+                wrapper = await WrapperClient.when_up(Path(km.connection_file), km.is_alive)
+                request = RestoreRequest(directory, verified=True, pages_from=pages_from)
+                await wrapper.restore(request, self._wrapper_progress(job))
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self.kernel_manager.shutdown_kernel(kernel_id, now=True)
+                raise
         finally:
-            RestoreRequest.remove(request)
+            marker.unlink(missing_ok=True)  # the wrapper took it, unless it never came up
+        self.wrapper(kernel_id)  # the server reaps the restored kernel once orphaned
         return kernel_id
-
-    async def _wait_restored(self, kernel_id: str, manifest: Manifest, request: Path) -> None:
-        km = self.kernel(kernel_id)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            failure = RestoreRequest.failure(request)
-            if failure is not None:
-                await self.kernel_manager.shutdown_kernel(kernel_id, now=True)
-                raise failure
-            if not await km.is_alive():
-                await self.kernel_manager.shutdown_kernel(kernel_id, now=True)
-                raise KernelNotRunningError(
-                    "The kernel started for the restore exited before it was restored.",
-                    hint="See the server log for the kernel's output.",
-                )
-            status = await self.kernel_status(kernel_id)
-            if status.get("state") == "running" and status.get("lineage") == manifest.lineage:
-                return
-            await asyncio.sleep(0.05)
-        await self.kernel_manager.shutdown_kernel(kernel_id, now=True)
-        raise KernelNotRunningError("The restored kernel did not come up within 10 minutes.")
 
     async def _attach(self, kernel_id: str, path: str) -> dict[str, Any]:
         """Point the notebook's session at the kernel (create the session if needed).

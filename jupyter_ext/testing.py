@@ -3,6 +3,7 @@ harness): a wrapper process (`python -m kernel_wrapper`) and a jupyter_client.""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -19,7 +20,14 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.connect import write_connection_file
 
 from jupyter_ext.core import proctree
-from jupyter_ext.core.protocol import ProgressCallback, WrapperClient, WrapperInfo
+from jupyter_ext.core.errors import SnapshotError
+from jupyter_ext.core.protocol import (
+    ENV_AWAIT_RESTORE,
+    ProgressCallback,
+    RestoreRequest,
+    WrapperClient,
+    WrapperInfo,
+)
 
 #: Seconds without a heartbeat echo before the test client calls the kernel dead.
 HEARTBEAT_GRACE = 10.0
@@ -42,11 +50,9 @@ class KernelProcess:
         workdir.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "kernel_wrapper", "--on-inner-death", on_inner_death]
         argv += extra_args or []
-        if restore_from is not None:
-            argv += ["--restore-from", str(restore_from)]
         for attempt in range(PORT_ATTEMPTS):
             try:
-                self._start(workdir, argv, env)
+                self._start(workdir, argv, env, restore_from)
                 break
             except RuntimeError as exc:
                 # The free ports jupyter_client picked can be taken before the wrapper
@@ -55,7 +61,13 @@ class KernelProcess:
                     raise
         self.control = WrapperClient(WrapperInfo.for_connection_file(self.connection_file).control)
 
-    def _start(self, workdir: Path, argv: list[str], env: dict[str, str] | None) -> None:
+    def _start(
+        self,
+        workdir: Path,
+        argv: list[str],
+        env: dict[str, str] | None,
+        restore_from: Path | None,
+    ) -> None:
         self.connection_file = Path(
             write_connection_file(
                 str(workdir / f"kernel-{uuid.uuid4()}.json"), key=uuid.uuid4().hex.encode()
@@ -63,13 +75,27 @@ class KernelProcess:
         )
         self.log_path = workdir / f"{self.connection_file.stem}.log"
         self._log = self.log_path.open("wb")
+        environ = {**os.environ, **(env or {})}
+        marker = workdir / f"await-restore-{uuid.uuid4().hex}"
+        if restore_from is not None:  # as the server restores into a new kernel
+            marker.touch()
+            environ[ENV_AWAIT_RESTORE] = str(marker)
         self.process = subprocess.Popen(
             [*argv, "-f", str(self.connection_file)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env=environ,
             cwd=workdir,
         )
+        if restore_from is not None:
+            try:
+                asyncio.run(self._restore(restore_from))
+            except SnapshotError as exc:
+                self.process.kill()
+                self.process.wait(10)
+                raise RuntimeError(f"kernel did not start: {exc}\n{self.log()}") from exc
+            finally:
+                marker.unlink(missing_ok=True)
         self.client = BlockingKernelClient(connection_file=str(self.connection_file))
         self.client.load_connection_file()
         # jupyter_client calls a kernel dead after one second without a heartbeat echo:
@@ -94,6 +120,13 @@ class KernelProcess:
         while self.client.get_shell_msg(timeout=60)["parent_header"].get("msg_id") != last:
             pass
         self.control = WrapperClient(WrapperInfo.for_connection_file(self.connection_file).control)
+
+    async def _restore(self, source: Path) -> None:
+        async def alive() -> bool:
+            return self.process.poll() is None
+
+        wrapper = await WrapperClient.when_up(self.connection_file, alive)
+        await wrapper.restore(RestoreRequest(source))
 
     def log(self) -> str:
         self._log.flush()

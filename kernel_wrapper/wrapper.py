@@ -37,12 +37,12 @@ from jupyter_client.session import Session
 from jupyter_ext.core import proctree
 from jupyter_ext.core.gpu import kernel_gpu_status
 from jupyter_ext.core.protocol import (
+    AWAIT_RESTORE_SECONDS,
     DEFAULT_RUNTIME_ROOT,
     ENV_INNER_DIR,
     ENV_LAZY_RESTORE,
     KernelStatus,
     ProgressCallback,
-    RestoreRequest,
     StatusArgs,
     WrapperInfo,
     info_path,
@@ -66,8 +66,9 @@ class KernelWrapper:
     """One kernel for jupyter_server, from ``connection_file`` until it is shut down.
 
     ``on_inner_death``: "exit" like ipykernel (the server restarts the kernel), or "wait"
-    for a restore, the stand-in answering meanwhile. ``restore``: start by restoring this
-    instead of launching a fresh kernel. ``kernel_args`` go to the inner kernel.
+    for a restore, the stand-in answering meanwhile. ``await_restore``: start without a
+    kernel and wait for a ``restore`` operation (a restore into a new kernel) instead of
+    launching a fresh one. ``kernel_args`` go to the inner kernel.
     """
 
     #: How often the wrapper looks whether the server that started it is still there.
@@ -80,7 +81,7 @@ class KernelWrapper:
         runtime_root: Path = DEFAULT_RUNTIME_ROOT,
         on_inner_death: str = "exit",
         criu_path: str | None = None,
-        restore: RestoreRequest | None = None,
+        await_restore: bool = False,
         kernel_args: list[str] | None = None,
     ) -> None:
         self.connection_file = connection_file.resolve()
@@ -90,7 +91,7 @@ class KernelWrapper:
             signature_scheme=self.connection.get("signature_scheme", "hmac-sha256"),
         )
         self.on_inner_death = on_inner_death
-        self.restore = restore
+        self.await_restore = await_restore
         self.kernel_args = kernel_args or []
         self.runtime = RuntimeDir(runtime_root)
         self._control_path = self.runtime.path / "control"
@@ -150,8 +151,8 @@ class KernelWrapper:
         self._background(self.relay.forward_subscriptions())
         self._watch_parent()
         try:
-            if self.restore is not None:
-                await self.snapshotter.restore(lambda _: None, self.restore)
+            if self.await_restore:
+                loop.call_later(AWAIT_RESTORE_SECONDS, self._no_restore_came)
             else:
                 await self._launch_inner()
             await self.lifecycle.done.wait()
@@ -174,6 +175,12 @@ class KernelWrapper:
         argv = [sys.executable, "-m", "kernel_wrapper.inner", "-f", str(connection_file)]
         await self.process.launch([*argv, *self.kernel_args], env, pass_fds=(self.runtime.fd,))
         self.lifecycle.enter(State.RUNNING)
+
+    def _no_restore_came(self) -> None:
+        """A wrapper started for a restore that never came (its server went away)."""
+        if self.lifecycle.is_(State.STARTING) and not self.snapshotter.busy:
+            log.error("no restore came within %.0f s; the kernel ends", AWAIT_RESTORE_SECONDS)
+            self.lifecycle.end(2)
 
     def _on_inner_death(self, code: int) -> None:
         """The kernel process ended without the wrapper ending it."""

@@ -102,6 +102,11 @@ async def test_restore_into_new_kernel_attached_to_notebook(
     assert [s["kernel"]["id"] for s in sessions if s["path"] == "work/a.ipynb"] == [new_kernel_id]
     restored = await start_kernel(new_kernel_id)
     assert (await restored.run("print(value, where == os.getcwd())")).strip() == "kept True"
+    # Restarted, it starts fresh as any kernel does: its first wrapper took the server's
+    # one-shot request to wait for the restore.
+    await jp_fetch("api", "kernels", new_kernel_id, "restart", method="POST", body="{}")
+    restarted = await start_kernel(new_kernel_id)
+    assert (await restarted.run("print('value' in globals())")).strip() == "False"
 
 
 async def test_bad_requests_get_clear_errors(jp_fetch: Fetch, start_kernel: Any) -> None:

@@ -14,12 +14,13 @@ import asyncio
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Required, Self, TypedDict
 
-from .errors import SnapshotError, WrapperUnavailableError
+from .errors import KernelNotRunningError, SnapshotError, WrapperUnavailableError
 
 # -- names the server, the wrappers and the kernels share ---------------------------------
 
@@ -32,11 +33,15 @@ ENV_CRIU_PREFIX = "JUPYTER_SNAPSHOT_CRIU_PREFIX"
 ENV_LIBCUDA = "JUPYTER_SNAPSHOT_LIBCUDA"
 ENV_CUDA_CHECKPOINT = "JUPYTER_SNAPSHOT_CUDA_CHECKPOINT"
 #: Set by the server for the wrappers it starts: "0" turns lazy restore off
-#: (SnapshotExtensionApp.lazy_restore); the path of a one-shot :class:`RestoreRequest` file
-#: that makes a new kernel start as a restore (the wrapper deletes it, so a later restart
-#: of the same kernel, same environment, starts fresh as a restart should).
+#: (SnapshotExtensionApp.lazy_restore); the path of a one-shot marker file that makes a
+#: new kernel's wrapper start without a kernel and wait for a ``restore`` operation (a
+#: restore into a new kernel), at most :data:`AWAIT_RESTORE_SECONDS`. The wrapper removes
+#: the marker, so a later restart of that kernel (same environment) starts fresh.
 ENV_LAZY_RESTORE = "JUPYTER_SNAPSHOT_LAZY_RESTORE"
-ENV_RESTORE_REQUEST = "JUPYTER_SNAPSHOT_RESTORE_REQUEST"
+ENV_AWAIT_RESTORE = "JUPYTER_SNAPSHOT_AWAIT_RESTORE"
+AWAIT_RESTORE_SECONDS = 120.0
+#: How long a new wrapper gets to come up (bind its channels, open its control socket).
+WRAPPER_START_SECONDS = 60.0
 #: Set by the wrapper for its inner kernel: the private directory of its channels.
 ENV_INNER_DIR = "JUPYTER_SNAPSHOT_INNER_DIR"
 #: The inner kernel's channels, ``ch-N`` sockets in that directory (the wrapper binds,
@@ -102,6 +107,19 @@ def socket_path(path: Path) -> Iterator[str]:
         yield f"/proc/self/fd/{fd}/{path.name}"
     finally:
         os.close(fd)
+
+
+def take_await_marker(environ: dict[str, str]) -> bool:
+    """Whether this wrapper waits for a restore: it removed the marker named by
+    :data:`ENV_AWAIT_RESTORE` (only the first wrapper started with it can)."""
+    marker = environ.get(ENV_AWAIT_RESTORE)
+    if not marker:
+        return False
+    try:
+        os.unlink(marker)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def info_path(connection_file: Path) -> Path:
@@ -219,9 +237,8 @@ class Restored(TypedDict):
 
 @dataclass(frozen=True)
 class RestoreRequest:
-    """The ``restore`` operation's arguments: in place over the control socket, or for a
-    kernel that is not running yet, handed to its wrapper in a file named by
-    :data:`ENV_RESTORE_REQUEST` (a failure is then reported next to it)."""
+    """The ``restore`` operation's arguments: in place of the running kernel, or into a
+    new kernel whose wrapper waits for it (:data:`ENV_AWAIT_RESTORE`)."""
 
     source: Path
     """The snapshot directory (its ``pages-*.img`` may be missing: see ``pages_from``)."""
@@ -256,52 +273,6 @@ class RestoreRequest:
             Path(data["save_to"]) if data.get("save_to") else None,
         )
 
-    def write(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_json()))
-
-    @classmethod
-    def take(cls, path: Path) -> RestoreRequest | None:
-        """Read and delete the request (None if there is no readable one)."""
-        try:
-            data = json.loads(path.read_text())
-            path.unlink()
-            return cls.from_json(data)
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-    @staticmethod
-    def report_failure(path: Path, error: SnapshotError) -> None:
-        """The wrapper's answer to the request at ``path`` when the restore failed: whole
-        or not at all (the server reads it as soon as it exists). On a full disk it cannot
-        be written; the server then sees the kernel exit."""
-        report = _report_path(path)
-        tmp = report.with_name(report.name + ".tmp")
-        try:
-            tmp.write_text(json.dumps({"error": error.to_dict()}))
-            tmp.rename(report)
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    @staticmethod
-    def failure(path: Path) -> SnapshotError | None:
-        """The failure the wrapper reported for the request at ``path``, if any yet."""
-        try:
-            data = json.loads(_report_path(path).read_text())
-        except FileNotFoundError:
-            return None
-        return SnapshotError.from_dict(data["error"])
-
-    @staticmethod
-    def remove(path: Path) -> None:
-        """The request at ``path`` and whatever answered it."""
-        report = _report_path(path)
-        for leftover in (path, report, report.with_name(report.name + ".tmp")):
-            leftover.unlink(missing_ok=True)
-
-
-def _report_path(request: Path) -> Path:
-    return request.with_name(request.name + ".result")
-
 
 #: Every operation, by name, with its arguments.
 OPERATIONS: dict[str, type[_Args] | type[RestoreRequest]] = {
@@ -319,6 +290,32 @@ class WrapperClient:
 
     def __init__(self, control: Path) -> None:
         self.control = control
+
+    @classmethod
+    async def when_up(
+        cls,
+        connection_file: Path,
+        alive: Callable[[], Awaitable[bool]],
+        timeout: float = WRAPPER_START_SECONDS,
+    ) -> WrapperClient:
+        """The client of a wrapper just started for ``connection_file``, once it has
+        announced itself (its control socket listens then); an error if its process ended
+        (``alive``) or it did not come up within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(WrapperUnavailableError):
+                return cls(WrapperInfo.for_connection_file(connection_file).control)
+            if not await alive():
+                raise KernelNotRunningError(
+                    "The new kernel's wrapper exited before it could restore the snapshot.",
+                    hint="See the server log for the kernel's output.",
+                )
+            if time.monotonic() > deadline:
+                raise KernelNotRunningError(
+                    f"The new kernel's wrapper did not come up within {timeout:.0f} s.",
+                    hint="The machine may be overloaded; see the server log, then retry.",
+                )
+            await asyncio.sleep(0.02)
 
     async def status(self, args: StatusArgs = StatusArgs(), timeout: float = 10) -> KernelStatus:
         status: KernelStatus = await self.request("status", args.to_json(), timeout=timeout)
