@@ -16,7 +16,8 @@ from jupyter_server.serverapp import ServerApp
 from traitlets import Bool, Float, Int, Unicode, default
 
 from .core.chunking import ChunkParams
-from .core.protocol import ENV_LAZY_RESTORE
+from .core.lazypages import LAZY_MIN_BYTES
+from .core.protocol import ENV_LAZY_RESTORE, ENV_LAZY_RESTORE_MIN_BYTES
 from .core.store import LocalStore, S3Store, SnapshotStore
 from .handlers import route_table
 from .manager import SnapshotManager, user_prefix
@@ -116,6 +117,16 @@ class SnapshotExtensionApp(ExtensionApp):
         A page that cannot be read stops the restored kernel (in place: the previous
         kernel is put back). Used where 'jupyter snapshot doctor' says "lazy restore" is
         supported (root), never for kernels with GPU state. Default: True.""",
+    )
+    lazy_restore_min_bytes = Int(
+        LAZY_MIN_BYTES,
+        config=True,
+        help="""A kernel restored from images on this machine (the image cache, the work
+        directory, a suspended kernel coming back) is restored lazily only from this much
+        memory on; a smaller one is restored in full, which is faster: reading its memory
+        from the page cache costs less than setting up lazy pages (measured,
+        bench/RESULTS.md). Restores lazily from the store are not affected. Default:
+        768 MiB.""",
     )
     lazy_restore_from_store = Bool(
         True,
@@ -268,6 +279,7 @@ class SnapshotExtensionApp(ExtensionApp):
         )
         # Kernel wrappers are started by the kernel manager with this process's environment.
         os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"
+        os.environ[ENV_LAZY_RESTORE_MIN_BYTES] = str(self.lazy_restore_min_bytes)
         self._policy_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Future[None] | None = None
         self._recovery: asyncio.Future[None] | None = None

@@ -33,7 +33,7 @@ from .core.errors import (
     WrapperUnavailableError,
 )
 from .core.imagecache import ImageCache, Lease, Stamps, lock_shared, stamp_tree
-from .core.lazypages import PrefixedPages, RangeServer, restore_order, worth_lazy
+from .core.lazypages import PAGES_FILE_RE, PrefixedPages, RangeServer, restore_order, worth_lazy
 from .core.leftovers import (
     DumpLock,
     after_failed_dump,
@@ -76,7 +76,6 @@ EmitEvent = Callable[[str, dict[str, Any]], None]
 #: The longest a cache entry stays held for a kernel's lazy restore after its job ended.
 LAZY_HOLD_SECONDS = 3600.0
 #: The images a lazy restore from the store does not download first: the kernel's memory.
-PAGES_FILE_RE = re.compile(rf"{IMAGES_DIR}/pages-\d+\.img")
 
 
 def _released(lease: Lease) -> Callable[[dict[str, Any]], Awaitable[None]]:

@@ -53,7 +53,15 @@ from jupyter_ext.core.gpu import (
     plan_gpu_pairs,
 )
 from jupyter_ext.core.growinghash import GrowingFileHasher
-from jupyter_ext.core.lazypages import DirectoryPages, page_source, stage_pages_files, worth_lazy
+from jupyter_ext.core.lazypages import (
+    LAZY_MIN_BYTES,
+    UNIX_PREFIX,
+    DirectoryPages,
+    page_source,
+    pages_bytes,
+    stage_pages_files,
+    worth_lazy,
+)
 from jupyter_ext.core.manifest import (
     IMAGES_DIR,
     Manifest,
@@ -121,6 +129,7 @@ class Snapshotter:
         runtime: RuntimeDir,
         criu_path: str | None,
         lazy_restore: bool,
+        lazy_min_bytes: int = LAZY_MIN_BYTES,
     ) -> None:
         self.lifecycle = lifecycle
         self.relay = relay
@@ -128,7 +137,9 @@ class Snapshotter:
         self.runtime = runtime
         self.criu_path = criu_path
         self.lazy_restore = lazy_restore
-        """Restore with CRIU's lazy pages where the machine supports it."""
+        """Restore with CRIU's lazy pages where the machine supports it..."""
+        self.lazy_min_bytes = lazy_min_bytes
+        """...from local images, for kernels with at least this much memory."""
         self.lineage = secrets.token_hex(8)
         self.sequence = 0
         self.parent_snapshot: str | None = None
@@ -443,7 +454,7 @@ class Snapshotter:
             check_compatible(manifest)
             self._check_ports_free(manifest)
             criu = self._criu_binary()
-            lazy = self._lazy_wanted(manifest, criu)
+            lazy = self._lazy_wanted(manifest, criu, local=not _from_server(pages_from))
             saved: _SavedKernel | None = None
             if self.lifecycle.is_(State.RUNNING) and self.process.pid is not None:
                 saved = await self._save_before_restore(
@@ -556,10 +567,13 @@ class Snapshotter:
             log_excerpt=failure.log_excerpt,
         ) from failure
 
-    def _lazy_wanted(self, manifest: Manifest, criu: Criu) -> bool:
-        """Lazy restore unless turned off, unsupported here, or the kernel had CUDA state
-        (the CUDA restore reads all of its memory at once: nothing to gain)."""
+    def _lazy_wanted(self, manifest: Manifest, criu: Criu, *, local: bool) -> bool:
+        """Lazy restore unless turned off, unsupported here, the kernel had CUDA state
+        (the CUDA restore reads all of its memory at once: nothing to gain), or its memory
+        is ``local`` and small (a full restore is faster then)."""
         if not self.lazy_restore or not worth_lazy(manifest.gpu):
+            return False
+        if local and pages_bytes(manifest.files) < self.lazy_min_bytes:
             return False
         if self._lazy_supported is None:
             self._lazy_supported, said = criu.supports_lazy_pages()
@@ -762,6 +776,12 @@ class Snapshotter:
         pairs = plan_gpu_pairs(manifest.gpu) if manifest.gpu.get("available") else None
         done = await asyncio.to_thread(self._gpu().restore, [by_ns[p] for p in ns_pids], pairs)
         return done.to_dict()
+
+
+def _from_server(pages_from: str | None) -> bool:
+    """Whether a restore's memory comes from a server lending the store (``unix:PATH``),
+    not from images on this machine."""
+    return pages_from is not None and pages_from.startswith(UNIX_PREFIX)
 
 
 def _socket_inodes(pids: list[int]) -> set[int]:

@@ -36,11 +36,13 @@ from jupyter_client.session import Session
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.gpu import kernel_gpu_status
+from jupyter_ext.core.lazypages import LAZY_MIN_BYTES
 from jupyter_ext.core.protocol import (
     AWAIT_RESTORE_SECONDS,
     DEFAULT_RUNTIME_ROOT,
     ENV_INNER_DIR,
     ENV_LAZY_RESTORE,
+    ENV_LAZY_RESTORE_MIN_BYTES,
     KernelStatus,
     ProgressCallback,
     StatusArgs,
@@ -124,6 +126,7 @@ class KernelWrapper:
             runtime=self.runtime,
             criu_path=self._criu_path,
             lazy_restore=os.environ.get(ENV_LAZY_RESTORE, "1") != "0",
+            lazy_min_bytes=int(os.environ.get(ENV_LAZY_RESTORE_MIN_BYTES) or LAZY_MIN_BYTES),
         )
 
     # ------------------------------------------------------------------ lifecycle

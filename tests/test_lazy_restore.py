@@ -24,6 +24,7 @@ from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.doctor import check_lazy_pages
 from jupyter_ext.core.errors import RestoreError, SnapshotCorruptError
 from jupyter_ext.core.lazypages import (
+    LAZY_MIN_BYTES,
     PAGE_SIZE,
     READ_ATTEMPTS,
     DirectoryPages,
@@ -37,7 +38,7 @@ from jupyter_ext.core.lazypages import (
     stage_pages_files,
 )
 from jupyter_ext.core.manifest import IMAGES_DIR, verify
-from jupyter_ext.core.protocol import ENV_LAZY_RESTORE
+from jupyter_ext.core.protocol import ENV_LAZY_RESTORE, ENV_LAZY_RESTORE_MIN_BYTES
 from jupyter_ext.core.store import LocalStore
 from jupyter_ext.testing import KernelProcess, wait_until
 
@@ -55,9 +56,12 @@ PAGES = re.compile(rf"{IMAGES_DIR}/pages-\d+\.img")
 
 
 @pytest.fixture(autouse=True)
-def _lazy_pages_here(criu: Criu) -> None:
+def _lazy_pages_here(criu: Criu, monkeypatch: pytest.MonkeyPatch) -> None:
     if not criu.supports_lazy_pages()[0]:
         pytest.skip("lazy pages are not supported on this machine")
+    # These kernels are small: restored lazily from local images too (the default
+    # restores kernels below LAZY_MIN_BYTES in full, see test_small_kernels_restore_in_full).
+    monkeypatch.setenv(ENV_LAZY_RESTORE_MIN_BYTES, "0")
 
 
 def restore(kernel: KernelProcess, source: Path, **args: Any) -> dict[str, Any]:
@@ -374,6 +378,33 @@ def test_store_gone_while_the_kernel_runs_puts_the_kernel_back(
     assert kernel.execute("print(before_restore)").strip() == "43"
     assert kernel.execute(CHECK).strip() == "True 67108864"
     only_the_kernel_left(kernel)
+
+
+def test_small_kernels_restore_in_full(kernel_factory: Factory, tmp_path: Path) -> None:
+    """From local images a kernel below lazy_restore_min_bytes is restored in full (faster
+    than lazy pages); one from a server lending the store is lazy whatever its size."""
+    kernel = kernel_factory(env={ENV_LAZY_RESTORE_MIN_BYTES: str(LAZY_MIN_BYTES)})
+    kernel.execute(STATE)
+    kernel.snapshot(tmp_path / "snap")
+    restore(kernel, tmp_path / "snap")
+    assert lazy_state(kernel) == {}
+    assert kernel.execute(CHECK).strip() == "True 67108864"
+    store = LocalStore(tmp_path / "store")
+    stored = store.put(tmp_path / "snap")
+    lent = tmp_path / "lent"
+    store.fetch(stored.manifest.id, lent, skip=lambda path: PAGES.fullmatch(path) is not None)
+    server = RangeServer(
+        PrefixedPages(store.open_images(stored.manifest.id), f"{IMAGES_DIR}/"),
+        tmp_path / "pages.sock",
+    )
+    try:
+        kernel.execute("lazy_a[:] = 0")
+        restore(kernel, lent, verified=True, pages_from=server.address)
+        assert settled(kernel)["state"] == "complete"
+        assert kernel.execute(CHECK).strip() == "True 67108864"
+    finally:
+        server.close()
+        store.close()
 
 
 def test_lazy_restore_can_be_turned_off(kernel_factory: Factory, tmp_path: Path) -> None:

@@ -38,6 +38,9 @@ ENV_CUDA_CHECKPOINT = "JUPYTER_SNAPSHOT_CUDA_CHECKPOINT"
 #: restore into a new kernel), at most :data:`AWAIT_RESTORE_SECONDS`. The wrapper removes
 #: the marker, so a later restart of that kernel (same environment) starts fresh.
 ENV_LAZY_RESTORE = "JUPYTER_SNAPSHOT_LAZY_RESTORE"
+#: Set by the server (SnapshotExtensionApp.lazy_restore_min_bytes): a kernel restored
+#: from local images is restored lazily only from this much memory on.
+ENV_LAZY_RESTORE_MIN_BYTES = "JUPYTER_SNAPSHOT_LAZY_RESTORE_MIN_BYTES"
 ENV_AWAIT_RESTORE = "JUPYTER_SNAPSHOT_AWAIT_RESTORE"
 AWAIT_RESTORE_SECONDS = 120.0
 #: How long a new wrapper gets to come up (bind its channels, open its control socket).
