@@ -900,8 +900,13 @@ class SnapshotManager:
                 while deadline is None or time.monotonic() < deadline:
                     try:
                         status = await self.wrapper(kernel_id).status()
-                    except (WrapperUnavailableError, SnapshotNotFoundError):
-                        break  # the kernel is gone
+                    except (SnapshotError, TimeoutError) as exc:
+                        if not await self._kernel_alive(kernel_id):
+                            break  # the kernel is gone
+                        # A live kernel keeps what it reads from: ask again.
+                        log.warning("status of lazily restored kernel %s: %r", kernel_id, exc)
+                        await asyncio.sleep(0.2)
+                        continue
                     lazy = status.get("lazy_restore") or {}
                     if lazy.get("state") != "transferring":
                         outcome = lazy
@@ -981,6 +986,15 @@ class SnapshotManager:
 
     def _is_lent(self, snapshot_id: str) -> bool:
         return any(lent.snapshot_id == snapshot_id for lent in list(self.lent))
+
+    async def _kernel_alive(self, kernel_id: str) -> bool:
+        """Whether the kernel is still this server's and its process runs."""
+        if kernel_id not in self.kernel_manager:
+            return False
+        try:
+            return bool(await self.kernel(kernel_id).is_alive())
+        except SnapshotError:
+            return False
 
     def _lazy_download_done(
         self, directory: Path, download_lock: int, lent: LentPages

@@ -93,7 +93,9 @@ class KernelProcess:
             except SnapshotError as exc:
                 self.process.kill()
                 self.process.wait(10)
-                raise RuntimeError(f"kernel did not start: {exc}\n{self.log()}") from exc
+                log = self.log()
+                self._log.close()
+                raise RuntimeError(f"kernel did not start: {exc}\n{log}") from exc
             finally:
                 marker.unlink(missing_ok=True)
         self.client = BlockingKernelClient(connection_file=str(self.connection_file))

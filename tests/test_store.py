@@ -386,6 +386,20 @@ def test_compressible_chunks_are_compressed_and_random_ones_stored_raw(
     assert (out / "images/pages-1.img").read_bytes() == zeros + noise
 
 
+def test_after_a_raw_chunk_only_every_eighth_is_tried() -> None:
+    """Within a batch: the first chunk is tried; after one stays raw, every PROBE_EVERY-th,
+    until the content compresses again (here from chunk 20 on: found at 24)."""
+    compressibility = packs.Compressibility()
+    tried = []
+    for index in range(30):
+        if compressibility.worth_trying():
+            tried.append(index)
+            compressibility.saw("zstd" if index >= 20 else "raw")
+        else:
+            compressibility.saw("raw")
+    assert tried == [0, 8, 16, 24, 25, 26, 27, 28, 29]
+
+
 def test_missing_pack_fails_fetch(store: Store, tmp_path: Path) -> None:
     stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(6), 512)))
     delete_object(store, refs_of(store, stored)[0].where.obj)

@@ -40,7 +40,7 @@ ZSTD_LEVEL = 1
 RAW_ABOVE = 7 / 8
 """A chunk is stored raw when compressing leaves more than this share of it."""
 PROBE_EVERY = 8
-"""After this many raw chunks in a row, only every this-many-th chunk is tried with zstd."""
+"""After a raw chunk, only every this-many-th chunk is tried with zstd until one compresses."""
 
 Codec = Literal["zstd", "raw"]
 CODECS: tuple[Codec, ...] = ("zstd", "raw")
@@ -122,23 +122,22 @@ def check_chunk(data: bytes | memoryview, size: int, digest: str) -> None:
 
 
 class Compressibility:
-    """Whether to try zstd on the next chunk of a file: stop trying after a run of raw
-    chunks (random floats), probing now and then in case the content changes."""
+    """Whether to try zstd on the next chunk of a run of chunks taken in order (a batch, on
+    one worker): the first is tried; after a raw one (random floats) only every
+    PROBE_EVERY-th, in case the content changes, until one compresses. Each batch has its
+    own, so what is tried does not depend on which worker runs first."""
 
     def __init__(self) -> None:
         self._raw_run = 0
-        self._lock = threading.Lock()
 
     def worth_trying(self) -> bool:
-        with self._lock:
-            if self._raw_run < PROBE_EVERY:
-                return True
-            self._raw_run += 1
-            return self._raw_run % PROBE_EVERY == 0
+        if self._raw_run == 0:
+            return True
+        self._raw_run += 1
+        return self._raw_run % PROBE_EVERY == 1
 
     def saw(self, codec: Codec) -> None:
-        with self._lock:
-            self._raw_run = self._raw_run + 1 if codec == "raw" else 0
+        self._raw_run = max(self._raw_run, 1) if codec == "raw" else 0
 
 
 class PackBuilder:

@@ -1242,9 +1242,8 @@ class _Upload:
                 for entry in self.manifest.files:
                     chunks = self.files[entry.path] = []
                     self.file_offset = 0
-                    compressibility = packs.Compressibility()
                     for batch in self._read_checked(entry):
-                        for done in tasks.submit(self._prepare_all, batch, compressibility):
+                        for done in tasks.submit(self._prepare_all, batch):
                             for prepared in done:
                                 self._place(packer, entry.path, chunks, prepared)
                     for done in tasks.drain():
@@ -1255,9 +1254,10 @@ class _Upload:
                 raise
 
     def _prepare_all(
-        self, batch: builtins.list[bytes | memoryview], compressibility: packs.Compressibility
+        self, batch: builtins.list[bytes | memoryview]
     ) -> builtins.list[tuple[str, int, bytes | memoryview | None, packs.Codec]]:
         """On a worker: a batch of chunks (a task per chunk cost more than hashing one)."""
+        compressibility = packs.Compressibility()
         return [self._prepare(data, compressibility) for data in batch]
 
     def _prepare(
