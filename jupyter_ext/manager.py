@@ -900,10 +900,12 @@ class SnapshotManager:
                 while deadline is None or time.monotonic() < deadline:
                     try:
                         status = await self.wrapper(kernel_id).status()
+                    except (WrapperUnavailableError, SnapshotNotFoundError):
+                        break  # the kernel is gone (or going): give back at once
                     except (SnapshotError, TimeoutError) as exc:
                         if not await self._kernel_alive(kernel_id):
-                            break  # the kernel is gone
-                        # A live kernel keeps what it reads from: ask again.
+                            break
+                        # A slow or failed answer: a live kernel keeps what it reads from.
                         log.warning("status of lazily restored kernel %s: %r", kernel_id, exc)
                         await asyncio.sleep(0.2)
                         continue
