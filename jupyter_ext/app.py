@@ -17,7 +17,8 @@ from traitlets import Bool, Float, Int, Unicode, default
 
 from .core.chunking import ChunkParams
 from .core.lazypages import LAZY_MIN_BYTES
-from .core.protocol import ENV_LAZY_RESTORE, ENV_LAZY_RESTORE_MIN_BYTES
+from .core.pidspace import PID_FLOOR
+from .core.protocol import ENV_LAZY_RESTORE, ENV_LAZY_RESTORE_MIN_BYTES, ENV_PID_FLOOR
 from .core.store import LocalStore, S3Store, SnapshotStore
 from .handlers import route_table
 from .manager import SnapshotManager, user_prefix
@@ -127,6 +128,18 @@ class SnapshotExtensionApp(ExtensionApp):
         from the page cache costs less than setting up lazy pages (measured,
         bench/RESULTS.md). Restores lazily from the store are not affected. Default:
         768 MiB.""",
+    )
+    kernel_pid_floor = Int(
+        PID_FLOOR,
+        config=True,
+        help="""Without root (no PID namespace per kernel), a kernel is restored with the
+        process ids it had, so they must be free where it is restored. A fresh container
+        (a JupyterHub pod) takes the same low ids for its own start every time, so a
+        kernel started in a young pod would find its ids taken in the pod it is restored
+        into. Before it starts a kernel, a wrapper whose PID namespace has not yet handed
+        out this id moves the counter past it, plus a random gap of up to as much again
+        (short-lived threads: about 0.5 s, once per pod). 0 turns this off. Default:
+        4096.""",
     )
     lazy_restore_from_store = Bool(
         True,
@@ -280,6 +293,7 @@ class SnapshotExtensionApp(ExtensionApp):
         # Kernel wrappers are started by the kernel manager with this process's environment.
         os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"
         os.environ[ENV_LAZY_RESTORE_MIN_BYTES] = str(self.lazy_restore_min_bytes)
+        os.environ[ENV_PID_FLOOR] = str(self.kernel_pid_floor)
         self._policy_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Future[None] | None = None
         self._recovery: asyncio.Future[None] | None = None

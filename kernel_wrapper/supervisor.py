@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
-from jupyter_ext.core import proctree
+from jupyter_ext.core import pidspace, proctree
 from jupyter_ext.core.criu import unprivileged
 from jupyter_ext.core.errors import KernelNotRunningError
 
@@ -36,8 +36,14 @@ class Supervisor:
     kernel, so its output arrives the same way.
     """
 
-    def __init__(self, on_death: Callable[[int], None], on_pid: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        on_death: Callable[[int], None],
+        on_pid: Callable[[], None],
+        pid_floor: int = pidspace.PID_FLOOR,
+    ) -> None:
         self._on_death = on_death
+        self._pid_floor = pid_floor
         self._on_pid = on_pid
         self._pid: int | None = None
         self._launcher: subprocess.Popen[bytes] | None = None
@@ -74,8 +80,12 @@ class Supervisor:
         """Start a fresh kernel: in new PID and time namespaces with root; without root
         (CRIU --unprivileged cannot dump a task in another PID namespace) as our child,
         which makes itself a session leader, and without a parent-death signal (a restored
-        one would fire at once). docs/nonroot.md"""
+        one would fire at once), and with ids a fresh pod leaves free (core/pidspace.py).
+        docs/nonroot.md"""
         if unprivileged():
+            skipped = await asyncio.to_thread(pidspace.skip_low_pids, self._pid_floor)
+            if skipped:
+                log.info("skipped %d process ids: kernels get ids a fresh pod leaves free", skipped)
             launcher = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,

@@ -37,12 +37,14 @@ from jupyter_client.session import Session
 from jupyter_ext.core import proctree
 from jupyter_ext.core.gpu import kernel_gpu_status
 from jupyter_ext.core.lazypages import LAZY_MIN_BYTES
+from jupyter_ext.core.pidspace import PID_FLOOR
 from jupyter_ext.core.protocol import (
     AWAIT_RESTORE_SECONDS,
     DEFAULT_RUNTIME_ROOT,
     ENV_INNER_DIR,
     ENV_LAZY_RESTORE,
     ENV_LAZY_RESTORE_MIN_BYTES,
+    ENV_PID_FLOOR,
     KernelStatus,
     ProgressCallback,
     StatusArgs,
@@ -99,7 +101,11 @@ class KernelWrapper:
         self._control_path = self.runtime.path / "control"
         self._announced = False
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.process = Supervisor(on_death=self._on_inner_death, on_pid=self._announce)
+        self.process = Supervisor(
+            on_death=self._on_inner_death,
+            on_pid=self._announce,
+            pid_floor=int(os.environ.get(ENV_PID_FLOOR) or PID_FLOOR),
+        )
         self.server: ServerChannels
         self.relay: Relay
         self.lifecycle: Lifecycle

@@ -129,9 +129,12 @@ class ServerProcess(Endpoint):
         address: str = "127.0.0.1",
         env: dict[str, str] | None = None,
         user: str | None = None,
+        pod: bool = False,
     ) -> None:
         """``user``: run the server (and so its kernels and CRIU) as this ordinary user,
-        from a root test run (non-root mode on other nodes, docs/nonroot.md)."""
+        from a root test run (non-root mode on other nodes, docs/nonroot.md). ``pod``: in
+        a PID namespace of its own, with its own /proc, as in a container: process ids
+        start at 1 and everything in it dies with its first process."""
         from .s3server import free_port
 
         home.mkdir(parents=True, exist_ok=True)
@@ -166,6 +169,9 @@ class ServerProcess(Endpoint):
             self.env.update(HOME=str(home), USER=user, LOGNAME=user, PYTHONDONTWRITEBYTECODE="1")
             give_to(user, home, root_dir)
             argv = ["runuser", "-u", user, "--", *argv]
+        self.pod = pod
+        if pod:
+            argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *argv]
         if netns is not None:
             argv = ["ip", "netns", "exec", netns, *argv]
         self.log_path = home / "server.log"
@@ -190,6 +196,17 @@ class ServerProcess(Endpoint):
             except Exception:  # noqa: BLE001 - not up yet
                 time.sleep(0.2)
         raise TimeoutError(f"server did not start: {self.log()}")
+
+    def _server_pid(self) -> int:
+        """The Jupyter server's own process (below unshare and runuser)."""
+        from jupyter_ext.core import proctree
+
+        for pid in proctree.descendants(self.process.pid):  # parents first
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if argv[:3] == [sys.executable.encode(), b"-m", b"jupyter_server"]:
+                    return pid
+        return self.process.pid
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -218,7 +235,11 @@ class ServerProcess(Endpoint):
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 120) -> int:
         if self.process.poll() is None:
-            self.process.send_signal(sig)
+            if self.pod:  # unshare ignores the signal (its child, the pod, would have to end)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self._server_pid(), sig)
+            else:
+                self.process.send_signal(sig)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -42,3 +42,30 @@ def test_z2jh_config_sets_only_real_options() -> None:
         assert not unknown, f"not options of {section}: {unknown}"
         app = cls(config=Config({section: options}))  # a value of the wrong type raises
         assert {name: getattr(app, name) for name in options} == options
+
+
+def test_z2jh_pods_run_as_a_user_with_only_the_capabilities_of_the_criu_copy() -> None:
+    """The user pods of deploy/z2jh/config.yaml (and the image's user): uid 1000, not
+    privileged, every capability dropped but the ones the CRIU copy's file capabilities
+    draw on (they must be in the bounding set), and no no_new_privs (it would disable
+    them). A change of the file capabilities without the pods', or the reverse, fails."""
+    import yaml
+
+    from jupyter_ext.core.criu import UNPRIVILEGED_CAPS
+
+    values = yaml.safe_load((ROOT / "deploy" / "z2jh" / "config.yaml").read_text())
+    container = values["hub"]["config"]["KubeSpawner"]["extra_container_config"]
+    context = container["securityContext"]
+    assert context["runAsUser"] == values["singleuser"]["uid"] == 1000
+    assert context["runAsNonRoot"] is True
+    assert context["privileged"] is False
+    assert context["allowPrivilegeEscalation"] is values["singleuser"]["allowPrivilegeEscalation"]
+    assert context["allowPrivilegeEscalation"] is True
+    caps = UNPRIVILEGED_CAPS.split("+")[0].split(",")
+    assert context["capabilities"] == {
+        "drop": ["ALL"],
+        "add": sorted(cap.removeprefix("cap_").upper() for cap in caps),
+    }
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "\nUSER 1000\n" in dockerfile
+    assert UNPRIVILEGED_CAPS in dockerfile

@@ -1,5 +1,6 @@
-"""Restore on another node: two servers, each in its own network namespace, sharing only
-an S3 server (moto, real HTTP) and the notebooks' directory (a user's home moving with them).
+"""Restore on another node: two servers, each in its own network and PID namespace (a pod:
+process ids from 1, its own /proc), sharing only an S3 server (moto, real HTTP) and the
+notebooks' directory (a user's home moving with them).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import boto3
 import pytest
+
+from jupyter_ext.core.pidspace import PID_FLOOR
 
 from .s3server import free_port
 from .servers import HOST_ADDRESS, Network, ServerProcess, follow, ws_execute
@@ -92,7 +95,14 @@ def node_server(
         }
     }
     return ServerProcess(
-        home, notebooks, config, netns=netns, address=address, env=S3_ENV, user=NODE_USER
+        home,
+        notebooks,
+        config,
+        netns=netns,
+        address=address,
+        env=S3_ENV,
+        user=NODE_USER,
+        pod=True,
     )
 
 
@@ -141,6 +151,10 @@ def test_restore_on_another_node_after_node_loss(
     # With JKS_NODE_USER the kernel was dumped and restored by that user, not root.
     uid = ws_execute(node_b, kernel_b, "import os; print(os.getuid())").strip()
     assert int(uid) == (pwd.getpwnam(NODE_USER).pw_uid if NODE_USER else 0)
+    # Nodes are pods (fresh PID namespaces): without root the kernel kept the process id it
+    # had, one its first pod took past the ids every pod's own start takes.
+    pid = int(ws_execute(node_b, kernel_b, "print(os.getpid())").strip())
+    assert pid >= PID_FLOOR if NODE_USER else pid < PID_FLOOR
 
     # Another user's server on the same bucket sees none of it.
     node_c = node_server(network, 3, tmp_path / "node-c", notebooks, s3_url, "bob")

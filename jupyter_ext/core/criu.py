@@ -624,10 +624,13 @@ _KNOWN_FAILURES: list[tuple[str, str, str]] = [
         r"Can't fork for \d+: File exists",
         "A process id the snapshot's kernel had is in use on this machine. Without root a "
         "restored kernel keeps its process ids (it has no PID namespace of its own), so "
-        "two kernels restored from one snapshot cannot run side by side.",
+        "two kernels restored from one snapshot cannot run side by side, and on another "
+        "machine or pod another process may hold one of them.",
         "Shut down the kernel that holds the id (the kernel this snapshot was taken from, "
-        "or another copy of it) and retry, or run Jupyter as root, where every restored "
-        "kernel gets its own PID namespace (docs/nonroot.md).",
+        "or another copy of it) and retry; elsewhere, retry once the process holding it "
+        "has ended (restore into a fresh pod before starting new kernels there); or run "
+        "Jupyter as root, where every restored kernel gets its own PID namespace "
+        "(docs/nonroot.md).",
     ),
     (
         r"Operation not permitted|EPERM|Permission denied",

@@ -41,6 +41,9 @@ ENV_LAZY_RESTORE = "JUPYTER_SNAPSHOT_LAZY_RESTORE"
 #: Set by the server (SnapshotExtensionApp.lazy_restore_min_bytes): a kernel restored
 #: from local images is restored lazily only from this much memory on.
 ENV_LAZY_RESTORE_MIN_BYTES = "JUPYTER_SNAPSHOT_LAZY_RESTORE_MIN_BYTES"
+#: Set by the server (SnapshotExtensionApp.kernel_pid_floor): without root, a wrapper moves
+#: its PID namespace's counter past this before it starts a kernel (core/pidspace.py).
+ENV_PID_FLOOR = "JUPYTER_SNAPSHOT_PID_FLOOR"
 ENV_AWAIT_RESTORE = "JUPYTER_SNAPSHOT_AWAIT_RESTORE"
 AWAIT_RESTORE_SECONDS = 120.0
 #: How long a new wrapper gets to come up (bind its channels, open its control socket).
