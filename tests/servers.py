@@ -176,9 +176,13 @@ class ServerProcess(Endpoint):
             argv = ["ip", "netns", "exec", netns, *argv]
         self.log_path = home / "server.log"
         self._log = self.log_path.open("wb")
+        # Not our stdin: the server's children inherit it, and a Node.js one (JupyterLab
+        # runs `npm prefix`) makes it non-blocking, which a helper reading commands from
+        # the same stdin (tests/nodes_for_ui.py) took for its end, and stopped.
         self.process = subprocess.Popen(
             argv,
             env=self.env,
+            stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

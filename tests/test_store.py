@@ -252,6 +252,15 @@ def test_cut_points_do_not_depend_on_how_the_file_is_read(
     assert set(zeros) == {SMALL_CHUNKS.max_size}  # a run of equal pages never cuts
 
 
+def test_cut_points_never_change() -> None:
+    """Where chunks end is part of every store: other cut points (another page hash, other
+    weights, another numpy) would make the next snapshot of every kernel share nothing
+    with the ones before it."""
+    data = random.Random(28).randbytes(4 << 20)
+    lengths = [len(c) for c in iter_chunks(io.BytesIO(data), SMALL_CHUNKS)]
+    assert lengths[:8] == [200704, 45056, 81920, 110592, 16384, 61440, 258048, 143360]
+
+
 @pytest.mark.parametrize("sizes", [(1000, 4096, 8192), (4096, 12288, 8192), (16384, 8192, 8192)])
 def test_chunk_params_are_checked(sizes: tuple[int, int, int]) -> None:
     with pytest.raises(ValueError, match="must"):

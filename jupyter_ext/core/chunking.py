@@ -4,7 +4,7 @@ CRIU's ``pages-N.img`` hold page-aligned memory. Between two snapshots of one ke
 pages appear and disappear, so fixed offsets shift and fixed-size chunks stop matching.
 Here a chunk may only end at a page boundary, and it ends where the page's hash has its
 low bits zero: the cut points move with the content, and a change only touches the chunks
-around it. The page hash is a multilinear hash of the page's 64-bit words (random odd
+around it. The page hash is a multilinear hash of the page's 64-bit words (fixed odd
 weights, the high bits kept), computed for a whole block of pages at once by numpy: about
 5 GB/s a core here, where a Python loop of zlib.crc32 over the pages ran at 1.1 GB/s and
 held the GIL (measured 2026-12-01).
@@ -12,6 +12,7 @@ held the GIL (measured 2026-12-01).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,8 +21,11 @@ import numpy as np
 
 PAGE_SIZE = 4096
 _PAGE_WORDS = PAGE_SIZE // 8
-_WEIGHTS = np.random.default_rng(0x6A6B73).integers(1, 1 << 63, _PAGE_WORDS, np.uint64) | 1
-"""Fixed for good: other weights cut other chunks, and nothing would deduplicate."""
+_WEIGHTS = np.frombuffer(
+    hashlib.shake_256(b"jupyter-kernel-snapshots page weights").digest(PAGE_SIZE), "<u8"
+) | np.uint64(1)
+"""Fixed for good (not from numpy's generators, whose streams may change between
+versions): other weights cut other chunks, and nothing would deduplicate."""
 _HASH_SHIFT = np.uint64(40)
 BLOCK_BYTES = 8 << 20
 """Pages hashed at once (at least four chunks of the largest size)."""

@@ -27,6 +27,7 @@ import {
   IPolicy,
   ISnapshot,
   ISnapshotEvent,
+  ISnapshotList,
   ISnapshotSettings,
   ISnapshotsModel,
   ITrackedJob
@@ -57,9 +58,9 @@ export class SnapshotsModel implements ISnapshotsModel {
     this._showAll = this._settings.showAllByDefault;
     this._events = options.events ?? null;
     this._events?.stream.connect(this._onEvent, this);
-    this._refreshSoon = new Debouncer(() => this._poll.refresh(), 250);
+    this._refreshSoon = new Debouncer(() => this._requestRefresh(), 250);
     this._refreshFast = new Debouncer(
-      () => this._poll.refresh(),
+      () => this._requestRefresh(),
       FAST_REFRESH_MS
     );
     this._poll = new Poll({
@@ -302,7 +303,7 @@ export class SnapshotsModel implements ISnapshotsModel {
 
   /** The newest snapshots of a notebook, without changing what the panel shows. */
   async snapshotsOf(path: string): Promise<ISnapshot[]> {
-    const { snapshots } = await requestAPI<{ snapshots: ISnapshot[] }>(
+    const { snapshots } = await requestAPI<ISnapshotList>(
       `?path=${encodeURIComponent(path)}`,
       {},
       this._serverSettings
@@ -368,22 +369,15 @@ export class SnapshotsModel implements ISnapshotsModel {
     const target = this._target;
     const showAll = this._showAll;
     const settings = this._serverSettings;
-    const query = showAll
-      ? ''
-      : target
-        ? `?path=${encodeURIComponent(target.path)}`
-        : null;
     this._loading = true;
     this._changed.emit();
     try {
       const [list, kernels, policy] = await Promise.all([
-        query === null
-          ? Promise.resolve({ snapshots: [] as ISnapshot[] })
-          : requestAPI<{ snapshots: ISnapshot[]; store_error?: string }>(
-              query,
-              {},
-              settings
-            ),
+        showAll
+          ? requestAPI<ISnapshotList>('', {}, settings)
+          : target
+            ? this._listOf(target)
+            : Promise.resolve<ISnapshotList>({ snapshots: [] }),
         requestAPI<{ kernels: IKernelStatus[] }>('kernels', {}, settings),
         this._policy && !this._policyStale
           ? Promise.resolve(this._policy)
@@ -401,7 +395,7 @@ export class SnapshotsModel implements ISnapshotsModel {
       // A newer target or switch won: its own refresh is on the way.
       if (target === this._target && showAll === this._showAll) {
         this._snapshots = list.snapshots ?? [];
-        this._storeError = (list as { store_error?: string }).store_error ?? '';
+        this._storeError = list.store_error ?? '';
         this._loaded = true;
       }
       for (const status of this._kernels.values()) {
@@ -419,11 +413,66 @@ export class SnapshotsModel implements ISnapshotsModel {
       this._loading = false;
       if (!this._isDisposed) {
         this._changed.emit();
-        if (this._busy()) {
+        if (this._refreshAgain) {
+          this._refreshAgain = false;
+          void this._refreshSoon.invoke();
+        } else if (this._busy()) {
           void this._refreshFast.invoke();
         }
       }
     }
+  }
+
+  /**
+   * The snapshots of a notebook: those taken while it was at its path, and those of its
+   * kernel. The server knows a kernel's notebook from its session, which can keep an
+   * older path (JupyterLab renaming a notebook as its session starts sends the old one),
+   * so a snapshot of this very kernel may carry another path.
+   */
+  private async _listOf(target: INotebookTarget): Promise<ISnapshotList> {
+    const settings = this._serverSettings;
+    const [byPath, byKernel] = await Promise.all([
+      requestAPI<ISnapshotList>(
+        `?path=${encodeURIComponent(target.path)}`,
+        {},
+        settings
+      ),
+      target.kernelId
+        ? requestAPI<ISnapshotList>(
+            `?kernel_id=${encodeURIComponent(target.kernelId)}`,
+            {},
+            settings
+          )
+        : Promise.resolve<ISnapshotList>({ snapshots: [] })
+    ]);
+    const listed = new Set(byPath.snapshots.map(snapshot => snapshot.id));
+    const more = byKernel.snapshots.filter(
+      snapshot => !listed.has(snapshot.id)
+    );
+    const storeError = byPath.store_error || byKernel.store_error;
+    if (more.length === 0) {
+      return { snapshots: byPath.snapshots, store_error: storeError };
+    }
+    return {
+      snapshots: [...byPath.snapshots, ...more].sort(
+        (a, b) => b.created.localeCompare(a.created) || b.sequence - a.sequence
+      ),
+      store_error: storeError
+    };
+  }
+
+  /**
+   * Refresh as soon as possible. A refresh asked for while one is in flight would be
+   * dropped by the poll (its phase is "refreshed" until the answer comes) although that
+   * answer may predate what changed (a job that just ended, another notebook): it is
+   * asked for again once the answer is in.
+   */
+  private _requestRefresh(): Promise<void> {
+    if (this._loading) {
+      this._refreshAgain = true;
+      return Promise.resolve();
+    }
+    return this._poll.refresh();
   }
 
   /** Whether something is in progress that the panel should follow closely. */
@@ -544,6 +593,7 @@ export class SnapshotsModel implements ISnapshotsModel {
   private _poll: Poll;
   private _refreshSoon: Debouncer;
   private _refreshFast: Debouncer;
+  private _refreshAgain = false;
   private _snapshots: ISnapshot[] = [];
   private _kernels = new Map<string, IKernelStatus>();
   private _jobs = new Map<string, ITrackedJob>();

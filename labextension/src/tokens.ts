@@ -46,6 +46,12 @@ export type Trigger =
 
 export type SnapshotStatus = 'complete' | 'uploading' | 'upload-failed';
 
+/** `GET /api/snapshots`: the snapshots, and why the store's are missing ('' when not). */
+export interface ISnapshotList {
+  snapshots: ISnapshot[];
+  store_error?: string;
+}
+
 /** One snapshot, as listed by `GET /api/snapshots`. */
 export interface ISnapshot {
   id: string;

@@ -244,10 +244,13 @@ test('the panel in every state (mocked API)', async ({ page }) => {
             503
           );
         }
+        const kernel = url.searchParams.get('kernel_id');
         return json(route, {
           snapshots: url.searchParams.get('path')
             ? NOTEBOOK_SNAPSHOTS
-            : STORE_SNAPSHOTS,
+            : kernel
+              ? NOTEBOOK_SNAPSHOTS.filter(s => s.kernel_id === kernel)
+              : STORE_SNAPSHOTS,
           store_error: mock.storeError
         });
       }
