@@ -260,6 +260,48 @@ test.describe('Kernel Snapshots', () => {
     expect((await kernelStatus(request, kernelId)).state).toBe('running');
   });
 
+  test("a session left at an older path is put right: the kernel's snapshots stay the notebook's", async ({
+    page,
+    request
+  }) => {
+    await page.goto();
+    await page.notebook.createNew('moved.ipynb', { kernel: SNAPSHOT_KERNEL });
+    await page.notebook.save();
+    const kernelId = await currentKernelId(page);
+    type Sessions = { id: string; path: string; kernel: { id: string } }[];
+    const sessionOf = async () =>
+      ((await (await request.get('/api/sessions')).json()) as Sessions).find(
+        s => s.kernel.id === kernelId
+      );
+    // (Galata renames the notebook as its session starts: the panel may have put its
+    // session right already.)
+    await expect
+      .poll(async () => (await sessionOf())?.path, { timeout: 30_000 })
+      .toBe('moved.ipynb');
+    const session = await sessionOf();
+
+    // What JupyterLab leaves when it renames a notebook as its session starts: the
+    // server's session at the old path (here set behind JupyterLab's back).
+    await request.patch(`/api/sessions/${session!.id}`, {
+      data: { path: 'Untitled-old.ipynb' }
+    });
+    expect((await sessionOf())?.path).toBe('Untitled-old.ipynb');
+    await page.evaluate(async () => {
+      await (window as any).galata.app.serviceManager.sessions.refreshRunning();
+    });
+    // The panel puts it right, so the kernel's snapshots are filed under the notebook.
+    await expect
+      .poll(async () => (await sessionOf())?.path, { timeout: 30_000 })
+      .toBe('moved.ipynb');
+    const panel = await openSnapshotsPanel(page);
+    await panel.getByRole('button', { name: 'Snapshot kernel' }).click();
+    await expect(panel.getByRole('listitem')).toHaveCount(1);
+    const listed = (await (
+      await request.get('/api/snapshots?path=moved.ipynb')
+    ).json()) as { snapshots: { kernel_id: string }[] };
+    expect(listed.snapshots.map(s => s.kernel_id)).toEqual([kernelId]);
+  });
+
   test('a notebook with another kernel says what to do', async ({ page }) => {
     await page.goto();
     await page.notebook.createNew('plain.ipynb', { kernel: 'python3' });
