@@ -57,34 +57,6 @@ export function notebookTarget(
   };
 }
 
-/** How often a session's path is put right (a session that will not take it is left). */
-const PATH_REPAIRS = 3;
-const pathRepairs = new WeakMap<object, number>();
-
-/**
- * Make the server's session of a notebook name the notebook's path. JupyterLab renaming a
- * notebook while its session starts can leave the session at the old path (it sends the
- * old one after the rename), and the server then files the kernel's snapshots, and offers
- * them back, under a path no notebook has. Called when the path, the session or the
- * session's path change.
- */
-export function repairSessionPath(
-  panel: NotebookPanel,
-  services: ServiceManager.IManager
-): void {
-  const session = panel.sessionContext.session;
-  if (!session || panel.context.isDisposed) {
-    return;
-  }
-  const path = services.contents.localPath(panel.context.path);
-  const repairs = pathRepairs.get(session) ?? 0;
-  if (session.path === path || repairs >= PATH_REPAIRS) {
-    return;
-  }
-  pathRepairs.set(session, repairs + 1);
-  void session.setPath(path).catch(() => undefined);
-}
-
 /** Whether a notebook's kernel is a snapshot kernel (by its kernelspec or the server). */
 export function isSnapshotKernel(
   model: ISnapshotsModel,

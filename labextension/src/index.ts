@@ -21,7 +21,6 @@ import {
   NotebookPanel,
   NotebookWidgetFactory
 } from '@jupyterlab/notebook';
-import type { Session } from '@jupyterlab/services';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { Debouncer } from '@lumino/polling';
 
@@ -29,7 +28,6 @@ import {
   IActionContext,
   isSnapshotKernel,
   notebookTarget,
-  repairSessionPath,
   snapshotNotebook,
   suspendOrResume,
   useSnapshotKernel
@@ -140,23 +138,8 @@ const panelPlugin: JupyterFrontEndPlugin<void> = {
     // The notebook the panel is about: the current one (the last one when the focus
     // moves to something that is not a notebook).
     let current: NotebookPanel | null = null;
-    let watchedSession: Session.ISessionConnection | null = null;
-    const onSessionProperty = (_: unknown, property: string) => {
-      if (property === 'path' && current) {
-        repairSessionPath(current, services);
-      }
-    };
     const updateTarget = () => {
       model.target = current ? notebookTarget(current, services) : null;
-      const session = current?.sessionContext.session ?? null;
-      if (session !== watchedSession) {
-        watchedSession?.propertyChanged.disconnect(onSessionProperty);
-        session?.propertyChanged.connect(onSessionProperty);
-        watchedSession = session;
-      }
-      if (current) {
-        repairSessionPath(current, services);
-      }
     };
     const watch = (panel: NotebookPanel | null) => {
       if (panel === current) {

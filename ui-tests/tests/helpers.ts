@@ -167,3 +167,51 @@ export async function waitForToasts(page: LabPage): Promise<void> {
     await expect(toasts).toHaveCount(0, { timeout: 1_000 });
   }).toPass({ timeout: 10_000 });
 }
+
+/**
+ * Create an empty notebook for ``kernel`` and open it (its session starts at its path).
+ * Galata's ``notebook.createNew`` renames a new notebook while its session starts, and
+ * JupyterLab can then leave the server's session at the old path (it sends the old one
+ * after the rename): the server files the kernel's snapshots under that path.
+ */
+export async function newNotebook(
+  page: IJupyterLabPageFixture,
+  name: string,
+  kernel: string
+): Promise<void> {
+  const displayName =
+    kernel === SNAPSHOT_KERNEL
+      ? 'Python 3 (snapshots)'
+      : 'Python 3 (ipykernel)';
+  await page.evaluate(
+    async ({ name, kernel, displayName }) => {
+      await (window as any).galata.app.serviceManager.contents.save(name, {
+        type: 'notebook',
+        format: 'json',
+        content: {
+          nbformat: 4,
+          nbformat_minor: 5,
+          metadata: {
+            kernelspec: {
+              name: kernel,
+              display_name: displayName,
+              language: 'python'
+            }
+          },
+          cells: [
+            {
+              cell_type: 'code',
+              source: '',
+              metadata: {},
+              outputs: [],
+              execution_count: null
+            }
+          ]
+        }
+      });
+    },
+    { name, kernel, displayName }
+  );
+  expect(await page.notebook.openByPath(name)).toBe(true);
+  await page.notebook.activate(name);
+}

@@ -12,6 +12,7 @@ import {
   dismissKernelDialogs,
   kernelStatus,
   killKernel,
+  newNotebook,
   openSnapshotsPanel,
   SCREENSHOTS,
   shutDownSessions,
@@ -41,10 +42,7 @@ test.describe('Kernel Snapshots', () => {
     request
   }) => {
     await page.goto();
-    const name = await page.notebook.createNew('state.ipynb', {
-      kernel: SNAPSHOT_KERNEL
-    });
-    expect(name).toBe('state.ipynb');
+    await newNotebook(page, 'state.ipynb', SNAPSHOT_KERNEL);
 
     // Build a state.
     await page.notebook.setCell(0, 'code', BUILD_STATE);
@@ -136,7 +134,7 @@ test.describe('Kernel Snapshots', () => {
     request
   }) => {
     await page.goto();
-    await page.notebook.createNew('recover.ipynb', { kernel: SNAPSHOT_KERNEL });
+    await newNotebook(page, 'recover.ipynb', SNAPSHOT_KERNEL);
     await page.notebook.setCell(0, 'code', BUILD_STATE);
     await page.notebook.addCell('code', PRINT_STATE);
     await page.notebook.runCell(0, { inplace: true });
@@ -184,7 +182,7 @@ test.describe('Kernel Snapshots', () => {
     request
   }) => {
     await page.goto();
-    await page.notebook.createNew('switch.ipynb', { kernel: SNAPSHOT_KERNEL });
+    await newNotebook(page, 'switch.ipynb', SNAPSHOT_KERNEL);
     await page.notebook.setCell(0, 'code', BUILD_STATE);
     await page.notebook.addCell('code', PRINT_STATE);
     await page.notebook.runCell(0, { inplace: true });
@@ -233,7 +231,7 @@ test.describe('Kernel Snapshots', () => {
     request
   }) => {
     await page.goto();
-    await page.notebook.createNew('suspend.ipynb', { kernel: SNAPSHOT_KERNEL });
+    await newNotebook(page, 'suspend.ipynb', SNAPSHOT_KERNEL);
     await page.notebook.setCell(0, 'code', BUILD_STATE);
     await page.notebook.addCell('code', PRINT_STATE);
     await page.notebook.runCell(0, { inplace: true });
@@ -260,51 +258,29 @@ test.describe('Kernel Snapshots', () => {
     expect((await kernelStatus(request, kernelId)).state).toBe('running');
   });
 
-  test("a session left at an older path is put right: the kernel's snapshots stay the notebook's", async ({
-    page,
-    request
+  test("a renamed notebook still lists its kernel's snapshots", async ({
+    page
   }) => {
     await page.goto();
-    await page.notebook.createNew('moved.ipynb', { kernel: SNAPSHOT_KERNEL });
+    await newNotebook(page, 'before.ipynb', SNAPSHOT_KERNEL);
+    await page.notebook.setCell(0, 'code', BUILD_STATE);
+    await page.notebook.runCell(0, { inplace: true });
     await page.notebook.save();
-    const kernelId = await currentKernelId(page);
-    type Sessions = { id: string; path: string; kernel: { id: string } }[];
-    const sessionOf = async () =>
-      ((await (await request.get('/api/sessions')).json()) as Sessions).find(
-        s => s.kernel.id === kernelId
-      );
-    // (Galata renames the notebook as its session starts: the panel may have put its
-    // session right already.)
-    await expect
-      .poll(async () => (await sessionOf())?.path, { timeout: 30_000 })
-      .toBe('moved.ipynb');
-    const session = await sessionOf();
-
-    // What JupyterLab leaves when it renames a notebook as its session starts: the
-    // server's session at the old path (here set behind JupyterLab's back).
-    await request.patch(`/api/sessions/${session!.id}`, {
-      data: { path: 'Untitled-old.ipynb' }
-    });
-    expect((await sessionOf())?.path).toBe('Untitled-old.ipynb');
-    await page.evaluate(async () => {
-      await (window as any).galata.app.serviceManager.sessions.refreshRunning();
-    });
-    // The panel puts it right, so the kernel's snapshots are filed under the notebook.
-    await expect
-      .poll(async () => (await sessionOf())?.path, { timeout: 30_000 })
-      .toBe('moved.ipynb');
     const panel = await openSnapshotsPanel(page);
     await panel.getByRole('button', { name: 'Snapshot kernel' }).click();
-    await expect(panel.getByRole('listitem')).toHaveCount(1);
-    const listed = (await (
-      await request.get('/api/snapshots?path=moved.ipynb')
-    ).json()) as { snapshots: { kernel_id: string }[] };
-    expect(listed.snapshots.map(s => s.kernel_id)).toEqual([kernelId]);
+    const items = panel.getByRole('listitem');
+    await expect(items).toHaveCount(1);
+
+    // Filed under the old path, the snapshot is still the notebook's kernel's.
+    await page.contents.renameFile('before.ipynb', 'after.ipynb');
+    await expect(panel.getByText('after.ipynb').first()).toBeVisible();
+    await expect(items).toHaveCount(1);
+    await expect(items.first()).toContainText('manual');
   });
 
   test('a notebook with another kernel says what to do', async ({ page }) => {
     await page.goto();
-    await page.notebook.createNew('plain.ipynb', { kernel: 'python3' });
+    await newNotebook(page, 'plain.ipynb', 'python3');
     const panel = await openSnapshotsPanel(page);
     await expect(
       panel.getByText('Not a snapshot kernel', { exact: true })
@@ -337,7 +313,7 @@ test.describe('Server events', () => {
     request
   }) => {
     await page.goto();
-    await page.notebook.createNew('events.ipynb', { kernel: SNAPSHOT_KERNEL });
+    await newNotebook(page, 'events.ipynb', SNAPSHOT_KERNEL);
     const panel = await openSnapshotsPanel(page);
     await expect(
       panel.getByText('No snapshots of this notebook yet')
