@@ -171,36 +171,42 @@ class SlowPacks:
     """A store whose pack reads run at ``rate`` bytes stored a second, one at a time (the
     reads themselves are the real store's): slow for memory that does not compress."""
 
-    def __init__(self, store: Any, rate: float) -> None:
+    def __init__(self, store: Any, rate: float, gate: threading.Event) -> None:
         self._store = store
         self._rate = rate
+        self._gate = gate
         self._one_at_a_time = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
     def _read_object(self, name: str, offset: int, length: int) -> Any:
+        assert self._gate.wait(300), "the test never opened the gate"
         with self._one_at_a_time:
             time.sleep(length / self._rate)
         return self._store._read_object(name, offset, length)
 
 
 @contextlib.contextmanager
-def slow_pages(manager: Any, rate: float = 4e6) -> Iterator[None]:
+def slow_pages(manager: Any, rate: float = 4e6) -> Iterator[threading.Event]:
     """Lazy restores started meanwhile read their pages through :class:`SlowPacks`: still
-    transferring when the test acts."""
+    transferring when the test acts. The event yielded is a gate, open: a test that must
+    act before the transfer ends, however slow the machine, closes it meanwhile."""
     store = manager.store
     real_open = store.open_images
+    gate = threading.Event()
+    gate.set()
 
     def open_slowly(snapshot_id: str) -> Any:
         images = real_open(snapshot_id)
-        images._reader.store = SlowPacks(store, rate)
+        images._reader.store = SlowPacks(store, rate, gate)
         return images
 
     store.open_images = open_slowly
     try:
-        yield
+        yield gate
     finally:
+        gate.set()
         store.open_images = real_open
 
 
@@ -267,19 +273,21 @@ async def test_a_snapshot_a_kernel_still_reads_is_deleted_once_its_pages_are_in(
     await kernel.run("import numpy as np; a = np.random.default_rng(5).random(8 << 20)")
     snapshot_id = (await snapshot(jp_fetch, kernel.id))["result"]["id"]
     store = manager.store
-    with slow_pages(manager, rate=2e6):  # 64 MiB: ~30 s of pages, plenty of margin
+    with slow_pages(manager, rate=2e6) as gate:  # 64 MiB: ~30 s of pages
         restore = await call(jp_fetch, "POST", snapshot_id, "restore")
         restored = await wait_job(jp_fetch, restore["job"])
-    assert restored["status"] == "done", restored
-    new_kernel = restored["result"]["kernel_id"]
-    status = await call(jp_fetch, "GET", "kernels", new_kernel)
-    assert status["lazy_restore"]["state"] == "transferring", status["lazy_restore"]
-    assert [lent.snapshot_id for lent in manager.lent] == [snapshot_id]
-    manager.keep_last = 1  # the next snapshot of that kernel would retire this one
-    await snapshot(jp_fetch, kernel.id)
-    assert store.get(snapshot_id), "retention passed it over"
+        gate.clear()  # the rest of its memory waits until the retention below has run
+        assert restored["status"] == "done", restored
+        new_kernel = restored["result"]["kernel_id"]
+        status = await call(jp_fetch, "GET", "kernels", new_kernel)
+        assert status["lazy_restore"]["state"] == "transferring", status["lazy_restore"]
+        assert [lent.snapshot_id for lent in manager.lent] == [snapshot_id]
+        manager.keep_last = 1  # the next snapshot of that kernel would retire this one
+        await snapshot(jp_fetch, kernel.id)
+        assert store.get(snapshot_id), "retention passed it over"
+        gate.set()
 
-    # Waits for the pages (seconds at the store's 4 MB/s here: longer than a default request).
+    # Waits for the pages (seconds at the store's 2 MB/s here: longer than a default request).
     await jp_fetch("api", "snapshots", snapshot_id, method="DELETE", request_timeout=300)
     assert not manager.lent
     status = await call(jp_fetch, "GET", "kernels", new_kernel)
