@@ -13,7 +13,7 @@ from typing import Any
 from jupyter_core.paths import jupyter_data_dir
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.serverapp import ServerApp
-from traitlets import Bool, Float, Int, Unicode, default
+from traitlets import Bool, Float, Int, TraitError, Unicode, default, validate
 
 from .core.chunking import ChunkParams
 from .core.lazypages import LAZY_MIN_BYTES
@@ -77,7 +77,7 @@ class SnapshotExtensionApp(ExtensionApp):
     chunk_kib = Int(
         0,
         config=True,
-        help="""Average size of the content-addressed chunks, in KiB (a power of two, >= 8),
+        help="""Average size of the content-addressed chunks, in KiB (a power of two, >= 16),
         the same for every snapshot. Smaller chunks share more between successive snapshots
         of a kernel but mean more objects and requests. Default: 0, automatic: about 16384
         chunks per snapshot (16 KiB up to 256 MiB, doubling up to 1 MiB from 16 GiB), and a
@@ -213,6 +213,19 @@ class SnapshotExtensionApp(ExtensionApp):
         and upload retries. Default: 10.""",
     )
 
+    @validate("chunk_kib")
+    def _valid_chunk_kib(self, proposal: dict[str, Any]) -> int:
+        kib = int(proposal["value"])
+        if kib:
+            try:
+                ChunkParams.of_kib(kib)
+            except ValueError as exc:
+                raise TraitError(
+                    f"SnapshotExtensionApp.chunk_kib must be 0 (automatic) or a power of two "
+                    f"of at least 16, not {kib} ({exc})."
+                ) from None
+        return kib
+
     @default("owner")
     def _default_owner(self) -> str:
         return os.environ.get("JUPYTERHUB_USER") or getpass.getuser()
@@ -289,6 +302,7 @@ class SnapshotExtensionApp(ExtensionApp):
             release_gpu_caches=self.release_gpu_caches,
             lazy_restore=self.lazy_restore,
             lazy_restore_from_store=self.lazy_restore_from_store,
+            chunk_kib=self.chunk_kib or None,
         )
         # Kernel wrappers are started by the kernel manager with this process's environment.
         os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"

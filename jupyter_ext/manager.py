@@ -18,7 +18,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from .core.errors import (
     SnapshotNotFoundError,
     WrapperUnavailableError,
 )
-from .core.imagecache import ImageCache, Lease, Stamps, lock_shared, stamp_tree
+from .core.imagecache import ImageCache, Lease, lock_shared, stamp_tree
 from .core.lazypages import PAGES_FILE_RE, PrefixedPages, RangeServer, restore_order, worth_lazy
 from .core.leftovers import (
     DumpLock,
@@ -45,6 +45,7 @@ from .core.manifest import (
     MANIFEST_NAME,
     SNAPSHOT_ID_RE,
     Manifest,
+    Stamps,
     check_snapshot_id,
     new_snapshot_id,
     remove_tree,
@@ -231,6 +232,7 @@ class SnapshotManager:
         release_gpu_caches: bool = True,
         lazy_restore: bool = True,
         lazy_restore_from_store: bool = True,
+        chunk_kib: int | None = None,
     ) -> None:
         """The settings are SnapshotExtensionApp's traits of the same names (there
         documented); ``max_bytes`` is its ``max_store_bytes``."""
@@ -253,6 +255,7 @@ class SnapshotManager:
         self.release_gpu_caches = release_gpu_caches
         self.lazy_restore = lazy_restore
         self.lazy_from_store = lazy_restore_from_store
+        self.chunk_kib = chunk_kib
         self._lazy_pages: bool | None = None
         #: Stored snapshots whose pages lazily restored kernels still read.
         self.lent: set[LentPages] = set()
@@ -375,7 +378,7 @@ class SnapshotManager:
 
     @staticmethod
     def _describe_manifest(manifest: Manifest, status: str, error: str = "") -> dict[str, Any]:
-        data = asdict(manifest)
+        data = manifest.to_dict()
         data.pop("files", None)
         data.pop("needed_files", None)
         data.pop("bound_ports", None)
@@ -566,6 +569,7 @@ class SnapshotManager:
                     leave_running=leave_running,
                     metadata={"kernel_spec": spec, "notebook_path": path},
                     release_gpu_caches=self.release_gpu_caches,
+                    chunk_kib=self.chunk_kib,
                 ),
                 self._wrapper_progress(job),
             )
@@ -604,7 +608,7 @@ class SnapshotManager:
         if job is not None:
             self._progress(job, "uploading")
         stamps: Stamps | None = None
-        if self.image_cache.enabled:  # stamped before the put reads and checks every byte
+        if self.image_cache.enabled:  # as sealed (or checked by the put), then unchanged
             with contextlib.suppress(OSError):
                 stamps = await asyncio.to_thread(stamp_tree, directory)
         try:
@@ -1201,6 +1205,7 @@ class SnapshotManager:
                         "notebook_path": path,
                     },
                     release_gpu_caches=self.release_gpu_caches,
+                    chunk_kib=self.chunk_kib,
                 ),
                 self._wrapper_progress(job),
             )

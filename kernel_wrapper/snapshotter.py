@@ -35,6 +35,7 @@ from typing import Any, NoReturn
 
 from jupyter_ext import __version__
 from jupyter_ext.core import netports, proctree, sockdiag
+from jupyter_ext.core.chunking import ChunkParams, auto_chunk_kib
 from jupyter_ext.core.compat import check_compatible
 from jupyter_ext.core.criu import Criu, LazyTransfer, external_file_key
 from jupyter_ext.core.errors import (
@@ -52,7 +53,7 @@ from jupyter_ext.core.gpu import (
     open_backend,
     plan_gpu_pairs,
 )
-from jupyter_ext.core.growinghash import GrowingFileHasher
+from jupyter_ext.core.growinghash import GrowingFileChunker
 from jupyter_ext.core.lazypages import (
     LAZY_MIN_BYTES,
     UNIX_PREFIX,
@@ -143,6 +144,8 @@ class Snapshotter:
         self.lineage = secrets.token_hex(8)
         self.sequence = 0
         self.parent_snapshot: str | None = None
+        self.chunk_kib: int | None = None
+        """The chunk size of the kernel's last snapshot: the next keeps it if it can."""
         self.suspended_snapshot: Path | None = None
         """The snapshot a suspended kernel comes back from."""
         self.last_gpu_restore: dict[str, Any] = {}
@@ -193,6 +196,7 @@ class Snapshotter:
                 args.sequence,
                 progress,
                 release_gpu_caches=args.release_gpu_caches,
+                chunk_kib=args.chunk_kib,
             )
             result: dict[str, Any] = json.loads(manifest.to_json())
             return result
@@ -212,6 +216,7 @@ class Snapshotter:
                 leave_running=False,
                 metadata=args.metadata,
                 release_gpu_caches=args.release_gpu_caches,
+                chunk_kib=args.chunk_kib,
             ),
         )
         self.suspended_snapshot = Path(args.dest)
@@ -264,6 +269,7 @@ class Snapshotter:
         progress: ProgressCallback,
         *,
         release_gpu_caches: bool = True,
+        chunk_kib: int | None = None,
     ) -> Manifest:
         if not self.lifecycle.is_(State.RUNNING) or self.process.pid is None:
             raise KernelNotRunningError(
@@ -310,8 +316,13 @@ class Snapshotter:
             tree = proctree.descendants(inner_pid)
             needed = proctree.needed_files(tree)
             ports = netports.bound_ports(_socket_inodes(tree))
+            if chunk_kib is None:
+                memory = proctree.private_memory_bytes(tree)
+                chunk_kib = auto_chunk_kib(memory, self.chunk_kib)
             dump_started = time.monotonic()
-            hasher = GrowingFileHasher(staging / IMAGES_DIR)  # the memory, as it is written
+            # The memory is cut and hashed as it is written: the only time it is hashed.
+            params = ChunkParams.of_kib(chunk_kib)
+            hasher = GrowingFileChunker(staging, staging / IMAGES_DIR, params)
             # Without --leave-running CRIU ends the kernel: no death, and it is reaped here.
             async with contextlib.nullcontext() if leave_running else self.process.ending():
                 try:
@@ -369,22 +380,18 @@ class Snapshotter:
             dump_seconds=round(dump_seconds, 4),
             frozen_seconds=round(frozen, 4),
             pause_seconds=round(pause_seconds, 4),
+            chunk_kib=chunk_kib,
         )
         progress({"phase": "hashing"})
         shutil.rmtree(work_dir, ignore_errors=True)
         try:
             hashed = await asyncio.to_thread(hasher.finish)
-            manifest = await asyncio.to_thread(
-                seal,
-                staging,
-                manifest,
-                dest,
-                {f"{IMAGES_DIR}/{name}": entry for name, entry in hashed.items()},
-            )
+            manifest = await asyncio.to_thread(seal, staging, manifest, dest, hashed)
         except BaseException:
             remove_tree(staging)
             raise
         self.parent_snapshot = manifest.id
+        self.chunk_kib = manifest.chunk_kib
         self.relay.executions_since_snapshot = 0
         progress({"phase": "done", "bytes": manifest.total_bytes})
         return manifest
@@ -465,6 +472,7 @@ class Snapshotter:
             def restored() -> None:
                 self.sequence = max(self.sequence, manifest.sequence)
                 self.parent_snapshot = manifest.id
+                self.chunk_kib = manifest.chunk_kib
                 self.relay.executions_since_snapshot = 0
 
             try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import random
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from jupyter_ext.core import proctree
+from jupyter_ext.core.chunking import ChunkParams, iter_chunks
 from jupyter_ext.core.compat import check_compatible
 from jupyter_ext.core.criu import Criu, frozen_seconds
 from jupyter_ext.core.errors import (
@@ -33,10 +35,12 @@ from jupyter_ext.core.errors import (
     SnapshotCorruptError,
     SnapshotError,
 )
-from jupyter_ext.core.growinghash import GrowingFileHasher
+from jupyter_ext.core.growinghash import GrowingFileChunker
 from jupyter_ext.core.manifest import (
     MANIFEST_NAME,
+    FileEntry,
     Manifest,
+    chunk_list_digest,
     manifest_checksum,
     new_snapshot_id,
     seal,
@@ -288,20 +292,23 @@ def test_corrupted_snapshot_is_refused_before_criu(kernel_factory: Factory, tmp_
     pages = max((tmp_path / "s" / "images").glob("pages-*.img"), key=lambda p: p.stat().st_size)
     data = bytearray(pages.read_bytes())
     data[len(data) // 2] ^= 0xFF
+    pages.chmod(0o600)  # sealed read-only
     pages.write_bytes(bytes(data))
-    with pytest.raises(SnapshotCorruptError, match="sha256 of images/pages-"):
+    with pytest.raises(SnapshotCorruptError, match=r"chunk of images/pages-\d+\.img at byte"):
         kernel.restore(tmp_path / "s")
     # The running kernel was not touched.
     assert kernel.execute("print(a.sum())").strip() == "1000.0"
 
 
-def test_memory_images_are_hashed_as_they_are_written(tmp_path: Path) -> None:
-    """The seal's hashes of pages-*.img come from a hasher that read them while they
-    grew (as CRIU writes them, front to back): the same digests as hashing them after,
-    each file whole, and none for a file that is shorter than what was hashed."""
+def test_memory_images_are_cut_and_hashed_as_they_are_written(tmp_path: Path) -> None:
+    """The seal's entries of pages-*.img come from a chunker that read them while they
+    grew (as CRIU writes them, front to back, in pieces of any size): the chunks are those
+    of cutting the finished file, each with its sha256, and the file's digest is that of
+    the chunk list. Another file is hashed whole by the seal."""
     images = tmp_path / "staging" / "images"
     images.mkdir(parents=True)
-    hasher = GrowingFileHasher(images)
+    params = ChunkParams.of_kib(16)
+    chunker = GrowingFileChunker(images.parent, images, params)
     rng = random.Random(3)
     written: dict[str, bytes] = {}
     for name in ("pages-1.img", "pages-2.img"):
@@ -313,10 +320,15 @@ def test_memory_images_are_hashed_as_they_are_written(tmp_path: Path) -> None:
                 written[name] = written.get(name, b"") + block
                 time.sleep(0.001)
     (images / "core-1.img").write_bytes(b"not memory")
-    hashed = hasher.finish()
-    assert hashed == {
-        name: (len(data), hashlib.sha256(data).hexdigest()) for name, data in written.items()
-    }
+    entries = chunker.finish()
+    for name, data in written.items():
+        entry = entries[f"images/{name}"]
+        cut = iter_chunks(io.BytesIO(data), params)
+        chunks = [(hashlib.sha256(c).hexdigest(), len(c)) for c in cut]
+        assert len(chunks) > 20
+        assert entry.chunks == chunks
+        assert entry.size == len(data)
+        assert entry.sha256 == chunk_list_digest(chunks)
     manifest = seal(
         images.parent,
         Manifest(
@@ -328,16 +340,16 @@ def test_memory_images_are_hashed_as_they_are_written(tmp_path: Path) -> None:
             runtime_dir="/run/dummy",
             runtime_dir_key="dummy",
             stdio_pipe="pipe:[1]",
+            chunk_kib=16,
         ),
         tmp_path / "sealed",
-        {f"images/{name}": entry for name, entry in hashed.items()}
-        | {"images/core-1.img": (99, "0" * 64)},  # not its size: hashed again
-    )
+        entries | {"images/core-1.img": FileEntry("images/core-1.img", 99, "0" * 64)},
+    )  # (not core-1.img's size: hashed again)
     verify(tmp_path / "sealed")
-    assert {e.path for e in manifest.files} == {
-        "images/core-1.img",
-        *[f"images/{n}" for n in written],
-    }
+    by_path = {e.path: e for e in manifest.files}
+    assert set(by_path) == {"images/core-1.img", *[f"images/{n}" for n in written]}
+    assert by_path["images/core-1.img"].chunks is None
+    assert by_path["images/core-1.img"].sha256 == hashlib.sha256(b"not memory").hexdigest()
 
 
 def test_snapshot_without_manifest_is_not_a_snapshot(tmp_path: Path) -> None:

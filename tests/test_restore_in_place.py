@@ -109,6 +109,7 @@ def test_damaged_images_restore_keeps_the_running_kernel(
     staging = tmp_path / ".broken-staging"
     shutil.copytree(tmp_path / "a", staging)
     (staging / MANIFEST_NAME).unlink()
+    (staging / IMAGES_DIR / "pstree.img").chmod(0o600)  # sealed read-only
     (staging / IMAGES_DIR / "pstree.img").write_bytes(b"\0" * 64)
     seal(staging, Manifest.read(tmp_path / "a"), broken)
     b = kernel_with_state(kernel_factory)

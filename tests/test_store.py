@@ -105,8 +105,12 @@ def make_snapshot(
     sequence: int = 1,
     extra: dict[str, bytes] | None = None,
     parent_id: str | None = None,
+    chunk_kib: int | None = None,
+    chunked_as: bytes | None = None,
 ) -> Path:
-    """A sealed snapshot directory, as the kernel wrapper leaves it."""
+    """A sealed snapshot directory, as the kernel wrapper leaves it. With ``chunk_kib``
+    its memory is listed by its chunks, as the wrapper cuts it during the dump (those of
+    ``chunked_as``, of the same size, to forge a lie the seal believes)."""
     snapshot_id = manifest_mod.new_snapshot_id()
     staging = root / f".{snapshot_id}.staging"
     images = staging / manifest_mod.IMAGES_DIR
@@ -125,9 +129,17 @@ def make_snapshot(
         stdio_pipe="pipe:[1]",
         notebook_path="work/analysis.ipynb",
         parent_id=parent_id,
+        chunk_kib=chunk_kib,
     )
+    hashed = {}
+    if chunk_kib is not None:
+        cut = iter_chunks(io.BytesIO(chunked_as or pages), ChunkParams.of_kib(chunk_kib))
+        chunks = [(hashlib.sha256(c).hexdigest(), len(c)) for c in cut]
+        path = f"{manifest_mod.IMAGES_DIR}/pages-1.img"
+        digest = manifest_mod.chunk_list_digest(chunks)
+        hashed[path] = manifest_mod.FileEntry(path, len(pages), digest, chunks)
     final = root / snapshot_id
-    manifest_mod.seal(staging, manifest, final)
+    manifest_mod.seal(staging, manifest, final, hashed)
     return final
 
 
@@ -141,7 +153,12 @@ def reseal(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def tree(path: Path) -> dict[str, bytes]:
-    return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    """A snapshot directory's files (not the seal's stamps: facts of this machine's copy)."""
+    return {
+        p.relative_to(path).as_posix(): p.read_bytes()
+        for p in path.rglob("*")
+        if p.is_file() and p.name != manifest_mod.SEAL_STAMPS_NAME
+    }
 
 
 def object_key(store: Store, name: str) -> str:
@@ -680,10 +697,105 @@ def test_damaged_source_is_refused(store: Store, tmp_path: Path) -> None:
     image = source / "images/pages-1.img"
     data = bytearray(image.read_bytes())
     data[100] ^= 0xFF
+    image.chmod(0o600)  # sealed read-only
     image.write_bytes(bytes(data))
     with pytest.raises(SnapshotCorruptError, match="differs from its manifest"):
         store.put(source)
     assert store.list() == []
+
+
+def test_memory_is_stored_by_the_chunks_its_seal_lists(store: Store, tmp_path: Path) -> None:
+    """The wrapper cuts and hashes the memory during the dump; the store keeps it by
+    exactly those chunks (no cutting, no hashing again), and a fetch checks each chunk."""
+    pages = random_pages(random.Random(31), 2048)
+    source = make_snapshot(tmp_path, pages, chunk_kib=16)
+    entry = {e.path: e for e in manifest_mod.Manifest.read(source).files}["images/pages-1.img"]
+    assert entry.chunks is not None
+    assert len(entry.chunks) > 100
+
+    stored = store.put(source)
+
+    record = store._load(stored.manifest.id)
+    assert record is not None
+    assert record.chunk_kib == 16
+    assert [(r.hash, r.size) for r in record.chunks[entry.path]] == entry.chunks
+    dest = store.fetch(stored.manifest.id, tmp_path / "out" / "snap")
+    assert tree(dest) == tree(source)
+    assert manifest_mod.verify(dest).id == stored.manifest.id
+
+
+def test_a_put_trusts_the_seal_and_a_fetch_still_catches_a_lie(
+    store: Store, tmp_path: Path
+) -> None:
+    """A file as it was sealed is stored by its listed chunks unread: even a lie (here
+    forged into the seal) is stored. Each chunk is checked when it is read back, so the
+    lie fails the fetch, naming the chunk, and leaves nothing; a restore never runs it."""
+    rng = random.Random(32)
+    pages = random_pages(rng, 512)
+    lie = rng.randbytes(len(pages))
+    stored = store.put(make_snapshot(tmp_path, pages, chunk_kib=16, chunked_as=lie))
+    with pytest.raises(SnapshotCorruptError, match=r"chunk .* of images/pages-1\.img"):
+        store.fetch(stored.manifest.id, tmp_path / "out" / "snap")
+    assert not (tmp_path / "out" / "snap").exists()
+
+
+def test_a_memory_file_changed_after_its_seal_is_hashed_again(store: Store, tmp_path: Path) -> None:
+    """Any change to a sealed file changes its ctime: the put then checks each chunk
+    against its listed sha256, refuses a changed byte, and stores an unchanged file."""
+    pages = random_pages(random.Random(33), 512)
+    source = make_snapshot(tmp_path, pages, chunk_kib=16)
+    image = source / "images/pages-1.img"
+    image.chmod(0o600)
+    image.write_bytes(pages[:100] + bytes([pages[100] ^ 0xFF]) + pages[101:])
+    with pytest.raises(SnapshotCorruptError, match="a chunk differs from its manifest"):
+        store.put(source)
+    assert store.list() == []
+
+    image.write_bytes(pages)  # as it was, but no longer as sealed: hashed, and stored
+    assert "images/pages-1.img" not in manifest_mod.unchanged_since_sealed(source)
+    stored = store.put(source)
+    dest = store.fetch(stored.manifest.id, tmp_path / "out" / "snap")
+    assert (dest / "images/pages-1.img").read_bytes() == pages
+
+
+def test_chunk_lists_must_add_up_and_match_their_digest(tmp_path: Path) -> None:
+    """A manifest's chunk list is checked as it is read: the sizes add up to the file,
+    the digest is the list's, each chunk is well formed."""
+    source = make_snapshot(tmp_path, random_pages(random.Random(34), 64), chunk_kib=16)
+    raw = json.loads((source / "manifest.json").read_text())
+    pages_entry = next(f for f in raw["files"] if f.get("chunks"))
+
+    def damaged(change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        copy = json.loads(json.dumps(raw))
+        change(next(f for f in copy["files"] if f["path"] == pages_entry["path"]))
+        return reseal(copy)
+
+    def other_digest(entry: dict[str, Any]) -> None:
+        entry["chunks"][0][0] = "0" * 64
+
+    def short(entry: dict[str, Any]) -> None:
+        entry["chunks"].pop()
+
+    def malformed(entry: dict[str, Any]) -> None:
+        entry["chunks"][0] = ["../x", -1]
+
+    for change, message in ((other_digest, "sha256"), (short, "add up"), (malformed, "malformed")):
+        with pytest.raises(SnapshotCorruptError, match=message):
+            Manifest.from_dict(damaged(change))
+
+
+def test_a_record_must_store_a_file_by_its_listed_chunks(store: Store, tmp_path: Path) -> None:
+    """A record that lists other chunks for a chunked file than its manifest is damaged
+    (each chunk read would check out, the file would not)."""
+    stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(35), 512), chunk_kib=16))
+    record = json.loads(store._read_record(stored.manifest.id) or b"")
+    rows = record["chunks"]["images/pages-1.img"]
+    rows[0], rows[1] = rows[1], rows[0]
+    fresh_id = record["manifest"]["id"] = uuid.uuid4().hex
+    reseal(record["manifest"])
+    assert store._create_record(fresh_id, json.dumps(record).encode())
+    with pytest.raises(SnapshotCorruptError, match="not those of its manifest entry"):
+        store.get(fresh_id)
 
 
 def test_invalid_manifests_are_refused(store: Store, tmp_path: Path) -> None:
@@ -1011,21 +1123,34 @@ def test_raw_chunks_are_copied_inside_the_kernel_where_it_can(tmp_path: Path) ->
     source = tmp_path / "pages.img"
     source.write_bytes(data)
     with source.open("rb") as src, (tmp_path / "out").open("wb") as out:
-        middle = packs.FileSlice(src.fileno(), PAGE_SIZE, memoryview(data)[PAGE_SIZE:])
-        assert store_mod._copy_range(middle, out.fileno())
-        past_end = packs.FileSlice(src.fileno(), 2 * PAGE_SIZE, memoryview(data))
+        assert store_mod._copy_range(src.fileno(), PAGE_SIZE, 2 * PAGE_SIZE, out.fileno())
         with pytest.raises(OSError, match="shrank"):
-            store_mod._copy_range(past_end, out.fileno())
+            store_mod._copy_range(src.fileno(), 2 * PAGE_SIZE, 3 * PAGE_SIZE, out.fileno())
     assert (tmp_path / "out").read_bytes()[: 2 * PAGE_SIZE] == data[PAGE_SIZE:]
     read_end, write_end = os.pipe()
     try:
-        piped = packs.FileSlice(read_end, 0, memoryview(data))
         with (tmp_path / "out2").open("wb") as out:
-            assert not store_mod._copy_range(piped, out.fileno())
+            assert not store_mod._copy_range(read_end, 0, len(data), out.fileno())
         assert (tmp_path / "out2").read_bytes() == b""
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_slices_that_follow_each_other_in_a_file_are_copied_as_one_run() -> None:
+    """Packs copy runs of chunks, not chunk by chunk; a gap, another file or bytes in
+    memory start a new run."""
+    view = memoryview(bytes(4 * PAGE_SIZE))
+
+    def piece(fd: int, page: int) -> packs.FileSlice:
+        return packs.FileSlice(fd, page * PAGE_SIZE, view[:PAGE_SIZE])
+
+    parts: list[packs.Blob] = [piece(3, 0), piece(3, 1), piece(3, 2), piece(4, 3)]
+    parts += [b"trailer", piece(4, 4), piece(4, 6)]
+    runs = list(store_mod._runs(parts))
+    assert [len(run) for run in runs] == [3, 1, 1, 1, 1]
+    assert runs[0] == parts[:3]
+    assert runs[2] == [b"trailer"]
 
 
 def test_a_snapshot_on_another_file_system_is_stored_whole(tmp_path: Path) -> None:
@@ -1198,3 +1323,16 @@ def test_a_record_of_a_newer_format_says_to_upgrade(store: Store, tmp_path: Path
         store.get(fresh_id)
     assert "Upgrade" in caught.value.hint
     assert [s.manifest.id for s in store.list()] == [stored.manifest.id]  # logged, skipped
+
+
+@pytest.mark.parametrize("kib", [8, 48, 100])
+def test_a_chunk_size_no_chunking_can_use_is_refused_when_configured(kib: int) -> None:
+    """The server's chunk_kib goes to every snapshot request: a size that cannot cut pages
+    (not a power of two of at least 16 KiB) is refused at start-up, naming the option."""
+    from traitlets import TraitError
+
+    from jupyter_ext.app import SnapshotExtensionApp
+
+    with pytest.raises(TraitError, match=r"chunk_kib must be 0 \(automatic\) or a power of two"):
+        SnapshotExtensionApp(chunk_kib=kib)
+    assert SnapshotExtensionApp(chunk_kib=64).chunk_kib == 64

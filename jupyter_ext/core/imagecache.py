@@ -11,11 +11,11 @@ Layout, under ``<work_dir>/image-cache``::
     .<id>.trash-<hex>/          an entry being removed
 
 **Verified without reading anything.** Hashing 600 MB of images costs ~0.4 s here, about
-what CRIU's restore takes, and a snapshot's pages are one file (sha256 cannot be split
-across threads). So an entry's files are made read-only and *stamped* (inode, size,
-mtime_ns, ctime_ns, as git's index does) before something reads and checks every byte
-against the manifest's sha256 (the store's put), and the stamps are checked unchanged
-after that read: the bytes that were hashed are the bytes stamped. A download is stamped
+what CRIU's restore takes. So an entry's files are made read-only and *stamped* (inode,
+size, mtime_ns, ctime_ns, as git's index does) once they were checked against the
+manifest's sha256 (a new snapshot's memory is hashed while CRIU writes it, and the seal
+stamps it; the store's put trusts or checks it, manifest.py), and the stamps are checked
+unchanged after the put: the bytes that were hashed are the bytes stamped. A download is stamped
 as soon as the store has written it (checking each file as it wrote it). A restore then
 checks one ``stat`` per file (~0.05 ms for 41 files). Any write, chmod, rename over or
 re-link of a file changes its ctime, which no user can set. An entry
@@ -45,7 +45,6 @@ import logging
 import os
 import secrets
 import shutil
-import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,7 +52,16 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SnapshotError
-from .manifest import MANIFEST_NAME, SNAPSHOT_ID_RE, Manifest, verify
+from .manifest import (
+    MANIFEST_NAME,
+    SEAL_STAMPS_NAME,
+    SNAPSHOT_ID_RE,
+    Manifest,
+    Stamps,
+    stamp,
+    stamp_files,
+    verify,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +73,6 @@ DEFAULT_DISK_FRACTION = 0.25
 #: (10 % of a 250 GB disk would keep 25 GB from the cache), and the newest entry's size.
 RESERVE_FRACTION = 0.10
 RESERVE_CAP_BYTES = 2 << 30
-
-Stamps = dict[str, list[int]]
-"""Relative path -> [inode, size, mtime_ns, ctime_ns] of each file of a snapshot directory."""
-
-
-def _stamp(path: Path) -> list[int]:
-    st = path.lstat()
-    if not stat.S_ISREG(st.st_mode):
-        raise FileNotFoundError(errno.ENOENT, "not a regular file", str(path))
-    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def _files(directory: Path) -> list[str]:
@@ -92,21 +90,14 @@ def _files(directory: Path) -> list[str]:
 def stamp_tree(directory: Path) -> Stamps:
     """Make every file read-only, then stamp it. Call this *before* the files are read
     and checked against their sha256 (put, verify), and :meth:`ImageCache.admit` after."""
-    stamps: Stamps = {}
-    for rel in _files(directory):
-        path = directory / rel
-        mode = path.lstat().st_mode
-        if mode & 0o222:
-            path.chmod(stat.S_IMODE(mode) & ~0o222)
-        stamps[rel] = _stamp(path)
-    return stamps
+    return stamp_files(directory, _files(directory))
 
 
 def _same_stamps(directory: Path, stamps: Stamps) -> bool:
     try:
         if _files(directory) != sorted(stamps):
             return False
-        return all(_stamp(directory / rel) == value for rel, value in stamps.items())
+        return all(stamp(directory / rel) == value for rel, value in stamps.items())
     except OSError:
         return False
 
@@ -465,7 +456,7 @@ class ImageCache:
         except (OSError, ValueError, KeyError, TypeError, SnapshotError) as exc:
             return str(exc)
         expected = {MANIFEST_NAME, *(f.path for f in manifest.files)}
-        if set(entry.stamps) != expected:
+        if set(entry.stamps) - {SEAL_STAMPS_NAME} != expected:
             return "its record does not list the manifest's files"
         for f in manifest.files:
             try:

@@ -4,32 +4,49 @@ A snapshot is a directory holding CRIU's images under ``images/`` and ``manifest
 which names every file with its size and sha256. The directory is built under a hidden
 staging name and renamed into place only once the manifest is written, so a snapshot is
 complete or absent. Hashes are checked before CRIU ever reads a file.
+
+**Hashed once.** The kernel's memory (``pages-*.img``, nearly all of a snapshot) is cut
+into content-defined chunks and each chunk hashed while CRIU writes it, beside the dump
+(``growinghash.py``). Such a file's entry lists its chunks (sha256 and size), and its
+``sha256`` is the sha256 of that list (:func:`chunk_list_digest`): as strong a check as a
+hash of the whole file, and one that several cores can check at once, chunk by chunk.
+The store keeps the file by exactly those chunks, so it never hashes them again: the seal
+makes every file read-only and *stamps* it (``sealed.json``: inode, size, mtime and ctime,
+as git's index does), and a put on this machine trusts the chunks of a file whose stamp
+is unchanged (any write, chmod or link changes its ctime, which no user can set); any
+other file is hashed again, chunk by chunk, against its entry.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import mmap
 import os
 import platform
 import re
 import shutil
 import socket
+import stat
 import sys
 import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import BadIdError, SnapshotCorruptError
 
-FORMAT_VERSION = 2
-"""2: the manifest carries its own checksum. Format 1 (no checksum) is still read."""
-READABLE_FORMATS = (1, 2)
+FORMAT_VERSION = 3
+"""3: memory files list their chunks; 2: the manifest carries its own checksum. Formats 1
+(no checksum) and 2 are still read."""
+READABLE_FORMATS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
+SEAL_STAMPS_NAME = "sealed.json"
+"""Each file's stamp when it was sealed: what a put on this machine trusts the chunks by."""
 IMAGES_DIR = "images"
 SNAPSHOT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
@@ -88,12 +105,52 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+Chunks = list[tuple[str, int]]
+"""A file's chunks in order: (sha256, size) each."""
+Stamps = dict[str, list[int]]
+"""Relative path -> [inode, size, mtime_ns, ctime_ns] of files of a snapshot directory."""
+
+
 @dataclass
 class FileEntry:
     path: str
     """Relative to the snapshot directory, '/'-separated."""
     size: int
     sha256: str
+    """The file's sha256, or for a file with ``chunks`` the sha256 of its chunk list."""
+    chunks: Chunks | None = None
+    """The chunks the store keeps the file by, cut and hashed during the dump; None for a
+    file the store cuts itself (the small ones)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"path": self.path, "size": self.size, "sha256": self.sha256}
+        if self.chunks is not None:
+            data["chunks"] = self.chunks
+        return data
+
+    def check_chunks(self) -> None:
+        """ValueError unless the chunks are well formed, add up to the size and make the
+        digest (a manifest read from anywhere may be forged)."""
+        if self.chunks is None:
+            return
+        total = 0
+        for digest, size in self.chunks:
+            if not isinstance(size, int) or size <= 0 or not _HEX64.match(str(digest)):
+                raise ValueError(f"a chunk of {self.path} is malformed")
+            total += size
+        if total != self.size:
+            raise ValueError(f"the chunks of {self.path} do not add up to its size")
+        if chunk_list_digest(self.chunks) != self.sha256:
+            raise ValueError(f"the chunks of {self.path} do not match its sha256")
+
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def chunk_list_digest(chunks: Chunks) -> str:
+    """The sha256 of a chunked file: of its chunks' sha256 and sizes, in order."""
+    listing = "".join(f"{digest} {size}\n" for digest, size in chunks)
+    return hashlib.sha256(b"jupyter-kernel-snapshots chunks 1\n" + listing.encode()).hexdigest()
 
 
 @dataclass
@@ -140,6 +197,8 @@ class Manifest:
     pause_seconds: float = 0.0
     """How long requests to the kernel were held: disconnect, dump and reconnect."""
     total_bytes: int = 0
+    chunk_kib: int | None = None
+    """The chunk size (chunking.ChunkParams.of_kib) the memory files were cut with."""
     files: list[FileEntry] = field(default_factory=list)
     gpu: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
@@ -147,8 +206,15 @@ class Manifest:
     """sha256 of every other field (:func:`manifest_checksum`), set when it is sealed: a
     manifest changed afterwards, in a store or on disk, is refused as corrupt."""
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form as a dict: its nested values are the manifest's own, not copies
+        (``dataclasses.asdict`` deep-copied every chunk: 0.07 s for a 300 MB snapshot)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["files"] = [entry.to_dict() for entry in self.files]
+        return data
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        return manifest_json(self.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
@@ -166,7 +232,16 @@ class Manifest:
             )
         known = {f for f in cls.__dataclass_fields__}
         values = {k: v for k, v in data.items() if k in known}
-        values["files"] = [FileEntry(**entry) for entry in data.get("files", [])]
+        try:
+            values["files"] = [_file_entry(entry) for entry in data.get("files", [])]
+            kib = values.get("chunk_kib")
+            if kib is not None and (not isinstance(kib, int) or kib <= 0):
+                raise ValueError(f"chunk_kib {kib!r} is not a size")
+        except ValueError as exc:
+            raise SnapshotCorruptError(
+                f"The manifest of snapshot {data.get('id')!r} is damaged: {exc}.",
+                hint="Pick another snapshot; this one cannot be trusted to restore.",
+            ) from exc
         return cls(**values)
 
     @classmethod
@@ -193,6 +268,24 @@ class Manifest:
             ) from exc
 
 
+def _file_entry(data: dict[str, Any]) -> FileEntry:
+    chunks = data.get("chunks")
+    entry = FileEntry(
+        path=str(data["path"]),
+        size=int(data["size"]),
+        sha256=str(data["sha256"]),
+        chunks=None if chunks is None else [(str(d), int(n)) for d, n in chunks],
+    )
+    entry.check_chunks()
+    return entry
+
+
+def manifest_json(data: dict[str, Any]) -> str:
+    """A manifest's text, compact: an indented manifest of 10 000 chunks took 0.1 s to
+    write (Python's encoder instead of the C one)."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+
 def manifest_checksum(data: dict[str, Any]) -> str:
     """The checksum of a manifest's JSON form: sha256 of its canonical JSON without the
     checksum itself (floats and ints round-trip exactly through JSON)."""
@@ -206,10 +299,14 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
+
+
 def hash_files(root: Path, paths: Iterable[Path]) -> list[FileEntry]:
     """Size and sha256 of each file, hashed in parallel (hashlib releases the GIL)."""
     paths = sorted(paths)
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+    with _pool() as pool:
         digests = list(pool.map(_sha256, paths))
     return [
         FileEntry(p.relative_to(root).as_posix(), p.stat().st_size, digest)
@@ -217,40 +314,114 @@ def hash_files(root: Path, paths: Iterable[Path]) -> list[FileEntry]:
     ]
 
 
+def first_bad_chunk(path: Path, chunks: Chunks) -> int | None:
+    """The offset of the first chunk of ``path`` whose bytes do not have its sha256 (the
+    chunks hashed in parallel), or None if all do."""
+    with path.open("rb") as fh, _pool() as pool:
+        size = os.fstat(fh.fileno()).st_size
+        if size != sum(n for _, n in chunks):
+            return 0
+        offsets, offset = [], 0
+        for _, n in chunks:
+            offsets.append(offset)
+            offset += n
+        if not size:
+            return None
+        with mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+
+            def good(index: int) -> bool:
+                start, (digest, n) = offsets[index], chunks[index]
+                with memoryview(mapped)[start : start + n] as piece:
+                    return hashlib.sha256(piece).hexdigest() == digest
+
+            results = list(pool.map(good, range(len(chunks)), chunksize=64))
+        for index, ok in enumerate(results):
+            if not ok:
+                return offsets[index]
+    return None
+
+
+def stamp(path: Path) -> list[int]:
+    """A regular file's [inode, size, mtime_ns, ctime_ns]: any change to its bytes, mode
+    or links changes its ctime, which no user can set back."""
+    st = path.lstat()
+    if not stat.S_ISREG(st.st_mode):
+        raise FileNotFoundError(errno.ENOENT, "not a regular file", str(path))
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def stamp_files(root: Path, relpaths: Iterable[str]) -> Stamps:
+    """Make the files read-only, then stamp them."""
+    stamps: Stamps = {}
+    for rel in relpaths:
+        path = root / rel
+        mode = path.lstat().st_mode
+        if mode & 0o222:
+            path.chmod(stat.S_IMODE(mode) & ~0o222)
+        stamps[rel] = stamp(path)
+    return stamps
+
+
+def unchanged_since_sealed(snapshot_dir: Path) -> set[str]:
+    """The files of a sealed snapshot that are as they were sealed (their chunks need no
+    hashing again); none if the seal's stamps are missing or unreadable."""
+    try:
+        sealed = json.loads((snapshot_dir / SEAL_STAMPS_NAME).read_text())
+        same = set()
+        for rel, value in sealed.items():
+            try:
+                if stamp(snapshot_dir / safe_relpath(rel)) == value:
+                    same.add(rel)
+            except (OSError, ValueError):
+                continue
+        return same
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
 def seal(
     staging: Path,
     manifest: Manifest,
     final: Path,
-    hashed: Mapping[str, tuple[int, str]] | None = None,
+    hashed: Mapping[str, FileEntry] | None = None,
 ) -> Manifest:
-    """Hash every file in ``staging``, write the manifest last, and rename into place.
-    ``hashed`` gives (size, sha256) of files hashed already, by relative path (used for a
-    file of that size; the others are hashed here)."""
+    """Hash every file in ``staging``, stamp the files, write the manifest last, and rename
+    into place. ``hashed`` gives the entries of files hashed already, by relative path
+    (used for a file of that size; the others are hashed here)."""
     hashed = hashed or {}
-    files = [p for p in staging.rglob("*") if p.is_file() and p.name != MANIFEST_NAME]
+    own = {MANIFEST_NAME, SEAL_STAMPS_NAME}  # the seal's own files, written below
+    files = [p for p in staging.rglob("*") if p.is_file()]
+    files = [p for p in files if p.relative_to(staging).as_posix() not in own]
     known = []
     for path in files:
         rel = path.relative_to(staging).as_posix()
-        if rel in hashed and hashed[rel][0] == path.stat().st_size:
-            known.append(FileEntry(rel, *hashed[rel]))
+        if rel in hashed and hashed[rel].size == path.stat().st_size:
+            known.append(hashed[rel])
     done = {entry.path for entry in known}
     rest = [p for p in files if p.relative_to(staging).as_posix() not in done]
     manifest.files = sorted(known + hash_files(staging, rest), key=lambda e: e.path)
     manifest.total_bytes = sum(entry.size for entry in manifest.files)
     manifest.format_version = FORMAT_VERSION
-    manifest.checksum = manifest_checksum(asdict(manifest))
-    tmp = staging / (MANIFEST_NAME + ".tmp")
-    with tmp.open("w") as fh:
-        fh.write(manifest.to_json())
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.rename(staging / MANIFEST_NAME)
+    manifest.checksum = manifest_checksum(manifest.to_dict())
+    stamps = stamp_files(staging, [entry.path for entry in manifest.files])
+    _write_durably(staging / SEAL_STAMPS_NAME, json.dumps(stamps))
+    _write_durably(staging / MANIFEST_NAME, manifest.to_json())
     staging.rename(final)
     return manifest
 
 
+def _write_durably(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp.rename(path)
+
+
 def verify(snapshot_dir: Path) -> Manifest:
-    """Read the manifest and check every file's size and sha256 against it.
+    """Read the manifest and check every file's size and sha256 against it (a chunked
+    file chunk by chunk).
 
     Raises SnapshotCorruptError naming the first file that is missing, changed, or extra.
     """
@@ -275,8 +446,9 @@ def verify(snapshot_dir: Path) -> Manifest:
                 f"{path.stat().st_size} bytes, the manifest says {entry.size}.",
                 hint="Pick another snapshot; this one cannot be restored.",
             )
-    actual = hash_files(snapshot_dir, [snapshot_dir / e.path for e in manifest.files])
-    expected = {entry.path: entry.sha256 for entry in manifest.files}
+    whole = [e for e in manifest.files if e.chunks is None]
+    actual = hash_files(snapshot_dir, [snapshot_dir / e.path for e in whole])
+    expected = {entry.path: entry.sha256 for entry in whole}
     for entry in actual:
         if expected[entry.path] != entry.sha256:
             raise SnapshotCorruptError(
@@ -284,6 +456,15 @@ def verify(snapshot_dir: Path) -> Manifest:
                 f"{entry.sha256[:12]}…, the manifest says {expected[entry.path][:12]}….",
                 hint="Pick another snapshot; this one cannot be restored.",
             )
+    for entry in manifest.files:
+        if entry.chunks is not None:
+            bad = first_bad_chunk(snapshot_dir / entry.path, entry.chunks)
+            if bad is not None:
+                raise SnapshotCorruptError(
+                    f"Snapshot {manifest.id} is damaged: the chunk of {entry.path} at "
+                    f"byte {bad} does not have the sha256 its manifest gives.",
+                    hint="Pick another snapshot; this one cannot be restored.",
+                )
     images = snapshot_dir / IMAGES_DIR
     for path in images.rglob("*") if images.is_dir() else []:
         if path.is_file() and path.relative_to(snapshot_dir).as_posix() not in listed:

@@ -94,6 +94,18 @@ def descendants(pid: int) -> list[int]:
     return order
 
 
+def private_memory_bytes(pids: Collection[int]) -> int:
+    """The anonymous and shared memory the processes hold (RssAnon + RssShmem): about what
+    a dump writes (file pages it does not save). 0 for processes that are gone."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1]) * 1024
+    return total
+
+
 def is_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:

@@ -196,6 +196,9 @@ class SnapshotArgs(_Args):
     """Manifest fields the server knows: kernel_spec, notebook_path."""
     sequence: int | None = None
     release_gpu_caches: bool = True
+    chunk_kib: int | None = None
+    """The chunk size to cut the memory with (the store's, if fixed); None: chosen from the
+    kernel's memory and its previous snapshot's (chunking.auto_chunk_kib)."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,7 @@ class SuspendArgs(_Args):
     metadata: dict[str, Any] = field(default_factory=dict)
     discard_after_resume: bool = True
     release_gpu_caches: bool = True
+    chunk_kib: int | None = None
 
 
 @dataclass(frozen=True)

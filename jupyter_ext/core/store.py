@@ -12,7 +12,9 @@ Layout under a store's root (a directory, or ``<bucket>/<prefix>``)::
 
 Images are cut with page-aligned content-defined chunking (``chunking.py``), so successive
 snapshots of one kernel share most chunks; a chunk the store already holds is not stored
-again. A put cuts, hashes, compresses, packs and uploads in one pipeline and writes the
+again. The memory images come cut and hashed (the wrapper did it during the dump, and
+their manifest entries list the chunks: manifest.py) and are stored by exactly those
+chunks. A put cuts, hashes, compresses, packs and uploads in one pipeline and writes the
 record last, without overwriting (S3: ``If-None-Match: *``; locally: a hard link), so a
 snapshot is listed complete or not at all. A fetch reads each pack's needed ranges in
 one request, coalesced, and checks every chunk's sha256 and every file's.
@@ -108,6 +110,11 @@ READ_AHEAD = 8 << 20
 
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 _T = TypeVar("_T")
+_Piece = tuple[bytes | memoryview, str | None, bool]
+"""A chunk to store: its bytes, the sha256 its manifest entry gives (if any), and whether
+that is trusted (the file is as it was sealed)."""
+_Prepared = tuple[str, int, bytes | memoryview | None, packs.Codec]
+"""A chunk ready to place: sha256, size, the blob to store (None: the store has it), codec."""
 
 
 class StoreError(SnapshotError):
@@ -308,13 +315,18 @@ def _parse_format_1_chunks(doc: dict[str, Any]) -> dict[str, builtins.list[Chunk
 
 
 def _check_chunk_map(manifest: Manifest, chunks: dict[str, builtins.list[ChunkRef]]) -> None:
-    expected = {entry.path: entry.size for entry in manifest.files}
+    """A file whose manifest entry lists its chunks is stored by exactly those: each chunk
+    checked as it is read then checks the file."""
+    expected = {entry.path: entry for entry in manifest.files}
     if set(chunks) != set(expected) or len(expected) != len(manifest.files):
         raise ValueError("its chunk lists do not match the manifest's files")
     for path, refs in chunks.items():
         manifest_mod.safe_relpath(path)
-        if sum(r.size for r in refs) != expected[path]:
+        if sum(r.size for r in refs) != expected[path].size:
             raise ValueError(f"the chunks of {path} do not add up to its size")
+        listed = expected[path].chunks
+        if listed is not None and [(r.hash, r.size) for r in refs] != listed:
+            raise ValueError(f"the chunks of {path} are not those of its manifest entry")
         for ref in refs:
             where = ref.where
             if (
@@ -613,6 +625,7 @@ class _ChunkStore(abc.ABC):
             raw, manifest, chunks, sum(distinct.values()), upload.new_bytes, upload.params.kib
         )
         self._sync_objects()
+        upload.check_unchanged()
         if not self._create_record(manifest.id, record.to_json()):
             raced = self._load(manifest.id)
             if raced is None:
@@ -654,7 +667,14 @@ class _ChunkStore(abc.ABC):
         return self._disk_full(manifest, exc) or exc
 
     def _chunking_for(self, manifest: Manifest) -> ChunkParams:
-        """The configured chunk sizes, or automatic ones that follow the parent snapshot's."""
+        """The chunk sizes the snapshot's memory was cut with (as the server asked: the
+        configured ones, or automatic ones that follow the parent snapshot's); for a
+        snapshot from before that was kept, chosen here the same way."""
+        if manifest.chunk_kib is not None:
+            try:
+                return ChunkParams.of_kib(manifest.chunk_kib)
+            except ValueError as exc:
+                raise _corrupt(manifest.id, f"its chunk size cannot be: {exc}") from exc
         if self.chunking is not None:
             return self.chunking
         previous = None
@@ -706,7 +726,7 @@ class _ChunkStore(abc.ABC):
             fcntl.flock(lock, fcntl.LOCK_EX)
             _Download(self, record, staging, progress, skip).run()
             with (staging / manifest_mod.MANIFEST_NAME).open("x") as fh:
-                fh.write(json.dumps(record.raw_manifest, indent=1, sort_keys=True))
+                fh.write(manifest_mod.manifest_json(record.raw_manifest))
                 fh.flush()
                 os.fsync(fh.fileno())
             for directory in {staging, *(p.parent for p in staging.rglob("*") if p.is_file())}:
@@ -1218,6 +1238,8 @@ class _Upload:
         """The file being cut, open until the put ends (its packs are written later)."""
         self._fds: builtins.list[int] = []
         self._next_report = 0
+        self.sealed: set[str] = set()
+        """The files as they were sealed here: their chunks' digests are trusted."""
 
     def relied_on(self) -> set[str]:
         """Every pack this put has written, is writing, or reuses chunks of."""
@@ -1239,6 +1261,7 @@ class _Upload:
         _report(self.progress, "uploading", 0, total)
         records = self.store._all_records(strict=False)
         self.known = _Catalog(self.store, records.values()).located
+        self.sealed = manifest_mod.unchanged_since_sealed(self.root)
         try:
             with _Packer(self) as packer, ThreadPoolExecutor(self.store.max_workers) as pool:
                 tasks = _Bounded(pool, 2 * self.store.max_workers)
@@ -1260,19 +1283,22 @@ class _Upload:
             for fd in self._fds:
                 os.close(fd)
 
-    def _prepare_all(
-        self, batch: builtins.list[bytes | memoryview]
-    ) -> builtins.list[tuple[str, int, bytes | memoryview | None, packs.Codec]]:
+    def _prepare_all(self, batch: builtins.list[_Piece]) -> builtins.list[_Prepared]:
         """On a worker: a batch of chunks (a task per chunk cost more than hashing one)."""
         compressibility = packs.Compressibility()
-        return [self._prepare(data, compressibility) for data in batch]
+        return [self._prepare(piece, compressibility) for piece in batch]
 
-    def _prepare(
-        self, data: bytes | memoryview, compressibility: packs.Compressibility
-    ) -> tuple[str, int, bytes | memoryview | None, packs.Codec]:
-        """On a worker: hash the chunk; compress it unless the store has it (a chunk this
-        put has twice is compressed twice: which comes first is known only in order)."""
-        digest = hashlib.sha256(data).hexdigest()
+    def _prepare(self, piece: _Piece, compressibility: packs.Compressibility) -> _Prepared:
+        """On a worker: hash the chunk, unless its sealed digest is trusted (or check it
+        against that digest); compress it unless the store has it (a chunk this put has
+        twice is compressed twice: which comes first is known only in order)."""
+        data, expected, trusted = piece
+        if expected is not None and trusted:
+            digest = expected
+        else:
+            digest = hashlib.sha256(data).hexdigest()
+            if expected is not None and digest != expected:
+                raise _corrupt(self.manifest.id, "a chunk differs from its manifest entry")
         if digest in self.known:
             return digest, len(data), None, "raw"
         blob, codec = packs.encode(data, compressibility.worth_trying())
@@ -1284,7 +1310,7 @@ class _Upload:
         packer: _Packer,
         path: str,
         chunks: builtins.list[tuple[str, int]],
-        prepared: tuple[str, int, bytes | memoryview | None, packs.Codec],
+        prepared: _Prepared,
     ) -> None:
         """On the calling thread, in file order: reuse or pack one chunk."""
         digest, size, blob, codec = prepared
@@ -1309,30 +1335,35 @@ class _Upload:
             self._next_report = self.done_bytes + max(REPORT_EVERY, total // 200)
             _report(self.progress, "uploading", self.done_bytes, total)
 
-    def _read_checked(
-        self, entry: manifest_mod.FileEntry
-    ) -> Iterator[builtins.list[bytes | memoryview]]:
-        """The file's chunks, in batches of about BATCH_BYTES; raises at the end if its
-        size or sha256 is not the manifest's (hashed whole on a thread of its own, beside
-        the chunk workers)."""
+    def _read_checked(self, entry: manifest_mod.FileEntry) -> Iterator[builtins.list[_Piece]]:
+        """The file's chunks, in batches of about BATCH_BYTES. A file with chunks in its
+        entry is cut there, each chunk checked against its sha256 unless the file is as it
+        was sealed; another is cut here and hashed whole on a thread of its own, beside the
+        chunk workers, and checked at the end. Raises if the file is not as its entry says."""
         path = self._path(entry.path)
         size = 0
+        trusted = entry.path in self.sealed
         try:
             with path.open("rb") as fh, ThreadPoolExecutor(1) as hasher:
                 self.file_fd = os.dup(fh.fileno())
                 self._fds.append(self.file_fd)
                 mapped = _MappedFile(fh)
-                digest = (
-                    hasher.submit(_sha256_hex, mapped.view)
-                    if not os.environ.get("NOHASH")
-                    else None
-                )
-                batch: builtins.list[bytes | memoryview] = []
+                if len(mapped.view) != entry.size:
+                    raise _corrupt(self.manifest.id, f"{entry.path} has changed in size")
+                digest = None
+                if entry.chunks is None:
+                    digest = hasher.submit(_sha256_hex, mapped.view)
+                    pieces: Iterator[_Piece] = (
+                        (data, None, False) for data in iter_chunks(mapped, self.params)
+                    )
+                else:
+                    pieces = ((mapped.read(n), expected, trusted) for expected, n in entry.chunks)
+                batch: builtins.list[_Piece] = []
                 batch_bytes = 0
-                for data in iter_chunks(mapped, self.params):
-                    batch.append(data)
-                    batch_bytes += len(data)
-                    size += len(data)
+                for piece in pieces:
+                    batch.append(piece)
+                    batch_bytes += len(piece[0])
+                    size += len(piece[0])
                     if batch_bytes >= BATCH_BYTES:
                         yield batch
                         batch, batch_bytes = [], 0
@@ -1345,6 +1376,16 @@ class _Upload:
             raise StoreError(f"Cannot read {path}: {exc}", hint=_os_hint(exc)) from exc
         if size != entry.size or file_hash != entry.sha256:
             raise _corrupt(self.manifest.id, f"{entry.path} differs from its manifest entry")
+
+    def check_unchanged(self) -> None:
+        """Before the record is written: the files whose chunks were trusted are still as
+        they were sealed (the bytes copied are the bytes hashed)."""
+        still = manifest_mod.unchanged_since_sealed(self.root)
+        changed = sorted(
+            e.path for e in self.manifest.files if e.path in self.sealed and e.path not in still
+        )
+        if changed:
+            raise _corrupt(self.manifest.id, f"{changed[0]} changed while it was stored")
 
     def _path(self, relpath: str) -> Path:
         try:
@@ -1579,8 +1620,9 @@ class _Reader:
 
 class _Download:
     """One fetch in one concurrent pass: a pool reads coalesced ranges of packs, decodes
-    and checks each chunk and writes it where it belongs; a thread hashes each file as
-    its written prefix grows, so every file is checked against the manifest at the end."""
+    and checks each chunk and writes it where it belongs; a thread hashes each file not
+    listed by its chunks as its written prefix grows, so every file is checked against
+    the manifest at the end."""
 
     def __init__(
         self,
@@ -1600,6 +1642,8 @@ class _Download:
         self._lock = threading.Lock()
         self.targets: dict[str, builtins.list[tuple[int, int]]] = {}
         """sha256 -> every (file index, offset) the chunk goes to."""
+        self.hashed: dict[int, int] = {}
+        """The files hashed whole as they are written: file index -> the hasher's index."""
 
     def run(self) -> None:
         _report(self.progress, "downloading", 0, self.total)
@@ -1620,7 +1664,11 @@ class _Download:
                 fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 fds.append(fd)
                 os.ftruncate(fd, entry.size)
-            hasher = _OrderedHasher(fds, [e.size for e in self.entries])
+            # A file listed by its chunks is checked chunk by chunk as they are read (the
+            # record holds exactly those); another is hashed whole as it is written.
+            whole = [i for i, e in enumerate(self.entries) if e.chunks is None]
+            self.hashed = {index: n for n, index in enumerate(whole)}
+            hasher = _OrderedHasher([fds[i] for i in whole], [self.entries[i].size for i in whole])
             with ThreadPoolExecutor(self.store.max_workers) as pool:
                 tasks = _Bounded(pool, self.store.max_workers)
                 try:
@@ -1633,9 +1681,9 @@ class _Download:
                     tasks.cancel()
                     raise
             digests = hasher.result()
-            for index, (entry, digest) in enumerate(zip(self.entries, digests, strict=True)):
-                if digest != entry.sha256:
-                    raise self._culprit(reader, entry, fds[index])
+            for index, digest in zip(whole, digests, strict=True):
+                if digest != self.entries[index].sha256:
+                    raise self._culprit(reader, self.entries[index], fds[index])
             for fd in fds:
                 os.fsync(fd)
         finally:
@@ -1652,10 +1700,12 @@ class _Download:
         group: builtins.list[ChunkRef],
     ) -> int:
         written = 0
-        for ref, data in reader.read(group, check=False):
+        check = any(e.chunks is not None for e in self.entries)
+        for ref, data in reader.read(group, check=check):
             for index, offset in self.targets[ref.hash]:
                 _pwrite_all(fds[index], data, offset)
-                hasher.written(index, offset, ref.size)
+                if index in self.hashed:
+                    hasher.written(self.hashed[index], offset, ref.size)
                 written += ref.size
         return written
 
@@ -1948,15 +1998,33 @@ def _start_writeback(fd: int) -> None:
     libc.sync_file_range(fd, ctypes.c_int64(0), ctypes.c_int64(0), SYNC_FILE_RANGE_WRITE)
 
 
-def _copy_range(part: packs.FileSlice, out: int) -> bool:
-    """Append a file's range to ``out`` inside the kernel; False (nothing written) where
-    the kernel cannot copy between these files (another file system, say)."""
-    offset, left = part.offset, len(part)
+def _runs(parts: Iterable[packs.Blob]) -> Iterator[builtins.list[packs.Blob]]:
+    """The parts in runs: slices that follow each other in one file make one run (copied
+    by one call: a call per 32 KiB chunk cost 0.1 s per 300 MB), any other part its own."""
+    run: builtins.list[packs.Blob] = []
+    end: tuple[int, int] | None = None
+    for part in parts:
+        if isinstance(part, packs.FileSlice) and end == (part.fd, part.offset):
+            run.append(part)
+        else:
+            if run:
+                yield run
+            run = [part]
+        end = (part.fd, part.offset + len(part)) if isinstance(part, packs.FileSlice) else None
+    if run:
+        yield run
+
+
+def _copy_range(fd: int, start: int, length: int, out: int) -> bool:
+    """Append ``length`` bytes of file ``fd`` from ``start`` to ``out`` inside the kernel;
+    False (nothing written) where the kernel cannot copy between these files (another
+    file system, say)."""
+    offset, left = start, length
     while left:
         try:
-            copied = os.copy_file_range(part.fd, out, left, offset)
+            copied = os.copy_file_range(fd, out, left, offset)
         except OSError as exc:
-            if offset == part.offset and exc.errno in (
+            if offset == start and exc.errno in (
                 errno.EXDEV,
                 errno.EINVAL,
                 errno.ENOSYS,
@@ -2022,15 +2090,19 @@ class LocalStore(_ChunkStore):
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             with tmp.open("wb", buffering=0) as fh:
-                for part in [data] if isinstance(data, bytes) else data:
-                    if isinstance(part, packs.FileSlice) and _copy_range(part, fh.fileno()):
+                for run in _runs([data] if isinstance(data, bytes) else data):
+                    first = run[0]
+                    if isinstance(first, packs.FileSlice) and _copy_range(
+                        first.fd, first.offset, sum(map(len, run)), fh.fileno()
+                    ):
                         continue
-                    view = memoryview(packs.blob_bytes(part))
-                    while view:
-                        written = fh.write(view)
-                        if not written:
-                            raise OSError(errno.EIO, f"could not write {tmp}")
-                        view = view[written:]
+                    for part in run:
+                        view = memoryview(packs.blob_bytes(part))
+                        while view:
+                            written = fh.write(view)
+                            if not written:
+                                raise OSError(errno.EIO, f"could not write {tmp}")
+                            view = view[written:]
                 if durably:
                     os.fsync(fh.fileno())
                 else:
