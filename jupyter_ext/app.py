@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import getpass
 import os
 import signal
@@ -349,6 +350,11 @@ class SnapshotExtensionApp(ExtensionApp):
         """Called by jupyter_server once its event loop runs: start the policies, and the
         uploads of snapshots a previous run of this server could not store."""
         self.manager.start_reaping()  # without root: see SnapshotManager.start_reaping
+        # What the server loaded to start lives as long as it does: kept out of the
+        # cycle collector's full passes, which then cost a few ms instead of 70-100 ms
+        # (measured here), a pause that used to land in every snapshot's job.
+        gc.collect()
+        gc.freeze()
         recovered = self.manager.recover_staged()
         if recovered:
             self.log.info("uploading %d snapshot(s) kept locally: %s", len(recovered), recovered)

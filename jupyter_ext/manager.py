@@ -32,7 +32,7 @@ from .core.errors import (
     SnapshotNotFoundError,
     WrapperUnavailableError,
 )
-from .core.imagecache import ImageCache, Lease, lock_shared, stamp_tree
+from .core.imagecache import ImageCache, Lease, lock_shared, stamp_checked, stamp_tree
 from .core.lazypages import PAGES_FILE_RE, PrefixedPages, RangeServer, restore_order, worth_lazy
 from .core.leftovers import (
     DumpLock,
@@ -570,6 +570,7 @@ class SnapshotManager:
                     metadata={"kernel_spec": spec, "notebook_path": path},
                     release_gpu_caches=self.release_gpu_caches,
                     chunk_kib=self.chunk_kib,
+                    write_back=self.store.adopts_images,
                 ),
                 self._wrapper_progress(job),
             )
@@ -607,10 +608,6 @@ class SnapshotManager:
 
         if job is not None:
             self._progress(job, "uploading")
-        stamps: Stamps | None = None
-        if self.image_cache.enabled:  # as sealed (or checked by the put), then unchanged
-            with contextlib.suppress(OSError):
-                stamps = await asyncio.to_thread(stamp_tree, directory)
         try:
             stored = await asyncio.to_thread(store.put, directory, self._progress_callback(job))
         except SnapshotError as exc:
@@ -620,8 +617,10 @@ class SnapshotManager:
         finally:
             pending.in_flight = False
         del self.pending[manifest.id]
-        if stamps is not None:  # kept for restores on this machine
-            await asyncio.to_thread(self.image_cache.admit, directory, stamps)
+        if self.image_cache.enabled:  # kept for restores on this machine, as checked
+            stamps = await asyncio.to_thread(stamp_checked, directory)
+            if stamps is not None:
+                await asyncio.to_thread(self.image_cache.admit, directory, stamps)
         shutil.rmtree(directory, ignore_errors=True)  # not admitted
         await asyncio.to_thread(self.apply_retention, stored.manifest)
         return self._describe(stored, "complete")
@@ -1206,6 +1205,7 @@ class SnapshotManager:
                     },
                     release_gpu_caches=self.release_gpu_caches,
                     chunk_kib=self.chunk_kib,
+                    write_back=self.store.adopts_images,
                 ),
                 self._wrapper_progress(job),
             )

@@ -197,6 +197,7 @@ class Snapshotter:
                 progress,
                 release_gpu_caches=args.release_gpu_caches,
                 chunk_kib=args.chunk_kib,
+                write_back=args.write_back,
             )
             result: dict[str, Any] = json.loads(manifest.to_json())
             return result
@@ -217,6 +218,7 @@ class Snapshotter:
                 metadata=args.metadata,
                 release_gpu_caches=args.release_gpu_caches,
                 chunk_kib=args.chunk_kib,
+                write_back=args.write_back,
             ),
         )
         self.suspended_snapshot = Path(args.dest)
@@ -270,6 +272,7 @@ class Snapshotter:
         *,
         release_gpu_caches: bool = True,
         chunk_kib: int | None = None,
+        write_back: bool = False,
     ) -> Manifest:
         if not self.lifecycle.is_(State.RUNNING) or self.process.pid is None:
             raise KernelNotRunningError(
@@ -322,7 +325,9 @@ class Snapshotter:
             dump_started = time.monotonic()
             # The memory is cut and hashed as it is written: the only time it is hashed.
             params = ChunkParams.of_kib(chunk_kib)
-            hasher = GrowingFileChunker(staging, staging / IMAGES_DIR, params)
+            hasher = GrowingFileChunker(
+                staging, staging / IMAGES_DIR, params, write_back=write_back
+            )
             # Without --leave-running CRIU ends the kernel: no death, and it is reaped here.
             async with contextlib.nullcontext() if leave_running else self.process.ending():
                 try:

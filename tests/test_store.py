@@ -752,10 +752,98 @@ def test_a_memory_file_changed_after_its_seal_is_hashed_again(store: Store, tmp_
     assert store.list() == []
 
     image.write_bytes(pages)  # as it was, but no longer as sealed: hashed, and stored
-    assert "images/pages-1.img" not in manifest_mod.unchanged_since_sealed(source)
+    sealed = manifest_mod.sealed_stamps(source)["images/pages-1.img"]
+    assert manifest_mod.stamp(image) != sealed
     stored = store.put(source)
     dest = store.fetch(stored.manifest.id, tmp_path / "out" / "snap")
     assert (dest / "images/pages-1.img").read_bytes() == pages
+
+
+def image_packs(store: Store) -> list[str]:
+    return sorted(n for n in store._list_all_objects() if packs.IMAGE_PACK_NAME_RE.match(n))
+
+
+def test_a_new_incompressible_memory_image_is_adopted_not_copied(
+    make_store: MakeStore, backend: str, tmp_path: Path
+) -> None:
+    """A local store keeps a kernel's first snapshot of random floats by linking its
+    sealed memory image as an image pack: one inode, no copy; the record locates its
+    chunks there, the seal's stamps follow the link (the image cache admits it as checked)
+    and the snapshot round-trips. S3 copies into packs."""
+    from jupyter_ext.core.imagecache import stamp_checked
+
+    store = make_store(pack_bytes=1 << 20)
+    pages = random.Random(36).randbytes(2048 * PAGE_SIZE)
+    source = make_snapshot(tmp_path, pages, chunk_kib=16)
+    stored = store.put(source)
+
+    image = source / "images/pages-1.img"
+    adopted = image_packs(store)
+    if backend == "s3":
+        assert adopted == []
+        return
+    assert len(adopted) == 1
+    assert os.stat(store._object_path(adopted[0])).st_ino == image.stat().st_ino
+    record = store._load(stored.manifest.id)
+    assert record is not None
+    assert {r.where.obj for r in record.chunks["images/pages-1.img"]} == set(adopted)
+    assert stored.new_bytes >= len(pages)
+    assert stamp_checked(source) is not None
+    dest = store.fetch(stored.manifest.id, tmp_path / "out" / "snap")
+    assert tree(dest) == tree(source)
+
+
+def test_compressible_or_known_memory_is_packed_not_adopted(tmp_path: Path) -> None:
+    """Memory that compresses well is compressed into packs; an image whose chunks the
+    store mostly has (a kernel's next snapshot) has its few new chunks packed; an image
+    changed since its seal is checked and packed."""
+    store = LocalStore(tmp_path / "store", pack_bytes=1 << 20)
+    rng = random.Random(37)
+    text = b"".join(b"%08d some python heap " % i for i in range(400_000))[: 2048 * PAGE_SIZE]
+    compressible = store.put(make_snapshot(tmp_path, text, chunk_kib=16))
+    assert image_packs(store) == []
+    assert compressible.stored_bytes < len(text) / 2
+
+    pages = rng.randbytes(2048 * PAGE_SIZE)
+    store.put(make_snapshot(tmp_path, pages, chunk_kib=16))
+    first = image_packs(store)
+    assert len(first) == 1
+    changed = pages[:PAGE_SIZE] + rng.randbytes(PAGE_SIZE) + pages[2 * PAGE_SIZE :]
+    second = store.put(make_snapshot(tmp_path, changed, chunk_kib=16, sequence=2))
+    assert image_packs(store) == first
+    assert second.new_bytes < len(pages) / 20
+
+    other = rng.randbytes(2048 * PAGE_SIZE)
+    source = make_snapshot(tmp_path, other, chunk_kib=16, sequence=3)
+    (source / "images/pages-1.img").chmod(0o400)  # as sealed, but its ctime changed
+    store.put(source)
+    assert image_packs(store) == first
+
+
+def test_an_image_pack_outlives_its_snapshot_directory_and_is_repacked(tmp_path: Path) -> None:
+    """The image pack and the snapshot's file are two names of one read-only inode: the
+    directory goes (the image cache evicts it) and the store still reads it; once the
+    snapshot that adopted it is deleted and less than half of it is needed, its needed
+    chunks are repacked into a pack with a trailer and it is deleted, while the other
+    snapshot still restores."""
+    store = LocalStore(tmp_path / "store", grace_seconds=0, pack_bytes=1 << 20)
+    rng = random.Random(38)
+    pages = rng.randbytes(2048 * PAGE_SIZE)
+    first_dir = make_snapshot(tmp_path, pages, chunk_kib=16)
+    first = store.put(first_dir)
+    (adopted,) = image_packs(store)
+    shutil.rmtree(first_dir)
+    kept = pages[: 512 * PAGE_SIZE] + rng.randbytes(1536 * PAGE_SIZE)
+    source = make_snapshot(tmp_path, kept, chunk_kib=16, sequence=2)
+    second = store.put(source)
+    assert adopted in packs_of(store, second)
+
+    store.delete(first.manifest.id)
+
+    assert adopted not in store._list_all_objects()
+    fresh = type(store)(**reopen_args(store))
+    out = fresh.fetch(second.manifest.id, tmp_path / "after-repack")
+    assert (out / "images/pages-1.img").read_bytes() == kept
 
 
 def test_chunk_lists_must_add_up_and_match_their_digest(tmp_path: Path) -> None:

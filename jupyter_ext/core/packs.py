@@ -25,7 +25,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import zstandard
 
@@ -47,6 +47,11 @@ CODECS: tuple[Codec, ...] = ("zstd", "raw")
 PACK_NAME_RE = re.compile(r"^packs/([0-9a-f]{2})/\1[0-9a-f]{62}$")
 LEGACY_NAME_RE = re.compile(r"^chunks/([0-9a-f]{2})/\1[0-9a-f]{62}$")
 """Objects of record format 1: one zstd-compressed chunk each, named by its sha256."""
+IMAGE_PACK_NAME_RE = re.compile(r"^packs/([0-9a-f]{2})/\1[0-9a-f]{62}\.img$")
+"""A local store's *image pack*: a memory image adopted whole, as a hard link of the
+snapshot's own file (no copy), its chunks raw where they are in the file. It has no
+trailer: the record that adopted it locates its chunks, and a repack moves them into
+packs that have one."""
 
 
 def new_pack_name() -> str:
@@ -55,17 +60,27 @@ def new_pack_name() -> str:
     return f"packs/{pack_id[:2]}/{pack_id}"
 
 
+def new_image_pack_name() -> str:
+    return new_pack_name() + ".img"
+
+
+def is_pack_name(name: str) -> bool:
+    """A pack or an image pack (what a repack may rewrite)."""
+    return bool(PACK_NAME_RE.match(name) or IMAGE_PACK_NAME_RE.match(name))
+
+
 def legacy_chunk_name(digest: str) -> str:
     return f"chunks/{digest[:2]}/{digest}"
 
 
 def is_object_name(name: str) -> bool:
-    return bool(PACK_NAME_RE.match(name) or LEGACY_NAME_RE.match(name))
+    return is_pack_name(name) or bool(LEGACY_NAME_RE.match(name))
 
 
-@dataclass(frozen=True)
-class Location:
-    """Where a chunk's stored bytes are: a range of an object."""
+class Location(NamedTuple):
+    """Where a chunk's stored bytes are: a range of an object. A tuple of plain values:
+    the collector stops tracking it (a snapshot's record holds ten thousands of them, and
+    tracked ones made a put pause 0.1 s for a full collection of the server)."""
 
     obj: str
     offset: int
@@ -73,8 +88,7 @@ class Location:
     codec: Codec
 
 
-@dataclass(frozen=True)
-class PackEntry:
+class PackEntry(NamedTuple):
     """One chunk as a pack's trailer lists it."""
 
     hash: str

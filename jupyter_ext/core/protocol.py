@@ -199,6 +199,9 @@ class SnapshotArgs(_Args):
     chunk_kib: int | None = None
     """The chunk size to cut the memory with (the store's, if fixed); None: chosen from the
     kernel's memory and its previous snapshot's (chunking.auto_chunk_kib)."""
+    write_back: bool = False
+    """Start writing the memory images to disk as they are hashed (the store adopts them:
+    SnapshotStore.adopts_images)."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,7 @@ class SuspendArgs(_Args):
     discard_after_resume: bool = True
     release_gpu_caches: bool = True
     chunk_kib: int | None = None
+    write_back: bool = False
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ Layout under a store's root (a directory, or ``<bucket>/<prefix>``)::
 
     packs/<hh>/<name>       chunks of image files back to back, each zstd-compressed or raw,
                             with a trailer listing them (``packs.py``); about 16 MiB each
+    packs/<hh>/<name>.img   a local store's image pack: a memory image adopted whole (a
+                            hard link of the sealed file, no copy), raw, no trailer
     snapshots/<id>.json     the snapshot's record: its manifest, and where each chunk of
                             each file is (pack, offset, length, codec, sha256)
     puts/<token>.json       a claim: a put in progress, listing the packs it relies on
@@ -39,7 +41,6 @@ import abc
 import bisect
 import builtins
 import contextlib
-import ctypes
 import errno
 import fcntl
 import hashlib
@@ -64,6 +65,7 @@ from . import manifest as manifest_mod
 from . import packs, proctree
 from .chunking import ChunkParams, auto_chunk_kib, iter_chunks
 from .errors import SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
+from .growinghash import start_writeback
 from .humanize import human_bytes
 from .manifest import Manifest
 from .packs import Location
@@ -90,6 +92,15 @@ MARKER_STALE_SECONDS = 6 * MARKER_REFRESH_SECONDS
 """A clean-up marker not rewritten for this long belongs to a clean-up that was killed (a
 clean-up stops deleting once its own heartbeat is half this old). Puts wait while a
 marker is fresh; one whose process is gone from this host is ignored at once."""
+ADOPT_NEW_SHARE = 0.75
+"""A local store adopts a memory image whole (an image pack) when at least this share of
+its bytes is new to the store (a kernel's first snapshot), and compressing it would save
+less than ADOPT_MAX_SAVING: then nothing is copied (0.1 s for 300 MB here) and the dump's
+own writeback makes it durable, for at most that much more disk. A mostly known image has
+its few new chunks copied into packs, a compressible one is compressed."""
+ADOPT_MAX_SAVING = 0.25
+ADOPT_SAMPLES = 64
+"""Chunks compressed to tell how well an image compresses (spread over the file)."""
 PUTS_DIR = "puts"
 BATCH_BYTES = 1 << 20
 """Chunks go to the hashing workers in batches of about this many bytes."""
@@ -123,9 +134,9 @@ class StoreError(SnapshotError):
     code = "store-error"
 
 
-@dataclass(frozen=True)
-class ChunkRef:
-    """One chunk of a file, in file order, and where its put stored it."""
+class ChunkRef(NamedTuple):
+    """One chunk of a file, in file order, and where its put stored it (a tuple of plain
+    values, as :class:`packs.Location`)."""
 
     hash: str
     """sha256 of the uncompressed bytes."""
@@ -159,6 +170,10 @@ class StoreStats:
 
 class SnapshotStore(Protocol):
     """What the snapshot manager needs from a store."""
+
+    adopts_images: bool
+    """Whether a put may adopt a sealed memory image as it is (an image pack): the dump
+    should then start writing its images to disk as soon as they are hashed."""
 
     def put(
         self, snapshot_dir: Path, progress: ProgressCallback | None = None
@@ -223,14 +238,14 @@ class _Record:
                 "objects": objects,
                 "chunks": {
                     path: [
-                        [
+                        (
                             r.hash,
                             r.size,
                             index[r.where.obj],
                             r.where.offset,
                             r.where.length,
                             r.where.codec,
-                        ]
+                        )
                         for r in refs
                     ]
                     for path, refs in self.chunks.items()
@@ -423,6 +438,8 @@ class _Bounded:
 class _ChunkStore(abc.ABC):
     """The format and the algorithms; subclasses only move bytes (``_``-methods below)."""
 
+    adopts_images = False
+
     def __init__(
         self,
         *,
@@ -460,6 +477,11 @@ class _ChunkStore(abc.ABC):
 
     @abc.abstractmethod
     def _location(self, snapshot_id: str) -> str: ...
+
+    def _adopt_file(self, name: str, source: Path) -> bool:
+        """Make the file ``source`` the object ``name`` without copying it (made durable
+        by :meth:`_sync_objects`); False where the store cannot."""
+        return False
 
     @abc.abstractmethod
     def _record_ids(self) -> builtins.list[str]:
@@ -880,7 +902,7 @@ class _ChunkStore(abc.ABC):
                         for name, stat in sorted(objects.items())
                         if name in needed
                         and name not in live
-                        and packs.PACK_NAME_RE.match(name)
+                        and packs.is_pack_name(name)
                         and stat.mtime <= cutoff
                         and sum(w.length for _, w in needed[name].values())
                         < self.repack_below * stat.size
@@ -1238,8 +1260,12 @@ class _Upload:
         """The file being cut, open until the put ends (its packs are written later)."""
         self._fds: builtins.list[int] = []
         self._next_report = 0
-        self.sealed: set[str] = set()
-        """The files as they were sealed here: their chunks' digests are trusted."""
+        self.sealed: manifest_mod.Stamps = {}
+        """Each file's stamp when it was sealed (or last checked): where a file still has
+        it, its chunks' digests are trusted."""
+        self.stamps: manifest_mod.Stamps = {}
+        """Each file's stamp as this put found it (after its own link, if it adopted it):
+        it must still have it when the record is written."""
 
     def relied_on(self) -> set[str]:
         """Every pack this put has written, is writing, or reuses chunks of."""
@@ -1261,7 +1287,7 @@ class _Upload:
         _report(self.progress, "uploading", 0, total)
         records = self.store._all_records(strict=False)
         self.known = _Catalog(self.store, records.values()).located
-        self.sealed = manifest_mod.unchanged_since_sealed(self.root)
+        self.sealed = manifest_mod.sealed_stamps(self.root)
         try:
             with _Packer(self) as packer, ThreadPoolExecutor(self.store.max_workers) as pool:
                 tasks = _Bounded(pool, 2 * self.store.max_workers)
@@ -1269,6 +1295,8 @@ class _Upload:
                     for entry in self.manifest.files:
                         chunks = self.files[entry.path] = []
                         self.file_offset = 0
+                        if self._adopted(entry, chunks):
+                            continue
                         for batch in self._read_checked(entry):
                             for done in tasks.submit(self._prepare_all, batch):
                                 for prepared in done:
@@ -1329,6 +1357,9 @@ class _Upload:
             self.locations[digest] = where
         chunks.append((digest, size))
         self.file_offset += size
+        self._advance(size)
+
+    def _advance(self, size: int) -> None:
         self.done_bytes += size
         total = self.manifest.total_bytes
         if self.done_bytes >= self._next_report or self.done_bytes == total:
@@ -1342,7 +1373,7 @@ class _Upload:
         chunk workers, and checked at the end. Raises if the file is not as its entry says."""
         path = self._path(entry.path)
         size = 0
-        trusted = entry.path in self.sealed
+        trusted = self._trusted(entry)
         try:
             with path.open("rb") as fh, ThreadPoolExecutor(1) as hasher:
                 self.file_fd = os.dup(fh.fileno())
@@ -1377,15 +1408,93 @@ class _Upload:
         if size != entry.size or file_hash != entry.sha256:
             raise _corrupt(self.manifest.id, f"{entry.path} differs from its manifest entry")
 
+    def _trusted(self, entry: manifest_mod.FileEntry) -> bool:
+        """Stamp the file as this put finds it; whether it is as it was sealed."""
+        try:
+            now = manifest_mod.stamp(self._path(entry.path))
+        except OSError:
+            return False  # reading it says why
+        self.stamps[entry.path] = now
+        return entry.path in self.sealed and self.sealed[entry.path] == now
+
+    def _adopted(
+        self, entry: manifest_mod.FileEntry, chunks: builtins.list[tuple[str, int]]
+    ) -> bool:
+        """Adopt a memory image as an image pack, if the store can and it is worth it
+        (ADOPT_NEW_SHARE); its chunks are then located in it, in file order."""
+        if (
+            not self.store.adopts_images
+            or entry.chunks is None
+            or entry.size < self.store.pack_bytes
+            or not self._trusted(entry)
+        ):
+            return False
+        firsts: dict[str, int] = {}
+        for digest, size in entry.chunks:
+            firsts.setdefault(digest, size)
+        new = sum(n for d, n in firsts.items() if d not in self.known and d not in self.locations)
+        if new < ADOPT_NEW_SHARE * entry.size or self._saving(entry) >= ADOPT_MAX_SAVING:
+            return False
+        path = self._path(entry.path)
+        name = packs.new_image_pack_name()
+        with self.lock:  # claimed before it exists
+            self._written.add(name)
+        if not self.store._adopt_file(name, path):
+            with self.lock:
+                self._written.discard(name)
+            return False
+        self.stamps[entry.path] = manifest_mod.stamp(path)  # the link changed its ctime
+        offset = 0
+        for digest, size in entry.chunks:
+            if digest not in self.locations:
+                self.sources[digest] = (entry.path, offset, size)
+                where = self.known.get(digest)
+                if where is None:
+                    where = Location(name, offset, size, "raw")
+                    self.new_bytes += size
+                else:
+                    with self.lock:
+                        self._relied.add(where.obj)
+                self.locations[digest] = where
+            chunks.append((digest, size))
+            offset += size
+            self._advance(size)
+        return True
+
+    def _saving(self, entry: manifest_mod.FileEntry) -> float:
+        """The share of its bytes that zstd would save on the image (from a sample)."""
+        assert entry.chunks is not None
+        starts, offset = [], 0
+        for _, size in entry.chunks:
+            starts.append(offset)
+            offset += size
+        step = max(1, len(starts) // ADOPT_SAMPLES)
+        raw = stored = 0
+        with self._path(entry.path).open("rb") as fh:
+            for index in range(0, len(starts), step):
+                data = os.pread(fh.fileno(), entry.chunks[index][1], starts[index])
+                blob, _ = packs.encode(data)
+                raw += len(data)
+                stored += len(blob)
+        return 1 - stored / raw if raw else 0.0
+
     def check_unchanged(self) -> None:
-        """Before the record is written: the files whose chunks were trusted are still as
-        they were sealed (the bytes copied are the bytes hashed)."""
-        still = manifest_mod.unchanged_since_sealed(self.root)
-        changed = sorted(
-            e.path for e in self.manifest.files if e.path in self.sealed and e.path not in still
-        )
+        """Before the record is written: every file is still as this put found it (the
+        bytes stored are the bytes hashed); those stamps become the seal's (what the image
+        cache admits the directory by)."""
+        changed = []
+        for rel, value in self.stamps.items():
+            try:
+                if manifest_mod.stamp(self._path(rel)) != value:
+                    changed.append(rel)
+            except OSError:
+                changed.append(rel)
         if changed:
-            raise _corrupt(self.manifest.id, f"{changed[0]} changed while it was stored")
+            raise _corrupt(self.manifest.id, f"{sorted(changed)[0]} changed while it was stored")
+        try:
+            manifest_mod.write_sealed_stamps(self.root, self.stamps)
+        except OSError as exc:  # only the image cache needs them
+            logger.warning("Could not update the stamps of %s: %s", self.root, exc)
 
     def _path(self, relpath: str) -> Path:
         try:
@@ -1987,17 +2096,6 @@ def _os_hint(exc: OSError) -> str:
     return "Check the directory and retry."
 
 
-SYNC_FILE_RANGE_WRITE = 2
-
-
-def _start_writeback(fd: int) -> None:
-    """Start writing a file's dirty pages to disk without waiting (sync_file_range):
-    packs go out while the put cuts the next ones, so the fsync before the record has
-    little left to wait for (it was 0.5 s a GiB, the longest step after the cut)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.sync_file_range(fd, ctypes.c_int64(0), ctypes.c_int64(0), SYNC_FILE_RANGE_WRITE)
-
-
 def _runs(parts: Iterable[packs.Blob]) -> Iterator[builtins.list[packs.Blob]]:
     """The parts in runs: slices that follow each other in one file make one run (copied
     by one call: a call per 32 KiB chunk cost 0.1 s per 300 MB), any other part its own."""
@@ -2049,6 +2147,8 @@ def _fsync_dir(path: Path) -> None:
 
 class LocalStore(_ChunkStore):
     """A store in a local directory (or any mounted file system)."""
+
+    adopts_images = True
 
     def __init__(
         self,
@@ -2106,7 +2206,7 @@ class LocalStore(_ChunkStore):
                 if durably:
                     os.fsync(fh.fileno())
                 else:
-                    _start_writeback(fh.fileno())
+                    start_writeback(fh.fileno())
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -2155,6 +2255,23 @@ class LocalStore(_ChunkStore):
             _fsync_dir(path.parent)
         except OSError as exc:
             raise self._error(f"delete the record of {snapshot_id}", exc) from exc
+
+    def _adopt_file(self, name: str, source: Path) -> bool:
+        """A hard link: the snapshot's file and the object are one inode, which neither
+        ever changes (both are read-only), and each can be removed without the other."""
+        path = self._object_path(name)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.link(source, path)
+        except OSError as exc:
+            if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP):
+                return False  # another file system, or a file this user may not link
+            raise self._error(f"write {name}", exc) from exc
+        with contextlib.suppress(OSError):
+            os.utime(path)  # a new object, as far as the clean-up's grace period goes
+        with self._unsynced_lock:
+            self._unsynced.update((path, path.parent))
+        return True
 
     def _write_object(self, name: str, data: packs.Parts) -> None:
         """Written whole under a temporary name, renamed into place, its writeback
