@@ -97,6 +97,31 @@ async def test_restore_is_served_from_the_cache_without_the_store(
     assert cached_ids(manager) == [snap["id"]]
 
 
+async def test_a_first_snapshot_is_one_inode_in_the_store_and_the_cache(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any, tmp_path: Path
+) -> None:
+    """A kernel's first snapshot of random floats: the local store adopts the sealed memory
+    image (an image pack) and the image cache keeps the same file, stamped as the put left
+    it: a restore finds it fresh (nothing hashed again) and serves it."""
+    manager = manager_of(jp_serverapp)
+    kernel = await start_kernel()
+    await kernel.run("import numpy as np; st = np.random.default_rng(5).random(12_000_000)")
+    await kernel.run("st_sum = float(st.sum())")
+    snap = (await snapshot(jp_fetch, kernel.id))["result"]
+    entry = manager.image_cache_dir / snap["id"]
+    adopted = list((tmp_path / "store").rglob("*.img"))
+    assert len(adopted) == 1
+    assert adopted[0].stat().st_ino == pages_file(entry).stat().st_ino
+    lease = manager.image_cache.lease(snap["id"])
+    assert lease is not None
+    assert lease.fresh, "the stamps the put left are the cached files' stamps"
+    lease.release()
+    result = await restore(jp_fetch, snap["id"])
+    assert result["source"] == "cache"
+    out = await run_in(start_kernel, result["kernel_id"], "print(float(st.sum()) == st_sum)")
+    assert out == "True"
+
+
 async def test_a_changed_entry_is_hashed_again_and_a_tampered_one_falls_back_to_the_store(
     jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any
 ) -> None:
