@@ -1,9 +1,10 @@
 """A process that stores and deletes snapshots without end, to be killed at any point.
 
 ``python -m tests.store_worker (put|repack) <root-or-s3-url> <seed> <work-dir>``: ``put``
-stores new snapshots of a slowly changing kernel; ``repack`` also deletes the oldest each
-time (with no grace period, so every delete sweeps and repacks). Each finished step prints
-a line. Its snapshots are made in ``work-dir`` (the test's: a killed worker cleans nothing).
+stores new snapshots of a slowly changing kernel (every fifth of a new one); ``repack``
+also deletes the oldest each time (with no grace period, so every delete sweeps and
+repacks). Each finished step prints a line. Its snapshots are made in ``work-dir`` (the
+test's: a killed worker cleans nothing).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import random
 import sys
 from pathlib import Path
 
+from jupyter_ext.core.chunking import PAGE_SIZE
 from jupyter_ext.core.store import LocalStore, S3Store
 
 from .test_store import make_snapshot, mutate, random_pages
@@ -34,8 +36,14 @@ def main() -> None:
     pages = random_pages(rng, 1024)
     work_dir.mkdir(parents=True, exist_ok=True)
     for sequence in range(1, 1000):
-        pages = mutate(pages, rng, inserts=4, changes=64)
-        stored = store.put(make_snapshot(work_dir, pages, sequence=sequence))
+        if sequence % 5:
+            pages = mutate(pages, rng, inserts=4, changes=64)
+        else:  # a new kernel of random floats: a local store adopts its memory image whole
+            pages = rng.randbytes(len(pages) // PAGE_SIZE * PAGE_SIZE)
+        # Odd ones list their memory's chunks, as the wrapper's seal does; even ones do
+        # not, as snapshots of earlier versions.
+        chunk_kib = 16 if sequence % 2 else None
+        stored = store.put(make_snapshot(work_dir, pages, sequence=sequence, chunk_kib=chunk_kib))
         print("put", stored.manifest.id, flush=True)
         snapshots = store.list()
         if mode == "repack" and len(snapshots) > 2:
