@@ -105,7 +105,7 @@ async def test_a_first_snapshot_is_one_inode_in_the_store_and_the_cache(
     it: a restore finds it fresh (nothing hashed again) and serves it."""
     manager = manager_of(jp_serverapp)
     kernel = await start_kernel()
-    await kernel.run("import numpy as np; st = np.random.default_rng(5).random(12_000_000)")
+    await kernel.run("import numpy as np; st = np.random.default_rng(5).random(24_000_000)")
     await kernel.run("st_sum = float(st.sum())")
     snap = (await snapshot(jp_fetch, kernel.id))["result"]
     entry = manager.image_cache_dir / snap["id"]
