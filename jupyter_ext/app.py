@@ -16,11 +16,14 @@ from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.serverapp import ServerApp
 from traitlets import Bool, Float, Int, TraitError, Unicode, default, validate
 
+from .core import private
 from .core.chunking import ChunkParams
+from .core.errors import SnapshotError
 from .core.lazypages import LAZY_MIN_BYTES
 from .core.pidspace import PID_FLOOR
+from .core.private import GROUP_SHARED, PRIVATE
 from .core.protocol import ENV_LAZY_RESTORE, ENV_LAZY_RESTORE_MIN_BYTES, ENV_PID_FLOOR
-from .core.store import LocalStore, S3Store, SnapshotStore
+from .core.store import LocalStore, S3Encryption, S3Store, SnapshotStore
 from .handlers import route_table
 from .manager import SnapshotManager, user_prefix
 
@@ -38,6 +41,11 @@ def _freeze_start_up_objects() -> None:
         _frozen = True
         gc.collect()
         gc.freeze()
+
+
+def data_dir() -> Path:
+    """Where the product keeps its files by default: <Jupyter data dir>/kernel_snapshots."""
+    return Path(jupyter_data_dir()) / "kernel_snapshots"
 
 
 EVENT_SCHEMA_ID = "https://events.jupyter.org/jupyter_kernel_snapshots/snapshot/v1"
@@ -74,6 +82,15 @@ class SnapshotExtensionApp(ExtensionApp):
         help="""Directory of the local store. Default: <Jupyter data dir>/kernel_snapshots/store.
         Each user gets a sub-directory named after the server's identity.""",
     )
+    local_store_group_access = Bool(
+        False,
+        config=True,
+        help="""Share the local store with the members of its directory's group: its
+        directories 2770 and files 0660 (0440 read-only), so that they can read, restore
+        and delete each other's snapshots (a team's store on one machine). Default: False,
+        owner-only (0700 / 0600 / 0400): a snapshot is the kernel's whole memory. The work
+        directory is always owner-only.""",
+    )
     s3_bucket = Unicode(
         "", config=True, help='S3 bucket of the s3 store. Default: "" (required for "s3").'
     )
@@ -90,6 +107,20 @@ class SnapshotExtensionApp(ExtensionApp):
         Credentials come from boto3's standard chain (environment, files, instance role).""",
     )
     s3_region = Unicode("", config=True, help='S3 region. Default: "" (boto3 decides).')
+    s3_server_side_encryption = Unicode(
+        "",
+        config=True,
+        help="""Server-side encryption of every object the store writes: "AES256" (SSE-S3)
+        or "aws:kms" (SSE-KMS, see s3_sse_kms_key_id). Default: "" (the bucket's default
+        encryption, which on AWS is SSE-S3). Objects are always written private (no ACL
+        grants; the bucket's policy decides who else may read them).""",
+    )
+    s3_sse_kms_key_id = Unicode(
+        "",
+        config=True,
+        help="""KMS key (id, ARN or alias) for s3_server_side_encryption "aws:kms".
+        Default: "" (the account's AWS-managed key aws/s3).""",
+    )
     chunk_kib = Int(
         0,
         config=True,
@@ -248,11 +279,11 @@ class SnapshotExtensionApp(ExtensionApp):
 
     @default("local_store_dir")
     def _default_local_store_dir(self) -> str:
-        return os.path.join(jupyter_data_dir(), "kernel_snapshots", "store")
+        return str(data_dir() / "store")
 
     @default("work_dir")
     def _default_work_dir(self) -> str:
-        return os.path.join(jupyter_data_dir(), "kernel_snapshots", "work")
+        return str(data_dir() / "work")
 
     def chunking(self) -> ChunkParams | None:
         return ChunkParams.of_kib(self.chunk_kib) if self.chunk_kib else None
@@ -268,6 +299,7 @@ class SnapshotExtensionApp(ExtensionApp):
                 f"{self.s3_prefix.strip('/')}/{prefix}".strip("/"),
                 endpoint_url=self.s3_endpoint_url or None,
                 region=self.s3_region or None,
+                encryption=S3Encryption(self.s3_server_side_encryption, self.s3_sse_kms_key_id),
                 chunking=self.chunking(),
                 pack_bytes=self.pack_mib << 20,
             )
@@ -279,6 +311,7 @@ class SnapshotExtensionApp(ExtensionApp):
             Path(self.local_store_dir) / prefix,
             chunking=self.chunking(),
             pack_bytes=self.pack_mib << 20,
+            modes=GROUP_SHARED if self.local_store_group_access else PRIVATE,
         )
 
     def policy(self) -> dict[str, Any]:
@@ -320,6 +353,7 @@ class SnapshotExtensionApp(ExtensionApp):
             lazy_restore_from_store=self.lazy_restore_from_store,
             chunk_kib=self.chunk_kib or None,
         )
+        self._tighten()
         # Kernel wrappers are started by the kernel manager with this process's environment.
         os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"
         os.environ[ENV_LAZY_RESTORE_MIN_BYTES] = str(self.lazy_restore_min_bytes)
@@ -327,6 +361,29 @@ class SnapshotExtensionApp(ExtensionApp):
         self._policy_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Future[None] | None = None
         self._recovery: asyncio.Future[None] | None = None
+
+    def _tighten(self) -> None:
+        """Owner-only again what an older version (or another umask) left readable by
+        others in the store and the work directory; said in the log."""
+        try:
+            changed = self.manager.tighten()
+            if self.store == "local":  # the directories above the user's: they list users
+                modes = GROUP_SHARED if self.local_store_group_access else PRIVATE
+                top = Path(self.local_store_dir)
+                for directory in (top, top / "users"):
+                    changed += private.tighten(directory, modes, recursive=False)
+        except SnapshotError as exc:
+            self.log.error("kernel snapshots: %s %s", exc.message, exc.hint)
+            return
+        if changed:
+            shown = ", ".join(found.describe() for found in changed[:10])
+            more = f" and {len(changed) - 10} more" if len(changed) > 10 else ""
+            self.log.warning(
+                "kernel snapshots: %d path(s) other users could read are now owner-only: %s%s",
+                len(changed),
+                shown,
+                more,
+            )
 
     def initialize_handlers(self) -> None:
         self.handlers.extend(route_table(self.manager, self.policy()))

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_core.application import JupyterApp
-from traitlets import Bool, Unicode
+from traitlets import Bool, Unicode, default
 
 from . import __version__
+from .app import data_dir
 from .core.doctor import run_checks
 from .core.errors import SnapshotError
 from .core.humanize import human_bytes, human_seconds, time_ago
@@ -31,12 +32,39 @@ class DoctorApp(JupyterApp):
     name = "jupyter-snapshot-doctor"
     description = "Say what works and what is missing for kernel snapshots, and how to fix it."
     criu = Unicode("", config=True, help="Path of the criu binary (default: search).")
+    store_dir = Unicode(
+        config=True,
+        help="""The local store's directory to check for files others can read. Default:
+        SnapshotExtensionApp.local_store_dir's default (<Jupyter data dir>/kernel_snapshots/
+        store).""",
+    )
+    work_dir = Unicode(
+        config=True,
+        help="""The work directory to check likewise. Default: SnapshotExtensionApp.work_dir's
+        default (<Jupyter data dir>/kernel_snapshots/work).""",
+    )
     as_json = Bool(False, config=True, help="Print the checks as JSON.")
     flags = {"json": ({"DoctorApp": {"as_json": True}}, "Print the checks as JSON.")}
-    aliases = {"criu": "DoctorApp.criu"}
+    aliases = {
+        "criu": "DoctorApp.criu",
+        "store-dir": "DoctorApp.store_dir",
+        "work-dir": "DoctorApp.work_dir",
+    }
+
+    @default("store_dir")
+    def _default_store_dir(self) -> str:
+        return str(data_dir() / "store")
+
+    @default("work_dir")
+    def _default_work_dir(self) -> str:
+        return str(data_dir() / "work")
 
     def start(self) -> None:
-        checks = run_checks(self.criu or None, DEFAULT_RUNTIME_ROOT)
+        checks = run_checks(
+            self.criu or None,
+            DEFAULT_RUNTIME_ROOT,
+            private_dirs=[Path(p) for p in (self.store_dir, self.work_dir) if p],
+        )
         if self.as_json:
             print(json.dumps([c.to_dict() for c in checks], indent=1))
         else:

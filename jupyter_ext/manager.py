@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .core import proctree
+from .core import private, proctree
 from .core.compat import check_compatible
 from .core.criu import Criu
 from .core.errors import (
@@ -265,10 +265,15 @@ class SnapshotManager:
         self._kernel_pids: dict[int, str] = {}
         """Kernel processes seen (non-root), with their start times: reaped once their
         wrapper is gone."""
-        self.staging_dir.mkdir(parents=True, exist_ok=True)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        private.make_dirs(self.staging_dir)
+        private.make_dirs(self.cache_dir)
         #: The newest snapshot of each kernel, unpacked.
         self.image_cache = ImageCache(self.image_cache_dir, image_cache_max_bytes)
+
+    def tighten(self) -> list[private.Exposed]:
+        """Take from the store's files on this machine and the work directory the access
+        others have (an older version's, another umask's); what was changed."""
+        return [*self.store.tighten(), *private.tighten(self.work_dir)]
 
     @property
     def staging_dir(self) -> Path:
@@ -1097,7 +1102,7 @@ class SnapshotManager:
         into it over its control socket, like any other operation."""
         self.start_reaping()
         marker = self.work_dir / f"await-restore-{secrets.token_hex(8)}"
-        marker.touch()
+        private.write_file(marker, b"")
         notebook_dir = None
         if manifest.notebook_path:
             notebook_dir = str(Path(manifest.notebook_path).parent)
@@ -1186,7 +1191,7 @@ class SnapshotManager:
         km = self.kernel(kernel_id)
         path = await self.notebook_path(kernel_id)
         suspended_dir = self.work_dir / "suspended"
-        suspended_dir.mkdir(parents=True, exist_ok=True)
+        private.make_dirs(suspended_dir)
         dest = suspended_dir / new_snapshot_id()
         self._progress(job, "dumping")
         wrapper_pid = None

@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runtime-dir", type=Path, default=DEFAULT_RUNTIME_ROOT)
     parser.add_argument("--criu", default=None, help="path of the criu binary")
     args, kernel_args = parser.parse_known_args(argv)
+    # What the wrapper and its CRIU write (images, manifests, logs: the kernel's whole
+    # memory) is the user's alone whatever their umask; the kernel keeps the user's.
+    kernel_umask = os.umask(0o077)
     logging.basicConfig(
         level=logging.INFO, format="[kernel_wrapper %(levelname)s] %(message)s", stream=sys.stderr
     )
@@ -42,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         # Started by the server for a restore into a new kernel (also the test harness's).
         await_restore=take_await_marker(dict(os.environ)),
         kernel_args=kernel_args,
+        kernel_umask=kernel_umask,
     )
     try:
         return asyncio.run(wrapper.run())

@@ -5,6 +5,7 @@ safe between asyncio and libzmq."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import weakref
@@ -97,12 +98,16 @@ class ServerChannels:
                 sock.setsockopt(zmq.XPUB_VERBOSE, 1)
             else:
                 sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            if url.startswith("ipc://"):
+                only_this_user(sock)
             sock.bind(self._endpoint(url, connection[f"{name}_port"]))
             self.sockets[name] = sock
         hb_context = zmq.Context()
         hb = hb_context.socket(zmq.ROUTER)
         hb.setsockopt(zmq.LINGER, 0)
         self._apply_curve(hb)
+        if url.startswith("ipc://"):
+            only_this_user(hb)
         hb.bind(self._endpoint(url, connection["hb_port"]))
         threading.Thread(target=self._heartbeat, args=(hb,), daemon=True, name="hb").start()
 
@@ -127,6 +132,12 @@ class ServerChannels:
             zmq.proxy(sock, sock)
 
 
+def only_this_user(sock: zmq.Socket[Any]) -> None:
+    """Accept ipc connections from this user's processes only: libzmq checks each one's
+    SO_PEERCRED (ZMQ_IPC_FILTER_UID), whatever the endpoint's mode would let in."""
+    sock.setsockopt(zmq.IPC_FILTER_UID, os.geteuid())
+
+
 class InnerChannels:
     """The wrapper's ends of the channels to the inner kernel, bound in the runtime dir."""
 
@@ -148,6 +159,7 @@ class InnerChannels:
             path = runtime_dir / f"ch-{INNER_PORTS[name]}"
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+            only_this_user(sock)
             sock.bind(f"ipc://{path}")
             self.paths.append(path)
         iopub.send(b"\x01")  # subscribe to everything the kernel publishes
@@ -157,6 +169,7 @@ class InnerChannels:
         agent_path = runtime_dir / f"ch-{AGENT_PORT}"
         with contextlib.suppress(FileNotFoundError):
             agent_path.unlink()
+        only_this_user(self.agent)
         self.agent.bind(f"ipc://{agent_path}")
         self.paths.append(agent_path)
         self._agent_requests = 0

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from jupyter_ext.core import private
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.protocol import OPERATIONS, ProgressCallback, ProgressEvent, socket_path
 
@@ -28,7 +29,8 @@ Handler = Callable[[ProgressCallback, Any], Awaitable[Any]]
 
 class ControlServer:
     """Serves ``handlers`` (operation name to handler) on a unix socket at ``path``, which
-    only this user may open (mode 0600)."""
+    only this user may open (mode 0600); a connection from another user (a looser mode,
+    a copied path) is closed unanswered (its SO_PEERCRED)."""
 
     def __init__(self, path: Path, handlers: Mapping[str, Handler]) -> None:
         unknown = set(handlers) - set(OPERATIONS)
@@ -50,6 +52,12 @@ class ControlServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         def send(message: dict[str, Any]) -> None:
             writer.write(json.dumps(message).encode() + b"\n")
+
+        sock = writer.get_extra_info("socket")
+        if sock is None or not private.trusted_peer(sock):
+            log.warning("refused a control connection from another user")
+            writer.close()
+            return
 
         try:
             request = json.loads(await reader.readline())

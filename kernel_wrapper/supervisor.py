@@ -41,8 +41,10 @@ class Supervisor:
         on_death: Callable[[int], None],
         on_pid: Callable[[], None],
         pid_floor: int = pidspace.PID_FLOOR,
+        kernel_umask: int | None = None,
     ) -> None:
         self._on_death = on_death
+        self._kernel_umask = -1 if kernel_umask is None else kernel_umask
         self._pid_floor = pid_floor
         self._on_pid = on_pid
         self._pid: int | None = None
@@ -93,6 +95,7 @@ class Supervisor:
                 stderr=self.stdio_w,
                 env=env,
                 pass_fds=pass_fds,
+                umask=self._kernel_umask,
             )
             self._launcher = launcher
             self._set_pid(launcher.pid)
@@ -109,6 +112,7 @@ class Supervisor:
             env=env,
             pass_fds=pass_fds,
             preexec_fn=proctree.die_with_parent,
+            umask=self._kernel_umask,
         )
         self._launcher = launcher
         self._set_pid(await self._first_child(launcher.pid))

@@ -87,7 +87,10 @@ class KernelWrapper:
         criu_path: str | None = None,
         await_restore: bool = False,
         kernel_args: list[str] | None = None,
+        kernel_umask: int | None = None,
     ) -> None:
+        """``kernel_umask``: the user's umask, for the kernel (the wrapper's own files,
+        CRIU's images among them, are the user's alone: see ``__main__``)."""
         self.connection_file = connection_file.resolve()
         self.connection = json.loads(connection_file.read_text())
         self.session = Session(
@@ -105,6 +108,7 @@ class KernelWrapper:
             on_death=self._on_inner_death,
             on_pid=self._announce,
             pid_floor=int(os.environ.get(ENV_PID_FLOOR) or PID_FLOOR),
+            kernel_umask=kernel_umask,
         )
         self.server: ServerChannels
         self.relay: Relay

@@ -130,6 +130,7 @@ class ServerProcess(Endpoint):
         env: dict[str, str] | None = None,
         user: str | None = None,
         pod: bool = False,
+        umask: int | None = None,
     ) -> None:
         """``user``: run the server (and so its kernels and CRIU) as this ordinary user,
         from a root test run (non-root mode on other nodes, docs/nonroot.md). ``pod``: in
@@ -186,6 +187,7 @@ class ServerProcess(Endpoint):
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            umask=-1 if umask is None else umask,
         )
         self.wait_ready()
 

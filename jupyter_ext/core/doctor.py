@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .criu import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, UNPRIVILEGED_CAPS, Criu, unprivileged
 from .errors import CriuNotFoundError
+from .private import exposed, others_can_replace
 from .protocol import ENV_RUNTIME_DIR
 
 #: Lines ``criu check`` prints that say nothing about the machine (no kerndat cache).
@@ -258,10 +259,38 @@ def check_runtime_dir(runtime_dir: Path) -> Check:
     return Check("runtime directory", True, f"{runtime_dir} is writable")
 
 
+def check_private(paths: list[Path]) -> Check:
+    """Whether another user can read anything of the product's (a snapshot is a kernel's
+    whole memory), or replace a directory of it through a parent open to them."""
+    name = "private files"
+    open_to_others = [found for path in paths for found in exposed(path)]
+    replaceable = [(path, parent) for path in paths if (parent := others_can_replace(path))]
+    if not open_to_others and not replaceable:
+        shown = ", ".join(str(p) for p in paths)
+        return Check(name, True, f"only this user can read {shown}", required=False)
+    detail = []
+    if open_to_others:
+        listed = ", ".join(found.describe() for found in open_to_others[:5])
+        more = f" and {len(open_to_others) - 5} more" if len(open_to_others) > 5 else ""
+        detail.append(f"other users can read or list {listed}{more}")
+    for path, parent in replaceable:
+        detail.append(f"other users may replace {path}: {parent} is writable by all")
+    return Check(
+        name,
+        False,
+        "; ".join(detail),
+        fix="Start the Jupyter server once (it makes its store and work directory "
+        "owner-only and logs what it changed), or run 'chmod -R go= DIR'; keep the store "
+        "in a directory only you can write to (docs/nonroot.md, 'Who can read a snapshot').",
+        required=False,
+    )
+
+
 def run_checks(
     criu_path: str | None = None,
     runtime_dir: Path | None = None,
     extra: list[Callable[[], Check]] | None = None,
+    private_dirs: list[Path] | None = None,
 ) -> list[Check]:
     """Every check, in the order a person fixing the machine would go through them."""
     checks = [check_privileges()]
@@ -286,6 +315,8 @@ def run_checks(
     ]
     if runtime_dir is not None:
         checks.append(check_runtime_dir(runtime_dir))
+    if private_dirs:
+        checks.append(check_private(private_dirs))
     for factory in extra or []:
         checks.append(factory())
     return checks

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import private
 from .errors import SnapshotError
 from .manifest import (
     MANIFEST_NAME,
@@ -181,7 +182,7 @@ class Entry:
             "stamps": self.stamps,
         }
         tmp = directory / f".{RECORD_NAME}.tmp"
-        tmp.write_text(json.dumps(data))
+        private.write_file(tmp, json.dumps(data))
         tmp.rename(directory / RECORD_NAME)
 
 
@@ -243,7 +244,7 @@ class ImageCache:
     def budget(self) -> int:
         if self.max_bytes >= 0:
             return self.max_bytes
-        self.root.mkdir(parents=True, exist_ok=True)
+        private.make_dirs(self.root)
         return int(shutil.disk_usage(self.root).total * DEFAULT_DISK_FRACTION)
 
     # -- locking ---------------------------------------------------------------------
@@ -251,7 +252,7 @@ class ImageCache:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """The cache-wide lock (also between servers sharing the work directory)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        private.make_dirs(self.root)
         fd = os.open(self.root / ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)

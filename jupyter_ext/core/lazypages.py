@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from . import private
 from .errors import RestoreError, SnapshotCorruptError, SnapshotError
 from .manifest import IMAGES_DIR, FileEntry
 
@@ -128,7 +129,8 @@ UNIX_PREFIX = "unix:"
 
 class RangeServer:
     """Serves ``source`` on the unix socket ``path`` (one thread per connection) until
-    :meth:`close`."""
+    :meth:`close`: to this user only (mode 0600 in a private directory, and each
+    connection's SO_PEERCRED: another user's is closed unanswered)."""
 
     def __init__(self, source: PageSource, path: Path) -> None:
         self.source = source
@@ -151,6 +153,10 @@ class RangeServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
+            if not private.trusted_peer(conn):
+                log.warning("refused a page request connection from another user")
+                conn.close()
+                continue
             self._conns.append(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 

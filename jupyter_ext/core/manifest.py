@@ -38,6 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from . import private
 from .errors import BadIdError, SnapshotCorruptError
 
 FORMAT_VERSION = 3
@@ -413,7 +414,7 @@ def seal(
 
 def _write_durably(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as fh:
+    with os.fdopen(private.create(tmp, os.O_WRONLY | os.O_TRUNC), "w") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())

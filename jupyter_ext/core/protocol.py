@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Required, Self, TypedDict
 
+from . import private
 from .errors import KernelNotRunningError, SnapshotError, WrapperUnavailableError
 
 # -- names the server, the wrappers and the kernels share ---------------------------------
@@ -158,9 +159,8 @@ class WrapperInfo:
     def write(self, connection_file: Path) -> None:
         path = info_path(connection_file)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(
-            json.dumps({"control": str(self.control), "pid": self.pid, "inner_pid": self.inner_pid})
-        )
+        info = {"control": str(self.control), "pid": self.pid, "inner_pid": self.inner_pid}
+        private.write_file(tmp, json.dumps(info))
         os.replace(tmp, path)
 
 

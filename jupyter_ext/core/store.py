@@ -62,13 +62,14 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple, NoReturn, Protocol, TypeVar
 
 from . import manifest as manifest_mod
-from . import packs, proctree
+from . import packs, private, proctree
 from .chunking import ChunkParams, auto_chunk_kib, iter_chunks
 from .errors import SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
 from .growinghash import start_writeback
 from .humanize import human_bytes
 from .manifest import Manifest
 from .packs import Location
+from .private import PRIVATE, Exposed, Modes
 from .protocol import Phase, ProgressCallback
 
 logger = logging.getLogger(__name__)
@@ -200,6 +201,11 @@ class SnapshotStore(Protocol):
     def stats(self) -> StoreStats: ...
 
     def close(self) -> None: ...
+
+    def tighten(self) -> builtins.list[Exposed]:
+        """Take from what the store keeps on this machine the access others have (an
+        older version's files); what was changed. Nothing for a remote store."""
+        ...
 
 
 class _ObjectStat(NamedTuple):
@@ -524,6 +530,10 @@ class _ChunkStore(abc.ABC):
     def close(self) -> None:
         """Let go of connections (the store is not used afterwards)."""
 
+    def tighten(self) -> builtins.list[Exposed]:
+        """Nothing on this machine to tighten (a local store overrides it)."""
+        return []
+
     @abc.abstractmethod
     def _list_puts(self) -> builtins.list[tuple[str, float]]:
         """Names under ``puts/`` with their timestamps (the store's clock)."""
@@ -743,13 +753,14 @@ class _ChunkStore(abc.ABC):
         written = staging  # what a failure removes: the hidden sibling, or after the rename
         lock = -1
         try:
-            staging.mkdir(parents=True)
+            private.make_dirs(staging.parent)
+            staging.mkdir(mode=PRIVATE.directory)
             # Locked while it is written (also across the rename, the same directory), so
             # that a clean-up after crashes tells it from one a dead process left.
             lock = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             fcntl.flock(lock, fcntl.LOCK_EX)
             _Download(self, record, staging, progress, skip).run()
-            with (staging / manifest_mod.MANIFEST_NAME).open("x") as fh:
+            with os.fdopen(private.create(staging / manifest_mod.MANIFEST_NAME), "w") as fh:
                 fh.write(manifest_mod.manifest_json(record.raw_manifest))
                 fh.flush()
                 os.fsync(fh.fileno())
@@ -1771,8 +1782,8 @@ class _Download:
         try:
             for entry in self.entries:
                 target = self.staging / manifest_mod.safe_relpath(entry.path)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                private.make_dirs(target.parent)
+                fd = private.create(target, os.O_RDWR | os.O_EXCL)
                 fds.append(fd)
                 os.ftruncate(fd, entry.size)
             # A file listed by its chunks is checked chunk by chunk as they are read (the
@@ -1944,8 +1955,8 @@ class SnapshotImages:
         chunks of the ranges ``first`` lists, in that order, then all the others."""
         for path in paths:
             target = directory / manifest_mod.safe_relpath(path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            private.make_dirs(target.parent)
+            fd = private.create(target, os.O_RDWR)
             self._local[path] = (fd, bytearray(len(self._refs[path])))
             os.ftruncate(fd, self._size(path))
             for index, ref in enumerate(self._refs[path]):
@@ -2148,7 +2159,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 class LocalStore(_ChunkStore):
-    """A store in a local directory (or any mounted file system)."""
+    """A store in a local directory (or any mounted file system), owner-only unless
+    ``modes`` shares it with a group (core/private.py). Every file in it is read-only:
+    records, packs and claims are written once and replaced or removed whole."""
 
     adopts_images = True
 
@@ -2161,6 +2174,7 @@ class LocalStore(_ChunkStore):
         max_workers: int = 8,
         pack_bytes: int = packs.DEFAULT_PACK_BYTES,
         repack_below: float = REPACK_BELOW,
+        modes: Modes = PRIVATE,
     ) -> None:
         super().__init__(
             max_workers=max_workers,
@@ -2170,6 +2184,7 @@ class LocalStore(_ChunkStore):
             repack_below=repack_below,
         )
         self.root = Path(root)
+        self.modes = modes
         self._unsynced: set[Path] = set()
         """Pack directories with renames not yet made durable (one fsync each per put)."""
         self._unsynced_lock = threading.Lock()
@@ -2188,10 +2203,11 @@ class LocalStore(_ChunkStore):
 
     def _write_new(self, path: Path, data: bytes | packs.Parts, durably: bool = True) -> Path:
         """Write a uniquely named temporary file next to ``path`` (and sync it)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private.make_dirs(path.parent, self.modes)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            with tmp.open("wb", buffering=0) as fh:
+            fd = private.create(tmp, mode=self.modes.read_only)
+            with os.fdopen(fd, "wb", buffering=0) as fh:
                 for run in _runs([data] if isinstance(data, bytes) else data):
                     first = run[0]
                     if isinstance(first, packs.FileSlice) and _copy_range(
@@ -2263,12 +2279,15 @@ class LocalStore(_ChunkStore):
         ever changes (both are read-only), and each can be removed without the other."""
         path = self._object_path(name)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private.make_dirs(path.parent, self.modes)
             os.link(source, path)
         except OSError as exc:
             if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP):
                 return False  # another file system, or a file this user may not link
             raise self._error(f"write {name}", exc) from exc
+        with contextlib.suppress(OSError):  # one inode: the image's mode is the pack's
+            if os.stat(path).st_mode & 0o777 != self.modes.read_only:
+                os.chmod(path, self.modes.read_only)
         with contextlib.suppress(OSError):
             os.utime(path)  # a new object, as far as the clean-up's grace period goes
         with self._unsynced_lock:
@@ -2329,6 +2348,15 @@ class LocalStore(_ChunkStore):
 
     def close(self) -> None:
         """Nothing to let go: files are opened per call."""
+
+    def tighten(self) -> builtins.list[Exposed]:
+        """Make the store's directory and take from everything in it the access ``modes``
+        gives nobody else."""
+        try:
+            private.make_dirs(self.root, self.modes)
+        except OSError as exc:
+            raise self._error("be created", exc) from exc
+        return private.tighten(self.root, self.modes)
 
     def _list_objects(self, directory: str) -> Iterator[tuple[str, _ObjectStat]]:
         try:
@@ -2458,11 +2486,39 @@ _CREDENTIAL_CODES = {
 }
 
 
+class S3Encryption(NamedTuple):
+    """Server-side encryption of the objects an S3 store writes (SSE-S3 or SSE-KMS)."""
+
+    mode: str = ""
+    """"" (the bucket's default), "AES256" (SSE-S3) or "aws:kms" (SSE-KMS)."""
+    kms_key_id: str = ""
+    """With "aws:kms": the key (id, ARN or alias); "" for the account's aws/s3 key."""
+
+    def put_args(self) -> dict[str, str]:
+        """The PutObject arguments that ask for it."""
+        if self.mode not in ("", "AES256", "aws:kms"):
+            raise StoreError(
+                f"Unknown S3 server-side encryption {self.mode!r}.",
+                hint='Set s3_server_side_encryption to "AES256" (SSE-S3), "aws:kms" (SSE-KMS) '
+                'or "" (the bucket\'s default).',
+            )
+        if self.kms_key_id and self.mode != "aws:kms":
+            raise StoreError(
+                "An S3 KMS key id is set, but server-side encryption is not aws:kms.",
+                hint='Set s3_server_side_encryption to "aws:kms", or clear s3_sse_kms_key_id.',
+            )
+        args = {"ServerSideEncryption": self.mode} if self.mode else {}
+        if self.kms_key_id:
+            args["SSEKMSKeyId"] = self.kms_key_id
+        return args
+
+
 class S3Store(_ChunkStore):
     """A store in an S3 bucket under a prefix (one prefix per user keeps users apart).
 
     Credentials come from boto3's standard chain. Packs are a single PUT each (16 MiB by
-    default); reads are ranged GETs of the chunks a restore needs, coalesced.
+    default); reads are ranged GETs of the chunks a restore needs, coalesced. Every object
+    is written private (no ACL grants) and with ``encryption`` if it is set.
     """
 
     def __init__(
@@ -2474,6 +2530,7 @@ class S3Store(_ChunkStore):
         client: Any = None,
         max_workers: int = 8,
         *,
+        encryption: S3Encryption | None = None,
         grace_seconds: float = DEFAULT_GRACE_SECONDS,
         chunking: ChunkParams | None = None,
         pack_bytes: int = packs.DEFAULT_PACK_BYTES,
@@ -2488,6 +2545,7 @@ class S3Store(_ChunkStore):
         )
         self.bucket = bucket
         self.prefix = prefix.strip("/")
+        self._put_args: dict[str, Any] = (encryption or S3Encryption()).put_args()
         self.list_page_size = 1000
         """Keys per listing request (S3's most)."""
         if client is None:
@@ -2537,6 +2595,12 @@ class S3Store(_ChunkStore):
             self._raise(op, key, exc)
         except BotoCoreError as exc:
             self._raise(op, key, exc)
+
+    def _put(self, key: str, body: bytes, *, exists_ok: bool = False, **kw: Any) -> Any:
+        """Every write: encrypted as configured, and private: no ACL is sent, so the object
+        gets S3's default, the owner alone (a canned ACL, even "private", is refused by
+        buckets whose ACLs are disabled, AWS's default since 2023)."""
+        return self._call("put_object", key, exists_ok=exists_ok, Body=body, **self._put_args, **kw)
 
     def _raise(self, op: str, key: str, exc: Exception) -> NoReturn:
         from botocore.exceptions import (
@@ -2631,11 +2695,10 @@ class S3Store(_ChunkStore):
         return self._read(self._record_key(snapshot_id))
 
     def _create_record(self, snapshot_id: str, data: bytes) -> bool:
-        response = self._call(
-            "put_object",
+        response = self._put(
             self._record_key(snapshot_id),
+            data,
             exists_ok=True,
-            Body=data,
             IfNoneMatch="*",
             ContentType="application/json",
         )
@@ -2649,7 +2712,7 @@ class S3Store(_ChunkStore):
 
     def _write_object(self, name: str, data: packs.Parts) -> None:
         body = b"".join(packs.blob_bytes(part) for part in data)
-        self._call("put_object", self._key(name), Body=body)
+        self._put(self._key(name), body)
 
     def _sync_objects(self) -> None:
         """Nothing to do: S3 acknowledges a PUT only once the object is durable."""
@@ -2693,7 +2756,7 @@ class S3Store(_ChunkStore):
         ]
 
     def _write_put(self, name: str, data: bytes) -> None:
-        self._call("put_object", self._key(PUTS_DIR, name), Body=data)
+        self._put(self._key(PUTS_DIR, name), data)
 
     def _read_put(self, name: str) -> bytes | None:
         return self._read(self._key(PUTS_DIR, name))
