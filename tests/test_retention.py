@@ -214,7 +214,8 @@ def test_manager_keep_last_and_budget_together(manager: SnapshotManager, tmp_pat
 
 
 def test_manifest_and_retention_are_leaves() -> None:
-    """The snapshot format and the planner load no GPU, store or host-check code."""
+    """The snapshot format and the planner load no GPU, store or host-check code (only the
+    owner-only file helpers, themselves a leaf)."""
     code = (
         "import json, sys, jupyter_ext.core.manifest, jupyter_ext.core.retention\n"
         "print(json.dumps([m for m in sys.modules if m.startswith('jupyter_ext')]))"
@@ -228,5 +229,6 @@ def test_manifest_and_retention_are_leaves() -> None:
         "jupyter_ext.core",
         "jupyter_ext.core.errors",
         "jupyter_ext.core.manifest",
+        "jupyter_ext.core.private",
         "jupyter_ext.core.retention",
     }
