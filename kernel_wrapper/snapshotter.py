@@ -371,6 +371,10 @@ class Snapshotter:
                     await asyncio.to_thread(
                         tcpconns.close_outside_connections, staging / IMAGES_DIR
                     )
+                if held.files:
+                    await asyncio.to_thread(
+                        tcpconns.open_external_files_by_fd, staging / IMAGES_DIR, set(held.keys)
+                    )
                 shm_records = copier.records if copier is not None else []
                 if not leave_running:
                     shmfiles.remove_names(shm_records, held)

@@ -116,7 +116,8 @@ import multiprocessing as mp, socket
 from multiprocessing.managers import SyncManager
 manager = SyncManager(address=("127.0.0.1", 0), ctx=mp.get_context("spawn"))
 manager.start()
-shared = manager.dict(a=1)
+shared = manager.dict()
+shared["a"] = 1  # the proxy opens its connection on first use
 outside = socket.create_connection(("127.0.0.1", OUTSIDE_PORT))
 """
 

@@ -291,3 +291,42 @@ def _closed(isk: list[Field]) -> list[Field]:
     fields: list[Field] = [(n, w, replaced.get(n, v)) for n, w, v in isk if n != _ISK_SHUTDOWN]
     fields.append((_ISK_SHUTDOWN, 0, _SHUTDOWN_BOTH))
     return fields
+
+
+_FE_REG = 3
+_REG_FLAGS, _REG_NAME, _REG_EXT = 2, 6, 9
+_FD_TYPE_REG = 1
+
+
+def open_external_files_by_fd(images_dir: Path, keys: set[str]) -> int:
+    """Let a restore open the external files ``keys`` through the fds it inherits.
+
+    CRIU reopens an external file as ``/proc/self/fd/N`` with the flags it was opened
+    with; ``shm_open`` adds ``O_NOFOLLOW``, which refuses that magic link ("Too many levels
+    of symbolic links"). The flag only matters when a path is opened: it is dropped from
+    those entries. Returns how many entries changed."""
+    path = images_dir / "files.img"
+    header, entries = _entries(path)
+    out = bytearray(header)
+    changed = 0
+    for raw in entries:
+        entry = _decode(raw)
+        if _ints(entry, _FE_TYPE) == [_FD_TYPE_REG]:
+            blob = next((v for n, _, v in entry if n == _FE_REG and isinstance(v, bytes)), None)
+            reg = _decode(blob) if blob is not None else []
+            name = next((v for n, _, v in reg if n == _REG_NAME and isinstance(v, bytes)), b"")
+            flags = _ints(reg, _REG_FLAGS)
+            if name.decode(errors="replace") in keys and flags and flags[0] & os.O_NOFOLLOW:
+                reg = [
+                    (n, w, v & ~os.O_NOFOLLOW if n == _REG_FLAGS and isinstance(v, int) else v)
+                    for n, w, v in reg
+                ]
+                entry = [(n, w, _encode(reg) if n == _FE_REG else v) for n, w, v in entry]
+                raw = _encode(entry)
+                changed += 1
+        out += struct.pack("<I", len(raw)) + raw
+    if changed:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(bytes(out))
+        tmp.replace(path)
+    return changed
