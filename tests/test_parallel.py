@@ -139,7 +139,8 @@ def test_manager_connection_stays_connected_outside_one_is_closed(
         assert manifest["tcp_kept"]
         (closed,) = manifest["closed_connections"]
         assert closed["remote"] == f"127.0.0.1:{port}"
-        assert closed["pid"] > 0 and closed["process"]
+        assert closed["pid"] > 0
+        assert closed["process"]
         if how == "in-place":
             kernel.execute("shared['b'] = 'after the snapshot'")
             result = kernel.restore(tmp_path / "snap")
@@ -179,7 +180,8 @@ def test_dask_local_cluster_keeps_working(kernel_factory: Factory, tmp_path: Pat
     kernel = kernel_factory()
     kernel.execute(DASK, timeout=300)
     manifest = kernel.snapshot(tmp_path / "snap")
-    assert manifest["tcp_kept"] and manifest["kept_connections"]
+    assert manifest["tcp_kept"]
+    assert manifest["kept_connections"]
     kernel.kill_all()
     remove_shm_files(manifest)
     restored = kernel_factory(restore_from=tmp_path / "snap")
