@@ -46,16 +46,24 @@ print(json.dumps({"same": after == before, "locked": not lock.acquire(False),
 """
 
 
+@pytest.mark.parametrize("how", ["new-kernel", "in-place"])
 def test_spawn_and_forkserver_pools_and_semaphores_come_back(
-    kernel_factory: Factory, tmp_path: Path
+    kernel_factory: Factory, tmp_path: Path, how: str
 ) -> None:
     kernel = kernel_factory()
     kernel.execute(POOLS)
     manifest = kernel.snapshot(tmp_path / "snap")
     assert manifest["shm_files"], "the pools' semaphores are carried in the snapshot"
-    kernel.kill_all()
-    names = remove_shm_files(manifest)
-    restored = kernel_factory(restore_from=tmp_path / "snap")
+    names = [str(n) for f in manifest["shm_files"] for n in f["names"]]
+    if how == "in-place":
+        # Changed after the snapshot; the restore brings back the snapshot's counts.
+        kernel.execute("lock.release(); sem.acquire(); sem.acquire()")
+        kernel.restore(tmp_path / "snap")
+        restored = kernel
+    else:
+        kernel.kill_all()
+        remove_shm_files(manifest)
+        restored = kernel_factory(restore_from=tmp_path / "snap")
     state = json.loads(restored.execute("import json\n" + POOLS_CHECK))
     assert state == {"same": True, "locked": True, "count": 3}
     # The restored kernel's semaphores are files of its own again, under their names.
@@ -141,6 +149,9 @@ def test_manager_connection_stays_connected_outside_one_is_closed(
         assert closed["remote"] == f"127.0.0.1:{port}"
         assert closed["pid"] > 0
         assert closed["process"]
+        # Beside the running kernel its copy would need the manager's port: refused, named.
+        with pytest.raises(RuntimeError, match="network ports open that another process"):
+            kernel_factory(restore_from=tmp_path / "snap")
         if how == "in-place":
             kernel.execute("shared['b'] = 'after the snapshot'")
             result = kernel.restore(tmp_path / "snap")
