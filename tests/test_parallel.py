@@ -220,3 +220,27 @@ def test_shared_memory_content_travels(kernel_factory: Factory, tmp_path: Path) 
     assert out.split() == [str(sum(range(1 << 20))), "True"]
     restored.execute("del array; again.close(); block.close(); block.unlink()")
     assert not os.path.exists(f"/dev/shm/{manifest['shm_files'][0]['names'][0]}")
+
+
+def test_without_root_connections_inside_come_back_closed_and_listed(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """Non-root mode cannot keep a connection's state (TCP repair needs CAP_NET_ADMIN): the
+    manager's connection comes back closed, as the snapshot and the restore say."""
+    if not unprivileged():
+        pytest.skip("as root connections inside the kernel are kept (tests above)")
+    kernel = kernel_factory()
+    kernel.execute(MANAGER.replace("OUTSIDE_PORT", "0").replace("outside = ", "# "))
+    manifest = kernel.snapshot(tmp_path / "snap")
+    assert not manifest["tcp_kept"]
+    assert {c["remote"] for c in manifest["closed_connections"]} == {
+        c["local"] for c in manifest["closed_connections"]
+    }, "both ends of the manager's connection are listed"
+    kernel.kill_all()
+    restored = kernel_factory(restore_from=tmp_path / "snap")
+    assert restored.status()["closed_on_restore"] == manifest["closed_connections"]
+    out = restored.execute(
+        "try:\n    shared['c'] = 3\nexcept (BrokenPipeError, EOFError, ConnectionError) as exc:\n"
+        "    print(type(exc).__name__)\n"
+    )
+    assert out.strip() in ("BrokenPipeError", "EOFError", "ConnectionResetError")
