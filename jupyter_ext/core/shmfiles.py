@@ -8,7 +8,9 @@ machine of the dump and only while the remap link lives; on another node the fil
 not exist at all. ``shm_open`` (``multiprocessing.shared_memory``) files hold the data
 itself, in a file no other node has.
 
-So every ``/dev/shm`` file the tree maps or holds open is a CRIU *external* file: the dump
+So every ``/dev/shm`` file that has a name and that the tree maps or holds open is a CRIU
+*external* file (unlinked ones CRIU saves itself, as before: a fork context's semaphores,
+PyTorch's shared tensors, up to CRIU's ghost-file limit): the dump
 does not look at its path, and :class:`FrozenCopy` copies its bytes into the snapshot
 while CRIU holds the tree frozen (a post-dump action script asks the wrapper and waits),
 so the copy matches the memory image (a lock held is held, counts are kept). A restore
@@ -88,11 +90,10 @@ def _dev_text(st_dev: int) -> str:
 
 
 def hold_tree_files(pids: Iterable[int], directory: Path = SHM_DIR) -> HeldFiles:
-    """Open every regular file in ``directory`` that these processes map or hold open.
-
-    Each is opened by its name, else through the process's fd or (with root) its
-    ``map_files`` entry; one that cannot be opened is left to CRIU (an unlinked one it
-    saves itself, as before)."""
+    """Open every regular file in ``directory`` that has a name there and that these
+    processes map or hold open (by that name, else through the process's fd or, with root,
+    its ``map_files`` entry). Unlinked files, and files that cannot be opened, are left to
+    CRIU, as before."""
     try:
         shm_dev = os.stat(directory).st_dev
     except OSError:
@@ -124,7 +125,12 @@ def hold_tree_files(pids: Iterable[int], directory: Path = SHM_DIR) -> HeldFiles
                     names.setdefault(st.st_ino, []).append(entry.name)
     held = HeldFiles()
     for inode, paths in sorted(openers.items()):
-        candidates = [str(directory / name) for name in sorted(names.get(inode, []))] + paths
+        if inode not in names:
+            # Unlinked (a fork context's semaphores, PyTorch's shared tensors): CRIU saves
+            # such a file's content itself, as before; taking it over would only lengthen
+            # the freeze by the copy.
+            continue
+        candidates = [str(directory / name) for name in sorted(names[inode])] + paths
         for path in candidates:
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -135,7 +141,7 @@ def hold_tree_files(pids: Iterable[int], directory: Path = SHM_DIR) -> HeldFiles
                 os.close(fd)  # the name went to another file meanwhile
                 continue
             held.files.append(
-                HeldFile(fd, _external_key(fd), sorted(names.get(inode, [])), st.st_mode & 0o7777)
+                HeldFile(fd, _external_key(fd), sorted(names[inode]), st.st_mode & 0o7777)
             )
             break
     return held
