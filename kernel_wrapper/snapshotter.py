@@ -323,7 +323,9 @@ class Snapshotter:
             tree = proctree.descendants(inner_pid)
             held = shmfiles.hold_tree_files(tree)
             needed = [f for f in proctree.needed_files(tree) if f["path"] not in held.paths]
-            ports = netports.bound_ports(_socket_inodes(tree))
+            inodes = _socket_inodes(tree)
+            ports = netports.bound_ports(inodes)
+            socket_dirs = netports.unix_socket_dirs(inner_pid, inodes)
             connections = tcpconns.tree_connections(tree)
             # Connections inside the tree keep their state (needs TCP repair: root).
             keep_tcp = bool(connections.inside) and not unprivileged()
@@ -418,6 +420,7 @@ class Snapshotter:
             needed_files=needed,
             bound_ports=[port.to_dict() for port in ports],
             shm_files=shm_records,
+            unix_socket_dirs=socket_dirs,
             tcp_kept=keep_tcp,
             kept_connections=[c.to_dict() for c in connections.inside] if keep_tcp else [],
             closed_connections=[
@@ -753,7 +756,13 @@ class Snapshotter:
         work_dir = Path(tempfile.mkdtemp(prefix="restore-", dir=self.runtime.path))
         before = set(proctree.children(os.getpid()))
         images = source / IMAGES_DIR
-        shm = await asyncio.to_thread(shmfiles.recreate, manifest.shm_files, source)
+        # A multiprocessing manager's socket lives in a /tmp/pymp-* another node lacks.
+        made_dirs = netports.make_missing_dirs(manifest.unix_socket_dirs)
+        try:
+            shm = await asyncio.to_thread(shmfiles.recreate, manifest.shm_files, source)
+        except BaseException:
+            _remove_dirs(made_dirs)
+            raise
         if shm.private:
             log.warning(
                 "restoring with private copies of /dev/shm files whose names another "
@@ -790,6 +799,7 @@ class Snapshotter:
                 )
         except BaseException as exc:
             shm.undo()
+            _remove_dirs(made_dirs)
             # CRIU restores the tree as our child: one it gave up on (or that died with
             # it) must not stay behind, half-restored.
             Supervisor.kill_children_except(before)
@@ -853,6 +863,13 @@ def _from_server(pages_from: str | None) -> bool:
     """Whether a restore's memory comes from a server lending the store (``unix:PATH``),
     not from images on this machine."""
     return pages_from is not None and pages_from.startswith(UNIX_PREFIX)
+
+
+def _remove_dirs(made: list[Path]) -> None:
+    """Remove directories a failed restore made (innermost first), if still empty."""
+    for path in reversed(made):
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
 
 def _socket_inodes(pids: list[int]) -> set[int]:

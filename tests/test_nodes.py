@@ -217,8 +217,13 @@ spawn_pool = mp.get_context("spawn").Pool(2)
 fs_pool = cf.ProcessPoolExecutor(2, mp_context=mp.get_context("forkserver"))
 lock = mp.get_context("spawn").Lock()
 lock.acquire()
+umanager = mp.get_context("spawn").Manager()  # on a unix socket in /tmp/pymp-*
+ushared = umanager.dict()
+ushared["u"] = 1
 def run():
-    return (spawn_pool.map(abs, range(-9, 0)), list(fs_pool.map(pow, range(9), range(9))))
+    ushared["n"] = ushared.get("n", 0) + 1
+    return (spawn_pool.map(abs, range(-9, 0)), list(fs_pool.map(pow, range(9), range(9))),
+            dict(ushared))
 before = run()
 """
 PARALLEL_TCP = r"""
@@ -262,13 +267,17 @@ def test_parallel_kernel_restored_on_another_node(
     node_a.kill_node()
     for name in names:  # another machine has none of node A's files
         Path("/dev/shm", name).unlink(missing_ok=True)
+    for directory in snapshot["unix_socket_dirs"]:
+        shutil.rmtree(directory)
 
     node_b = node_server(network, 6, tmp_path / "node-b", notebooks, s3_url, "dora", pod)
     answer = node_b.client.call("POST", f"{snapshot['id']}/restore", body={})
     kernel_b = follow(node_b, answer["job"])["result"]["kernel_id"]
-    check = "print(run() == before, not lock.acquire(False))"
+    check = "print(run()[:2] == before[:2], not lock.acquire(False), run()[2])"
     if NODE_USER is None:
         check += "\nprint(run_tcp() == before_tcp)"
     out = ws_execute(node_b, kernel_b, check, timeout=300)
-    assert out.split() == ["True", "True"] + (["True"] if NODE_USER is None else [])
+    assert out.split() == ["True", "True", "{'u':", "1,", "'n':", "3}"] + (
+        ["True"] if NODE_USER is None else []
+    )
     node_b.stop()

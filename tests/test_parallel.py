@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -244,3 +245,27 @@ def test_without_root_connections_inside_come_back_closed_and_listed(
         "    print(type(exc).__name__)\n"
     )
     assert out.strip() in ("BrokenPipeError", "EOFError", "ConnectionResetError")
+
+
+def test_default_manager_on_a_unix_socket_comes_back_elsewhere(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """``Manager()`` listens on a unix socket in a /tmp/pymp-* directory that another node
+    lacks: the restore makes the directory, and the connection (inside the kernel) works,
+    also without root."""
+    kernel = kernel_factory()
+    kernel.execute(
+        "import multiprocessing as mp\n"
+        "manager = mp.get_context('spawn').Manager()\n"
+        "shared = manager.dict(); shared['a'] = 1\n"
+        "queue = manager.Queue(); queue.put(5)\n"
+    )
+    manifest = kernel.snapshot(tmp_path / "snap")
+    (directory,) = manifest["unix_socket_dirs"]
+    assert directory.startswith("/tmp/pymp-")
+    kernel.kill_all()
+    shutil.rmtree(directory)
+    remove_shm_files(manifest)
+    restored = kernel_factory(restore_from=tmp_path / "snap")
+    out = restored.execute("shared['b'] = 2\nprint(sorted(shared.items()), queue.get(timeout=60))")
+    assert out.strip() == "[('a', 1), ('b', 2)] 5"

@@ -192,6 +192,9 @@ class Manifest:
     shm_files: list[dict[str, Any]] = field(default_factory=list)
     """``/dev/shm`` files the tree mapped or held open (semaphores, shared memory), copied
     into the snapshot while it was frozen; a restore makes them again (core/shmfiles.py)."""
+    unix_socket_dirs: list[str] = field(default_factory=list)
+    """Directories of the file-system unix sockets the tree had bound (a multiprocessing
+    manager's ``/tmp/pymp-*``): a restore makes those that are missing."""
     tcp_kept: bool = False
     """TCP connections were saved with their state: those between two processes of the
     tree come back established (core/tcpconns.py)."""
