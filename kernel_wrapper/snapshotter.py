@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from jupyter_ext import __version__
-from jupyter_ext.core import netports, proctree, shmfiles, sockdiag, tcpconns
+from jupyter_ext.core import criuimages, netports, proctree, shmfiles, sockdiag, tcpconns
 from jupyter_ext.core.chunking import ChunkParams, auto_chunk_kib
 from jupyter_ext.core.compat import check_compatible
 from jupyter_ext.core.criu import Criu, LazyTransfer, external_file_key, unprivileged
@@ -375,7 +375,7 @@ class Snapshotter:
                     )
                 if held.files:
                     await asyncio.to_thread(
-                        tcpconns.open_external_files_by_fd, staging / IMAGES_DIR, set(held.keys)
+                        criuimages.open_external_files_by_fd, staging / IMAGES_DIR, set(held.keys)
                     )
                 shm_records = copier.records if copier is not None else []
                 if not leave_running:
@@ -753,9 +753,6 @@ class Snapshotter:
     ) -> int:
         """``criu restore`` (lazily: ``self._lazy`` is then the transfer) and the CUDA
         restore; returns the kernel's pid. Nothing it restored stays behind on failure."""
-        work_dir = Path(tempfile.mkdtemp(prefix="restore-", dir=self.runtime.path))
-        before = set(proctree.children(os.getpid()))
-        images = source / IMAGES_DIR
         # A multiprocessing manager's socket lives in a /tmp/pymp-* another node lacks.
         made_dirs = netports.make_missing_dirs(manifest.unix_socket_dirs)
         try:
@@ -763,6 +760,9 @@ class Snapshotter:
         except BaseException:
             _remove_dirs(made_dirs)
             raise
+        work_dir = Path(tempfile.mkdtemp(prefix="restore-", dir=self.runtime.path))
+        before = set(proctree.children(os.getpid()))
+        images = source / IMAGES_DIR
         if shm.private:
             log.warning(
                 "restoring with private copies of /dev/shm files whose names another "

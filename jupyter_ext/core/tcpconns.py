@@ -27,12 +27,23 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .criuimages import (
+    FD_TYPE_INETSK,
+    FE_ISK,
+    FE_TYPE,
+    Field,
+    decode,
+    ints,
+    read_entries,
+    rewrite_files_img,
+    sub_message,
+    with_sub_message,
+)
 from .netports import _address
 
 _TCP_ESTABLISHED = 0x01
 _TCP_CLOSE = 7
 _SHUTDOWN_BOTH = 3
-_FD_TYPE_INETSK = 4
 
 
 @dataclass(frozen=True)
@@ -135,91 +146,8 @@ def tree_connections(pids: list[int]) -> TreeConnections:
 
 
 # ------------------------------------------------------------------ CRIU image rewriting
-# CRIU images are a magic header and then length-prefixed protobuf messages. files.img holds
-# one FileEntry per file (criu/images/fdinfo.proto); an inet socket's InetSkEntry
-# (sk-inet.proto) is its field 4. Only the few fields read here are decoded.
-
-_FE_TYPE, _FE_ISK = 1, 4
 _ISK_INO, _ISK_FAMILY, _ISK_PROTO, _ISK_STATE = 2, 3, 5, 6
 _ISK_SRC_PORT, _ISK_DST_PORT, _ISK_SRC_ADDR, _ISK_DST_ADDR, _ISK_SHUTDOWN = 7, 8, 11, 12, 19
-_HEADER = 8  # two u32 magics
-
-Field = tuple[int, int, "int | bytes"]
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-
-
-def _put_varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _decode(data: bytes) -> list[Field]:
-    fields: list[Field] = []
-    pos = 0
-    while pos < len(data):
-        key, pos = _varint(data, pos)
-        number, wire = key >> 3, key & 7
-        value: int | bytes
-        if wire == 0:
-            value, pos = _varint(data, pos)
-        elif wire == 2:
-            length, pos = _varint(data, pos)
-            value, pos = data[pos : pos + length], pos + length
-        elif wire in (1, 5):
-            size = 8 if wire == 1 else 4
-            value, pos = data[pos : pos + size], pos + size
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-        fields.append((number, wire, value))
-    return fields
-
-
-def _encode(fields: list[Field]) -> bytes:
-    out = bytearray()
-    for number, wire, value in fields:
-        out += _put_varint(number << 3 | wire)
-        if wire == 0:
-            assert isinstance(value, int)
-            out += _put_varint(value)
-        elif wire == 2:
-            assert isinstance(value, bytes)
-            out += _put_varint(len(value)) + value
-        else:
-            assert isinstance(value, bytes)
-            out += value
-    return bytes(out)
-
-
-def _ints(fields: list[Field], number: int) -> list[int]:
-    values: list[int] = []
-    for n, wire, value in fields:
-        if n != number:
-            continue
-        if wire == 2 and isinstance(value, bytes):  # packed
-            pos = 0
-            while pos < len(value):
-                item, pos = _varint(value, pos)
-                values.append(item)
-        elif isinstance(value, int):
-            values.append(value)
-    return values
 
 
 def _address_text(family: int, words: list[int], port: int) -> str:
@@ -228,14 +156,20 @@ def _address_text(family: int, words: list[int], port: int) -> str:
     return _endpoint(socket.inet_ntop(family, raw), port)
 
 
-def _entries(path: Path) -> tuple[bytes, list[bytes]]:
-    data = path.read_bytes()
-    header, pos, entries = data[:_HEADER], _HEADER, []
-    while pos < len(data):
-        (size,) = struct.unpack_from("<I", data, pos)
-        entries.append(data[pos + 4 : pos + 4 + size])
-        pos += 4 + size
-    return header, entries
+def _connection(entry: list[Field]) -> tuple[int, str, str] | None:
+    """(inode, local, remote) of a TCP connection's FileEntry; None for anything else."""
+    if ints(entry, FE_TYPE) != [FD_TYPE_INETSK]:
+        return None
+    isk = sub_message(entry, FE_ISK)
+    if isk is None or ints(isk, _ISK_PROTO) != [socket.IPPROTO_TCP]:
+        return None
+    dst_port = ints(isk, _ISK_DST_PORT)
+    if not dst_port or not dst_port[0]:
+        return None
+    family = ints(isk, _ISK_FAMILY)[0]
+    local = _address_text(family, ints(isk, _ISK_SRC_ADDR), ints(isk, _ISK_SRC_PORT)[0])
+    remote = _address_text(family, ints(isk, _ISK_DST_ADDR), dst_port[0])
+    return ints(isk, _ISK_INO)[0], local, remote
 
 
 def close_outside_connections(images_dir: Path) -> tuple[int, int]:
@@ -243,41 +177,23 @@ def close_outside_connections(images_dir: Path) -> tuple[int, int]:
     ends in the images restore established; the others restore closed (as ``--tcp-close``
     makes them: an unbound socket shut down both ways) and their saved queues are deleted.
     Returns (connections kept, connections closed), counting sockets."""
-    path = images_dir / "files.img"
-    header, entries = _entries(path)
-    decoded: list[tuple[list[Field], list[Field] | None]] = []
+    _, entries = read_entries(images_dir / "files.img")
     sockets: dict[int, tuple[str, str]] = {}
     for raw in entries:
-        entry = _decode(raw)
-        isk: list[Field] | None = None
-        if _ints(entry, _FE_TYPE) == [_FD_TYPE_INETSK]:
-            blob = next((v for n, _, v in entry if n == _FE_ISK and isinstance(v, bytes)), None)
-            if blob is not None:
-                isk = _decode(blob)
-                if _ints(isk, _ISK_PROTO) == [socket.IPPROTO_TCP] and _ints(isk, _ISK_DST_PORT)[0]:
-                    family = _ints(isk, _ISK_FAMILY)[0]
-                    local = _address_text(
-                        family, _ints(isk, _ISK_SRC_ADDR), _ints(isk, _ISK_SRC_PORT)[0]
-                    )
-                    remote = _address_text(
-                        family, _ints(isk, _ISK_DST_ADDR), _ints(isk, _ISK_DST_PORT)[0]
-                    )
-                    sockets[_ints(isk, _ISK_INO)[0]] = (local, remote)
-        decoded.append((entry, isk))
+        found = _connection(decode(raw))
+        if found is not None:
+            sockets[found[0]] = found[1], found[2]
     ends = set(sockets.values())
     outside = {ino for ino, (local, remote) in sockets.items() if (remote, local) not in ends}
-    if not outside:
-        return len(sockets), 0
-    out = bytearray(header)
-    for entry, isk in decoded:
-        if isk is not None and _ints(isk, _ISK_INO)[0] in outside:
-            isk = _closed(isk)
-            entry = [(n, w, _encode(isk) if n == _FE_ISK else v) for n, w, v in entry]
-        raw = _encode(entry)
-        out += struct.pack("<I", len(raw)) + raw
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(bytes(out))
-    tmp.replace(path)
+
+    def change(entry: list[Field]) -> list[Field] | None:
+        found = _connection(entry)
+        if found is None or found[0] not in outside:
+            return None
+        return with_sub_message(entry, FE_ISK, _closed(sub_message(entry, FE_ISK) or []))
+
+    if outside:
+        rewrite_files_img(images_dir, change)
     for ino in outside:
         with contextlib.suppress(FileNotFoundError):
             (images_dir / f"tcp-stream-{ino:x}.img").unlink()
@@ -291,42 +207,3 @@ def _closed(isk: list[Field]) -> list[Field]:
     fields: list[Field] = [(n, w, replaced.get(n, v)) for n, w, v in isk if n != _ISK_SHUTDOWN]
     fields.append((_ISK_SHUTDOWN, 0, _SHUTDOWN_BOTH))
     return fields
-
-
-_FE_REG = 3
-_REG_FLAGS, _REG_NAME, _REG_EXT = 2, 6, 9
-_FD_TYPE_REG = 1
-
-
-def open_external_files_by_fd(images_dir: Path, keys: set[str]) -> int:
-    """Let a restore open the external files ``keys`` through the fds it inherits.
-
-    CRIU reopens an external file as ``/proc/self/fd/N`` with the flags it was opened
-    with; ``shm_open`` adds ``O_NOFOLLOW``, which refuses that magic link ("Too many levels
-    of symbolic links"). The flag only matters when a path is opened: it is dropped from
-    those entries. Returns how many entries changed."""
-    path = images_dir / "files.img"
-    header, entries = _entries(path)
-    out = bytearray(header)
-    changed = 0
-    for raw in entries:
-        entry = _decode(raw)
-        if _ints(entry, _FE_TYPE) == [_FD_TYPE_REG]:
-            blob = next((v for n, _, v in entry if n == _FE_REG and isinstance(v, bytes)), None)
-            reg = _decode(blob) if blob is not None else []
-            name = next((v for n, _, v in reg if n == _REG_NAME and isinstance(v, bytes)), b"")
-            flags = _ints(reg, _REG_FLAGS)
-            if name.decode(errors="replace") in keys and flags and flags[0] & os.O_NOFOLLOW:
-                reg = [
-                    (n, w, v & ~os.O_NOFOLLOW if n == _REG_FLAGS and isinstance(v, int) else v)
-                    for n, w, v in reg
-                ]
-                entry = [(n, w, _encode(reg) if n == _FE_REG else v) for n, w, v in entry]
-                raw = _encode(entry)
-                changed += 1
-        out += struct.pack("<I", len(raw)) + raw
-    if changed:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(bytes(out))
-        tmp.replace(path)
-    return changed
