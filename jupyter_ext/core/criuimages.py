@@ -22,6 +22,7 @@ Field = tuple[int, int, "int | bytes"]
 
 
 def varint(data: bytes, pos: int) -> tuple[int, int]:
+    """A protobuf varint at ``pos``: (its value, the position after it)."""
     result = shift = 0
     while True:
         byte = data[pos]
