@@ -269,3 +269,45 @@ def test_default_manager_on_a_unix_socket_comes_back_elsewhere(
     restored = kernel_factory(restore_from=tmp_path / "snap")
     out = restored.execute("shared['b'] = 2\nprint(sorted(shared.items()), queue.get(timeout=60))")
     assert out.strip() == "[('a', 1), ('b', 2)] 5"
+
+
+#: A child process echoing in upper case over a TCP connection to the kernel on ::1.
+ECHO_CHILD_V6 = r'''
+import socket, subprocess, sys
+server = socket.create_server(("::1", 0), family=socket.AF_INET6)
+child = subprocess.Popen([sys.executable, "-c", """
+import socket, sys
+conn = socket.create_connection(("::1", int(sys.argv[1])))
+stream = conn.makefile("rw")
+for line in stream:
+    stream.write(line.upper()); stream.flush()
+""", str(server.getsockname()[1])])
+conn, _ = server.accept()
+stream = conn.makefile("rw")
+def echo(text):
+    stream.write(text + "\n"); stream.flush()
+    return stream.readline().strip()
+assert echo("first") == "FIRST"
+'''
+
+
+def test_suspend_and_resume_of_a_parallel_kernel(kernel_factory: Factory, tmp_path: Path) -> None:
+    """An idle suspend ends the kernel: its /dev/shm names go with it (they are in the
+    snapshot), and the next cell brings back its pools, semaphores and (with root) its
+    connection to a child on IPv6 loopback."""
+    kernel = kernel_factory()
+    kernel.execute(POOLS)
+    if not unprivileged():
+        kernel.execute(ECHO_CHILD_V6)
+    kernel.control.request_sync("suspend", {"dest": str(tmp_path / "suspended")}, timeout=300)
+    assert kernel.status()["state"] == "suspended"
+    manifest = json.loads((tmp_path / "suspended" / "manifest.json").read_text())
+    names = [n for f in manifest["shm_files"] for n in f["names"]]
+    assert names
+    assert not [n for n in names if (SHM_DIR / n).exists()]
+    state = json.loads(kernel.execute("import json\n" + POOLS_CHECK))  # resumes the kernel
+    assert state == {"same": True, "locked": True, "count": 3}
+    assert all((SHM_DIR / n).exists() for n in names)
+    if not unprivileged():
+        assert manifest["tcp_kept"]
+        assert kernel.execute("print(echo('again'))").strip() == "AGAIN"
