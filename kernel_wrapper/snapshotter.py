@@ -720,6 +720,7 @@ class Snapshotter:
                 snapshot_host=manifest.host,
                 in_place=previous != State.STARTING,
                 resumed=self.suspended_snapshot == source,
+                closed_connections=manifest.closed_connections,
             )
             pid = await self._criu_restore(source, manifest, criu, lazy, pages_from)
         except BaseException:

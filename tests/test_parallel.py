@@ -170,6 +170,12 @@ def test_manager_connection_stays_connected_outside_one_is_closed(
         if result is not None:
             assert result["closed_connections"] == [closed]
         assert restored.status()["closed_on_restore"] == [closed]
+        # Restore hooks are told too: the connections to open again.
+        hooks_see = restored.execute(
+            "import kernel_snapshots, json\n"
+            "print(json.dumps(kernel_snapshots.last_restore().closed_connections))"
+        )
+        assert json.loads(hooks_see) == [closed]
     finally:
         listener.close()
 
