@@ -255,29 +255,37 @@ def test_parallel_kernel_restored_on_another_node(
     # also a pod process's (psutil.Process() of os.getpid(): NoSuchProcess), by chance. So
     # root's nodes here are network namespaces only (the host's /proc); docs/network.md.
     pod = NODE_USER is not None
-    node_a = node_server(network, 5, tmp_path / "node-a", notebooks, s3_url, "dora", pod)
-    kernel_a = node_a.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
-    code = PARALLEL + ("" if NODE_USER else PARALLEL_TCP)
-    ws_execute(node_a, kernel_a, code, timeout=300)
-    job = node_a.client.call("POST", "", body={"kernel_id": kernel_a})["job"]
-    snapshot = follow(node_a, job)["result"]
-    names = [name for f in snapshot["shm_files"] for name in f["names"]]
-    assert names, "the semaphores travel in the snapshot"
-    assert snapshot["tcp_kept"] is (NODE_USER is None)
-    node_a.kill_node()
-    for name in names:  # another machine has none of node A's files
-        Path("/dev/shm", name).unlink(missing_ok=True)
-    for directory in snapshot["unix_socket_dirs"]:
-        shutil.rmtree(directory)
+    nodes: list[ServerProcess] = []
+    try:
+        node_a = node_server(network, 5, tmp_path / "node-a", notebooks, s3_url, "dora", pod)
+        nodes.append(node_a)
+        kernel_a = node_a.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+        code = PARALLEL + ("" if NODE_USER else PARALLEL_TCP)
+        ws_execute(node_a, kernel_a, code, timeout=300)
+        job = node_a.client.call("POST", "", body={"kernel_id": kernel_a})["job"]
+        snapshot = follow(node_a, job)["result"]
+        names = [name for f in snapshot["shm_files"] for name in f["names"]]
+        assert names, "the semaphores travel in the snapshot"
+        assert snapshot["tcp_kept"] is (NODE_USER is None)
+        node_a.kill_node()
+        for name in names:  # another machine has none of node A's files
+            Path("/dev/shm", name).unlink(missing_ok=True)
+        for directory in snapshot["unix_socket_dirs"]:
+            shutil.rmtree(directory)
 
-    node_b = node_server(network, 6, tmp_path / "node-b", notebooks, s3_url, "dora", pod)
-    answer = node_b.client.call("POST", f"{snapshot['id']}/restore", body={})
-    kernel_b = follow(node_b, answer["job"])["result"]["kernel_id"]
-    check = "print(run()[:2] == before[:2], not lock.acquire(False), run()[2])"
-    if NODE_USER is None:
-        check += "\nprint(run_tcp() == before_tcp)"
-    out = ws_execute(node_b, kernel_b, check, timeout=300)
-    assert out.split() == ["True", "True", "{'u':", "1,", "'n':", "3}"] + (
-        ["True"] if NODE_USER is None else []
-    )
-    node_b.stop()
+        node_b = node_server(network, 6, tmp_path / "node-b", notebooks, s3_url, "dora", pod)
+        nodes.append(node_b)
+        answer = node_b.client.call("POST", f"{snapshot['id']}/restore", body={})
+        kernel_b = follow(node_b, answer["job"])["result"]["kernel_id"]
+        check = "print(run()[:2] == before[:2], not lock.acquire(False), run()[2])"
+        if NODE_USER is None:
+            check += "\nprint(run_tcp() == before_tcp)"
+        out = ws_execute(node_b, kernel_b, check, timeout=300)
+        assert out.split() == ["True", "True", "{'u':", "1,", "'n':", "3}"] + (
+            ["True"] if NODE_USER is None else []
+        )
+        node_b.stop()
+    finally:  # a failed check must not leave a node's server and kernels running
+        for node in nodes:
+            if node.process.poll() is None:
+                node.kill_node()
