@@ -193,8 +193,8 @@ class FrozenCopy:
         except OSError as exc:
             self.error = exc
             answer = b"fail\n"
-        with open(self._answer, "wb") as out:
-            out.write(answer)
+        with contextlib.suppress(OSError), open(self._answer, "wb") as out:
+            out.write(answer)  # fails only if the script is gone (CRIU killed)
 
     def _copy(self) -> None:
         self.dest.mkdir(parents=True, exist_ok=True)
