@@ -62,7 +62,7 @@ class _Entry:
     inode: int
 
 
-def _address(hex_address: str) -> str:
+def proc_net_address(hex_address: str) -> str:
     """/proc/net's hex address (host-order 32-bit words) as text."""
     raw = bytes.fromhex(hex_address)
     words = struct.unpack(f"<{len(raw) // 4}I", raw)
@@ -90,7 +90,7 @@ def _entries() -> list[_Entry]:
                     continue
                 found.append(
                     _Entry(
-                        BoundPort(proto, _address(hex_address), port),
+                        BoundPort(proto, proc_net_address(hex_address), port),
                         int(fields[3], 16),
                         int(fields[9]),
                     )

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from . import proctree
 from .criuimages import (
     FD_TYPE_INETSK,
     FE_ISK,
@@ -39,7 +40,7 @@ from .criuimages import (
     sub_message,
     with_sub_message,
 )
-from .netports import _address
+from .netports import proc_net_address
 
 _TCP_ESTABLISHED = 0x01
 _TCP_CLOSE = 7
@@ -51,12 +52,10 @@ class Connection:
     """One end of an established TCP connection held by a process of the kernel's tree."""
 
     pid: int
+    """As the kernel's processes see it (``os.getpid()`` inside the kernel's namespace)."""
     process: str
     local: str
     remote: str
-
-    def describe(self) -> str:
-        return f"{self.process} (pid {self.pid}) {self.local} -> {self.remote}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,8 +87,8 @@ def _established(pid: int) -> dict[int, tuple[str, str]]:
                 field.split(":") for field in fields[1:3]
             )
             found[inode] = (
-                _endpoint(_address(local_addr), int(local_port, 16)),
-                _endpoint(_address(remote_addr), int(remote_port, 16)),
+                _endpoint(proc_net_address(local_addr), int(local_port, 16)),
+                _endpoint(proc_net_address(remote_addr), int(remote_port, 16)),
             )
     return found
 
@@ -140,7 +139,11 @@ def tree_connections(pids: list[int]) -> TreeConnections:
     outside: list[Connection] = []
     for inode, (local, remote) in sorted(ours.items()):
         pid = owners[inode]
-        conn = Connection(pid, _process_name(pid), local, remote)
+        try:
+            seen_as = proctree.ns_pid(pid)
+        except OSError:
+            seen_as = pid
+        conn = Connection(seen_as, _process_name(pid), local, remote)
         (inside if (remote, local) in ends else outside).append(conn)
     return TreeConnections(inside, outside)
 
