@@ -100,7 +100,7 @@ def main() -> None:
             finally:
                 kernel.shutdown()
             row: dict[str, Any] = {"connections": count, "parallel": args.parallel}
-            for key in ("frozen_seconds", "dump_seconds", "pause_seconds"):
+            for key in ("frozen_seconds", "shm_copy_seconds", "dump_seconds", "pause_seconds"):
                 row[key] = round(statistics.median(r[key] for r in runs), 4)
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -431,6 +431,7 @@ class Snapshotter:
             disconnect_seconds=round(disconnected_seconds, 4),
             dump_seconds=round(dump_seconds, 4),
             frozen_seconds=round(frozen, 4),
+            shm_copy_seconds=round(copier.seconds, 4) if copier is not None else 0.0,
             pause_seconds=round(pause_seconds, 4),
             chunk_kib=chunk_kib,
         )

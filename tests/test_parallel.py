@@ -55,6 +55,8 @@ def test_spawn_and_forkserver_pools_and_semaphores_come_back(
     kernel.execute(POOLS)
     manifest = kernel.snapshot(tmp_path / "snap")
     assert manifest["shm_files"], "the pools' semaphores are carried in the snapshot"
+    # Copied while CRIU held the tree frozen: part of the freeze, not after it.
+    assert 0 < manifest["shm_copy_seconds"] < manifest["frozen_seconds"]
     names = [str(n) for f in manifest["shm_files"] for n in f["names"]]
     if how == "in-place":
         # Changed after the snapshot; the restore brings back the snapshot's counts.

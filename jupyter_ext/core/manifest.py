@@ -211,6 +211,8 @@ class Manifest:
     """How long ``criu dump`` ran."""
     frozen_seconds: float = 0.0
     """How long the kernel's processes were frozen (CRIU's log, seize to unfreeze)."""
+    shm_copy_seconds: float = 0.0
+    """Of ``frozen_seconds``, how long copying the ``/dev/shm`` files took."""
     pause_seconds: float = 0.0
     """How long requests to the kernel were held: disconnect, dump and reconnect."""
     total_bytes: int = 0

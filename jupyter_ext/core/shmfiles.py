@@ -26,6 +26,7 @@ import os
 import secrets
 import stat
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,6 +172,8 @@ class FrozenCopy:
         self.records: list[dict[str, Any]] = []
         self.error: OSError | None = None
         self.copied = False
+        self.seconds = 0.0
+        """How long the copy held the frozen tree (from the script's request to the answer)."""
         self._request = work_dir / "frozen-copy.request"
         self._answer = work_dir / "frozen-copy.answer"
         os.mkfifo(self._request, 0o600)
@@ -186,6 +189,7 @@ class FrozenCopy:
         with open(self._request, "rb") as request:
             if request.read().strip() != b"go":
                 return  # the dump ended before its post-dump step
+        started = time.monotonic()
         answer = b"ok\n"
         try:
             self._copy()
@@ -195,6 +199,7 @@ class FrozenCopy:
             answer = b"fail\n"
         with contextlib.suppress(OSError), open(self._answer, "wb") as out:
             out.write(answer)  # fails only if the script is gone (CRIU killed)
+        self.seconds = time.monotonic() - started
 
     def _copy(self) -> None:
         self.dest.mkdir(parents=True, exist_ok=True)
