@@ -6,7 +6,11 @@ shows the medians of the manifest's ``frozen_seconds`` (CRIU's seize to unfreeze
 ``dump_seconds`` and ``pause_seconds`` (requests held) for each N. After every snapshot the
 kernel must still use its own connections (the server accepts no new one).
 
-    .venv/bin/python bench/bench_network.py [--connections 0,1,64] [--repeat 9]
+    .venv/bin/python bench/bench_network.py [--connections 0,1,64] [--repeat 9] [--parallel]
+
+``--parallel``: the kernel also runs a spawn ``Pool(2)`` (named semaphores in /dev/shm,
+copied while frozen) and a ``SyncManager`` child with a dict proxy (a connection inside the
+kernel's tree: saved with its state, ``--tcp-established``, with root).
 """
 
 from __future__ import annotations
@@ -49,10 +53,23 @@ class _Server(http.server.ThreadingHTTPServer):
         super().process_request(request, client_address)
 
 
+PARALLEL = """
+import multiprocessing as mp
+from multiprocessing.managers import SyncManager
+pool = mp.get_context("spawn").Pool(2)
+pool.map(abs, range(4))
+manager = SyncManager(address=("127.0.0.1", 0), ctx=mp.get_context("spawn"))
+manager.start()
+shared = manager.dict()
+shared["a"] = 1
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--connections", default="0,1,64")
     parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--parallel", action="store_true")
     args = parser.parse_args()
     server = _Server(("127.0.0.1", 0), _Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -63,6 +80,8 @@ def main() -> None:
         for count in (int(n) for n in args.connections.split(",")):
             kernel = KernelProcess(work / "kernels")
             try:
+                if args.parallel:
+                    kernel.execute(PARALLEL)
                 kernel.execute(
                     "import requests\n"
                     f"sessions = [requests.Session() for _ in range({count})]\n"
@@ -75,11 +94,13 @@ def main() -> None:
                     runs.append(kernel.snapshot(dest))
                     shutil.rmtree(dest)
                     kernel.execute(f"for s in sessions: s.get({url!r}).raise_for_status()")
+                    if args.parallel:
+                        kernel.execute("shared['a'] += 1; pool.map(abs, range(4))")
                     assert server.accepted == opened, "a snapshot disturbed a connection"
             finally:
                 kernel.shutdown()
-            row = {"connections": count}
-            for key in ("frozen_seconds", "dump_seconds", "pause_seconds"):
+            row: dict[str, Any] = {"connections": count, "parallel": args.parallel}
+            for key in ("frozen_seconds", "shm_copy_seconds", "dump_seconds", "pause_seconds"):
                 row[key] = round(statistics.median(r[key] for r in runs), 4)
             rows.append(row)
             print(json.dumps(row), flush=True)

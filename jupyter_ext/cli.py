@@ -392,6 +392,14 @@ class RestoreApp(_SnapshotCommand):
             + (f" for {session['path']}" if session.get("path") else "")
             + f" in {human_seconds(time.monotonic() - started)}."
         )
+        closed = result.get("closed_connections") or []
+        if closed:  # what could not come back is said (docs/network.md)
+            print(
+                "closed on restore: "
+                + ", ".join(
+                    f"{c['process']} (pid {c['pid']}) {c['local']} -> {c['remote']}" for c in closed
+                )
+            )
 
 
 class RemoveApp(_SnapshotCommand):

@@ -887,6 +887,8 @@ class SnapshotManager:
             "session": session,
             "running_request": manifest.running_request,
             "source": source,
+            # Connections to peers outside the kernel came back closed (docs/network.md).
+            "closed_connections": manifest.closed_connections,
         }
 
     def _after_lazy(

@@ -32,7 +32,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
@@ -64,6 +64,9 @@ class RestoreInfo:
     """A suspended (idle) kernel brought back by the next request."""
     token: str
     """Unique per restore: two restores of one snapshot differ in it."""
+    closed_connections: list[dict[str, Any]] = field(default_factory=list)
+    """TCP connections to peers outside the kernel that this restore gave back closed (each
+    with ``pid``, ``process``, ``local``, ``remote``): the ones to open again."""
 
     @property
     def same_host(self) -> bool:
@@ -194,6 +197,7 @@ def write_restore_info(
     snapshot_host: str,
     in_place: bool,
     resumed: bool,
+    closed_connections: list[dict[str, Any]] | None = None,
 ) -> RestoreInfo:
     """Record a restore that is about to happen (the wrapper calls this before CRIU)."""
     info = RestoreInfo(
@@ -205,6 +209,7 @@ def write_restore_info(
         in_place=in_place,
         resumed=resumed,
         token=secrets.token_hex(8),
+        closed_connections=list(closed_connections or []),
     )
     tmp = runtime_dir / f"{RESTORE_FILE}.tmp"
     tmp.write_text(json.dumps({**asdict(info), "same_host": info.same_host}))

@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from jupyter_ext import __version__
-from jupyter_ext.core import netports, proctree, sockdiag
+from jupyter_ext.core import criuimages, netports, proctree, shmfiles, sockdiag, tcpconns
 from jupyter_ext.core.chunking import ChunkParams, auto_chunk_kib
 from jupyter_ext.core.compat import check_compatible
-from jupyter_ext.core.criu import Criu, LazyTransfer, external_file_key
+from jupyter_ext.core.criu import Criu, LazyTransfer, external_file_key, unprivileged
 from jupyter_ext.core.errors import (
     IncompatibleSnapshotError,
     KernelNotRunningError,
@@ -152,6 +152,8 @@ class Snapshotter:
         """Timings of the CUDA restore of the last restore (empty without CUDA)."""
         self.lazy_status: dict[str, Any] = {}
         """The last lazy restore: state (transferring/complete/failed), bytes, error."""
+        self.closed_on_restore: list[dict[str, Any]] = []
+        """Connections to outside peers that the last restore gave back closed."""
         self._discard_after_resume = False
         self._lock = asyncio.Lock()
         self._criu: Criu | None = None
@@ -257,6 +259,7 @@ class Snapshotter:
             "id": manifest.id,
             "lineage": manifest.lineage,
             "gpu": self.last_gpu_restore,
+            "closed_connections": manifest.closed_connections,
         }
 
     # ------------------------------------------------------------------ dump
@@ -313,12 +316,24 @@ class Snapshotter:
             raise
         progress({"phase": "dumping"})
         started = time.monotonic()
+        held = shmfiles.HeldFiles()
         try:
             await self.relay.disconnect(inner_pid)
             disconnected_seconds = time.monotonic() - started
             tree = proctree.descendants(inner_pid)
-            needed = proctree.needed_files(tree)
-            ports = netports.bound_ports(_socket_inodes(tree))
+            held = shmfiles.hold_tree_files(tree)
+            needed = [f for f in proctree.needed_files(tree) if f["path"] not in held.paths]
+            inodes = _socket_inodes(tree)
+            ports = netports.bound_ports(inodes)
+            socket_dirs = netports.unix_socket_dirs(inner_pid, inodes)
+            connections = tcpconns.tree_connections(tree)
+            # Connections inside the tree keep their state (needs TCP repair: root).
+            keep_tcp = bool(connections.inside) and not unprivileged()
+            copier = (
+                shmfiles.FrozenCopy(held, staging / shmfiles.SNAPSHOT_DIR_NAME, work_dir)
+                if held.files
+                else None
+            )
             if chunk_kib is None:
                 memory = proctree.private_memory_bytes(tree)
                 chunk_kib = auto_chunk_kib(memory, self.chunk_kib)
@@ -336,13 +351,37 @@ class Snapshotter:
                         staging / IMAGES_DIR,
                         work_dir,
                         leave_running=leave_running,
-                        externals=[runtime_dir_key],
+                        externals=[runtime_dir_key, *held.keys],
+                        keep_tcp=keep_tcp,
+                        action_script=copier.action_script if copier else None,
                     )
-                except BaseException:
+                except BaseException as exc:
                     hasher.cancel()
+                    if copier is not None and copier.error is not None:
+                        raise SnapshotError(
+                            f"The kernel's shared memory files could not be copied into the "
+                            f"snapshot: {copier.error}.",
+                            hint="Free space on the disk of the work directory if it is "
+                            "full; else read the error, fix what it names and retry.",
+                        ) from exc
                     raise
+                finally:
+                    if copier is not None:
+                        copier.finish()
                 dump_seconds = time.monotonic() - dump_started
+                if keep_tcp:
+                    await asyncio.to_thread(
+                        tcpconns.close_outside_connections, staging / IMAGES_DIR
+                    )
+                if held.files:
+                    await asyncio.to_thread(
+                        criuimages.open_external_files_by_fd, staging / IMAGES_DIR, set(held.keys)
+                    )
+                shm_records = copier.records if copier is not None else []
+                if not leave_running:
+                    shmfiles.remove_names(shm_records, held)
         except BaseException as exc:
+            held.close()
             remove_tree(staging)
             remove_tree(work_dir)
             if gpu_checkpoint is not None:
@@ -358,6 +397,7 @@ class Snapshotter:
             if leave_running:
                 await asyncio.to_thread(self._gpu().resume, gpu_checkpoint)
             gpu_info["checkpoint"] = gpu_checkpoint.to_dict()
+        held.close()
         pause_seconds = time.monotonic() - started
         if not leave_running:
             self.lifecycle.enter(State.SUSPENDED)
@@ -379,11 +419,19 @@ class Snapshotter:
             criu_version=criu.version_text,
             needed_files=needed,
             bound_ports=[port.to_dict() for port in ports],
+            shm_files=shm_records,
+            unix_socket_dirs=socket_dirs,
+            tcp_kept=keep_tcp,
+            kept_connections=[c.to_dict() for c in connections.inside] if keep_tcp else [],
+            closed_connections=[
+                c.to_dict() for c in connections.outside + ([] if keep_tcp else connections.inside)
+            ],
             running_request=self.relay.running_request(),
             gpu=gpu_info,
             disconnect_seconds=round(disconnected_seconds, 4),
             dump_seconds=round(dump_seconds, 4),
             frozen_seconds=round(frozen, 4),
+            shm_copy_seconds=round(copier.seconds, 4) if copier is not None else 0.0,
             pause_seconds=round(pause_seconds, 4),
             chunk_kib=chunk_kib,
         )
@@ -673,6 +721,7 @@ class Snapshotter:
                 snapshot_host=manifest.host,
                 in_place=previous != State.STARTING,
                 resumed=self.suspended_snapshot == source,
+                closed_connections=manifest.closed_connections,
             )
             pid = await self._criu_restore(source, manifest, criu, lazy, pages_from)
         except BaseException:
@@ -706,12 +755,26 @@ class Snapshotter:
     ) -> int:
         """``criu restore`` (lazily: ``self._lazy`` is then the transfer) and the CUDA
         restore; returns the kernel's pid. Nothing it restored stays behind on failure."""
+        # A multiprocessing manager's socket lives in a /tmp/pymp-* another node lacks.
+        made_dirs = netports.make_missing_dirs(manifest.unix_socket_dirs)
+        try:
+            shm = await asyncio.to_thread(shmfiles.recreate, manifest.shm_files, source)
+        except BaseException:
+            _remove_dirs(made_dirs)
+            raise
         work_dir = Path(tempfile.mkdtemp(prefix="restore-", dir=self.runtime.path))
         before = set(proctree.children(os.getpid()))
         images = source / IMAGES_DIR
+        if shm.private:
+            log.warning(
+                "restoring with private copies of /dev/shm files whose names another "
+                "process holds here (another copy of this snapshot?): %s",
+                ", ".join(shm.private),
+            )
         inherit_fds = [
             (self.process.stdio_w, manifest.stdio_pipe),
             (self.runtime.fd, manifest.runtime_dir_key),
+            *shm.inherit,
         ]
         try:
             pages = page_source(pages_from) if pages_from else DirectoryPages(images)
@@ -730,10 +793,15 @@ class Snapshotter:
                     write_through=kept_here,
                     kill_tree=lambda daemon: Supervisor.kill_children_except(before | {daemon}),
                     inherit_fds=inherit_fds,
+                    keep_tcp=manifest.tcp_kept,
                 )
             else:
-                pid = await criu.restore(images, work_dir, inherit_fds=inherit_fds)
+                pid = await criu.restore(
+                    images, work_dir, inherit_fds=inherit_fds, keep_tcp=manifest.tcp_kept
+                )
         except BaseException as exc:
+            shm.undo()
+            _remove_dirs(made_dirs)
             # CRIU restores the tree as our child: one it gave up on (or that died with
             # it) must not stay behind, half-restored.
             Supervisor.kill_children_except(before)
@@ -743,8 +811,10 @@ class Snapshotter:
                     self.lazy_status["error"] = exc.to_dict()
             raise
         finally:
+            shm.close_fds()
             if self._lazy is None:
                 shutil.rmtree(work_dir, ignore_errors=True)
+        self.closed_on_restore = manifest.closed_connections
         try:
             self.last_gpu_restore = await self._gpu_restore(manifest, pid)
         except BaseException:
@@ -795,6 +865,13 @@ def _from_server(pages_from: str | None) -> bool:
     """Whether a restore's memory comes from a server lending the store (``unix:PATH``),
     not from images on this machine."""
     return pages_from is not None and pages_from.startswith(UNIX_PREFIX)
+
+
+def _remove_dirs(made: list[Path]) -> None:
+    """Remove directories a failed restore made (innermost first), if still empty."""
+    for path in reversed(made):
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
 
 def _socket_inodes(pids: list[int]) -> set[int]:

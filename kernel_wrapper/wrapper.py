@@ -269,4 +269,5 @@ class KernelWrapper:
             "busy": snapshotter.busy,
             "resumed_request": relay.resumed_request,
             "lazy_restore": snapshotter.lazy_status,
+            "closed_on_restore": snapshotter.closed_on_restore,
         }

@@ -94,6 +94,14 @@ def mode_args() -> list[str]:
 #: kernel ran on. ``--skip-in-flight``: connections a listening socket has not accepted yet
 #: are left out (the running kernel still accepts them), instead of failing the dump.
 TCP_DUMP_OPTIONS = ("--tcp-close", "--skip-in-flight")
+#: How a dump of a tree with connections between its own processes saves them (with root:
+#: TCP repair needs CAP_NET_ADMIN): with their state, to come back established (the ones
+#: with an outside peer are made closed in the images afterwards: core/tcpconns.py). No
+#: network lock: both ends of a kept connection are frozen, and what an outside peer sends
+#: meanwhile reaches the running kernel (TCP repair mode loses no data); the copy of such a
+#: connection in the snapshot is restored closed anyway. Measured: docs/network.md.
+TCP_KEEP_DUMP_OPTIONS = ("--tcp-established", "--network-lock", "skip", "--skip-in-flight")
+TCP_KEEP_RESTORE_OPTIONS = ("--tcp-established", "--network-lock", "skip")
 
 
 @dataclass(frozen=True)
@@ -154,17 +162,24 @@ class Criu:
         *,
         leave_running: bool,
         externals: Sequence[str] = (),
+        keep_tcp: bool = False,
+        action_script: str | None = None,
     ) -> float:
         """Dump the process tree rooted at ``pid`` into ``images_dir``.
 
         ``externals`` are CRIU external-resource keys (``file[MNT:INODE]``) that the
-        restore will hand over with ``--inherit-fd`` instead of reopening them. Returns
-        how long the tree was frozen (see :func:`frozen_seconds`).
+        restore will hand over with ``--inherit-fd`` instead of reopening them.
+        ``keep_tcp`` saves TCP connections with their state (:data:`TCP_KEEP_DUMP_OPTIONS`);
+        ``action_script`` runs at CRIU's steps (post-dump: still frozen). Returns how long
+        the tree was frozen (see :func:`frozen_seconds`).
         """
+        tcp = TCP_KEEP_DUMP_OPTIONS if keep_tcp else TCP_DUMP_OPTIONS
         args = ["dump", "-t", str(pid), "-D", str(images_dir), "-W", str(work_dir)]
-        args += ["-o", "dump.log", "-v4", "--file-locks", *TCP_DUMP_OPTIONS, *mode_args()]
+        args += ["-o", "dump.log", "-v4", "--file-locks", *tcp, *mode_args()]
         for key in externals:
             args += ["--external", key]
+        if action_script is not None:
+            args += ["--action-script", action_script]
         if leave_running:
             args.append("--leave-running")
         async with working_directories_locked(pid):
@@ -181,14 +196,16 @@ class Criu:
         work_dir: Path,
         *,
         inherit_fds: Sequence[tuple[int, str]] = (),
+        keep_tcp: bool = False,
     ) -> int:
         """Restore the tree in ``images_dir`` as a sibling of this process; returns its pid.
 
         ``inherit_fds`` pairs an fd of this process with the resource it replaces in the
         image (``pipe:[INODE]``, or an external ``file[MNT:INODE]``), so the restored
         kernel uses our pipes and directories, not those of the process that was dumped.
+        ``keep_tcp``: the images were dumped with ``keep_tcp`` (connections with state).
         """
-        return await self._restore(images_dir, work_dir, inherit_fds, lazy=False)
+        return await self._restore(images_dir, work_dir, inherit_fds, lazy=False, keep_tcp=keep_tcp)
 
     async def restore_lazy(
         self,
@@ -199,6 +216,7 @@ class Criu:
         write_through: bool,
         kill_tree: Callable[[int], None],
         inherit_fds: Sequence[tuple[int, str]] = (),
+        keep_tcp: bool = False,
     ) -> tuple[int, LazyTransfer]:
         """Restore as :meth:`restore` does, but with lazy pages: the tree runs at once and
         its memory is read from ``source`` as it touches it, the rest in the background.
@@ -235,7 +253,7 @@ class Criu:
         try:
             await transfer.listening()
             restoring = asyncio.ensure_future(
-                self._restore(images_dir, work_dir, inherit_fds, lazy=True)
+                self._restore(images_dir, work_dir, inherit_fds, lazy=True, keep_tcp=keep_tcp)
             )
             # CRIU's restorer itself touches lazy memory (rseq, TLS): a page that cannot
             # be had leaves `criu restore` waiting for ever, so watch the server too.
@@ -263,10 +281,12 @@ class Criu:
         inherit_fds: Sequence[tuple[int, str]],
         *,
         lazy: bool,
+        keep_tcp: bool = False,
     ) -> int:
         pidfile = work_dir / "restored.pid"
+        tcp = TCP_KEEP_RESTORE_OPTIONS if keep_tcp else ("--tcp-close",)
         args = ["restore", "-D", str(images_dir), "-W", str(work_dir), "-o", "restore.log"]
-        args += ["-v4", "--file-locks", "--restore-detached", "--restore-sibling", "--tcp-close"]
+        args += ["-v4", "--file-locks", "--restore-detached", "--restore-sibling", *tcp]
         args += ["--pidfile", str(pidfile), *mode_args()]
         if lazy:
             args.append("--lazy-pages")

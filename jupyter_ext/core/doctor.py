@@ -225,6 +225,22 @@ def check_sock_diag() -> Check:
     return Check("unix sock_diag", True, f"works ({count} unix sockets visible)")
 
 
+TCP_REPAIR = 19
+
+
+def tcp_repair_allowed() -> tuple[bool, str]:
+    """Whether this process may put a TCP socket into repair mode (CAP_NET_ADMIN in its
+    network namespace), which CRIU needs to keep a connection's state."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.setsockopt(socket.SOL_TCP, TCP_REPAIR, 1)
+        except OSError as exc:
+            return False, exc.strerror or str(exc)
+    return True, "allowed"
+
+
 def check_tcp_connections(criu: Criu | None) -> Check:
     """How kernels holding TCP connections fare here: said, because users ask it first."""
     from .criu import TCP_DUMP_OPTIONS
@@ -233,13 +249,28 @@ def check_tcp_connections(criu: Criu | None) -> Check:
         return Check(
             "tcp connections", False, "skipped: no CRIU", fix="Install CRIU first.", required=False
         )
+    closed = (
+        f"kernels holding TCP connections are snapshotted ({' '.join(TCP_DUMP_OPTIONS)} for "
+        "connections to outside peers): no network lock (iptables, nftables) needed, the "
+        "running kernel's connections are untouched; after a restore connections to outside "
+        "peers are closed and clients reconnect (restore hooks: docs/network.md)"
+    )
+    repair, said = tcp_repair_allowed()
+    if repair and not unprivileged():
+        return Check(
+            "tcp connections",
+            True,
+            closed + "; connections between the kernel's own processes (managers, Dask, "
+            "process pools on TCP) are kept: they come back established (TCP repair allowed)",
+            required=False,
+        )
     return Check(
         "tcp connections",
-        True,
-        f"kernels holding TCP connections are snapshotted ({' '.join(TCP_DUMP_OPTIONS)}): "
-        "no network lock (iptables, nftables) or CAP_NET_ADMIN needed, the running kernel's "
-        "connections are untouched; after a restore they are closed and clients reconnect "
-        "(restore hooks: docs/network.md)",
+        False,
+        closed + "; connections between the kernel's own processes come back closed too: "
+        f"keeping them needs TCP repair mode (CAP_NET_ADMIN, root), here: {said}",
+        fix="Run Jupyter as root with CAP_NET_ADMIN to keep a Dask cluster or a "
+        "multiprocessing manager connected across restores (docs/network.md).",
         required=False,
     )
 

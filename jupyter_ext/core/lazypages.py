@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Protocol
 
 from . import private
+from .criuimages import varint
 from .errors import RestoreError, SnapshotCorruptError, SnapshotError
 from .manifest import IMAGES_DIR, FileEntry
 
@@ -288,26 +289,15 @@ class Pagemap:
         raise KeyError(vaddr)
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
 def _fields(message: bytes) -> dict[int, int]:
     """The varint fields of a protobuf message (all pagemap fields are varints)."""
     out: dict[int, int] = {}
     pos = 0
     while pos < len(message):
-        key, pos = _varint(message, pos)
+        key, pos = varint(message, pos)
         if key & 7 != 0:
             raise ValueError(f"unexpected wire type {key & 7} in a pagemap entry")
-        out[key >> 3], pos = _varint(message, pos)
+        out[key >> 3], pos = varint(message, pos)
     return out
 
 

@@ -190,6 +190,19 @@ class Manifest:
     """Regular files the kernel had open or mapped: a restore needs them unchanged."""
     bound_ports: list[dict[str, Any]] = field(default_factory=list)
     """Listening TCP and bound UDP ports (netports.BoundPort): a restore binds them again."""
+    shm_files: list[dict[str, Any]] = field(default_factory=list)
+    """``/dev/shm`` files the tree mapped or held open (semaphores, shared memory), copied
+    into the snapshot while it was frozen; a restore makes them again (core/shmfiles.py)."""
+    unix_socket_dirs: list[str] = field(default_factory=list)
+    """Directories of the file-system unix sockets the tree had bound (a multiprocessing
+    manager's ``/tmp/pymp-*``): a restore makes those that are missing."""
+    tcp_kept: bool = False
+    """TCP connections were saved with their state: those between two processes of the
+    tree come back established (core/tcpconns.py)."""
+    kept_connections: list[dict[str, Any]] = field(default_factory=list)
+    """Connections between processes of the tree that a restore brings back (each end)."""
+    closed_connections: list[dict[str, Any]] = field(default_factory=list)
+    """Connections a restore gives back closed: pid, process, local and remote address."""
     running_request: dict[str, Any] | None = None
     """The execute_request the kernel was running at the snapshot, if any: its "header",
     the frontend's "cell_id" and its "execution_count". It goes on after a restore."""
@@ -199,6 +212,8 @@ class Manifest:
     """How long ``criu dump`` ran."""
     frozen_seconds: float = 0.0
     """How long the kernel's processes were frozen (CRIU's log, seize to unfreeze)."""
+    shm_copy_seconds: float = 0.0
+    """Of ``frozen_seconds``, how long copying the ``/dev/shm`` files took."""
     pause_seconds: float = 0.0
     """How long requests to the kernel were held: disconnect, dump and reconnect."""
     total_bytes: int = 0

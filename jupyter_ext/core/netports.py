@@ -62,7 +62,7 @@ class _Entry:
     inode: int
 
 
-def _address(hex_address: str) -> str:
+def proc_net_address(hex_address: str) -> str:
     """/proc/net's hex address (host-order 32-bit words) as text."""
     raw = bytes.fromhex(hex_address)
     words = struct.unpack(f"<{len(raw) // 4}I", raw)
@@ -90,7 +90,7 @@ def _entries() -> list[_Entry]:
                     continue
                 found.append(
                     _Entry(
-                        BoundPort(proto, _address(hex_address), port),
+                        BoundPort(proto, proc_net_address(hex_address), port),
                         int(fields[3], 16),
                         int(fields[9]),
                     )
@@ -117,3 +117,33 @@ def taken_ports(ports: list[BoundPort], ignore: Collection[int] = ()) -> list[st
     return [
         port.describe() for port in ports if any(port.collides_with(other.port) for other in others)
     ]
+
+
+def unix_socket_dirs(pid: int, inodes: set[int]) -> list[str]:
+    """The directories of the file-system unix sockets that the sockets with these inodes
+    are bound to (``/proc/PID/net/unix``), e.g. the ``/tmp/pymp-*`` of a multiprocessing
+    manager: CRIU binds them again on restore, and on another node the directory is
+    missing."""
+    found: set[str] = set()
+    try:
+        lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return []
+    for line in lines:
+        fields = line.split(None, 7)
+        if len(fields) == 8 and int(fields[6]) in inodes and fields[7].startswith("/"):
+            found.add(str(Path(fields[7]).parent))
+    return sorted(found)
+
+
+def make_missing_dirs(directories: list[str]) -> list[Path]:
+    """Create the directories that are missing (mode 0700, for our sockets only); returns
+    those made, outermost first, so that a failed restore can remove them again."""
+    made: list[Path] = []
+    for directory in directories:
+        path = Path(directory)
+        missing = [p for p in [path, *path.parents] if not p.exists()]
+        for p in reversed(missing):
+            p.mkdir(mode=0o700)
+            made.append(p)
+    return made

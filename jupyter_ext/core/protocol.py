@@ -238,6 +238,9 @@ class KernelStatus(TypedDict):
     busy: bool
     resumed_request: dict[str, Any] | None
     lazy_restore: dict[str, Any]
+    closed_on_restore: list[dict[str, Any]]
+    """Connections to outside peers the last restore gave back closed (pid, process,
+    local, remote)."""
 
 
 class Restored(TypedDict):
@@ -247,6 +250,8 @@ class Restored(TypedDict):
     id: str
     lineage: str
     gpu: dict[str, Any] | None
+    closed_connections: list[dict[str, Any]]
+    """Connections to peers outside the kernel that the restore gave back closed."""
 
 
 @dataclass(frozen=True)

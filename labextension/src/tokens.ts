@@ -160,6 +160,16 @@ export interface IKernelStatus {
   job?: IJob | null;
   /** The request a restored kernel goes on running (null once it has ended). */
   resumed_request?: IRunningRequest | null;
+  /** Connections to outside peers that the last restore gave back closed. */
+  closed_on_restore?: IConnection[];
+}
+
+/** A TCP connection of a kernel's process (docs/network.md). */
+export interface IConnection {
+  pid: number;
+  process: string;
+  local: string;
+  remote: string;
 }
 
 /** `GET /api/snapshots/policy`: the server-side policy, read-only here. */

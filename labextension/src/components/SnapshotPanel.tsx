@@ -109,6 +109,17 @@ function TargetSection(
         <p>Restore a snapshot below, or restart the kernel.</p>
       </Callout>
     );
+  } else if (status?.closed_on_restore?.length) {
+    notice = (
+      <Callout kind="info" title="Connections closed">
+        <p>
+          closed on restore:{' '}
+          {status.closed_on_restore
+            .map(c => `${c.process} (pid ${c.pid}) ${c.local} -> ${c.remote}`)
+            .join(', ')}
+        </p>
+      </Callout>
+    );
   }
 
   return (

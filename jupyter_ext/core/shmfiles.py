@@ -1,0 +1,309 @@
+"""POSIX shared memory and named semaphores (``/dev/shm``) carried in the snapshot.
+
+``sem_open`` (multiprocessing locks of the spawn and forkserver start methods, joblib's
+loky, Dask's process workers) creates ``/dev/shm/sem.XXXXXX``, maps it, links it to its
+final name and unlinks the first one: the kernel maps a file whose mapped path is gone
+while the file still has a name. CRIU then wants ``--link-remap``, which only works on the
+machine of the dump and only while the remap link lives; on another node the file does
+not exist at all. ``shm_open`` (``multiprocessing.shared_memory``) files hold the data
+itself, in a file no other node has.
+
+So every ``/dev/shm`` file that has a name and that the tree maps or holds open is a CRIU
+*external* file (unlinked ones CRIU saves itself, as before: a fork context's semaphores,
+PyTorch's shared tensors, up to CRIU's ghost-file limit): the dump
+does not look at its path, and :class:`FrozenCopy` copies its bytes into the snapshot
+while CRIU holds the tree frozen (a post-dump action script asks the wrapper and waits),
+so the copy matches the memory image (a lock held is held, counts are kept). A restore
+recreates each file (:func:`recreate`), under its name when that is free, else (another
+restored copy of the snapshot runs here) as a private unlinked file that nothing else
+sees, and hands it to ``criu restore --inherit-fd``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SHM_DIR = Path("/dev/shm")
+#: Where the copies go inside a snapshot directory.
+SNAPSHOT_DIR_NAME = "shm"
+
+
+def _external_key(fd: int) -> str:
+    mnt_id = -1
+    for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
+        if line.startswith("mnt_id:"):
+            mnt_id = int(line.split()[1])
+    return f"file[{mnt_id:x}:{os.fstat(fd).st_ino:x}]"
+
+
+@dataclass
+class HeldFile:
+    """A ``/dev/shm`` file of the tree, open here (``fd``) so it can be copied later."""
+
+    fd: int
+    key: str
+    """CRIU's external key, ``file[MNT_ID:INODE]``."""
+    names: list[str]
+    """Its names in ``/dev/shm`` at the dump (none: it was unlinked)."""
+    mode: int
+
+    def record(self, content: str) -> dict[str, Any]:
+        size = os.fstat(self.fd).st_size
+        return {
+            "key": self.key,
+            "names": self.names,
+            "mode": self.mode,
+            "size": size,
+            "content": content,
+        }
+
+
+@dataclass
+class HeldFiles:
+    files: list[HeldFile] = field(default_factory=list)
+
+    @property
+    def keys(self) -> list[str]:
+        return [held.key for held in self.files]
+
+    @property
+    def paths(self) -> set[str]:
+        return {str(SHM_DIR / name) for held in self.files for name in held.names}
+
+    def close(self) -> None:
+        for held in self.files:
+            with contextlib.suppress(OSError):
+                os.close(held.fd)
+        self.files = []
+
+
+def _dev_text(st_dev: int) -> str:
+    return f"{os.major(st_dev):02x}:{os.minor(st_dev):02x}"
+
+
+def hold_tree_files(pids: Iterable[int], directory: Path = SHM_DIR) -> HeldFiles:
+    """Open every regular file in ``directory`` that has a name there and that these
+    processes map or hold open (by that name, else through the process's fd or, with root,
+    its ``map_files`` entry). Unlinked files, and files that cannot be opened, are left to
+    CRIU, as before."""
+    try:
+        shm_dev = os.stat(directory).st_dev
+    except OSError:
+        return HeldFiles()
+    dev_text = _dev_text(shm_dev)
+    openers: dict[int, list[str]] = {}  # inode -> /proc paths that open it
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd_name in os.listdir(f"/proc/{pid}/fd"):
+                path = f"/proc/{pid}/fd/{fd_name}"
+                with contextlib.suppress(OSError):
+                    st = os.stat(path)
+                    if st.st_dev == shm_dev and stat.S_ISREG(st.st_mode):
+                        openers.setdefault(st.st_ino, []).append(path)
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[3] == dev_text and parts[5].startswith(str(directory)):
+                    opener = f"/proc/{pid}/map_files/{parts[0]}"
+                    openers.setdefault(int(parts[4]), []).append(opener)
+    if not openers:
+        return HeldFiles()
+    names: dict[int, list[str]] = {}
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                if st.st_ino in openers and stat.S_ISREG(st.st_mode):
+                    names.setdefault(st.st_ino, []).append(entry.name)
+    held = HeldFiles()
+    for inode, paths in sorted(openers.items()):
+        if inode not in names:
+            # Unlinked (a fork context's semaphores, PyTorch's shared tensors): CRIU saves
+            # such a file's content itself, as before; taking it over would only lengthen
+            # the freeze by the copy.
+            continue
+        candidates = [str(directory / name) for name in sorted(names[inode])] + paths
+        for path in candidates:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (shm_dev, inode):
+                os.close(fd)  # the name went to another file meanwhile
+                continue
+            held.files.append(
+                HeldFile(fd, _external_key(fd), sorted(names[inode]), st.st_mode & 0o7777)
+            )
+            break
+    return held
+
+
+_SCRIPT = """\
+#!/bin/sh
+[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0
+echo go > '{request}'
+read answer < '{answer}'
+[ "$answer" = ok ]
+"""
+
+
+class FrozenCopy:
+    """Copies held files into ``dest`` while CRIU keeps the tree frozen.
+
+    CRIU runs :attr:`action_script` (``--action-script``) at each step; at ``post-dump``,
+    the last step before the tree runs again, it writes to a FIFO and waits for the
+    answer, while a thread here copies. A failed copy answers "fail": CRIU then fails the
+    dump and the tree runs on, unharmed.
+    """
+
+    def __init__(self, held: HeldFiles, dest: Path, work_dir: Path) -> None:
+        self.held = held
+        self.dest = dest
+        self.records: list[dict[str, Any]] = []
+        self.error: OSError | None = None
+        self.copied = False
+        self.seconds = 0.0
+        """How long the copy held the frozen tree (from the script's request to the answer)."""
+        self._request = work_dir / "frozen-copy.request"
+        self._answer = work_dir / "frozen-copy.answer"
+        os.mkfifo(self._request, 0o600)
+        os.mkfifo(self._answer, 0o600)
+        script = work_dir / "frozen-copy.sh"
+        script.write_text(_SCRIPT.format(request=self._request, answer=self._answer))
+        script.chmod(0o700)  # CRIU executes it directly
+        self.action_script = str(script)
+        self._thread = threading.Thread(target=self._serve, name="frozen-copy", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        with open(self._request, "rb") as request:
+            if request.read().strip() != b"go":
+                return  # the dump ended before its post-dump step
+        started = time.monotonic()
+        answer = b"ok\n"
+        try:
+            self._copy()
+            self.copied = True
+        except OSError as exc:
+            self.error = exc
+            answer = b"fail\n"
+        with contextlib.suppress(OSError), open(self._answer, "wb") as out:
+            out.write(answer)  # fails only if the script is gone (CRIU killed)
+        self.seconds = time.monotonic() - started
+
+    def _copy(self) -> None:
+        self.dest.mkdir(parents=True, exist_ok=True)
+        for index, held in enumerate(self.held.files):
+            rel = f"{SNAPSHOT_DIR_NAME}/{index}"
+            target = self.dest / str(index)
+            size = os.fstat(held.fd).st_size
+            with open(target, "wb") as out:
+                _copy_fd(held.fd, out.fileno(), size)
+            self.records.append(held.record(rel))
+
+    def finish(self) -> None:
+        """After CRIU ended: release a thread still waiting for a script that never ran."""
+        if self._thread.is_alive():
+            with contextlib.suppress(OSError):
+                fd = os.open(self._request, os.O_WRONLY | os.O_NONBLOCK)
+                os.write(fd, b"cancel\n")
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(os.open(self._answer, os.O_RDONLY | os.O_NONBLOCK))
+            self._thread.join(timeout=5)
+
+
+def _copy_fd(src: int, dst: int, size: int) -> None:
+    """Copy ``size`` bytes from offset 0 to offset 0 in the kernel (tmpfs to disk and back:
+    ``sendfile``, as ``copy_file_range`` refuses to cross file systems)."""
+    os.lseek(dst, 0, os.SEEK_SET)
+    offset = 0
+    while offset < size:
+        sent = os.sendfile(dst, src, offset, size - offset)
+        if sent == 0:
+            break
+        offset += sent
+
+
+@dataclass
+class Recreated:
+    """The files a restore made: fds to hand to CRIU, and names to remove if it fails."""
+
+    inherit: list[tuple[int, str]] = field(default_factory=list)
+    created: list[Path] = field(default_factory=list)
+    private: list[str] = field(default_factory=list)
+    """Names that were taken here (another copy of the snapshot runs): restored unlinked."""
+
+    def close_fds(self) -> None:
+        for fd, _ in self.inherit:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.inherit = []
+
+    def undo(self) -> None:
+        """A failed restore leaves no file of its own behind."""
+        self.close_fds()
+        for path in self.created:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        self.created = []
+
+
+def recreate(
+    records: list[dict[str, Any]], snapshot_dir: Path, directory: Path = SHM_DIR
+) -> Recreated:
+    """Make the snapshot's ``/dev/shm`` files again for a restore, each with its content."""
+    done = Recreated()
+    try:
+        for record in records:
+            names = [str(name) for name in record.get("names", [])]
+            mode = int(record["mode"])
+            fd = -1
+            if names:
+                with contextlib.suppress(FileExistsError):
+                    fd = os.open(directory / names[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+                    done.created.append(directory / names[0])
+                    for extra in names[1:]:
+                        with contextlib.suppress(FileExistsError):
+                            os.link(directory / names[0], directory / extra)
+                            done.created.append(directory / extra)
+                if fd < 0:
+                    done.private.extend(names)
+            if fd < 0:
+                private = directory / f".jks-restore-{secrets.token_hex(8)}"
+                fd = os.open(private, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+                private.unlink()
+            done.inherit.append((fd, str(record["key"])))
+            os.fchmod(fd, mode)  # not narrowed by the umask
+            content = snapshot_dir / str(record["content"])
+            with open(content, "rb") as src:
+                _copy_fd(src.fileno(), fd, int(record["size"]))
+            os.ftruncate(fd, int(record["size"]))
+            os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        done.undo()
+        raise
+    return done
+
+
+def remove_names(records: list[dict[str, Any]], held: HeldFiles, directory: Path = SHM_DIR) -> None:
+    """After a dump that ended the tree (a suspend, a kernel saved before a restore in
+    place): remove the names of its files, now carried in the snapshot, if they still name
+    the same files, so that the restore that follows gets them back under those names."""
+    inodes = {os.fstat(h.fd).st_ino for h in held.files}
+    for record in records:
+        for name in record.get("names", []):
+            path = directory / str(name)
+            with contextlib.suppress(OSError):
+                if path.stat().st_ino in inodes:
+                    path.unlink()

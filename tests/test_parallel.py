@@ -1,0 +1,321 @@
+"""Parallel notebooks: kernels whose children hold named semaphores, shared memory and TCP
+connections to each other (spawn and forkserver pools, joblib's loky and scikit-learn's
+n_jobs, a multiprocessing manager, a Dask cluster of processes), snapshotted, killed with
+every process, their ``/dev/shm`` files removed (as on another node), restored into a new
+kernel and used again with the same objects. docs/network.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from jupyter_ext.core.criu import unprivileged
+from jupyter_ext.core.shmfiles import SHM_DIR
+from jupyter_ext.testing import KernelProcess
+
+Factory = Callable[..., KernelProcess]
+
+
+def remove_shm_files(manifest: dict[str, object]) -> list[str]:
+    """What another node lacks: the snapshot's /dev/shm files (the kernel is dead)."""
+    names = [str(n) for f in manifest["shm_files"] for n in f["names"]]  # type: ignore[attr-defined]
+    for name in names:
+        (SHM_DIR / name).unlink(missing_ok=True)
+    return names
+
+
+POOLS = r"""
+import multiprocessing as mp, concurrent.futures as cf
+spawn_pool = mp.get_context("spawn").Pool(2)
+fs_pool = cf.ProcessPoolExecutor(2, mp_context=mp.get_context("forkserver"))
+lock = mp.get_context("spawn").Lock()
+sem = mp.get_context("spawn").Semaphore(5)
+lock.acquire(); sem.acquire(); sem.acquire()
+before = (spawn_pool.map(abs, range(-20, 0)), list(fs_pool.map(pow, range(10), range(10))))
+"""
+
+POOLS_CHECK = r"""
+after = (spawn_pool.map(abs, range(-20, 0)), list(fs_pool.map(pow, range(10), range(10))))
+print(json.dumps({"same": after == before, "locked": not lock.acquire(False),
+                  "count": sem.get_value()}))
+"""
+
+
+@pytest.mark.parametrize("how", ["new-kernel", "in-place"])
+def test_spawn_and_forkserver_pools_and_semaphores_come_back(
+    kernel_factory: Factory, tmp_path: Path, how: str
+) -> None:
+    kernel = kernel_factory()
+    kernel.execute(POOLS)
+    manifest = kernel.snapshot(tmp_path / "snap")
+    assert manifest["shm_files"], "the pools' semaphores are carried in the snapshot"
+    # Copied while CRIU held the tree frozen: part of the freeze, not after it.
+    assert 0 < manifest["shm_copy_seconds"] < manifest["frozen_seconds"]
+    names = [str(n) for f in manifest["shm_files"] for n in f["names"]]
+    if how == "in-place":
+        # Changed after the snapshot; the restore brings back the snapshot's counts.
+        kernel.execute("lock.release(); sem.acquire(); sem.acquire()")
+        kernel.restore(tmp_path / "snap")
+        restored = kernel
+    else:
+        kernel.kill_all()
+        remove_shm_files(manifest)
+        restored = kernel_factory(restore_from=tmp_path / "snap")
+    state = json.loads(restored.execute("import json\n" + POOLS_CHECK))
+    assert state == {"same": True, "locked": True, "count": 3}
+    # The restored kernel's semaphores are files of its own again, under their names.
+    assert all((SHM_DIR / name).exists() for name in names)
+    restored.execute("lock.release(); assert lock.acquire(False)")
+
+
+def test_two_copies_side_by_side_do_not_share_semaphores(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    if unprivileged():
+        pytest.skip("without root two copies of one kernel cannot run side by side")
+    kernel = kernel_factory()
+    kernel.execute(POOLS)
+    kernel.snapshot(tmp_path / "snap")
+    # The original runs on, holding its files under their names: both copies get private ones.
+    first = kernel_factory(restore_from=tmp_path / "snap")
+    second = kernel_factory(restore_from=tmp_path / "snap")
+    first.execute("sem.acquire(); sem.acquire(); lock.release()")
+    check = "import json\n" + POOLS_CHECK
+    assert json.loads(second.execute(check)) == {"same": True, "locked": True, "count": 3}
+    assert json.loads(first.execute(check))["count"] == 1
+    assert json.loads(kernel.execute(check)) == {"same": True, "locked": True, "count": 3}
+
+
+JOBLIB = r"""
+import joblib, numpy as np
+from sklearn.datasets import make_classification
+from sklearn.ensemble import RandomForestClassifier
+from sklearn.model_selection import cross_val_score
+X, y = make_classification(n_samples=300, random_state=0)
+parallel = joblib.Parallel(n_jobs=2)
+def run():
+    squares = parallel(joblib.delayed(np.square)(i) for i in range(10))
+    scores = cross_val_score(RandomForestClassifier(n_estimators=10, random_state=0), X, y,
+                             cv=3, n_jobs=2)
+    return [int(v) for v in squares], [round(float(s), 6) for s in scores]
+before = run()
+"""
+
+
+def test_joblib_loky_and_sklearn_n_jobs_come_back(kernel_factory: Factory, tmp_path: Path) -> None:
+    kernel = kernel_factory()
+    kernel.execute(JOBLIB)
+    workers = len(kernel.inner_pids())
+    manifest = kernel.snapshot(tmp_path / "snap")
+    assert any("loky" in n or "mp-" in n for f in manifest["shm_files"] for n in f["names"])
+    kernel.kill_all()
+    remove_shm_files(manifest)
+    restored = kernel_factory(restore_from=tmp_path / "snap")
+    assert restored.execute("print(run() == before)").strip() == "True"
+    # The same workers did the work: loky did not have to start new ones.
+    assert len(restored.inner_pids()) == workers
+
+
+MANAGER = r"""
+import multiprocessing as mp, socket
+from multiprocessing.managers import SyncManager
+manager = SyncManager(address=("127.0.0.1", 0), ctx=mp.get_context("spawn"))
+manager.start()
+shared = manager.dict()
+shared["a"] = 1  # the proxy opens its connection on first use
+outside = socket.create_connection(("127.0.0.1", OUTSIDE_PORT))
+"""
+
+
+@pytest.mark.parametrize("how", ["new-kernel", "in-place"])
+def test_manager_connection_stays_connected_outside_one_is_closed(
+    kernel_factory: Factory, tmp_path: Path, how: str
+) -> None:
+    import socket
+
+    if unprivileged():
+        pytest.skip("without root (no TCP repair) connections come back closed")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    try:
+        kernel = kernel_factory()
+        kernel.execute(MANAGER.replace("OUTSIDE_PORT", str(port)))
+        manifest = kernel.snapshot(tmp_path / "snap")
+        assert manifest["tcp_kept"]
+        (closed,) = manifest["closed_connections"]
+        assert closed["remote"] == f"127.0.0.1:{port}"
+        assert closed["pid"] > 0
+        assert closed["process"]
+        # Beside the running kernel its copy would need the manager's port: refused, named.
+        with pytest.raises(RuntimeError, match="network ports open that another process"):
+            kernel_factory(restore_from=tmp_path / "snap")
+        if how == "in-place":
+            kernel.execute("shared['b'] = 'after the snapshot'")
+            result = kernel.restore(tmp_path / "snap")
+            restored = kernel
+        else:
+            kernel.kill_all()
+            restored = kernel_factory(restore_from=tmp_path / "snap")
+            result = None
+        out = restored.execute(
+            "shared['c'] = 3\nprint(sorted(shared.items()))\n"
+            "print(outside.recv(10), end=' ')\n"
+            "try:\n    outside.send(b'x')\nexcept BrokenPipeError:\n    print('closed')\n"
+        )
+        assert out.splitlines() == ["[('a', 1), ('c', 3)]", "b'' closed"]
+        if result is not None:
+            assert result["closed_connections"] == [closed]
+        assert restored.status()["closed_on_restore"] == [closed]
+        # Restore hooks are told too: the connections to open again.
+        hooks_see = restored.execute(
+            "import kernel_snapshots, json\n"
+            "print(json.dumps(kernel_snapshots.last_restore().closed_connections))"
+        )
+        assert json.loads(hooks_see) == [closed]
+    finally:
+        listener.close()
+
+
+DASK = r"""
+from dask.distributed import Client, LocalCluster
+cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                       dashboard_address=None, host="127.0.0.1")
+client = Client(cluster)
+def work():
+    futures = client.map(lambda x: x * x, range(20))
+    return sum(client.gather(futures)), len(client.scheduler_info()["workers"])
+before = work()
+"""
+
+
+def test_dask_local_cluster_keeps_working(kernel_factory: Factory, tmp_path: Path) -> None:
+    if unprivileged():
+        pytest.skip("without root (no TCP repair) Dask's connections come back closed")
+    kernel = kernel_factory()
+    kernel.execute(DASK, timeout=300)
+    manifest = kernel.snapshot(tmp_path / "snap")
+    assert manifest["tcp_kept"]
+    assert manifest["kept_connections"]
+    kernel.kill_all()
+    remove_shm_files(manifest)
+    restored = kernel_factory(restore_from=tmp_path / "snap")
+    assert restored.execute("print(work() == before, before)", timeout=300).split()[0] == "True"
+
+
+def test_shared_memory_content_travels(kernel_factory: Factory, tmp_path: Path) -> None:
+    kernel = kernel_factory()
+    kernel.execute(
+        "from multiprocessing import shared_memory\n"
+        "import numpy as np\n"
+        "block = shared_memory.SharedMemory(create=True, size=8 << 20)\n"
+        "array = np.ndarray((1 << 20,), dtype=np.int64, buffer=block.buf)\n"
+        "array[:] = np.arange(1 << 20)\n"
+    )
+    manifest = kernel.snapshot(tmp_path / "snap")
+    kernel.execute("array[:] = 0")  # after the snapshot: not in it
+    kernel.kill_all()
+    remove_shm_files(manifest)
+    restored = kernel_factory(restore_from=tmp_path / "snap")
+    out = restored.execute(
+        "again = shared_memory.SharedMemory(name=block.name)\n"
+        "print(int(array.sum()), bytes(again.buf[:8]) == bytes(block.buf[:8]))"
+    )
+    assert out.split() == [str(sum(range(1 << 20))), "True"]
+    restored.execute("del array; again.close(); block.close(); block.unlink()")
+    assert not os.path.exists(f"/dev/shm/{manifest['shm_files'][0]['names'][0]}")
+
+
+def test_without_root_connections_inside_come_back_closed_and_listed(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """Non-root mode cannot keep a connection's state (TCP repair needs CAP_NET_ADMIN): the
+    manager's connection comes back closed, as the snapshot and the restore say."""
+    if not unprivileged():
+        pytest.skip("as root connections inside the kernel are kept (tests above)")
+    kernel = kernel_factory()
+    kernel.execute(MANAGER.replace("OUTSIDE_PORT", "0").replace("outside = ", "# "))
+    manifest = kernel.snapshot(tmp_path / "snap")
+    assert not manifest["tcp_kept"]
+    assert {c["remote"] for c in manifest["closed_connections"]} == {
+        c["local"] for c in manifest["closed_connections"]
+    }, "both ends of the manager's connection are listed"
+    kernel.kill_all()
+    restored = kernel_factory(restore_from=tmp_path / "snap")
+    assert restored.status()["closed_on_restore"] == manifest["closed_connections"]
+    out = restored.execute(
+        "try:\n    shared['c'] = 3\nexcept (BrokenPipeError, EOFError, ConnectionError) as exc:\n"
+        "    print(type(exc).__name__)\n"
+    )
+    assert out.strip() in ("BrokenPipeError", "EOFError", "ConnectionResetError")
+
+
+def test_default_manager_on_a_unix_socket_comes_back_elsewhere(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """``Manager()`` listens on a unix socket in a /tmp/pymp-* directory that another node
+    lacks: the restore makes the directory, and the connection (inside the kernel) works,
+    also without root."""
+    kernel = kernel_factory()
+    kernel.execute(
+        "import multiprocessing as mp\n"
+        "manager = mp.get_context('spawn').Manager()\n"
+        "shared = manager.dict(); shared['a'] = 1\n"
+        "queue = manager.Queue(); queue.put(5)\n"
+    )
+    manifest = kernel.snapshot(tmp_path / "snap")
+    (directory,) = manifest["unix_socket_dirs"]
+    assert directory.startswith("/tmp/pymp-")
+    kernel.kill_all()
+    shutil.rmtree(directory)
+    remove_shm_files(manifest)
+    restored = kernel_factory(restore_from=tmp_path / "snap")
+    out = restored.execute("shared['b'] = 2\nprint(sorted(shared.items()), queue.get(timeout=60))")
+    assert out.strip() == "[('a', 1), ('b', 2)] 5"
+
+
+#: A child process echoing in upper case over a TCP connection to the kernel on ::1.
+ECHO_CHILD_V6 = r'''
+import socket, subprocess, sys
+server = socket.create_server(("::1", 0), family=socket.AF_INET6)
+child = subprocess.Popen([sys.executable, "-c", """
+import socket, sys
+conn = socket.create_connection(("::1", int(sys.argv[1])))
+stream = conn.makefile("rw")
+for line in stream:
+    stream.write(line.upper()); stream.flush()
+""", str(server.getsockname()[1])])
+conn, _ = server.accept()
+stream = conn.makefile("rw")
+def echo(text):
+    stream.write(text + "\n"); stream.flush()
+    return stream.readline().strip()
+assert echo("first") == "FIRST"
+'''
+
+
+def test_suspend_and_resume_of_a_parallel_kernel(kernel_factory: Factory, tmp_path: Path) -> None:
+    """An idle suspend ends the kernel: its /dev/shm names go with it (they are in the
+    snapshot), and the next cell brings back its pools, semaphores and (with root) its
+    connection to a child on IPv6 loopback."""
+    kernel = kernel_factory()
+    kernel.execute(POOLS)
+    if not unprivileged():
+        kernel.execute(ECHO_CHILD_V6)
+    kernel.control.request_sync("suspend", {"dest": str(tmp_path / "suspended")}, timeout=300)
+    assert kernel.status()["state"] == "suspended"
+    manifest = json.loads((tmp_path / "suspended" / "manifest.json").read_text())
+    names = [n for f in manifest["shm_files"] for n in f["names"]]
+    assert names
+    assert not [n for n in names if (SHM_DIR / n).exists()]
+    state = json.loads(kernel.execute("import json\n" + POOLS_CHECK))  # resumes the kernel
+    assert state == {"same": True, "locked": True, "count": 3}
+    assert all((SHM_DIR / n).exists() for n in names)
+    if not unprivileged():
+        assert manifest["tcp_kept"]
+        assert kernel.execute("print(echo('again'))").strip() == "AGAIN"
