@@ -1,0 +1,164 @@
+"""What this process's confinement lets CRIU do: seccomp, no_new_privs, the capability
+bounding set, Yama's ptrace_scope and a read-only /proc/sys.
+
+Container runtimes and Kubernetes set these per pod (the securityContext) or per node
+(sysctls), and each one makes CRIU fail with a bare "Operation not permitted". They are
+read here from /proc, the same for doctor and for a failed job, so both name the setting
+that stopped CRIU and how to change it instead of blaming the CRIU binary. CRIU runs in
+the wrapper, a child of the server: it inherits all of them from the server's process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Capability numbers (linux/capability.h) of the product's CRIU copy's file capabilities.
+CAP_SETPCAP = 8
+CAP_SYS_PTRACE = 19
+CAP_CHECKPOINT_RESTORE = 40
+NEEDED_CAPS = {CAP_CHECKPOINT_RESTORE: "CHECKPOINT_RESTORE", CAP_SETPCAP: "SETPCAP"}
+YAMA_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")
+POD_SECURITY_DOC = "docs/jupyterhub.md#pod-security"
+
+
+@dataclass(frozen=True)
+class Blocker:
+    """One setting that stops CRIU here: what it is and does, and how to change it."""
+
+    name: str
+    message: str
+    fix: str
+
+
+def status_fields(pid: int | str = "self") -> dict[str, str]:
+    """The ``Name: value`` fields of /proc/PID/status."""
+    fields: dict[str, str] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return fields
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """The facts of one process (by default this one) that decide whether CRIU may run."""
+
+    seccomp: int
+    """0: no seccomp; 1: strict mode; 2: a filter (a container's seccomp profile)."""
+    no_new_privs: bool
+    bounding: int
+    effective: int
+    yama_scope: int | None
+    """None where the kernel has no Yama (then only ordinary ptrace rules apply)."""
+    proc_sys_writable: bool
+
+    @classmethod
+    def read(cls, pid: int | str = "self") -> Confinement:
+        fields = status_fields(pid)
+        try:
+            scope: int | None = int(YAMA_SCOPE.read_text().strip())
+        except (OSError, ValueError):
+            scope = None
+        return cls(
+            seccomp=int(fields.get("Seccomp", "0") or 0),
+            no_new_privs=fields.get("NoNewPrivs", "0") == "1",
+            bounding=int(fields.get("CapBnd", "0") or "0", 16),
+            effective=int(fields.get("CapEff", "0") or "0", 16),
+            yama_scope=scope,
+            proc_sys_writable=not os.statvfs("/proc/sys").f_flag & os.ST_RDONLY,
+        )
+
+    def outside_bounding(self) -> list[str]:
+        """The capabilities of the CRIU copy that are not in the bounding set: execve
+        refuses a binary whose file capabilities cannot all be had (EPERM)."""
+        return [name for bit, name in NEEDED_CAPS.items() if not self.bounding & (1 << bit)]
+
+    def blockers(self, *, unprivileged: bool) -> list[Blocker]:
+        """Every setting that stops a dump or a restore, most fundamental first."""
+        found: list[Blocker] = []
+        if self.seccomp:
+            found.append(seccomp_blocker(self.seccomp))
+        if unprivileged and self.no_new_privs:
+            found.append(
+                Blocker(
+                    "no_new_privs",
+                    "This process runs with no_new_privs (NoNewPrivs: 1 in /proc/self/status; "
+                    "Kubernetes: allowPrivilegeEscalation: false, Docker: "
+                    "--security-opt no-new-privileges, systemd: NoNewPrivileges=yes), which "
+                    "makes execve ignore the CRIU copy's file capabilities: CRIU runs without "
+                    "CAP_CHECKPOINT_RESTORE.",
+                    "Start Jupyter without no_new_privs: allowPrivilegeEscalation: true in the "
+                    f"container's securityContext ({POD_SECURITY_DOC}).",
+                )
+            )
+        outside = self.outside_bounding() if unprivileged else []
+        if outside:
+            found.append(
+                Blocker(
+                    "bounding set",
+                    f"The capabilities {', '.join(outside)} are not in this process's "
+                    "capability bounding set (CapBnd in /proc/self/status: the container "
+                    "dropped them), so execve refuses to start the CRIU copy, whose file "
+                    "capabilities name them (Operation not permitted).",
+                    "Add them to the container: securityContext.capabilities.add: "
+                    "[CHECKPOINT_RESTORE, SETPCAP] (Docker: --cap-add CHECKPOINT_RESTORE "
+                    f"--cap-add SETPCAP; {POD_SECURITY_DOC}); Linux >= 5.9.",
+                )
+            )
+        yama = self.yama_blocker(unprivileged=unprivileged)
+        if yama is not None:
+            found.append(yama)
+        return found
+
+    def yama_blocker(self, *, unprivileged: bool) -> Blocker | None:
+        """Yama's ptrace_scope: 1 is handled (the kernel declares its tracer), 2 needs
+        CAP_SYS_PTRACE, which the CRIU copy does not have, and 3 forbids every attach."""
+        scope = self.yama_scope
+        if scope == 3:
+            return Blocker(
+                "yama",
+                "kernel.yama.ptrace_scope is 3 on this node: no process may ptrace another, "
+                "so CRIU cannot seize the kernel (and 3 cannot be lowered until a reboot).",
+                "Boot the node with kernel.yama.ptrace_scope = 1 (Ubuntu's default) or 0; it "
+                "is a node setting, not a pod's (sysctl.d in the node image).",
+            )
+        has_ptrace = bool(self.effective & (1 << CAP_SYS_PTRACE))
+        if scope == 2 and (unprivileged or not has_ptrace):
+            return Blocker(
+                "yama",
+                "kernel.yama.ptrace_scope is 2 on this node: only processes with "
+                "CAP_SYS_PTRACE may ptrace, and CRIU runs without it here (the CRIU copy "
+                "does not get it: it would reach every process of the node's users).",
+                "Set kernel.yama.ptrace_scope = 1 on the node (sysctl -w "
+                "kernel.yama.ptrace_scope=1 there, or in its sysctl.d; it is per node, not "
+                "per pod); with 1 each kernel declares its wrapper as its tracer.",
+            )
+        return None
+
+
+def seccomp_blocker(mode: int) -> Blocker:
+    """Why any seccomp filter stops CRIU, measured: a profile that allows every call fails
+    the same way, so no narrower profile can work."""
+    return Blocker(
+        "seccomp",
+        f"This pod has a seccomp profile (Seccomp: {mode} in /proc/self/status). CRIU must "
+        "suspend the kernel's seccomp filter to dump it (PTRACE_O_SUSPEND_SECCOMP), which "
+        "Linux allows only to a tracer that has CAP_SYS_ADMIN and no filter of its own: "
+        "every dump fails ('suspending seccomp failed'), whatever the profile allows.",
+        "Snapshots need seccompProfile: {type: Unconfined} in the pod's securityContext "
+        "(Docker/podman: --security-opt seccomp=unconfined); a Localhost profile does not "
+        f"help ({POD_SECURITY_DOC}).",
+    )
+
+
+def explain_denied(*, unprivileged: bool, restoring: bool) -> tuple[str, str] | None:
+    """(message, fix) for a CRIU failure with EPERM when this process's confinement
+    explains it; None when nothing here does (then the log's own words are used)."""
+    blockers = Confinement.read().blockers(unprivileged=unprivileged)
+    if not blockers:
+        return None
+    first = blockers[0]
+    verb = "restore" if restoring else "dump"
+    return f"CRIU could not {verb}: {first.message}", first.fix
