@@ -10,6 +10,7 @@ the wrapper, a child of the server: it inherits all of them from the server's pr
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,3 +163,53 @@ def explain_denied(*, unprivileged: bool, restoring: bool) -> tuple[str, str] | 
     first = blockers[0]
     verb = "restore" if restoring else "dump"
     return f"CRIU could not {verb}: {first.message}", first.fix
+
+
+# --- Yama (ptrace_scope 1) ---------------------------------------------------------------
+#
+# security/yama/yama_lsm.c, YAMA_SCOPE_RELATIONAL: PTRACE_ATTACH (and CRIU's PTRACE_SEIZE)
+# is allowed when the tracer is the tracee or an ancestor of it (task_is_descendant), or
+# when the tracee (its thread group leader) declared a tracer with prctl(PR_SET_PTRACER)
+# and the tracer is that process or a descendant of it (ptracer_exception_found), or the
+# tracer has CAP_SYS_PTRACE over the tracee. A declaration belongs to one process: a fork
+# does not inherit it, exec keeps it, and it ends when either side exits, so a restored
+# kernel (a new task) has none. CRIU runs as the wrapper's child and the kernel as the
+# wrapper's other child: the kernel declares its wrapper, which makes CRIU (a descendant
+# of the wrapper) a permitted tracer.
+
+PR_SET_PTRACER = 0x59616D61
+
+#: The last declaration this process made: (its own pid, the declared tracer's pid).
+declared_ptracer: tuple[int, int] | None = None
+
+
+def declare_ptracer(tracer: int) -> int:
+    """Let ``tracer`` and its descendants ptrace this process under Yama's ptrace_scope 1
+    (prctl PR_SET_PTRACER); 0, or the errno (EINVAL on a kernel without Yama, where
+    nothing needs declaring). Recorded in :data:`declared_ptracer` either way."""
+    global declared_ptracer
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(tracer), 0, 0, 0)
+    declared_ptracer = (os.getpid(), tracer)
+    return 0 if rc == 0 else ctypes.get_errno()
+
+
+def _ancestors(pid: int) -> list[int]:
+    """``pid`` and its ancestors up to PID 1, from /proc (threads count as their process)."""
+    chain = [pid]
+    while chain[-1] > 1:
+        fields = status_fields(chain[-1])
+        chain.append(int(fields.get("PPid", "0") or 0))
+        if chain[-1] <= 0:
+            chain.pop()
+            break
+    return chain
+
+
+def yama_relational_permits(tracer: int, tracee: int, declared: int | None) -> bool:
+    """Yama's rule at ptrace_scope 1 for processes of one user without CAP_SYS_PTRACE:
+    whether ``tracer`` may attach to ``tracee``, which declared ``declared`` (or nothing)
+    as its tracer, judged on the live process tree in /proc."""
+    if tracer in _ancestors(tracee):
+        return True
+    return declared is not None and declared in _ancestors(tracer)
