@@ -21,6 +21,8 @@ from typing import Any
 import boto3
 import pytest
 
+from jupyter_ext.core.errors import SnapshotError
+
 from .pods import Pod, chart_values, pod_network, render_pod
 from .servers import follow, ws_execute
 
@@ -165,9 +167,9 @@ def open_notebook(pod: Pod) -> str:
 
 
 def snapshot(pod: Pod, kernel_id: str) -> dict[str, Any]:
+    """Snapshot a kernel through the REST API; its job must succeed."""
     job = pod.server.client.call("POST", "", body={"kernel_id": kernel_id})["job"]
-    done = pod.server.client.follow(job)
-    return dict(done)
+    return follow(pod.server, job)
 
 
 def test_recipe_pod_is_rendered_as_kubernetes_would_run_it(make_pod: MakePod) -> None:
@@ -214,7 +216,6 @@ def test_kernel_state_across_pods_and_the_culled_pods_snapshot(
     kernel = open_notebook(pod)
     assert ws_execute(pod.server, kernel, "x = 42\nprint(x)") == "42\n"
     manual = snapshot(pod, kernel)
-    assert manual["status"] == "done", manual
     manual_id = manual["result"]["id"]
     assert f"kernel-snapshots/users/{USER}/snapshots/{manual_id}.json" in moto.records()
     ws_execute(pod.server, kernel, "x = 43")
@@ -236,8 +237,7 @@ def test_kernel_state_across_pods_and_the_culled_pods_snapshot(
     )["result"]
     assert ws_execute(fresh.server, restored["kernel_id"], "print(x)") == "43\n"
     # The restored kernel is a snapshot kernel in this pod too.
-    again = snapshot(fresh, restored["kernel_id"])
-    assert again["status"] == "done", again
+    snapshot(fresh, restored["kernel_id"])
     fresh.server.api("DELETE", f"api/kernels/{restored['kernel_id']}")
 
     answer = fresh.server.client.call("POST", f"{manual_id}/restore", body={})
@@ -289,10 +289,9 @@ def test_misconfigured_pod_names_its_setting(
 
     kernel = open_notebook(pod)
     assert ws_execute(pod.server, kernel, "print(1 + 1)") == "2\n"
-    failed = snapshot(pod, kernel)
-    assert failed["status"] == "failed", failed
-    error = failed["error"]
-    assert words in error["message"], error
-    assert fix in error["hint"], error
+    with pytest.raises(SnapshotError) as failed:
+        snapshot(pod, kernel)
+    assert words in failed.value.message, failed.value
+    assert fix in failed.value.hint, failed.value
     # The kernel is not harmed by the failed snapshot.
     assert ws_execute(pod.server, kernel, "print(2 + 2)") == "4\n"

@@ -172,8 +172,9 @@ def check_confinement() -> list[Check]:
         ptrace = Check("yama ptrace_scope", True, "no Yama on this kernel", required=False)
     else:
         how = (
-            "each kernel declares its wrapper as its tracer (PR_SET_PTRACER), and CRIU is "
-            "the wrapper's child"
+            "dumps work: each kernel declares its wrapper as its tracer (PR_SET_PTRACER) "
+            "and CRIU is the wrapper's child; restores without root are untested here "
+            "(CRIU seizes the tasks it restored, which are not its descendants)"
             if scope == 1 and unprivileged()
             else "no limit for CRIU here"
         )
