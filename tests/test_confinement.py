@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from jupyter_ext.core import proctree
 from jupyter_ext.core.confinement import Confinement, yama_relational_permits
 from jupyter_ext.core.criu import Criu, explain_failure
 from jupyter_ext.core.protocol import ENV_CRIU
@@ -203,7 +204,7 @@ def _recording_criu(criu: Criu, tmp_path: Path) -> tuple[Path, Path]:
         'chain="$$"; p=$PPID\n'
         'while [ "$p" -gt 1 ]; do chain="$chain $p"; '
         "p=$(sed -n 's/^PPid:[[:space:]]*//p' /proc/$p/status); done\n"
-        f'echo "$1 $chain" >> {log}\n'
+        f'echo "$1 $chain -- $*" >> {log}\n'
         f'exec {criu.path} "$@"\n'
     )
     script.chmod(0o755)
@@ -229,7 +230,8 @@ def test_kernel_declares_its_wrapper_which_runs_criu(
 ) -> None:
     """Non-root on a node with ptrace_scope 1: the kernel declares its wrapper as tracer
     (at start, in forked children, after a restore into a new wrapper), and every CRIU
-    run is a descendant of that wrapper, which is what Yama's rule needs."""
+    dump is a descendant of that wrapper, which is what Yama's rule needs; a restore keeps
+    the restored tasks CRIU's descendants until it exits, then the wrapper adopts them."""
     script, log = _recording_criu(criu, tmp_path)
     env = {ENV_CRIU: str(script)}
     kernel = kernel_factory(env=env)
@@ -254,6 +256,12 @@ def test_kernel_declares_its_wrapper_which_runs_criu(
 
     restored = kernel_factory(restore_from=tmp_path / "s", env=env)
     assert restored.status()["inner_pid"] == inner
+    # CRIU seizes every task it restored: without --restore-sibling they are its own
+    # children (Yama lets it), and the wrapper adopts the kernel when CRIU exits.
+    restores = [line for line in log.read_text().splitlines() if line.startswith("restore")]
+    assert restores
+    assert all("--restore-sibling" not in line for line in restores), restores
+    assert proctree.parent(inner) == restored.process.pid
     wait_until(
         lambda: _declared(restored) == [inner, restored.process.pid],
         what="the restored kernel declaring its new wrapper",

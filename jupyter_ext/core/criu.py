@@ -311,17 +311,27 @@ class Criu:
     ) -> int:
         pidfile = work_dir / "restored.pid"
         args = ["restore", "-D", str(images_dir), "-W", str(work_dir), "-o", "restore.log"]
-        args += ["-v4", "--file-locks", "--restore-detached", "--restore-sibling", "--tcp-close"]
+        args += ["-v4", "--file-locks", "--restore-detached", "--tcp-close"]
         args += ["--pidfile", str(pidfile), *mode_args()]
+        # The restored tree must end up our child. As root CRIU makes it its sibling
+        # (--restore-sibling). Without root it stays CRIU's child, so that CRIU, which
+        # seizes every task it restored, is their ancestor: Yama's ptrace_scope 1 allows
+        # nothing else to a tracer without CAP_SYS_PTRACE (core/confinement.py); we adopt
+        # the tree when CRIU exits (a child subreaper for the restore's duration).
+        sibling = not unprivileged()
+        if sibling:
+            args.append("--restore-sibling")
         if lazy:
             args.append("--lazy-pages")
         for fd, resource in inherit_fds:
             args += ["--inherit-fd", f"fd[{fd}]:{resource}"]
-        rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
-        deadline = time.monotonic() + PID_FREE_WAIT_SECONDS
-        while rc != 0 and time.monotonic() < deadline and pid_being_freed(work_dir):
-            await asyncio.sleep(0.05)
+        adopting = contextlib.nullcontext() if sibling else proctree.subreaper_while()
+        with adopting:
             rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
+            deadline = time.monotonic() + PID_FREE_WAIT_SECONDS
+            while rc != 0 and time.monotonic() < deadline and pid_being_freed(work_dir):
+                await asyncio.sleep(0.05)
+                rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
         if rc != 0:
             excerpt = log_excerpt(work_dir / "restore.log", output)
             message, hint = explain_failure(excerpt, restoring=True)
