@@ -9,6 +9,7 @@ is read back from the kernel. ``tests/container`` runs the same settings in real
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ import pytest
 from jupyter_ext.core import proctree
 from jupyter_ext.core.confinement import Confinement, yama_relational_permits
 from jupyter_ext.core.criu import Criu, explain_failure
+from jupyter_ext.core.doctor import check_confinement
 from jupyter_ext.core.protocol import ENV_CRIU
 from jupyter_ext.testing import KernelProcess, wait_until
 
@@ -161,6 +163,34 @@ def test_eperm_without_a_confinement_keeps_the_log_words() -> None:
 
 
 # --- Yama ---------------------------------------------------------------------------------
+
+
+def _node(scope: int | None, *, root: bool) -> Confinement:
+    """This process's facts on a node with Yama at ``scope`` (CAP_SYS_PTRACE as root)."""
+    here = Confinement.read()
+    effective = (1 << 19) if root else 0
+    return dataclasses.replace(here, yama_scope=scope, effective=effective)
+
+
+@pytest.mark.parametrize("root", [False, True], ids=["user", "root"])
+def test_doctor_reads_yama_ptrace_scope(root: bool) -> None:
+    """2 blocks without CAP_SYS_PTRACE (the CRIU copy never has it), 3 blocks everyone;
+    both say to set it to 1 on the node; 1 and 0 work (the kernel declares its tracer)."""
+    for scope in (2, 3):
+        check = {c.name: c for c in check_confinement(_node(scope, root=root), as_user=not root)}
+        yama = check["yama ptrace_scope"]
+        if scope == 2 and root:
+            assert yama.ok, yama
+            continue
+        assert not yama.ok, yama
+        assert yama.required
+        assert f"ptrace_scope is {scope}" in yama.detail
+        assert "kernel.yama.ptrace_scope = 1" in yama.fix
+    for scope in (None, 0, 1):
+        check = {c.name: c for c in check_confinement(_node(scope, root=root), as_user=not root)}
+        assert check["yama ptrace_scope"].ok, check["yama ptrace_scope"]
+    one = {c.name: c for c in check_confinement(_node(1, root=False), as_user=True)}
+    assert "PR_SET_PTRACER" in one["yama ptrace_scope"].detail
 
 
 def test_yama_rule_on_a_real_process_tree() -> None:

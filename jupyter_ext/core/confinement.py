@@ -139,6 +139,20 @@ class Confinement:
         return None
 
 
+#: ptrace_scope 1 without root: the kernel declares its wrapper, but a child it started by
+#: fork+exec outside Python's fork hooks (subprocess, multiprocessing's spawn) did not.
+YAMA_RELATIONAL_CHILD = Blocker(
+    "yama",
+    "kernel.yama.ptrace_scope is 1 on this node: CRIU may seize only its descendants and "
+    "processes that declared it (or its parent, the wrapper) as their tracer. The kernel "
+    "does declare its wrapper, and so do children it forks in Python; a child process "
+    "started with subprocess or multiprocessing's 'spawn' method does not, so CRIU may "
+    "not seize it.",
+    "End such child processes before a snapshot (or start them with multiprocessing's "
+    "'fork' method), run Jupyter as root, or set kernel.yama.ptrace_scope = 0 on the node.",
+)
+
+
 def seccomp_blocker(mode: int) -> Blocker:
     """Why any seccomp filter stops CRIU, measured: a profile that allows every call fails
     the same way, so no narrower profile can work."""
@@ -157,7 +171,10 @@ def seccomp_blocker(mode: int) -> Blocker:
 def explain_denied(*, unprivileged: bool, restoring: bool) -> tuple[str, str] | None:
     """(message, fix) for a CRIU failure with EPERM when this process's confinement
     explains it; None when nothing here does (then the log's own words are used)."""
-    blockers = Confinement.read().blockers(unprivileged=unprivileged)
+    confinement = Confinement.read()
+    blockers = confinement.blockers(unprivileged=unprivileged)
+    if not blockers and confinement.yama_scope == 1 and unprivileged:
+        blockers = [YAMA_RELATIONAL_CHILD]
     if not blockers:
         return None
     first = blockers[0]

@@ -154,17 +154,21 @@ def check_criu_works(criu: Criu | None) -> Check:
     return Check("criu features", True, f"supported: {', '.join(REQUIRED_FEATURES)}")
 
 
-def check_confinement() -> list[Check]:
+def check_confinement(
+    confinement: Confinement | None = None, *, as_user: bool | None = None
+) -> list[Check]:
     """Seccomp, Yama's ptrace_scope and /proc/sys: what a pod or node sets around the
-    server that stops CRIU, read from /proc (no_new_privs and the bounding set are part
-    of :func:`check_criu_capabilities`)."""
-    confinement = Confinement.read()
+    server that stops CRIU, read from /proc unless given (no_new_privs and the bounding
+    set are part of :func:`check_criu_capabilities`). ``as_user``: non-root mode (default:
+    this process's)."""
+    confinement = confinement or Confinement.read()
+    user = unprivileged() if as_user is None else as_user
     if confinement.seccomp:
         blocker = seccomp_blocker(confinement.seccomp)
         seccomp = Check("seccomp", False, blocker.message, fix=blocker.fix)
     else:
         seccomp = Check("seccomp", True, "no seccomp filter (Seccomp: 0), as CRIU needs")
-    yama = confinement.yama_blocker(unprivileged=unprivileged())
+    yama = confinement.yama_blocker(unprivileged=user)
     scope = confinement.yama_scope
     if yama is not None:
         ptrace = Check("yama ptrace_scope", False, yama.message, fix=yama.fix)
@@ -172,10 +176,10 @@ def check_confinement() -> list[Check]:
         ptrace = Check("yama ptrace_scope", True, "no Yama on this kernel", required=False)
     else:
         how = (
-            "dumps work: each kernel declares its wrapper as its tracer (PR_SET_PTRACER) "
-            "and CRIU is the wrapper's child; restores without root are untested here "
-            "(CRIU seizes the tasks it restored, which are not its descendants)"
-            if scope == 1 and unprivileged()
+            "each kernel declares its wrapper, CRIU's parent, as its tracer "
+            "(PR_SET_PTRACER) and restores keep the restored tasks CRIU's children; child "
+            "processes a kernel starts with subprocess cannot be snapshotted without root"
+            if scope == 1 and user
             else "no limit for CRIU here"
         )
         ptrace = Check("yama ptrace_scope", True, f"{scope}: {how}", required=False)
