@@ -154,6 +154,14 @@ def make_pod(tmp_path: Path, moto: Moto, home: Path) -> Iterator[MakePod]:
         pod.close()
 
 
+def _dockerfile_arg(name: str) -> str:
+    dockerfile = Path(__file__).resolve().parent.parent / "deploy" / "Dockerfile"
+    for line in dockerfile.read_text().splitlines():
+        if line.startswith(f"ARG {name}="):
+            return line.split("=", 1)[1]
+    raise AssertionError(f"no ARG {name} in deploy/Dockerfile")
+
+
 def open_notebook(pod: Pod) -> str:
     """What JupyterLab does when a user opens the notebook: a session with the kernel its
     metadata name (python3). Returns the kernel id."""
@@ -190,6 +198,11 @@ def test_recipe_pod_is_rendered_as_kubernetes_would_run_it(make_pod: MakePod) ->
     assert int(fields["CapBnd"], 16) == (1 << 40) | (1 << 8)
     assert fields["NoNewPrivs"] == "0"
     assert fields["Seccomp"] == "0"
+    # The image's own command (a hub's pods run it; this stage has no hub) is there, at
+    # the Dockerfile's JupyterHub version.
+    singleuser = pod.exec("jupyterhub-singleuser", "--version")
+    assert singleuser.returncode == 0, singleuser.stderr
+    assert singleuser.stdout.strip() == _dockerfile_arg("JUPYTERHUB_VERSION")
 
 
 def test_doctor_in_the_pod_says_snapshots_work(make_pod: MakePod) -> None:
