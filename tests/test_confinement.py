@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from jupyter_ext.core import proctree
-from jupyter_ext.core.confinement import Confinement, yama_relational_permits
+from jupyter_ext.core.confinement import Confinement, explain_denied, yama_relational_permits
 from jupyter_ext.core.criu import Criu, explain_failure
 from jupyter_ext.core.doctor import check_confinement
 from jupyter_ext.core.protocol import ENV_CRIU
@@ -191,6 +191,20 @@ def test_doctor_reads_yama_ptrace_scope(root: bool) -> None:
         assert check["yama ptrace_scope"].ok, check["yama ptrace_scope"]
     one = {c.name: c for c in check_confinement(_node(1, root=False), as_user=True)}
     assert "PR_SET_PTRACER" in one["yama ptrace_scope"].detail
+
+
+def test_dump_refused_at_ptrace_scope_1_names_the_undeclared_child() -> None:
+    """At 1 the kernel's own processes are declared; a refused seize is a child started by
+    subprocess, and the error says so. Other denials keep CRIU's words."""
+    node = _node(1, root=False)
+    refused = "Error (compel/src/lib/infect.c:357): Can't attach to 4242: Operation not permitted"
+    message, fix = explain_denied(refused, unprivileged=True, restoring=False, confinement=node)
+    assert "ptrace_scope is 1" in message
+    assert "subprocess" in message
+    assert "ptrace_scope = 0" in fix
+    other = "Error (criu/files-reg.c): Can't open file x: Permission denied"
+    assert explain_denied(other, unprivileged=True, restoring=False, confinement=node) is None
+    assert explain_denied(refused, unprivileged=False, restoring=False, confinement=node) is None
 
 
 def test_yama_rule_on_a_real_process_tree() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,12 +169,28 @@ def seccomp_blocker(mode: int) -> Blocker:
     )
 
 
-def explain_denied(*, unprivileged: bool, restoring: bool) -> tuple[str, str] | None:
-    """(message, fix) for a CRIU failure with EPERM when this process's confinement
-    explains it; None when nothing here does (then the log's own words are used)."""
-    confinement = Confinement.read()
+#: CRIU's words when ptrace refused it a task (attach, seize, interrupt).
+_ATTACH_REFUSED = re.compile(r"Can't attach|Unable to interrupt|Unable to seize|PTRACE_SEIZE")
+
+
+def explain_denied(
+    log: str,
+    *,
+    unprivileged: bool,
+    restoring: bool,
+    confinement: Confinement | None = None,
+) -> tuple[str, str] | None:
+    """(message, fix) for a CRIU failure with EPERM (``log``: its log lines) when this
+    process's confinement (read from /proc unless given) explains it; None when nothing
+    here does (then the log's own words are used)."""
+    confinement = confinement or Confinement.read()
     blockers = confinement.blockers(unprivileged=unprivileged)
-    if not blockers and confinement.yama_scope == 1 and unprivileged:
+    if (
+        not blockers
+        and confinement.yama_scope == 1
+        and unprivileged
+        and _ATTACH_REFUSED.search(log)
+    ):
         blockers = [YAMA_RELATIONAL_CHILD]
     if not blockers:
         return None

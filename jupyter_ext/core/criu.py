@@ -77,8 +77,6 @@ def criu_candidates(configured: str | os.PathLike[str] | None = None) -> list[tu
 #: the restored PIDs (clone3 set_tid); CAP_SETPCAP lets a restore trim the bounding set to
 #: the image's. No CAP_SYS_PTRACE: the kernels are the user's own, ptrace needs none.
 UNPRIVILEGED_CAPS = "cap_checkpoint_restore,cap_setpcap+ep"
-CAP_SETPCAP = 8
-CAP_CHECKPOINT_RESTORE = 40
 
 
 def unprivileged() -> bool:
@@ -713,7 +711,7 @@ def explain_failure(excerpt: str, *, restoring: bool) -> tuple[str, str]:
     """A plain message and hint for a failed dump or restore, from its log excerpt."""
     meaningful = "\n".join(line for line in excerpt.splitlines() if not _HARMLESS.search(line))
     if _DENIED.search(meaningful):
-        denied = explain_denied(unprivileged=unprivileged(), restoring=restoring)
+        denied = explain_denied(meaningful, unprivileged=unprivileged(), restoring=restoring)
         if denied is not None:
             return denied
     for pattern, message, hint in _KNOWN_FAILURES:

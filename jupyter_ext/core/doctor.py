@@ -9,15 +9,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .confinement import Confinement, seccomp_blocker
-from .criu import (
-    CAP_CHECKPOINT_RESTORE,
-    CAP_SETPCAP,
-    REQUIRED_FEATURES,
-    UNPRIVILEGED_CAPS,
-    Criu,
-    unprivileged,
-)
+from .confinement import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, Confinement, seccomp_blocker
+from .criu import REQUIRED_FEATURES, UNPRIVILEGED_CAPS, Criu, unprivileged
 from .errors import CriuNotFoundError
 from .protocol import ENV_RUNTIME_DIR
 
