@@ -71,7 +71,8 @@ def declare_wrapper_as_tracer(runtime_dir: Path) -> None:
     """Yama's ptrace_scope 1 lets CRIU (the wrapper's child, this kernel's sibling) seize
     this process only if it declared the wrapper (or an ancestor of CRIU) as its tracer.
     As root the kernel is PID 1 of its own namespace, the wrapper is outside it and CRIU
-    has CAP_SYS_PTRACE: nothing to declare."""
+    has CAP_SYS_PTRACE: nothing to declare (the kernel is PID 1 there; its children never
+    call this, see :func:`main`)."""
     if os.getpid() == 1:
         return
     try:
@@ -207,11 +208,13 @@ def main() -> None:
     os.setsid()  # CRIU wants the root task to lead its own session.
     runtime_dir = Path(os.environ.pop(ENV_INNER_DIR))
     kernel_snapshots._install(runtime_dir)
-    declare_wrapper_as_tracer(runtime_dir)
-    # A declaration is not inherited by a fork: children forked in Python (multiprocessing's
-    # fork start method, os.fork) declare the wrapper too. Children made by fork+exec in C
-    # (subprocess, the spawn start method) cannot: docs/jupyterhub.md (Yama).
-    os.register_at_fork(after_in_child=lambda: declare_wrapper_as_tracer(runtime_dir))
+    if os.getpid() != 1:  # no PID namespace of our own: non-root mode, see below
+        declare_wrapper_as_tracer(runtime_dir)
+        # A declaration is not inherited by a fork: children forked in Python
+        # (multiprocessing's fork start method, os.fork, IPython's pty) declare the wrapper
+        # too. Children made by fork+exec in C (subprocess, the spawn start method) cannot:
+        # docs/jupyterhub.md (Yama).
+        os.register_at_fork(after_in_child=lambda: declare_wrapper_as_tracer(runtime_dir))
     threading.Thread(
         target=_watch_wrapper, args=(runtime_dir,), name="snapshot-wrapper-watch", daemon=True
     ).start()
