@@ -134,7 +134,7 @@ def render_pod(
     # when kubernetes_asyncio is imported: scripts/container-tests.sh writes one that
     # points nowhere); rendering a manifest never calls the API.
     async def render() -> dict[str, Any]:
-        spawner = KubeSpawner(config=c, _mock=True, user=_User(), hub=Hub())
+        spawner = KubeSpawner(config=c, user=_User(), hub=Hub())
         manifest = await spawner.get_pod_manifest()
         async with ApiClient() as client:
             rendered: dict[str, Any] = client.sanitize_for_serialization(manifest)
