@@ -84,7 +84,11 @@ class DoctorApp(JupyterApp):
 
 class InstallKernelSpecApp(JupyterApp):
     name = "jupyter-snapshot-install-kernelspec"
-    description = "Install the 'Python 3 (snapshots)' kernel for this Python environment."
+    description = (
+        "Install the 'Python 3 (snapshots)' kernel for this Python environment. With "
+        "--name python3 it replaces ipykernel's kernelspec: the Launcher's Python tile and "
+        "every notebook whose metadata say python3 then start a snapshot kernel."
+    )
     kernel_name = Unicode("python3-snapshot", config=True, help="Kernel name.")
     display_name = Unicode("Python 3 (snapshots)", config=True, help="Name shown in Jupyter.")
     user = Bool(False, config=True, help="Install for the current user only.")

@@ -13,7 +13,11 @@ from a plain ipykernel in three ways, each needed for a clean CRIU image:
 * on GPU machines, a snapshot agent thread (kernel_wrapper.agent) releases framework GPU
   caches when the wrapper asks, before a GPU checkpoint;
 * before each cell it runs the restore hooks of :mod:`kernel_snapshots` if the kernel was
-  restored since the last cell (its TCP connections came back closed: docs/network.md).
+  restored since the last cell (its TCP connections came back closed: docs/network.md);
+* without root it declares its wrapper as its tracer (Yama's PR_SET_PTRACER), at start, in
+  every child forked in Python, and again after each restore, so that CRIU, the wrapper's
+  child, may seize it on nodes with ``kernel.yama.ptrace_scope = 1``
+  (:mod:`jupyter_ext.core.confinement`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from ipykernel.iostream import IOPubThread
 from ipykernel.kernelapp import IPKernelApp
 
 import kernel_snapshots
-from jupyter_ext.core import proctree
+from jupyter_ext.core import confinement, proctree
 from jupyter_ext.core.protocol import AGENT_PORT, ENV_INNER_DIR
 
 from .agent import SnapshotAgent
@@ -63,10 +67,45 @@ def wrapper_alive(runtime_dir: Path) -> bool:
     return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
 
 
+def declare_wrapper_as_tracer(runtime_dir: Path) -> None:
+    """Yama's ptrace_scope 1 lets CRIU (the wrapper's child, this kernel's sibling) seize
+    this process only if it declared the wrapper (or an ancestor of CRIU) as its tracer.
+    As root the kernel is PID 1 of its own namespace, the wrapper is outside it and CRIU
+    has CAP_SYS_PTRACE: nothing to declare (the kernel is PID 1 there; its children never
+    call this, see :func:`main`)."""
+    if os.getpid() == 1:
+        return
+    try:
+        wrapper = int((runtime_dir / "wrapper.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return
+    confinement.declare_ptracer(wrapper)
+
+
+def _restore_marker(runtime_dir: Path) -> tuple[str, int]:
+    """What changes with every restore: the wrapper's pid file and the restore record the
+    wrapper rewrites before each restore (also a restore in place by the same wrapper)."""
+    try:
+        pid_text = (runtime_dir / "wrapper.pid").read_text()
+    except OSError:
+        pid_text = ""
+    try:
+        restored = os.stat(runtime_dir / kernel_snapshots.RESTORE_FILE).st_mtime_ns
+    except OSError:
+        restored = 0
+    return pid_text, restored
+
+
 def _watch_wrapper(runtime_dir: Path) -> None:
     misses = 0
+    marker = _restore_marker(runtime_dir)
     while True:
         time.sleep(WATCH_INTERVAL)
+        # A restored task is new to Yama: declare the (maybe new) wrapper again.
+        now = _restore_marker(runtime_dir)
+        if now != marker:
+            marker = now
+            declare_wrapper_as_tracer(runtime_dir)
         # Two misses in a row: the wrapper rewrites the file (atomically) during a restore.
         misses = 0 if wrapper_alive(runtime_dir) else misses + 1
         if misses >= 2:
@@ -169,6 +208,13 @@ def main() -> None:
     os.setsid()  # CRIU wants the root task to lead its own session.
     runtime_dir = Path(os.environ.pop(ENV_INNER_DIR))
     kernel_snapshots._install(runtime_dir)
+    if os.getpid() != 1:  # no PID namespace of our own: non-root mode, see below
+        declare_wrapper_as_tracer(runtime_dir)
+        # A declaration is not inherited by a fork: children forked in Python
+        # (multiprocessing's fork start method, os.fork, IPython's pty) declare the wrapper
+        # too. Children made by fork+exec in C (subprocess, the spawn start method) cannot:
+        # docs/jupyterhub.md (Yama).
+        os.register_at_fork(after_in_child=lambda: declare_wrapper_as_tracer(runtime_dir))
     threading.Thread(
         target=_watch_wrapper, args=(runtime_dir,), name="snapshot-wrapper-watch", daemon=True
     ).start()

@@ -14,9 +14,9 @@ cd "$(dirname "$0")/.."
 
 TEST_USER="${JKS_TEST_USER:-jks-tester}"
 GROUP=jupyter-snapshots
-FILES=(tests/test_nonroot.py tests/test_private.py tests/test_kernel_snapshots.py
-  tests/test_server_extension.py tests/test_restore_in_place.py tests/test_policies.py
-  tests/test_jupyterhub.py tests/test_parallel.py)
+FILES=(tests/test_nonroot.py tests/test_private.py tests/test_confinement.py
+  tests/test_kernel_snapshots.py tests/test_server_extension.py tests/test_restore_in_place.py
+  tests/test_policies.py tests/test_jupyterhub.py tests/test_parallel.py)
 
 die() { echo "nonroot-tests: $*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || die "run as root (it creates the test user): sudo $0"

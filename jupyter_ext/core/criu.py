@@ -27,7 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from . import proctree
-from .errors import CriuError, CriuNotFoundError, DumpError, IncompatibleSnapshotError, RestoreError
+from .confinement import Confinement, explain_denied
+from .errors import (
+    CriuError,
+    CriuNotFoundError,
+    CriuNotPermittedError,
+    DumpError,
+    IncompatibleSnapshotError,
+    RestoreError,
+)
 from .lazypages import PageServer, PageSource
 from .protocol import ENV_CRIU, ENV_CRIU_PREFIX
 
@@ -69,8 +77,6 @@ def criu_candidates(configured: str | os.PathLike[str] | None = None) -> list[tu
 #: the restored PIDs (clone3 set_tid); CAP_SETPCAP lets a restore trim the bounding set to
 #: the image's. No CAP_SYS_PTRACE: the kernels are the user's own, ptrace needs none.
 UNPRIVILEGED_CAPS = "cap_checkpoint_restore,cap_setpcap+ep"
-CAP_SETPCAP = 8
-CAP_CHECKPOINT_RESTORE = 40
 
 
 def unprivileged() -> bool:
@@ -103,6 +109,12 @@ TCP_DUMP_OPTIONS = ("--tcp-close", "--skip-in-flight")
 TCP_KEEP_DUMP_OPTIONS = ("--tcp-established", "--network-lock", "skip", "--skip-in-flight")
 TCP_KEEP_RESTORE_OPTIONS = ("--tcp-established", "--network-lock", "skip")
 
+#: The kernel features a kernel's dump and restore use (``criu check --feature``):
+#: mount ids of open files, epoll targets (kcmp), file locks (``--file-locks``), and
+#: process ids restored with ``clone3(set_tid)`` (containers mount /proc/sys read-only, so
+#: ``ns_last_pid`` is no way out there).
+REQUIRED_FEATURES = ("mnt_id", "kcmp_epoll", "fdinfo_lock", "clone3_set_tid")
+
 
 @dataclass(frozen=True)
 class Criu:
@@ -130,6 +142,17 @@ class Criu:
                 out = subprocess.run(
                     [str(path), "--version"], capture_output=True, text=True, timeout=10
                 )
+            except PermissionError as exc:
+                blockers = Confinement.read().blockers(unprivileged=unprivileged())
+                if blockers and os.access(path, os.X_OK):
+                    # execve refused a binary we may run: its file capabilities cannot be
+                    # had here (a container's bounding set, no_new_privs), not a bad install.
+                    raise CriuNotPermittedError(
+                        f"{path} does not start ({exc}): {blockers[0].message}",
+                        hint=blockers[0].fix,
+                    ) from exc
+                tried.append(f"{path} ({source}): does not start: {exc}")
+                continue
             except OSError as exc:
                 tried.append(f"{path} ({source}): does not start: {exc}")
                 continue
@@ -145,6 +168,26 @@ class Criu:
             "No usable CRIU >= 4.2 was found (tried: " + "; ".join(tried) + ").",
             hint=INSTALL_HINT,
         )
+
+    def check_features(self) -> list[tuple[str, bool, str]]:
+        """``criu check --feature`` for each of :data:`REQUIRED_FEATURES`: name, whether
+        it is supported, and what CRIU said."""
+        results = []
+        for feature in REQUIRED_FEATURES:
+            try:
+                out = subprocess.run(
+                    [str(self.path), "check", "--feature", feature, *mode_args()],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                results.append((feature, False, str(exc)))
+                continue
+            text = (out.stdout + out.stderr).strip()
+            said = text.splitlines()[-1] if text else f"exit status {out.returncode}"
+            results.append((feature, out.returncode == 0 and "is supported" in text, said))
+        return results
 
     def check(self) -> tuple[bool, str]:
         """Run ``criu check``: whether it passed, and what it printed."""
@@ -286,17 +329,27 @@ class Criu:
         pidfile = work_dir / "restored.pid"
         tcp = TCP_KEEP_RESTORE_OPTIONS if keep_tcp else ("--tcp-close",)
         args = ["restore", "-D", str(images_dir), "-W", str(work_dir), "-o", "restore.log"]
-        args += ["-v4", "--file-locks", "--restore-detached", "--restore-sibling", *tcp]
+        args += ["-v4", "--file-locks", "--restore-detached", *tcp]
         args += ["--pidfile", str(pidfile), *mode_args()]
+        # The restored tree must end up our child. As root CRIU makes it its sibling
+        # (--restore-sibling). Without root it stays CRIU's child, so that CRIU, which
+        # seizes every task it restored, is their ancestor: Yama's ptrace_scope 1 allows
+        # nothing else to a tracer without CAP_SYS_PTRACE (core/confinement.py); we adopt
+        # the tree when CRIU exits (a child subreaper for the restore's duration).
+        sibling = not unprivileged()
+        if sibling:
+            args.append("--restore-sibling")
         if lazy:
             args.append("--lazy-pages")
         for fd, resource in inherit_fds:
             args += ["--inherit-fd", f"fd[{fd}]:{resource}"]
-        rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
-        deadline = time.monotonic() + PID_FREE_WAIT_SECONDS
-        while rc != 0 and time.monotonic() < deadline and pid_being_freed(work_dir):
-            await asyncio.sleep(0.05)
+        adopting = contextlib.nullcontext() if sibling else proctree.subreaper_while()
+        with adopting:
             rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
+            deadline = time.monotonic() + PID_FREE_WAIT_SECONDS
+            while rc != 0 and time.monotonic() < deadline and pid_being_freed(work_dir):
+                await asyncio.sleep(0.05)
+                rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
         if rc != 0:
             excerpt = log_excerpt(work_dir / "restore.log", output)
             message, hint = explain_failure(excerpt, restoring=True)
@@ -666,9 +719,21 @@ _KNOWN_FAILURES: list[tuple[str, str, str]] = [
 _HARMLESS = re.compile(r"RLIMIT_NOFILE|Can't keep kdat cache|location for kerndat file")
 
 
+#: Log lines of a CRIU that the kernel refused something: the confinement of this process
+#: (seccomp, no_new_privs, bounding set, Yama) is then the first suspect.
+_DENIED = re.compile(
+    r"Operation not permitted|EPERM|Permission denied|suspending seccomp|Can't attach|"
+    r"Unable to interrupt|needs to have the CAP_SYS_ADMIN or the CAP_CHECKPOINT_RESTORE"
+)
+
+
 def explain_failure(excerpt: str, *, restoring: bool) -> tuple[str, str]:
     """A plain message and hint for a failed dump or restore, from its log excerpt."""
     meaningful = "\n".join(line for line in excerpt.splitlines() if not _HARMLESS.search(line))
+    if _DENIED.search(meaningful):
+        denied = explain_denied(meaningful, unprivileged=unprivileged(), restoring=restoring)
+        if denied is not None:
+            return denied
     for pattern, message, hint in _KNOWN_FAILURES:
         if re.search(pattern, meaningful, re.IGNORECASE):
             return message, hint

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .criu import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, UNPRIVILEGED_CAPS, Criu, unprivileged
+from .confinement import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, Confinement, seccomp_blocker
+from .criu import REQUIRED_FEATURES, UNPRIVILEGED_CAPS, Criu, unprivileged
 from .errors import CriuNotFoundError
 from .private import exposed, others_can_replace
 from .protocol import ENV_RUNTIME_DIR
 
-#: Lines ``criu check`` prints that say nothing about the machine (no kerndat cache).
-_CRIU_NOISE = re.compile(r"kdat cache|location for kerndat file")
 VFS_CAP_FLAGS_EFFECTIVE = 0x1
 ST_NOSUID = 2
 GRANT_HINT = (
@@ -37,13 +35,6 @@ class Check:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-def _status_field(name: str) -> str:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{name}:"):
-            return line.split()[1]
-    return ""
 
 
 def check_privileges() -> Check:
@@ -101,27 +92,10 @@ def check_criu_capabilities(criu: Criu | None) -> Check:
             f"{path} is on a file system mounted nosuid: its file capabilities are ignored.",
             fix="Install CRIU on a file system without nosuid (scripts/install-criu.sh PREFIX).",
         )
-    if _status_field("NoNewPrivs") == "1":
-        return Check(
-            name,
-            False,
-            "this process runs with no_new_privs, which ignores file capabilities "
-            "(Kubernetes: allowPrivilegeEscalation: false; systemd: NoNewPrivileges=yes).",
-            fix="Start Jupyter without no_new_privs: allowPrivilegeEscalation: true in the "
-            "pod's securityContext (docs/jupyterhub.md).",
-        )
-    bounding = int(_status_field("CapBnd") or "0", 16)
-    outside = [cap for bit, cap in needed.items() if not bounding & (1 << bit)]
-    if outside:
-        return Check(
-            name,
-            False,
-            f"{','.join(outside)} are not in this process's capability bounding set "
-            "(a container that dropped them), so CRIU cannot get them.",
-            fix="Add them to the container: securityContext.capabilities.add: "
-            "[CHECKPOINT_RESTORE, SETPCAP] (docs/jupyterhub.md); Linux >= 5.9 is needed "
-            "for CAP_CHECKPOINT_RESTORE.",
-        )
+    confinement = Confinement.read()
+    for blocker in confinement.blockers(unprivileged=True):
+        if blocker.name in ("no_new_privs", "bounding set"):
+            return Check(name, False, blocker.message, fix=blocker.fix)
     return Check(
         name,
         True,
@@ -157,17 +131,62 @@ def check_criu(configured: str | None) -> tuple[Check, Criu | None]:
 
 
 def check_criu_works(criu: Criu | None) -> Check:
+    """The kernel features a dump and a restore of a kernel need (``criu check --feature``).
+    Not the whole ``criu check``: in a container it fails on the read-only
+    ``ns_last_pid``, which restores do not use (they pick process ids with clone3)."""
     if criu is None:
-        return Check("criu check", False, "skipped: no CRIU", fix="Install CRIU first.")
-    ok, text = criu.check()
-    lines = [line for line in text.splitlines() if not _CRIU_NOISE.search(line)]
-    return Check(
-        "criu check",
-        ok,
-        lines[-1] if lines else "no output",
-        fix="Read `criu check --all` for the missing kernel feature; a kernel >= 5.10 with "
-        "CONFIG_CHECKPOINT_RESTORE is needed.",
+        return Check("criu features", False, "skipped: no CRIU", fix="Install CRIU first.")
+    missing = [(feature, said) for feature, ok, said in criu.check_features() if not ok]
+    if missing:
+        return Check(
+            "criu features",
+            False,
+            "; ".join(f"{feature}: {said}" for feature, said in missing),
+            fix="A Linux kernel >= 5.10 with CONFIG_CHECKPOINT_RESTORE, CONFIG_KCMP and "
+            "CONFIG_FHANDLE is needed; `criu check --feature NAME` says more.",
+        )
+    return Check("criu features", True, f"supported: {', '.join(REQUIRED_FEATURES)}")
+
+
+def check_confinement(
+    confinement: Confinement | None = None, *, as_user: bool | None = None
+) -> list[Check]:
+    """Seccomp, Yama's ptrace_scope and /proc/sys: what a pod or node sets around the
+    server that stops CRIU, read from /proc unless given (no_new_privs and the bounding
+    set are part of :func:`check_criu_capabilities`). ``as_user``: non-root mode (default:
+    this process's)."""
+    confinement = confinement or Confinement.read()
+    user = unprivileged() if as_user is None else as_user
+    if confinement.seccomp:
+        blocker = seccomp_blocker(confinement.seccomp)
+        seccomp = Check("seccomp", False, blocker.message, fix=blocker.fix)
+    else:
+        seccomp = Check("seccomp", True, "no seccomp filter (Seccomp: 0), as CRIU needs")
+    yama = confinement.yama_blocker(unprivileged=user)
+    scope = confinement.yama_scope
+    if yama is not None:
+        ptrace = Check("yama ptrace_scope", False, yama.message, fix=yama.fix)
+    elif scope is None:
+        ptrace = Check("yama ptrace_scope", True, "no Yama on this kernel", required=False)
+    else:
+        how = (
+            "each kernel declares its wrapper, CRIU's parent, as its tracer "
+            "(PR_SET_PTRACER) and restores keep the restored tasks CRIU's children; child "
+            "processes a kernel starts with subprocess cannot be snapshotted without root"
+            if scope == 1 and user
+            else "no limit for CRIU here"
+        )
+        ptrace = Check("yama ptrace_scope", True, f"{scope}: {how}", required=False)
+    proc_sys = Check(
+        "/proc/sys",
+        True,
+        "writable"
+        if confinement.proc_sys_writable
+        else "read-only (as in any container): not needed, restores pick process ids with "
+        "clone3 instead of ns_last_pid",
+        required=False,
     )
+    return [seccomp, ptrace, proc_sys]
 
 
 def check_lazy_pages(criu: Criu | None) -> Check:
@@ -326,7 +345,8 @@ def run_checks(
     """Every check, in the order a person fixing the machine would go through them."""
     checks = [check_privileges()]
     criu_check, criu = check_criu(criu_path)
-    checks += [criu_check, check_criu_capabilities(criu), check_criu_works(criu)]
+    checks += [criu_check, check_criu_capabilities(criu), *check_confinement()]
+    checks.append(check_criu_works(criu))
     checks.append(check_lazy_pages(criu))
     checks += [
         check_pid_namespaces(),

@@ -6,6 +6,7 @@ extension, the CLI and the panel can show it as it is::
     SnapshotError                 base class; ``.hint`` says what to do
     ├── CriuError                 CRIU is missing, too old, or failed
     │   ├── CriuNotFoundError     no usable criu binary
+    │   │   └── CriuNotPermittedError  the process's confinement forbids running it
     │   ├── DumpError             ``criu dump`` failed (the kernel keeps running)
     │   └── RestoreError          ``criu restore`` failed
     ├── SnapshotCorruptError      a file's sha256 differs from the manifest, or files are missing
@@ -67,6 +68,13 @@ class CriuError(SnapshotError):
 
 class CriuNotFoundError(CriuError):
     code = "criu-not-found"
+
+
+class CriuNotPermittedError(CriuNotFoundError):
+    """CRIU is installed but this process may not run it (a container's bounding set,
+    no_new_privs): the message names the setting, not the binary."""
+
+    code = "criu-not-permitted"
 
 
 class DumpError(CriuError):

@@ -7,11 +7,12 @@ import ctypes
 import os
 import signal
 import stat
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+PR_GET_CHILD_SUBREAPER = 37
 
 
 def die_with_parent() -> None:
@@ -27,6 +28,21 @@ def set_subreaper(on: bool) -> bool:
     for PID 1 (in a container, PID 1 may never reap them)."""
     libc = ctypes.CDLL(None, use_errno=True)
     return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0)
+
+
+@contextlib.contextmanager
+def subreaper_while() -> Iterator[None]:
+    """Adopt orphaned descendants only inside the block (what the process was before is
+    restored after): a tree whose parent exits in the block becomes our child."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    was = ctypes.c_int(0)
+    libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
+    set_subreaper(True)
+    try:
+        yield
+    finally:
+        if not was.value:
+            set_subreaper(False)
 
 
 def parent(pid: int) -> int | None:
