@@ -234,6 +234,7 @@ class KernelStatus(TypedDict):
     execution_state: str
     last_activity: float
     executions_since_snapshot: int
+    longest_cell_since_snapshot: float
     sequence: int
     busy: bool
     resumed_request: dict[str, Any] | None
