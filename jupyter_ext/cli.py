@@ -425,6 +425,43 @@ class RestoreApp(_SnapshotCommand):
         )
 
 
+class TakeApp(_SnapshotCommand):
+    name = "jupyter-snapshot-take"
+    description = (
+        "Copy variables from a snapshot into a running kernel, which keeps everything else: "
+        "jupyter snapshot take ID NAME[=NEW_NAME] ... --kernel-id=KERNEL"
+    )
+    kernel_id = Unicode("", config=True, help="The kernel that gets the variables.")
+    aliases = {**_SnapshotCommand.aliases, "kernel-id": "TakeApp.kernel_id"}
+
+    def run(self) -> None:
+        if len(self.extra_args) < 2 or not self.kernel_id:
+            raise SnapshotError(
+                "Name a snapshot, at least one variable and the kernel.",
+                hint="jupyter snapshot take ID df model=model_epoch30 --kernel-id=KERNEL",
+            )
+        names, rename = [], {}
+        for arg in self.extra_args[1:]:
+            name, _, new = arg.partition("=")
+            names.append(name)
+            if new:
+                rename[name] = new
+        server = self.server()
+        body = {"kernel_id": self.kernel_id, "names": names, "rename": rename}
+        answer = server.call(
+            "POST", f"{check_snapshot_id(self.extra_args[0])}/variables", body=body
+        )
+        result = server.follow(answer["job"])["result"]
+        if self.as_json:
+            print(json.dumps(result, indent=1))
+            return
+        for variable in result["variables"]:
+            renamed = f" as {variable['as']}" if variable["as"] != variable["name"] else ""
+            print(
+                f"{variable['name']}{renamed}: {human_bytes(variable['bytes'])} ({variable['how']})"
+            )
+
+
 class RemoveApp(_SnapshotCommand):
     name = "jupyter-snapshot-rm"
     description = "Delete snapshots: jupyter snapshot rm ID [ID ...]"
@@ -451,6 +488,7 @@ class SnapshotApp(JupyterApp):
         "kernels": (KernelsApp, KernelsApp.description),
         "create": (CreateApp, CreateApp.description),
         "restore": (RestoreApp, RestoreApp.description),
+        "take": (TakeApp, TakeApp.description),
         "rm": (RemoveApp, RemoveApp.description),
         "doctor": (DoctorApp, DoctorApp.description),
         "install-kernelspec": (InstallKernelSpecApp, InstallKernelSpecApp.description),

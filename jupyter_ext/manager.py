@@ -552,6 +552,15 @@ class SnapshotManager:
 
     # ---------------------------------------------------------------- create
 
+    # Used by jupyter_ext.variables (a job of its own kind, beside restores).
+    check_not_busy = _busy
+    start_job = _start_job
+    progress = _progress
+
+    async def restore_side_kernel(self, job: Job, snapshot_id: str) -> dict[str, Any]:
+        """Restore a snapshot into a new kernel attached to no notebook (variables.py)."""
+        return await self._restore(job, snapshot_id, None, None, attach=False)
+
     def has_job(self, kernel_id: str) -> bool:
         """Whether a job (snapshot, restore, suspend, resume) runs on the kernel now."""
         return kernel_id in self._kernel_jobs
@@ -815,7 +824,12 @@ class SnapshotManager:
         return None
 
     async def _restore(
-        self, job: Job, snapshot_id: str, kernel_id: str | None, path: str | None
+        self,
+        job: Job,
+        snapshot_id: str,
+        kernel_id: str | None,
+        path: str | None,
+        attach: bool = True,
     ) -> dict[str, Any]:
         # Served from the image cache when it holds the snapshot intact: no store request.
         lease = await self._cached(job, snapshot_id)
@@ -836,10 +850,12 @@ class SnapshotManager:
                 # Into a new kernel, lazily: all but the kernel's memory first; the kernel
                 # runs while its pages come (each chunk checked). Not in place: there a
                 # damaged chunk must fail the restore before the running kernel is touched.
+                # Never a side kernel (variables.py): a damaged page would end it midway.
                 lazily = (
                     self.lazy_restore
                     and self.lazy_from_store
                     and kernel_id is None
+                    and attach
                     and snapshot_id not in self.pending
                     and worth_lazy(manifest.gpu)
                     and await self._lazy_pages_here()
@@ -883,7 +899,7 @@ class SnapshotManager:
                     kernel_id, self._lazy_download_done(directory, download_lock, lent)
                 )
                 lent, temporary, download_lock = None, False, -1
-            target_path = path or manifest.notebook_path
+            target_path = (path or manifest.notebook_path) if attach else None
             session = await self._attach(kernel_id, target_path) if target_path else None
         finally:
             if lent is not None:

@@ -81,6 +81,8 @@ Phase = Literal[
     "saving-kernel",
     "restoring",
     "transferring",
+    "serialising",
+    "loading",
     "done",
 ]
 

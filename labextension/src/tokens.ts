@@ -100,6 +100,8 @@ export type Phase =
   | 'saving-kernel'
   | 'restoring'
   | 'transferring'
+  | 'serialising'
+  | 'loading'
   | 'done';
 
 /** A snapshot, restore, suspend or resume in progress (or done). */
