@@ -169,6 +169,18 @@ def test_largest_variables_first_with_their_total() -> None:
     assert summary["variables_bytes"] == sum(v["size"] for v in summary["variables"])
 
 
+def test_the_largest_fifty_of_many_in_any_order() -> None:
+    import random
+
+    rng = random.Random(7)
+    sizes = rng.sample(range(1, 1_000_000), 5000)
+    namespace = {f"b{i}": bytes(size) for i, size in enumerate(sizes)}
+    summary = summarize_namespace(namespace, seconds=3600)
+    wanted = sorted(namespace, key=lambda name: len(namespace[name]), reverse=True)[:50]
+    assert [v["name"] for v in summary["variables"]] == wanted
+    assert summary["variables_bytes"] == sum(sys.getsizeof(b) for b in namespace.values())
+
+
 def test_a_namespace_past_the_budget_is_summarised_partially() -> None:
     """100 000 variables against a budget of 10 000 units: the work stops at the budget
     (counted, not timed), and the summary says it is partial and why."""
