@@ -140,8 +140,9 @@ class SnapshotAgent(threading.Thread):
         """What the snapshot about to be taken holds: cells after ``since``, variables."""
         since = request.get("since")
         shell = self.shell
-        count = getattr(shell, "execution_count", None)
-        result = self.cells.since(since if type(since) is int else 0, count)
+        # The running cell's count: IPython 9 counts before the cell runs, older versions
+        # after; the wrapper fills it in from the cell's execute_input (snapshotter).
+        result = self.cells.since(since if type(since) is int else 0)
         if shell is not None:
             hidden = set(getattr(shell, "user_ns_hidden", {}))
             result.update(summarize_namespace(shell.user_ns, hidden))

@@ -421,6 +421,10 @@ class Snapshotter:
         answer.pop("id", None)
         if answer.get("error"):
             return {"partial": True, "partial_reason": str(answer["error"])}
+        cells = answer.get("cells")
+        running = self.relay.running_request()
+        if cells and isinstance(cells[-1], dict) and cells[-1].get("running") and running:
+            cells[-1]["execution_count"] = running.get("execution_count")
         return answer
 
     async def _gpu_checkpoint(

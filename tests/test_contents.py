@@ -16,7 +16,7 @@ from jupyter_ext.core.contents import compare_contents, short_contents
 from jupyter_ext.core.manifest import Manifest
 from kernel_wrapper.contents import CellLog, summarize_namespace
 
-from .jupyter_api import Fetch, call, manager_of, server_config, snapshot
+from .jupyter_api import Fetch, call, manager_of, server_config, snapshot, until
 
 # ---------------------------------------------------------------- user code is never run
 
@@ -346,3 +346,52 @@ async def test_snapshots_record_cells_and_variables(
     diff = json.loads(_cli(store, "show", first["result"]["id"], second["result"]["id"], "--json"))
     assert [v["name"] for v in diff["removed"]] == ["weights"]
     assert "result" in [v["name"] for v in diff["added"]]
+
+
+@pytest.mark.usefixtures("criu", "snapshot_kernelspec")
+async def test_a_running_cell_is_recorded_and_a_failed_summary_still_snapshots(
+    jp_fetch: Fetch, start_kernel: Any, tmp_path: Path
+) -> None:
+    kernel = await start_kernel()
+    flag = tmp_path / "go"
+    await kernel.run(f"import os, time\nflag = {str(flag)!r}")
+    # A cell that runs until the test lets it go: the snapshot is taken while it runs.
+    kernel.client.execute("while not os.path.exists(flag): time.sleep(0.05)\nafter = 1")
+    status: dict[str, Any] = {}
+
+    async def running() -> bool:
+        status.update(await call(jp_fetch, "GET", "kernels", kernel.id))
+        return status.get("execution_state") == "busy"
+
+    await until(running)
+    taken = await snapshot(jp_fetch, kernel.id)
+    contents = (await call(jp_fetch, "GET", taken["result"]["id"]))["contents"]
+    assert contents["running_cell"] is True
+    assert contents["cells"][-1]["running"] is True
+    assert contents["cells"][-1]["code"].startswith("while not os.path.exists(flag)")
+    assert contents["cells"][-1]["execution_count"] == 2
+    assert contents["cells_through"] == 1  # the next snapshot lists it again, done
+
+    # A summary that fails in the kernel: the snapshot is still taken, marked partial.
+    flag.touch()
+    await until(_idle(jp_fetch, kernel.id))
+    await kernel.run(
+        "import threading\n"
+        "agent = next(t for t in threading.enumerate() if t.name == 'snapshot-agent')\n"
+        "def broken(request):\n"
+        "    raise RuntimeError('summary broke')\n"
+        "agent.operations['summary'] = broken"
+    )
+    second = await snapshot(jp_fetch, kernel.id)
+    assert second["status"] == "done", second
+    contents = (await call(jp_fetch, "GET", second["result"]["id"]))["contents"]
+    assert contents["partial"] is True
+    assert "RuntimeError: summary broke" in contents["partial_reason"]
+
+
+def _idle(jp_fetch: Fetch, kernel_id: str) -> Any:
+    async def idle() -> bool:
+        status = await call(jp_fetch, "GET", "kernels", kernel_id)
+        return bool(status.get("execution_state") == "idle")
+
+    return idle
