@@ -345,6 +345,9 @@ async def test_snapshots_record_cells_and_variables(
     assert "256x1024" in shown
     diff = json.loads(_cli(store, "show", first["result"]["id"], second["result"]["id"], "--json"))
     assert [v["name"] for v in diff["removed"]] == ["weights"]
+    listing = _cli(store, "list")
+    assert "[4] del weights" in listing
+    assert "result" in listing.split("[4] del weights")[1].splitlines()[0]
     assert "result" in [v["name"] for v in diff["added"]]
 
 

@@ -376,18 +376,21 @@ export async function takeVariables(
   context: IActionContext,
   snapshot: ISnapshot,
   target: INotebookTarget,
-  names: string[]
+  names: string[],
+  rename: { [name: string]: string } = {}
 ): Promise<IJob | null> {
   if (!target.kernelId) {
     return null;
   }
-  const label = `${names.join(', ')} into ${baseName(target.path)}`;
+  const label =
+    names.map(n => (rename[n] ? `${n} as ${rename[n]}` : n)).join(', ') +
+    ` into ${baseName(target.path)}`;
   try {
     const tracked = await context.model.takeVariables(
       snapshot.id,
       target.kernelId,
       names,
-      {},
+      rename,
       label
     );
     const job = await context.model.waitFor(tracked.job.id);

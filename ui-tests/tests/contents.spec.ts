@@ -96,16 +96,19 @@ test('cards show cells and variables; search, compare, take a variable back', as
     'labels'
   );
   await older.getByRole('checkbox', { name: 'Take labels' }).check();
+  await older
+    .getByRole('textbox', { name: 'New name for labels' })
+    .fill('labels_back');
   await panel.screenshot({
     path: path.join(SCREENSHOTS, 'panel-contents-take.png')
   });
   await older.getByRole('button', { name: 'Take back labels' }).click();
   await expect(
-    page.getByText('Took labels into contents.ipynb.')
+    page.getByText('Took labels as labels_back into contents.ipynb.')
   ).toBeVisible();
   await page.notebook.addCell(
     'code',
-    'print(len(labels), labels[0], metrics, weights.shape)'
+    'print(len(labels_back), labels_back[0], metrics, weights.shape)'
   );
   await page.notebook.runCell(2, { inplace: true });
   expect(await cellOutput(page, 2)).toContain(

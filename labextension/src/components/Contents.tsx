@@ -115,10 +115,11 @@ export function ContentsDetails(props: {
   snapshotId: string;
   /** Why variables cannot be taken now ('' when they can). */
   takeBlocked: string;
-  onTake: (names: string[]) => void;
+  onTake: (names: string[], rename: { [name: string]: string }) => void;
 }): JSX.Element {
   const { snapshot, error } = useDetails(props.model, props.snapshotId);
   const [chosen, setChosen] = React.useState<Set<string>>(new Set());
+  const [renamed, setRenamed] = React.useState<{ [name: string]: string }>({});
   if (error) {
     return <div className="jp-KernelSnapshots-itemError">{error}</div>;
   }
@@ -161,7 +162,23 @@ export function ContentsDetails(props: {
                 <strong>{v.name}</strong>
               </td>
               <td title={v.type}>{shortType(v.type)}</td>
-              <td>{describeVariable(v)}</td>
+              <td>
+                {describeVariable(v)}
+                {chosen.has(v.name) && (
+                  <input
+                    className="jp-KernelSnapshots-rename"
+                    aria-label={`New name for ${v.name}`}
+                    placeholder={`as ${v.name}`}
+                    value={renamed[v.name] ?? ''}
+                    onChange={event =>
+                      setRenamed({
+                        ...renamed,
+                        [v.name]: event.currentTarget.value.trim()
+                      })
+                    }
+                  />
+                )}
+              </td>
             </tr>
           ))}
         </tbody>
@@ -178,7 +195,16 @@ export function ContentsDetails(props: {
           props.takeBlocked ||
           'Copy the chosen variables into the notebook’s kernel (it keeps everything else)'
         }
-        onClick={() => props.onTake([...chosen])}
+        onClick={() => {
+          const names = [...chosen];
+          const rename: { [name: string]: string } = {};
+          for (const name of names) {
+            if (renamed[name] && renamed[name] !== name) {
+              rename[name] = renamed[name];
+            }
+          }
+          props.onTake(names, rename);
+        }}
       >
         Take back {chosen.size > 0 ? [...chosen].join(', ') : 'variables'}
       </ActionButton>

@@ -35,7 +35,11 @@ export interface ISnapshotItemProps {
   onCompare: (snapshot: ISnapshot) => void;
   /** Why variables cannot be taken back now ('' when they can). */
   takeBlocked: string;
-  onTake: (snapshot: ISnapshot, names: string[]) => void;
+  onTake: (
+    snapshot: ISnapshot,
+    names: string[],
+    rename: { [name: string]: string }
+  ) => void;
 }
 
 /** One snapshot: when, why, how big, where, its status, and Restore/Delete. */
@@ -149,7 +153,7 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
           model={props.model}
           snapshotId={snapshot.id}
           takeBlocked={props.takeBlocked}
-          onTake={names => props.onTake(snapshot, names)}
+          onTake={(names, rename) => props.onTake(snapshot, names, rename)}
         />
       )}
       <div className="jp-KernelSnapshots-itemSizes" title={details}>

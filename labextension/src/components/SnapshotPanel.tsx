@@ -263,9 +263,13 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
     : restoring
       ? 'A job runs on the notebook’s kernel.'
       : '';
-  const onTake = (snapshot: ISnapshot, names: string[]) => {
+  const onTake = (
+    snapshot: ISnapshot,
+    names: string[],
+    rename: { [name: string]: string }
+  ) => {
     if (target?.kernelId) {
-      void takeVariables(actions, snapshot, target, names);
+      void takeVariables(actions, snapshot, target, names, rename);
     }
   };
   const onCompare = (snapshot: ISnapshot) =>
