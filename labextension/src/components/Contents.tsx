@@ -149,37 +149,42 @@ export function ContentsDetails(props: {
       <table className="jp-KernelSnapshots-variables" aria-label="Variables">
         <tbody>
           {variables.map(v => (
-            <tr key={v.name}>
-              <td>
-                <input
-                  type="checkbox"
-                  aria-label={`Take ${v.name}`}
-                  checked={chosen.has(v.name)}
-                  onChange={() => toggle(v.name)}
-                />
-              </td>
-              <td>
-                <strong>{v.name}</strong>
-              </td>
-              <td title={v.type}>{shortType(v.type)}</td>
-              <td>
-                {describeVariable(v)}
-                {chosen.has(v.name) && (
+            <React.Fragment key={v.name}>
+              <tr>
+                <td>
                   <input
-                    className="jp-KernelSnapshots-rename"
-                    aria-label={`New name for ${v.name}`}
-                    placeholder={`as ${v.name}`}
-                    value={renamed[v.name] ?? ''}
-                    onChange={event =>
-                      setRenamed({
-                        ...renamed,
-                        [v.name]: event.currentTarget.value.trim()
-                      })
-                    }
+                    type="checkbox"
+                    aria-label={`Take ${v.name}`}
+                    checked={chosen.has(v.name)}
+                    onChange={() => toggle(v.name)}
                   />
-                )}
-              </td>
-            </tr>
+                </td>
+                <td>
+                  <strong>{v.name}</strong>
+                </td>
+                <td title={v.type}>{shortType(v.type)}</td>
+                <td>{describeVariable(v)}</td>
+              </tr>
+              {chosen.has(v.name) && (
+                <tr>
+                  <td />
+                  <td colSpan={3}>
+                    <input
+                      className="jp-KernelSnapshots-rename"
+                      aria-label={`New name for ${v.name}`}
+                      placeholder={`as ${v.name} (or type a new name)`}
+                      value={renamed[v.name] ?? ''}
+                      onChange={event =>
+                        setRenamed({
+                          ...renamed,
+                          [v.name]: event.currentTarget.value.trim()
+                        })
+                      }
+                    />
+                  </td>
+                </tr>
+              )}
+            </React.Fragment>
           ))}
         </tbody>
       </table>
