@@ -181,6 +181,35 @@ def test_the_largest_fifty_of_many_in_any_order() -> None:
     assert summary["variables_bytes"] == sum(sys.getsizeof(b) for b in namespace.values())
 
 
+def test_frames_with_shape_and_size_and_nothing_imported() -> None:
+    import pandas as pd
+
+    frame = pd.DataFrame({"a": np.arange(1000, dtype=np.int64), "b": np.ones(1000)})
+    series = pd.Series(np.arange(10, dtype=np.int32), name="s")
+    before = set(sys.modules)
+    summary = summarize_namespace({"frame": frame, "series": series}, seconds=3600)
+    assert set(sys.modules) == before  # no framework is ever imported by the summary
+    by_name = {v["name"]: v for v in summary["variables"]}
+    assert by_name["frame"]["type"] == "pandas.DataFrame"
+    assert by_name["frame"]["shape"] == [1000, 2]
+    assert by_name["frame"]["size"] == int(frame.memory_usage(index=True, deep=False).sum())
+    assert by_name["series"]["shape"] == [10]
+    assert by_name["series"]["dtype"] == "int32"
+
+
+def test_a_kernel_without_frameworks_gets_none_imported() -> None:
+    code = (
+        "import sys\n"
+        "from kernel_wrapper.contents import summarize_namespace\n"
+        "summarize_namespace({'a': [1, 2], 'b': 'text'})\n"
+        "print(sorted(m for m in ('numpy', 'pandas', 'polars', 'torch', 'cupy', 'jax') "
+        "if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_a_namespace_past_the_budget_is_summarised_partially() -> None:
     """100 000 variables against a budget of 10 000 units: the work stops at the budget
     (counted, not timed), and the summary says it is partial and why."""
