@@ -182,6 +182,10 @@ async def _take(
     try:
         restored = await manager.restore_side_kernel(job, snapshot_id)
         side = str(restored["kernel_id"])
+        if restored.get("running_request"):
+            # The cell running at the snapshot goes on in the side kernel; the pickling
+            # would wait behind it (forever, for a cell that never ends): interrupt it.
+            await manager.kernel_manager.interrupt_kernel(side)
         manager.progress(job, "serialising")
         reply = await execute(
             manager.kernel_manager, side, _DUMP % {"names": list(mapping), "outdir": str(outdir)}

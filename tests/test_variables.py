@@ -193,3 +193,36 @@ async def test_the_cli_takes_variables(
     assert (await kernel.run("print(model_epoch30, model)")).strip() == (
         "{'epoch': 30} {'epoch': 31}"
     )
+
+
+async def test_a_snapshot_taken_during_a_cell_gives_its_variables(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any, tmp_path: Path
+) -> None:
+    """The side kernel resumes the cell that was running at the snapshot (here one that
+    would wait forever): it is interrupted, and the variables are taken."""
+    kernel = await start_kernel()
+    await kernel.run(f"import os, time\nflag = {str(tmp_path / 'never')!r}\nready = 'yes'")
+    kernel.client.execute("while not os.path.exists(flag): time.sleep(0.05)")
+    km = jp_serverapp.kernel_manager.get_kernel(kernel.id)
+
+    async def busy() -> bool:
+        return bool(km.execution_state == "busy")
+
+    await until(busy)
+    taken = await snapshot(jp_fetch, kernel.id)
+    assert taken["result"]["running_request"] is not None
+    (tmp_path / "never").touch()  # the kernel itself finishes its cell
+
+    async def idle() -> bool:
+        return bool(km.execution_state == "idle")
+
+    await until(idle)
+    (tmp_path / "never").unlink()  # in the side kernel, the cell would wait forever
+    await kernel.run("ready = 'overwritten'")
+    job = await take(
+        jp_fetch, taken["result"]["id"], kernel_id=kernel.id, names=["ready"],
+        rename={"ready": "ready_then"},
+    )  # fmt: skip
+    assert job["status"] == "done", job
+    assert (await kernel.run("print(ready_then, ready)")).strip() == "yes overwritten"
+    assert list(jp_serverapp.kernel_manager.list_kernel_ids()) == [kernel.id]
