@@ -16,6 +16,7 @@ from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.serverapp import ServerApp
 from traitlets import Bool, Float, Int, TraitError, Unicode, default, validate
 
+from .autosnap import LongCellPolicy
 from .core import private
 from .core.chunking import ChunkParams
 from .core.errors import SnapshotError
@@ -205,11 +206,37 @@ class SnapshotExtensionApp(ExtensionApp):
         help="""Seconds between periodic snapshots of each snapshot kernel that ran something
         since its last snapshot. Default: 0, which turns periodic snapshots off.""",
     )
+    long_cell_seconds = Float(
+        60.0,
+        config=True,
+        help="""Snapshot a kernel after a cell that ran at least this many seconds (timed
+        from its start to its reply; queued cells do not count their wait): that work is
+        worth keeping. Default: 60. 0 turns these snapshots off.""",
+    )
+    long_cell_min_interval = Float(
+        300.0,
+        config=True,
+        help="""At most one long-cell snapshot per kernel within this many seconds.
+        Default: 300 (5 minutes).""",
+    )
     keep_last = Int(
         10,
         config=True,
-        help="""Snapshots kept per notebook (by sequence number; the newest is never deleted).
+        help="""Snapshots kept per notebook (by sequence number; the newest is never deleted),
+        before the older ones are thinned (keep_hourly_hours, keep_daily_days).
         Default: 10. 0 keeps all.""",
+    )
+    keep_hourly_hours = Int(
+        24,
+        config=True,
+        help="""Beyond keep_last, keep the newest snapshot of each hour of the last this many
+        hours (restic's --keep-within-hourly). Default: 24. 0: none.""",
+    )
+    keep_daily_days = Int(
+        7,
+        config=True,
+        help="""Beyond those, keep the newest snapshot of each day of the last this many days
+        (restic's --keep-within-daily). Default: 7. 0: none.""",
     )
     max_store_bytes = Int(
         0,
@@ -325,6 +352,10 @@ class SnapshotExtensionApp(ExtensionApp):
             ),
             "periodic_interval": self.periodic_interval,
             "keep_last": self.keep_last,
+            "keep_hourly_hours": self.keep_hourly_hours,
+            "keep_daily_days": self.keep_daily_days,
+            "long_cell_seconds": self.long_cell_seconds,
+            "long_cell_min_interval": self.long_cell_min_interval,
             "max_store_bytes": self.max_store_bytes,
             "snapshot_before_shutdown": self.snapshot_before_shutdown,
             "idle_suspend_after": self.idle_suspend_after,
@@ -346,6 +377,8 @@ class SnapshotExtensionApp(ExtensionApp):
             work_dir=Path(self.work_dir),
             emit=self.emit,
             keep_last=self.keep_last,
+            keep_hourly_hours=self.keep_hourly_hours,
+            keep_daily_days=self.keep_daily_days,
             max_bytes=self.max_store_bytes,
             image_cache_max_bytes=self.image_cache_max_bytes,
             release_gpu_caches=self.release_gpu_caches,
@@ -358,6 +391,9 @@ class SnapshotExtensionApp(ExtensionApp):
         os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"
         os.environ[ENV_LAZY_RESTORE_MIN_BYTES] = str(self.lazy_restore_min_bytes)
         os.environ[ENV_PID_FLOOR] = str(self.kernel_pid_floor)
+        self.long_cells = LongCellPolicy(
+            self.manager, self.long_cell_seconds, self.long_cell_min_interval
+        )
         self._policy_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Future[None] | None = None
         self._recovery: asyncio.Future[None] | None = None
@@ -406,6 +442,7 @@ class SnapshotExtensionApp(ExtensionApp):
                 if self.periodic_interval > 0 and now - last_periodic >= self.periodic_interval:
                     last_periodic = now
                     await self.manager.periodic_pass()
+                await self.long_cells.tick()
                 if self.idle_suspend_after > 0:
                     await self.manager.suspend_idle(
                         self.idle_suspend_after,

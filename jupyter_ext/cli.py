@@ -19,9 +19,16 @@ from traitlets import Bool, Unicode, default
 
 from . import __version__
 from .app import data_dir
+from .core.contents import (
+    compare_contents,
+    describe_comparison,
+    describe_contents,
+    short_contents,
+)
 from .core.doctor import run_checks
 from .core.errors import SnapshotError
 from .core.humanize import human_bytes, human_seconds, time_ago
+from .core.manifest import check_snapshot_id
 from .core.protocol import DEFAULT_RUNTIME_ROOT
 from .core.store import SnapshotStore
 
@@ -212,13 +219,24 @@ def print_snapshots(snapshots: list[dict[str, Any]]) -> None:
     if not snapshots:
         print("No snapshots.")
         return
-    print(f"{'ID':<32}  {'WHEN':<12} {'TRIGGER':<15} {'SIZE':>10} {'NEW':>10}  STATUS    NOTEBOOK")
+    print(
+        f"{'ID':<32}  {'WHEN':<12} {'TRIGGER':<15} {'SIZE':>10} {'NEW':>10}  STATUS    "
+        "NOTEBOOK  LAST CELL  LARGEST"
+    )
     for snap in snapshots:
         size = snap.get("stored_bytes") or snap.get("total_bytes") or 0
+        contents = snap.get("contents") or {}
+        cells = contents.get("cells") or []
+        last = (
+            f"[{cells[-1].get('execution_count')}] {cells[-1].get('first_line', '')}"
+            if cells
+            else "-"
+        )
+        largest = ", ".join(str(v.get("name")) for v in (contents.get("variables") or [])[:3])
         print(
             f"{snap['id']:<32}  {time_ago(snap['created']):<12} {snap['trigger']:<15} "
             f"{human_bytes(size):>10} {human_bytes(snap.get('new_bytes') or 0):>10}  "
-            f"{snap['status']:<9} {snap.get('notebook_path') or '-'}"
+            f"{snap['status']:<9} {snap.get('notebook_path') or '-'}  {last[:40]}  {largest or '-'}"
         )
 
 
@@ -288,6 +306,7 @@ class ListApp(_SnapshotCommand):
             snapshots = [
                 {
                     **json.loads(s.manifest.to_json()),
+                    "contents": short_contents(s.manifest.contents),
                     "status": "complete",
                     "stored_bytes": s.stored_bytes,
                     "new_bytes": s.new_bytes,
@@ -308,6 +327,46 @@ class ListApp(_SnapshotCommand):
             print(json.dumps(snapshots, indent=1))
         else:
             print_snapshots(snapshots)
+
+
+class ShowApp(_SnapshotCommand):
+    name = "jupyter-snapshot-show"
+    description = (
+        "What a snapshot holds (cells run since the previous one, largest variables): "
+        "jupyter snapshot show ID; with two ids, what changed from the first to the second."
+    )
+
+    def _get(self, snapshot_id: str) -> dict[str, Any]:
+        store = self.direct_store()
+        if store is None:
+            answer: dict[str, Any] = self.server().call("GET", check_snapshot_id(snapshot_id))
+            return answer
+        manifest = store.get(check_snapshot_id(snapshot_id)).manifest
+        return {**json.loads(manifest.to_json()), "status": "complete"}
+
+    def run(self) -> None:
+        if len(self.extra_args) not in (1, 2):
+            raise SnapshotError(
+                "Name one snapshot id, or two to compare.",
+                hint="jupyter snapshot show ID [ID2]",
+            )
+        snaps = [self._get(snapshot_id) for snapshot_id in self.extra_args]
+        if len(snaps) == 2:
+            diff = compare_contents(snaps[0].get("contents") or {}, snaps[1].get("contents") or {})
+            print(
+                json.dumps(diff, indent=1) if self.as_json else "\n".join(describe_comparison(diff))
+            )
+            return
+        snap = snaps[0]
+        if self.as_json:
+            print(json.dumps(snap, indent=1))
+            return
+        print(
+            f"Snapshot {snap['id']} of {snap.get('notebook_path') or 'a kernel'}, "
+            f"{time_ago(snap['created'])} ({snap['trigger']}), "
+            f"{human_bytes(snap.get('total_bytes') or 0)}"
+        )
+        print("\n".join(describe_contents(snap.get("contents") or {})))
 
 
 class KernelsApp(_SnapshotCommand):
@@ -406,6 +465,43 @@ class RestoreApp(_SnapshotCommand):
             )
 
 
+class TakeApp(_SnapshotCommand):
+    name = "jupyter-snapshot-take"
+    description = (
+        "Copy variables from a snapshot into a running kernel, which keeps everything else: "
+        "jupyter snapshot take ID NAME[=NEW_NAME] ... --kernel-id=KERNEL"
+    )
+    kernel_id = Unicode("", config=True, help="The kernel that gets the variables.")
+    aliases = {**_SnapshotCommand.aliases, "kernel-id": "TakeApp.kernel_id"}
+
+    def run(self) -> None:
+        if len(self.extra_args) < 2 or not self.kernel_id:
+            raise SnapshotError(
+                "Name a snapshot, at least one variable and the kernel.",
+                hint="jupyter snapshot take ID df model=model_epoch30 --kernel-id=KERNEL",
+            )
+        names, rename = [], {}
+        for arg in self.extra_args[1:]:
+            name, _, new = arg.partition("=")
+            names.append(name)
+            if new:
+                rename[name] = new
+        server = self.server()
+        body = {"kernel_id": self.kernel_id, "names": names, "rename": rename}
+        answer = server.call(
+            "POST", f"{check_snapshot_id(self.extra_args[0])}/variables", body=body
+        )
+        result = server.follow(answer["job"])["result"]
+        if self.as_json:
+            print(json.dumps(result, indent=1))
+            return
+        for variable in result["variables"]:
+            renamed = f" as {variable['as']}" if variable["as"] != variable["name"] else ""
+            print(
+                f"{variable['name']}{renamed}: {human_bytes(variable['bytes'])} ({variable['how']})"
+            )
+
+
 class RemoveApp(_SnapshotCommand):
     name = "jupyter-snapshot-rm"
     description = "Delete snapshots: jupyter snapshot rm ID [ID ...]"
@@ -428,9 +524,11 @@ class SnapshotApp(JupyterApp):
     description = "Whole-process snapshots of Jupyter kernels (CRIU)."
     subcommands = {
         "list": (ListApp, ListApp.description),
+        "show": (ShowApp, ShowApp.description),
         "kernels": (KernelsApp, KernelsApp.description),
         "create": (CreateApp, CreateApp.description),
         "restore": (RestoreApp, RestoreApp.description),
+        "take": (TakeApp, TakeApp.description),
         "rm": (RemoveApp, RemoveApp.description),
         "doctor": (DoctorApp, DoctorApp.description),
         "install-kernelspec": (InstallKernelSpecApp, InstallKernelSpecApp.description),

@@ -16,6 +16,7 @@ from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from tornado import web
 
+from . import variables
 from .core.errors import (
     BadIdError,
     CriuNotFoundError,
@@ -27,6 +28,7 @@ from .core.errors import (
     SnapshotCorruptError,
     SnapshotError,
     SnapshotNotFoundError,
+    VariableTransferError,
     WrapperUnavailableError,
 )
 from .core.manifest import TRIGGERS
@@ -36,6 +38,7 @@ from .manager import SnapshotManager, validate_notebook_path
 HTTP_STATUS: dict[type[SnapshotError], int] = {
     BadIdError: 400,
     SnapshotNotFoundError: 404,
+    VariableTransferError: 422,
     SnapshotBusyError: 409,
     KernelNotRunningError: 409,
     WrapperUnavailableError: 409,
@@ -237,6 +240,31 @@ class RestoreHandler(SnapshotHandler):
         self.reply({"job": job.to_dict()}, status=202)
 
 
+class VariablesHandler(SnapshotHandler):
+    @web.authenticated
+    @authorized
+    async def post(self, snapshot_id: str) -> None:
+        """Copy variables from the snapshot into a running kernel (jupyter_ext.variables)."""
+        body = self.body()
+        kernel_id = body.get("kernel_id")
+        if not isinstance(kernel_id, str):
+            raise BadRequest(
+                "kernel_id must name the kernel that gets the variables.",
+                'Send {"kernel_id": "<kernel id>", "names": ["df"], "rename": {"df": "df_old"}}.',
+            )
+        try:
+            mapping = variables.check_names(body.get("names"), body.get("rename"))
+        except ValueError as exc:
+            raise BadRequest(
+                str(exc),
+                'Send {"kernel_id": "<kernel id>", "names": ["df"], "rename": {"df": "df_old"}}.',
+            ) from exc
+        job = variables.start(self.manager, snapshot_id, kernel_id, mapping)
+        # As a restore: a missing snapshot is a 404, an incompatible one a 422.
+        await self.manager.wait_checked(job)
+        self.reply({"job": job.to_dict()}, status=202)
+
+
 class JobHandler(SnapshotHandler):
     @web.authenticated
     @authorized
@@ -307,6 +335,7 @@ def route_table(
         (rf"/api/snapshots/kernels/{KERNEL_ID}/(?P<action>suspend|resume)", SuspendHandler),
         (rf"/api/snapshots/jobs/{JOB_ID}", JobHandler),
         (rf"/api/snapshots/{SNAPSHOT_ID}/restore", RestoreHandler),
+        (rf"/api/snapshots/{SNAPSHOT_ID}/variables", VariablesHandler),
         (rf"/api/snapshots/{SNAPSHOT_ID}", SnapshotItemHandler),
     ]
     return [(pattern, handler, kwargs) for pattern, handler in routes]

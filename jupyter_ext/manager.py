@@ -24,6 +24,7 @@ from typing import Any
 
 from .core import private, proctree
 from .core.compat import check_compatible
+from .core.contents import short_contents
 from .core.criu import Criu
 from .core.errors import (
     BadIdError,
@@ -227,6 +228,8 @@ class SnapshotManager:
         emit: EmitEvent,
         kernel_name: str = "python3-snapshot",
         keep_last: int = 0,
+        keep_hourly_hours: int = 0,
+        keep_daily_days: int = 0,
         max_bytes: int = 0,
         image_cache_max_bytes: int = -1,
         release_gpu_caches: bool = True,
@@ -251,6 +254,8 @@ class SnapshotManager:
         self.pending: dict[str, PendingUpload] = {}
         self.periodic_opt_out: set[str] = set()
         self.keep_last = keep_last
+        self.keep_hourly_hours = keep_hourly_hours
+        self.keep_daily_days = keep_daily_days
         self.max_bytes = max_bytes
         self.release_gpu_caches = release_gpu_caches
         self.lazy_restore = lazy_restore
@@ -378,12 +383,19 @@ class SnapshotManager:
         pending = self.pending.get(snapshot_id)
         if pending is not None:
             status = "upload-failed" if pending.error else "uploading"
-            return self._describe_manifest(pending.manifest, status, pending.error)
-        return self._describe(await asyncio.to_thread(self.store.get, snapshot_id), "complete")
+            return self._describe_manifest(pending.manifest, status, pending.error, full=True)
+        stored = await asyncio.to_thread(self.store.get, snapshot_id)
+        return self._describe(stored, "complete", full=True)
 
     @staticmethod
-    def _describe_manifest(manifest: Manifest, status: str, error: str = "") -> dict[str, Any]:
+    def _describe_manifest(
+        manifest: Manifest, status: str, error: str = "", full: bool = False
+    ) -> dict[str, Any]:
+        """The API's form of a snapshot: a listing carries the short form of what it holds
+        (core.contents.short_contents), a single snapshot (``full``) the whole record."""
         data = manifest.to_dict()
+        if not full:
+            data["contents"] = short_contents(manifest.contents)
         data.pop("files", None)
         data.pop("needed_files", None)
         data.pop("bound_ports", None)
@@ -396,8 +408,8 @@ class SnapshotManager:
         )
         return data
 
-    def _describe(self, stored: StoredSnapshot, status: str) -> dict[str, Any]:
-        data = self._describe_manifest(stored.manifest, status)
+    def _describe(self, stored: StoredSnapshot, status: str, full: bool = False) -> dict[str, Any]:
+        data = self._describe_manifest(stored.manifest, status, full=full)
         data.update(stored_bytes=stored.stored_bytes, new_bytes=stored.new_bytes)
         return data
 
@@ -545,6 +557,19 @@ class SnapshotManager:
 
     # ---------------------------------------------------------------- create
 
+    # Used by jupyter_ext.variables (a job of its own kind, beside restores).
+    check_not_busy = _busy
+    start_job = _start_job
+    progress = _progress
+
+    async def restore_side_kernel(self, job: Job, snapshot_id: str) -> dict[str, Any]:
+        """Restore a snapshot into a new kernel attached to no notebook (variables.py)."""
+        return await self._restore(job, snapshot_id, None, None, attach=False)
+
+    def has_job(self, kernel_id: str) -> bool:
+        """Whether a job (snapshot, restore, suspend, resume) runs on the kernel now."""
+        return kernel_id in self._kernel_jobs
+
     def create(self, kernel_id: str, trigger: str = "manual") -> Job:
         """Snapshot a running kernel; the kernel is frozen only while CRIU dumps."""
         self.kernel(kernel_id)
@@ -691,7 +716,12 @@ class SnapshotManager:
         plan = plan_retention(
             (Retained.of(s.manifest) for s in store.list()),
             Retained.of(newest),
-            RetentionPolicy(keep_last=self.keep_last, max_bytes=self.max_bytes),
+            RetentionPolicy(
+                keep_last=self.keep_last,
+                max_bytes=self.max_bytes,
+                keep_hourly_hours=self.keep_hourly_hours,
+                keep_daily_days=self.keep_daily_days,
+            ),
         )
         removed: list[str] = []
         for snapshot_id in plan.by_count:
@@ -799,7 +829,12 @@ class SnapshotManager:
         return None
 
     async def _restore(
-        self, job: Job, snapshot_id: str, kernel_id: str | None, path: str | None
+        self,
+        job: Job,
+        snapshot_id: str,
+        kernel_id: str | None,
+        path: str | None,
+        attach: bool = True,
     ) -> dict[str, Any]:
         # Served from the image cache when it holds the snapshot intact: no store request.
         lease = await self._cached(job, snapshot_id)
@@ -820,10 +855,12 @@ class SnapshotManager:
                 # Into a new kernel, lazily: all but the kernel's memory first; the kernel
                 # runs while its pages come (each chunk checked). Not in place: there a
                 # damaged chunk must fail the restore before the running kernel is touched.
+                # Never a side kernel (variables.py): a damaged page would end it midway.
                 lazily = (
                     self.lazy_restore
                     and self.lazy_from_store
                     and kernel_id is None
+                    and attach
                     and snapshot_id not in self.pending
                     and worth_lazy(manifest.gpu)
                     and await self._lazy_pages_here()
@@ -867,7 +904,7 @@ class SnapshotManager:
                     kernel_id, self._lazy_download_done(directory, download_lock, lent)
                 )
                 lent, temporary, download_lock = None, False, -1
-            target_path = path or manifest.notebook_path
+            target_path = (path or manifest.notebook_path) if attach else None
             session = await self._attach(kernel_id, target_path) if target_path else None
         finally:
             if lent is not None:

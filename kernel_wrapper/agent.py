@@ -13,30 +13,24 @@ one JSON object each way:
     {"id": 1, "op": "release_gpu_caches"}  ->  {"id": 1, "released": {"torch": 123}, ...}
 
 It never imports a framework: only one the kernel has already imported is touched.
+
+Every kernel runs one (it costs a thread blocked on a socket): before each dump the
+wrapper asks it what the snapshot holds (``{"op": "summary", "since": N}``): the cells
+run since the previous snapshot and the largest variables (kernel_wrapper.contents),
+recorded in the manifest.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from jupyter_ext.core.protocol import ENV_LIBCUDA
-
-#: The channel "port" of the agent in the runtime directory (see kernel_wrapper.inner).
-
-
-def wanted() -> bool:
-    """Whether this kernel runs an agent: only where GPU memory can be cached, a machine
-    with an NVIDIA driver, or one where a libcuda is named for the kernel
-    (``JUPYTER_SNAPSHOT_LIBCUDA``). Elsewhere the kernel has no extra thread or connection,
-    and the wrapper, finding no agent, goes on at once."""
-    return os.path.exists("/dev/nvidiactl") or bool(os.environ.get(ENV_LIBCUDA))
-
+from .contents import CellLog, summarize_namespace
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +84,26 @@ def release_gpu_caches() -> dict[str, Any]:
     return {"released": released, "errors": errors}
 
 
-OPERATIONS = {"release_gpu_caches": release_gpu_caches}
-
-
 class SnapshotAgent(threading.Thread):
-    """Answers the wrapper's requests on ``endpoint``, one at a time, for the kernel's life."""
+    """Answers the wrapper's requests on ``endpoint``, one at a time, for the kernel's life.
 
-    def __init__(self, context: zmq.Context[Any], endpoint: str) -> None:
+    ``shell`` is the kernel's InteractiveShell (its namespace is summarised, its cells are
+    logged by ``cells``, which the caller registers for IPython's run-cell events)."""
+
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        endpoint: str,
+        shell: Any = None,
+        cells: CellLog | None = None,
+    ) -> None:
         super().__init__(name="snapshot-agent", daemon=True)
+        self.shell = shell
+        self.cells = cells or CellLog()
+        self.operations: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+            "release_gpu_caches": lambda _request: release_gpu_caches(),
+            "summary": self.summary,
+        }
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RECONNECT_IVL, 10)
@@ -116,13 +122,28 @@ class SnapshotAgent(threading.Thread):
                 continue
             if not isinstance(request, dict):
                 continue
-            answer = OPERATIONS.get(str(request.get("op")))
+            answer = self.operations.get(str(request.get("op")))
             reply: dict[str, Any] = {"id": request.get("id")}
             if answer is None:
                 reply["error"] = f"unknown operation {request.get('op')!r}"
             else:
-                reply.update(answer())
+                try:
+                    reply.update(answer(request))
+                except Exception as exc:  # noqa: BLE001  (the snapshot goes on without it)
+                    reply["error"] = f"{type(exc).__name__}: {exc}"
             try:
                 self.socket.send_json(reply, zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # the wrapper went away: it asks again if it needs
                 log.warning("snapshot agent: cannot reply: %s", exc)
+
+    def summary(self, request: dict[str, Any]) -> dict[str, Any]:
+        """What the snapshot about to be taken holds: cells after ``since``, variables."""
+        since = request.get("since")
+        shell = self.shell
+        # The running cell's count: IPython 9 counts before the cell runs, older versions
+        # after; the wrapper fills it in from the cell's execute_input (snapshotter).
+        result = self.cells.since(since if type(since) is int else 0)
+        if shell is not None:
+            hidden = set(getattr(shell, "user_ns_hidden", {}))
+            result.update(summarize_namespace(shell.user_ns, hidden))
+        return result

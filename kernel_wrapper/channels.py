@@ -174,13 +174,13 @@ class InnerChannels:
         self.paths.append(agent_path)
         self._agent_requests = 0
 
-    async def ask_agent(self, op: str, timeout: float) -> dict[str, Any]:
+    async def ask_agent(self, op: str, timeout: float, **args: Any) -> dict[str, Any]:
         """One request to the kernel's snapshot agent; an answer with "error" if it is not
         there (a kernel restored from an older snapshot) or does not answer in time."""
         self._agent_requests += 1
         request_id = self._agent_requests
         try:
-            await self.agent.send_json({"id": request_id, "op": op}, zmq.NOBLOCK)
+            await self.agent.send_json({**args, "id": request_id, "op": op}, zmq.NOBLOCK)
         except zmq.Again:
             return {"error": "the kernel has no snapshot agent connected"}
         deadline = time.monotonic() + timeout
@@ -190,7 +190,7 @@ class InnerChannels:
             reply = await self.agent.recv_json()
             if isinstance(reply, dict) and reply.get("id") == request_id:
                 return reply  # earlier answers that came too late are dropped
-        return {"error": f"the kernel's snapshot agent did not answer within {timeout:.0f} s"}
+        return {"error": f"the kernel's snapshot agent did not answer within {timeout:g} s"}
 
     def unlink_endpoints(self) -> None:
         """Make the endpoints unreachable (a unix socket is found by its path) while the

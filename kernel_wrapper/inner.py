@@ -10,8 +10,9 @@ from a plain ipykernel in three ways, each needed for a clean CRIU image:
   life) and keeps IPython's history in memory (a growing SQLite file would break restore);
 * a watcher thread ends the kernel when its wrapper is gone, so no kernel is orphaned,
   also after a restore into a new wrapper (it follows ``wrapper.pid`` in the directory);
-* on GPU machines, a snapshot agent thread (kernel_wrapper.agent) releases framework GPU
-  caches when the wrapper asks, before a GPU checkpoint;
+* a snapshot agent thread (kernel_wrapper.agent) tells the wrapper before each dump what
+  the snapshot holds (cells run, largest variables) and releases framework GPU caches
+  before a GPU checkpoint;
 * before each cell it runs the restore hooks of :mod:`kernel_snapshots` if the kernel was
   restored since the last cell (its TCP connections came back closed: docs/network.md);
 * without root it declares its wrapper as its tracer (Yama's PR_SET_PTRACER), at start, in
@@ -41,7 +42,7 @@ from jupyter_ext.core import confinement, proctree
 from jupyter_ext.core.protocol import AGENT_PORT, ENV_INNER_DIR
 
 from .agent import SnapshotAgent
-from .agent import wanted as agent_wanted
+from .contents import CellLog
 
 #: How often the orphan watcher looks for the wrapper, in seconds.
 WATCH_INTERVAL = 0.5
@@ -167,11 +168,12 @@ class SnapshotReadyKernelApp(IPKernelApp):
         s.connect(f"ipc://{self.ip}-{port}")
         return port
 
+    cells = CellLog()
+
     def init_sockets(self) -> None:
         super().init_sockets()
         assert self.context is not None
-        if agent_wanted():
-            SnapshotAgent(self.context, f"ipc://{self.ip}-{AGENT_PORT}").start()
+        self._agent_endpoint = f"ipc://{self.ip}-{AGENT_PORT}"
 
     def init_control(self, context: zmq.Context[Any]) -> None:
         super().init_control(context)
@@ -202,6 +204,10 @@ class SnapshotReadyKernelApp(IPKernelApp):
         # connections too. The callback never raises (kernel_snapshots reports failures).
         assert self.shell is not None
         self.shell.events.register("pre_execute", kernel_snapshots.run_pending_hooks)
+        self.shell.events.register("pre_run_cell", self.cells.pre_run_cell)
+        self.shell.events.register("post_run_cell", self.cells.post_run_cell)
+        assert self.context is not None
+        SnapshotAgent(self.context, self._agent_endpoint, self.shell, self.cells).start()
 
 
 def main() -> None:

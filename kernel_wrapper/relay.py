@@ -71,6 +71,9 @@ class Relay:
         self.execution_state = "starting"
         self.last_activity = time.time()
         self.executions_since_snapshot = 0
+        self.longest_cell_since_snapshot = 0.0
+        """Seconds of the longest cell that finished since the last snapshot: the server's
+        long-cell policy snapshots after one past its threshold."""
         self.resumed_request: dict[str, Any] | None = None
         """The request a restored kernel was running at its snapshot, while it still runs."""
         self._open = False
@@ -265,7 +268,12 @@ class Relay:
         elif name == "shell" and reply and b'"execute_reply"' in header:
             with contextlib.suppress(ValueError, IndexError, KeyError, TypeError):
                 done = json.loads(frames[header_at + 3])["msg_id"]
-                self._executing.pop(done, None)
+                finished = self._executing.pop(done, None)
+                if finished is not None and "started" in finished:
+                    seconds = time.monotonic() - finished.pop("started")
+                    self.longest_cell_since_snapshot = max(
+                        self.longest_cell_since_snapshot, seconds
+                    )
                 if self.resumed_request and self.resumed_request["header"]["msg_id"] == done:
                     self.resumed_request = None
                     self._resumed_output.clear()
@@ -275,6 +283,7 @@ class Relay:
                 if running is not None:
                     content = json.loads(frames[header_at + 5])
                     running["execution_count"] = content.get("execution_count")
+                    running["started"] = time.monotonic()  # queued cells wait before it
         elif name == "iopub" and b'"status"' in header:
             with contextlib.suppress(ValueError, IndexError, KeyError):
                 content = json.loads(frames[header_at + 5])
@@ -299,7 +308,16 @@ class Relay:
 
     def running_request(self) -> dict[str, Any] | None:
         """The execute_request the kernel is running (the oldest without a reply)."""
-        return dict(next(iter(self._executing.values()))) if self._executing else None
+        if not self._executing:
+            return None
+        running = dict(next(iter(self._executing.values())))
+        running.pop("started", None)
+        return running
+
+    def snapshot_taken(self) -> None:
+        """A snapshot (or a restore) holds everything up to now."""
+        self.executions_since_snapshot = 0
+        self.longest_cell_since_snapshot = 0.0
 
     # ------------------------------------------------------------------ a resumed cell
 

@@ -92,6 +92,9 @@ log = logging.getLogger("kernel_wrapper")
 
 #: How long the kernel's snapshot agent gets to release GPU caches before a checkpoint.
 AGENT_TIMEOUT = 10.0
+#: How long it gets to say what the snapshot holds (it takes ~50 ms at most; more only
+#: while the kernel's code holds the interpreter lock in C).
+SUMMARY_TIMEOUT = 1.0
 
 
 def _with_fate(exc: SnapshotError, inner_pid: int) -> SnapshotError:
@@ -154,6 +157,9 @@ class Snapshotter:
         """The last lazy restore: state (transferring/complete/failed), bytes, error."""
         self.closed_on_restore: list[dict[str, Any]] = []
         """Connections to outside peers that the last restore gave back closed."""
+        self.cells_through = 0
+        """The kernel's last cell (kernel_wrapper.contents.CellLog seq) that a snapshot
+        recorded: the next one lists the cells after it."""
         self._discard_after_resume = False
         self._lock = asyncio.Lock()
         self._criu: Criu | None = None
@@ -301,6 +307,7 @@ class Snapshotter:
         work_dir = Path(tempfile.mkdtemp(prefix="dump-", dir=self.runtime.path))
         inner_pid = self.process.pid
         runtime_dir_key = external_file_key(self.runtime.fd)
+        contents = await self._contents()
         self.lifecycle.enter(State.SNAPSHOTTING)
         await asyncio.sleep(0)  # let the cancelled pumps let go of their sockets
         gpu_info: dict[str, Any] = {}
@@ -434,6 +441,7 @@ class Snapshotter:
             shm_copy_seconds=round(copier.seconds, 4) if copier is not None else 0.0,
             pause_seconds=round(pause_seconds, 4),
             chunk_kib=chunk_kib,
+            contents=contents,
         )
         progress({"phase": "hashing"})
         shutil.rmtree(work_dir, ignore_errors=True)
@@ -445,9 +453,27 @@ class Snapshotter:
             raise
         self.parent_snapshot = manifest.id
         self.chunk_kib = manifest.chunk_kib
-        self.relay.executions_since_snapshot = 0
+        self.cells_through = int(contents.get("cells_through", self.cells_through))
+        self.relay.snapshot_taken()
         progress({"phase": "done", "bytes": manifest.total_bytes})
         return manifest
+
+    async def _contents(self) -> dict[str, Any]:
+        """What the kernel's agent says the snapshot holds (kernel_wrapper.contents), while
+        the kernel still runs; without an answer the snapshot goes on, its record partial."""
+        if self.relay.inner is None:
+            return {"partial": True, "partial_reason": "the kernel is not connected"}
+        answer = await self.relay.inner.ask_agent(
+            "summary", SUMMARY_TIMEOUT, since=self.cells_through
+        )
+        answer.pop("id", None)
+        if answer.get("error"):
+            return {"partial": True, "partial_reason": str(answer["error"])}
+        cells = answer.get("cells")
+        running = self.relay.running_request()
+        if cells and isinstance(cells[-1], dict) and cells[-1].get("running") and running:
+            cells[-1]["execution_count"] = running.get("execution_count")
+        return answer
 
     async def _gpu_checkpoint(
         self,
@@ -526,7 +552,8 @@ class Snapshotter:
                 self.sequence = max(self.sequence, manifest.sequence)
                 self.parent_snapshot = manifest.id
                 self.chunk_kib = manifest.chunk_kib
-                self.relay.executions_since_snapshot = 0
+                self.cells_through = int(manifest.contents.get("cells_through", 0))
+                self.relay.snapshot_taken()
 
             try:
                 await self._replace_inner(

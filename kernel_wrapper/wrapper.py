@@ -265,6 +265,7 @@ class KernelWrapper:
             "execution_state": relay.execution_state,
             "last_activity": relay.last_activity,
             "executions_since_snapshot": relay.executions_since_snapshot,
+            "longest_cell_since_snapshot": round(relay.longest_cell_since_snapshot, 3),
             "sequence": snapshotter.sequence,
             "busy": snapshotter.busy,
             "resumed_request": relay.resumed_request,

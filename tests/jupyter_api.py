@@ -70,6 +70,9 @@ def server_config(tmp_path: Path, **extension: Any) -> dict[str, Any]:
             "idle_suspend_after": 0,
             "snapshot_before_shutdown": False,
             "keep_last": 0,
+            # On by default; off here, so that no test gets a snapshot it did not ask for
+            # (tests/test_policies.py turns it on with a small threshold).
+            "long_cell_seconds": 0,
             "policy_tick": 0.2,
             # Restores read the store (what most tests check): tests/test_image_cache.py
             # turns the local image cache on.

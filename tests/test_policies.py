@@ -73,6 +73,47 @@ class TestPeriodic:
         assert newest["sequence"] == 2
 
 
+@pytest.mark.usefixtures("running_extensions")
+class TestLongCell:
+    @pytest.fixture
+    def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:
+        return base_config(tmp_path, long_cell_seconds=1.5, long_cell_min_interval=0)
+
+    async def test_a_long_cell_triggers_a_snapshot_a_short_one_does_not(
+        self, jp_fetch: Fetch, start_kernel: Any
+    ) -> None:
+        kernel = await start_kernel()
+        await kernel.run("short = 1")
+        await kernel.run("import time\ntime.sleep(2.5)\nlong = 2")
+
+        async def long_cell() -> list[dict[str, Any]]:
+            return (await call(jp_fetch, "GET", trigger="long-cell"))["snapshots"]
+
+        async def taken() -> bool:
+            return len(await long_cell()) > 0
+
+        await until(taken)
+        # One snapshot, after the long cell, holding both cells: the short one, ticks of
+        # the policy before the long one ended, had not triggered one of its own.
+        [first] = await long_cell()
+        cells = [c["first_line"] for c in first["contents"]["cells"]]
+        assert cells == ["short = 1", "import time"]
+        assert first["contents"]["cells"][1]["seconds"] >= 2.5
+
+
+def test_long_cell_policy_decisions() -> None:
+    from jupyter_ext.autosnap import long_cell_due
+
+    status = {"snapshots": True, "state": "running", "longest_cell_since_snapshot": 61.0}
+    assert long_cell_due(status, 60, None, now=1000, min_interval=300)
+    assert not long_cell_due(status, 0, None, now=1000, min_interval=300)  # off
+    assert not long_cell_due(status, 90, None, now=1000, min_interval=300)  # too short
+    assert not long_cell_due(status, 60, last=800, now=1000, min_interval=300)  # too soon
+    assert long_cell_due(status, 60, last=700, now=1000, min_interval=300)
+    assert not long_cell_due({**status, "state": "suspended"}, 60, None, 1000, 300)
+    assert not long_cell_due({**status, "snapshots": False}, 60, None, 1000, 300)
+
+
 class TestRetention:
     @pytest.fixture
     def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:

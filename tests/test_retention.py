@@ -69,6 +69,46 @@ def test_keep_last_per_notebook_oldest_first() -> None:
     assert over_budget == []  # no byte budget
 
 
+def test_beyond_keep_last_one_per_hour_for_a_day_then_one_per_day_for_a_week() -> None:
+    """restic's --keep-within-hourly 24h --keep-within-daily 7d after the last 2: a
+    snapshot every 20 minutes over 10 days."""
+    from datetime import datetime, timedelta, timezone
+
+    start = datetime(2026, 11, 22, 0, 0, tzinfo=timezone.utc)
+    listed = [
+        snap(f"s{i}", i + 1, created=(start + timedelta(minutes=20 * i)).isoformat())
+        for i in range(10 * 24 * 3)
+    ]
+    newest = listed[-1]
+    policy = RetentionPolicy(keep_last=2, keep_hourly_hours=24, keep_daily_days=7)
+    deleted = set(plan_retention(listed, newest, policy).by_count)
+    kept = [s for s in listed if s.id not in deleted]
+    now = datetime.fromisoformat(newest.created)
+    ages = [now - datetime.fromisoformat(s.created) for s in kept]
+    # The last two, then the last of each hour of the last 24 hours, then of each day.
+    assert [s.id for s in kept[-2:]] == [listed[-2].id, listed[-1].id]
+    hourly = [age for age in ages if age <= timedelta(hours=24)]
+    daily = [age for age in ages if age > timedelta(hours=24)]
+    # 25 hour buckets touch the window (it ends at 23:40, starts at 23:40 the day before),
+    # and the last two (23:20, 23:40) share one.
+    assert len(hourly) == 25 + 1
+    assert len(daily) == 6  # the days before the last 24 hours within the week
+    assert max(ages) <= timedelta(days=7)
+    # Each kept daily snapshot is its day's last one.
+    for s in kept:
+        age = now - datetime.fromisoformat(s.created)
+        if age > timedelta(hours=24):
+            assert datetime.fromisoformat(s.created).strftime("%H:%M") == "23:40"
+    # Without the thinning rules only the last two stay.
+    assert len(plan_retention(listed, newest, RetentionPolicy(keep_last=2)).by_count) == (
+        len(listed) - 2
+    )
+    # The byte budget still may take the thinned ones (never the newest).
+    budget = plan_retention(listed, newest, dataclasses.replace(policy, max_bytes=1))
+    assert newest.id not in budget.over_budget
+    assert set(budget.over_budget) >= {s.id for s in kept} - {newest.id}
+
+
 def test_kernels_without_notebook_group_by_lineage() -> None:
     a = [snap(f"a{i}", i, notebook=None) for i in range(1, 4)]
     b = [snap(f"b{i}", i, lineage=B, notebook=None) for i in range(1, 4)]

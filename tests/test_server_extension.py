@@ -339,6 +339,7 @@ async def test_every_endpoint_needs_authentication(jp_fetch: Fetch) -> None:
         ("GET", "/" + "0" * 32),
         ("DELETE", "/" + "0" * 32),
         ("POST", "/" + "0" * 32 + "/restore"),
+        ("POST", "/" + "0" * 32 + "/variables"),
     ]:
         body = "{}" if method in ("POST", "PATCH") else None
         with pytest.raises(HTTPClientError) as info:

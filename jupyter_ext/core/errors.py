@@ -15,6 +15,7 @@ extension, the CLI and the panel can show it as it is::
     ├── KernelNotRunningError     there is no kernel process to snapshot
     ├── WrapperUnavailableError   the kernel is not a snapshot kernel, or its wrapper is gone
     ├── SnapshotNotFoundError     no snapshot with that id
+    ├── VariableTransferError     variables could not be taken from a snapshot (variables.py)
     ├── StoreError                the store cannot be read or written (store.py)
     └── GpuCheckpointError        a CUDA checkpoint step failed (gpu/errors.py)
         └── GpuUnavailableError   no usable CUDA checkpoint support
@@ -107,6 +108,13 @@ class WrapperUnavailableError(SnapshotError):
 
 class SnapshotNotFoundError(SnapshotError):
     code = "snapshot-not-found"
+
+
+class VariableTransferError(SnapshotError):
+    """A variable taken from a snapshot could not be serialised in the side kernel or
+    loaded into the target; the message names it and the reason (the target is unchanged)."""
+
+    code = "variable-not-transferable"
 
 
 class BadIdError(SnapshotError):

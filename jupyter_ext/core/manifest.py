@@ -77,8 +77,16 @@ def check_snapshot_id(value: object) -> str:
     return value
 
 
-TRIGGERS = ("manual", "periodic", "idle-suspend", "before-shutdown", "before-restore")
-"""What took a snapshot; "before-restore" saves a kernel a restore in place replaces."""
+TRIGGERS = (
+    "manual",
+    "periodic",
+    "long-cell",
+    "idle-suspend",
+    "before-shutdown",
+    "before-restore",
+)
+"""What took a snapshot; "before-restore" saves a kernel a restore in place replaces;
+"long-cell" follows a cell that ran longer than the server's threshold."""
 
 
 def new_snapshot_id() -> str:
@@ -221,6 +229,11 @@ class Manifest:
     """The chunk size (chunking.ChunkParams.of_kib) the memory files were cut with."""
     files: list[FileEntry] = field(default_factory=list)
     gpu: dict[str, Any] = field(default_factory=dict)
+    contents: dict[str, Any] = field(default_factory=dict)
+    """What the snapshot holds, as the kernel's agent said just before the dump
+    (kernel_wrapper.contents): "cells" run since the previous snapshot, the largest
+    "variables" and their totals, "partial" with a reason. Empty in snapshots taken before
+    it existed (read as they are: an added field with a default needs no new format)."""
     format_version: int = FORMAT_VERSION
     checksum: str = ""
     """sha256 of every other field (:func:`manifest_checksum`), set when it is sealed: a

@@ -82,6 +82,8 @@ Phase = Literal[
     "saving-kernel",
     "restoring",
     "transferring",
+    "serialising",
+    "loading",
     "done",
 ]
 
@@ -234,6 +236,7 @@ class KernelStatus(TypedDict):
     execution_state: str
     last_activity: float
     executions_since_snapshot: int
+    longest_cell_since_snapshot: float
     sequence: int
     busy: bool
     resumed_request: dict[str, Any] | None

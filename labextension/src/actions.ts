@@ -371,6 +371,39 @@ async function shutdownIfUnused(
   }
 }
 
+/** Copy variables from a snapshot into the notebook's running kernel. */
+export async function takeVariables(
+  context: IActionContext,
+  snapshot: ISnapshot,
+  target: INotebookTarget,
+  names: string[],
+  rename: { [name: string]: string } = {}
+): Promise<IJob | null> {
+  if (!target.kernelId) {
+    return null;
+  }
+  const label =
+    names.map(n => (rename[n] ? `${n} as ${rename[n]}` : n)).join(', ') +
+    ` into ${baseName(target.path)}`;
+  try {
+    const tracked = await context.model.takeVariables(
+      snapshot.id,
+      target.kernelId,
+      names,
+      rename,
+      label
+    );
+    const job = await context.model.waitFor(tracked.job.id);
+    if (job.status === 'failed' && job.error) {
+      void showErrorDialog('Variables not taken', job.error);
+    }
+    return job;
+  } catch (error) {
+    notifyError(`Taking ${names.join(', ')} failed`, error);
+    return null;
+  }
+}
+
 /** Delete a snapshot, after confirmation if the settings ask for it. */
 export async function deleteSnapshot(
   context: IActionContext,

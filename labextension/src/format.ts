@@ -102,6 +102,7 @@ export function formatDuration(seconds: number): string {
 const TRIGGERS: { [key: string]: string } = {
   manual: 'manual',
   periodic: 'periodic',
+  'long-cell': 'after a long cell',
   'idle-suspend': 'idle suspend',
   'before-shutdown': 'before shutdown',
   'before-restore': 'before a restore'
@@ -164,6 +165,8 @@ const PHASES: Record<Phase, string> = {
   'saving-kernel': 'Saving the running kernel',
   restoring: 'Restoring',
   transferring: 'Bringing memory in',
+  serialising: 'Pickling the variables',
+  loading: 'Loading them into the kernel',
   done: 'Done'
 };
 
@@ -171,7 +174,8 @@ const KINDS: { [key: string]: string } = {
   snapshot: 'Snapshot',
   restore: 'Restore',
   suspend: 'Suspend',
-  resume: 'Resume'
+  resume: 'Resume',
+  variables: 'Take variables'
 };
 
 /** "Snapshot", "Restore"... */
@@ -218,10 +222,24 @@ export function policyLines(policy: IPolicy): [string, string][] {
       ? `every ${formatDuration(periodic)} (kernels that ran something)`
       : 'off'
   ]);
+  const longCell = policy.long_cell_seconds ?? 0;
+  lines.push([
+    'After long cells',
+    longCell > 0
+      ? `a snapshot after a cell of ${formatDuration(longCell)} or more (at most every ${formatDuration(policy.long_cell_min_interval ?? 0)})`
+      : 'off'
+  ]);
   const keep = policy.keep_last ?? 0;
+  const hourly = policy.keep_hourly_hours ?? 0;
+  const daily = policy.keep_daily_days ?? 0;
   lines.push([
     'Kept per notebook',
-    keep > 0 ? `last ${keep} (the newest is never deleted)` : 'all'
+    keep > 0
+      ? `last ${keep}` +
+        (hourly > 0 ? `, then one per hour for ${hourly} h` : '') +
+        (daily > 0 ? `, one per day for ${daily} days` : '') +
+        ' (the newest is never deleted)'
+      : 'all'
   ]);
   const budget = policy.max_store_bytes ?? 0;
   lines.push(['Store budget', budget > 0 ? formatBytes(budget) : 'none']);

@@ -301,6 +301,30 @@ export class SnapshotsModel implements ISnapshotsModel {
     void this._refreshSoon.invoke();
   }
 
+  /** One snapshot with the full record of what it holds. */
+  async details(snapshotId: string): Promise<ISnapshot> {
+    return requestAPI<ISnapshot>(snapshotId, {}, this._serverSettings);
+  }
+
+  /**
+   * Copy variables from a snapshot into the running kernel `kernelId` (restored as a side
+   * kernel on the server, pickled there, loaded all-or-none into the kernel).
+   */
+  async takeVariables(
+    snapshotId: string,
+    kernelId: string,
+    names: string[],
+    rename: { [name: string]: string } = {},
+    label?: string
+  ): Promise<ITrackedJob> {
+    const { job } = await requestAPI<{ job: IJob }>(
+      `${snapshotId}/variables`,
+      jsonBody('POST', { kernel_id: kernelId, names, rename }),
+      this._serverSettings
+    );
+    return this.track(job, { notify: true, label });
+  }
+
   /** The newest snapshots of a notebook, without changing what the panel shows. */
   async snapshotsOf(path: string): Promise<ISnapshot[]> {
     const { snapshots } = await requestAPI<ISnapshotList>(

@@ -12,7 +12,8 @@ const IN_PROGRESS: { [kind: string]: string } = {
   snapshot: 'Snapshotting the kernel of',
   restore: 'Restoring the kernel of',
   suspend: 'Suspending the kernel of',
-  resume: 'Resuming the kernel of'
+  resume: 'Resuming the kernel of',
+  variables: 'Taking'
 };
 
 function progressMessage(tracked: ITrackedJob): string {
@@ -59,6 +60,8 @@ function doneMessage(tracked: ITrackedJob): {
       return { type: 'success', message: `Kernel of ${label} restored.` };
     case 'resume':
       return { type: 'success', message: `Kernel of ${label} resumed.` };
+    case 'variables':
+      return { type: 'success', message: `Took ${label}.` };
     default:
       return { type: 'success', message: `${formatKind(job.kind)} done.` };
   }

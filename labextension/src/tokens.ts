@@ -42,7 +42,50 @@ export interface IErrorBody {
 }
 
 export type Trigger =
-  'manual' | 'periodic' | 'idle-suspend' | 'before-shutdown' | 'before-restore';
+  | 'manual'
+  | 'periodic'
+  | 'long-cell'
+  | 'idle-suspend'
+  | 'before-shutdown'
+  | 'before-restore';
+
+/** One variable of a snapshot's kernel, read without running its code. */
+export interface IVariable {
+  name: string;
+  type: string;
+  size: number;
+  estimated?: boolean;
+  shape?: number[];
+  dtype?: string;
+  length?: number;
+  device?: string;
+  error?: string;
+}
+
+/** A cell run since the previous snapshot (the listing has its first line only). */
+export interface ICellRecord {
+  execution_count?: number | null;
+  /** The code (full record) ... */
+  code?: string;
+  /** ... or its first line (listing). */
+  first_line?: string;
+  started?: number;
+  seconds?: number | null;
+  running?: boolean;
+  trimmed?: boolean;
+}
+
+/** What a snapshot holds: short in a listing, full from `GET /api/snapshots/{id}`. */
+export interface IContents {
+  cells?: ICellRecord[];
+  variables?: IVariable[];
+  /** Every listed variable's name (listing only: what the search matches). */
+  variable_names?: string[];
+  variable_count?: number;
+  variables_bytes?: number;
+  partial?: boolean;
+  partial_reason?: string;
+}
 
 export type SnapshotStatus = 'complete' | 'uploading' | 'upload-failed';
 
@@ -81,9 +124,12 @@ export interface ISnapshot {
   product_version?: string;
   kernel_release?: string;
   python_version?: string;
+  /** What it holds (empty for snapshots from before this was recorded). */
+  contents?: IContents;
 }
 
-export type JobKind = 'snapshot' | 'restore' | 'suspend' | 'resume';
+export type JobKind =
+  'snapshot' | 'restore' | 'suspend' | 'resume' | 'variables';
 
 /** Every phase a job goes through (jupyter_ext/core/protocol.py's Phase, the same list). */
 export type Phase =
@@ -100,6 +146,8 @@ export type Phase =
   | 'saving-kernel'
   | 'restoring'
   | 'transferring'
+  | 'serialising'
+  | 'loading'
   | 'done';
 
 /** A snapshot, restore, suspend or resume in progress (or done). */
@@ -178,6 +226,10 @@ export interface IPolicy {
   location?: string;
   periodic_interval?: number;
   keep_last?: number;
+  keep_hourly_hours?: number;
+  keep_daily_days?: number;
+  long_cell_seconds?: number;
+  long_cell_min_interval?: number;
   max_store_bytes?: number;
   snapshot_before_shutdown?: boolean;
   idle_suspend_after?: number;
@@ -286,6 +338,16 @@ export interface ISnapshotsModel extends IDisposable {
     label?: string
   ): Promise<ITrackedJob>;
   delete(snapshotId: string): Promise<void>;
+  /** One snapshot with the full record of what it holds. */
+  details(snapshotId: string): Promise<ISnapshot>;
+  /** Copy variables from a snapshot into a running kernel (a job of kind "variables"). */
+  takeVariables(
+    snapshotId: string,
+    kernelId: string,
+    names: string[],
+    rename?: { [name: string]: string },
+    label?: string
+  ): Promise<ITrackedJob>;
   snapshotsOf(path: string): Promise<ISnapshot[]>;
   fetchKernelStatus(kernelId: string): Promise<IKernelStatus>;
   track(job: IJob, options?: { notify?: boolean; label?: string }): ITrackedJob;

@@ -12,8 +12,9 @@ import {
   gpuModels,
   parseDate
 } from '../format';
-import type { ISnapshot } from '../tokens';
+import type { ISnapshot, ISnapshotsModel } from '../tokens';
 import { ActionButton } from './common';
+import { ContentsDetails, ContentsSummary } from './Contents';
 
 export interface ISnapshotItemProps {
   snapshot: ISnapshot;
@@ -28,11 +29,23 @@ export interface ISnapshotItemProps {
   disabled: boolean;
   onRestore: (snapshot: ISnapshot) => void;
   onDelete: (snapshot: ISnapshot) => void;
+  model: ISnapshotsModel;
+  /** Chosen for a comparison. */
+  compared: boolean;
+  onCompare: (snapshot: ISnapshot) => void;
+  /** Why variables cannot be taken back now ('' when they can). */
+  takeBlocked: string;
+  onTake: (
+    snapshot: ISnapshot,
+    names: string[],
+    rename: { [name: string]: string }
+  ) => void;
 }
 
 /** One snapshot: when, why, how big, where, its status, and Restore/Delete. */
 export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
   const { snapshot, now, showPath, newest, current, disabled } = props;
+  const [expanded, setExpanded] = React.useState(false);
   const date = parseDate(snapshot.created);
   const relative = formatRelative(date, now);
   const absolute = formatAbsolute(date);
@@ -134,6 +147,15 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
           </span>
         )}
       </div>
+      <ContentsSummary contents={snapshot.contents} />
+      {expanded && (
+        <ContentsDetails
+          model={props.model}
+          snapshotId={snapshot.id}
+          takeBlocked={props.takeBlocked}
+          onTake={(names, rename) => props.onTake(snapshot, names, rename)}
+        />
+      )}
       <div className="jp-KernelSnapshots-itemSizes" title={details}>
         {stored !== undefined ? (
           <span>
@@ -181,6 +203,24 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
         </div>
       )}
       <div className="jp-KernelSnapshots-itemActions">
+        <ActionButton
+          kind="minimal"
+          className="jp-KernelSnapshots-expand"
+          aria-expanded={expanded}
+          title="Every variable recorded and the cells run since the previous snapshot"
+          onClick={() => setExpanded(!expanded)}
+        >
+          {expanded ? 'Less' : 'Contents'}
+        </ActionButton>
+        <ActionButton
+          kind="minimal"
+          className={`jp-KernelSnapshots-compare jp-mod-left${props.compared ? ' jp-mod-active' : ''}`}
+          aria-pressed={props.compared}
+          title="Choose two snapshots to compare what they hold"
+          onClick={() => props.onCompare(snapshot)}
+        >
+          Compare
+        </ActionButton>
         <ActionButton
           kind="minimal"
           className="jp-KernelSnapshots-delete"

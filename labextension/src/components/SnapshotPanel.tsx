@@ -14,6 +14,7 @@ import {
   restoreSnapshot,
   snapshotNotebook,
   suspendOrResume,
+  takeVariables,
   useSnapshotKernel
 } from '../actions';
 import { baseName, formatBytes, policyLines } from '../format';
@@ -35,6 +36,8 @@ import {
   StateBadge,
   useNow
 } from './common';
+import { matchesQuery } from '../contents';
+import { Comparison } from './Contents';
 import { SnapshotItem } from './SnapshotItem';
 
 export interface ISnapshotViewProps {
@@ -263,6 +266,31 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
   const snapshots = model.snapshots;
   const showAll = model.showAll;
   const restoring = target ? model.jobsFor(target.kernelId).length > 0 : false;
+  const [query, setQuery] = React.useState('');
+  const [compared, setCompared] = React.useState<string[]>([]);
+  const shown = snapshots.filter(s => matchesQuery(s, query));
+  const takeBlocked = !target?.kernelId
+    ? 'Open a notebook with a running kernel to take variables into it.'
+    : restoring
+      ? 'A job runs on the notebook’s kernel.'
+      : '';
+  const onTake = (
+    snapshot: ISnapshot,
+    names: string[],
+    rename: { [name: string]: string }
+  ) => {
+    if (target?.kernelId) {
+      void takeVariables(actions, snapshot, target, names, rename);
+    }
+  };
+  const onCompare = (snapshot: ISnapshot) =>
+    setCompared(
+      compared.includes(snapshot.id)
+        ? compared.filter(id => id !== snapshot.id)
+        : [...compared, snapshot.id].slice(-2)
+    );
+  // Older first: the listing is newest first.
+  const pair = snapshots.filter(s => compared.includes(s.id)).reverse();
 
   const onRestore = (snapshot: ISnapshot) =>
     void restoreSnapshot(actions, snapshot, {
@@ -301,6 +329,12 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
     );
   } else if (!model.loaded) {
     list = <p className="jp-KernelSnapshots-empty">Loading snapshots…</p>;
+  } else if (snapshots.length > 0 && shown.length === 0) {
+    list = (
+      <p className="jp-KernelSnapshots-empty">
+        No snapshot holds a variable or ran a cell matching “{query}”.
+      </p>
+    );
   } else if (snapshots.length === 0) {
     list = (
       <p className="jp-KernelSnapshots-empty">
@@ -321,12 +355,12 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
         : undefined;
     list = (
       <ul className="jp-KernelSnapshots-list" aria-label="Snapshots">
-        {snapshots.map((snapshot, index) => (
+        {shown.map(snapshot => (
           <SnapshotItem
             key={snapshot.id}
             snapshot={snapshot}
             now={now}
-            newest={index === 0 && !showAll}
+            newest={snapshot === snapshots[0] && !showAll}
             current={
               base === snapshot
                 ? (status?.executions_since_snapshot ?? 0)
@@ -336,6 +370,11 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
             disabled={restoring}
             onRestore={onRestore}
             onDelete={onDelete}
+            model={model}
+            compared={compared.includes(snapshot.id)}
+            onCompare={onCompare}
+            takeBlocked={takeBlocked}
+            onTake={onTake}
           />
         ))}
       </ul>
@@ -378,6 +417,25 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
             listed.
           </p>
         </Callout>
+      )}
+      {model.loaded && snapshots.length > 0 && (
+        <input
+          type="search"
+          className="jp-KernelSnapshots-search"
+          placeholder="Find a variable or cell…"
+          aria-label="Search snapshots by variable name or cell text"
+          value={query}
+          onChange={event => setQuery(event.currentTarget.value)}
+        />
+      )}
+      {pair.length === 2 && (
+        <Comparison
+          key={pair.map(s => s.id).join()}
+          model={model}
+          older={pair[0].id}
+          newer={pair[1].id}
+          onClose={() => setCompared([])}
+        />
       )}
       {list}
       <PolicyView policy={model.policy} />

@@ -1,0 +1,137 @@
+"""A snapshot's record of what it holds (``Manifest.contents``), shortened and compared.
+
+The kernel's agent writes the record (kernel_wrapper.contents); the server lists its short
+form with every snapshot and gives the full one for a single snapshot; the CLI and the
+panel compare two. Records come from manifests of any version: every field is optional.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .humanize import human_bytes
+
+#: Variables a listing shows per snapshot (the full record has up to 50).
+SHORT_VARIABLES = 5
+
+
+def first_line(code: str) -> str:
+    """The first non-empty line of a cell, for one-line displays."""
+    for line in code.splitlines():
+        if line.strip():
+            return line.rstrip()[:200]
+    return ""
+
+
+def short_contents(contents: dict[str, Any]) -> dict[str, Any]:
+    """The listing's form: each cell's first line, the largest variables, every variable's
+    name (so a listing can be searched by name), the totals and whether it is partial."""
+    if not contents:
+        return {}
+    cells = [c for c in contents.get("cells", []) if isinstance(c, dict)]
+    variables = [v for v in contents.get("variables", []) if isinstance(v, dict)]
+    short: dict[str, Any] = {
+        "cells": [
+            {
+                "execution_count": c.get("execution_count"),
+                "first_line": first_line(str(c.get("code", ""))),
+                "seconds": c.get("seconds"),
+                **({"running": True} if c.get("running") else {}),
+            }
+            for c in cells
+        ],
+        "variables": variables[:SHORT_VARIABLES],
+        "variable_names": [str(v.get("name")) for v in variables],
+        "variable_count": contents.get("variable_count", len(variables)),
+        "variables_bytes": contents.get("variables_bytes", 0),
+        "partial": bool(contents.get("partial", False)),
+    }
+    if contents.get("partial_reason"):
+        short["partial_reason"] = contents["partial_reason"]
+    return short
+
+
+def compare_contents(older: dict[str, Any], newer: dict[str, Any]) -> dict[str, Any]:
+    """What changed from ``older`` to ``newer``: variables added, removed, changed (in type,
+    size, shape or dtype), and the cells ``newer`` ran since its previous snapshot."""
+    before = {v.get("name"): v for v in older.get("variables", []) if isinstance(v, dict)}
+    after = {v.get("name"): v for v in newer.get("variables", []) if isinstance(v, dict)}
+    changed = []
+    for name, new in after.items():
+        old = before.get(name)
+        if old is None:
+            continue
+        fields = [
+            k for k in ("type", "size", "shape", "dtype", "device") if old.get(k) != new.get(k)
+        ]
+        if fields:
+            changed.append({"name": name, "fields": fields, "before": old, "after": new})
+    return {
+        "added": [after[n] for n in after if n not in before],
+        "removed": [before[n] for n in before if n not in after],
+        "changed": changed,
+        "cells": newer.get("cells", []),
+        "partial": bool(older.get("partial") or newer.get("partial")),
+    }
+
+
+def _variable_line(v: dict[str, Any]) -> str:
+    detail = []
+    if v.get("shape") is not None:
+        detail.append("x".join(str(n) for n in v["shape"]) or "scalar")
+    if v.get("dtype"):
+        detail.append(str(v["dtype"]))
+    if v.get("length") is not None:
+        detail.append(f"len {v['length']}")
+    if v.get("device"):
+        detail.append(str(v["device"]))
+    approx = "~" if v.get("estimated") else ""
+    return (
+        f"  {v.get('name')!s:<24} {v.get('type')!s:<28} "
+        f"{approx + human_bytes(int(v.get('size', 0))):>11}  {', '.join(detail)}"
+    )
+
+
+def describe_contents(contents: dict[str, Any]) -> list[str]:
+    """Lines for a terminal: the cells since the previous snapshot, then the variables."""
+    if not contents:
+        return ["Contents: not recorded (a snapshot from before contents were recorded)."]
+    lines = []
+    cells = contents.get("cells", [])
+    lines.append(f"Cells run since the previous snapshot: {len(cells)}")
+    for cell in cells:
+        count = cell.get("execution_count")
+        state = "running" if cell.get("running") else f"{float(cell.get('seconds') or 0):.1f} s"
+        text = cell.get("first_line") or first_line(str(cell.get("code", "")))
+        lines.append(f"  [{count if count is not None else ' '}] {state:>9}  {text}")
+    variables = contents.get("variables", [])
+    total = human_bytes(int(contents.get("variables_bytes", 0)))
+    lines.append(f"Variables: {contents.get('variable_count', len(variables))} ({total}); largest:")
+    lines.extend(_variable_line(v) for v in variables)
+    if contents.get("partial"):
+        lines.append(f"Partial: {contents.get('partial_reason', 'not all was summarised')}.")
+    return lines
+
+
+def describe_comparison(diff: dict[str, Any]) -> list[str]:
+    """Lines for a terminal of :func:`compare_contents`."""
+    lines = [f"Cells between them: {len(diff['cells'])}"]
+    for cell in diff["cells"]:
+        lines.append(f"  [{cell.get('execution_count')}] {first_line(str(cell.get('code', '')))}")
+    for title, key in (("Added", "added"), ("Removed", "removed")):
+        lines.append(f"{title}: {len(diff[key])}")
+        lines.extend(_variable_line(v) for v in diff[key])
+    lines.append(f"Changed: {len(diff['changed'])}")
+    for change in diff["changed"]:
+        before, after = change["before"], change["after"]
+        what = ", ".join(
+            f"{k} {before.get(k)} -> {after.get(k)}"
+            if k != "size"
+            else f"size {human_bytes(int(before.get(k) or 0))} -> "
+            f"{human_bytes(int(after.get(k) or 0))}"
+            for k in change["fields"]
+        )
+        lines.append(f"  {change['name']}: {what}")
+    if diff.get("partial"):
+        lines.append("(one of them is partial: variables past its summary are not compared)")
+    return lines
