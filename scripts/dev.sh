@@ -4,7 +4,9 @@
 #   scripts/dev.sh lab    set everything up, then start JupyterLab with snapshots working
 #                         (local snapshot store under the Jupyter data directory)
 #   scripts/dev.sh test   set everything up, then run the whole test suite (what CI runs):
-#                         ruff, mypy, pytest, then the UI tests (scripts/ui-tests.sh)
+#                         ruff, mypy, pytest, the UI tests (scripts/ui-tests.sh), the
+#                         non-root stage (scripts/nonroot-tests.sh) and the container stage
+#                         (scripts/container-tests.sh); PYTEST ARGS go to the first pytest
 #   scripts/dev.sh setup  set everything up only; then members of the group
 #                         jupyter-snapshots can run .venv/bin/jupyter as themselves
 #                         (non-root mode, docs/nonroot.md)
@@ -41,7 +43,15 @@ case "${1:-}" in
     log "tests"
     "$VENV/bin/python" -m pytest "$@"
     log "UI tests"
-    exec scripts/ui-tests.sh
+    scripts/ui-tests.sh
+    # Non-root mode: kernel, server, policy, JupyterHub and other-node tests again, as an
+    # ordinary user (docs/nonroot.md).
+    log "non-root stage"
+    scripts/nonroot-tests.sh
+    # deploy/Dockerfile built and its Zero to JupyterHub user pod run in podman
+    # (docs/jupyterhub.md, "What is tested").
+    log "container stage"
+    exec scripts/container-tests.sh
     ;;
   *)
     echo "usage: $0 lab|test|setup [args...]" >&2
