@@ -38,6 +38,7 @@ from .core.lazypages import PAGES_FILE_RE, PrefixedPages, RangeServer, restore_o
 from .core.leftovers import (
     DumpLock,
     after_failed_dump,
+    lock_directory,
     remove_orphaned_dumps,
     remove_unlocked,
 )
@@ -202,6 +203,22 @@ class Job:
                 "error",
             )
         }
+
+
+def _hold_shared(directory: Path) -> int:
+    """A shared lock on ``directory`` if it is still there (the same directory once
+    locked), else -1."""
+    try:
+        fd = lock_shared(directory)
+    except FileNotFoundError:
+        return -1
+    try:
+        if os.path.samestat(os.fstat(fd), os.stat(directory)):
+            return fd
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+    return -1
 
 
 @dataclass
@@ -647,11 +664,17 @@ class SnapshotManager:
         finally:
             pending.in_flight = False
         del self.pending[manifest.id]
-        if self.image_cache.enabled:  # kept for restores on this machine, as checked
-            stamps = await asyncio.to_thread(stamp_checked, directory)
-            if stamps is not None:
-                await asyncio.to_thread(self.image_cache.admit, directory, stamps)
-        shutil.rmtree(directory, ignore_errors=True)  # not admitted
+        # A restore that reads the directory meanwhile (restorable there while its upload
+        # failed) holds it shared: it is moved or removed only after that restore.
+        held = await asyncio.to_thread(lock_directory, directory)
+        try:
+            if self.image_cache.enabled:  # kept for restores on this machine, as checked
+                stamps = await asyncio.to_thread(stamp_checked, directory)
+                if stamps is not None:
+                    await asyncio.to_thread(self.image_cache.admit, directory, stamps)
+            shutil.rmtree(directory, ignore_errors=True)  # not admitted
+        finally:
+            os.close(held)
         await asyncio.to_thread(self.apply_retention, stored.manifest)
         return self._describe(stored, "complete")
 
@@ -778,14 +801,19 @@ class SnapshotManager:
 
     async def _local_copy(
         self, job: Job, snapshot_id: str, *, without_pages: bool = False
-    ) -> tuple[Path, int]:
-        """A local directory of the snapshot, and for a temporary copy (a download) the fd
-        that holds its lock (-1 for a snapshot waiting for its upload): the caller closes
-        it once the copy is removed or admitted into the image cache. ``without_pages``
-        leaves the kernel's memory in the store (a lazy restore reads it from there)."""
+    ) -> tuple[Path, int, bool]:
+        """A local directory of the snapshot, the fd that holds its lock, which the caller
+        closes once done with it, and whether it is a temporary copy (a download, removed
+        or admitted into the image cache after the restore). A snapshot waiting for its
+        upload is read where it is, held shared so that an upload succeeding meanwhile
+        leaves it until then. ``without_pages`` leaves the kernel's memory in the store
+        (a lazy restore reads it from there)."""
         pending = self.pending.get(snapshot_id)
         if pending is not None:
-            return pending.directory, -1
+            held = await asyncio.to_thread(_hold_shared, pending.directory)
+            if held >= 0:
+                return pending.directory, held, False
+            # Stored meanwhile (moved into the image cache or removed): from the store.
         dest = self.cache_dir / f"{snapshot_id}-{secrets.token_hex(4)}"
         self._progress(job, "downloading")
         try:
@@ -805,7 +833,7 @@ class SnapshotManager:
         except BaseException:
             remove_tree(dest)  # the store removes its partial download; this is the rest
             raise
-        return dest, fd
+        return dest, fd, True
 
     async def _cached(self, job: Job, snapshot_id: str) -> Lease | None:
         """The snapshot's entry in the image cache, held for the restore, or None. Its
@@ -865,10 +893,9 @@ class SnapshotManager:
                     and worth_lazy(manifest.gpu)
                     and await self._lazy_pages_here()
                 )
-                directory, download_lock = await self._local_copy(
+                directory, download_lock, temporary = await self._local_copy(
                     job, snapshot_id, without_pages=lazily
                 )
-                temporary = download_lock >= 0
                 source = "store" if temporary else "work-directory"
                 if lazily:
                     lent = await self._lend(snapshot_id, directory)

@@ -3,10 +3,12 @@ snapshot before shutdown, events, and uploads that fail and are retried."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from jupyter_ext.app import EVENT_SCHEMA_ID
 from jupyter_ext.core.store import LocalStore
 from jupyter_ext.testing import wait_until
 
-from .jupyter_api import Fetch, call, server_config, snapshot, until, wait_job
+from .jupyter_api import Fetch, call, manager_of, server_config, snapshot, until, wait_job
 from .s3server import CuttableProxy, MotoServer
 from .servers import ServerProcess, ws_execute
 
@@ -40,8 +42,6 @@ class TestPeriodic:
     async def test_only_kernels_that_ran_something(
         self, jp_fetch: Fetch, start_kernel: Any
     ) -> None:
-        import asyncio
-
         kernel = await start_kernel()
 
         async def periodic() -> list[dict[str, Any]]:
@@ -176,8 +176,6 @@ class TestEvents:
             ],
         )
         await call(jp_fetch, "DELETE", snapshot_id)
-        import asyncio
-
         await asyncio.sleep(0.2)
         actions = [e["action"] for e in seen]
         assert actions[0] == "started"
@@ -191,6 +189,25 @@ class TestEvents:
         assert {e["kind"] for e in progress} == {"snapshot", "restore"}
         stored = [e for e in progress if e["job_id"] == snapshot_job and e["total_bytes"]]
         assert stored[-1]["done_bytes"] == stored[-1]["total_bytes"] > 0
+
+
+class GatedPuts:
+    """The server's store, whose puts wait at ``gate`` once they have stored (the test
+    decides when the upload goes on); everything else goes straight to the store."""
+
+    def __init__(self, store: Any, gate: threading.Event, stored: threading.Event) -> None:
+        self._store = store
+        self._gate = gate
+        self._stored = stored
+
+    def put(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._store.put(*args, **kwargs)
+        self._stored.set()
+        assert self._gate.wait(300), "the test never opened the gate"
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
 
 
 @pytest.mark.usefixtures("running_extensions")
@@ -248,11 +265,49 @@ class TestUploadFailure:
 
         await until(complete, timeout=120)
 
+    async def test_an_upload_that_succeeds_during_a_restore_waits_for_it(
+        self, jp_fetch: Fetch, jp_serverapp: Any, start_kernel: Any, proxy: CuttableProxy
+    ) -> None:
+        """A snapshot the store refused is restored from the work directory into a new
+        kernel while its retried upload succeeds: the upload moves the directory into the
+        image cache only after the restore has read it (it used to move it away under the
+        restore: "staging/<id> is not a complete snapshot")."""
+        manager = manager_of(jp_serverapp)
+        kernel = await start_kernel()
+        await kernel.run("z = 'kept'")
+        proxy.cut()
+        job = await call(jp_fetch, "POST", body={"kernel_id": kernel.id})
+        snapshot = (await wait_job(jp_fetch, job["job"], 300))["result"]
+        assert snapshot["status"] == "upload-failed"
+        # The retried put stores it, then waits at the gate before the upload goes on.
+        gate, stored_once = threading.Event(), threading.Event()
+        manager.store = GatedPuts(manager.store, gate, stored_once)
+        proxy.restore()
+        assert await asyncio.to_thread(stored_once.wait, 120)
+        restore = (await call(jp_fetch, "POST", snapshot["id"], "restore", body={}))["job"]
+
+        async def restoring() -> bool:
+            state = await call(jp_fetch, "GET", "jobs", restore["id"])
+            assert state["status"] == "running", state
+            return bool(state["phase"] == "restoring")
+
+        await until(restoring, timeout=120)
+        gate.set()  # the upload moves the directory now, while the new kernel starts
+        restored = await wait_job(jp_fetch, restore, 300)
+        assert restored["status"] == "done", restored
+        assert restored["result"]["source"] == "work-directory"
+
+        async def stored() -> bool:
+            listed = (await call(jp_fetch, "GET"))["snapshots"]
+            return [s["status"] for s in listed if s["id"] == snapshot["id"]] == ["complete"]
+
+        await until(stored, timeout=120)
+        new_kernel = await start_kernel(restored["result"]["kernel_id"])
+        assert (await new_kernel.run("print(z)")).strip() == "kept"
+
     async def test_a_stalled_store_never_blocks_the_server(
         self, jp_fetch: Fetch, proxy: CuttableProxy
     ) -> None:
-        import asyncio
-
         proxy.stall()
         listing = asyncio.ensure_future(call(jp_fetch, "GET"))
 
@@ -314,7 +369,6 @@ class TestShutdownSnapshots:
     ) -> None:
         """A kernel whose snapshot fails (here it holds a connection to a process outside
         it) is tried once more, then named in the log and in an "unsaved" event."""
-        import asyncio
         import logging
         import socket
 
@@ -497,8 +551,6 @@ class TestIdleGpuSuspend:
     async def test_idle_gpu_kernel_suspends_and_next_cell_resumes(
         self, jp_fetch: Fetch, start_kernel: Any
     ) -> None:
-        import asyncio
-
         from .test_gpu_kernel import USE_GPU
 
         gpu_kernel = await start_kernel()
