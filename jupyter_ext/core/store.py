@@ -196,7 +196,7 @@ class SnapshotStore(Protocol):
 
     def open_images(self, snapshot_id: str) -> SnapshotImages: ...
 
-    def delete(self, snapshot_id: str) -> None: ...
+    def delete(self, snapshot_id: str, *, missing_ok: bool = False) -> None: ...
 
     def stats(self) -> StoreStats: ...
 
@@ -788,9 +788,16 @@ class _ChunkStore(abc.ABC):
         """Byte ranges of the snapshot's files, read from the store on demand (verified)."""
         return SnapshotImages(self, self._require(snapshot_id))
 
-    def delete(self, snapshot_id: str) -> None:
-        """Remove the record, then sweep and repack what nothing needs any more."""
-        self._require(snapshot_id)
+    def delete(self, snapshot_id: str, *, missing_ok: bool = False) -> None:
+        """Remove the record, then sweep and repack what nothing needs any more.
+
+        ``missing_ok``: a snapshot already gone (another retention pass, another server
+        deleted it) is not an error: retention deletes what it planned, once."""
+        manifest_mod.check_snapshot_id(snapshot_id)
+        if self._load(snapshot_id) is None:
+            if missing_ok:
+                return
+            self._require(snapshot_id)
         self._delete_record(snapshot_id)
         with self._cache_lock:
             self._cache.pop(snapshot_id, None)
