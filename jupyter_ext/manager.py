@@ -355,7 +355,7 @@ class SnapshotManager:
         """
         store_error = ""
         try:
-            stored = await asyncio.to_thread(self.store.list)
+            stored = await asyncio.to_thread(self.store.snapshots)
             entries = [self._describe(s, "complete") for s in stored]
         except StoreError as exc:
             entries, store_error = [], str(exc)
@@ -701,7 +701,7 @@ class SnapshotManager:
     def _retention_pass_once(self, newest: Manifest) -> list[str]:
         store = self.store
         plan = plan_retention(
-            (Retained.of(s.manifest) for s in store.list()),
+            (Retained.of(s.manifest) for s in store.snapshots()),
             Retained.of(newest),
             RetentionPolicy(keep_last=self.keep_last, max_bytes=self.max_bytes),
         )

@@ -204,7 +204,7 @@ def test_manager_deletes_along_the_budget_until_the_store_fits(
 
     manager.max_bytes = 1  # cannot be met: everything but the notebook's newest goes
     assert manager.apply_retention(s4) == [s2.id, s3.id]
-    assert [s.manifest.id for s in manager.store.list()] == [s4.id]
+    assert [s.manifest.id for s in manager.store.snapshots()] == [s4.id]
 
 
 def test_manager_keep_last_and_budget_together(manager: SnapshotManager, tmp_path: Path) -> None:
@@ -212,7 +212,7 @@ def test_manager_keep_last_and_budget_together(manager: SnapshotManager, tmp_pat
     manager.keep_last = 3
     manager.max_bytes = manager.store.stats().stored_bytes  # met once s1 is gone
     assert manager.apply_retention(s4) == [s1.id]
-    assert [s.manifest.id for s in manager.store.list()] == [s2.id, s3.id, s4.id]
+    assert [s.manifest.id for s in manager.store.snapshots()] == [s2.id, s3.id, s4.id]
 
 
 # -- the module layout ---------------------------------------------------------------------
@@ -249,7 +249,7 @@ def test_concurrent_retention_passes_delete_each_snapshot_once(
     manager.keep_last = 2
     listed = [0]
     lock = threading.Lock()
-    snapshots = manager.store.list
+    snapshots = manager.store.snapshots
 
     def listing_together() -> list[Any]:
         found = snapshots()
@@ -260,12 +260,12 @@ def test_concurrent_retention_passes_delete_each_snapshot_once(
             time.sleep(0.01)
         return found
 
-    monkeypatch.setattr(manager.store, "list", listing_together)
+    monkeypatch.setattr(manager.store, "snapshots", listing_together)
     with ThreadPoolExecutor(3) as pool:
         passes = [pool.submit(manager.apply_retention, stored[-1]) for _ in range(3)]
         removed = [future.result() for future in passes]  # none raises
     assert sorted(i for ids in removed for i in ids) == sorted(m.id for m in stored[:4])
-    assert [s.manifest.id for s in manager.store.list()] == [m.id for m in stored[4:]]
+    assert [s.manifest.id for s in manager.store.snapshots()] == [m.id for m in stored[4:]]
     deleted = [data["snapshot_id"] for name, data in events if name == "deleted"]
     assert sorted(deleted) == sorted(m.id for m in stored[:4])  # each reported once
 
@@ -294,4 +294,4 @@ def test_an_upload_does_not_fail_on_retention(
     described = asyncio.run(manager._upload(None, manifest, directory))
     assert described is not None
     assert described["status"] == "complete"
-    assert [s.manifest.id for s in manager.store.list()] == [manifest.id]
+    assert [s.manifest.id for s in manager.store.snapshots()] == [manifest.id]

@@ -14,7 +14,7 @@ extension, the CLI and the panel can show it as it is::
     ├── KernelNotRunningError     there is no kernel process to snapshot
     ├── WrapperUnavailableError   the kernel is not a snapshot kernel, or its wrapper is gone
     ├── SnapshotNotFoundError     no snapshot with that id
-    ├── StoreError                the store cannot be read or written (store.py)
+    ├── StoreError                the store cannot be read or written (store/api.py)
     └── GpuCheckpointError        a CUDA checkpoint step failed (gpu/errors.py)
         └── GpuUnavailableError   no usable CUDA checkpoint support
 """

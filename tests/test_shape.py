@@ -1,0 +1,98 @@
+"""Proxies for a shape one person can hold (issue 27 item 4), checked on every run: no
+module over 800 lines, no class over 400, and no private attribute of another object
+reached (``obj._x`` where ``obj`` is not ``self``/``cls``). What is not there yet is
+listed below with the reason, so that the list only shrinks.
+
+``duplicates --repo jupyter_ext/core/store`` (no repeated block of 6+ lines in the store
+package) is a local tool, not installed where CI runs: the last test runs it where it is
+on PATH and is skipped elsewhere; check it by hand before committing a change there."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("jupyter_ext", "kernel_wrapper")
+MAX_MODULE_LINES = 800
+MAX_CLASS_LINES = 400
+
+LONG_MODULES = {
+    "jupyter_ext/manager.py": "split pending, issue 27 item 2",
+    "kernel_wrapper/snapshotter.py": "split pending, issue 27 item 3",
+}
+LONG_CLASSES = {
+    "jupyter_ext/manager.py:SnapshotManager": "split pending, issue 27 item 2",
+    "kernel_wrapper/snapshotter.py:Snapshotter": "split pending, issue 27 item 3",
+    "kernel_wrapper/relay.py:Relay": "420 lines; split pending, issue 27 item 3 (the wrapper)",
+}
+PRIVATE_REACHED = {
+    "kernel_wrapper/inner.py:os._exit": "the standard library's documented exit without "
+    "clean-up (the name only looks private)",
+    "kernel_wrapper/inner.py:kernel_snapshots._install": "kernel_snapshots is the module "
+    "users import in their kernels; its installer is kept out of their completions and "
+    "called by the inner kernel alone",
+}
+
+
+def sources() -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))
+
+
+def relative(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def test_no_module_over_800_lines() -> None:
+    long = {
+        relative(p): n
+        for p in sources()
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert set(long) - set(LONG_MODULES) == set(), long
+    assert set(LONG_MODULES) <= set(long), "split: take it off LONG_MODULES"
+
+
+def test_no_class_over_400_lines() -> None:
+    long = {}
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    long[f"{relative(path)}:{node.name}"] = size
+    assert set(long) - set(LONG_CLASSES) == set(), long
+    assert set(LONG_CLASSES) <= set(long), "split: take it off LONG_CLASSES"
+
+
+def test_no_private_attribute_of_another_object() -> None:
+    """``self._x`` and ``cls._x`` only: another object's private state is its own."""
+    reached = set()
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                reached.add(f"{relative(path)}:{ast.unparse(node)}")
+    assert reached - set(PRIVATE_REACHED) == set(), sorted(reached - set(PRIVATE_REACHED))
+    assert set(PRIVATE_REACHED) <= reached, "gone: take it off PRIVATE_REACHED"
+
+
+@pytest.mark.skipif(shutil.which("duplicates") is None, reason="a local tool, not on CI")
+def test_no_repeated_block_in_the_store() -> None:
+    out = subprocess.run(
+        ["duplicates", "--repo", "jupyter_ext/core/store"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    assert out.startswith("no duplicates"), out
