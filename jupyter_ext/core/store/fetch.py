@@ -6,7 +6,6 @@ and a lazy restore read chunks with."""
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import os
 import threading
@@ -18,6 +17,8 @@ from pathlib import Path
 from .. import manifest as manifest_mod
 from .. import private
 from ..errors import SnapshotCorruptError
+from ..fileio import pwrite_all
+from ..leftovers import lock_directory
 from ..private import PRIVATE
 from ..protocol import ProgressCallback
 from . import pack
@@ -26,7 +27,7 @@ from .backend import layout
 from .backend.local import fsync_dir
 from .index import Catalog, Index
 from .record import Record
-from .workers import Bounded, pwrite_all
+from .workers import Bounded
 
 
 def fetch_into(
@@ -57,8 +58,7 @@ def fetch_into(
         staging.mkdir(mode=PRIVATE.directory)
         # Locked while it is written (also across the rename, the same directory), so
         # that a clean-up after crashes tells it from one a dead process left.
-        lock = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock = lock_directory(staging)
         Download(index, max_workers, record, staging, progress, skip).run()
         with os.fdopen(private.create(staging / manifest_mod.MANIFEST_NAME), "w") as fh:
             fh.write(manifest_mod.manifest_json(record.raw_manifest))

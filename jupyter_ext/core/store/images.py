@@ -7,25 +7,25 @@ import bisect
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import manifest as manifest_mod
 from .. import private
+from ..fileio import pwrite_all
+from ..lazypages.policy import Faults
 from .api import ChunkRef, StoreError, corrupt, os_hint
 from .fetch import Reader
-from .workers import Bounded, pwrite_all
+from .workers import Bounded
 
 logger = logging.getLogger(__name__)
 
 #: Reads of at most this many bytes are a lazily restored kernel's page faults (CRIU asks
 #: a page at a time): while they come, downloading stands back (CPU and bandwidth go to
 #: the kernel's first cell), for at most MAX_STAND_BACK s before each pack read; it goes
-#: on once none came for FAULT_QUIET s.
+#: on once none came for lazypages.FAULT_QUIET s (lazypages.Faults).
 FAULT_BYTES = 32 << 10
-FAULT_QUIET = 0.05
 MAX_STAND_BACK = 2.0
 #: A larger read that misses (CRIU's background transfer, in file order) also reads the
 #: missing chunks of this many bytes after it.
@@ -65,7 +65,7 @@ class SnapshotImages:
         self._in_use = threading.Condition()
         self._readers = 0
         self._stopping = threading.Event()
-        self._last_fault = 0.0
+        self._faults = Faults()
         self._thread: threading.Thread | None = None
         self.local_copy_error: OSError | None = None
         """Why the local copy was given up (a full disk, say): reads go to the store."""
@@ -85,7 +85,7 @@ class SnapshotImages:
         if path not in self._refs:
             raise corrupt(self.manifest.id, f"it has no file {path!r}")
         if length <= FAULT_BYTES:
-            self._last_fault = time.monotonic()
+            self._faults.saw()
         starts, refs = self._starts[path], self._refs[path]
         first = max(bisect.bisect_right(starts, offset) - 1, 0)
         last = bisect.bisect_left(starts, offset + length)
@@ -190,10 +190,7 @@ class SnapshotImages:
     def _download(self, wanted: list[ChunkRef]) -> None:
         def fetch(group: list[ChunkRef]) -> None:
             # The kernel's page faults first: while they come, stand back (a while).
-            stood = 0.0
-            while stood < MAX_STAND_BACK and time.monotonic() - self._last_fault < FAULT_QUIET:
-                time.sleep(FAULT_QUIET / 2)
-                stood += FAULT_QUIET / 2
+            self._faults.stand_back(MAX_STAND_BACK)
             with self._lock:
                 group = [r for r in group if not self._landed_everywhere(r)]
             if not group or self._stopping.is_set() or self.local_copy_error is not None:

@@ -5,7 +5,6 @@ what the manager, the CLI and the wrapper use (as :class:`~.stores.LocalStore` o
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import uuid
@@ -76,7 +75,11 @@ class Repository:
 
         Putting a snapshot that is already stored returns it as it is.
         """
-        raw = read_manifest(snapshot_dir)
+        raw = manifest_mod.read_raw(
+            snapshot_dir,
+            missing_hint="Only sealed snapshot directories can be stored.",
+            damaged_hint="The snapshot is damaged; take a new one.",
+        )
         try:
             manifest = Manifest.from_dict(raw)
         except (TypeError, ValueError) as exc:
@@ -314,25 +317,3 @@ class Repository:
             chunk_count=len(record.distinct()),
             location=self.backend.location(layout.record(record.manifest.id)),
         )
-
-
-def read_manifest(snapshot_dir: Path) -> dict[str, Any]:
-    """A sealed snapshot directory's manifest, as a JSON object (not yet checked)."""
-    try:
-        raw = json.loads((snapshot_dir / manifest_mod.MANIFEST_NAME).read_text())
-    except FileNotFoundError as exc:
-        raise SnapshotCorruptError(
-            f"{snapshot_dir} is not a complete snapshot: it has no manifest.",
-            hint="Only sealed snapshot directories can be stored.",
-        ) from exc
-    except (OSError, ValueError) as exc:
-        raise SnapshotCorruptError(
-            f"The manifest of {snapshot_dir} cannot be read: {exc}",
-            hint="The snapshot is damaged; take a new one.",
-        ) from exc
-    if not isinstance(raw, dict):
-        raise SnapshotCorruptError(
-            f"The manifest of {snapshot_dir} is not a JSON object.",
-            hint="The snapshot is damaged; take a new one.",
-        )
-    return raw

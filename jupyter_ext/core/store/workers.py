@@ -1,5 +1,5 @@
 """Small pieces the put and fetch pipelines share: a bounded pool in order, a file read as
-slices of a mapping, a pwrite that never stops short."""
+slices of a mapping."""
 
 from __future__ import annotations
 
@@ -46,15 +46,6 @@ class Bounded:
             with contextlib.suppress(BaseException):
                 future.exception()
         self._pending.clear()
-
-
-def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    """pwrite until all is written: a short write (a disk filling up) is followed by one
-    that raises the error, rather than counted as done."""
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
 
 
 def sha256_hex(data: memoryview) -> str:
