@@ -28,7 +28,8 @@ LONG_MODULES = {
 LONG_CLASSES = {
     "jupyter_ext/manager.py:SnapshotManager": "split pending, issue 27 item 2",
     "kernel_wrapper/snapshotter.py:Snapshotter": "split pending, issue 27 item 3",
-    "kernel_wrapper/relay.py:Relay": "420 lines; split pending, issue 27 item 3 (the wrapper)",
+    "kernel_wrapper/relay.py:Relay": "420 lines since before issue 27, which does not split "
+    "it yet: the next cut of the wrapper (after issue 27 item 3)",
 }
 PRIVATE_REACHED = {
     "kernel_wrapper/inner.py:os._exit": "the standard library's documented exit without "
@@ -83,6 +84,57 @@ def test_no_private_attribute_of_another_object() -> None:
                 reached.add(f"{relative(path)}:{ast.unparse(node)}")
     assert reached - set(PRIVATE_REACHED) == set(), sorted(reached - set(PRIVATE_REACHED))
     assert set(PRIVATE_REACHED) <= reached, "gone: take it off PRIVATE_REACHED"
+
+
+STORE_LAYERS = {
+    "pack": 0,
+    "api": 1,
+    "backend": 2,
+    "record": 3,
+    "index": 4,
+    "workers": 4,
+    "claims": 5,
+    "repack": 6,
+    "put": 6,
+    "fetch": 6,
+    "images": 7,
+    "prune": 7,
+    "repository": 8,
+    "stores": 9,
+}
+"""jupyter_ext/core/store/ from the bottom up: a part imports only parts below it."""
+
+
+def test_the_store_imports_one_way() -> None:
+    """types <- backends <- record <- index <- put/fetch/prune <- repository (imports for
+    the type checker alone excepted: ``api.py`` names ``SnapshotImages``)."""
+    package = ROOT / "jupyter_ext" / "core" / "store"
+    upward = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "__init__.py" and path.parent == package:
+            continue  # the re-exports
+        parts = path.relative_to(package).with_suffix("").parts
+        layer = STORE_LAYERS[parts[0]]
+        tree = ast.parse(path.read_text())
+        checking_only = {
+            id(n)
+            for node in tree.body
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+            for n in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or id(node) in checking_only:
+                continue
+            if node.level == 0 or node.level > len(parts):
+                continue  # absolute, or outside the store
+            base = parts[: len(parts) - node.level]
+            target = [*base, *(node.module.split(".") if node.module else [])]
+            names = [target] if target else [[a.name] for a in node.names]
+            for name in names:
+                below = STORE_LAYERS.get(name[0], -1) < layer or name[0] == parts[0]
+                if not below:
+                    upward.append(f"{'/'.join(parts)} imports {'.'.join(name)}")
+    assert upward == []
 
 
 @pytest.mark.skipif(shutil.which("duplicates") is None, reason="a local tool, not on CI")
