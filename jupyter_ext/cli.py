@@ -311,7 +311,7 @@ class ListApp(_SnapshotCommand):
                     "stored_bytes": s.stored_bytes,
                     "new_bytes": s.new_bytes,
                 }
-                for s in store.list()
+                for s in store.snapshots()
             ]
             if self.path:
                 snapshots = [s for s in snapshots if s.get("notebook_path") == self.path]

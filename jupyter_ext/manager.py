@@ -16,6 +16,7 @@ import secrets
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -376,7 +377,7 @@ class SnapshotManager:
         """
         store_error = ""
         try:
-            stored = await asyncio.to_thread(self.store.list)
+            stored = await asyncio.to_thread(self.store.snapshots)
             entries = [self._describe(s, "complete") for s in stored]
         except StoreError as exc:
             entries, store_error = [], str(exc)
@@ -675,7 +676,10 @@ class SnapshotManager:
             shutil.rmtree(directory, ignore_errors=True)  # not admitted
         finally:
             os.close(held)
-        await asyncio.to_thread(self.apply_retention, stored.manifest)
+        try:  # the snapshot is durable: the job succeeded whatever retention does
+            await asyncio.to_thread(self.apply_retention, stored.manifest)
+        except SnapshotError as exc:
+            log.warning("retention after snapshot %s failed: %s", manifest.id, exc)
         return self._describe(stored, "complete")
 
     async def retry_uploads(self) -> None:
@@ -732,12 +736,20 @@ class SnapshotManager:
 
     # ---------------------------------------------------------------- retention
 
+    _retention_pass = threading.Lock()
+    """Retention runs one pass at a time in this process (jobs finishing together each
+    apply it): concurrent passes planned over the same listing and deleted twice."""
+
     def apply_retention(self, newest: Manifest) -> list[str]:
         """Keep the last N per notebook and a total byte budget; never the newest of any
         (the choice is :func:`~.core.retention.plan_retention`'s)."""
+        with self._retention_pass:
+            return self._retention_pass_once(newest)
+
+    def _retention_pass_once(self, newest: Manifest) -> list[str]:
         store = self.store
         plan = plan_retention(
-            (Retained.of(s.manifest) for s in store.list()),
+            (Retained.of(s.manifest) for s in store.snapshots()),
             Retained.of(newest),
             RetentionPolicy(
                 keep_last=self.keep_last,
@@ -750,7 +762,7 @@ class SnapshotManager:
         for snapshot_id in plan.by_count:
             if self._is_lent(snapshot_id):  # a kernel still reads its pages: next time
                 continue
-            store.delete(snapshot_id)
+            store.delete(snapshot_id, missing_ok=True)  # another server's pass may be first
             removed.append(snapshot_id)
         for snapshot_id in plan.over_budget:
             # Chunks are shared between snapshots: what a deletion frees is what the store
@@ -759,7 +771,7 @@ class SnapshotManager:
                 break
             if self._is_lent(snapshot_id):
                 continue
-            store.delete(snapshot_id)
+            store.delete(snapshot_id, missing_ok=True)
             removed.append(snapshot_id)
         for snapshot_id in removed:
             self.image_cache.discard(snapshot_id)

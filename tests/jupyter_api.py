@@ -39,7 +39,7 @@ def damage_chunk(manager: SnapshotManager, snapshot_id: str, prefix: str) -> str
     ids, which differ without root: ``core-1.img`` in a PID namespace.)"""
     store = manager.store
     assert isinstance(store, LocalStore)
-    record = store._load(snapshot_id)
+    record = store.index.load(snapshot_id)
     assert record is not None
     path = max(
         (p for p in record.chunks if p.startswith(prefix)),

@@ -45,7 +45,7 @@ def main() -> None:
         chunk_kib = 16 if sequence % 2 else None
         stored = store.put(make_snapshot(work_dir, pages, sequence=sequence, chunk_kib=chunk_kib))
         print("put", stored.manifest.id, flush=True)
-        snapshots = store.list()
+        snapshots = store.snapshots()
         if mode == "repack" and len(snapshots) > 2:
             store.delete(snapshots[0].manifest.id)
             print("deleted", snapshots[0].manifest.id, flush=True)

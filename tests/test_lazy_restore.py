@@ -1,5 +1,5 @@
 """Lazy restore (issue 16.4): the restored kernel runs while its memory is served page by
-page by the product's page server (jupyter_ext/core/lazypages.py) to CRIU's lazy-pages
+page by the product's page server (jupyter_ext/core/lazypages/) to CRIU's lazy-pages
 daemon; real CRIU, real kernels. A page that cannot be read kills the half-restored
 kernel and puts the one it replaced back."""
 

@@ -393,7 +393,7 @@ def test_shutdown_snapshot_of_a_connected_kernel_restores(
     assert server.stop(signal.SIGTERM) == 0
     store = LocalStore(tmp_path / "store" / "users" / _owner())
     try:
-        (stored,) = store.list()
+        (stored,) = store.snapshots()
         assert stored.manifest.trigger == "before-shutdown"
         snap = store.fetch(stored.manifest.id, tmp_path / "fetched")
     finally:

@@ -331,7 +331,7 @@ def test_snapshot_before_shutdown(tmp_path: Path, snapshot_kernelspec: str) -> N
     kernel = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
     ws_execute(server, kernel, "import numpy as np; w = np.ones(2**22)")
     assert server.stop(signal.SIGTERM) == 0
-    stored = LocalStore(tmp_path / "store" / "users" / _owner()).list()
+    stored = LocalStore(tmp_path / "store" / "users" / _owner()).snapshots()
     assert [s.manifest.trigger for s in stored] == ["before-shutdown"]
     assert stored[0].manifest.kernel_spec["kernel_id"] == kernel
 
@@ -353,7 +353,7 @@ def test_every_kernel_is_snapshotted_before_shutdown(
             ws_execute(server, kernel, f"import numpy as np; w = np.full(2**20, {i})")
             expected.add(kernel)
         assert server.stop(signal.SIGTERM) == 0
-        stored = store.list()
+        stored = store.snapshots()
         assert {s.manifest.kernel_spec["kernel_id"] for s in stored} == expected
         assert {s.manifest.trigger for s in stored} == {"before-shutdown"}
         assert "without a snapshot" not in server.log()
@@ -449,7 +449,7 @@ def test_a_second_stop_signal_waits_for_the_shutdown_snapshots(
     staging = tmp_path / "work" / "staging"
     wait_until(lambda: staging.is_dir() and any(staging.iterdir()), what="a shutdown snapshot")
     assert server.stop(signal.SIGTERM) == 0
-    stored = LocalStore(tmp_path / "store" / "users" / _owner()).list()
+    stored = LocalStore(tmp_path / "store" / "users" / _owner()).snapshots()
     assert [s.manifest.trigger for s in stored] == ["before-shutdown"]
 
 

@@ -3,17 +3,22 @@ a real local store (no kernels: snapshot directories are built as in test_store.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import random
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from jupyter_ext.core.errors import SnapshotNotFoundError
 from jupyter_ext.core.manifest import Manifest
 from jupyter_ext.core.retention import Retained, RetentionPolicy, plan_retention
 from jupyter_ext.core.store import LocalStore
@@ -239,7 +244,7 @@ def test_manager_deletes_along_the_budget_until_the_store_fits(
 
     manager.max_bytes = 1  # cannot be met: everything but the notebook's newest goes
     assert manager.apply_retention(s4) == [s2.id, s3.id]
-    assert [s.manifest.id for s in manager.store.list()] == [s4.id]
+    assert [s.manifest.id for s in manager.store.snapshots()] == [s4.id]
 
 
 def test_manager_keep_last_and_budget_together(manager: SnapshotManager, tmp_path: Path) -> None:
@@ -247,7 +252,7 @@ def test_manager_keep_last_and_budget_together(manager: SnapshotManager, tmp_pat
     manager.keep_last = 3
     manager.max_bytes = manager.store.stats().stored_bytes  # met once s1 is gone
     assert manager.apply_retention(s4) == [s1.id]
-    assert [s.manifest.id for s in manager.store.list()] == [s2.id, s3.id, s4.id]
+    assert [s.manifest.id for s in manager.store.snapshots()] == [s2.id, s3.id, s4.id]
 
 
 # -- the module layout ---------------------------------------------------------------------
@@ -269,6 +274,65 @@ def test_manifest_and_retention_are_leaves() -> None:
         "jupyter_ext.core",
         "jupyter_ext.core.errors",
         "jupyter_ext.core.manifest",
-        "jupyter_ext.core.private",
+        "jupyter_ext.core.private",  # file modes (issue 29): stdlib only, a leaf too
         "jupyter_ext.core.retention",
     }
+
+
+def test_concurrent_retention_passes_delete_each_snapshot_once(
+    manager: SnapshotManager, events: Events, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three jobs finishing at once each apply retention (issue 27 item 6): their passes
+    must not delete the same old snapshot twice, and none fails for it. Each pass waits,
+    after listing, until the others listed too (or a while): without one pass at a time,
+    all three plan the same deletions."""
+    stored = put_snapshots(manager, tmp_path / "dirs", 6)
+    manager.keep_last = 2
+    listed = [0]
+    lock = threading.Lock()
+    snapshots = manager.store.snapshots
+
+    def listing_together() -> list[Any]:
+        found = snapshots()
+        with lock:
+            listed[0] += 1
+        deadline = time.monotonic() + 1.0
+        while listed[0] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return found
+
+    monkeypatch.setattr(manager.store, "snapshots", listing_together)
+    with ThreadPoolExecutor(3) as pool:
+        passes = [pool.submit(manager.apply_retention, stored[-1]) for _ in range(3)]
+        removed = [future.result() for future in passes]  # none raises
+    assert sorted(i for ids in removed for i in ids) == sorted(m.id for m in stored[:4])
+    assert [s.manifest.id for s in manager.store.snapshots()] == [m.id for m in stored[4:]]
+    deleted = [data["snapshot_id"] for name, data in events if name == "deleted"]
+    assert sorted(deleted) == sorted(m.id for m in stored[:4])  # each reported once
+
+
+def test_deleting_what_is_gone_is_not_an_error(manager: SnapshotManager, tmp_path: Path) -> None:
+    """Another server's retention may delete a snapshot this one planned to delete."""
+    (only,) = put_snapshots(manager, tmp_path / "dirs", 1)
+    manager.store.delete(only.id)
+    with pytest.raises(SnapshotNotFoundError):
+        manager.store.delete(only.id)
+    manager.store.delete(only.id, missing_ok=True)
+
+
+def test_an_upload_does_not_fail_on_retention(
+    manager: SnapshotManager, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job never fails after its snapshot is durable: a failed retention pass is logged."""
+    rng = random.Random(7)
+    directory = make_snapshot(tmp_path / "dirs", rng.randbytes(16 * 4096), lineage=A, sequence=1)
+    manifest = Manifest.read(directory)
+
+    def fail(newest: Manifest) -> list[str]:
+        raise SnapshotNotFoundError("There is no snapshot x.", hint="")
+
+    monkeypatch.setattr(manager, "apply_retention", fail)
+    described = asyncio.run(manager._upload(None, manifest, directory))
+    assert described is not None
+    assert described["status"] == "complete"
+    assert [s.manifest.id for s in manager.store.snapshots()] == [manifest.id]

@@ -168,23 +168,25 @@ async def test_corrupt_snapshot_fails_its_restore_before_criu(
 
 
 class SlowPacks:
-    """A store whose pack reads run at ``rate`` bytes stored a second, one at a time (the
-    reads themselves are the real store's): slow for memory that does not compress."""
+    """A store backend whose ranged reads run at ``rate`` bytes stored a second, one at a
+    time (the reads themselves are the real backend's): slow for memory that does not
+    compress."""
 
-    def __init__(self, store: Any, rate: float, gate: threading.Event) -> None:
-        self._store = store
+    def __init__(self, backend: Any, rate: float, gate: threading.Event) -> None:
+        self._backend = backend
         self._rate = rate
         self._gate = gate
         self._one_at_a_time = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
+        return getattr(self._backend, name)
 
-    def _read_object(self, name: str, offset: int, length: int) -> Any:
-        assert self._gate.wait(300), "the test never opened the gate"
-        with self._one_at_a_time:
-            time.sleep(length / self._rate)
-        return self._store._read_object(name, offset, length)
+    def load(self, handle: Any, offset: int = 0, length: int | None = None) -> Any:
+        if length is not None:
+            assert self._gate.wait(300), "the test never opened the gate"
+            with self._one_at_a_time:
+                time.sleep(length / self._rate)
+        return self._backend.load(handle, offset, length)
 
 
 @contextlib.contextmanager
@@ -199,7 +201,7 @@ def slow_pages(manager: Any, rate: float = 4e6) -> Iterator[threading.Event]:
 
     def open_slowly(snapshot_id: str) -> Any:
         images = real_open(snapshot_id)
-        images._reader.store = SlowPacks(store, rate, gate)
+        images._reader.backend = SlowPacks(store.backend, rate, gate)
         return images
 
     store.open_images = open_slowly

@@ -23,14 +23,15 @@ from typing import Any
 
 import pytest
 
-from jupyter_ext.core import chunking, packs
+from jupyter_ext.core import chunking
 from jupyter_ext.core import manifest as manifest_mod
-from jupyter_ext.core import store as store_mod
 from jupyter_ext.core.chunking import PAGE_SIZE, ChunkParams, auto_chunk_kib, iter_chunks
 from jupyter_ext.core.errors import BadIdError, SnapshotCorruptError, SnapshotNotFoundError
 from jupyter_ext.core.manifest import Manifest
-from jupyter_ext.core.packs import Location
 from jupyter_ext.core.store import LocalStore, S3Store, StoredSnapshot, StoreError
+from jupyter_ext.core.store import pack as packs
+from jupyter_ext.core.store.backend import Handle, Kind, local
+from jupyter_ext.core.store.pack import Location
 
 from .s3server import CuttableProxy, MotoServer, free_port
 from .tmpfs import small_disk as tmpfs_disk
@@ -162,7 +163,7 @@ def tree(path: Path) -> dict[str, bytes]:
 
 
 def object_key(store: Store, name: str) -> str:
-    return store._key(name) if isinstance(store, S3Store) else name
+    return store.backend.key(name) if isinstance(store, S3Store) else name
 
 
 def read_object(store: Store, name: str) -> bytes:
@@ -205,13 +206,13 @@ def chunks_of(store: Store, stored: StoredSnapshot, path: str = "images/pages-1.
 
 
 def refs_of(store: Store, stored: StoredSnapshot, path: str = "images/pages-1.img") -> list[Any]:
-    record = store._load(stored.manifest.id)
+    record = store.index.load(stored.manifest.id)
     assert record is not None
     return record.chunks[path]
 
 
 def packs_of(store: Store, stored: StoredSnapshot) -> set[str]:
-    record = store._load(stored.manifest.id)
+    record = store.index.load(stored.manifest.id)
     assert record is not None
     return {ref.where.obj for refs in record.chunks.values() for ref in refs}
 
@@ -309,10 +310,10 @@ def test_a_child_snapshot_keeps_its_parents_chunk_size(store: Store, tmp_path: P
     parent = store.put(make_snapshot(tmp_path, pages, sequence=1))
     store.chunking = None
     child = store.put(make_snapshot(tmp_path, pages, sequence=2, parent_id=parent.manifest.id))
-    assert store._load(child.manifest.id).chunk_kib == 32  # type: ignore[union-attr]
+    assert store.index.load(child.manifest.id).chunk_kib == 32  # type: ignore[union-attr]
     assert child.new_bytes == 0  # the same cut: every chunk is shared
     orphan = store.put(make_snapshot(tmp_path, pages, sequence=3))
-    assert store._load(orphan.manifest.id).chunk_kib == 16  # type: ignore[union-attr]
+    assert store.index.load(orphan.manifest.id).chunk_kib == 16  # type: ignore[union-attr]
     assert orphan.new_bytes > 0  # another cut of the same pages
 
 
@@ -327,7 +328,7 @@ def test_round_trip_is_byte_identical(store: Store, tmp_path: Path) -> None:
     assert stored.new_bytes == stored.stored_bytes > 0
     assert stored.chunk_count > 1
     assert stored.location.endswith(f"snapshots/{manifest.id}.json")
-    assert [s.manifest.id for s in store.list()] == [manifest.id]
+    assert [s.manifest.id for s in store.snapshots()] == [manifest.id]
     assert store.get(manifest.id) == stored
     uploading = [e["done_bytes"] for e in events if e["phase"] == "uploading"]
     assert uploading == sorted(uploading)
@@ -356,7 +357,7 @@ def test_put_again_returns_the_stored_snapshot(store: Store, tmp_path: Path) -> 
     source = make_snapshot(tmp_path, random_pages(random.Random(2), 256))
     first = store.put(source)
     assert store.put(source) == first
-    assert len(store.list()) == 1
+    assert len(store.snapshots()) == 1
 
 
 def test_identical_second_snapshot_adds_no_chunks(store: Store, tmp_path: Path) -> None:
@@ -381,7 +382,7 @@ def test_changed_kernel_stores_under_two_percent(make_store: MakeStore, tmp_path
     ratio = second.new_bytes / second.stored_bytes
     print(f"new bytes after 3 inserted + 3 changed pages: {ratio:.2%}")
     assert ratio <= 0.02
-    assert [s.manifest.sequence for s in store.list()] == [1, 2]
+    assert [s.manifest.sequence for s in store.snapshots()] == [1, 2]
     assert first.new_bytes == first.stored_bytes
     dest = store.fetch(second.manifest.id, tmp_path / "second")
     assert (dest / "images/pages-1.img").read_bytes() == changed
@@ -559,7 +560,7 @@ def test_delete_removes_only_unreferenced_packs(make_store: MakeStore, tmp_path:
 
     store.delete(first.manifest.id)
 
-    assert [s.manifest.id for s in store.list()] == [second.manifest.id]
+    assert [s.manifest.id for s in store.snapshots()] == [second.manifest.id]
     with pytest.raises(SnapshotNotFoundError):
         store.get(first.manifest.id)
     with pytest.raises(SnapshotNotFoundError):
@@ -590,7 +591,7 @@ def test_mostly_unused_packs_are_repacked(make_store: MakeStore, tmp_path: Path)
 
     store.delete(first.manifest.id)
 
-    objects = store._list_all_objects()
+    objects = store.index.objects()
     assert not old_packs & set(objects)  # every old pack rewritten or gone
     assert packs_of(store, second) - set(objects)  # the record names a repacked one
     assert sum(stat.size for stat in objects.values()) < second.stored_bytes * 1.05
@@ -642,8 +643,8 @@ def reopen_args(store: Store) -> dict[str, Any]:
     """How to open the same store again, as another process would."""
     if isinstance(store, S3Store):
         return {
-            "bucket": store.bucket,
-            "prefix": store.prefix,
+            "bucket": store.backend.bucket,
+            "prefix": store.backend.prefix,
             "endpoint_url": store.client.meta.endpoint_url,
             "region": "us-east-1",
         }
@@ -655,7 +656,7 @@ def test_delete_keeps_packs_within_the_grace_period(make_store: MakeStore, tmp_p
     stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(8), 256)))
     kept = packs_of(store, stored)
     store.delete(stored.manifest.id)
-    assert store.list() == []
+    assert store.snapshots() == []
     assert stored_objects(store) == kept
 
 
@@ -683,7 +684,7 @@ def test_pack_removed_during_put_is_uploaded_again(store: Store, tmp_path: Path)
     second = make_snapshot(tmp_path, pages, sequence=2)
 
     def sweep_now(event: dict[str, Any]) -> None:
-        if event["phase"] == "committing" and victim in store._list_all_objects():
+        if event["phase"] == "committing" and victim in store.index.objects():
             delete_object(store, victim)
 
     stored = store.put(second, progress=sweep_now)
@@ -701,7 +702,7 @@ def test_damaged_source_is_refused(store: Store, tmp_path: Path) -> None:
     image.write_bytes(bytes(data))
     with pytest.raises(SnapshotCorruptError, match="differs from its manifest"):
         store.put(source)
-    assert store.list() == []
+    assert store.snapshots() == []
 
 
 def test_memory_is_stored_by_the_chunks_its_seal_lists(store: Store, tmp_path: Path) -> None:
@@ -715,7 +716,7 @@ def test_memory_is_stored_by_the_chunks_its_seal_lists(store: Store, tmp_path: P
 
     stored = store.put(source)
 
-    record = store._load(stored.manifest.id)
+    record = store.index.load(stored.manifest.id)
     assert record is not None
     assert record.chunk_kib == 16
     assert [(r.hash, r.size) for r in record.chunks[entry.path]] == entry.chunks
@@ -749,7 +750,7 @@ def test_a_memory_file_changed_after_its_seal_is_hashed_again(store: Store, tmp_
     image.write_bytes(pages[:100] + bytes([pages[100] ^ 0xFF]) + pages[101:])
     with pytest.raises(SnapshotCorruptError, match="a chunk differs from its manifest"):
         store.put(source)
-    assert store.list() == []
+    assert store.snapshots() == []
 
     image.write_bytes(pages)  # as it was, but no longer as sealed: hashed, and stored
     sealed = manifest_mod.sealed_stamps(source)["images/pages-1.img"]
@@ -760,7 +761,7 @@ def test_a_memory_file_changed_after_its_seal_is_hashed_again(store: Store, tmp_
 
 
 def image_packs(store: Store) -> list[str]:
-    return sorted(n for n in store._list_all_objects() if packs.IMAGE_PACK_NAME_RE.match(n))
+    return sorted(n for n in store.index.objects() if packs.IMAGE_PACK_NAME_RE.match(n))
 
 
 def test_a_new_incompressible_memory_image_is_adopted_not_copied(
@@ -783,8 +784,8 @@ def test_a_new_incompressible_memory_image_is_adopted_not_copied(
         assert adopted == []
         return
     assert len(adopted) == 1
-    assert os.stat(store._object_path(adopted[0])).st_ino == image.stat().st_ino
-    record = store._load(stored.manifest.id)
+    assert os.stat(store.root / adopted[0]).st_ino == image.stat().st_ino
+    record = store.index.load(stored.manifest.id)
     assert record is not None
     assert {r.where.obj for r in record.chunks["images/pages-1.img"]} == set(adopted)
     assert stored.new_bytes >= len(pages)
@@ -840,7 +841,7 @@ def test_an_image_pack_outlives_its_snapshot_directory_and_is_repacked(tmp_path:
 
     store.delete(first.manifest.id)
 
-    assert adopted not in store._list_all_objects()
+    assert adopted not in store.index.objects()
     fresh = type(store)(**reopen_args(store))
     out = fresh.fetch(second.manifest.id, tmp_path / "after-repack")
     assert (out / "images/pages-1.img").read_bytes() == kept
@@ -876,12 +877,12 @@ def test_a_record_must_store_a_file_by_its_listed_chunks(store: Store, tmp_path:
     """A record that lists other chunks for a chunked file than its manifest is damaged
     (each chunk read would check out, the file would not)."""
     stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(35), 512), chunk_kib=16))
-    record = json.loads(store._read_record(stored.manifest.id) or b"")
+    record = json.loads(store.backend.load(Handle(Kind.RECORD, stored.manifest.id)) or b"")
     rows = record["chunks"]["images/pages-1.img"]
     rows[0], rows[1] = rows[1], rows[0]
     fresh_id = record["manifest"]["id"] = uuid.uuid4().hex
     reseal(record["manifest"])
-    assert store._create_record(fresh_id, json.dumps(record).encode())
+    assert store.backend.save_if_absent(Handle(Kind.RECORD, fresh_id), json.dumps(record).encode())
     with pytest.raises(SnapshotCorruptError, match="not those of its manifest entry"):
         store.get(fresh_id)
 
@@ -893,7 +894,7 @@ def test_invalid_manifests_are_refused(store: Store, tmp_path: Path) -> None:
         (source / "manifest.json").write_text(json.dumps(damaged))
         with pytest.raises(SnapshotCorruptError):
             store.put(source)
-    assert store.list() == []
+    assert store.snapshots() == []
 
 
 @pytest.mark.parametrize("bad_path", ["../outside.img", "/etc/hostname", "images//core.img"])
@@ -907,7 +908,7 @@ def test_traversal_paths_in_a_manifest_are_refused(
     (source / "manifest.json").write_text(json.dumps(reseal(raw)))
     with pytest.raises(SnapshotCorruptError, match="not allowed"):
         store.put(source)
-    assert store.list() == []
+    assert store.snapshots() == []
     with pytest.raises(SnapshotCorruptError, match="not allowed"):
         manifest_mod.verify(source)
 
@@ -940,8 +941,8 @@ def test_users_with_different_prefixes_are_apart(make_store: MakeStore, tmp_path
     mine = alice.put(make_snapshot(tmp_path, pages))
     theirs = bob.put(make_snapshot(tmp_path, pages))
     assert theirs.new_bytes == theirs.stored_bytes  # nothing shared across prefixes
-    assert [s.manifest.id for s in alice.list()] == [mine.manifest.id]
-    assert [s.manifest.id for s in bob.list()] == [theirs.manifest.id]
+    assert [s.manifest.id for s in alice.snapshots()] == [mine.manifest.id]
+    assert [s.manifest.id for s in bob.snapshots()] == [theirs.manifest.id]
     with pytest.raises(SnapshotNotFoundError):
         bob.get(mine.manifest.id)
     alice.delete(mine.manifest.id)
@@ -952,23 +953,23 @@ def test_list_is_sorted_by_lineage_and_sequence(store: Store, tmp_path: Path) ->
     pages = random_pages(random.Random(14), 16)
     for lineage, sequence in [("b" * 32, 2), ("a" * 32, 3), ("b" * 32, 1), ("a" * 32, 10)]:
         store.put(make_snapshot(tmp_path, pages, lineage=lineage, sequence=sequence))
-    listed = [(s.manifest.lineage[0], s.manifest.sequence) for s in store.list()]
+    listed = [(s.manifest.lineage[0], s.manifest.sequence) for s in store.snapshots()]
     assert listed == [("a", 3), ("a", 10), ("b", 1), ("b", 2)]
 
 
 def test_tampered_record_cannot_write_outside(store: Store, tmp_path: Path) -> None:
     stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(15), 16)))
-    record = json.loads(store._read_record(stored.manifest.id) or b"")
+    record = json.loads(store.backend.load(Handle(Kind.RECORD, stored.manifest.id)) or b"")
     entry = record["manifest"]["files"][-1]
     record["chunks"]["../../evil"] = record["chunks"].pop(entry["path"])
     entry["path"] = "../../evil"
     fresh_id = record["manifest"]["id"] = uuid.uuid4().hex
     reseal(record["manifest"])
-    assert store._create_record(fresh_id, json.dumps(record).encode())
+    assert store.backend.save_if_absent(Handle(Kind.RECORD, fresh_id), json.dumps(record).encode())
     with pytest.raises(SnapshotCorruptError, match="not allowed"):
         store.fetch(fresh_id, tmp_path / "out" / "snap")
     assert not (tmp_path / "evil").exists()
-    assert [s.manifest.id for s in store.list()] == [stored.manifest.id]  # logged, skipped
+    assert [s.manifest.id for s in store.snapshots()] == [stored.manifest.id]  # logged, skipped
 
 
 def test_unavailable_store_raises_store_error(
@@ -985,7 +986,7 @@ def test_unavailable_store_raises_store_error(
         broken.put(source)
     assert caught.value.hint
     with pytest.raises(StoreError):
-        broken.list()
+        broken.snapshots()
 
 
 def test_network_cut_mid_upload_leaves_no_record(
@@ -1010,9 +1011,9 @@ def test_network_cut_mid_upload_leaves_no_record(
     assert proxy.url in caught.value.hint
 
     proxy.restore()
-    assert store.list() == []
+    assert store.snapshots() == []
     stored = store.put(source)  # a retry after the network is back completes
-    assert [s.manifest.id for s in store.list()] == [stored.manifest.id]
+    assert [s.manifest.id for s in store.snapshots()] == [stored.manifest.id]
     assert stored_objects(store) == referenced_objects(store)  # and removes the first try's
 
 
@@ -1068,16 +1069,16 @@ def test_s3_listing_past_one_page_goes_per_directory(
     )
     request.addfinalizer(store.close)
     store.put(make_snapshot(tmp_path, random_pages(random.Random(13), 256), sequence=1))
-    store.list_page_size = 1000
-    one_page = dict(store._list_objects("packs"))
+    store.backend.list_page_size = 1000
+    one_page = dict(store.backend.entries(Kind.PACK))
     assert 20 < len(one_page) < 1000
     prefixes: list[str] = []
     store.client.meta.events.register(
         "before-parameter-build.s3.ListObjectsV2",
-        lambda params, **_: prefixes.append(params["Prefix"].removeprefix(store.prefix)),
+        lambda params, **_: prefixes.append(params["Prefix"].removeprefix(store.backend.prefix)),
     )
-    store.list_page_size = 20
-    listed = list(store._list_objects("packs"))
+    store.backend.list_page_size = 20
+    listed = list(store.backend.entries(Kind.PACK))
     assert dict(listed) == one_page
     assert len(listed) == len(one_page)  # nothing twice
     last_of_first_page = sorted(one_page)[19].split("/")[1]
@@ -1091,19 +1092,19 @@ def test_s3_listing_past_one_page_goes_per_directory(
 
 
 def stored_objects(store: Store) -> set[str]:
-    return set(store._list_all_objects())
+    return set(store.index.objects())
 
 
 def referenced_objects(store: Store) -> set[str]:
     return {
         ref.where.obj
-        for r in store._all_records(strict=True).values()
+        for r in store.index.records(strict=True).values()
         for ref in r.distinct().values()
     }
 
 
 def claims_and_markers(store: Store) -> list[str]:
-    return [name for name, _ in store._list_puts()]
+    return [name for name, _ in store.claims.listing()]
 
 
 def test_failed_put_removes_its_packs_but_not_shared_ones(store: Store, tmp_path: Path) -> None:
@@ -1139,14 +1140,14 @@ def test_a_live_claim_protects_its_packs_until_it_is_stale(store: Store, tmp_pat
     orphan = random_pages(random.Random(21), 64)
     builder.add(hashlib.sha256(orphan).hexdigest(), len(orphan), orphan, "raw")
     digest = builder.name
-    store._write_object(digest, builder.finish())
-    store._write_claim("f" * 32, "e" * 32, {digest})
+    store.backend.save(Handle(Kind.PACK, digest), builder.finish())
+    store.claims.write("f" * 32, "e" * 32, {digest})
     other = store.put(make_snapshot(tmp_path, random_pages(random.Random(22), 64)))
     store.delete(other.manifest.id)  # a sweep with no grace period
     assert stored_objects(store) == {digest}
     assert claims_and_markers(store) == ["f" * 32 + ".json"]
 
-    store.claim_stale_seconds = 0
+    store.claims.claim_stale_seconds = 0
     store.put(make_snapshot(tmp_path, random_pages(random.Random(23), 64)))  # it collects
     assert digest not in stored_objects(store)
     assert stored_objects(store) == referenced_objects(store)
@@ -1160,7 +1161,7 @@ def test_a_put_waits_out_a_cleanup_and_sees_its_deletions(store: Store, tmp_path
     pages = random_pages(random.Random(24), 512)
     first = store.put(make_snapshot(tmp_path, pages))
     victim = refs_of(store, first)[0].where.obj
-    store._write_put("c" * 32 + ".cleaning", b"")
+    store.backend.save(Handle(Kind.PUT, "c" * 32 + ".cleaning"), b"")
     second = make_snapshot(tmp_path, pages, sequence=2)
     committing = threading.Event()
     outcome: list[Exception | StoredSnapshot] = []
@@ -1177,7 +1178,7 @@ def test_a_put_waits_out_a_cleanup_and_sees_its_deletions(store: Store, tmp_path
     thread.start()
     assert committing.wait(60)
     delete_object(store, victim)
-    store._delete_put("c" * 32 + ".cleaning")
+    store.backend.remove(Handle(Kind.PUT, "c" * 32 + ".cleaning"))
     thread.join()
     [result] = outcome
     assert isinstance(result, StoredSnapshot), result
@@ -1191,15 +1192,15 @@ def test_a_put_does_not_wait_for_the_marker_of_a_killed_cleanup(
     """A server killed during a clean-up leaves its marker; on its host, the next put
     sees that its process is gone and goes on at once (it does not wait for the marker
     to age), and removes it."""
-    from jupyter_ext.core.store import _process_identity
+    from jupyter_ext.core.store.claims import process_identity
 
     gone = subprocess.Popen(["true"])
-    owner = _process_identity(gone.pid)
+    owner = process_identity(gone.pid)
     gone.wait()
-    store._write_put("d" * 32 + ".cleaning", json.dumps(owner).encode())
-    store.marker_stale_seconds = 3600  # waiting it out would outlast the test's timeout
+    store.backend.save(Handle(Kind.PUT, "d" * 32 + ".cleaning"), json.dumps(owner).encode())
+    store.claims.marker_stale_seconds = 3600  # waiting it out would outlast the test's timeout
     stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(25), 64)))
-    assert [s.manifest.id for s in store.list()] == [stored.manifest.id]
+    assert [s.manifest.id for s in store.snapshots()] == [stored.manifest.id]
     assert claims_and_markers(store) == []
 
 
@@ -1211,14 +1212,14 @@ def test_raw_chunks_are_copied_inside_the_kernel_where_it_can(tmp_path: Path) ->
     source = tmp_path / "pages.img"
     source.write_bytes(data)
     with source.open("rb") as src, (tmp_path / "out").open("wb") as out:
-        assert store_mod._copy_range(src.fileno(), PAGE_SIZE, 2 * PAGE_SIZE, out.fileno())
+        assert local.copy_range(src.fileno(), PAGE_SIZE, 2 * PAGE_SIZE, out.fileno())
         with pytest.raises(OSError, match="shrank"):
-            store_mod._copy_range(src.fileno(), 2 * PAGE_SIZE, 3 * PAGE_SIZE, out.fileno())
+            local.copy_range(src.fileno(), 2 * PAGE_SIZE, 3 * PAGE_SIZE, out.fileno())
     assert (tmp_path / "out").read_bytes()[: 2 * PAGE_SIZE] == data[PAGE_SIZE:]
     read_end, write_end = os.pipe()
     try:
         with (tmp_path / "out2").open("wb") as out:
-            assert not store_mod._copy_range(read_end, 0, len(data), out.fileno())
+            assert not local.copy_range(read_end, 0, len(data), out.fileno())
         assert (tmp_path / "out2").read_bytes() == b""
     finally:
         os.close(read_end)
@@ -1235,7 +1236,7 @@ def test_slices_that_follow_each_other_in_a_file_are_copied_as_one_run() -> None
 
     parts: list[packs.Blob] = [piece(3, 0), piece(3, 1), piece(3, 2), piece(4, 3)]
     parts += [b"trailer", piece(4, 4), piece(4, 6)]
-    runs = list(store_mod._runs(parts))
+    runs = list(local.runs(parts))
     assert [len(run) for run in runs] == [3, 1, 1, 1, 1]
     assert runs[0] == parts[:3]
     assert runs[2] == [b"trailer"]
@@ -1310,7 +1311,7 @@ def test_full_local_store_says_so_and_keeps_nothing(small_disk: Path, tmp_path: 
     assert shutil.disk_usage(small_disk).free >= free_before - survivor.stored_bytes - (1 << 20)
 
     smaller = store.put(make_snapshot(tmp_path, rng.randbytes(8 << 20), sequence=3))
-    assert {s.manifest.id for s in store.list()} == {survivor.manifest.id, smaller.manifest.id}
+    assert {s.manifest.id for s in store.snapshots()} == {survivor.manifest.id, smaller.manifest.id}
     assert stored_objects(store) == referenced_objects(store)
 
 
@@ -1390,9 +1391,9 @@ def test_a_format_1_store_is_still_read_and_cleaned(store: Store, tmp_path: Path
             write_object(store, packs.legacy_chunk_name(digest), blob)
             refs.append({"hash": digest, "size": len(piece), "stored_size": len(blob)})
     record = {"format": 1, "manifest": raw, "chunks": chunks, "stored_bytes": 1, "new_bytes": 1}
-    assert store._create_record(raw["id"], json.dumps(record).encode())
+    assert store.backend.save_if_absent(Handle(Kind.RECORD, raw["id"]), json.dumps(record).encode())
 
-    assert [s.manifest.id for s in store.list()] == [raw["id"]]
+    assert [s.manifest.id for s in store.snapshots()] == [raw["id"]]
     assert tree(store.fetch(raw["id"], tmp_path / "old")) == tree(source)
     newer = store.put(make_snapshot(tmp_path, random_pages(random.Random(41), 64), sequence=2))
     assert any(packs.PACK_NAME_RE.match(name) for name in packs_of(store, newer))
@@ -1402,15 +1403,15 @@ def test_a_format_1_store_is_still_read_and_cleaned(store: Store, tmp_path: Path
 
 def test_a_record_of_a_newer_format_says_to_upgrade(store: Store, tmp_path: Path) -> None:
     stored = store.put(make_snapshot(tmp_path, random_pages(random.Random(42), 16)))
-    record = json.loads(store._read_record(stored.manifest.id) or b"")
+    record = json.loads(store.backend.load(Handle(Kind.RECORD, stored.manifest.id)) or b"")
     record["format"] = 99
     record["manifest"]["id"] = fresh_id = uuid.uuid4().hex
     reseal(record["manifest"])
-    assert store._create_record(fresh_id, json.dumps(record).encode())
+    assert store.backend.save_if_absent(Handle(Kind.RECORD, fresh_id), json.dumps(record).encode())
     with pytest.raises(SnapshotCorruptError, match="newer version") as caught:
         store.get(fresh_id)
     assert "Upgrade" in caught.value.hint
-    assert [s.manifest.id for s in store.list()] == [stored.manifest.id]  # logged, skipped
+    assert [s.manifest.id for s in store.snapshots()] == [stored.manifest.id]  # logged, skipped
 
 
 @pytest.mark.parametrize("kib", [8, 48, 100])

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from jupyter_ext.core import manifest as manifest_mod
-from jupyter_ext.core.store import _Catalog
 
 from .faults import FAULT_ITERATIONS, FAULT_SEED
 from .s3server import MotoServer
@@ -61,7 +60,7 @@ def check_store(where: str, tmp_path: Path) -> int:
     """Every listed snapshot is complete and restorable; returns how many there are."""
     store = open_store(where, grace_seconds=0, pack_bytes=PACK_BYTES)
     try:
-        listed = store.list()
+        listed = store.snapshots()
         for snapshot in listed:
             out = store.fetch(snapshot.manifest.id, tmp_path / uuid.uuid4().hex)
             assert manifest_mod.verify(out).id == snapshot.manifest.id
@@ -75,11 +74,11 @@ def check_cleaned_up(where: str, tmp_path: Path) -> None:
     object in the store is one a snapshot needs, and no claim or marker is left."""
     store = open_store(where, grace_seconds=0, pack_bytes=PACK_BYTES)
     try:
-        store.claim_stale_seconds = 0
+        store.claims.claim_stale_seconds = 0
         extra = store.put(make_snapshot(tmp_path, random_pages(random.Random(1), 16)))
         store.delete(extra.manifest.id)  # a sweep: nothing younger than 0 s is spared
-        records = store._all_records(strict=True)
-        catalog = _Catalog(store, records.values())
+        records = store.index.records(strict=True)
+        catalog = store.index.catalog(records.values())
         needed = {
             where.obj
             for record in records.values()
@@ -87,7 +86,7 @@ def check_cleaned_up(where: str, tmp_path: Path) -> None:
             if (where := catalog.resolve(ref)) is not None
         }
         assert set(catalog.objects) == needed
-        assert store._list_puts() == []
+        assert store.claims.listing() == []
     finally:
         store.close()
 

@@ -16,7 +16,7 @@ extension, the CLI and the panel can show it as it is::
     ├── WrapperUnavailableError   the kernel is not a snapshot kernel, or its wrapper is gone
     ├── SnapshotNotFoundError     no snapshot with that id
     ├── VariableTransferError     variables could not be taken from a snapshot (variables.py)
-    ├── StoreError                the store cannot be read or written (store.py)
+    ├── StoreError                the store cannot be read or written (store/api.py)
     └── GpuCheckpointError        a CUDA checkpoint step failed (gpu/errors.py)
         └── GpuUnavailableError   no usable CUDA checkpoint support
 """

@@ -279,19 +279,7 @@ class Manifest:
 
     @classmethod
     def read(cls, snapshot_dir: Path) -> Manifest:
-        path = snapshot_dir / MANIFEST_NAME
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError as exc:
-            raise SnapshotCorruptError(
-                f"{snapshot_dir} is not a complete snapshot: it has no {MANIFEST_NAME}.",
-                hint="Pick another snapshot; incomplete ones are never listed.",
-            ) from exc
-        except (OSError, ValueError) as exc:
-            raise SnapshotCorruptError(
-                f"The manifest of {snapshot_dir} cannot be read: {exc}",
-                hint="The snapshot is damaged; pick another one.",
-            ) from exc
+        data = read_raw(snapshot_dir)
         try:
             return cls.from_dict(data)
         except (TypeError, KeyError, AttributeError) as exc:
@@ -299,6 +287,31 @@ class Manifest:
                 f"The manifest of {snapshot_dir} lacks fields or has wrong ones: {exc}",
                 hint="The snapshot is damaged; pick another one.",
             ) from exc
+
+
+def read_raw(
+    snapshot_dir: Path,
+    missing_hint: str = "Pick another snapshot; incomplete ones are never listed.",
+    damaged_hint: str = "The snapshot is damaged; pick another one.",
+) -> dict[str, Any]:
+    """A snapshot directory's manifest as the JSON object it holds (fields not checked:
+    :meth:`Manifest.from_dict` does); the hints say what to do where the caller is."""
+    try:
+        data = json.loads((snapshot_dir / MANIFEST_NAME).read_text())
+    except FileNotFoundError as exc:
+        raise SnapshotCorruptError(
+            f"{snapshot_dir} is not a complete snapshot: it has no {MANIFEST_NAME}.",
+            hint=missing_hint,
+        ) from exc
+    except (OSError, ValueError) as exc:
+        raise SnapshotCorruptError(
+            f"The manifest of {snapshot_dir} cannot be read: {exc}", hint=damaged_hint
+        ) from exc
+    if not isinstance(data, dict):
+        raise SnapshotCorruptError(
+            f"The manifest of {snapshot_dir} is not a JSON object.", hint=damaged_hint
+        )
+    return data
 
 
 def _file_entry(data: dict[str, Any]) -> FileEntry:

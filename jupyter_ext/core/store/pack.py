@@ -23,9 +23,9 @@ import re
 import secrets
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypeVar
 
 import zstandard
 
@@ -41,6 +41,9 @@ RAW_ABOVE = 7 / 8
 """A chunk is stored raw when compressing leaves more than this share of it."""
 PROBE_EVERY = 8
 """After a raw chunk, only every this-many-th chunk is tried with zstd until one compresses."""
+COALESCE_GAP = 1024 * 1024
+"""Ranges of one pack closer than this are read in one request (the gap is read too)."""
+MAX_READ = 32 * 1024 * 1024
 
 Codec = Literal["zstd", "raw"]
 CODECS: tuple[Codec, ...] = ("zstd", "raw")
@@ -235,3 +238,25 @@ def parse_trailer(name: str, trailer: bytes, pack_size: int) -> list[PackEntry]:
         return entries
     except (zstandard.ZstdError, TypeError) as exc:
         raise ValueError(f"its trailer cannot be read ({exc})") from exc
+
+
+_T = TypeVar("_T")
+
+
+def coalesce(chunks: Iterable[tuple[_T, Location]]) -> Iterator[list[tuple[_T, Location]]]:
+    """Chunks of one object, sorted by offset, in groups that one ranged read serves."""
+    group: list[tuple[_T, Location]] = []
+    start = end = 0
+    for item in chunks:
+        where = item[1]
+        if group and (
+            where.offset - end > COALESCE_GAP or where.offset + where.length - start > MAX_READ
+        ):
+            yield group
+            group = []
+        if not group:
+            start = where.offset
+        group.append(item)
+        end = max(end if len(group) > 1 else 0, where.offset + where.length)
+    if group:
+        yield group

@@ -1,0 +1,96 @@
+"""What a backend is: a place that saves, loads, lists and removes whole files by handle
+(restic's ``Backend`` and ``Handle``). It knows nothing of records, packs or clean-ups;
+the repository above it does."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+from ...private import Exposed
+from ..pack import Parts
+
+
+class Kind(enum.Enum):
+    """What a file is, which decides where it lives (layout.py) and how durable a save is."""
+
+    PACK = "pack"
+    """A pack or image pack: saved without a sync each; :meth:`Backend.sync` makes the
+    packs saved so far durable (before a record names them)."""
+    LEGACY = "legacy"
+    """A chunk object of record format 1 (read, listed, removed; never written)."""
+    RECORD = "record"
+    """A snapshot's record: durable once saved."""
+    PUT = "put"
+    """A claim or a clean-up marker: durable once saved, replaced whole."""
+
+
+class Handle(NamedTuple):
+    kind: Kind
+    name: str
+
+
+class ObjectStat(NamedTuple):
+    size: int
+    mtime: float
+    """Seconds since the epoch; the store's clock (S3's LastModified)."""
+
+
+class Backend(Protocol):
+    """Moves bytes. Errors are :class:`~..api.StoreError` saying what failed and where."""
+
+    def location(self, handle: Handle) -> str:
+        """Where the file is, for messages: a path or an ``s3://`` URL."""
+        ...
+
+    def save(self, handle: Handle, data: bytes | Parts) -> None:
+        """Write the file whole, replacing any (packs: durable after :meth:`sync`)."""
+        ...
+
+    def save_if_absent(self, handle: Handle, data: bytes) -> bool:
+        """Write the file durably unless it exists; False if it did."""
+        ...
+
+    def adopt(self, handle: Handle, source: Path) -> bool:
+        """Make the file ``source`` the file of ``handle`` without copying it (durable
+        after :meth:`sync`); False where the backend cannot."""
+        ...
+
+    def load(
+        self, handle: Handle, offset: int = 0, length: int | None = None
+    ) -> bytes | memoryview | None:
+        """The file (``length`` None), or ``length`` bytes of it from ``offset`` (fewer
+        past its end); None if it is missing."""
+        ...
+
+    def names(self, kind: Kind) -> list[str]:
+        """The names of every file of ``kind`` (records: the ids they are named by)."""
+        ...
+
+    def entries(self, kind: Kind) -> Iterator[tuple[str, ObjectStat]]:
+        """The files of ``kind`` with their sizes and timestamps (packs: only names that
+        are objects of the layout; puts: not the backend's own temporary files)."""
+        ...
+
+    def remove(self, handle: Handle) -> None:
+        """Remove the file (a missing one is fine)."""
+        ...
+
+    def remove_all(self, names: list[str]) -> None:
+        """Remove these objects (packs or chunk objects; missing ones are fine), in bulk."""
+        ...
+
+    def sync(self) -> None:
+        """Make the packs saved so far durable."""
+        ...
+
+    def close(self) -> None:
+        """Let go of connections (the backend is not used afterwards)."""
+        ...
+
+    def tighten(self) -> list[Exposed]:
+        """Take from what the backend keeps on this machine the access its modes give
+        nobody else; what was changed (nothing for a remote backend)."""
+        ...

@@ -1,0 +1,56 @@
+"""The one path layout of a store, under its root (a directory, or ``<bucket>/<prefix>``)::
+
+    packs/<hh>/<name>       a pack (pack.py); ``.img``: a local store's image pack
+    snapshots/<id>.json     a snapshot's record (record.py)
+    puts/<token>.json       a claim of a put in progress (claims.py)
+    puts/<token>.cleaning   a clean-up in progress
+    chunks/<hh>/<sha256>    record format 1 only (one object per chunk): still read
+
+A pack's name is its path (records name packs so); a record is named by its snapshot id,
+a claim or marker by its file name.
+"""
+
+from __future__ import annotations
+
+from .base import Handle, Kind
+
+PUTS_DIR = "puts"
+RECORDS_DIR = "snapshots"
+RECORD_SUFFIX = ".json"
+
+
+def path(handle: Handle) -> str:
+    """Where the file of ``handle`` is, relative to the store's root ("/"-separated)."""
+    if handle.kind is Kind.RECORD:
+        return f"{RECORDS_DIR}/{handle.name}{RECORD_SUFFIX}"
+    if handle.kind is Kind.PUT:
+        return f"{PUTS_DIR}/{handle.name}"
+    return handle.name
+
+
+def directory(kind: Kind) -> str:
+    """The directory that holds every file of ``kind``."""
+    return {
+        Kind.PACK: "packs",
+        Kind.LEGACY: "chunks",
+        Kind.RECORD: RECORDS_DIR,
+        Kind.PUT: PUTS_DIR,
+    }[kind]
+
+
+def record_id(filename: str) -> str | None:
+    """The snapshot id a file under ``snapshots/`` is the record of (None: not a record)."""
+    return filename.removesuffix(RECORD_SUFFIX) if filename.endswith(RECORD_SUFFIX) else None
+
+
+def object_handle(name: str) -> Handle:
+    """The handle of an object a record or a trailer names (a pack, or a format-1 chunk)."""
+    return Handle(Kind.LEGACY if name.startswith("chunks/") else Kind.PACK, name)
+
+
+def record(snapshot_id: str) -> Handle:
+    return Handle(Kind.RECORD, snapshot_id)
+
+
+def put(name: str) -> Handle:
+    return Handle(Kind.PUT, name)

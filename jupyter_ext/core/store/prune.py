@@ -1,0 +1,187 @@
+"""Clean-up (restic's prune, with claims for its locks): :func:`survey` reads the store in
+the order that keeps puts safe (marker first, then claims, then objects and records),
+:func:`plan_cleanup` decides from that alone (pure, as retention's planner is), and
+:func:`collect` runs both and executes the plan: deletions, then a repack of packs that
+are mostly garbage."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from . import pack
+from .api import StoreError
+from .backend import ObjectStat
+from .claims import Claims, Lease
+from .index import Catalog, Index
+from .pack import Location
+from .record import Record
+from .repack import Repack
+
+logger = logging.getLogger(__name__)
+
+Needed = dict[str, dict[str, tuple[int, Location]]]
+"""pack -> sha256 -> (size, where) of every chunk a record needs, where it is now."""
+
+
+@dataclass(frozen=True)
+class PutFile:
+    """A claim or marker under ``puts/`` as the clean-up found it."""
+
+    name: str
+    stale: bool
+    objects: frozenset[str] = frozenset()
+    """What a claim lists (read for claims of others only)."""
+    owner_gone: bool = False
+    """A fresh marker whose process is gone from this host (it does not count)."""
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What a clean-up read, in the order it read it."""
+
+    marker: str
+    puts: list[PutFile]
+    objects: dict[str, ObjectStat]
+    records: dict[str, Record]
+    catalog: Catalog
+
+
+@dataclass
+class CleanupPlan:
+    delete: list[str]
+    """Objects to delete now: ``doomed`` and unneeded ones past the grace period."""
+    doomed: list[str]
+    """The candidates (of failed or killed puts) among them."""
+    repack: list[str]
+    """Old packs mostly unneeded, to rewrite (only when no other clean-up runs)."""
+    needed: Needed
+    finished: list[str] = field(default_factory=list)
+    """Claims and markers to remove at the end (failed puts', killed ones')."""
+
+
+def survey(claims: Claims, index: Index, marker: str, own: set[str]) -> Survey:
+    """Read the claims (their objects, unless ``own``: those of failed puts here), then
+    the objects and records: a put that publishes its claim after this sees the marker
+    (or this clean-up done) before it checks its packs."""
+    puts = []
+    now = time.time()
+    for name, mtime in claims.listing():
+        token, _, kind = name.partition(".")
+        stale = mtime <= now - claims.stale_after(name)
+        if name == marker or kind not in ("json", "cleaning"):
+            continue
+        if kind == "cleaning":
+            gone = not stale and claims.marker_owner_gone(name)
+            puts.append(PutFile(name, stale, owner_gone=gone))
+        elif token in own:
+            puts.append(PutFile(name, stale))
+        else:
+            puts.append(PutFile(name, stale, frozenset(claims.claimed_objects(name, stale))))
+    objects = index.objects()
+    records = index.records(strict=True)
+    return Survey(marker, puts, objects, records, index.catalog(records.values(), objects))
+
+
+def plan_cleanup(
+    found: Survey,
+    candidates: set[str],
+    own: set[str],
+    *,
+    sweep: bool,
+    cutoff: float,
+    repack_below: float,
+) -> CleanupPlan:
+    """Delete the ``candidates`` (and the objects of stale claims) that no record needs
+    and no live claim lists; with ``sweep``, also unneeded objects last changed before
+    ``cutoff``, and repack old packs that are mostly unneeded if no other clean-up runs.
+    The claims ``own`` (of failed puts) are finished."""
+    candidates = set(candidates)
+    live: set[str] = set()
+    finished: list[str] = []
+    alone = True
+    for put in found.puts:
+        token, _, kind = put.name.partition(".")
+        if kind == "cleaning" or token in own:
+            if kind == "cleaning" and not put.stale:
+                alone = alone and put.owner_gone
+            if kind == "json" or put.stale:
+                finished.append(put.name)
+        elif put.stale:
+            candidates |= put.objects
+            finished.append(put.name)
+        else:
+            live |= put.objects
+    needed = _needed(found.records, found.catalog)
+    objects = found.objects
+    doomed = sorted((candidates & objects.keys()) - needed.keys() - live)
+    old = {
+        name
+        for name, stat in objects.items()
+        if sweep and name not in needed and name not in live and stat.mtime <= cutoff
+    }
+    worn = []
+    if sweep and alone:
+        worn = [
+            name
+            for name, stat in sorted(objects.items())
+            if name in needed
+            and name not in live
+            and pack.is_pack_name(name)
+            and stat.mtime <= cutoff
+            and sum(w.length for _, w in needed[name].values()) < repack_below * stat.size
+        ]
+    return CleanupPlan(sorted(set(doomed) | old), doomed, worn, needed, finished)
+
+
+def _needed(records: dict[str, Record], catalog: Catalog) -> Needed:
+    needed: Needed = {}
+    for record in records.values():
+        for ref in record.distinct().values():
+            where = catalog.resolve(ref)
+            if where is None:
+                # Deleting by a wrong picture of the store could lose more.
+                raise StoreError(
+                    f"Snapshot {record.manifest.id} needs chunk {ref.hash[:12]}…, "
+                    "which is in no pack of the store, so nothing is removed now.",
+                    hint="Delete that snapshot (it cannot be restored), then "
+                    "the clean-up runs again.",
+                )
+            needed.setdefault(where.obj, {})[ref.hash] = (ref.size, where)
+    return needed
+
+
+@dataclass(frozen=True)
+class Cleaner:
+    """Runs clean-ups of one store (its settings as the repository has them now)."""
+
+    claims: Claims
+    index: Index
+    grace_seconds: float
+    repack_below: float
+    pack_bytes: int
+
+    def collect(self, candidates: set[str], *, own: set[str], sweep: bool = False) -> None:
+        """Survey, plan and execute one clean-up under a fresh marker."""
+        with self.claims.cleaning() as lease:
+            found = survey(self.claims, self.index, lease.marker, own)
+            plan = plan_cleanup(
+                found,
+                candidates,
+                own,
+                sweep=sweep,
+                cutoff=time.time() - self.grace_seconds,
+                repack_below=self.repack_below,
+            )
+            self._execute(plan, lease)
+
+    def _execute(self, plan: CleanupPlan, lease: Lease) -> None:
+        lease.check()
+        self.index.backend.remove_all(plan.delete)
+        if plan.repack:
+            Repack(self.claims, self.index, self.pack_bytes, lease).run(plan.repack, plan.needed)
+        for name in plan.finished:
+            self.claims.remove(name)
+        if plan.doomed:
+            logger.info("Removed %d packs that failed puts left", len(plan.doomed))

@@ -1,0 +1,153 @@
+"""Proxies for a shape one person can hold (issue 27 item 4), checked on every run: no
+module over 800 lines, no class over 400, and no private attribute of another object
+reached (``obj._x`` where ``obj`` is not ``self``/``cls``). What is not there yet is
+listed below with the reason, so that the list only shrinks.
+
+``duplicates --repo jupyter_ext/core/store`` (no repeated block of 6+ lines in the store
+package) is a local tool, not installed where CI runs: the last test runs it where it is
+on PATH and is skipped elsewhere; check it by hand before committing a change there."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("jupyter_ext", "kernel_wrapper")
+MAX_MODULE_LINES = 800
+MAX_CLASS_LINES = 400
+
+LONG_MODULES = {
+    "jupyter_ext/manager.py": "split pending, issue 27 item 2",
+    "kernel_wrapper/snapshotter.py": "split pending, issue 27 item 3",
+}
+LONG_CLASSES = {
+    "jupyter_ext/manager.py:SnapshotManager": "split pending, issue 27 item 2",
+    "kernel_wrapper/snapshotter.py:Snapshotter": "split pending, issue 27 item 3",
+    "kernel_wrapper/relay.py:Relay": "420 lines since before issue 27, which does not split "
+    "it yet: the next cut of the wrapper (after issue 27 item 3)",
+    "jupyter_ext/app.py:SnapshotExtensionApp": "the server's documented options: about 300 of "
+    "its lines declare traits (an ExtensionApp keeps them on the class, jupyter_server reads "
+    "them there); its own logic is under 150 lines",
+}
+PRIVATE_REACHED = {
+    "kernel_wrapper/inner.py:os._exit": "the standard library's documented exit without "
+    "clean-up (the name only looks private)",
+    "kernel_wrapper/inner.py:kernel_snapshots._install": "kernel_snapshots is the module "
+    "users import in their kernels; its installer is kept out of their completions and "
+    "called by the inner kernel alone",
+}
+
+
+def sources() -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))
+
+
+def relative(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def test_no_module_over_800_lines() -> None:
+    long = {
+        relative(p): n
+        for p in sources()
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert set(long) - set(LONG_MODULES) == set(), long
+    assert set(LONG_MODULES) <= set(long), "split: take it off LONG_MODULES"
+
+
+def test_no_class_over_400_lines() -> None:
+    long = {}
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    long[f"{relative(path)}:{node.name}"] = size
+    assert set(long) - set(LONG_CLASSES) == set(), long
+    assert set(LONG_CLASSES) <= set(long), "split: take it off LONG_CLASSES"
+
+
+def test_no_private_attribute_of_another_object() -> None:
+    """``self._x`` and ``cls._x`` only: another object's private state is its own."""
+    reached = set()
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                reached.add(f"{relative(path)}:{ast.unparse(node)}")
+    assert reached - set(PRIVATE_REACHED) == set(), sorted(reached - set(PRIVATE_REACHED))
+    assert set(PRIVATE_REACHED) <= reached, "gone: take it off PRIVATE_REACHED"
+
+
+STORE_LAYERS = {
+    "pack": 0,
+    "api": 1,
+    "backend": 2,
+    "record": 3,
+    "index": 4,
+    "workers": 4,
+    "claims": 5,
+    "repack": 6,
+    "put": 6,
+    "fetch": 6,
+    "images": 7,
+    "prune": 7,
+    "repository": 8,
+    "stores": 9,
+}
+"""jupyter_ext/core/store/ from the bottom up: a part imports only parts below it."""
+
+
+def test_the_store_imports_one_way() -> None:
+    """types <- backends <- record <- index <- put/fetch/prune <- repository (imports for
+    the type checker alone excepted: ``api.py`` names ``SnapshotImages``)."""
+    package = ROOT / "jupyter_ext" / "core" / "store"
+    upward = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "__init__.py" and path.parent == package:
+            continue  # the re-exports
+        parts = path.relative_to(package).with_suffix("").parts
+        layer = STORE_LAYERS[parts[0]]
+        tree = ast.parse(path.read_text())
+        checking_only = {
+            id(n)
+            for node in tree.body
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+            for n in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or id(node) in checking_only:
+                continue
+            if node.level == 0 or node.level > len(parts):
+                continue  # absolute, or outside the store
+            base = parts[: len(parts) - node.level]
+            target = [*base, *(node.module.split(".") if node.module else [])]
+            names = [target] if target else [[a.name] for a in node.names]
+            for name in names:
+                below = STORE_LAYERS.get(name[0], -1) < layer or name[0] == parts[0]
+                if not below:
+                    upward.append(f"{'/'.join(parts)} imports {'.'.join(name)}")
+    assert upward == []
+
+
+@pytest.mark.skipif(shutil.which("duplicates") is None, reason="a local tool, not on CI")
+def test_no_repeated_block_in_the_store() -> None:
+    out = subprocess.run(
+        ["duplicates", "--repo", "jupyter_ext/core/store"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    assert out.startswith("no duplicates"), out
