@@ -226,3 +226,49 @@ async def test_a_snapshot_taken_during_a_cell_gives_its_variables(
     assert job["status"] == "done", job
     assert (await kernel.run("print(ready_then, ready)")).strip() == "yes overwritten"
     assert list(jp_serverapp.kernel_manager.list_kernel_ids()) == [kernel.id]
+
+
+async def test_a_variable_whose_gpu_the_target_lacks_is_named_with_the_way_out(
+    jp_fetch: Fetch, start_kernel: Any
+) -> None:
+    """A GPU tensor taken into a kernel without that GPU: its unpickling raises the
+    framework's error (here PyTorch's own words, raised by the object's pickle recipe,
+    since no GPU is needed to take that path), the job names the variable and says where
+    it can go, and the target is untouched."""
+    kernel = await start_kernel()
+    await kernel.run(
+        "class OnDevice:\n"
+        "    def __reduce__(self):\n"
+        '        return (eval, ("(_ for _ in ()).throw(RuntimeError(\'Attempting to "\n'
+        '                       "deserialize object on a CUDA device but "\n'
+        '                       "torch.cuda.is_available() is False\'))",))\n'
+        "weights = OnDevice()\n"
+        "other = 1\n"
+    )
+    taken = await snapshot(jp_fetch, kernel.id)
+    await kernel.run("other = 2")
+    job = await take(
+        jp_fetch, taken["result"]["id"], kernel_id=kernel.id, names=["weights", "other"]
+    )
+    assert job["status"] == "failed", job
+    assert "Variable 'weights' could not be loaded" in job["error"]["message"]
+    assert "CUDA device" in job["error"]["message"]
+    assert "lives on a GPU that kernel" in job["error"]["hint"]
+    assert (await kernel.run("print(other)")).strip() == "2"
+
+
+@pytest.mark.gpu
+async def test_a_gpu_tensor_comes_back_on_the_targets_gpu(
+    jp_fetch: Fetch, start_kernel: Any
+) -> None:
+    if not Path("/dev/nvidiactl").exists():
+        pytest.skip("no NVIDIA GPU here: /dev/nvidiactl does not exist")
+    pytest.importorskip("torch", reason="PyTorch is not installed in this environment")
+    kernel = await start_kernel()
+    await kernel.run("import torch\nt = torch.arange(6, device='cuda').reshape(2, 3)")
+    taken = await snapshot(jp_fetch, kernel.id)
+    await kernel.run("del t")
+    job = await take(jp_fetch, taken["result"]["id"], kernel_id=kernel.id, names=["t"])
+    assert job["status"] == "done", job
+    out = await kernel.run("print(t.device.type, t.sum().item())")
+    assert out.split() == ["cuda", "15"]
