@@ -1,0 +1,282 @@
+"""Restores: from the image cache, a local copy or the store (lazily), in place or into a
+new kernel."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from ..core.compat import check_compatible
+from ..core.errors import WrapperUnavailableError
+from ..core.imagecache import Lease, lock_shared, stamp_tree
+from ..core.lazypages import PAGES_FILE_RE, worth_lazy
+from ..core.manifest import (
+    Manifest,
+    Stamps,
+    check_snapshot_id,
+    new_snapshot_id,
+    remove_tree,
+    verify,
+)
+from ..core.protocol import RestoreRequest
+from .base import Job, validate_notebook_path
+from .kernels import RestoredKernels
+from .pages import LentPages
+from .stored import StoredSnapshots
+
+log = logging.getLogger("jupyter_ext")
+
+
+#: The longest a cache entry stays held for a kernel's lazy restore after its job ended.
+LAZY_HOLD_SECONDS = 3600.0
+
+
+def _released(lease: Lease) -> Callable[[dict[str, Any]], Awaitable[None]]:
+    async def release(_outcome: dict[str, Any]) -> None:
+        lease.release()
+
+    return release
+
+
+def _hold_shared(directory: Path) -> int:
+    """A shared lock on ``directory`` if it is still there (the same directory once
+    locked), else -1."""
+    try:
+        fd = lock_shared(directory)
+    except FileNotFoundError:
+        return -1
+    try:
+        if os.path.samestat(os.fstat(fd), os.stat(directory)):
+            return fd
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+    return -1
+
+
+class Restores(StoredSnapshots, RestoredKernels):
+    """Restore a snapshot into a running kernel or a new one."""
+
+    def restore(
+        self,
+        snapshot_id: str,
+        *,
+        kernel_id: str | None = None,
+        path: str | None = None,
+    ) -> Job:
+        """Restore into the running kernel ``kernel_id`` (in place), or into a new kernel.
+
+        A new kernel is attached to the notebook ``path`` (default: the snapshot's own).
+        """
+        check_snapshot_id(snapshot_id)
+        if path is not None:
+            path = validate_notebook_path(path)
+        if kernel_id is not None:
+            self.kernel(kernel_id)
+            self._busy(kernel_id)
+        return self._start_job(
+            "restore",
+            kernel_id,
+            lambda job: self._restore(job, snapshot_id, kernel_id, path),
+        )
+
+    async def restore_side_kernel(self, job: Job, snapshot_id: str) -> dict[str, Any]:
+        """Restore a snapshot into a new kernel attached to no notebook (variables.py)."""
+        return await self._restore(job, snapshot_id, None, None, attach=False)
+
+    async def _manifest_of(self, snapshot_id: str) -> Manifest:
+        """The manifest of a snapshot, stored or waiting for its upload (404 if neither)."""
+        pending = self.pending.get(snapshot_id)
+        if pending is not None:
+            return pending.manifest
+        stored = await asyncio.to_thread(self.store.get, snapshot_id)
+        return stored.manifest
+
+    async def _local_copy(
+        self, job: Job, snapshot_id: str, *, without_pages: bool = False
+    ) -> tuple[Path, int, bool]:
+        """A local directory of the snapshot, the fd that holds its lock, which the caller
+        closes once done with it, and whether it is a temporary copy (a download, removed
+        or admitted into the image cache after the restore). A snapshot waiting for its
+        upload is read where it is, held shared so that an upload succeeding meanwhile
+        leaves it until then. ``without_pages`` leaves the kernel's memory in the store
+        (a lazy restore reads it from there)."""
+        pending = self.pending.get(snapshot_id)
+        if pending is not None:
+            held = await asyncio.to_thread(_hold_shared, pending.directory)
+            if held >= 0:
+                return pending.directory, held, False
+            # Stored meanwhile (moved into the image cache or removed): from the store.
+        dest = self.cache_dir / f"{snapshot_id}-{secrets.token_hex(4)}"
+        self._progress(job, "downloading")
+        try:
+            await asyncio.to_thread(
+                self.store.fetch,
+                snapshot_id,
+                dest,
+                self._progress_callback(job),
+                skip=(lambda path: PAGES_FILE_RE.fullmatch(path) is not None)
+                if without_pages
+                else None,
+            )
+            # Locked until the restore removed the copy (the store locks it while it
+            # downloads): after a crash of this server, its next start removes it at once.
+            # Shared: the image cache's lease on it, once admitted, is shared too.
+            fd = lock_shared(dest)
+        except BaseException:
+            remove_tree(dest)  # the store removes its partial download; this is the rest
+            raise
+        return dest, fd, True
+
+    async def _cached(self, job: Job, snapshot_id: str) -> Lease | None:
+        """The snapshot's entry in the image cache, held for the restore, or None. Its
+        manifest is checked (its own checksum); its files by :meth:`_intact`."""
+        if snapshot_id in self.pending or not self.image_cache.enabled:
+            return None
+        lease = await asyncio.to_thread(self.image_cache.lease, snapshot_id)
+        if lease is not None:
+            self._progress(job, "checking-cache")
+        return lease
+
+    async def _intact(self, job: Job, lease: Lease) -> Lease | None:
+        """The lease if its files are as stamped; else they are hashed again here, locally
+        (after the request was answered), and the entry is dropped if a byte differs."""
+        if lease.fresh:
+            return lease
+        self._progress(job, "verifying", 0, lease.entry.bytes)
+        if await asyncio.to_thread(lease.reverify):
+            return lease
+        log.warning("cached snapshot %s failed its check: restoring from the store", lease.path)
+        return None
+
+    async def _restore(
+        self,
+        job: Job,
+        snapshot_id: str,
+        kernel_id: str | None,
+        path: str | None,
+        attach: bool = True,
+    ) -> dict[str, Any]:
+        """What the restore holds is on exit stacks, released when it ends in the reverse
+        order of these: a cache lease, the lock on the local copy, the download's folder,
+        the pages lent. A lazily restored kernel still reads its pages after the job: what
+        it reads from is taken off the stacks (``pop_all``) and handed to :meth:`_after_lazy`.
+        """
+        async with contextlib.AsyncExitStack() as held:
+            leases = held.enter_context(contextlib.ExitStack())
+            locked = held.enter_context(contextlib.ExitStack())
+            downloaded = held.enter_context(contextlib.ExitStack())
+            lending = await held.enter_async_context(contextlib.AsyncExitStack())
+            # Served from the image cache when it holds the snapshot intact: no store request.
+            lease = await self._cached(job, snapshot_id)
+            if lease is not None:
+                leases.callback(lease.release)
+            lent: LentPages | None = None
+            # Refused before any download (the request answers 404 or 422): a snapshot that
+            # is not there, or that cannot run on this machine, as its manifest says.
+            manifest = lease.manifest if lease else await self._manifest_of(snapshot_id)
+            check_compatible(manifest)
+            job.checked.set()
+            if lease is not None:
+                lease = await self._intact(job, lease)
+            if lease is not None:
+                directory, manifest, source = lease.path, lease.manifest, "cache"
+            else:
+                # Into a new kernel, lazily: all but the kernel's memory first; the kernel
+                # runs while its pages come (each chunk checked). Not in place: there a
+                # damaged chunk must fail the restore before the running kernel is touched.
+                # Never a side kernel (variables.py): a damaged page would end it midway.
+                lazily = (
+                    self.lazy_restore
+                    and self.lazy_from_store
+                    and kernel_id is None
+                    and attach
+                    and snapshot_id not in self.pending
+                    and worth_lazy(manifest.gpu)
+                    and await self._lazy_pages_here()
+                )
+                directory, download_lock, temporary = await self._local_copy(
+                    job, snapshot_id, without_pages=lazily
+                )
+                locked.callback(os.close, download_lock)  # removed, or admitted: the lease's
+                if temporary:
+                    downloaded.callback(shutil.rmtree, directory, ignore_errors=True)
+                source = "store" if temporary else "work-directory"
+                if lazily:
+                    lent = await self._lend(snapshot_id, directory)
+                    lending.push_async_callback(self._give_back, lent)
+                stamps: Stamps | None = None
+                if temporary and self.image_cache.enabled and not lazily:  # as soon as written
+                    with contextlib.suppress(OSError):
+                        stamps = await asyncio.to_thread(stamp_tree, directory)
+                # Every file against its sha256 before CRIU starts: a corrupt snapshot fails
+                # the job here, and a kernel restored in place keeps running untouched. A
+                # download from the store checked each file as it wrote it.
+                if temporary:
+                    manifest = await asyncio.to_thread(Manifest.read, directory)
+                else:
+                    self._progress(job, "verifying")
+                    manifest = await asyncio.to_thread(verify, directory)
+                if stamps is not None:  # kept for the next restore on this machine
+                    lease = await asyncio.to_thread(
+                        self.image_cache.admit, directory, stamps, lease=True
+                    )
+                    if lease is not None:
+                        leases.callback(lease.release)
+                        downloaded.pop_all()  # the folder is the cache's now
+                        directory = lease.path
+            self._progress(job, "restoring")
+            pages_from = lent.address if lent is not None else None
+            if kernel_id is not None:  # never lazily from the store (see above)
+                await self._restore_in_place(job, kernel_id, directory)
+            else:
+                kernel_id = await self._start_restored_kernel(job, manifest, directory, pages_from)
+            if lease is not None:  # a lazily restored kernel still reads its pages there
+                leases.pop_all()
+                self._after_lazy(kernel_id, _released(lease), LAZY_HOLD_SECONDS)
+            if lent is not None:  # lent until every page is in, then cached
+                lending.pop_all()
+                download = contextlib.ExitStack()  # closed: removed (unless admitted), unlocked
+                download.enter_context(locked.pop_all())
+                download.enter_context(downloaded.pop_all())
+                self._after_lazy(kernel_id, self._lazy_download_done(directory, lent, download))
+            target_path = (path or manifest.notebook_path) if attach else None
+            session = await self._attach(kernel_id, target_path) if target_path else None
+        self.emit(
+            "restored", {"snapshot_id": snapshot_id, "kernel_id": kernel_id, "path": target_path}
+        )
+        return {
+            "kernel_id": kernel_id,
+            "snapshot_id": snapshot_id,
+            "session": session,
+            "running_request": manifest.running_request,
+            "source": source,
+            # Connections to peers outside the kernel came back closed (docs/network.md).
+            "closed_connections": manifest.closed_connections,
+        }
+
+    async def _restore_in_place(self, job: Job, kernel_id: str, directory: Path) -> None:
+        """Restore ``directory`` into the running kernel. The wrapper first saves that
+        kernel into staging (a failed restore puts it back). If the wrapper dies meanwhile,
+        what it saved is stored like any snapshot when it was sealed (the kernel's state,
+        restorable), and removed at once when it was not."""
+        save_to = self.staging_dir / new_snapshot_id()
+        request = RestoreRequest(directory, verified=True, save_to=save_to)
+        dumped = await self._guarded_dump(
+            kernel_id,
+            save_to,
+            lambda wrapper: wrapper.restore(request, self._wrapper_progress(job)),
+            catch=WrapperUnavailableError,
+            keep_error=True,
+        )
+        if dumped.error is not None:  # the kernel as saved, sealed before the wrapper died
+            log.warning("the kernel saved before a restore (%s) is stored", dumped.manifest.id)
+            await self._upload(None, dumped.manifest, save_to)
+            raise dumped.error
