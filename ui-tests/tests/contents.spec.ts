@@ -15,7 +15,8 @@ import {
   shutDownSessions,
   SNAPSHOT_KERNEL,
   test,
-  waitForToasts
+  waitForToasts,
+  snapshotCards
 } from './helpers';
 
 test.use({ autoGoto: false });
@@ -27,9 +28,7 @@ test('cards show cells and variables; search, compare, take a variable back', as
   await page.goto();
   await newNotebook(page, 'contents.ipynb', SNAPSHOT_KERNEL);
   const panel = await openSnapshotsPanel(page);
-  const items = panel
-    .getByRole('listitem')
-    .filter({ has: page.locator('time') });
+  const items = snapshotCards(panel).filter({ has: page.locator('time') });
 
   await page.notebook.setCell(
     0,

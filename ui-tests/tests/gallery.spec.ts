@@ -14,7 +14,8 @@ import {
   shutDownSessions,
   SNAPSHOT_KERNEL,
   test,
-  waitForToasts
+  waitForToasts,
+  snapshotCards
 } from './helpers';
 
 test.use({ autoGoto: false });
@@ -290,7 +291,7 @@ test('the panel in every state (mocked API)', async ({ page }) => {
 
   const panel = await openSnapshotsPanel(page);
   await panel.getByRole('button', { name: 'Refresh the snapshots' }).click();
-  const items = panel.getByRole('listitem');
+  const items = snapshotCards(panel);
   await expect(items).toHaveCount(4);
   await expect(panel.getByRole('status').first()).toContainText(
     'uploading 1.3 GiB of 3.1 GiB'

@@ -101,6 +101,12 @@ export async function openSnapshotsPanel(page: LabPage): Promise<Locator> {
   return panel;
 }
 
+/** The panel's snapshot cards (a card's own lists, its variables and cells, are list
+ * items too: counted by their name, the cards alone). */
+export function snapshotCards(panel: Locator): Locator {
+  return panel.getByRole('listitem', { name: /^Snapshot from/ });
+}
+
 /** Close every dialog the kernel's death may have opened ("Kernel Restarting"...). */
 export async function dismissKernelDialogs(
   page: IJupyterLabPageFixture

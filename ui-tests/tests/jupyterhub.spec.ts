@@ -19,7 +19,12 @@ import {
 } from '@playwright/test';
 import * as path from 'path';
 
-import { openSnapshotsPanel, SCREENSHOTS, waitForToasts } from './helpers';
+import {
+  openSnapshotsPanel,
+  SCREENSHOTS,
+  waitForToasts,
+  snapshotCards
+} from './helpers';
 
 const HUB = process.env.UI_TESTS_HUB_URL ?? '';
 const TOKEN = process.env.UI_TESTS_HUB_TOKEN ?? '';
@@ -153,7 +158,7 @@ test.describe('JupyterHub', () => {
       .first()
       .click();
     await expect(page.getByText(`Snapshot of ${NOTEBOOK} taken`)).toBeVisible();
-    const items = panel.getByRole('listitem');
+    const items = snapshotCards(panel);
     await expect(items).toHaveCount(1);
     await expect(items.first()).toContainText('manual');
     await expect(items.first()).toContainText('complete');
@@ -189,7 +194,7 @@ test.describe('JupyterHub', () => {
 
     // Both snapshots are listed: the one taken at the stop is the newest.
     const panelAfter = await openSnapshotsPanel(page);
-    const itemsAfter = panelAfter.getByRole('listitem');
+    const itemsAfter = snapshotCards(panelAfter);
     await expect(itemsAfter).toHaveCount(2);
     await expect(itemsAfter.nth(0)).toContainText('before shutdown');
     await expect(itemsAfter.nth(1)).toContainText('manual');

@@ -23,7 +23,12 @@ import { ChildProcessWithoutNullStreams, spawn } from 'child_process';
 import * as path from 'path';
 import * as readline from 'readline';
 
-import { openSnapshotsPanel, SCREENSHOTS, waitForToasts } from './helpers';
+import {
+  openSnapshotsPanel,
+  SCREENSHOTS,
+  waitForToasts,
+  snapshotCards
+} from './helpers';
 
 const NOTEBOOK = 'loop.ipynb';
 const CELL_ID = 'training-loop';
@@ -322,8 +327,7 @@ test.describe('Two nodes', () => {
     // From the panel, the same snapshot in place of node B's kernel: the loop goes on
     // again from where it was at the snapshot, in the same cell, and ends again.
     const panel = await openSnapshotsPanel(pageB);
-    await panel
-      .getByRole('listitem')
+    await snapshotCards(panel)
       .filter({ hasText: 'manual' })
       .getByRole('button', { name: 'Restore' })
       .click();

@@ -18,7 +18,8 @@ import {
   shutDownSessions,
   SNAPSHOT_KERNEL,
   test,
-  waitForToasts
+  waitForToasts,
+  snapshotCards
 } from './helpers';
 
 test.use({ autoGoto: false });
@@ -68,7 +69,7 @@ test.describe('Kernel Snapshots', () => {
     await expect(
       page.getByText(/Snapshot of state\.ipynb taken/)
     ).toBeVisible();
-    const items = panel.getByRole('listitem');
+    const items = snapshotCards(panel);
     await expect(items).toHaveCount(1);
     await expect(items.first()).toContainText('manual');
     await expect(items.first()).toContainText('complete');
@@ -189,7 +190,7 @@ test.describe('Kernel Snapshots', () => {
     await page.notebook.save();
     const panel = await openSnapshotsPanel(page);
     await panel.getByRole('button', { name: 'Snapshot kernel' }).click();
-    const items = panel.getByRole('listitem');
+    const items = snapshotCards(panel);
     await expect(items).toHaveCount(1);
 
     // The notebook switches to a plain kernel: the panel says so, the snapshot stays.
@@ -249,7 +250,7 @@ test.describe('Kernel Snapshots', () => {
     ).toBeVisible();
     expect((await kernelStatus(request, kernelId)).state).toBe('suspended');
     // The suspend left a snapshot; asked for by hand, its trigger is "manual".
-    await expect(panel.getByRole('listitem').first()).toContainText('manual');
+    await expect(snapshotCards(panel).first()).toContainText('manual');
 
     // Running a cell brings the kernel back, with its state.
     await page.notebook.runCell(1, { inplace: true });
@@ -268,7 +269,7 @@ test.describe('Kernel Snapshots', () => {
     await page.notebook.save();
     const panel = await openSnapshotsPanel(page);
     await panel.getByRole('button', { name: 'Snapshot kernel' }).click();
-    const items = panel.getByRole('listitem');
+    const items = snapshotCards(panel);
     await expect(items).toHaveCount(1);
 
     // Filed under the old path, the snapshot is still the notebook's kernel's.
@@ -328,7 +329,7 @@ test.describe('Server events', () => {
       data: { kernel_id: kernelId }
     });
     expect(response.status()).toBe(202);
-    await expect(panel.getByRole('listitem')).toHaveCount(1, {
+    await expect(snapshotCards(panel)).toHaveCount(1, {
       timeout: 5_000
     });
     // No notification for work the user did not start here.
