@@ -22,49 +22,31 @@ import {
   NotebookWidgetFactory
 } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
-import { Debouncer } from '@lumino/polling';
 
+import { IActionContext } from './actions';
 import {
-  IActionContext,
-  isSnapshotKernel,
-  notebookTarget,
-  snapshotNotebook,
-  suspendOrResume,
-  useSnapshotKernel
-} from './actions';
+  addCommands,
+  addCommandsToPalette,
+  updateCommandsOnChange
+} from './commandsAndMenu';
 import { KernelStateIndicator } from './components/KernelStateIndicator';
 import { SnapshotsPanel } from './components/SnapshotPanel';
-import { baseName } from './format';
-import { snapshotIcon } from './icons';
 import { SnapshotsModel } from './model';
+import {
+  followCurrentNotebook,
+  labelKernelsByNotebook,
+  nudgeStartingKernels
+} from './notebooks';
 import { connectNotifications } from './notify';
 import { offerRestoreOnOpen } from './recovery';
-import {
-  CommandIDs,
-  DEFAULT_SETTINGS,
-  ISnapshotSettings,
-  ISnapshotsModel,
-  PLUGIN_ID,
-  SNAPSHOT_KERNEL_DISPLAY_NAME,
-  SNAPSHOT_KERNEL_NAME
-} from './tokens';
+import { applySettings } from './settings';
+import { CommandIDs, ISnapshotsModel, PLUGIN_ID } from './tokens';
 
 export * from './tokens';
 export { SnapshotsModel } from './model';
 export { requestAPI, SnapshotAPIError } from './request';
 
 const PANEL_ID = 'jp-kernel-snapshots';
-
-/** Read the settings, falling back to the defaults for anything missing. */
-function readSettings(
-  settings: ISettingRegistry.ISettings | null
-): ISnapshotSettings {
-  if (!settings) {
-    return { ...DEFAULT_SETTINGS };
-  }
-  const composite = settings.composite as Partial<ISnapshotSettings>;
-  return { ...DEFAULT_SETTINGS, ...composite };
-}
 
 /** The snapshots model, shared by the other plugins. */
 const modelPlugin: JupyterFrontEndPlugin<ISnapshotsModel> = {
@@ -106,129 +88,29 @@ const panelPlugin: JupyterFrontEndPlugin<void> = {
     labShell: ILabShell | null
   ): void => {
     const { commands, serviceManager: services, shell } = app;
-
-    const findNotebook = (path: string): NotebookPanel | null =>
-      tracker.find(
-        panel =>
-          panel.context.path === path ||
-          services.contents.localPath(panel.context.path) === path
-      ) ?? null;
-
     const actions: IActionContext = {
       model,
       services,
-      findNotebook,
+      findNotebook: path =>
+        tracker.find(
+          panel =>
+            panel.context.path === path ||
+            services.contents.localPath(panel.context.path) === path
+        ) ?? null,
       openNotebook: path =>
         void commands
           .execute('docmanager:open', { path })
           .catch(() => undefined)
     };
 
-    model.kernelLabel = kernelId => {
-      const panel = kernelId
-        ? tracker.find(p => p.sessionContext.session?.kernel?.id === kernelId)
-        : undefined;
-      return panel
-        ? baseName(panel.context.path)
-        : kernelId
-          ? `kernel ${kernelId.slice(0, 8)}`
-          : 'a new kernel';
-    };
+    labelKernelsByNotebook(model, tracker);
+    const current = followCurrentNotebook(model, tracker, services);
 
-    // The notebook the panel is about: the current one (the last one when the focus
-    // moves to something that is not a notebook).
-    let current: NotebookPanel | null = null;
-    const updateTarget = () => {
-      model.target = current ? notebookTarget(current, services) : null;
-    };
-    const watch = (panel: NotebookPanel | null) => {
-      if (panel === current) {
-        return;
-      }
-      if (current) {
-        current.sessionContext.kernelChanged.disconnect(updateTarget);
-        current.sessionContext.sessionChanged.disconnect(updateTarget);
-        current.sessionContext.statusChanged.disconnect(onStatus);
-        current.context.pathChanged.disconnect(updateTarget);
-        current.disposed.disconnect(onDisposed);
-      }
-      current = panel;
-      if (panel) {
-        panel.sessionContext.kernelChanged.connect(updateTarget);
-        panel.sessionContext.sessionChanged.connect(updateTarget);
-        panel.sessionContext.statusChanged.connect(onStatus);
-        panel.context.pathChanged.connect(updateTarget);
-        panel.disposed.connect(onDisposed);
-      }
-      updateTarget();
-    };
-    const onDisposed = () => watch(tracker.currentWidget);
-    let lastStatus = '';
-    const refreshSoon = new Debouncer(
-      () => model.refresh().catch(() => undefined),
-      1000
-    );
-    const onStatus = (_: unknown, status: string) => {
-      // A kernel that restarts, dies, ran a cell or wakes up: look at its snapshot
-      // state again (a cell sent to a suspended kernel resumes it: show that at once).
-      const kernelId = current?.sessionContext.session?.kernel?.id;
-      const suspended = model.kernelStatus(kernelId)?.state === 'suspended';
-      if (status !== lastStatus) {
-        if (status === 'busy' && suspended) {
-          void model.refresh().catch(() => undefined);
-        } else if (
-          ['restarting', 'autorestarting', 'dead', 'starting', 'idle'].includes(
-            status
-          )
-        ) {
-          void refreshSoon.invoke();
-        }
-      }
-      lastStatus = status;
-      updateTarget();
-    };
-    tracker.currentChanged.connect((_, panel) => {
-      if (panel) {
-        watch(panel);
-      } else if (current?.isDisposed) {
-        watch(null);
-      }
-    });
-    watch(tracker.currentWidget);
-
-    // The side panel.
-    const panel = new SnapshotsPanel({
-      actions,
-      currentNotebook: () => current
-    });
+    const panel = new SnapshotsPanel({ actions, currentNotebook: current });
     shell.add(panel, 'right', { rank: 600 });
     restorer?.add(panel, PANEL_ID);
 
-    // After an automatic restart (e.g. its process was killed) the kernel announces
-    // "starting" and then only answers kernel_info requests, whose status messages
-    // JupyterLab does not track: the notebook would show "Starting" until the user runs
-    // a cell. For snapshot kernels, ask a harmless question (is_complete) whose
-    // busy/idle status JupyterLab does track.
-    tracker.widgetAdded.connect((_, nbPanel) => {
-      let timer = 0;
-      nbPanel.sessionContext.statusChanged.connect((sessionContext, status) => {
-        window.clearTimeout(timer);
-        const kernel = sessionContext.session?.kernel;
-        if (
-          status !== 'starting' ||
-          !kernel ||
-          kernel.name !== SNAPSHOT_KERNEL_NAME
-        ) {
-          return;
-        }
-        timer = window.setTimeout(() => {
-          if (!kernel.isDisposed && kernel.status === 'starting') {
-            void kernel.requestIsComplete({ code: '' }).catch(() => undefined);
-          }
-        }, 2000);
-      });
-    });
-
+    nudgeStartingKernels(tracker);
     // The kernel state next to the kernel status, in every notebook's toolbar.
     toolbarRegistry?.addFactory<NotebookPanel>(
       'Notebook',
@@ -236,134 +118,19 @@ const panelPlugin: JupyterFrontEndPlugin<void> = {
       nbPanel => new KernelStateIndicator(model, nbPanel)
     );
 
-    // Commands.
-    const currentPanel = (): NotebookPanel | null =>
-      tracker.currentWidget ?? current;
-    const isSnapshotNotebook = () => {
-      const nb = currentPanel();
-      return !!nb && isSnapshotKernel(model, notebookTarget(nb, services));
-    };
-    const kernelState = () => {
-      const nb = currentPanel();
-      const id = nb?.sessionContext.session?.kernel?.id;
-      const status = model.kernelStatus(id);
-      return status?.snapshots ? (status.state ?? 'running') : null;
-    };
-
-    commands.addCommand(CommandIDs.snapshot, {
-      label: 'Snapshot Kernel',
-      caption:
-        'Save the whole kernel process (memory, GPU memory) to the snapshot store; the kernel keeps running',
-      icon: snapshotIcon,
-      isEnabled: () => !!currentPanel()?.sessionContext.session?.kernel,
-      execute: async () => {
-        const nb = currentPanel();
-        if (nb) {
-          await snapshotNotebook(actions, nb);
-        }
-      }
+    addCommands(app, {
+      actions,
+      currentPanel: () => tracker.currentWidget ?? current(),
+      showPanel: () => (labShell ?? shell).activateById(PANEL_ID)
     });
-    commands.addCommand(CommandIDs.suspend, {
-      label: 'Suspend Kernel Now',
-      caption:
-        'Snapshot the kernel and end its process (frees its memory and GPU); running a cell resumes it',
-      isEnabled: () =>
-        isSnapshotNotebook() &&
-        kernelState() === 'running' &&
-        model.jobsFor(currentPanel()?.sessionContext.session?.kernel?.id)
-          .length === 0,
-      execute: async () => {
-        const nb = currentPanel();
-        if (nb) {
-          await suspendOrResume(actions, nb, 'suspend');
-        }
-      }
-    });
-    commands.addCommand(CommandIDs.resume, {
-      label: 'Resume Suspended Kernel',
-      caption: 'Bring a suspended kernel back now',
-      isEnabled: () => kernelState() === 'suspended',
-      execute: async () => {
-        const nb = currentPanel();
-        if (nb) {
-          await suspendOrResume(actions, nb, 'resume');
-        }
-      }
-    });
-    commands.addCommand(CommandIDs.openPanel, {
-      label: 'Show Kernel Snapshots',
-      caption: 'Show the Kernel Snapshots panel',
-      execute: () => {
-        if (labShell) {
-          labShell.activateById(PANEL_ID);
-        } else {
-          shell.activateById(PANEL_ID);
-        }
-      }
-    });
-    commands.addCommand(CommandIDs.refresh, {
-      label: 'Refresh Kernel Snapshots',
-      execute: () => model.refresh().catch(() => undefined)
-    });
-    commands.addCommand(CommandIDs.toggleShowAll, {
-      label: 'Show All Snapshots in the Store',
-      isToggled: () => model.showAll,
-      execute: () => {
-        model.showAll = !model.showAll;
-      }
-    });
-    commands.addCommand(CommandIDs.useSnapshotKernel, {
-      label: `Change Kernel to ${SNAPSHOT_KERNEL_DISPLAY_NAME}`,
-      isEnabled: () => !!currentPanel(),
-      execute: async () => {
-        const nb = currentPanel();
-        if (nb) {
-          await useSnapshotKernel(nb);
-        }
-      }
-    });
-
-    const ours = Object.values(CommandIDs);
-    const notify = () => {
-      for (const id of ours) {
-        commands.notifyCommandChanged(id);
-      }
-    };
-    model.changed.connect(notify);
-    tracker.currentChanged.connect(notify);
-
+    updateCommandsOnChange(commands, model, tracker);
     if (palette) {
-      const category = 'Kernel Snapshots';
-      for (const command of ours) {
-        palette.addItem({ command, category });
-      }
+      addCommandsToPalette(palette);
     }
 
     connectNotifications(model);
-
-    // Settings.
     if (settingRegistry) {
-      let first = true;
-      void settingRegistry
-        .load(PLUGIN_ID)
-        .then(settings => {
-          const apply = () => {
-            const values = readSettings(settings);
-            model.settings = values;
-            if (first) {
-              model.showAll = values.showAllByDefault;
-              first = false;
-            }
-          };
-          apply();
-          settings.changed.connect(apply);
-        })
-        .catch(reason => {
-          console.error(
-            'jupyter-kernel-snapshots: cannot load the settings',
-            reason
-          );
-        });
+      applySettings(model, settingRegistry);
     }
   }
 };

@@ -1,0 +1,135 @@
+/**
+ * The snapshot commands (toolbar button, Kernel menu, palette), in one place.
+ *
+ * The toolbar button and the Kernel menu entries are declared in `schema/plugin.json`
+ * (`jupyter.lab.toolbars`, `jupyter.lab.menus`); this module registers the commands they
+ * name, adds them to the palette and keeps their enabled/toggled state up to date.
+ */
+import type { JupyterFrontEnd } from '@jupyterlab/application';
+import type { ICommandPalette } from '@jupyterlab/apputils';
+import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+
+import {
+  IActionContext,
+  isSnapshotKernel,
+  notebookTarget,
+  snapshotNotebook,
+  suspendOrResume,
+  useSnapshotKernel
+} from './actions';
+import { snapshotIcon } from './icons';
+import {
+  CommandIDs,
+  ISnapshotsModel,
+  SNAPSHOT_KERNEL_DISPLAY_NAME
+} from './tokens';
+
+/** The palette category of the commands. */
+const PALETTE_CATEGORY = 'Kernel Snapshots';
+
+/** What the commands act on. */
+export interface ICommandsContext {
+  /** What the flows need (model, services, notebooks). */
+  actions: IActionContext;
+  /** The notebook the commands are about (null if none). */
+  currentPanel: () => NotebookPanel | null;
+  /** Bring the Kernel Snapshots panel to the front. */
+  showPanel: () => void;
+}
+
+/** Register the snapshot commands. */
+export function addCommands(
+  app: JupyterFrontEnd,
+  context: ICommandsContext
+): void {
+  const { commands } = app;
+  const { actions, currentPanel, showPanel } = context;
+  const { model, services } = actions;
+
+  const kernelIdOf = (nb: NotebookPanel | null) =>
+    nb?.sessionContext.session?.kernel?.id;
+  const isSnapshotNotebook = () => {
+    const nb = currentPanel();
+    return !!nb && isSnapshotKernel(model, notebookTarget(nb, services));
+  };
+  const kernelState = () => {
+    const status = model.kernelStatus(kernelIdOf(currentPanel()));
+    return status?.snapshots ? (status.state ?? 'running') : null;
+  };
+  /** Run a flow on the current notebook, if there is one. */
+  const onCurrent =
+    (flow: (nb: NotebookPanel) => Promise<unknown>) => async () => {
+      const nb = currentPanel();
+      if (nb) {
+        await flow(nb);
+      }
+    };
+
+  commands.addCommand(CommandIDs.snapshot, {
+    label: 'Snapshot Kernel',
+    caption:
+      'Save the whole kernel process (memory, GPU memory) to the snapshot store; the kernel keeps running',
+    icon: snapshotIcon,
+    isEnabled: () => !!kernelIdOf(currentPanel()),
+    execute: onCurrent(nb => snapshotNotebook(actions, nb))
+  });
+  commands.addCommand(CommandIDs.suspend, {
+    label: 'Suspend Kernel Now',
+    caption:
+      'Snapshot the kernel and end its process (frees its memory and GPU); running a cell resumes it',
+    isEnabled: () =>
+      isSnapshotNotebook() &&
+      kernelState() === 'running' &&
+      model.jobsFor(kernelIdOf(currentPanel())).length === 0,
+    execute: onCurrent(nb => suspendOrResume(actions, nb, 'suspend'))
+  });
+  commands.addCommand(CommandIDs.resume, {
+    label: 'Resume Suspended Kernel',
+    caption: 'Bring a suspended kernel back now',
+    isEnabled: () => kernelState() === 'suspended',
+    execute: onCurrent(nb => suspendOrResume(actions, nb, 'resume'))
+  });
+  commands.addCommand(CommandIDs.openPanel, {
+    label: 'Show Kernel Snapshots',
+    caption: 'Show the Kernel Snapshots panel',
+    execute: showPanel
+  });
+  commands.addCommand(CommandIDs.refresh, {
+    label: 'Refresh Kernel Snapshots',
+    execute: () => model.refresh().catch(() => undefined)
+  });
+  commands.addCommand(CommandIDs.toggleShowAll, {
+    label: 'Show All Snapshots in the Store',
+    isToggled: () => model.showAll,
+    execute: () => {
+      model.showAll = !model.showAll;
+    }
+  });
+  commands.addCommand(CommandIDs.useSnapshotKernel, {
+    label: `Change Kernel to ${SNAPSHOT_KERNEL_DISPLAY_NAME}`,
+    isEnabled: () => !!currentPanel(),
+    execute: onCurrent(nb => useSnapshotKernel(nb))
+  });
+}
+
+/** Re-evaluate the commands' state whenever the model or the current notebook changes. */
+export function updateCommandsOnChange(
+  commands: JupyterFrontEnd['commands'],
+  model: ISnapshotsModel,
+  tracker: INotebookTracker
+): void {
+  const notify = () => {
+    for (const id of Object.values(CommandIDs)) {
+      commands.notifyCommandChanged(id);
+    }
+  };
+  model.changed.connect(notify);
+  tracker.currentChanged.connect(notify);
+}
+
+/** Add every snapshot command to the palette. */
+export function addCommandsToPalette(palette: ICommandPalette): void {
+  for (const command of Object.values(CommandIDs)) {
+    palette.addItem({ command, category: PALETTE_CATEGORY });
+  }
+}
