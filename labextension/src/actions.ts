@@ -2,20 +2,12 @@
  * What the panel, the commands and the restore offer do with a notebook: take, restore,
  * delete, suspend; with the confirmations the settings ask for.
  */
-import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
+import { Notification } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import type { ServiceManager } from '@jupyterlab/services';
-import * as React from 'react';
 
-import {
-  baseName,
-  formatAbsolute,
-  formatBytes,
-  formatKind,
-  formatRelative,
-  formatTrigger,
-  parseDate
-} from './format';
+import { confirmDelete, confirmRestore, showErrorDialog } from './dialogs';
+import { baseName, formatKind } from './format';
 import { describeError } from './request';
 import {
   expectResumed,
@@ -72,30 +64,6 @@ export function isSnapshotKernel(
   );
 }
 
-/** Show an error with its message, hint and CRIU log (if any). */
-export function showErrorDialog(
-  title: string,
-  error: { message?: string; hint?: string; log_excerpt?: string }
-): Promise<unknown> {
-  const body = React.createElement(
-    'div',
-    { className: 'jp-KernelSnapshots-errorDetails' },
-    React.createElement('p', null, error.message || 'Unknown error.'),
-    error.hint
-      ? React.createElement(
-          'p',
-          null,
-          React.createElement('strong', null, 'What to do: '),
-          error.hint
-        )
-      : null,
-    error.log_excerpt
-      ? React.createElement('pre', null, error.log_excerpt)
-      : null
-  );
-  return showDialog({ title, body, buttons: [Dialog.okButton()] });
-}
-
 /** Report a request that failed before any job existed. */
 export function notifyError(what: string, error: unknown): void {
   const { message, hint } = describeError(error);
@@ -108,17 +76,6 @@ export function notifyError(what: string, error: unknown): void {
       }
     ]
   });
-}
-
-/** "the snapshot of Untitled.ipynb from 3 min ago (manual, 40.0 MiB)". */
-export function describeSnapshot(snapshot: ISnapshot): string {
-  const date = parseDate(snapshot.created);
-  const size = snapshot.stored_bytes ?? snapshot.total_bytes;
-  const name = baseName(snapshot.notebook_path) || 'a kernel';
-  return (
-    `the snapshot of ${name} from ${formatRelative(date)} ` +
-    `(${formatTrigger(snapshot.trigger)}, ${formatBytes(size)}, ${formatAbsolute(date)})`
-  );
 }
 
 /** Ask for a snapshot of a notebook's kernel; the model follows the job. */
@@ -218,8 +175,11 @@ export async function useSnapshotKernel(panel: NotebookPanel): Promise<void> {
   }
 }
 
+/** How a snapshot is restored for its notebook (see `restoreSnapshot`). */
+type RestoreMode = 'in-place' | 'start-kernel' | 'new-kernel';
+
 /**
- * Restore a snapshot for its notebook.
+ * Restore a snapshot for its notebook, after confirmation if the settings ask for it.
  *
  * - The notebook's kernel is a snapshot kernel: restore in place (`kernel_id`).
  * - It runs another kernel: a new kernel attached to the notebook (`path`); the notebook
@@ -233,46 +193,28 @@ export async function restoreSnapshot(
   snapshot: ISnapshot,
   options: { confirm: boolean; path?: string }
 ): Promise<IJob | null> {
-  const { model, services } = context;
   const path = options.path ?? snapshot.notebook_path ?? '';
   const panel = path ? context.findNotebook(path) : null;
-  const target = panel ? notebookTarget(panel, services) : null;
+  const target = panel ? notebookTarget(panel, context.services) : null;
   const name = baseName(path) || 'a new kernel';
-  const inPlace = !!target?.kernelId && isSnapshotKernel(model, target);
+  const mode: RestoreMode =
+    panel && target && !target.kernelId
+      ? 'start-kernel'
+      : target?.kernelId && isSnapshotKernel(context.model, target)
+        ? 'in-place'
+        : 'new-kernel';
 
-  if (options.confirm) {
-    const body = inPlace
-      ? `The kernel of ${name} goes back to ${describeSnapshot(snapshot)}. ` +
-        'Everything it holds now (variables, imports, open files) is replaced.'
-      : target?.kernelId
-        ? `${name} gets a new kernel from ${describeSnapshot(snapshot)}. ` +
-          `Its current kernel (${target.kernelDisplayName || target.kernelName}) is shut down.`
-        : `${name} gets a kernel restored from ${describeSnapshot(snapshot)}.`;
-    const result = await showDialog({
-      title: 'Restore snapshot?',
-      body,
-      buttons: [
-        Dialog.cancelButton(),
-        Dialog.warnButton({ label: 'Restore', ariaLabel: 'Restore snapshot' })
-      ],
-      defaultButton: 1
-    });
-    if (!result.button.accept) {
-      return null;
-    }
+  if (
+    options.confirm &&
+    !(await confirmRestore(snapshot, name, target, mode === 'in-place'))
+  ) {
+    return null;
   }
-
   try {
-    if (panel && target && !target.kernelId) {
-      // An open notebook without a kernel: give it a snapshot kernel, restore into it.
-      await panel.sessionContext.changeKernel({ name: SNAPSHOT_KERNEL_NAME });
-      const kernelId = panel.sessionContext.session?.kernel?.id;
-      if (!kernelId) {
-        throw new Error(`No kernel could be started for ${name}.`);
-      }
-      return await restoreInPlace(context, panel, snapshot, kernelId, name);
+    if (panel && mode === 'start-kernel') {
+      return await restoreIntoNewSnapshotKernel(context, panel, snapshot, name);
     }
-    if (panel && inPlace && target?.kernelId) {
+    if (panel && mode === 'in-place' && target?.kernelId) {
       return await restoreInPlace(
         context,
         panel,
@@ -281,37 +223,77 @@ export async function restoreSnapshot(
         name
       );
     }
-    const oldKernelId = target?.kernelId ?? null;
-    const tracked = await model.restore(
-      snapshot.id,
-      path ? { path } : ({} as { path: string }),
+    return await restoreIntoNewKernel(context, snapshot, {
+      path,
+      panel,
+      oldKernelId: target?.kernelId ?? null,
       name
-    );
-    const job = await finishRestore(context, tracked);
-    const newKernelId = job?.result?.kernel_id as string | undefined;
-    if (job?.status === 'done' && newKernelId) {
-      // A cell running at the snapshot goes on in the new kernel: show it in its cell.
-      const request = await resumedRequest(model, newKernelId, job.result);
-      if (panel) {
-        // The server pointed the notebook's session at the new kernel: follow it.
-        const resumed = ResumedCell.follow(panel, request);
-        await panel.sessionContext.changeKernel({ id: newKernelId });
-        void resumed?.check(model, newKernelId);
-        if (oldKernelId && oldKernelId !== newKernelId) {
-          await shutdownIfUnused(services, oldKernelId);
-        }
-      } else if (path) {
-        if (request) {
-          expectResumed(path, request, newKernelId);
-        }
-        context.openNotebook(path);
-      }
-    }
-    return job;
+    });
   } catch (error) {
     notifyError(`Restore of ${name} failed`, error);
     return null;
   }
+}
+
+/** An open notebook without a kernel: give it a snapshot kernel, restore into it. */
+async function restoreIntoNewSnapshotKernel(
+  context: IActionContext,
+  panel: NotebookPanel,
+  snapshot: ISnapshot,
+  name: string
+): Promise<IJob> {
+  await panel.sessionContext.changeKernel({ name: SNAPSHOT_KERNEL_NAME });
+  const kernelId = panel.sessionContext.session?.kernel?.id;
+  if (!kernelId) {
+    throw new Error(`No kernel could be started for ${name}.`);
+  }
+  return restoreInPlace(context, panel, snapshot, kernelId, name);
+}
+
+/**
+ * Restore into a new kernel attached to the notebook `path` (or to none). An open
+ * notebook follows the new kernel and its old kernel is shut down if nothing else uses
+ * it; a notebook that is not open is opened.
+ */
+async function restoreIntoNewKernel(
+  context: IActionContext,
+  snapshot: ISnapshot,
+  options: {
+    path: string;
+    panel: NotebookPanel | null;
+    oldKernelId: string | null;
+    name: string;
+  }
+): Promise<IJob> {
+  const { model, services } = context;
+  const { path, panel, oldKernelId, name } = options;
+  const tracked = await model.restore(
+    snapshot.id,
+    path ? { path } : ({} as { path: string }),
+    name
+  );
+  const job = await finishRestore(context, tracked);
+  const newKernelId = job?.result?.kernel_id as string | undefined;
+  if (job?.status !== 'done' || !newKernelId) {
+    return job;
+  }
+  // A cell running at the snapshot goes on in the new kernel: show it in its cell.
+  const request = await resumedRequest(model, newKernelId, job.result);
+  if (panel) {
+    // The server pointed the notebook's session at the new kernel: follow it.
+    const resumed = ResumedCell.follow(panel, request);
+    await panel.sessionContext.changeKernel({ id: newKernelId });
+    void resumed?.check(model, newKernelId);
+    if (oldKernelId && oldKernelId !== newKernelId) {
+      await shutdownIfUnused(services, oldKernelId);
+    }
+  } else if (path) {
+    if (request) {
+      expectResumed(path, request, newKernelId);
+    }
+    context.openNotebook(path);
+  }
+  return job;
 }
 
 /**
@@ -410,21 +392,8 @@ export async function deleteSnapshot(
   snapshot: ISnapshot,
   options: { confirm: boolean }
 ): Promise<boolean> {
-  if (options.confirm) {
-    const result = await showDialog({
-      title: 'Delete snapshot?',
-      body:
-        `Delete ${describeSnapshot(snapshot)}? This cannot be undone ` +
-        '(data shared with other snapshots stays in the store).',
-      buttons: [
-        Dialog.cancelButton(),
-        Dialog.warnButton({ label: 'Delete', ariaLabel: 'Delete snapshot' })
-      ],
-      defaultButton: 0
-    });
-    if (!result.button.accept) {
-      return false;
-    }
+  if (options.confirm && !(await confirmDelete(snapshot))) {
+    return false;
   }
   try {
     await context.model.delete(snapshot.id);

@@ -4,7 +4,7 @@
  */
 import { Notification } from '@jupyterlab/apputils';
 
-import { showErrorDialog } from './actions';
+import { showErrorDialog } from './dialogs';
 import { formatBytes, formatKind, formatPhase, jobFraction } from './format';
 import type { ISnapshotsModel, ITrackedJob } from './tokens';
 
