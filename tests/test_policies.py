@@ -273,15 +273,16 @@ class TestUploadFailure:
         image cache only after the restore has read it (it used to move it away under the
         restore: "staging/<id> is not a complete snapshot")."""
         manager = manager_of(jp_serverapp)
+        # The put that stores it waits at the gate before the upload goes on (every put
+        # goes through it: one already in flight when the store comes back too).
+        gate, stored_once = threading.Event(), threading.Event()
+        manager.store = GatedPuts(manager.store, gate, stored_once)
         kernel = await start_kernel()
         await kernel.run("z = 'kept'")
         proxy.cut()
         job = await call(jp_fetch, "POST", body={"kernel_id": kernel.id})
         snapshot = (await wait_job(jp_fetch, job["job"], 300))["result"]
         assert snapshot["status"] == "upload-failed"
-        # The retried put stores it, then waits at the gate before the upload goes on.
-        gate, stored_once = threading.Event(), threading.Event()
-        manager.store = GatedPuts(manager.store, gate, stored_once)
         proxy.restore()
         assert await asyncio.to_thread(stored_once.wait, 120)
         restore = (await call(jp_fetch, "POST", snapshot["id"], "restore", body={}))["job"]

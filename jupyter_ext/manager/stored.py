@@ -55,7 +55,10 @@ class StoredSnapshots(LazyLending):
         store_error = ""
         try:
             stored = await asyncio.to_thread(self.store.snapshots)
-            entries = [self._describe(s, "complete") for s in stored]
+            # One stored but not wrapped up yet is listed once, as uploading (below).
+            entries = [
+                self._describe(s, "complete") for s in stored if s.manifest.id not in self.pending
+            ]
         except StoreError as exc:
             entries, store_error = [], str(exc)
         for pending in self.pending.values():
@@ -125,31 +128,38 @@ class StoredSnapshots(LazyLending):
             stored = await asyncio.to_thread(store.put, directory, self._progress_callback(job))
         except SnapshotError as exc:
             pending.error = exc.message
+            pending.in_flight = False
             log.warning("upload of snapshot %s failed (kept locally): %s", manifest.id, exc)
             return None
-        finally:
-            pending.in_flight = False
-        del self.pending[manifest.id]
-        # A restore that reads the directory meanwhile (restorable there while its upload
-        # failed) holds it shared: it is moved or removed only after that restore.
-        held = await asyncio.to_thread(lock_directory, directory)
+        # Stored. Still listed as uploading (this entry, in flight) until it is wrapped up,
+        # so that no listing shows it complete beside a snapshot its own retention pass is
+        # about to delete.
+        pending.error = ""
         try:
-            if self.image_cache.enabled:  # kept for restores on this machine, as checked
-                stamps = await asyncio.to_thread(stamp_checked, directory)
-                if stamps is not None:
-                    await asyncio.to_thread(self.image_cache.admit, directory, stamps)
-            shutil.rmtree(directory, ignore_errors=True)  # not admitted
+            # A restore that reads the directory meanwhile (restorable there while its
+            # upload failed) holds it shared: it is moved or removed only after that.
+            held = await asyncio.to_thread(lock_directory, directory)
+            try:
+                if self.image_cache.enabled:  # kept for restores on this machine, as checked
+                    stamps = await asyncio.to_thread(stamp_checked, directory)
+                    if stamps is not None:
+                        await asyncio.to_thread(self.image_cache.admit, directory, stamps)
+                shutil.rmtree(directory, ignore_errors=True)  # not admitted
+            finally:
+                os.close(held)
+            try:  # the snapshot is durable: the job succeeded whatever retention does
+                await asyncio.to_thread(self.apply_retention, stored.manifest)
+            except SnapshotError as exc:
+                log.warning("retention after snapshot %s failed: %s", manifest.id, exc)
         finally:
-            os.close(held)
-        try:  # the snapshot is durable: the job succeeded whatever retention does
-            await asyncio.to_thread(self.apply_retention, stored.manifest)
-        except SnapshotError as exc:
-            log.warning("retention after snapshot %s failed: %s", manifest.id, exc)
+            self.pending.pop(manifest.id, None)
         return self._describe(stored, "complete")
 
     async def retry_uploads(self) -> None:
         """Try failed uploads again (called periodically by the extension)."""
         for pending in list(self.pending.values()):
+            if pending.in_flight:
+                continue  # uploading, or stored and being wrapped up
             if not (pending.directory / MANIFEST_NAME).exists():
                 # Uploaded and removed by another server sharing this work directory.
                 del self.pending[pending.manifest.id]
