@@ -283,6 +283,8 @@ class TestUploadFailure:
         job = await call(jp_fetch, "POST", body={"kernel_id": kernel.id})
         snapshot = (await wait_job(jp_fetch, job["job"], 300))["result"]
         assert snapshot["status"] == "upload-failed"
+        # The kernel is lost (without root its copy could not run beside it: same ids).
+        await jp_serverapp.kernel_manager.shutdown_kernel(kernel.id, now=True)
         proxy.restore()
         assert await asyncio.to_thread(stored_once.wait, 120)
         restore = (await call(jp_fetch, "POST", snapshot["id"], "restore", body={}))["job"]

@@ -316,6 +316,7 @@ async def test_incompatible_snapshot_is_422_before_any_download(
     )
     data.unlink()
     pack = max((tmp_path / "store").rglob("packs/*/*"), key=lambda p: p.stat().st_size)
+    pack.chmod(0o600)  # packs are read-only (0400); root would not notice
     pack.write_bytes(bytes(pack.stat().st_size))
     code, error = await error_of(
         jp_fetch, "POST", job["result"]["id"], "restore", body={"kernel_id": kernel.id}
