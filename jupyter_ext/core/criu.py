@@ -15,6 +15,7 @@ import errno
 import fcntl
 import logging
 import os
+import random
 import re
 import shutil
 import socket
@@ -225,8 +226,15 @@ class Criu:
             args += ["--action-script", action_script]
         if leave_running:
             args.append("--leave-running")
-        async with working_directories_locked(pid):
-            rc, output = await self._run(args)
+        for attempt in range(KERNDAT_ATTEMPTS):
+            async with working_directories_locked(pid):
+                rc, output = await self._run(args)
+            if rc == 0 or not _kerndat_failed(work_dir / "dump.log", output):
+                break
+            # CRIU failed in its start-up probes, before it touched the kernel: without a
+            # kerndat cache (no tmpfs /run) every CRIU probes, and dumps started at the
+            # same moment raced in its TCP-repair probe ("Connection refused"). Again.
+            await asyncio.sleep(0.05 + random.random() * 0.2 * (attempt + 1))
         if rc != 0:
             excerpt = log_excerpt(work_dir / "dump.log", output)
             message, hint = explain_failure(excerpt, restoring=False)
@@ -399,6 +407,15 @@ class Criu:
         proc = await self._start(args, pass_fds)
         out, _ = await proc.communicate()
         return proc.returncode or 0, out.decode(errors="replace")
+
+
+#: Tries of a dump whose CRIU failed in its own start-up probes (see :meth:`Criu.dump`).
+KERNDAT_ATTEMPTS = 3
+
+
+def _kerndat_failed(log: Path, output: str) -> bool:
+    """Whether CRIU stopped while detecting the kernel's features (nothing was dumped)."""
+    return "Could not initialize kernel features detection" in log_excerpt(log, output)
 
 
 #: How long CRIU's lazy-pages daemon may take to listen before a lazy restore gives up.
