@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -38,8 +39,8 @@ from ipykernel.iostream import IOPubThread
 from ipykernel.kernelapp import IPKernelApp
 
 import kernel_snapshots
-from jupyter_ext.core import confinement, proctree
-from jupyter_ext.core.protocol import AGENT_PORT, ENV_INNER_DIR
+from jupyter_ext.core import confinement, mountns, proctree
+from jupyter_ext.core.protocol import AGENT_PORT, ENV_INNER_DIR, ENV_OWN_PROC
 
 from .agent import SnapshotAgent
 from .contents import CellLog
@@ -53,19 +54,19 @@ RECONNECT_IVL_MAX_MS = 200
 FORK_PIPE_PORT = 6
 
 
-def wrapper_alive(runtime_dir: Path) -> bool:
-    """Whether the wrapper named in ``runtime_dir/wrapper.pid`` ("PID DIRFD") still runs.
+def wrapper_alive(lifeline: int) -> bool:
+    """Whether anyone still reads the kernel's output pipe (``lifeline``: a copy of its
+    write end, taken at start).
 
-    It is alive if process PID holds this very directory open at DIRFD: that survives
-    PID reuse and, unlike start times, reads the same from inside our time namespace.
+    The wrapper holds the pipe's only read end for its whole life, and a restore hands the
+    restored kernel its new wrapper's pipe, so a pipe nobody reads means the wrapper is
+    gone. Unlike a look at the wrapper's process in ``/proc``, this needs no view of the
+    host's processes: as root the kernel has a ``/proc`` of its own
+    (:mod:`jupyter_ext.core.mountns`).
     """
-    try:
-        pid_text, fd_text = (runtime_dir / "wrapper.pid").read_text().split()
-        theirs = os.stat(f"/proc/{int(pid_text)}/fd/{int(fd_text)}")
-        ours = os.stat(runtime_dir)
-    except (OSError, ValueError):
-        return False
-    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+    poller = select.poll()
+    poller.register(lifeline, 0)
+    return not any(events & select.POLLERR for _, events in poller.poll(0))
 
 
 def declare_wrapper_as_tracer(runtime_dir: Path) -> None:
@@ -97,8 +98,7 @@ def _restore_marker(runtime_dir: Path) -> tuple[str, int]:
     return pid_text, restored
 
 
-def _watch_wrapper(runtime_dir: Path) -> None:
-    misses = 0
+def _watch_wrapper(runtime_dir: Path, lifeline: int) -> None:
     marker = _restore_marker(runtime_dir)
     while True:
         time.sleep(WATCH_INTERVAL)
@@ -107,9 +107,7 @@ def _watch_wrapper(runtime_dir: Path) -> None:
         if now != marker:
             marker = now
             declare_wrapper_as_tracer(runtime_dir)
-        # Two misses in a row: the wrapper rewrites the file (atomically) during a restore.
-        misses = 0 if wrapper_alive(runtime_dir) else misses + 1
-        if misses >= 2:
+        if not wrapper_alive(lifeline):
             if os.getpid() != 1:
                 # No PID namespace (non-root mode): our children would outlive us.
                 for pid in proctree.descendants(os.getpid())[1:]:
@@ -212,6 +210,9 @@ class SnapshotReadyKernelApp(IPKernelApp):
 
 def main() -> None:
     os.setsid()  # CRIU wants the root task to lead its own session.
+    if os.environ.pop(ENV_OWN_PROC, None) == "1":
+        mountns.mount_own_proc()
+    lifeline = os.dup(2)
     runtime_dir = Path(os.environ.pop(ENV_INNER_DIR))
     kernel_snapshots._install(runtime_dir)
     if os.getpid() != 1:  # no PID namespace of our own: non-root mode, see below
@@ -222,7 +223,10 @@ def main() -> None:
         # docs/jupyterhub.md (Yama).
         os.register_at_fork(after_in_child=lambda: declare_wrapper_as_tracer(runtime_dir))
     threading.Thread(
-        target=_watch_wrapper, args=(runtime_dir,), name="snapshot-wrapper-watch", daemon=True
+        target=_watch_wrapper,
+        args=(runtime_dir, lifeline),
+        name="snapshot-wrapper-watch",
+        daemon=True,
     ).start()
     SnapshotReadyKernelApp.launch_instance(
         argv=[

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from jupyter_ext import __version__
-from jupyter_ext.core import criuimages, netports, proctree, shmfiles, sockdiag, tcpconns
+from jupyter_ext.core import criuimages, mountns, netports, proctree, shmfiles, sockdiag, tcpconns
 from jupyter_ext.core.chunking import ChunkParams, auto_chunk_kib
 from jupyter_ext.core.compat import check_compatible
 from jupyter_ext.core.criu import Criu, LazyTransfer, external_file_key, unprivileged
@@ -307,6 +307,7 @@ class Snapshotter:
         work_dir = Path(tempfile.mkdtemp(prefix="dump-", dir=self.runtime.path))
         inner_pid = self.process.pid
         runtime_dir_key = external_file_key(self.runtime.fd)
+        mounts = mountns.external_mounts(inner_pid) if inner_pid is not None else []
         contents = await self._contents()
         self.lifecycle.enter(State.SNAPSHOTTING)
         await asyncio.sleep(0)  # let the cancelled pumps let go of their sockets
@@ -358,7 +359,7 @@ class Snapshotter:
                         staging / IMAGES_DIR,
                         work_dir,
                         leave_running=leave_running,
-                        externals=[runtime_dir_key, *held.keys],
+                        externals=[runtime_dir_key, *held.keys, *mountns.dump_keys(mounts)],
                         keep_tcp=keep_tcp,
                         action_script=copier.action_script if copier else None,
                     )
@@ -417,6 +418,7 @@ class Snapshotter:
             trigger=trigger,
             runtime_dir=str(self.runtime.path),
             runtime_dir_key=runtime_dir_key,
+            mounts=mounts,
             stdio_pipe=self.process.stdio_pipe,
             kernel_spec=metadata.get("kernel_spec", {}),
             notebook_path=metadata.get("notebook_path"),
@@ -821,10 +823,15 @@ class Snapshotter:
                     kill_tree=lambda daemon: Supervisor.kill_children_except(before | {daemon}),
                     inherit_fds=inherit_fds,
                     keep_tcp=manifest.tcp_kept,
+                    mounts=manifest.mounts,
                 )
             else:
                 pid = await criu.restore(
-                    images, work_dir, inherit_fds=inherit_fds, keep_tcp=manifest.tcp_kept
+                    images,
+                    work_dir,
+                    inherit_fds=inherit_fds,
+                    keep_tcp=manifest.tcp_kept,
+                    mounts=manifest.mounts,
                 )
         except BaseException as exc:
             shm.undo()

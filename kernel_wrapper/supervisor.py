@@ -20,6 +20,7 @@ from pathlib import Path
 from jupyter_ext.core import pidspace, proctree
 from jupyter_ext.core.criu import unprivileged
 from jupyter_ext.core.errors import KernelNotRunningError
+from jupyter_ext.core.protocol import ENV_OWN_PROC
 
 log = logging.getLogger("kernel_wrapper")
 
@@ -79,7 +80,7 @@ class Supervisor:
     async def launch(
         self, argv: Sequence[str], env: dict[str, str], pass_fds: Sequence[int]
     ) -> None:
-        """Start a fresh kernel: in new PID and time namespaces with root; without root
+        """Start a fresh kernel: in new PID, mount and time namespaces with root; without root
         (CRIU --unprivileged cannot dump a task in another PID namespace) as our child,
         which makes itself a session leader, and without a parent-death signal (a restored
         one would fire at once), and with ids a fresh pod leaves free (core/pidspace.py).
@@ -101,7 +102,9 @@ class Supervisor:
             self._set_pid(launcher.pid)
             self._watch(launcher.pid)
             return
-        ns = ["unshare", "--pid", "--fork"]
+        # A private mount namespace too, where the kernel mounts a /proc of its own PID
+        # namespace (core/mountns.py): psutil finds its processes by their ids there.
+        ns = ["unshare", "--pid", "--fork", "--mount", "--propagation", "private"]
         if Path("/proc/self/ns/time").exists():
             ns.append("--time")  # monotonic clocks continue across restores elsewhere
         launcher = subprocess.Popen(
@@ -109,7 +112,7 @@ class Supervisor:
             stdin=subprocess.DEVNULL,
             stdout=self.stdio_w,
             stderr=self.stdio_w,
-            env=env,
+            env={**env, ENV_OWN_PROC: "1"},
             pass_fds=pass_fds,
             preexec_fn=proctree.die_with_parent,
             umask=self._kernel_umask,

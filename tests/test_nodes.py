@@ -87,7 +87,6 @@ def node_server(
     notebooks: Path,
     s3_url: str,
     owner: str,
-    pod: bool = True,
 ) -> ServerProcess:
     netns, address = network.add_node(index)
     config: dict[str, Any] = {
@@ -108,7 +107,7 @@ def node_server(
         address=address,
         env=S3_ENV,
         user=NODE_USER,
-        pod=pod,
+        pod=True,
     )
 
 
@@ -208,15 +207,16 @@ def test_cli_lists_a_store_directly(network: Network, s3_url: str, tmp_path: Pat
     node.stop()
 
 
-#: Without joblib/loky: in a pod (its own /proc) a loky worker's psutil looks itself up by
-#: its PID-namespace id in the pod's /proc and dies (a finding of issue #23, docs/network.md);
-#: tests/test_parallel.py covers loky and n_jobs on the host.
 PARALLEL = r"""
 import multiprocessing as mp, concurrent.futures as cf
 spawn_pool = mp.get_context("spawn").Pool(2)
 fs_pool = cf.ProcessPoolExecutor(2, mp_context=mp.get_context("forkserver"))
 lock = mp.get_context("spawn").Lock()
 lock.acquire()
+from joblib import Parallel, delayed
+def squares():
+    return Parallel(n_jobs=2)(delayed(pow)(i, 2) for i in range(8))
+loky_before = squares()
 umanager = mp.get_context("spawn").Manager()  # on a unix socket in /tmp/pymp-*
 ushared = umanager.dict()
 ushared["u"] = 1
@@ -226,11 +226,9 @@ def run():
             dict(ushared))
 before = run()
 """
-#: The Dask cluster first, while the kernel has made few processes and threads: as root its
-#: workers' process ids are those of the kernel's PID namespace, which psutil (dask imports
-#: it) looks up in the node's /proc; past the low ids the host's own processes hold, a
-#: worker finds no such process and dies ("Nanny failed to start worker process"). That is
-#: a bug of root mode (docs/network.md, "Known problems"), not of what this test checks.
+#: With root: the Dask cluster after the pools, in a kernel that has made many processes
+#: (its workers' ids, in the kernel's PID namespace, are ids the node's own processes
+#: hold or not: psutil finds them in the kernel's own /proc either way, core/mountns.py).
 CLUSTER = r"""
 from dask.distributed import Client, LocalCluster
 cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
@@ -252,22 +250,18 @@ before_tcp = run_tcp()
 def test_parallel_kernel_restored_on_another_node(
     network: Network, s3_url: str, tmp_path: Path
 ) -> None:
-    """Spawn and forkserver pools, a lock held, (with root) a manager and a Dask cluster:
+    """Spawn and forkserver pools, a lock held, joblib's loky workers, (with root) a manager
+    and a Dask cluster, in pods:
     snapshotted on node A, the node lost and its /dev/shm files gone, restored on node B
     from S3 and used again with the same objects, with the same results."""
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
-    # As root the kernel has a PID namespace of its own but sees its node's /proc: in a pod
-    # (a /proc of the pod's PID namespace) `import dask` fails in a worker whose id is not
-    # also a pod process's (psutil.Process() of os.getpid(): NoSuchProcess), by chance. So
-    # root's nodes here are network namespaces only (the host's /proc); docs/network.md.
-    pod = NODE_USER is not None
     nodes: list[ServerProcess] = []
     try:
-        node_a = node_server(network, 5, tmp_path / "node-a", notebooks, s3_url, "dora", pod)
+        node_a = node_server(network, 5, tmp_path / "node-a", notebooks, s3_url, "dora")
         nodes.append(node_a)
         kernel_a = node_a.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
-        code = PARALLEL if NODE_USER else CLUSTER + PARALLEL + PARALLEL_TCP
+        code = PARALLEL if NODE_USER else PARALLEL + CLUSTER + PARALLEL_TCP
         ws_execute(node_a, kernel_a, code, timeout=300)
         job = node_a.client.call("POST", "", body={"kernel_id": kernel_a})["job"]
         snapshot = follow(node_a, job)["result"]
@@ -280,15 +274,16 @@ def test_parallel_kernel_restored_on_another_node(
         for directory in snapshot["unix_socket_dirs"]:
             shutil.rmtree(directory)
 
-        node_b = node_server(network, 6, tmp_path / "node-b", notebooks, s3_url, "dora", pod)
+        node_b = node_server(network, 6, tmp_path / "node-b", notebooks, s3_url, "dora")
         nodes.append(node_b)
         answer = node_b.client.call("POST", f"{snapshot['id']}/restore", body={})
         kernel_b = follow(node_b, answer["job"])["result"]["kernel_id"]
         check = "print(run()[:2] == before[:2], not lock.acquire(False), run()[2])"
+        check += "\nprint(squares() == loky_before)"
         if NODE_USER is None:
             check += "\nprint(run_tcp() == before_tcp)"
         out = ws_execute(node_b, kernel_b, check, timeout=300)
-        assert out.split() == ["True", "True", "{'u':", "1,", "'n':", "3}"] + (
+        assert out.split() == ["True", "True", "{'u':", "1,", "'n':", "3}", "True"] + (
             ["True"] if NODE_USER is None else []
         )
         node_b.stop()

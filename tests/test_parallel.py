@@ -319,3 +319,35 @@ def test_suspend_and_resume_of_a_parallel_kernel(kernel_factory: Factory, tmp_pa
     if not unprivileged():
         assert manifest["tcp_kept"]
         assert kernel.execute("print(echo('again'))").strip() == "AGAIN"
+
+
+OWN_PROCESSES = r"""
+import os, subprocess, sys, psutil
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+def own_processes():
+    me = psutil.Process(os.getpid())
+    return ("kernel_wrapper.inner" in me.cmdline(),
+            psutil.Process(child.pid).cmdline()[-1],
+            [p.pid for p in me.children()] == [child.pid])
+print(own_processes())
+"""
+
+
+@pytest.mark.parametrize("how", ["new-kernel", "in-place"])
+def test_kernel_finds_its_processes_by_their_ids(
+    kernel_factory: Factory, tmp_path: Path, how: str
+) -> None:
+    """psutil (Dask's nanny, loky, ``import dask``) looks processes up by ``os.getpid()``
+    and the ids of children in ``/proc``: as root the kernel has its own PID namespace, so
+    it needs a ``/proc`` of that namespace, before and after any restore."""
+    expected = "(True, 'import time; time.sleep(600)', True)"
+    kernel = kernel_factory()
+    assert kernel.execute(OWN_PROCESSES).strip() == expected
+    kernel.snapshot(tmp_path / "snap")
+    if how == "in-place":
+        kernel.restore(tmp_path / "snap")
+        restored = kernel
+    else:
+        kernel.kill_all()
+        restored = kernel_factory(restore_from=tmp_path / "snap")
+    assert restored.execute("print(own_processes())").strip() == expected

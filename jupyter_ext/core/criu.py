@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import proctree
+from . import mountns, proctree
 from .confinement import Confinement, explain_denied
 from .errors import (
     CriuError,
@@ -248,6 +248,7 @@ class Criu:
         *,
         inherit_fds: Sequence[tuple[int, str]] = (),
         keep_tcp: bool = False,
+        mounts: Sequence[str] = (),
     ) -> int:
         """Restore the tree in ``images_dir`` as a sibling of this process; returns its pid.
 
@@ -255,8 +256,12 @@ class Criu:
         image (``pipe:[INODE]``, or an external ``file[MNT:INODE]``), so the restored
         kernel uses our pipes and directories, not those of the process that was dumped.
         ``keep_tcp``: the images were dumped with ``keep_tcp`` (connections with state).
+        ``mounts``: the external mount points of the tree's own mount namespace, bound
+        from the same paths here (:mod:`.mountns`).
         """
-        return await self._restore(images_dir, work_dir, inherit_fds, lazy=False, keep_tcp=keep_tcp)
+        return await self._restore(
+            images_dir, work_dir, inherit_fds, lazy=False, keep_tcp=keep_tcp, mounts=mounts
+        )
 
     async def restore_lazy(
         self,
@@ -268,6 +273,7 @@ class Criu:
         kill_tree: Callable[[int], None],
         inherit_fds: Sequence[tuple[int, str]] = (),
         keep_tcp: bool = False,
+        mounts: Sequence[str] = (),
     ) -> tuple[int, LazyTransfer]:
         """Restore as :meth:`restore` does, but with lazy pages: the tree runs at once and
         its memory is read from ``source`` as it touches it, the rest in the background.
@@ -304,7 +310,9 @@ class Criu:
         try:
             await transfer.listening()
             restoring = asyncio.ensure_future(
-                self._restore(images_dir, work_dir, inherit_fds, lazy=True, keep_tcp=keep_tcp)
+                self._restore(
+                    images_dir, work_dir, inherit_fds, lazy=True, keep_tcp=keep_tcp, mounts=mounts
+                )
             )
             # CRIU's restorer itself touches lazy memory (rseq, TLS): a page that cannot
             # be had leaves `criu restore` waiting for ever, so watch the server too.
@@ -333,6 +341,7 @@ class Criu:
         *,
         lazy: bool,
         keep_tcp: bool = False,
+        mounts: Sequence[str] = (),
     ) -> int:
         pidfile = work_dir / "restored.pid"
         tcp = TCP_KEEP_RESTORE_OPTIONS if keep_tcp else ("--tcp-close",)
@@ -351,6 +360,13 @@ class Criu:
             args.append("--lazy-pages")
         for fd, resource in inherit_fds:
             args += ["--inherit-fd", f"fd[{fd}]:{resource}"]
+        mount_options, missing = mountns.restore_options(list(mounts), work_dir / "no-mount")
+        if missing:
+            log.warning(
+                "mount points of the snapshot this machine lacks (empty here): %s",
+                ", ".join(missing),
+            )
+        args += mount_options
         adopting = contextlib.nullcontext() if sibling else proctree.subreaper_while()
         with adopting:
             rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])

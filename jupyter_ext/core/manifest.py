@@ -204,6 +204,10 @@ class Manifest:
     unix_socket_dirs: list[str] = field(default_factory=list)
     """Directories of the file-system unix sockets the tree had bound (a multiprocessing
     manager's ``/tmp/pymp-*``): a restore makes those that are missing."""
+    mounts: list[str] = field(default_factory=list)
+    """Mount points of the kernel's own mount namespace that were the server's (all but
+    its /proc): a restore binds each from the same path (core/mountns.py). Empty for a
+    kernel that shared the server's mount namespace (non-root mode, older snapshots)."""
     tcp_kept: bool = False
     """TCP connections were saved with their state: those between two processes of the
     tree come back established (core/tcpconns.py)."""

@@ -51,6 +51,9 @@ AWAIT_RESTORE_SECONDS = 120.0
 WRAPPER_START_SECONDS = 60.0
 #: Set by the wrapper for its inner kernel: the private directory of its channels.
 ENV_INNER_DIR = "JUPYTER_SNAPSHOT_INNER_DIR"
+#: Set (to "1") by a wrapper with root for its inner kernel: mount a /proc of the kernel's
+#: own PID namespace in its own mount namespace (core/mountns.py).
+ENV_OWN_PROC = "JUPYTER_SNAPSHOT_OWN_PROC"
 #: The inner kernel's channels, ``ch-N`` sockets in that directory (the wrapper binds,
 #: the kernel connects); the snapshot agent in the kernel is ``ch-7``.
 INNER_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5, "fork_pipe": 6}

@@ -131,7 +131,10 @@ def hold_tree_files(pids: Iterable[int], directory: Path = SHM_DIR) -> HeldFiles
             # such a file's content itself, as before; taking it over would only lengthen
             # the freeze by the copy.
             continue
-        candidates = [str(directory / name) for name in sorted(names[inode])] + paths
+        # The tree's own fd or mapping first: CRIU's key names the mount the tree reaches
+        # the file through, which is another (with the same inode) when the kernel has a
+        # mount namespace of its own (core/mountns.py).
+        candidates = paths + [str(directory / name) for name in sorted(names[inode])]
         for path in candidates:
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
