@@ -18,7 +18,6 @@ from jupyter_core.application import JupyterApp
 from traitlets import Bool, Unicode, default
 
 from . import __version__
-from .app import data_dir
 from .core.contents import (
     compare_contents,
     describe_comparison,
@@ -31,6 +30,7 @@ from .core.humanize import human_bytes, human_seconds, time_ago
 from .core.manifest import check_snapshot_id
 from .core.protocol import DEFAULT_RUNTIME_ROOT
 from .core.store import SnapshotStore
+from .settings import data_dir
 
 KERNELSPEC_DIR = Path(__file__).resolve().parent / "kernelspec"
 

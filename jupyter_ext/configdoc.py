@@ -9,7 +9,7 @@ import inspect
 
 from traitlets import TraitType
 
-from .app import SnapshotExtensionApp
+from .settings import SnapshotSettings
 
 #: Traits whose default is computed at start (see their help).
 COMPUTED = ("owner", "local_store_dir", "work_dir")
@@ -23,13 +23,14 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the traits of `jupyter_ext.app.SnapshotExtensionApp` by",
+        "Generated from the traits of `jupyter_ext.settings.SnapshotSettings` (the options of",
+        "`SnapshotExtensionApp`, configured under its name) by",
         "`python -m jupyter_ext.configdoc`. Set them in `jupyter_server_config.py`",
         "(`c.SnapshotExtensionApp.periodic_interval = 600`) or on the command line",
         "(`--SnapshotExtensionApp.periodic_interval=600`).",
         "",
     ]
-    traits = SnapshotExtensionApp.class_own_traits(config=True)
+    traits = SnapshotSettings.class_own_traits(config=True)
     for name in sorted(traits):
         trait = traits[name]
         help_text = inspect.cleandoc(trait.help or "")

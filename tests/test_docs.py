@@ -15,10 +15,45 @@ def test_configuration_reference_is_current() -> None:
 
 
 def test_every_option_says_its_default() -> None:
+    from jupyter_ext.settings import SnapshotSettings
+
+    for name, trait in SnapshotSettings.class_own_traits(config=True).items():
+        assert "Default" in (trait.help or ""), f"{name}: its help must state the default"
+
+
+def test_every_option_of_the_app_is_documented() -> None:
+    """The reference lists SnapshotSettings' traits: the app declares none of its own."""
+    from jupyter_server.extension.application import ExtensionApp
+
+    from jupyter_ext.app import SnapshotExtensionApp
+    from jupyter_ext.settings import SnapshotSettings
+
+    ours = set(SnapshotExtensionApp.class_traits(config=True))
+    ours -= set(ExtensionApp.class_traits(config=True))
+    assert ours == set(SnapshotSettings.class_own_traits(config=True))
+
+
+def test_options_are_read_under_the_apps_name(tmp_path: Path) -> None:
+    """Declared on SnapshotSettings, the options are still configured as
+    ``SnapshotExtensionApp.<name>``: in a config file and on the command line (traitlets
+    reads the section of every configurable class in the MRO)."""
+    from traitlets.config import Config
+    from traitlets.config.loader import KVArgParseConfigLoader, PyFileConfigLoader
+
     from jupyter_ext.app import SnapshotExtensionApp
 
-    for name, trait in SnapshotExtensionApp.class_own_traits(config=True).items():
-        assert "Default" in (trait.help or ""), f"{name}: its help must state the default"
+    (tmp_path / "jupyter_server_config.py").write_text(
+        "c.SnapshotExtensionApp.keep_last = 7\nc.SnapshotExtensionApp.store = 's3'\n"
+    )
+    from_file = PyFileConfigLoader("jupyter_server_config.py", str(tmp_path)).load_config()
+    argv = ["--SnapshotExtensionApp.max_store_bytes=123", "--SnapshotExtensionApp.keep_last=9"]
+    from_argv = KVArgParseConfigLoader(argv).load_config()
+    app = SnapshotExtensionApp(config=from_file)
+    assert (app.keep_last, app.store, app.max_store_bytes) == (7, "s3", 0)
+    app.update_config(from_argv)  # the command line after the file, as the server does
+    assert (app.keep_last, app.store, app.max_store_bytes) == (9, "s3", 123)
+    app = SnapshotExtensionApp(config=Config({"SnapshotExtensionApp": {"chunk_kib": 64}}))
+    assert app.chunk_kib == 64
 
 
 def test_z2jh_config_sets_only_real_options() -> None:

@@ -192,22 +192,19 @@ class TestEvents:
 
 
 class GatedPuts:
-    """The server's store, whose puts wait at ``gate`` once they have stored (the test
-    decides when the upload goes on); everything else goes straight to the store."""
+    """A put of the server's store that waits at ``gate`` once it has stored (the test
+    decides when the upload goes on)."""
 
     def __init__(self, store: Any, gate: threading.Event, stored: threading.Event) -> None:
-        self._store = store
+        self._put = store.put
         self._gate = gate
         self._stored = stored
 
     def put(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._store.put(*args, **kwargs)
+        result = self._put(*args, **kwargs)
         self._stored.set()
         assert self._gate.wait(300), "the test never opened the gate"
         return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
 
 
 @pytest.mark.usefixtures("running_extensions")
@@ -266,7 +263,12 @@ class TestUploadFailure:
         await until(complete, timeout=120)
 
     async def test_an_upload_that_succeeds_during_a_restore_waits_for_it(
-        self, jp_fetch: Fetch, jp_serverapp: Any, start_kernel: Any, proxy: CuttableProxy
+        self,
+        jp_fetch: Fetch,
+        jp_serverapp: Any,
+        start_kernel: Any,
+        proxy: CuttableProxy,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         """A snapshot the store refused is restored from the work directory into a new
         kernel while its retried upload succeeds: the upload moves the directory into the
@@ -276,7 +278,8 @@ class TestUploadFailure:
         # The put that stores it waits at the gate before the upload goes on (every put
         # goes through it: one already in flight when the store comes back too).
         gate, stored_once = threading.Event(), threading.Event()
-        manager.store = GatedPuts(manager.store, gate, stored_once)
+        # The store's own put replaced: the manager's parts share that store.
+        monkeypatch.setattr(manager.store, "put", GatedPuts(manager.store, gate, stored_once).put)
         kernel = await start_kernel()
         await kernel.run("z = 'kept'")
         proxy.cut()

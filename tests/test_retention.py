@@ -331,8 +331,8 @@ def test_an_upload_does_not_fail_on_retention(
     def fail(newest: Manifest) -> list[str]:
         raise SnapshotNotFoundError("There is no snapshot x.", hint="")
 
-    monkeypatch.setattr(manager, "apply_retention", fail)
-    described = asyncio.run(manager._upload(None, manifest, directory))
+    monkeypatch.setattr(manager.uploads, "retain", fail)
+    described = asyncio.run(manager.uploads.upload(None, manifest, directory))
     assert described is not None
     assert described["status"] == "complete"
     assert [s.manifest.id for s in manager.store.snapshots()] == [manifest.id]

@@ -4,34 +4,53 @@ It joins the core (wrapper control client, store) to jupyter_server's kernel and
 managers. Long work runs as :class:`Job` objects that report progress, so the REST API
 can return at once. Handlers never touch kernels or stores directly.
 
-The parts, each a module (a part uses only those above it)::
+:class:`SnapshotManager` is a facade over parts, each an object given what it uses when
+it is made (a part uses only those above it; none reaches into another's state)::
 
-    base.py       settings and state, the server's kernels and wrappers, jobs
+    base.py       settings, folders, ids, the API's form of a snapshot (no state)
+    jobs.py       Jobs: the job registry, progress, background tasks
+    reaping.py    Reaper: orphaned kernel processes reaped (without root)
+    kernels.py    Kernels (reaper): lookup, wrappers, the guarded dump, kernels to restore into
+    sessions.py   Sessions: notebook of a kernel, a restored kernel attached to its notebook
     pages.py      LentPages: a stored snapshot's memory lent to a lazy restore
-    lazy.py       lending pages to a lazy restore, wrapping up after it
-    stored.py     listing, uploads and their recovery, retention, deletion
-    kernels.py    restored kernels: started, attached to a session, reaped
-    restore.py    restores (cache, local copy, store; in place or a new kernel)
-    dumps.py      snapshots of running kernels, suspend and resume
-    schedules.py  periodic snapshots, idle suspends, snapshots before a stop
+    lazy.py       LazyLending (store, image cache, kernels, jobs): pages lent, given back
+    retention.py  Retention (store, settings, lending, image cache): what goes after a put
+    uploads.py    Uploads (store, image cache, jobs, retention): puts, pending, recovery
+    stored.py     StoredSnapshots (store, uploads, lending, image cache): list, get, delete
+    restore.py    Restores (kernels, sessions, jobs, uploads, stored, lending, ...): restores
+    dumps.py      Dumps (kernels, sessions, jobs, uploads, stored): snapshot, suspend, resume
+    schedules.py  Schedules (kernels, jobs, lending, dumps): kernel status, periodic, idle
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from ..core import private
+from ..core.imagecache import ImageCache
+from ..core.store import SnapshotStore
 from .base import (
     KERNEL_ID_RE,
-    PROGRESS_EVENT_INTERVAL,
     EmitEvent,
-    Job,
-    PendingUpload,
+    ManagerSettings,
+    Workspace,
     check_kernel_id,
     user_prefix,
     validate_notebook_path,
 )
+from .dumps import Dumps
+from .jobs import PROGRESS_EVENT_INTERVAL, Job, Jobs
+from .kernels import Kernels
+from .lazy import LazyLending
 from .pages import LentPages
+from .reaping import Reaper
 from .restore import LAZY_HOLD_SECONDS, Restores
+from .retention import Retention
 from .schedules import Schedules
-from .stored import STALE_WORK_SECONDS
+from .sessions import Sessions
+from .stored import StoredSnapshots
+from .uploads import STALE_WORK_SECONDS, PendingUpload, Uploads
 
 __all__ = [
     "KERNEL_ID_RE",
@@ -41,6 +60,7 @@ __all__ = [
     "EmitEvent",
     "Job",
     "LentPages",
+    "ManagerSettings",
     "PendingUpload",
     "SnapshotManager",
     "check_kernel_id",
@@ -48,8 +68,154 @@ __all__ = [
     "validate_notebook_path",
 ]
 
+T = TypeVar("T")
 
-class SnapshotManager(Schedules, Restores):
-    """One per server: jobs, policies and the store of each user. Its parts are the
-    classes it is made of (see the module's docstring); what handlers, the app,
-    variables.py and autosnap.py use is public on it."""
+
+class _Setting(Generic[T]):
+    """A manager attribute that is its shared :class:`ManagerSettings`' field (set on the
+    manager, it changes for every part)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, manager: SnapshotManager, owner: type | None = None) -> T:
+        value: T = getattr(manager.settings, self.name)
+        return value
+
+    def __set__(self, manager: SnapshotManager, value: T) -> None:
+        setattr(manager.settings, self.name, value)
+
+
+class SnapshotManager:
+    """One per server: jobs, policies and the store of its user. It makes the parts (see
+    the module's docstring) and gives each what it needs; what the app, handlers,
+    variables.py, autosnap.py and tests use is bound here to the part that does it."""
+
+    kernel_name = _Setting[str]()
+    keep_last = _Setting[int]()
+    keep_hourly_hours = _Setting[int]()
+    keep_daily_days = _Setting[int]()
+    max_bytes = _Setting[int]()
+    release_gpu_caches = _Setting[bool]()
+    lazy_restore = _Setting[bool]()
+    lazy_from_store = _Setting[bool]()
+    chunk_kib = _Setting[int | None]()
+
+    def __init__(
+        self,
+        *,
+        kernel_manager: Any,
+        session_manager: Any,
+        store: SnapshotStore,
+        work_dir: Path,
+        emit: EmitEvent,
+        kernel_name: str = "python3-snapshot",
+        keep_last: int = 0,
+        keep_hourly_hours: int = 0,
+        keep_daily_days: int = 0,
+        max_bytes: int = 0,
+        image_cache_max_bytes: int = -1,
+        release_gpu_caches: bool = True,
+        lazy_restore: bool = True,
+        lazy_restore_from_store: bool = True,
+        chunk_kib: int | None = None,
+    ) -> None:
+        """The settings are SnapshotExtensionApp's traits of the same names (there
+        documented); ``max_bytes`` is its ``max_store_bytes``."""
+        self.settings = settings = ManagerSettings(
+            kernel_name=kernel_name,
+            keep_last=keep_last,
+            keep_hourly_hours=keep_hourly_hours,
+            keep_daily_days=keep_daily_days,
+            max_bytes=max_bytes,
+            release_gpu_caches=release_gpu_caches,
+            lazy_restore=lazy_restore,
+            lazy_from_store=lazy_restore_from_store,
+            chunk_kib=chunk_kib,
+        )
+        self.kernel_manager = kernel_manager
+        self.session_manager = session_manager
+        self.store = store
+        self.emit = emit
+        self.workspace = ws = Workspace(work_dir)
+        private.make_dirs(ws.staging_dir)
+        private.make_dirs(ws.cache_dir)
+        #: The newest snapshot of each kernel, unpacked.
+        self.image_cache = cache = ImageCache(ws.image_cache_dir, image_cache_max_bytes)
+
+        self.jobs = jobs = Jobs(emit)
+        self.reaper = Reaper()
+        self.server_kernels = kernels = Kernels(kernel_manager, self.reaper, work_dir)
+        self.sessions = sessions = Sessions(session_manager, kernel_manager)
+        self.lending = lending = LazyLending(store, cache, kernels, jobs, emit)
+        self.retention = Retention(store, settings, lending, cache, emit)
+        self.uploads = uploads = Uploads(store, ws, cache, jobs, self.retention.apply)
+        self.snapshots = snapshots = StoredSnapshots(store, uploads, lending, cache, emit)
+        common: dict[str, Any] = dict(
+            settings=settings,
+            workspace=ws,
+            store=store,
+            jobs=jobs,
+            kernels=kernels,
+            sessions=sessions,
+            snapshots=snapshots,
+            uploads=uploads,
+            emit=emit,
+        )
+        self.restores = Restores(**common, image_cache=cache, lending=lending)
+        self.dumps = dumps = Dumps(**common)
+        self.schedules = schedules = Schedules(kernels, jobs, lending, dumps, emit)
+
+        # The public API, each where it is done.
+        self.job = jobs.job
+        self.wait = jobs.wait
+        self.wait_checked = jobs.wait_checked
+        self.has_job = jobs.has_job
+        self.check_not_busy = jobs.check_not_busy  # variables.py: a job of its own kind
+        self.start_job = jobs.start
+        self.progress = jobs.progress
+        self.kernel = kernels.kernel
+        self.wrapper = kernels.wrapper
+        self.start_reaping = self.reaper.start
+        self.stop_reaping = self.reaper.stop
+        self.lent = lending.lent
+        self.lazy_restores_settled = lending.settled
+        self.apply_retention = self.retention.apply
+        self.retry_uploads = uploads.retry
+        self.recover_staged = uploads.recover_staged
+        self.list_snapshots = snapshots.list_snapshots
+        self.get = snapshots.get
+        self.delete = snapshots.delete
+        self.restore = self.restores.restore
+        self.restore_side_kernel = self.restores.restore_side_kernel
+        self.create = dumps.create
+        self.suspend = dumps.suspend
+        self.resume = dumps.resume
+        self.periodic_opt_out = schedules.periodic_opt_out
+        self.set_periodic = schedules.set_periodic
+        self.kernel_status = schedules.kernel_status
+        self.kernels = schedules.kernels_status
+        self.suspend_idle = schedules.suspend_idle
+        self.periodic_pass = schedules.periodic_pass
+        self.snapshot_all = schedules.snapshot_all
+
+    @property
+    def work_dir(self) -> Path:
+        return self.workspace.work_dir
+
+    @property
+    def staging_dir(self) -> Path:
+        return self.workspace.staging_dir
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.workspace.cache_dir
+
+    @property
+    def image_cache_dir(self) -> Path:
+        return self.workspace.image_cache_dir
+
+    def tighten(self) -> list[private.Exposed]:
+        """Take from the store's files on this machine and the work directory the access
+        others have (an older version's, another umask's); what was changed."""
+        return [*self.store.tighten(), *private.tighten(self.work_dir)]

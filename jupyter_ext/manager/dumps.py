@@ -10,27 +10,54 @@ from typing import Any
 from ..core import private
 from ..core.manifest import new_snapshot_id
 from ..core.protocol import SnapshotArgs, SuspendArgs
-from .base import Job
+from ..core.store import SnapshotStore
+from .base import EmitEvent, ManagerSettings, Workspace
+from .jobs import Job, Jobs
+from .kernels import Kernels
+from .sessions import Sessions
 from .stored import StoredSnapshots
+from .uploads import Uploads
 
 
-class Dumps(StoredSnapshots):
+class Dumps:
     """Snapshot a kernel, or suspend it (snapshot and end its process) and resume it."""
+
+    def __init__(
+        self,
+        *,
+        settings: ManagerSettings,
+        workspace: Workspace,
+        store: SnapshotStore,
+        jobs: Jobs,
+        kernels: Kernels,
+        sessions: Sessions,
+        snapshots: StoredSnapshots,
+        uploads: Uploads,
+        emit: EmitEvent,
+    ) -> None:
+        self.settings = settings
+        self.workspace = workspace
+        self.store = store
+        self.jobs = jobs
+        self.kernels = kernels
+        self.sessions = sessions
+        self.snapshots = snapshots
+        self.uploads = uploads
+        self.emit = emit
 
     def create(self, kernel_id: str, trigger: str = "manual") -> Job:
         """Snapshot a running kernel; the kernel is frozen only while CRIU dumps."""
-        self.kernel(kernel_id)
-        self._busy(kernel_id)
-        return self._start_job(
+        self._check(kernel_id)
+        return self.jobs.start(
             "snapshot", kernel_id, lambda job: self._snapshot(job, kernel_id, trigger)
         )
 
     async def _snapshot(
         self, job: Job, kernel_id: str, trigger: str, leave_running: bool = True
     ) -> dict[str, Any]:
-        km = self.kernel(kernel_id)
-        path = await self.notebook_path(kernel_id)
-        dest = self.staging_dir / new_snapshot_id()
+        km = self.kernels.kernel(kernel_id)
+        path = await self.sessions.notebook_path(kernel_id)
+        dest = self.workspace.staging_dir / new_snapshot_id()
         self.emit("started", {"kernel_id": kernel_id, "trigger": trigger, "job_id": job.id})
 
         args = SnapshotArgs(
@@ -40,12 +67,12 @@ class Dumps(StoredSnapshots):
             **self._dump_settings(km, kernel_id, path),
         )
         # A killed wrapper leaves its partial dump (the kernel's size): removed then.
-        dumped = await self._guarded_dump(
-            kernel_id, dest, lambda wrapper: wrapper.snapshot(args, self._wrapper_progress(job))
+        dumped = await self.kernels.guarded_dump(
+            kernel_id, dest, lambda wrapper: wrapper.snapshot(args, self.jobs.wrapper_progress(job))
         )
         manifest = dumped.manifest
-        stored = await self._upload(job, manifest, dest)
-        result = stored if stored is not None else await self.get(manifest.id)
+        stored = await self.uploads.upload(job, manifest, dest)
+        result = stored if stored is not None else await self.snapshots.get(manifest.id)
         self.emit(
             "created",
             {
@@ -66,52 +93,54 @@ class Dumps(StoredSnapshots):
                 "kernel_spec": {"name": km.kernel_name, "kernel_id": kernel_id},
                 "notebook_path": path,
             },
-            "release_gpu_caches": self.release_gpu_caches,
-            "chunk_kib": self.chunk_kib,
+            "release_gpu_caches": self.settings.release_gpu_caches,
+            "chunk_kib": self.settings.chunk_kib,
             "write_back": self.store.adopts_images,
         }
 
     def suspend(self, kernel_id: str, trigger: str = "idle-suspend") -> Job:
         """Snapshot the kernel and end its process (its GPU memory is freed)."""
-        self.kernel(kernel_id)
-        self._busy(kernel_id)
-        return self._start_job(
+        self._check(kernel_id)
+        return self.jobs.start(
             "suspend", kernel_id, lambda job: self._suspend(job, kernel_id, trigger)
         )
 
     async def _suspend(self, job: Job, kernel_id: str, trigger: str) -> dict[str, Any]:
-        km = self.kernel(kernel_id)
-        path = await self.notebook_path(kernel_id)
-        suspended_dir = self.work_dir / "suspended"
-        private.make_dirs(suspended_dir)
-        dest = suspended_dir / new_snapshot_id()
-        self._progress(job, "dumping")
+        km = self.kernels.kernel(kernel_id)
+        path = await self.sessions.notebook_path(kernel_id)
+        private.make_dirs(self.workspace.suspended_dir)
+        dest = self.workspace.suspended_dir / new_snapshot_id()
+        self.jobs.progress(job, "dumping")
         args = SuspendArgs(str(dest), trigger=trigger, **self._dump_settings(km, kernel_id, path))
         # Sealed before the wrapper died: the kernel's only copy, kept and stored.
-        dumped = await self._guarded_dump(
-            kernel_id, dest, lambda wrapper: wrapper.suspend(args, self._wrapper_progress(job))
+        dumped = await self.kernels.guarded_dump(
+            kernel_id, dest, lambda wrapper: wrapper.suspend(args, self.jobs.wrapper_progress(job))
         )
         manifest = dumped.manifest
         wrapper_gone = dumped.sealed is not None
         self.emit("suspended", {"kernel_id": kernel_id, "snapshot_id": manifest.id})
         # The wrapper resumes from `dest` and then deletes it; the store gets its own copy
         # (hard links: no extra space, independent lifetimes). No wrapper: it is moved.
-        upload_dir = self.staging_dir / manifest.id
+        upload_dir = self.workspace.staging_dir / manifest.id
         if wrapper_gone:
             await asyncio.to_thread(dest.rename, upload_dir)
         else:
             await asyncio.to_thread(shutil.copytree, dest, upload_dir, copy_function=os.link)
-        stored = await self._upload(job, manifest, upload_dir)
-        return stored if stored is not None else await self.get(manifest.id)
+        stored = await self.uploads.upload(job, manifest, upload_dir)
+        return stored if stored is not None else await self.snapshots.get(manifest.id)
 
     def resume(self, kernel_id: str) -> Job:
-        self.kernel(kernel_id)
-        self._busy(kernel_id)
+        self._check(kernel_id)
 
         async def work(job: Job) -> dict[str, Any]:
-            self._progress(job, "restoring")
-            result = await self.wrapper(kernel_id).resume(self._wrapper_progress(job))
+            self.jobs.progress(job, "restoring")
+            result = await self.kernels.wrapper(kernel_id).resume(self.jobs.wrapper_progress(job))
             self.emit("resumed", {"kernel_id": kernel_id, "snapshot_id": result["id"]})
             return dict(result)
 
-        return self._start_job("resume", kernel_id, work)
+        return self.jobs.start("resume", kernel_id, work)
+
+    def _check(self, kernel_id: str) -> None:
+        """The kernel is this server's and no job runs on it (else the request fails)."""
+        self.kernels.kernel(kernel_id)
+        self.jobs.check_not_busy(kernel_id)

@@ -13,19 +13,47 @@ from typing import Any
 
 from ..core.criu import Criu
 from ..core.errors import SnapshotError, SnapshotNotFoundError, WrapperUnavailableError
-from ..core.imagecache import stamp_tree
+from ..core.imagecache import ImageCache, stamp_tree
 from ..core.lazypages import PAGES_FILE_RE, restore_order
 from ..core.manifest import IMAGES_DIR, verify
-from .base import ManagerBase
+from ..core.store import SnapshotStore
+from .base import EmitEvent
+from .jobs import Jobs
+from .kernels import Kernels
 from .pages import LentPages
 
 log = logging.getLogger("jupyter_ext")
 
 
-class LazyLending(ManagerBase):
+class LazyLending:
     """Lend a stored snapshot's pages to a lazily restored kernel, and wrap up after it."""
 
-    def _after_lazy(
+    def __init__(
+        self,
+        store: SnapshotStore,
+        image_cache: ImageCache,
+        kernels: Kernels,
+        jobs: Jobs,
+        emit: EmitEvent,
+    ) -> None:
+        self.store = store
+        self.image_cache = image_cache
+        self.kernels = kernels
+        self.jobs = jobs
+        self.emit = emit
+        #: Stored snapshots whose pages lazily restored kernels still read.
+        self.lent: set[LentPages] = set()
+        self._watchers: set[asyncio.Task[None]] = set()
+        self._settling: set[str] = set()
+        """Kernels restored lazily whose restore this server has not wrapped up yet."""
+        self._lazy_pages: bool | None = None
+
+    def settling(self, kernel_id: str) -> bool:
+        """Whether this server has yet to wrap up the kernel's lazy restore (its pages
+        are all in, what they were read from is not given back yet)."""
+        return kernel_id in self._settling
+
+    def after_lazy(
         self,
         kernel_id: str,
         then: Callable[[dict[str, Any]], Awaitable[None]],
@@ -40,24 +68,7 @@ class LazyLending(ManagerBase):
         async def wait() -> None:
             outcome: dict[str, Any] = {}
             try:
-                deadline = None if timeout is None else time.monotonic() + timeout
-                while deadline is None or time.monotonic() < deadline:
-                    try:
-                        status = await self.wrapper(kernel_id).status()
-                    except (WrapperUnavailableError, SnapshotNotFoundError):
-                        break  # the kernel is gone (or going): give back at once
-                    except (SnapshotError, TimeoutError) as exc:
-                        if not await self._kernel_alive(kernel_id):
-                            break
-                        # A slow or failed answer: a live kernel keeps what it reads from.
-                        log.warning("status of lazily restored kernel %s: %r", kernel_id, exc)
-                        await asyncio.sleep(0.2)
-                        continue
-                    lazy = status.get("lazy_restore") or {}
-                    if lazy.get("state") != "transferring":
-                        outcome = lazy
-                        break
-                    await asyncio.sleep(0.2)
+                outcome = await self._transferred(kernel_id, timeout)
             finally:
                 try:
                     await then(outcome)
@@ -78,19 +89,39 @@ class LazyLending(ManagerBase):
                 )
 
         self._settling.add(kernel_id)
-        task = asyncio.ensure_future(wait())
-        self._tasks.add(task)
-        self._lazy_watchers.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(self._lazy_watchers.discard)
+        task = self.jobs.spawn(wait())
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
 
-    async def lazy_restores_settled(self) -> None:
+    async def _transferred(self, kernel_id: str, timeout: float | None) -> dict[str, Any]:
+        """The kernel's ``lazy_restore`` status once it is no longer "transferring"; empty
+        when the kernel went away or ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while deadline is None or time.monotonic() < deadline:
+            try:
+                status = await self.kernels.wrapper(kernel_id).status()
+            except (WrapperUnavailableError, SnapshotNotFoundError):
+                break  # the kernel is gone (or going): give back at once
+            except (SnapshotError, TimeoutError) as exc:
+                if not await self.kernels.alive(kernel_id):
+                    break
+                # A slow or failed answer: a live kernel keeps what it reads from.
+                log.warning("status of lazily restored kernel %s: %r", kernel_id, exc)
+                await asyncio.sleep(0.2)
+                continue
+            lazy: dict[str, Any] = status.get("lazy_restore") or {}
+            if lazy.get("state") != "transferring":
+                return lazy
+            await asyncio.sleep(0.2)
+        return {}
+
+    async def settled(self) -> None:
         """Wait until every lazily restored kernel has its memory, and what it was read
         from is given back (cached or removed)."""
-        while self._lazy_watchers:
-            await asyncio.wait(list(self._lazy_watchers))
+        while self._watchers:
+            await asyncio.wait(list(self._watchers))
 
-    async def _lazy_pages_here(self) -> bool:
+    async def lazy_pages_here(self) -> bool:
         """Whether kernels here restore lazily (as their wrappers find out: root and a
         CRIU whose lazy pages work); if not, restores from the store download first."""
         if self._lazy_pages is None:
@@ -101,7 +132,7 @@ class LazyLending(ManagerBase):
                 self._lazy_pages = False
         return self._lazy_pages
 
-    async def _lend(self, snapshot_id: str, directory: Path) -> LentPages:
+    async def lend(self, snapshot_id: str, directory: Path) -> LentPages:
         """Lend a stored snapshot's pages to a lazy restore (it is not deleted meanwhile),
         and download them into ``directory`` as the kernel runs: what ``criu restore``
         reads from the files before this returns, then the smallest memory areas first."""
@@ -119,30 +150,21 @@ class LazyLending(ManagerBase):
                 first=[(prefix + name, offset, length) for name, offset, length in first],
             )
         except BaseException:
-            await self._give_back(lent)
+            await self.give_back(lent)
             raise
         return lent
 
-    async def _give_back(self, lent: LentPages) -> None:
+    async def give_back(self, lent: LentPages) -> None:
         """Stop lending (the download stops; its reads in flight end first)."""
         try:
             await asyncio.shield(asyncio.to_thread(lent.close))
         finally:
             self.lent.discard(lent)
 
-    def _is_lent(self, snapshot_id: str) -> bool:
+    def is_lent(self, snapshot_id: str) -> bool:
         return any(lent.snapshot_id == snapshot_id for lent in list(self.lent))
 
-    async def _kernel_alive(self, kernel_id: str) -> bool:
-        """Whether the kernel is still this server's and its process runs."""
-        if kernel_id not in self.kernel_manager:
-            return False
-        try:
-            return bool(await self.kernel(kernel_id).is_alive())
-        except SnapshotError:
-            return False
-
-    def _lazy_download_done(
+    def download_done(
         self, directory: Path, lent: LentPages, download: contextlib.ExitStack
     ) -> Callable[[dict[str, Any]], Awaitable[None]]:
         """After a lazy restore from the store: stop lending its pages; the download, now
@@ -155,7 +177,7 @@ class LazyLending(ManagerBase):
                 if complete:  # the kernel has its memory; the download goes on to the end
                     complete = await asyncio.to_thread(lent.images.wait_downloaded)
             finally:
-                await self._give_back(lent)
+                await self.give_back(lent)
             try:
                 if complete and self.image_cache.enabled:
                     stamps = await asyncio.to_thread(stamp_tree, directory)

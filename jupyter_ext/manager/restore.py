@@ -15,7 +15,7 @@ from typing import Any
 
 from ..core.compat import check_compatible
 from ..core.errors import WrapperUnavailableError
-from ..core.imagecache import Lease, lock_shared, stamp_tree
+from ..core.imagecache import ImageCache, Lease, lock_shared, stamp_tree
 from ..core.lazypages import PAGES_FILE_RE, worth_lazy
 from ..core.manifest import (
     Manifest,
@@ -26,10 +26,15 @@ from ..core.manifest import (
     verify,
 )
 from ..core.protocol import RestoreRequest
-from .base import Job, validate_notebook_path
-from .kernels import RestoredKernels
+from ..core.store import SnapshotStore
+from .base import EmitEvent, ManagerSettings, Workspace, validate_notebook_path
+from .jobs import Job, Jobs
+from .kernels import Kernels
+from .lazy import LazyLending
 from .pages import LentPages
+from .sessions import Sessions
 from .stored import StoredSnapshots
+from .uploads import Uploads
 
 log = logging.getLogger("jupyter_ext")
 
@@ -61,8 +66,35 @@ def _hold_shared(directory: Path) -> int:
     return -1
 
 
-class Restores(StoredSnapshots, RestoredKernels):
+class Restores:
     """Restore a snapshot into a running kernel or a new one."""
+
+    def __init__(
+        self,
+        *,
+        settings: ManagerSettings,
+        workspace: Workspace,
+        store: SnapshotStore,
+        image_cache: ImageCache,
+        jobs: Jobs,
+        kernels: Kernels,
+        sessions: Sessions,
+        snapshots: StoredSnapshots,
+        uploads: Uploads,
+        lending: LazyLending,
+        emit: EmitEvent,
+    ) -> None:
+        self.settings = settings
+        self.workspace = workspace
+        self.store = store
+        self.image_cache = image_cache
+        self.jobs = jobs
+        self.kernels = kernels
+        self.sessions = sessions
+        self.snapshots = snapshots
+        self.uploads = uploads
+        self.lending = lending
+        self.emit = emit
 
     def restore(
         self,
@@ -79,9 +111,9 @@ class Restores(StoredSnapshots, RestoredKernels):
         if path is not None:
             path = validate_notebook_path(path)
         if kernel_id is not None:
-            self.kernel(kernel_id)
-            self._busy(kernel_id)
-        return self._start_job(
+            self.kernels.kernel(kernel_id)
+            self.jobs.check_not_busy(kernel_id)
+        return self.jobs.start(
             "restore",
             kernel_id,
             lambda job: self._restore(job, snapshot_id, kernel_id, path),
@@ -90,14 +122,6 @@ class Restores(StoredSnapshots, RestoredKernels):
     async def restore_side_kernel(self, job: Job, snapshot_id: str) -> dict[str, Any]:
         """Restore a snapshot into a new kernel attached to no notebook (variables.py)."""
         return await self._restore(job, snapshot_id, None, None, attach=False)
-
-    async def _manifest_of(self, snapshot_id: str) -> Manifest:
-        """The manifest of a snapshot, stored or waiting for its upload (404 if neither)."""
-        pending = self.pending.get(snapshot_id)
-        if pending is not None:
-            return pending.manifest
-        stored = await asyncio.to_thread(self.store.get, snapshot_id)
-        return stored.manifest
 
     async def _local_copy(
         self, job: Job, snapshot_id: str, *, without_pages: bool = False
@@ -108,20 +132,20 @@ class Restores(StoredSnapshots, RestoredKernels):
         upload is read where it is, held shared so that an upload succeeding meanwhile
         leaves it until then. ``without_pages`` leaves the kernel's memory in the store
         (a lazy restore reads it from there)."""
-        pending = self.pending.get(snapshot_id)
+        pending = self.uploads.pending.get(snapshot_id)
         if pending is not None:
             held = await asyncio.to_thread(_hold_shared, pending.directory)
             if held >= 0:
                 return pending.directory, held, False
             # Stored meanwhile (moved into the image cache or removed): from the store.
-        dest = self.cache_dir / f"{snapshot_id}-{secrets.token_hex(4)}"
-        self._progress(job, "downloading")
+        dest = self.workspace.cache_dir / f"{snapshot_id}-{secrets.token_hex(4)}"
+        self.jobs.progress(job, "downloading")
         try:
             await asyncio.to_thread(
                 self.store.fetch,
                 snapshot_id,
                 dest,
-                self._progress_callback(job),
+                self.jobs.threaded_progress(job),
                 skip=(lambda path: PAGES_FILE_RE.fullmatch(path) is not None)
                 if without_pages
                 else None,
@@ -138,11 +162,11 @@ class Restores(StoredSnapshots, RestoredKernels):
     async def _cached(self, job: Job, snapshot_id: str) -> Lease | None:
         """The snapshot's entry in the image cache, held for the restore, or None. Its
         manifest is checked (its own checksum); its files by :meth:`_intact`."""
-        if snapshot_id in self.pending or not self.image_cache.enabled:
+        if snapshot_id in self.uploads.pending or not self.image_cache.enabled:
             return None
         lease = await asyncio.to_thread(self.image_cache.lease, snapshot_id)
         if lease is not None:
-            self._progress(job, "checking-cache")
+            self.jobs.progress(job, "checking-cache")
         return lease
 
     async def _intact(self, job: Job, lease: Lease) -> Lease | None:
@@ -150,7 +174,7 @@ class Restores(StoredSnapshots, RestoredKernels):
         (after the request was answered), and the entry is dropped if a byte differs."""
         if lease.fresh:
             return lease
-        self._progress(job, "verifying", 0, lease.entry.bytes)
+        self.jobs.progress(job, "verifying", 0, lease.entry.bytes)
         if await asyncio.to_thread(lease.reverify):
             return lease
         log.warning("cached snapshot %s failed its check: restoring from the store", lease.path)
@@ -167,7 +191,8 @@ class Restores(StoredSnapshots, RestoredKernels):
         """What the restore holds is on exit stacks, released when it ends in the reverse
         order of these: a cache lease, the lock on the local copy, the download's folder,
         the pages lent. A lazily restored kernel still reads its pages after the job: what
-        it reads from is taken off the stacks (``pop_all``) and handed to :meth:`_after_lazy`.
+        it reads from is taken off the stacks (``pop_all``) and handed to
+        :meth:`LazyLending.after_lazy`.
         """
         async with contextlib.AsyncExitStack() as held:
             leases = held.enter_context(contextlib.ExitStack())
@@ -181,7 +206,7 @@ class Restores(StoredSnapshots, RestoredKernels):
             lent: LentPages | None = None
             # Refused before any download (the request answers 404 or 422): a snapshot that
             # is not there, or that cannot run on this machine, as its manifest says.
-            manifest = lease.manifest if lease else await self._manifest_of(snapshot_id)
+            manifest = lease.manifest if lease else await self.snapshots.manifest(snapshot_id)
             check_compatible(manifest)
             job.checked.set()
             if lease is not None:
@@ -194,13 +219,13 @@ class Restores(StoredSnapshots, RestoredKernels):
                 # damaged chunk must fail the restore before the running kernel is touched.
                 # Never a side kernel (variables.py): a damaged page would end it midway.
                 lazily = (
-                    self.lazy_restore
-                    and self.lazy_from_store
+                    self.settings.lazy_restore
+                    and self.settings.lazy_from_store
                     and kernel_id is None
                     and attach
-                    and snapshot_id not in self.pending
+                    and snapshot_id not in self.uploads.pending
                     and worth_lazy(manifest.gpu)
-                    and await self._lazy_pages_here()
+                    and await self.lending.lazy_pages_here()
                 )
                 directory, download_lock, temporary = await self._local_copy(
                     job, snapshot_id, without_pages=lazily
@@ -210,8 +235,8 @@ class Restores(StoredSnapshots, RestoredKernels):
                     downloaded.callback(shutil.rmtree, directory, ignore_errors=True)
                 source = "store" if temporary else "work-directory"
                 if lazily:
-                    lent = await self._lend(snapshot_id, directory)
-                    lending.push_async_callback(self._give_back, lent)
+                    lent = await self.lending.lend(snapshot_id, directory)
+                    lending.push_async_callback(self.lending.give_back, lent)
                 stamps: Stamps | None = None
                 if temporary and self.image_cache.enabled and not lazily:  # as soon as written
                     with contextlib.suppress(OSError):
@@ -222,7 +247,7 @@ class Restores(StoredSnapshots, RestoredKernels):
                 if temporary:
                     manifest = await asyncio.to_thread(Manifest.read, directory)
                 else:
-                    self._progress(job, "verifying")
+                    self.jobs.progress(job, "verifying")
                     manifest = await asyncio.to_thread(verify, directory)
                 if stamps is not None:  # kept for the next restore on this machine
                     lease = await asyncio.to_thread(
@@ -232,23 +257,30 @@ class Restores(StoredSnapshots, RestoredKernels):
                         leases.callback(lease.release)
                         downloaded.pop_all()  # the folder is the cache's now
                         directory = lease.path
-            self._progress(job, "restoring")
+            self.jobs.progress(job, "restoring")
             pages_from = lent.address if lent is not None else None
             if kernel_id is not None:  # never lazily from the store (see above)
                 await self._restore_in_place(job, kernel_id, directory)
             else:
-                kernel_id = await self._start_restored_kernel(job, manifest, directory, pages_from)
+                request = RestoreRequest(directory, verified=True, pages_from=pages_from)
+                kernel_id = await self.kernels.start_restored(
+                    manifest.kernel_spec.get("name") or self.settings.kernel_name,
+                    manifest.notebook_path,
+                    request,
+                    self.jobs.wrapper_progress(job),
+                )
             if lease is not None:  # a lazily restored kernel still reads its pages there
                 leases.pop_all()
-                self._after_lazy(kernel_id, _released(lease), LAZY_HOLD_SECONDS)
+                self.lending.after_lazy(kernel_id, _released(lease), LAZY_HOLD_SECONDS)
             if lent is not None:  # lent until every page is in, then cached
                 lending.pop_all()
                 download = contextlib.ExitStack()  # closed: removed (unless admitted), unlocked
                 download.enter_context(locked.pop_all())
                 download.enter_context(downloaded.pop_all())
-                self._after_lazy(kernel_id, self._lazy_download_done(directory, lent, download))
+                then = self.lending.download_done(directory, lent, download)
+                self.lending.after_lazy(kernel_id, then)
             target_path = (path or manifest.notebook_path) if attach else None
-            session = await self._attach(kernel_id, target_path) if target_path else None
+            session = await self.sessions.attach(kernel_id, target_path) if target_path else None
         self.emit(
             "restored", {"snapshot_id": snapshot_id, "kernel_id": kernel_id, "path": target_path}
         )
@@ -267,16 +299,16 @@ class Restores(StoredSnapshots, RestoredKernels):
         kernel into staging (a failed restore puts it back). If the wrapper dies meanwhile,
         what it saved is stored like any snapshot when it was sealed (the kernel's state,
         restorable), and removed at once when it was not."""
-        save_to = self.staging_dir / new_snapshot_id()
+        save_to = self.workspace.staging_dir / new_snapshot_id()
         request = RestoreRequest(directory, verified=True, save_to=save_to)
-        dumped = await self._guarded_dump(
+        dumped = await self.kernels.guarded_dump(
             kernel_id,
             save_to,
-            lambda wrapper: wrapper.restore(request, self._wrapper_progress(job)),
+            lambda wrapper: wrapper.restore(request, self.jobs.wrapper_progress(job)),
             catch=WrapperUnavailableError,
             keep_error=True,
         )
         if dumped.error is not None:  # the kernel as saved, sealed before the wrapper died
             log.warning("the kernel saved before a restore (%s) is stored", dumped.manifest.id)
-            await self._upload(None, dumped.manifest, save_to)
+            await self.uploads.upload(None, dumped.manifest, save_to)
             raise dumped.error

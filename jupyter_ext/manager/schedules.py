@@ -1,16 +1,20 @@
 """Snapshots on a schedule: periodic, of idle kernels (suspend), and of all before the
-server stops."""
+server stops; and each kernel's status, which these go by."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ..core.errors import SnapshotError
-from .base import Job
+from ..core.errors import SnapshotError, SnapshotNotFoundError, WrapperUnavailableError
+from .base import EmitEvent
 from .dumps import Dumps
+from .jobs import Job, Jobs
+from .kernels import Kernels
+from .lazy import LazyLending
 
 log = logging.getLogger("jupyter_ext")
 
@@ -24,8 +28,51 @@ def _reason(outcome: Job | SnapshotError) -> str:
     return str((outcome.error or {}).get("message", "it failed"))
 
 
-class Schedules(Dumps):
+class Schedules:
     """Periodic snapshots, idle suspends, and the snapshots before a stop."""
+
+    def __init__(
+        self, kernels: Kernels, jobs: Jobs, lending: LazyLending, dumps: Dumps, emit: EmitEvent
+    ) -> None:
+        self.kernels = kernels
+        self.jobs = jobs
+        self.lending = lending
+        self.dumps = dumps
+        self.emit = emit
+        #: Kernels whose periodic snapshots are off.
+        self.periodic_opt_out: set[str] = set()
+
+    def set_periodic(self, kernel_id: str, on: bool) -> None:
+        """Periodic snapshots of this kernel on (the default) or off."""
+        if on:
+            self.periodic_opt_out.discard(kernel_id)
+        else:
+            self.periodic_opt_out.add(kernel_id)
+
+    async def kernel_status(self, kernel_id: str) -> dict[str, Any]:
+        """The wrapper's view of a kernel: state, activity, whether a job runs on it. A
+        lazy restore is "transferring" until this server is done with it too (what the
+        pages were read from given back: the download cached or removed)."""
+        try:
+            status: dict[str, Any] = dict(await self.kernels.wrapper(kernel_id).status())
+        except (WrapperUnavailableError, SnapshotNotFoundError) as exc:
+            # Not a snapshot kernel, or one that went away since it was listed.
+            return {"kernel_id": kernel_id, "snapshots": False, "reason": exc.message}
+        lazy = status.get("lazy_restore") or {}
+        if self.lending.settling(kernel_id) and lazy.get("state") == "complete":
+            status["lazy_restore"] = {**lazy, "state": "transferring"}
+        job = self.jobs.on(kernel_id)
+        status.update(
+            kernel_id=kernel_id,
+            snapshots=True,
+            job=job.to_dict() if job else None,
+            periodic=kernel_id not in self.periodic_opt_out,
+        )
+        return status
+
+    async def kernels_status(self) -> list[dict[str, Any]]:
+        """Every kernel's status, its wrapper asked for all kernels at once."""
+        return list(await asyncio.gather(*(self.kernel_status(k) for k in self.kernels.ids())))
 
     async def suspend_idle(
         self, idle_seconds: float, gpu_only: bool, gpu_kernels: Callable[[dict[str, Any]], bool]
@@ -33,8 +80,8 @@ class Schedules(Dumps):
         """Suspend kernels idle for longer than ``idle_seconds`` (never busy ones)."""
         jobs: list[Job] = []
         now = time.time()
-        for kernel_id in list(self.kernel_manager.list_kernel_ids()):
-            if kernel_id in self._kernel_jobs:
+        for kernel_id in self.kernels.ids():
+            if self.jobs.has_job(kernel_id):
                 continue
             status = await self.kernel_status(kernel_id)
             if not status.get("snapshots") or status.get("state") != "running":
@@ -45,21 +92,21 @@ class Schedules(Dumps):
                 continue
             if gpu_only and not gpu_kernels(status):
                 continue
-            jobs.append(self.suspend(kernel_id))
+            jobs.append(self.dumps.suspend(kernel_id))
         return jobs
 
     async def periodic_pass(self) -> list[Job]:
         """Snapshot every snapshot kernel that ran something since its last snapshot."""
         jobs: list[Job] = []
-        for kernel_id in list(self.kernel_manager.list_kernel_ids()):
-            if kernel_id in self.periodic_opt_out or kernel_id in self._kernel_jobs:
+        for kernel_id in self.kernels.ids():
+            if kernel_id in self.periodic_opt_out or self.jobs.has_job(kernel_id):
                 continue
             status = await self.kernel_status(kernel_id)
             if not status.get("snapshots") or status.get("state") != "running":
                 continue
             if status.get("executions_since_snapshot", 0) <= 0:
                 continue
-            jobs.append(self.create(kernel_id, trigger="periodic"))
+            jobs.append(self.dumps.create(kernel_id, trigger="periodic"))
         return jobs
 
     async def snapshot_all(self, trigger: str, timeout: float) -> list[Job]:
@@ -70,7 +117,7 @@ class Schedules(Dumps):
         """
         deadline = time.monotonic() + timeout
         kernel_ids = []
-        for kernel_id in list(self.kernel_manager.list_kernel_ids()):
+        for kernel_id in self.kernels.ids():
             status = await self.kernel_status(kernel_id)
             if status.get("snapshots") and status.get("state") == "running":
                 kernel_ids.append(kernel_id)
@@ -91,7 +138,7 @@ class Schedules(Dumps):
             started = [job for job in last.values() if isinstance(job, Job)]
             jobs.extend(job for job in started if job not in jobs)
             for job in started:
-                await self.wait(job, max(0.0, deadline - time.monotonic()))
+                await self.jobs.wait(job, max(0.0, deadline - time.monotonic()))
             if time.monotonic() >= deadline:
                 break
         for kernel_id, outcome in last.items():
@@ -106,10 +153,10 @@ class Schedules(Dumps):
         self, kernel_id: str, trigger: str, deadline: float
     ) -> Job | SnapshotError:
         """A snapshot job for the kernel, after any job already running on it."""
-        running = self._kernel_jobs.get(kernel_id)
+        running = self.jobs.on(kernel_id)
         if running is not None and running.status == "running":
-            await self.wait(running, max(0.0, deadline - time.monotonic()))
+            await self.jobs.wait(running, max(0.0, deadline - time.monotonic()))
         try:
-            return self.create(kernel_id, trigger=trigger)
+            return self.dumps.create(kernel_id, trigger=trigger)
         except SnapshotError as exc:
             return exc

@@ -1,0 +1,171 @@
+"""Uploads: sealed dumps put into the store, kept locally (pending) while that fails, and
+taken up again after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import SnapshotError
+from ..core.imagecache import ImageCache, stamp_checked
+from ..core.leftovers import lock_directory, remove_orphaned_dumps, remove_unlocked
+from ..core.manifest import MANIFEST_NAME, SNAPSHOT_ID_RE, Manifest, remove_tree
+from ..core.store import SnapshotStore
+from .base import Workspace, describe
+from .jobs import Job, Jobs
+
+log = logging.getLogger("jupyter_ext")
+
+#: A dump or download directory nothing was written to for this long was left by a crash
+#: (an active one writes its files within seconds).
+STALE_WORK_SECONDS = 3600.0
+
+
+@dataclass
+class PendingUpload:
+    """A snapshot dumped and sealed locally whose upload to the store has not succeeded."""
+
+    manifest: Manifest
+    directory: Path
+    error: str = ""
+    attempts: int = 0
+    in_flight: bool = False
+
+
+def _untouched_for(path: Path, seconds: float) -> bool:
+    """Whether nothing in ``path`` (a file or a tree) changed in the last ``seconds``."""
+    newest = 0.0
+    with contextlib.suppress(OSError):
+        newest = path.lstat().st_mtime
+        for sub in path.rglob("*") if path.is_dir() else []:
+            with contextlib.suppress(OSError):
+                newest = max(newest, sub.lstat().st_mtime)
+    return time.time() - newest > seconds
+
+
+class Uploads:
+    """Put sealed snapshots into the store; what failed stays pending and is retried.
+    ``retain`` runs after each stored snapshot (retention)."""
+
+    def __init__(
+        self,
+        store: SnapshotStore,
+        workspace: Workspace,
+        image_cache: ImageCache,
+        jobs: Jobs,
+        retain: Callable[[Manifest], Any],
+    ) -> None:
+        self.store = store
+        self.workspace = workspace
+        self.image_cache = image_cache
+        self.jobs = jobs
+        self.retain = retain
+        #: Snapshots sealed here and not stored yet, by id.
+        self.pending: dict[str, PendingUpload] = {}
+
+    async def upload(
+        self, job: Job | None, manifest: Manifest, directory: Path
+    ) -> dict[str, Any] | None:
+        """Put a sealed snapshot into the store; keep it locally (pending) if that fails."""
+        pending = self.pending.setdefault(manifest.id, PendingUpload(manifest, directory))
+        if pending.in_flight:  # a retry while the previous attempt still runs
+            return None
+        pending.attempts += 1
+        pending.in_flight = True
+
+        if job is not None:
+            self.jobs.progress(job, "uploading")
+        try:
+            stored = await asyncio.to_thread(
+                self.store.put, directory, self.jobs.threaded_progress(job)
+            )
+        except SnapshotError as exc:
+            pending.error = exc.message
+            pending.in_flight = False
+            log.warning("upload of snapshot %s failed (kept locally): %s", manifest.id, exc)
+            return None
+        # Stored. Still listed as uploading (this entry, in flight) until it is wrapped up,
+        # so that no listing shows it complete beside a snapshot its own retention pass is
+        # about to delete.
+        pending.error = ""
+        try:
+            # A restore that reads the directory meanwhile (restorable there while its
+            # upload failed) holds it shared: it is moved or removed only after that.
+            held = await asyncio.to_thread(lock_directory, directory)
+            try:
+                if self.image_cache.enabled:  # kept for restores on this machine, as checked
+                    stamps = await asyncio.to_thread(stamp_checked, directory)
+                    if stamps is not None:
+                        await asyncio.to_thread(self.image_cache.admit, directory, stamps)
+                shutil.rmtree(directory, ignore_errors=True)  # not admitted
+            finally:
+                os.close(held)
+            try:  # the snapshot is durable: the job succeeded whatever retention does
+                await asyncio.to_thread(self.retain, stored.manifest)
+            except SnapshotError as exc:
+                log.warning("retention after snapshot %s failed: %s", manifest.id, exc)
+        finally:
+            self.pending.pop(manifest.id, None)
+        return describe(stored, "complete")
+
+    async def retry(self) -> None:
+        """Try failed uploads again (called periodically by the extension)."""
+        for pending in list(self.pending.values()):
+            if pending.in_flight:
+                continue  # uploading, or stored and being wrapped up
+            if not (pending.directory / MANIFEST_NAME).exists():
+                # Uploaded and removed by another server sharing this work directory.
+                del self.pending[pending.manifest.id]
+            elif pending.error:  # stays "upload-failed" until an attempt succeeds
+                await self.upload(None, pending.manifest, pending.directory)
+
+    def recover_staged(self, stale_after: float = STALE_WORK_SECONDS) -> list[str]:
+        """After a restart: take up the snapshots sealed here whose upload never succeeded
+        (the store was down when the server stopped, say), and remove what dumps and
+        downloads cut short by a crash left behind. Returns the ids taken up; their
+        upload is retried like any failed one, and they are listed meanwhile."""
+        recovered = []
+        ws = self.workspace
+        for directory in (ws.staging_dir, ws.suspended_dir):
+            if directory.is_dir():  # dumps of a server that died: at once, not in an hour
+                for path in remove_orphaned_dumps(directory):
+                    log.info("Removed %s, left by a dump whose server ended", path)
+        for path in remove_unlocked(ws.cache_dir):  # likewise its downloads
+            log.info("Removed %s, left by a restore whose server ended", path)
+        for path in self.image_cache.recover():
+            log.info("Removed %s from the image cache (broken, or left by a crash)", path)
+        for entry in sorted(ws.staging_dir.iterdir()):
+            if SNAPSHOT_ID_RE.match(entry.name) and (entry / MANIFEST_NAME).is_file():
+                try:
+                    manifest = Manifest.read(entry)
+                except SnapshotError as exc:
+                    log.warning("Removing %s, not a snapshot: %s", entry, exc)
+                    remove_tree(entry)
+                    continue
+                if manifest.id in self.pending:
+                    continue
+                self.pending[manifest.id] = PendingUpload(
+                    manifest, entry, error="Not stored yet (found when the server started)."
+                )
+                recovered.append(manifest.id)
+            elif _untouched_for(entry, stale_after):
+                log.info("Removing %s, left by an interrupted snapshot", entry)
+                remove_tree(entry)
+        for entry in ws.cache_dir.iterdir():
+            if _untouched_for(entry, stale_after):
+                log.info("Removing %s, left by an interrupted restore", entry)
+                remove_tree(entry)
+        if ws.suspended_dir.is_dir():  # sealed ones belong to suspended kernels: never removed
+            for entry in ws.suspended_dir.glob(".*.partial-*"):
+                if _untouched_for(entry, stale_after):
+                    log.info("Removing %s, left by an interrupted suspend", entry)
+                    remove_tree(entry)
+        return recovered

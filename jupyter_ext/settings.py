@@ -1,0 +1,275 @@
+"""The server extension's options: every trait of :class:`SnapshotSettings`, set as
+``c.SnapshotExtensionApp.<name>`` (traitlets reads a class's config section for every
+configurable class in its MRO, so the app's own name still reaches these). Apart from the
+app's logic so that each stays short; ``configdoc.py`` renders them into
+docs/configuration.md."""
+
+from __future__ import annotations
+
+import getpass
+import os
+from pathlib import Path
+from typing import Any
+
+from jupyter_core.paths import jupyter_data_dir
+from jupyter_server.extension.application import ExtensionApp
+from traitlets import Bool, Float, Int, TraitError, Unicode, default, validate
+
+from .core.chunking import ChunkParams
+from .core.lazypages import LAZY_MIN_BYTES
+from .core.pidspace import PID_FLOOR
+
+
+def data_dir() -> Path:
+    """Where the product keeps its files by default: <Jupyter data dir>/kernel_snapshots."""
+    return Path(jupyter_data_dir()) / "kernel_snapshots"
+
+
+class SnapshotSettings(ExtensionApp):
+    """The options of :class:`~jupyter_ext.app.SnapshotExtensionApp` (documented traits
+    only; an ExtensionApp keeps them on the class, where jupyter_server reads them)."""
+
+    owner = Unicode(
+        config=True,
+        help="""Whose snapshots this server keeps: the store prefix users/<owner>. Default: the
+        JupyterHub user of this single-user server ($JUPYTERHUB_USER), else the system user.""",
+    )
+    store = Unicode(
+        "local",
+        config=True,
+        help="""Where snapshots are kept: "local" (a directory, see local_store_dir) or "s3"
+        (see the s3_* options). Default: "local". Use "s3" to restore on another node.""",
+    )
+    local_store_dir = Unicode(
+        config=True,
+        help="""Directory of the local store. Default: <Jupyter data dir>/kernel_snapshots/store.
+        Each user gets a sub-directory named after the server's identity.""",
+    )
+    local_store_group_access = Bool(
+        False,
+        config=True,
+        help="""Share the local store with the members of its directory's group: its
+        directories 2770 and files 0660 (0440 read-only), so that they can read, restore
+        and delete each other's snapshots (a team's store on one machine). Default: False,
+        owner-only (0700 / 0600 / 0400): a snapshot is the kernel's whole memory. The work
+        directory is always owner-only.""",
+    )
+    s3_bucket = Unicode(
+        "", config=True, help='S3 bucket of the s3 store. Default: "" (required for "s3").'
+    )
+    s3_prefix = Unicode(
+        "kernel-snapshots",
+        config=True,
+        help="""Key prefix in the bucket. Default: "kernel-snapshots". The user's own prefix
+        (users/<name>) is appended from the server's identity, never from a request.""",
+    )
+    s3_endpoint_url = Unicode(
+        "",
+        config=True,
+        help="""Endpoint of an S3-compatible service (MinIO, Ceph, moto). Default: "" (AWS).
+        Credentials come from boto3's standard chain (environment, files, instance role).""",
+    )
+    s3_region = Unicode("", config=True, help='S3 region. Default: "" (boto3 decides).')
+    s3_server_side_encryption = Unicode(
+        "",
+        config=True,
+        help="""Server-side encryption of every object the store writes: "AES256" (SSE-S3)
+        or "aws:kms" (SSE-KMS, see s3_sse_kms_key_id). Default: "" (the bucket's default
+        encryption, which on AWS is SSE-S3). Objects are always written private (no ACL
+        grants; the bucket's policy decides who else may read them).""",
+    )
+    s3_sse_kms_key_id = Unicode(
+        "",
+        config=True,
+        help="""KMS key (id, ARN or alias) for s3_server_side_encryption "aws:kms".
+        Default: "" (the account's AWS-managed key aws/s3).""",
+    )
+    chunk_kib = Int(
+        0,
+        config=True,
+        help="""Average size of the content-addressed chunks, in KiB (a power of two, >= 16),
+        the same for every snapshot. Smaller chunks share more between successive snapshots
+        of a kernel but mean more objects and requests. Default: 0, automatic: about 16384
+        chunks per snapshot (16 KiB up to 256 MiB, doubling up to 1 MiB from 16 GiB), and a
+        kernel keeps its chunk size while it stays within a factor of two; a second
+        snapshot of an idle kernel then adds well under 2 % new bytes at any size.""",
+    )
+    pack_mib = Int(
+        16,
+        min=1,
+        config=True,
+        help="""Size of the pack objects that hold chunks in the store, in MiB. Chunks are
+        written into packs as a snapshot is cut and read back with ranged reads, so a
+        snapshot costs about one request per pack: 16 MiB (AWS's advice for ranged GETs)
+        keeps a GiB under 100 requests. Default: 16.""",
+    )
+    work_dir = Unicode(
+        config=True,
+        help="""Fast local directory where kernels are dumped before upload and snapshots are
+        downloaded before restore. Default: <Jupyter data dir>/kernel_snapshots/work.""",
+    )
+    image_cache_max_bytes = Int(
+        -1,
+        config=True,
+        help="""Byte budget of the local image cache: the newest snapshot of each kernel stays
+        unpacked in work_dir/image-cache, so that a restore on this machine reads no store
+        and checks its files with one stat each (about a bare criu restore). Past the
+        budget, or when less than 10 % of the disk (at most 2 GiB, and not less than the
+        newest snapshot's size) would stay free, the oldest entries go. Default: -1, a
+        quarter of the work directory's disk. 0 turns the cache off.""",
+    )
+    lazy_restore = Bool(
+        True,
+        config=True,
+        help="""Restore kernels with CRIU's lazy pages: the kernel runs as soon as CRIU has
+        rebuilt its processes, each page of memory it touches is served on demand and the
+        rest streams in behind it, so the first cell answers within about a second at
+        any size, its pages read from the local images (the image cache, or a download).
+        A page that cannot be read stops the restored kernel (in place: the previous
+        kernel is put back). Used where 'jupyter snapshot doctor' says "lazy restore" is
+        supported (root), never for kernels with GPU state. Default: True.""",
+    )
+    lazy_restore_min_bytes = Int(
+        LAZY_MIN_BYTES,
+        config=True,
+        help="""A kernel restored from images on this machine (the image cache, the work
+        directory, a suspended kernel coming back) is restored lazily only from this much
+        memory on; a smaller one is restored in full, which is faster: reading its memory
+        from the page cache costs less than setting up lazy pages (measured,
+        bench/RESULTS.md). Restores lazily from the store are not affected. Default:
+        768 MiB.""",
+    )
+    kernel_pid_floor = Int(
+        PID_FLOOR,
+        config=True,
+        help="""Without root (no PID namespace per kernel), a kernel is restored with the
+        process ids it had, so they must be free where it is restored. A fresh container
+        (a JupyterHub pod) takes the same low ids for its own start every time, so a
+        kernel started in a young pod would find its ids taken in the pod it is restored
+        into. Before it starts a kernel, a wrapper whose PID namespace has not yet handed
+        out this id moves the counter past it, plus a random gap of up to as much again
+        (short-lived threads: about 0.5 s, once per pod). 0 turns this off. Default:
+        4096.""",
+    )
+    lazy_restore_from_store = Bool(
+        True,
+        config=True,
+        help="""With lazy_restore, a restore from the store into a new kernel downloads every
+        image but the kernel's memory, starts the kernel, and downloads its memory as it
+        runs: a page it touches that is not there yet is read from the store at once (every
+        chunk checked against its sha256), so the first cell answers within about 1.5 s at
+        any size (measured, bench/RESULTS.md). Restores in place never do (a damaged chunk
+        must fail them before the running kernel is touched). Default: True; False
+        downloads everything first.""",
+    )
+    periodic_interval = Float(
+        0.0,
+        config=True,
+        help="""Seconds between periodic snapshots of each snapshot kernel that ran something
+        since its last snapshot. Default: 0, which turns periodic snapshots off.""",
+    )
+    long_cell_seconds = Float(
+        60.0,
+        config=True,
+        help="""Snapshot a kernel after a cell that ran at least this many seconds (timed
+        from its start to its reply; queued cells do not count their wait): that work is
+        worth keeping. Default: 60. 0 turns these snapshots off.""",
+    )
+    long_cell_min_interval = Float(
+        300.0,
+        config=True,
+        help="""At most one long-cell snapshot per kernel within this many seconds.
+        Default: 300 (5 minutes).""",
+    )
+    keep_last = Int(
+        10,
+        config=True,
+        help="""Snapshots kept per notebook (by sequence number; the newest is never deleted),
+        before the older ones are thinned (keep_hourly_hours, keep_daily_days).
+        Default: 10. 0 keeps all.""",
+    )
+    keep_hourly_hours = Int(
+        24,
+        config=True,
+        help="""Beyond keep_last, keep the newest snapshot of each hour of the last this many
+        hours (restic's --keep-within-hourly). Default: 24. 0: none.""",
+    )
+    keep_daily_days = Int(
+        7,
+        config=True,
+        help="""Beyond those, keep the newest snapshot of each day of the last this many days
+        (restic's --keep-within-daily). Default: 7. 0: none.""",
+    )
+    max_store_bytes = Int(
+        0,
+        config=True,
+        help="""Byte budget of a user's store; older snapshots are deleted past it (never the
+        newest of a notebook). Default: 0, no budget.""",
+    )
+    snapshot_before_shutdown = Bool(
+        True,
+        config=True,
+        help="""Snapshot every running snapshot kernel when the server is asked to stop.
+        Default: True.""",
+    )
+    shutdown_snapshot_timeout = Float(
+        60.0,
+        config=True,
+        help="""Seconds the server waits for the snapshots taken at shutdown. Default: 60.""",
+    )
+    idle_suspend_after = Float(
+        1800.0,
+        config=True,
+        help="""Seconds a kernel holding GPU memory may stay idle before it is suspended
+        (snapshot, process ended, GPU freed); the next cell brings it back. Default: 1800
+        (30 minutes). 0 turns idle suspend off.""",
+    )
+    release_gpu_caches = Bool(
+        True,
+        config=True,
+        help="""Before a GPU kernel's memory is checkpointed, ask the kernel to give back
+        the GPU memory its frameworks cache but do not use (PyTorch's caching allocator,
+        CuPy's memory pools), so snapshots do not carry it. Only frameworks the kernel has
+        imported are touched; the kernel re-allocates on demand. Default: True.""",
+    )
+    suspend_cpu_kernels = Bool(
+        False,
+        config=True,
+        help="""Also suspend idle kernels that hold no GPU memory. Default: False.""",
+    )
+    upload_retry_interval = Float(
+        60.0,
+        config=True,
+        help="""Seconds between retries of uploads that failed. Default: 60.""",
+    )
+    policy_tick = Float(
+        10.0,
+        config=True,
+        help="""Seconds between two looks at the kernels for periodic snapshots, idle suspend
+        and upload retries. Default: 10.""",
+    )
+
+    @validate("chunk_kib")
+    def _valid_chunk_kib(self, proposal: dict[str, Any]) -> int:
+        kib = int(proposal["value"])
+        if kib:
+            try:
+                ChunkParams.of_kib(kib)
+            except ValueError as exc:
+                raise TraitError(
+                    f"SnapshotExtensionApp.chunk_kib must be 0 (automatic) or a power of two "
+                    f"of at least 16, not {kib} ({exc})."
+                ) from None
+        return kib
+
+    @default("owner")
+    def _default_owner(self) -> str:
+        return os.environ.get("JUPYTERHUB_USER") or getpass.getuser()
+
+    @default("local_store_dir")
+    def _default_local_store_dir(self) -> str:
+        return str(data_dir() / "store")
+
+    @default("work_dir")
+    def _default_work_dir(self) -> str:
+        return str(data_dir() / "work")
