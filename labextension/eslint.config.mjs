@@ -17,7 +17,7 @@ export default tseslint.config(
         ...globals.es2015
       },
       parserOptions: {
-        project: 'tsconfig.json',
+        project: ['tsconfig.json', 'tsconfig.test.json'],
         tsconfigRootDir: import.meta.dirname,
         sourceType: 'module'
       }

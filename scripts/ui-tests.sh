@@ -6,6 +6,8 @@
 #   - what scripts/dev.sh sets up (scripts/common.sh: apt packages, Node.js, CRIU, .venv);
 #   - apt: chromium (Playwright never downloads a browser here);
 #   - `npm ci` in labextension/ and ui-tests/ (from the committed package-lock.json files);
+#   - in labextension/: `npm run lint:check` (prettier, eslint) and `npm test` (jest: unit
+#     tests of the model against a stubbed server connection);
 #   - the extension build (labextension -> jupyter_ext/labextension), linked into the venv
 #     like `jupyter labextension develop` does;
 # then runs the Playwright tests. It exits non-zero if a test fails, and its last line
@@ -40,6 +42,8 @@ export CHROMIUM_PATH
 # --- the extension ---------------------------------------------------------------------
 log "npm ci (labextension)"
 (cd labextension && npm ci --no-audit --no-fund --loglevel=error)
+log "lint (prettier, eslint) and unit tests of the model (jest)"
+(cd labextension && npm run lint:check && npm test) || die "lint or unit tests of the extension failed"
 log "build the extension"
 (cd labextension && npm run build)
 [ -f jupyter_ext/labextension/static/style.js ] || die "the extension build produced nothing"

@@ -1,0 +1,730 @@
+/**
+ * Unit tests of the snapshots model against a stubbed server connection: its state,
+ * signals, refresh and job following, and how it calls the REST API. The REST API itself
+ * is tested by the Python tests and the Playwright tests.
+ */
+import type { Event } from '@jupyterlab/services';
+import { ServerConnection } from '@jupyterlab/services';
+import { PromiseDelegate } from '@lumino/coreutils';
+import { Signal } from '@lumino/signaling';
+
+import { SnapshotsModel } from '../model';
+import { requestAPI, SnapshotAPIError } from '../request';
+import {
+  EVENT_SCHEMA_ID,
+  IJob,
+  IKernelStatus,
+  ISnapshot,
+  ITrackedJob
+} from '../tokens';
+
+/** One request the model made: method, path below /api/snapshots (with query), body. */
+interface IRequest {
+  method: string;
+  path: string;
+  body: any;
+}
+
+/** An answer of the stub: a status and a JSON body (or a promise of one). */
+interface IAnswer {
+  status?: number;
+  body?: unknown;
+}
+
+type Route = (request: IRequest) => IAnswer | Promise<IAnswer> | undefined;
+
+const BASE_URL = 'http://localhost:8888/';
+const API = `${BASE_URL}api/snapshots`;
+
+/** A stand-in for the Jupyter server: answers by route, records every request. */
+class StubServer {
+  requests: IRequest[] = [];
+  routes: Route[] = [];
+  /** When set, the network fails (fetch rejects). */
+  down = false;
+
+  readonly settings: ServerConnection.ISettings = ServerConnection.makeSettings(
+    {
+      baseUrl: BASE_URL,
+      wsUrl: 'ws://localhost:8888/',
+      token: '',
+      appendToken: false,
+      fetch: (input: RequestInfo, init?: RequestInit) =>
+        this._fetch(input, init)
+    }
+  );
+
+  /** Answer `METHOD path` (the path with its query, below /api/snapshots). */
+  on(method: string, path: string, answer: IAnswer | Route): void {
+    this.routes.unshift(request =>
+      request.method === method && request.path === path
+        ? typeof answer === 'function'
+          ? answer(request)
+          : answer
+        : undefined
+    );
+  }
+
+  /** The paths of the requests made with a method. */
+  paths(method = 'GET'): string[] {
+    return this.requests.filter(r => r.method === method).map(r => r.path);
+  }
+
+  private async _fetch(
+    input: RequestInfo,
+    init?: RequestInit
+  ): Promise<Response> {
+    if (this.down) {
+      throw new TypeError('Failed to fetch');
+    }
+    const request = input instanceof Request ? input : new Request(input, init);
+    const text = init?.body ?? (await request.text());
+    const url = request.url;
+    expect(url.startsWith(API)).toBe(true);
+    // makeRequest adds a timestamp to GET requests against caches: drop it.
+    const path = url
+      .slice(API.length)
+      .replace(/^\//, '')
+      .replace(/[?&]\d+$/, '');
+    const recorded: IRequest = {
+      method: request.method,
+      path,
+      body: text ? JSON.parse(String(text)) : undefined
+    };
+    this.requests.push(recorded);
+    for (const route of this.routes) {
+      const answer = await route(recorded);
+      if (answer) {
+        const status = answer.status ?? 200;
+        return new Response(
+          answer.body === undefined || status === 204
+            ? null
+            : JSON.stringify(answer.body),
+          { status, headers: { 'Content-Type': 'application/json' } }
+        );
+      }
+    }
+    return new Response(JSON.stringify({ message: `no route for ${path}` }), {
+      status: 404
+    });
+  }
+}
+
+function snapshot(id: string, extra: Partial<ISnapshot> = {}): ISnapshot {
+  return {
+    id,
+    lineage: 'lin',
+    sequence: 1,
+    created: '2026-12-01T10:00:00Z',
+    trigger: 'manual',
+    status: 'stored',
+    notebook_path: 'a.ipynb',
+    ...extra
+  };
+}
+
+function job(id: string, extra: Partial<IJob> = {}): IJob {
+  return {
+    id,
+    kind: 'snapshot',
+    kernel_id: 'k1',
+    status: 'running',
+    phase: 'queued',
+    done_bytes: 0,
+    total_bytes: 0,
+    started: 0,
+    finished: null,
+    result: null,
+    error: null,
+    ...extra
+  };
+}
+
+const KERNEL: IKernelStatus = {
+  kernel_id: 'k1',
+  snapshots: true,
+  state: 'running'
+};
+
+const TARGET = {
+  path: 'a.ipynb',
+  kernelId: 'k1',
+  kernelName: 'python3-snapshots',
+  kernelDisplayName: 'Python 3 (snapshots)'
+};
+
+/** A server with one notebook a.ipynb, its kernel k1 and two snapshots. */
+function standardServer(): StubServer {
+  const server = new StubServer();
+  server.on('GET', 'kernels', { body: { kernels: [KERNEL] } });
+  server.on('GET', 'policy', { body: { store: 'local', keep_last: 5 } });
+  server.on('GET', '', {
+    body: {
+      snapshots: [snapshot('s1'), snapshot('s9', { notebook_path: 'b' })]
+    }
+  });
+  server.on('GET', '?path=a.ipynb', {
+    body: {
+      snapshots: [snapshot('s2', { created: '2026-12-01T12:00:00Z' })]
+    }
+  });
+  server.on('GET', '?kernel_id=k1', {
+    body: {
+      snapshots: [
+        snapshot('s2', { created: '2026-12-01T12:00:00Z' }),
+        snapshot('s3', { created: '2026-12-01T13:00:00Z', notebook_path: 'x' })
+      ]
+    }
+  });
+  return server;
+}
+
+/** Resolves once `predicate` holds (checked after each emission of `changed`). */
+function until(model: SnapshotsModel, predicate: () => boolean): Promise<void> {
+  return new Promise<void>(resolve => {
+    if (predicate()) {
+      resolve();
+      return;
+    }
+    const check = () => {
+      if (predicate()) {
+        model.changed.disconnect(check);
+        resolve();
+      }
+    };
+    model.changed.connect(check);
+  });
+}
+
+const sleep = (ms: number) => new Promise(resolve => setTimeout(resolve, ms));
+
+describe('SnapshotsModel', () => {
+  let server: StubServer;
+  let model: SnapshotsModel;
+  let events: { stream: Signal<any, Event.Emission> };
+
+  const create = (options: Partial<SnapshotsModel.IOptions> = {}) => {
+    events = { stream: new Signal<any, Event.Emission>({}) };
+    model = new SnapshotsModel({
+      serverSettings: server.settings,
+      events: events as unknown as Event.IManager,
+      auto: false,
+      standby: 'never',
+      ...options
+    });
+    return model;
+  };
+
+  const emit = (event: Record<string, unknown>) =>
+    events.stream.emit({
+      schema_id: EVENT_SCHEMA_ID,
+      ...event
+    } as unknown as Event.Emission);
+
+  beforeEach(() => {
+    server = standardServer();
+  });
+
+  afterEach(() => {
+    model?.dispose();
+  });
+
+  describe('state', () => {
+    it('starts empty, not loaded, with the default settings', () => {
+      create();
+      expect(model.snapshots).toEqual([]);
+      expect(model.loaded).toBe(false);
+      expect(model.loading).toBe(false);
+      expect(model.target).toBeNull();
+      expect(model.policy).toBeNull();
+      expect(model.error).toBeNull();
+      expect(model.showAll).toBe(false);
+      expect(model.settings.refreshInterval).toBeGreaterThan(0);
+      expect(model.kernelStatus('k1')).toBeNull();
+      expect(model.jobs).toEqual([]);
+    });
+
+    it('shows all snapshots by default when the settings say so', () => {
+      create({ settings: { showAllByDefault: true } });
+      expect(model.showAll).toBe(true);
+    });
+
+    it('lists nothing without a notebook, but loads kernels and policy', async () => {
+      create();
+      await model.refresh();
+      expect(model.loaded).toBe(true);
+      expect(model.snapshots).toEqual([]);
+      expect(model.kernelStatus('k1')).toEqual(KERNEL);
+      expect(model.kernelStatus('other')).toBeNull();
+      expect(model.kernelStatus(null)).toBeNull();
+      expect(model.policy).toEqual({ store: 'local', keep_last: 5 });
+      expect(server.paths().sort()).toEqual(['kernels', 'policy']);
+    });
+
+    it("lists a notebook's snapshots by path and by kernel, newest first", async () => {
+      create();
+      model.target = TARGET;
+      await model.refresh();
+      expect(model.snapshots.map(s => s.id)).toEqual(['s3', 's2']);
+      expect(server.paths()).toEqual(
+        expect.arrayContaining(['?path=a.ipynb', '?kernel_id=k1'])
+      );
+      expect(server.paths()).not.toContain('');
+    });
+
+    it('encodes the path of the notebook in the query', async () => {
+      create();
+      server.on('GET', '?path=dir%2Fa%20b.ipynb', { body: { snapshots: [] } });
+      model.target = { ...TARGET, path: 'dir/a b.ipynb', kernelId: null };
+      await model.refresh();
+      expect(server.paths()).toContain('?path=dir%2Fa%20b.ipynb');
+      expect(server.paths()).not.toContain('?kernel_id=k1');
+    });
+
+    it('lists the whole store when showing all', async () => {
+      create();
+      model.showAll = true;
+      await model.refresh();
+      expect(model.snapshots.map(s => s.id)).toEqual(['s1', 's9']);
+      expect(server.paths()).toContain('');
+    });
+
+    it('reports why the store cannot be reached', async () => {
+      server.on('GET', '?path=a.ipynb', {
+        body: { snapshots: [], store_error: 'bucket gone' }
+      });
+      create();
+      model.target = { ...TARGET, kernelId: null };
+      await model.refresh();
+      expect(model.storeError).toBe('bucket gone');
+    });
+  });
+
+  describe('signals', () => {
+    it('emits changed when loading starts and ends', async () => {
+      create();
+      const loading: boolean[] = [];
+      model.changed.connect(() => loading.push(model.loading));
+      await model.refresh();
+      expect(loading[0]).toBe(true);
+      expect(loading[loading.length - 1]).toBe(false);
+    });
+
+    it('emits changed on a new target and clears the old list', async () => {
+      create();
+      model.target = TARGET;
+      await model.refresh();
+      expect(model.snapshots.length).toBe(2);
+      let changes = 0;
+      model.changed.connect(() => (changes += 1));
+      model.target = { ...TARGET, path: 'b.ipynb', kernelId: null };
+      expect(changes).toBe(1);
+      expect(model.snapshots).toEqual([]);
+      expect(model.loaded).toBe(false);
+    });
+
+    it('does not emit for an equal target or the same showAll', () => {
+      create();
+      model.target = TARGET;
+      let changes = 0;
+      model.changed.connect(() => (changes += 1));
+      model.target = { ...TARGET };
+      model.showAll = false;
+      expect(changes).toBe(0);
+    });
+
+    it('emits jobStarted, jobChanged and jobFinished once for a job', async () => {
+      create();
+      const seen: string[] = [];
+      model.jobStarted.connect((_, t) => seen.push(`started ${t.job.id}`));
+      model.jobChanged.connect((_, t) => seen.push(`changed ${t.job.phase}`));
+      model.jobFinished.connect((_, t) =>
+        seen.push(`finished ${t.job.status}`)
+      );
+      let polls = 0;
+      server.on('GET', 'jobs/j1', () => {
+        polls += 1;
+        return {
+          body: job('j1', {
+            status: polls < 2 ? 'running' : 'done',
+            phase: polls < 2 ? 'dumping' : 'done'
+          })
+        };
+      });
+      const tracked = model.track(job('j1'));
+      expect(model.jobsFor('k1')).toEqual([tracked]);
+      const done = await model.waitFor('j1');
+      expect(done.status).toBe('done');
+      expect(seen).toEqual([
+        'started j1',
+        'changed dumping',
+        'changed done',
+        'finished done'
+      ]);
+      expect(model.jobs).toEqual([]);
+    });
+  });
+
+  describe('requests', () => {
+    it('takes a snapshot with POST and follows its job', async () => {
+      create();
+      server.on('POST', '', { status: 202, body: { job: job('j1') } });
+      server.on('GET', 'jobs/j1', {
+        body: job('j1', { status: 'done', phase: 'done' })
+      });
+      const tracked = await model.snapshot('k1');
+      expect(server.requests.find(r => r.method === 'POST')).toEqual({
+        method: 'POST',
+        path: '',
+        body: { kernel_id: 'k1' }
+      });
+      expect(tracked.notify).toBe(true);
+      expect(tracked.label).toBe('kernel k1');
+      expect((await model.waitFor('j1')).status).toBe('done');
+    });
+
+    it('suspends and resumes through the kernel endpoints', async () => {
+      create();
+      server.on('POST', 'kernels/k1/suspend', {
+        status: 202,
+        body: { job: job('j2', { kind: 'suspend', status: 'done' }) }
+      });
+      server.on('POST', 'kernels/k1/resume', {
+        status: 202,
+        body: { job: job('j3', { kind: 'resume', status: 'done' }) }
+      });
+      await model.suspend('k1');
+      await model.resume('k1');
+      expect(server.paths('POST')).toEqual([
+        'kernels/k1/suspend',
+        'kernels/k1/resume'
+      ]);
+    });
+
+    it('restores in place or into a notebook with the body the API takes', async () => {
+      create();
+      server.on('POST', 's1/restore', request => ({
+        status: 202,
+        body: {
+          job: job(`r-${Object.keys(request.body)[0]}`, { status: 'done' })
+        }
+      }));
+      const inPlace = await model.restore('s1', { kernel_id: 'k1' }, 'a');
+      const intoPath = await model.restore('s1', { path: 'a.ipynb' });
+      expect(server.requests.filter(r => r.method === 'POST')).toEqual([
+        { method: 'POST', path: 's1/restore', body: { kernel_id: 'k1' } },
+        { method: 'POST', path: 's1/restore', body: { path: 'a.ipynb' } }
+      ]);
+      expect(inPlace.label).toBe('a');
+      expect(intoPath.job.id).toBe('r-path');
+    });
+
+    it('takes variables with names and renames', async () => {
+      create();
+      server.on('POST', 's1/variables', {
+        status: 202,
+        body: { job: job('v1', { kind: 'variables', status: 'done' }) }
+      });
+      await model.takeVariables('s1', 'k1', ['x', 'y'], { y: 'y_old' });
+      expect(server.requests.find(r => r.method === 'POST')?.body).toEqual({
+        kernel_id: 'k1',
+        names: ['x', 'y'],
+        rename: { y: 'y_old' }
+      });
+    });
+
+    it('deletes a snapshot and drops it from the list at once', async () => {
+      create();
+      model.target = TARGET;
+      await model.refresh();
+      server.on('DELETE', 's3', { status: 204 });
+      let changes = 0;
+      model.changed.connect(() => (changes += 1));
+      await model.delete('s3');
+      expect(server.paths('DELETE')).toEqual(['s3']);
+      expect(model.snapshots.map(s => s.id)).toEqual(['s2']);
+      expect(changes).toBeGreaterThan(0);
+    });
+
+    it("fetches one kernel's status and keeps it", async () => {
+      create();
+      server.on('GET', 'kernels/k2', {
+        body: { kernel_id: 'k2', snapshots: false, reason: 'not wrapped' }
+      });
+      const status = await model.fetchKernelStatus('k2');
+      expect(status.reason).toBe('not wrapped');
+      expect(model.kernelStatus('k2')).toEqual(status);
+    });
+
+    it("rejects a refused request with the server's message and hint", async () => {
+      create();
+      server.on('POST', 's1/restore', {
+        status: 422,
+        body: {
+          message: 'The snapshot needs a GPU.',
+          hint: 'Restore it on a GPU machine.',
+          code: 'incompatible'
+        }
+      });
+      const error = await model
+        .restore('s1', { kernel_id: 'k1' })
+        .catch(e => e as SnapshotAPIError);
+      expect(error).toBeInstanceOf(SnapshotAPIError);
+      expect(error).toMatchObject({
+        message: 'The snapshot needs a GPU.',
+        status: 422,
+        hint: 'Restore it on a GPU machine.',
+        code: 'incompatible'
+      });
+      expect(model.jobs).toEqual([]);
+    });
+
+    it('says what to check when the API is missing or the server is down', async () => {
+      server.routes = [];
+      const missing = await requestAPI<unknown>(
+        'policy',
+        {},
+        server.settings
+      ).catch((e: SnapshotAPIError) => e);
+      expect(missing).toMatchObject({ status: 404 });
+      server.down = true;
+      const down = (await requestAPI<unknown>(
+        'policy',
+        {},
+        server.settings
+      ).catch((e: SnapshotAPIError) => e)) as SnapshotAPIError;
+      expect(down).toMatchObject({ status: 0 });
+      expect(down.message).toMatch(/Cannot reach the Jupyter server/);
+      expect(down.hint).toMatch(/still running/);
+    });
+  });
+
+  describe('refresh and polling', () => {
+    it('keeps the error of a failed refresh until one succeeds', async () => {
+      create();
+      server.on('GET', 'kernels', {
+        status: 500,
+        body: { message: 'boom', hint: 'look at the log' }
+      });
+      await model.refresh().catch(() => undefined);
+      await until(model, () => !model.loading);
+      expect(model.error).toBeInstanceOf(SnapshotAPIError);
+      expect(model.error?.message).toBe('boom');
+      expect(model.loaded).toBe(false);
+      server.routes.shift();
+      await model.refresh();
+      expect(model.error).toBeNull();
+      expect(model.kernelStatus('k1')).toEqual(KERNEL);
+    });
+
+    it('asks for the policy again only on an explicit refresh', async () => {
+      create({ auto: true, settings: { refreshInterval: 0.05 } });
+      await model.refresh();
+      const policies = () => server.paths().filter(p => p === 'policy').length;
+      expect(policies()).toBe(1);
+      const kernels = () => server.paths().filter(p => p === 'kernels').length;
+      const before = kernels();
+      await sleep(300);
+      expect(kernels()).toBeGreaterThan(before);
+      expect(policies()).toBe(1);
+      await model.refresh();
+      expect(policies()).toBe(2);
+    });
+
+    it('polls at the interval of the settings, and on while the server fails', async () => {
+      create({ auto: true, settings: { refreshInterval: 0.05 } });
+      await model.refresh();
+      const count = () => server.paths().filter(p => p === 'kernels').length;
+      let before = count();
+      await sleep(600);
+      const healthy = count() - before;
+      expect(healthy).toBeGreaterThanOrEqual(3);
+      server.on('GET', 'kernels', { status: 503, body: { message: 'down' } });
+      await sleep(100);
+      before = count();
+      await sleep(600);
+      const failing = count() - before;
+      expect(failing).toBeGreaterThan(0);
+      expect(model.error?.message).toBe('down');
+    });
+
+    it('follows a new refresh interval from the settings', async () => {
+      create({ auto: true, settings: { refreshInterval: 60 } });
+      await model.refresh();
+      const count = () => server.paths().filter(p => p === 'kernels').length;
+      const before = count();
+      // A new interval refreshes at once, then polls at the new interval (at least 1 s).
+      model.settings = { ...model.settings, refreshInterval: 1 };
+      await sleep(2500);
+      expect(count()).toBeGreaterThanOrEqual(before + 2);
+    });
+
+    it('drops an answer for a target that is no longer current, and asks again', async () => {
+      create();
+      const slow = new PromiseDelegate<IAnswer>();
+      server.on('GET', '?path=a.ipynb', () => slow.promise);
+      server.on('GET', '?path=b.ipynb', {
+        body: { snapshots: [snapshot('b1', { notebook_path: 'b.ipynb' })] }
+      });
+      model.target = { ...TARGET, kernelId: null };
+      const first = model.refresh();
+      await sleep(20);
+      model.target = { ...TARGET, path: 'b.ipynb', kernelId: null };
+      // The refresh for b is asked for while a's answer is still on the way.
+      await sleep(400);
+      expect(server.paths()).not.toContain('?path=b.ipynb');
+      slow.resolve({ body: { snapshots: [snapshot('stale')] } });
+      await first;
+      expect(model.snapshots.map(s => s.id)).not.toContain('stale');
+      await sleep(600);
+      expect(server.paths()).toContain('?path=b.ipynb');
+      expect(model.loaded).toBe(true);
+      expect(model.snapshots.map(s => s.id)).toEqual(['b1']);
+    });
+
+    it('follows the running jobs the server reports', async () => {
+      create();
+      server.on('GET', 'kernels', {
+        body: {
+          kernels: [{ ...KERNEL, state: 'snapshotting', job: job('p1') }]
+        }
+      });
+      server.on('GET', 'jobs/p1', { body: job('p1', { phase: 'dumping' }) });
+      await model.refresh();
+      const [tracked] = model.jobs;
+      expect(tracked.job.id).toBe('p1');
+      expect(tracked.notify).toBe(false);
+    });
+
+    it('refreshes after a job ends', async () => {
+      create();
+      server.on('GET', 'jobs/j1', { body: job('j1', { status: 'done' }) });
+      model.track(job('j1'));
+      await model.waitFor('j1');
+      const before = server.paths().filter(p => p === 'kernels').length;
+      await sleep(600);
+      expect(
+        server.paths().filter(p => p === 'kernels').length
+      ).toBeGreaterThan(before);
+    });
+  });
+
+  describe('jobs', () => {
+    it('marks a job it lost (404) as failed, with what to do', async () => {
+      create();
+      server.on('GET', 'jobs/j1', { status: 404, body: { message: 'gone' } });
+      model.track(job('j1'));
+      const lost = await model.waitFor('j1');
+      expect(lost.status).toBe('failed');
+      expect(lost.error?.message).toMatch(/Lost track of the snapshot: gone/);
+      expect(lost.error?.hint).toBeTruthy();
+    });
+
+    it('finishes at once a job that already ended', async () => {
+      create();
+      const finished: ITrackedJob[] = [];
+      model.jobFinished.connect((_, t) => finished.push(t));
+      model.track(job('j1', { status: 'failed' }));
+      expect(finished.map(t => t.job.id)).toEqual(['j1']);
+      expect(server.paths()).not.toContain('jobs/j1');
+    });
+
+    it('merges a job followed twice', () => {
+      create();
+      server.on('GET', 'jobs/j1', { body: job('j1') });
+      const a = model.track(job('j1'));
+      const b = model.track(job('j1', { phase: 'dumping' }), {
+        notify: true,
+        label: 'a.ipynb'
+      });
+      expect(b).toBe(a);
+      expect(a).toMatchObject({ notify: true, label: 'a.ipynb' });
+      expect(a.job.phase).toBe('dumping');
+      expect(model.jobs.length).toBe(1);
+    });
+
+    it('refuses to wait for a job it does not follow', async () => {
+      create();
+      await expect(model.waitFor('nope')).rejects.toThrow(/not followed/);
+    });
+
+    it('names a job after its kernel with kernelLabel', () => {
+      create();
+      server.on('GET', 'jobs/j1', { body: job('j1') });
+      model.kernelLabel = id => `notebook of ${id}`;
+      expect(model.track(job('j1')).label).toBe('notebook of k1');
+    });
+  });
+
+  describe('server events', () => {
+    it('follows a job started elsewhere, without notifying', () => {
+      create();
+      server.on('GET', 'jobs/p1', { body: job('p1') });
+      emit({
+        action: 'started',
+        job_id: 'p1',
+        kind: 'suspend',
+        kernel_id: 'k1'
+      });
+      const [tracked] = model.jobs;
+      expect(tracked.job).toMatchObject({
+        id: 'p1',
+        kind: 'suspend',
+        status: 'running'
+      });
+      expect(tracked.notify).toBe(false);
+    });
+
+    it('takes progress from events', () => {
+      create();
+      server.on('GET', 'jobs/j1', { body: job('j1') });
+      const tracked = model.track(job('j1'));
+      const phases: string[] = [];
+      model.jobChanged.connect((_, t) => phases.push(t.job.phase));
+      emit({
+        action: 'progress',
+        job_id: 'j1',
+        phase: 'uploading',
+        done_bytes: 10,
+        total_bytes: 40
+      });
+      expect(phases).toEqual(['uploading']);
+      expect(tracked.job).toMatchObject({ done_bytes: 10, total_bytes: 40 });
+    });
+
+    it('ignores the events of other schemas', () => {
+      create();
+      events.stream.emit({
+        schema_id: 'https://events.jupyter.org/other',
+        action: 'started',
+        job_id: 'x'
+      } as unknown as Event.Emission);
+      expect(model.jobs).toEqual([]);
+    });
+
+    it('refreshes soon after an event', async () => {
+      create();
+      emit({ action: 'deleted', snapshot_id: 's1' });
+      await sleep(400);
+      expect(server.paths()).toContain('kernels');
+    });
+  });
+
+  describe('dispose', () => {
+    it('stops polling and listening, and lets waiters go', async () => {
+      create({ auto: true, settings: { refreshInterval: 0.05 } });
+      server.on('GET', 'jobs/j1', { body: job('j1') });
+      model.track(job('j1'));
+      const waiting = model.waitFor('j1');
+      model.dispose();
+      expect(model.isDisposed).toBe(true);
+      expect((await waiting).status).toBe('running');
+      const count = server.requests.length;
+      emit({ action: 'started', job_id: 'p2' });
+      await sleep(300);
+      expect(server.requests.length).toBe(count);
+      expect(model.jobs).toEqual([]);
+      model.dispose();
+    });
+  });
+});
