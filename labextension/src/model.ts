@@ -547,6 +547,9 @@ export class SnapshotsModel implements ISnapshotsModel {
       }
       failures = 0;
       this._merge(tracked, job);
+      if (job.status !== 'running') {
+        break; // ended: reported now, not a poll interval later
+      }
     }
     if (!this._isDisposed && this._jobs.get(tracked.job.id) === tracked) {
       this._finish(tracked);
