@@ -2,11 +2,16 @@
  * Unit tests of the snapshots model against a stubbed server connection: its state,
  * signals, refresh and job following, and how it calls the REST API. The REST API itself
  * is tested by the Python tests and the Playwright tests.
+ *
+ * Time is jest's fake clock in every test: the model's polls, debounced refreshes and job
+ * polls run when a test advances the clock (`advance`), never by waiting on the wall
+ * clock, and a test waits for the model's own signals (`Refreshes`, `signalled`) rather
+ * than for some time to pass.
  */
 import type { Event } from '@jupyterlab/services';
 import { ServerConnection } from '@jupyterlab/services';
 import { PromiseDelegate } from '@lumino/coreutils';
-import { Signal } from '@lumino/signaling';
+import { ISignal, Signal } from '@lumino/signaling';
 
 import { SnapshotsModel } from '../model';
 import { requestAPI, SnapshotAPIError } from '../request';
@@ -78,7 +83,6 @@ class StubServer {
       throw new TypeError('Failed to fetch');
     }
     const request = input instanceof Request ? input : new Request(input, init);
-    const text = init?.body ?? (await request.text());
     const url = request.url;
     expect(url.startsWith(API)).toBe(true);
     // makeRequest adds a timestamp to GET requests against caches: drop it.
@@ -86,12 +90,15 @@ class StubServer {
       .slice(API.length)
       .replace(/^\//, '')
       .replace(/[?&]\d+$/, '');
+    // Recorded at once (the body follows): a request is seen when the model makes it.
     const recorded: IRequest = {
       method: request.method,
       path,
-      body: text ? JSON.parse(String(text)) : undefined
+      body: undefined
     };
     this.requests.push(recorded);
+    const text = init?.body ?? (await request.text());
+    recorded.body = text ? JSON.parse(String(text)) : undefined;
     for (const route of this.routes) {
       const answer = await route(recorded);
       if (answer) {
@@ -179,29 +186,72 @@ function standardServer(): StubServer {
   return server;
 }
 
-/** Resolves once `predicate` holds (checked after each emission of `changed`). */
-function until(model: SnapshotsModel, predicate: () => boolean): Promise<void> {
-  return new Promise<void>(resolve => {
-    if (predicate()) {
-      resolve();
-      return;
-    }
-    const check = () => {
-      if (predicate()) {
-        model.changed.disconnect(check);
-        resolve();
-      }
+/** How often the model polls a job in progress (model.ts JOB_POLL_MS). */
+const JOB_POLL_MS = 500;
+
+/**
+ * Let `ms` of fake time pass: every timer due in it runs, and the promises it starts get
+ * their turn between timers (the stub server answers with promises only).
+ */
+const advance = (ms: number): Promise<void> =>
+  jest.advanceTimersByTimeAsync(ms);
+
+/** Resolves with the next emission of a signal. */
+function signalled<T, U>(signal: ISignal<T, U>): Promise<U> {
+  return new Promise<U>(resolve => {
+    const once = (_: T, args: U) => {
+      signal.disconnect(once);
+      resolve(args);
     };
-    model.changed.connect(check);
+    signal.connect(once);
   });
 }
 
-const sleep = (ms: number) => new Promise(resolve => setTimeout(resolve, ms));
+/**
+ * The model's refreshes as its `changed` signal tells them: `started` counts those that
+ * began (a refresh sets `loading` at once, when its timer runs), `settled()` waits until
+ * every one that began has ended.
+ */
+class Refreshes {
+  started = 0;
+  ended = 0;
+
+  constructor(private _model: SnapshotsModel) {
+    _model.changed.connect(this._onChanged, this);
+  }
+
+  settled(): Promise<void> {
+    return new Promise<void>(resolve => {
+      if (this.ended === this.started) {
+        resolve();
+      } else {
+        this._waiters.push(resolve);
+      }
+    });
+  }
+
+  private _onChanged(): void {
+    const loading = this._model.loading;
+    if (loading && !this._loading) {
+      this.started += 1;
+    } else if (!loading && this._loading) {
+      this.ended += 1;
+      if (this.ended === this.started) {
+        this._waiters.splice(0).forEach(resolve => resolve());
+      }
+    }
+    this._loading = loading;
+  }
+
+  private _loading = false;
+  private _waiters: (() => void)[] = [];
+}
 
 describe('SnapshotsModel', () => {
   let server: StubServer;
   let model: SnapshotsModel;
   let events: { stream: Signal<any, Event.Emission> };
+  let refreshes: Refreshes;
 
   const create = (options: Partial<SnapshotsModel.IOptions> = {}) => {
     events = { stream: new Signal<any, Event.Emission>({}) };
@@ -212,8 +262,32 @@ describe('SnapshotsModel', () => {
       standby: 'never',
       ...options
     });
+    refreshes = new Refreshes(model);
     return model;
   };
+
+  /** `model.refresh()`: its timer (due at once) is run; resolves when the refresh is done. */
+  const refresh = async (): Promise<void> => {
+    const done = model.refresh();
+    await advance(0);
+    await done;
+  };
+
+  /**
+   * Advance the clock `step` ms at a time, at most `steps` times, until one more refresh
+   * started; resolves when it is done (fails if none started).
+   */
+  const nextRefresh = async (step: number, steps: number): Promise<void> => {
+    const before = refreshes.started;
+    for (let i = 0; i < steps && refreshes.started === before; i++) {
+      await advance(step);
+    }
+    expect(refreshes.started).toBe(before + 1);
+    await refreshes.settled();
+  };
+
+  /** The GET requests made so far for `path`. */
+  const gets = (path: string) => server.paths().filter(p => p === path).length;
 
   const emit = (event: Record<string, unknown>) =>
     events.stream.emit({
@@ -222,11 +296,16 @@ describe('SnapshotsModel', () => {
     } as unknown as Event.Emission);
 
   beforeEach(() => {
+    // Timers only: promises, and the ticks between them, stay real.
+    jest.useFakeTimers({
+      doNotFake: ['nextTick', 'queueMicrotask', 'setImmediate']
+    });
     server = standardServer();
   });
 
   afterEach(() => {
     model?.dispose();
+    jest.useRealTimers();
   });
 
   describe('state', () => {
@@ -251,7 +330,7 @@ describe('SnapshotsModel', () => {
 
     it('lists nothing without a notebook, but loads kernels and policy', async () => {
       create();
-      await model.refresh();
+      await refresh();
       expect(model.loaded).toBe(true);
       expect(model.snapshots).toEqual([]);
       expect(model.kernelStatus('k1')).toEqual(KERNEL);
@@ -264,7 +343,7 @@ describe('SnapshotsModel', () => {
     it("lists a notebook's snapshots by path and by kernel, newest first", async () => {
       create();
       model.target = TARGET;
-      await model.refresh();
+      await refresh();
       expect(model.snapshots.map(s => s.id)).toEqual(['s3', 's2']);
       expect(server.paths()).toEqual(
         expect.arrayContaining(['?path=a.ipynb', '?kernel_id=k1'])
@@ -276,7 +355,7 @@ describe('SnapshotsModel', () => {
       create();
       server.on('GET', '?path=dir%2Fa%20b.ipynb', { body: { snapshots: [] } });
       model.target = { ...TARGET, path: 'dir/a b.ipynb', kernelId: null };
-      await model.refresh();
+      await refresh();
       expect(server.paths()).toContain('?path=dir%2Fa%20b.ipynb');
       expect(server.paths()).not.toContain('?kernel_id=k1');
     });
@@ -284,7 +363,7 @@ describe('SnapshotsModel', () => {
     it('lists the whole store when showing all', async () => {
       create();
       model.showAll = true;
-      await model.refresh();
+      await refresh();
       expect(model.snapshots.map(s => s.id)).toEqual(['s1', 's9']);
       expect(server.paths()).toContain('');
     });
@@ -295,7 +374,7 @@ describe('SnapshotsModel', () => {
       });
       create();
       model.target = { ...TARGET, kernelId: null };
-      await model.refresh();
+      await refresh();
       expect(model.storeError).toBe('bucket gone');
     });
   });
@@ -305,7 +384,7 @@ describe('SnapshotsModel', () => {
       create();
       const loading: boolean[] = [];
       model.changed.connect(() => loading.push(model.loading));
-      await model.refresh();
+      await refresh();
       expect(loading[0]).toBe(true);
       expect(loading[loading.length - 1]).toBe(false);
     });
@@ -313,7 +392,7 @@ describe('SnapshotsModel', () => {
     it('emits changed on a new target and clears the old list', async () => {
       create();
       model.target = TARGET;
-      await model.refresh();
+      await refresh();
       expect(model.snapshots.length).toBe(2);
       let changes = 0;
       model.changed.connect(() => (changes += 1));
@@ -352,8 +431,20 @@ describe('SnapshotsModel', () => {
         };
       });
       const tracked = model.track(job('j1'));
+      const waiting = model.waitFor('j1');
       expect(model.jobsFor('k1')).toEqual([tracked]);
-      const done = await model.waitFor('j1');
+      expect(seen).toEqual(['started j1']);
+      // The job is looked at every JOB_POLL_MS, not before.
+      await advance(JOB_POLL_MS - 1);
+      expect(server.paths()).not.toContain('jobs/j1');
+      const changed = signalled(model.jobChanged);
+      await advance(1);
+      expect(gets('jobs/j1')).toBe(1);
+      await changed;
+      expect(seen).toEqual(['started j1', 'changed dumping']);
+      await advance(JOB_POLL_MS);
+      const done = await waiting;
+      expect(gets('jobs/j1')).toBe(2);
       expect(done.status).toBe('done');
       expect(seen).toEqual([
         'started j1',
@@ -380,7 +471,9 @@ describe('SnapshotsModel', () => {
       });
       expect(tracked.notify).toBe(true);
       expect(tracked.label).toBe('kernel k1');
-      expect((await model.waitFor('j1')).status).toBe('done');
+      const waiting = model.waitFor('j1');
+      await advance(JOB_POLL_MS);
+      expect((await waiting).status).toBe('done');
     });
 
     it('suspends and resumes through the kernel endpoints', async () => {
@@ -436,7 +529,7 @@ describe('SnapshotsModel', () => {
     it('deletes a snapshot and drops it from the list at once', async () => {
       create();
       model.target = TARGET;
-      await model.refresh();
+      await refresh();
       server.on('DELETE', 's3', { status: 204 });
       let changes = 0;
       model.changed.connect(() => (changes += 1));
@@ -506,57 +599,129 @@ describe('SnapshotsModel', () => {
         status: 500,
         body: { message: 'boom', hint: 'look at the log' }
       });
-      await model.refresh().catch(() => undefined);
-      await until(model, () => !model.loading);
+      await refresh();
+      expect(refreshes.ended).toBe(1);
+      expect(model.loading).toBe(false);
       expect(model.error).toBeInstanceOf(SnapshotAPIError);
       expect(model.error?.message).toBe('boom');
       expect(model.loaded).toBe(false);
       server.routes.shift();
-      await model.refresh();
+      await refresh();
       expect(model.error).toBeNull();
       expect(model.kernelStatus('k1')).toEqual(KERNEL);
     });
 
     it('asks for the policy again only on an explicit refresh', async () => {
-      create({ auto: true, settings: { refreshInterval: 0.05 } });
-      await model.refresh();
-      const policies = () => server.paths().filter(p => p === 'policy').length;
-      expect(policies()).toBe(1);
-      const kernels = () => server.paths().filter(p => p === 'kernels').length;
-      const before = kernels();
-      await sleep(300);
-      expect(kernels()).toBeGreaterThan(before);
-      expect(policies()).toBe(1);
-      await model.refresh();
-      expect(policies()).toBe(2);
+      create({ settings: { refreshInterval: 5 } });
+      await refresh();
+      expect(gets('policy')).toBe(1);
+      expect(gets('kernels')).toBe(1);
+      for (let poll = 2; poll <= 4; poll++) {
+        await advance(5000);
+        await refreshes.settled();
+        expect(gets('kernels')).toBe(poll);
+      }
+      expect(gets('policy')).toBe(1);
+      await refresh();
+      expect(gets('policy')).toBe(2);
+    });
+
+    it('starts polling by itself unless told not to', async () => {
+      create({ auto: true, settings: { refreshInterval: 5 } });
+      // (A timer of 0 ms set while timers run is due 1 ms later on jest's clock.)
+      await advance(1);
+      expect(refreshes.started).toBe(1);
+      await refreshes.settled();
+      expect(model.loaded).toBe(true);
+      model.dispose();
+      create({ auto: false });
+      await advance(60_000);
+      expect(refreshes.started).toBe(0);
     });
 
     it('polls at the interval of the settings, and on while the server fails', async () => {
-      create({ auto: true, settings: { refreshInterval: 0.05 } });
-      await model.refresh();
-      const count = () => server.paths().filter(p => p === 'kernels').length;
-      let before = count();
-      await sleep(600);
-      const healthy = count() - before;
-      expect(healthy).toBeGreaterThanOrEqual(3);
+      create({ settings: { refreshInterval: 5 } });
+      await refresh();
+      for (let poll = 2; poll <= 4; poll++) {
+        await advance(4999);
+        expect(refreshes.started).toBe(poll - 1);
+        await advance(1);
+        expect(refreshes.started).toBe(poll);
+        await refreshes.settled();
+      }
+      expect(gets('kernels')).toBe(4);
       server.on('GET', 'kernels', { status: 503, body: { message: 'down' } });
-      await sleep(100);
-      before = count();
-      await sleep(600);
-      const failing = count() - before;
-      expect(failing).toBeGreaterThan(0);
+      await advance(5000);
+      await refreshes.settled();
+      expect(gets('kernels')).toBe(5);
       expect(model.error?.message).toBe('down');
+      // After a failure it waits at least as long (backoff: a random wait of up to
+      // three times the last one), and goes on.
+      await advance(4999);
+      expect(refreshes.started).toBe(5);
+      await nextRefresh(5000, 2);
+      expect(gets('kernels')).toBe(6);
+      expect(model.error?.message).toBe('down');
+      // Back up: the next poll clears the error.
+      server.routes.shift();
+      await nextRefresh(5000, 9);
+      expect(gets('kernels')).toBe(7);
+      expect(model.error).toBeNull();
     });
 
     it('follows a new refresh interval from the settings', async () => {
-      create({ auto: true, settings: { refreshInterval: 60 } });
-      await model.refresh();
-      const count = () => server.paths().filter(p => p === 'kernels').length;
-      const before = count();
+      create({ settings: { refreshInterval: 60 } });
+      await refresh();
       // A new interval refreshes at once, then polls at the new interval (at least 1 s).
-      model.settings = { ...model.settings, refreshInterval: 1 };
-      await sleep(2500);
-      expect(count()).toBeGreaterThanOrEqual(before + 2);
+      model.settings = { ...model.settings, refreshInterval: 0.2 };
+      await advance(0);
+      expect(refreshes.started).toBe(2);
+      await refreshes.settled();
+      await advance(999);
+      expect(refreshes.started).toBe(2);
+      await advance(1);
+      expect(refreshes.started).toBe(3);
+      await refreshes.settled();
+      await advance(1000);
+      expect(refreshes.started).toBe(4);
+      await refreshes.settled();
+      expect(gets('kernels')).toBe(4);
+    });
+
+    it('refreshes every second while a kernel is in a passing state', async () => {
+      server.on('GET', 'kernels', {
+        body: { kernels: [{ ...KERNEL, state: 'restoring' }] }
+      });
+      create({ settings: { refreshInterval: 60 } });
+      await refresh();
+      await advance(999);
+      expect(refreshes.started).toBe(1);
+      await advance(2);
+      expect(refreshes.started).toBe(2);
+      await refreshes.settled();
+      // Running again: back to the interval of the settings.
+      server.routes.shift();
+      await advance(1001);
+      expect(refreshes.started).toBe(3);
+      await refreshes.settled();
+      await advance(30_000);
+      expect(refreshes.started).toBe(3);
+    });
+
+    it('refreshes every second while a snapshot uploads', async () => {
+      server.on('GET', '', {
+        body: { snapshots: [snapshot('s1', { status: 'uploading' })] }
+      });
+      create({ settings: { refreshInterval: 60, showAllByDefault: true } });
+      await refresh();
+      await advance(1001);
+      expect(refreshes.started).toBe(2);
+      await refreshes.settled();
+      server.routes.shift();
+      await advance(1001);
+      await refreshes.settled();
+      await advance(30_000);
+      expect(refreshes.started).toBe(3);
     });
 
     it('drops an answer for a target that is no longer current, and asks again', async () => {
@@ -568,15 +733,22 @@ describe('SnapshotsModel', () => {
       });
       model.target = { ...TARGET, kernelId: null };
       const first = model.refresh();
-      await sleep(20);
+      await advance(0);
+      expect(server.paths()).toContain('?path=a.ipynb');
       model.target = { ...TARGET, path: 'b.ipynb', kernelId: null };
-      // The refresh for b is asked for while a's answer is still on the way.
-      await sleep(400);
+      // The refresh for b is asked for (debounced) while a's answer is still on the way.
+      await advance(1000);
+      expect(model.loading).toBe(true);
+      expect(refreshes.started).toBe(1);
       expect(server.paths()).not.toContain('?path=b.ipynb');
       slow.resolve({ body: { snapshots: [snapshot('stale')] } });
       await first;
       expect(model.snapshots.map(s => s.id)).not.toContain('stale');
-      await sleep(600);
+      expect(model.loaded).toBe(false);
+      // ... and made once a's answer is in.
+      await advance(1000);
+      expect(refreshes.started).toBe(2);
+      await refreshes.settled();
       expect(server.paths()).toContain('?path=b.ipynb');
       expect(model.loaded).toBe(true);
       expect(model.snapshots.map(s => s.id)).toEqual(['b1']);
@@ -590,22 +762,28 @@ describe('SnapshotsModel', () => {
         }
       });
       server.on('GET', 'jobs/p1', { body: job('p1', { phase: 'dumping' }) });
-      await model.refresh();
+      await refresh();
       const [tracked] = model.jobs;
       expect(tracked.job.id).toBe('p1');
       expect(tracked.notify).toBe(false);
+      const changed = signalled(model.jobChanged);
+      await advance(JOB_POLL_MS);
+      expect((await changed).job.phase).toBe('dumping');
     });
 
     it('refreshes after a job ends', async () => {
-      create();
+      create({ settings: { refreshInterval: 60 } });
+      await refresh();
       server.on('GET', 'jobs/j1', { body: job('j1', { status: 'done' }) });
       model.track(job('j1'));
-      await model.waitFor('j1');
-      const before = server.paths().filter(p => p === 'kernels').length;
-      await sleep(600);
-      expect(
-        server.paths().filter(p => p === 'kernels').length
-      ).toBeGreaterThan(before);
+      const waiting = model.waitFor('j1');
+      await advance(JOB_POLL_MS);
+      await waiting;
+      expect(refreshes.started).toBe(1);
+      await advance(1000);
+      expect(refreshes.started).toBe(2);
+      await refreshes.settled();
+      expect(gets('kernels')).toBe(2);
     });
   });
 
@@ -614,10 +792,45 @@ describe('SnapshotsModel', () => {
       create();
       server.on('GET', 'jobs/j1', { status: 404, body: { message: 'gone' } });
       model.track(job('j1'));
-      const lost = await model.waitFor('j1');
+      const waiting = model.waitFor('j1');
+      await advance(JOB_POLL_MS);
+      const lost = await waiting;
+      expect(gets('jobs/j1')).toBe(1);
       expect(lost.status).toBe('failed');
       expect(lost.error?.message).toMatch(/Lost track of the snapshot: gone/);
       expect(lost.error?.hint).toBeTruthy();
+    });
+
+    it('keeps following a job through failed polls, up to 60 in a row', async () => {
+      create();
+      server.on('GET', 'jobs/j1', { status: 502, body: { message: 'proxy' } });
+      const tracked = model.track(job('j1'));
+      const finished = signalled(model.jobFinished);
+      await advance(60 * JOB_POLL_MS);
+      expect(gets('jobs/j1')).toBe(60);
+      expect(tracked.job.status).toBe('running');
+      expect(model.jobs).toEqual([tracked]);
+      await advance(JOB_POLL_MS);
+      expect((await finished).job.status).toBe('failed');
+      expect(tracked.job.error?.message).toBe(
+        'Lost track of the snapshot: proxy'
+      );
+      expect(model.jobs).toEqual([]);
+    });
+
+    it('counts the failed polls in a row only', async () => {
+      create();
+      let polls = 0;
+      server.on('GET', 'jobs/j1', () => {
+        polls += 1;
+        return polls % 40 === 0
+          ? { body: job('j1', { phase: 'uploading', done_bytes: polls }) }
+          : { status: 502, body: { message: 'proxy' } };
+      });
+      const tracked = model.track(job('j1'));
+      await advance(100 * JOB_POLL_MS);
+      expect(polls).toBe(100);
+      expect(tracked.job).toMatchObject({ status: 'running', done_bytes: 80 });
     });
 
     it('finishes at once a job that already ended', async () => {
@@ -705,25 +918,34 @@ describe('SnapshotsModel', () => {
     it('refreshes soon after an event', async () => {
       create();
       emit({ action: 'deleted', snapshot_id: 's1' });
-      await sleep(400);
+      expect(refreshes.started).toBe(0);
+      await advance(1000);
+      expect(refreshes.started).toBe(1);
+      await refreshes.settled();
       expect(server.paths()).toContain('kernels');
     });
   });
 
   describe('dispose', () => {
     it('stops polling and listening, and lets waiters go', async () => {
-      create({ auto: true, settings: { refreshInterval: 0.05 } });
+      create({ auto: true, settings: { refreshInterval: 5 } });
       server.on('GET', 'jobs/j1', { body: job('j1') });
+      await advance(1);
+      await refreshes.settled();
+      expect(refreshes.started).toBe(1);
       model.track(job('j1'));
       const waiting = model.waitFor('j1');
+      model.target = TARGET;
       model.dispose();
       expect(model.isDisposed).toBe(true);
       expect((await waiting).status).toBe('running');
       const count = server.requests.length;
       emit({ action: 'started', job_id: 'p2' });
-      await sleep(300);
+      await advance(60_000);
       expect(server.requests.length).toBe(count);
       expect(model.jobs).toEqual([]);
+      // No timer of the model is left behind.
+      expect(jest.getTimerCount()).toBe(0);
       model.dispose();
     });
   });
