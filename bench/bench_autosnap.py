@@ -18,16 +18,14 @@ import argparse
 import json
 import random
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness import Server, extension_config
 
 from jupyter_ext.core.humanize import human_bytes
-from tests.servers import ServerProcess, ws_execute
 
 SETUP = "import numpy as np, time\nrng = np.random.default_rng(0)\nstate = {}\nmodel = None"
 CELL = "time.sleep({seconds})\nstate[{i}] = rng.random(2 * 131072)\n{extra}"
@@ -47,24 +45,20 @@ def main() -> None:
     scale = args.scale
     home = Path(tempfile.mkdtemp(prefix="i24-bench-autosnap-"))
     store = home / "store"
-    config = {
-        "ServerApp": {"jpserver_extensions": {"jupyter_ext": True}},
-        "SnapshotExtensionApp": {
-            "local_store_dir": str(store),
-            "work_dir": str(home / "work"),
-            # The defaults, scaled in time.
-            "long_cell_seconds": 60.0 / scale,
-            "long_cell_min_interval": 300.0 / scale,
-            "policy_tick": 10.0 / scale,
-            "snapshot_before_shutdown": False,
-        },
-    }
-    (home / "notebooks").mkdir(parents=True)
-    server = ServerProcess(home / "server", home / "notebooks", config)
+    config = extension_config(
+        home / "work",
+        local_store_dir=str(store),
+        # The defaults, scaled in time.
+        long_cell_seconds=60.0 / scale,
+        long_cell_min_interval=300.0 / scale,
+        policy_tick=10.0 / scale,
+        snapshot_before_shutdown=False,
+    )
+    server = Server(home / "server", home / "notebooks", config)
     rng = random.Random(1)
     try:
-        kernel = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
-        ws_execute(server, kernel, SETUP)
+        kernel = server.start_kernel()
+        server.execute(kernel, SETUP)
         store_before = directory_bytes(store) if store.exists() else 0
         cell_seconds = 0.0
         long_cells = 0
@@ -74,7 +68,7 @@ def main() -> None:
             real = 80.0 if long else rng.uniform(1.0, 15.0)
             code = CELL.format(seconds=real / scale, i=i, extra=LONG_EXTRA if long else "")
             started = time.monotonic()
-            ws_execute(server, kernel, code, timeout=600)
+            server.execute(kernel, code, timeout=600)
             cell_seconds += time.monotonic() - started
         # The last long cell's snapshot comes within a tick.
         time.sleep(2 * 10.0 / scale + 2)

@@ -26,162 +26,24 @@ Goal (issue 16): a restore served from the cache within 1.3x of the bare restore
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
-import uuid
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness import QUIET, Server, extension_config
 
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.humanize import human_bytes
 from jupyter_ext.core.manifest import IMAGES_DIR, Manifest
 
 STATE = "import numpy as np; x = np.random.default_rng(1).random({mib} * 131072); s = x.sum()"
-
-
-class Server:
-    """``jupyter server`` with the extension, in its own directories under ``home``."""
-
-    def __init__(self, home: Path, lazy: bool = False) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}/"
-        self.token = secrets.token_hex(16)
-        (home / "notebooks").mkdir(parents=True)
-        config = {
-            "ServerApp": {"jpserver_extensions": {"jupyter_ext": True}},
-            "SnapshotExtensionApp": {
-                "local_store_dir": str(home / "store"),
-                "work_dir": str(home / "work"),
-                "idle_suspend_after": 0,
-                "snapshot_before_shutdown": False,
-                "keep_last": 0,
-                # CRIU restores the whole memory before the kernel runs, as bare CRIU does.
-                "lazy_restore": lazy,
-            },
-        }
-        (home / "config.json").write_text(json.dumps(config))
-        env = {
-            **os.environ,
-            "JUPYTER_DATA_DIR": str(home / "data"),
-            "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
-            "JUPYTER_CONFIG_DIR": str(home / "config"),
-        }
-        self.log = (home / "server.log").open("wb")
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "jupyter_server",
-                "--allow-root",
-                "--no-browser",
-                "--ServerApp.ip=127.0.0.1",
-                f"--ServerApp.port={self.port}",
-                "--ServerApp.port_retries=0",
-                f"--IdentityProvider.token={self.token}",
-                f"--ServerApp.root_dir={home / 'notebooks'}",
-                f"--config={home / 'config.json'}",
-            ],
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                self.api("GET", "api/snapshots/policy")
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise RuntimeError("the server did not start") from None
-                time.sleep(0.2)
-
-    def api(self, method: str, path: str, body: Any = None) -> Any:
-        request = urllib.request.Request(
-            self.url + path,
-            method=method,
-            data=None if body is None else json.dumps(body).encode(),
-            headers={"Authorization": f"token {self.token}"},
-        )
-        with urllib.request.urlopen(request, timeout=600) as response:
-            data = response.read()
-        return json.loads(data) if data else None
-
-    def job(self, job: dict[str, Any]) -> dict[str, Any]:
-        """Poll a job every 5 ms until it ends; it must succeed. Adds "phases": seconds
-        from the job's start at which each phase was first seen."""
-        phases: dict[str, float] = {}
-        while job["status"] == "running":
-            phases.setdefault(job["phase"], round(time.time() - job["started"], 3))
-            time.sleep(0.005)
-            job = self.api("GET", f"api/snapshots/jobs/{job['id']}")
-        if job["status"] != "done":
-            raise RuntimeError(f"job failed: {job}")
-        return {**job, "phases": phases}
-
-    def execute(self, kernel_id: str, code: str) -> str:
-        """Run a cell through the kernel's websocket, as JupyterLab does; its stdout."""
-        from tornado.httpclient import HTTPRequest
-        from tornado.websocket import websocket_connect
-
-        async def run() -> str:
-            url = f"ws://127.0.0.1:{self.port}/api/kernels/{kernel_id}/channels"
-            headers = {"Authorization": f"token {self.token}"}
-            ws = await websocket_connect(HTTPRequest(url, headers=headers))
-            msg_id = uuid.uuid4().hex
-            header = {
-                "msg_id": msg_id,
-                "msg_type": "execute_request",
-                "session": uuid.uuid4().hex,
-                "username": "bench",
-                "date": "2026-01-01T00:00:00Z",
-                "version": "5.3",
-            }
-            content = {"code": code, "silent": False, "store_history": False}
-            content.update(user_expressions={}, allow_stdin=False)
-            message = {"header": header, "parent_header": {}, "metadata": {}}
-            message.update(content=content, channel="shell", buffers=[])
-            ws.write_message(json.dumps(message))
-            try:
-                while True:
-                    raw = await asyncio.wait_for(ws.read_message(), 120)
-                    if raw is None:
-                        raise RuntimeError("the kernel's websocket closed")
-                    msg = json.loads(raw)
-                    if msg.get("parent_header", {}).get("msg_id") != msg_id:
-                        continue
-                    if msg["msg_type"] == "stream":
-                        return str(msg["content"]["text"])
-                    if msg["msg_type"] == "error":
-                        raise RuntimeError("\n".join(msg["content"]["traceback"]))
-            finally:
-                ws.close()
-
-        return asyncio.run(run())
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        self.log.close()
 
 
 def bare_restore(criu: Criu, snapshot_dir: Path) -> float:
@@ -214,6 +76,22 @@ def bare_restore(criu: Criu, snapshot_dir: Path) -> float:
         shutil.rmtree(channels, ignore_errors=True)
 
 
+def restored(server: Server, snapshot_id: str, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """POST a restore: seconds until the job is done ("done"), until the first output of
+    a cell run then ("output"), and after the POST at which each phase was first seen;
+    and the restored kernel, which must hold its memory (not timed)."""
+    started = time.monotonic()
+    run = server.run_job(f"api/snapshots/{snapshot_id}/restore", body, interval=0.005)
+    kernel_id = body.get("kernel_id") or run.result["kernel_id"]
+    sent = time.monotonic()
+    cell = server.execute(kernel_id, "print('ok')")
+    assert cell["out"].strip() == "ok", cell
+    output = sent - started + cell["first_output"]
+    assert server.execute(kernel_id, "print(x.sum() == s)")["out"].strip() == "True"
+    times = {"done": run.seconds, "output": output, "source": run.result["source"]}
+    return {**times, **run.first_seen}, kernel_id
+
+
 def restore_in_place(server: Server, kernel_id: str, snapshot_id: str) -> dict[str, Any]:
     """The kernel restarted (what jupyter_server does after a crash: a fresh, empty
     kernel), then the snapshot restored into it (its fresh state is saved first)."""
@@ -221,37 +99,28 @@ def restore_in_place(server: Server, kernel_id: str, snapshot_id: str) -> dict[s
     while server.api("GET", f"api/snapshots/kernels/{kernel_id}").get("state") != "running":
         time.sleep(0.05)
     server.execute(kernel_id, "print(1)")
-    started = time.monotonic()
-    body = {"kernel_id": kernel_id}
-    job = server.job(server.api("POST", f"api/snapshots/{snapshot_id}/restore", body)["job"])
-    done = time.monotonic() - started
-    assert server.execute(kernel_id, "print('ok')").strip() == "ok"
-    output = time.monotonic() - started
-    assert server.execute(kernel_id, "print(x.sum() == s)").strip() == "True"
-    return {"done": done, "output": output, "source": job["result"]["source"], **job["phases"]}
+    return restored(server, snapshot_id, {"kernel_id": kernel_id})[0]
 
 
 def restore_new(server: Server, snapshot_id: str) -> dict[str, Any]:
-    started = time.monotonic()
-    job = server.job(server.api("POST", f"api/snapshots/{snapshot_id}/restore", {})["job"])
-    done = time.monotonic() - started
-    kernel_id = job["result"]["kernel_id"]
-    assert server.execute(kernel_id, "print('ok')").strip() == "ok"
-    output = time.monotonic() - started
-    assert server.execute(kernel_id, "print(x.sum() == s)").strip() == "True"
+    result, kernel_id = restored(server, snapshot_id, {})
     server.api("DELETE", f"api/kernels/{kernel_id}")
-    return {"done": done, "output": output, "source": job["result"]["source"], **job["phases"]}
+    return result
 
 
 def bench_cache(mib: int, repeat: int, home: Path, lazy: bool = False) -> dict[str, Any]:
     """Restores from the image cache against bare ``criu restore`` of the same images:
     every run and the medians (seconds). ``lazy``: the server restores with lazy pages."""
     criu = Criu.locate()
-    server = Server(home, lazy)
+    # CRIU restores the whole memory before the kernel runs, as bare CRIU does.
+    config = extension_config(
+        home / "work", local_store_dir=str(home / "store"), lazy_restore=lazy, **QUIET
+    )
+    server = Server(home / "server", home / "notebooks", config)
     try:
-        kernel_id = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+        kernel_id = server.start_kernel()
         server.execute(kernel_id, STATE.format(mib=mib) + "; print('ready')")
-        snap = server.job(server.api("POST", "api/snapshots", {"kernel_id": kernel_id})["job"])
+        snap = server.run_job("api/snapshots", {"kernel_id": kernel_id}).job
         snapshot_id = snap["result"]["id"]
         entry = home / "work" / "image-cache" / snapshot_id
         assert entry.is_dir(), "the snapshot is not in the image cache"

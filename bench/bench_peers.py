@@ -28,231 +28,36 @@ over each peer, from the same run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+from harness import (
+    MIB,
+    QUIET,
+    BareKernel,
+    BenchError,
+    Deadline,
+    Server,
+    criu_dump,
+    criu_restore,
+    extension_config,
+)
 from peer_sessions import SESSIONS, Session
 
 from jupyter_ext.core.criu import Criu, frozen_seconds
 
 PEERS = ("ours", "criu", "kishu", "dill", "rerun")
-MIB = 1024 * 1024
-
-
-class PeerError(Exception):
-    """A peer failed on a session; the message is what it said."""
-
-
-class Deadline:
-    """The time a peer may take on one session (``--peer-timeout``)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        left = self.end - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"took more than {self.seconds:.0f} s (--peer-timeout)")
-        return left
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """``jupyter server`` as a separate process, with its own Jupyter directories."""
-
-    def __init__(self, home: Path, root: Path, config: dict[str, Any], env: dict[str, str]):
-        home.mkdir(parents=True, exist_ok=True)
-        self.home = home
-        self.port = free_port()
-        self.token = uuid.uuid4().hex
-        self.url = f"http://127.0.0.1:{self.port}/"
-        (home / "config.json").write_text(json.dumps(config))
-        self.env = {
-            **os.environ,
-            "JUPYTER_DATA_DIR": str(home / "data"),
-            "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
-            "JUPYTER_CONFIG_DIR": str(home / "config"),
-            "JUPYTER_SNAPSHOT_RUNTIME_DIR": str(home / "kernels"),
-            **env,
-        }
-        self.env.pop("JPY_PARENT_PID", None)
-        self._log = (home / "server.log").open("wb")
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "jupyter_server",
-                "--allow-root",
-                "--no-browser",
-                "--ServerApp.ip=127.0.0.1",
-                f"--ServerApp.port={self.port}",
-                "--ServerApp.port_retries=0",
-                f"--IdentityProvider.token={self.token}",
-                f"--ServerApp.root_dir={root}",
-                f"--config={home / 'config.json'}",
-            ],
-            env=self.env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited: {self.log()[-3000:]}")
-            try:
-                self.api("GET", "api/status")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-
-    def log(self) -> str:
-        return (self.home / "server.log").read_text(errors="replace")
-
-    def api(self, method: str, path: str, body: Any = None, timeout: float = 600) -> Any:
-        request = urllib.request.Request(
-            self.url + path,
-            method=method,
-            data=None if body is None else json.dumps(body).encode(),
-            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                data = response.read()
-        except urllib.error.HTTPError as exc:
-            with exc:
-                raise PeerError(f"{method} {path}: {exc.code} {exc.read()[:500]!r}") from None
-        return json.loads(data) if data else None
-
-    def start_session(self, path: str, kernel: str) -> str:
-        """A notebook session as JupyterLab opens it; its kernel's id."""
-        session = self.api(
-            "POST",
-            "api/sessions",
-            {"path": path, "name": path, "type": "notebook", "kernel": {"name": kernel}},
-        )
-        return str(session["kernel"]["id"])
-
-    def end_sessions(self) -> None:
-        for session in self.api("GET", "api/sessions"):
-            with contextlib.suppress(PeerError, OSError):
-                self.api("DELETE", f"api/sessions/{session['id']}")
-        for kernel in self.api("GET", "api/kernels"):
-            with contextlib.suppress(PeerError, OSError):
-                self.api("DELETE", f"api/kernels/{kernel['id']}")
-
-    def stop(self) -> None:
-        with contextlib.suppress(PeerError, OSError):
-            self.end_sessions()
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        self._log.close()
-
-
-def execute(server: Server, kernel_id: str, code: str, timeout: float) -> dict[str, Any]:
-    """Run a cell through the kernel's websocket, as JupyterLab does: its output, the
-    seconds to its first output and to its reply; an error in the cell raises PeerError."""
-    from tornado.httpclient import HTTPRequest
-    from tornado.websocket import websocket_connect
-
-    async def go() -> dict[str, Any]:
-        url = f"ws://127.0.0.1:{server.port}/api/kernels/{kernel_id}/channels"
-        deadline = time.monotonic() + timeout
-        ws = None
-        while ws is None:
-            try:
-                ws = await websocket_connect(
-                    HTTPRequest(url, headers={"Authorization": f"token {server.token}"})
-                )
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.05)
-        msg_id = uuid.uuid4().hex
-        header = {
-            "msg_id": msg_id,
-            "msg_type": "execute_request",
-            "session": uuid.uuid4().hex,
-            "username": "bench",
-            "date": "2026-01-01T00:00:00Z",
-            "version": "5.3",
-        }
-        content = {
-            "code": code,
-            "silent": False,
-            "store_history": True,
-            "user_expressions": {},
-            "allow_stdin": False,
-        }
-        message = {"header": header, "parent_header": {}, "metadata": {}, "content": content}
-        started = time.monotonic()
-        ws.write_message(json.dumps({**message, "channel": "shell", "buffers": []}))
-        out: list[str] = []
-        first: float | None = None
-        reply: dict[str, Any] | None = None
-        idle = False
-        try:
-            while reply is None or not idle:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"the cell did not finish in {timeout:.0f} s")
-                raw = await asyncio.wait_for(ws.read_message(), left)
-                if raw is None:
-                    raise PeerError("the kernel's websocket closed (the kernel died?)")
-                msg = json.loads(raw)
-                if msg.get("parent_header", {}).get("msg_id") != msg_id:
-                    continue
-                kind = msg["msg_type"]
-                if kind in ("stream", "error") and first is None:
-                    first = time.monotonic() - started
-                if kind == "stream" and msg["content"]["name"] == "stdout":
-                    out.append(msg["content"]["text"])
-                elif kind == "error":
-                    out.append(f"{msg['content']['ename']}: {msg['content']['evalue']}")
-                elif kind == "execute_reply":
-                    reply = msg["content"]
-                elif kind == "status" and msg["content"]["execution_state"] == "idle":
-                    idle = True
-        finally:
-            ws.close()
-        elapsed = time.monotonic() - started
-        text = "".join(out)
-        if reply["status"] != "ok":
-            raise PeerError(text.strip().splitlines()[-1] if text.strip() else str(reply))
-        return {"out": text, "first_output": first, "elapsed": elapsed}
-
-    return asyncio.run(go())
 
 
 class MemorySampler:
@@ -325,44 +130,31 @@ def du(path: Path) -> int:
 # --- ours ---------------------------------------------------------------------------
 
 
-def follow_job(server: Server, job: dict[str, Any], deadline: Deadline) -> dict[str, Any]:
-    while job["status"] == "running":
-        deadline.left()
-        time.sleep(0.02)
-        job = server.api("GET", f"api/snapshots/jobs/{job['id']}")
-    if job["status"] != "done":
-        error = job.get("error") or {}
-        raise PeerError(f"{error.get('code')}: {error.get('message')}")
-    return job
-
-
 def run_ours(ctx: Context, session: Session, deadline: Deadline) -> dict[str, Any]:
     server = ctx.ours_server
+    assert server is not None
     nb = f"ours-{session.name}.ipynb"
     write_notebook(ctx.root / nb, session)
     kernel = server.start_session(nb, "python3-snapshot")
     for cell in session.cells:
-        execute(server, kernel, cell, deadline.left())
+        server.execute(kernel, cell, deadline.left())
 
     def snapshot() -> tuple[dict[str, Any], float, int]:
         with MemorySampler(lambda: [server.process.pid]) as mem:
-            started = time.monotonic()
-            job = server.api("POST", "api/snapshots", {"kernel_id": kernel})["job"]
-            done = follow_job(server, job, deadline)
-            durable = time.monotonic() - started
-        return done["result"], durable, mem.extra
+            run = server.run_job("api/snapshots", {"kernel_id": kernel}, deadline)
+        return run.result, run.seconds, mem.extra
 
     first, durable, peak = snapshot()
-    execute(server, kernel, session.mutate, deadline.left())
-    before = execute(server, kernel, session.check, deadline.left())["out"]
+    server.execute(kernel, session.mutate, deadline.left())
+    before = server.execute(kernel, session.check, deadline.left())["out"]
     second, durable2, _ = snapshot()
     started = time.monotonic()
-    job = server.api("POST", f"api/snapshots/{second['id']}/restore", {"path": nb})["job"]
-    restored = follow_job(server, job, deadline)["result"]
+    path = f"api/snapshots/{second['id']}/restore"
+    restored = server.run_job(path, {"path": nb}, deadline).result
     new_kernel = restored["kernel_id"] if "kernel_id" in restored else restored["kernel"]["id"]
-    ready = execute(server, new_kernel, "print('ready')", deadline.left())
+    ready = server.execute(new_kernel, "print('ready')", deadline.left())
     restore = time.monotonic() - started - ready["elapsed"] + ready["first_output"]
-    after = execute(server, new_kernel, session.check, deadline.left())["out"]
+    after = server.execute(new_kernel, session.check, deadline.left())["out"]
     return {
         "pause": first["pause_seconds"],
         "frozen": first["frozen_seconds"],
@@ -380,121 +172,11 @@ def run_ours(ctx: Context, session: Session, deadline: Deadline) -> dict[str, An
 
 # --- bare CRIU ------------------------------------------------------------------------
 
-# Plain ipykernel, except that its debugger's loopback TCP connection to its own shell
-# socket is dropped: CRIU cannot dump established TCP connections without iptables
-# (as in bench_snapshot.py).
-BARE_KERNEL = """
-import zmq
-from ipykernel.kernelapp import IPKernelApp
-class App(IPKernelApp):
-    def init_control(self, context):
-        super().init_control(context)
-        self.debug_shell_socket.close(linger=0)
-        self.debug_shell_socket = context.socket(zmq.DEALER)
-App.launch_instance()
-"""
-
-
-class BareKernel:
-    """An ipykernel in its own PID and time namespaces, no server, driven over ZMQ."""
-
-    def __init__(self, work: Path) -> None:
-        from jupyter_client.connect import write_connection_file
-
-        self.work = work
-        self.connection_file = write_connection_file(str(work / "bare-kernel.json"))[0]
-        env = {k: v for k, v in os.environ.items() if k != "JPY_PARENT_PID"}
-        self.launcher = subprocess.Popen(
-            [
-                "unshare",
-                "--pid",
-                "--fork",
-                "--time",
-                "setsid",
-                sys.executable,
-                "-c",
-                BARE_KERNEL,
-                "-f",
-                self.connection_file,
-                "--HistoryManager.hist_file=:memory:",
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=env,
-            cwd=work,
-        )
-        self.client: Any = None
-        self.connect()
-        children = Path(f"/proc/{self.launcher.pid}/task/{self.launcher.pid}/children")
-        self.pid = int(children.read_text().split()[0])
-
-    def connect(self, timeout: float = 60) -> None:
-        from jupyter_client import BlockingKernelClient
-
-        self.client = BlockingKernelClient(connection_file=self.connection_file)
-        self.client.load_connection_file()
-        self.client.start_channels()
-        self.client.wait_for_ready(timeout=timeout)
-
-    def disconnect(self) -> None:
-        self.client.stop_channels()
-        self.client = None
-
-    def run(self, code: str, timeout: float) -> dict[str, Any]:
-        out: list[str] = []
-        first: list[float] = []
-        started = time.monotonic()
-
-        def hook(msg: dict[str, Any]) -> None:
-            if msg["msg_type"] in ("stream", "error") and not first:
-                first.append(time.monotonic() - started)
-            if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
-                out.append(msg["content"]["text"])
-            elif msg["msg_type"] == "error":
-                out.append(f"{msg['content']['ename']}: {msg['content']['evalue']}")
-
-        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=hook)
-        if reply["content"]["status"] != "ok":
-            raise PeerError("".join(out).strip() or str(reply["content"]))
-        return {"out": "".join(out), "first_output": first[0] if first else None}
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        self.launcher.kill()
-        self.launcher.wait()
-        for _ in range(500):
-            if not Path(f"/proc/{self.pid}").exists():
-                return
-            time.sleep(0.01)
-
 
 def tracks_memory(criu: Criu) -> bool:
     """Whether this kernel has soft-dirty bits, which incremental dumps need."""
     check = [str(criu.path), "check", "--feature", "mem_dirty_track"]
     return subprocess.run(check, capture_output=True, check=False).returncode == 0
-
-
-def criu_dump(criu: Criu, pid: int, images: Path, prev: str | None, deadline: Deadline) -> None:
-    """``criu dump --leave-running``, incremental on ``prev`` when given."""
-    argv = [str(criu.path), "dump", "-t", str(pid), "-D", str(images), "-o", "dump.log"]
-    argv += ["-v4", "--file-locks", "--leave-running"]
-    if prev is not None:
-        argv += ["--track-mem"] + (["--prev-images-dir", prev] if prev else [])
-    # The client's TCP connections close a moment after it stops; CRIU refuses
-    # established ones, so a dump is tried again while they linger.
-    for attempt in range(50):
-        shutil.rmtree(images, ignore_errors=True)
-        images.mkdir()
-        result = subprocess.run(argv, capture_output=True, timeout=deadline.left())
-        if result.returncode == 0:
-            return
-        log = (images / "dump.log").read_text(errors="replace")
-        if "established" not in log.lower() or attempt == 49:
-            errors = [line for line in log.splitlines() if "Error" in line][-3:]
-            raise PeerError(f"criu dump failed: {' | '.join(errors)}")
-        time.sleep(0.05)
 
 
 def run_criu(ctx: Context, session: Session, deadline: Deadline) -> dict[str, Any]:
@@ -523,27 +205,7 @@ def run_criu(ctx: Context, session: Session, deadline: Deadline) -> dict[str, An
         durable2 = time.monotonic() - started
         kernel.kill()
         started = time.monotonic()
-        result = subprocess.run(
-            [
-                str(ctx.criu.path),
-                "restore",
-                "-D",
-                str(two),
-                "-o",
-                "restore.log",
-                "-v4",
-                "--file-locks",
-                "--restore-detached",
-                "--pidfile",
-                str(work / "restored.pid"),
-            ],
-            capture_output=True,
-            timeout=deadline.left(),
-        )
-        if result.returncode != 0:
-            log = (two / "restore.log").read_text(errors="replace")
-            raise PeerError(f"criu restore failed: {log.splitlines()[-3:]}")
-        restored_pid = int((work / "restored.pid").read_text())
+        restored_pid = criu_restore(ctx.criu, two, work / "restored.pid", deadline)
         kernel.connect()
         sent = time.monotonic()
         ready = kernel.run("print('ready')", deadline.left())
@@ -563,8 +225,6 @@ def run_criu(ctx: Context, session: Session, deadline: Deadline) -> dict[str, An
             "fingerprint": [before, after],
         }
     finally:
-        if kernel.client is not None:
-            kernel.client.stop_channels()
         kernel.kill()
         if restored_pid:
             with contextlib.suppress(ProcessLookupError):
@@ -614,6 +274,7 @@ def kishu_command(ctx: Context, command: str, *args: str) -> None:
     from kishu.commands import KishuCommand
 
     saved = os.environ.get("JUPYTER_RUNTIME_DIR")
+    assert ctx.peer_server is not None
     os.environ["JUPYTER_RUNTIME_DIR"] = ctx.peer_server.env["JUPYTER_RUNTIME_DIR"]
     try:
         result = getattr(KishuCommand, command)(Path(args[0]), *args[1:])
@@ -624,20 +285,21 @@ def kishu_command(ctx: Context, command: str, *args: str) -> None:
             os.environ["JUPYTER_RUNTIME_DIR"] = saved
     status = getattr(result, "status", "ok")
     if status != "ok":
-        raise PeerError(f"kishu {command}: {status}: {getattr(result, 'message', result)}")
+        raise BenchError(f"kishu {command}: {status}: {getattr(result, 'message', result)}")
 
 
 def run_kishu(ctx: Context, session: Session, deadline: Deadline) -> dict[str, Any]:
     from kishu.storage.branch import KishuBranch
 
     server = ctx.peer_server
+    assert server is not None
     nb = ctx.root / f"kishu-{session.name}.ipynb"
     write_notebook(nb, session)
     kernel = server.start_session(nb.name, "python3")
-    execute(server, kernel, HOOKS.format("outer"), deadline.left())
+    server.execute(kernel, HOOKS.format("outer"), deadline.left())
     kishu_command(ctx, "init", str(nb))
-    execute(server, kernel, HOOKS.format("inner"), deadline.left())
-    execute(server, kernel, READ_MARKS, deadline.left())
+    server.execute(kernel, HOOKS.format("inner"), deadline.left())
+    server.execute(kernel, READ_MARKS, deadline.left())
     series: list[tuple[float, int]] = []
 
     def db_bytes() -> int:
@@ -649,8 +311,8 @@ def run_kishu(ctx: Context, session: Session, deadline: Deadline) -> dict[str, A
         with MemorySampler(lambda: [server.process.pid]) as mem:
             mem.series = series
             for code in codes:
-                execute(server, kernel, code, deadline.left())
-        marks = json.loads(execute(server, kernel, READ_MARKS, deadline.left())["out"])
+                server.execute(kernel, code, deadline.left())
+        marks = json.loads(server.execute(kernel, READ_MARKS, deadline.left())["out"])
         spans = kishu_intervals([(n, t) for n, t in marks])
         total = sum(end - start for start, end in spans)
         peak = 0
@@ -665,7 +327,7 @@ def run_kishu(ctx: Context, session: Session, deadline: Deadline) -> dict[str, A
     stored = db_bytes()
     pause2, _ = cells([session.mutate])
     new2 = db_bytes() - stored
-    before = execute(server, kernel, session.check, deadline.left())["out"]
+    before = server.execute(kernel, session.check, deadline.left())["out"]
     head = KishuBranch(str(next(ctx.root.glob(f"{nb.stem}*.kishudb")))).get_head().commit_id
     started = time.monotonic()
     server.api("POST", f"api/kernels/{kernel}/restart", {})
@@ -680,9 +342,9 @@ def run_kishu(ctx: Context, session: Session, deadline: Deadline) -> dict[str, A
     kishu_command(ctx, "checkout", str(nb), str(head))
     checkout = time.monotonic() - started
     sent = time.monotonic()
-    ready = execute(server, kernel, "print('ready')", deadline.left())
+    ready = server.execute(kernel, "print('ready')", deadline.left())
     restore = restart + sent - started + ready["first_output"]
-    after = execute(server, kernel, session.check, deadline.left())["out"]
+    after = server.execute(kernel, session.check, deadline.left())["out"]
     return {
         "pause": pause,
         "durable": pause,
@@ -709,6 +371,7 @@ def run_dill_and_rerun(
     """One kernel runs the notebook from the top (the re-running peer's restore), and
     dill saves it in between: (dill's result or error, rerun's result)."""
     server = ctx.peer_server
+    assert server is not None
     nb = f"dill-{session.name}.ipynb"
     write_notebook(ctx.root / nb, session)
     pickle = ctx.work / f"dill-{session.name}.pkl"
@@ -716,24 +379,24 @@ def run_dill_and_rerun(
     kernel = server.start_session(nb, "python3")
     rerun = time.monotonic() - started
     for cell in session.cells:
-        rerun += execute(server, kernel, cell, deadline.left())["elapsed"]
+        rerun += server.execute(kernel, cell, deadline.left())["elapsed"]
 
     def dump() -> tuple[float, int, int]:
         code = f"import dill\ndill.dump_session({str(pickle)!r})"
         with MemorySampler(lambda: [server.process.pid]) as mem:
-            took = execute(server, kernel, code, deadline.left())["elapsed"]
+            took = server.execute(kernel, code, deadline.left())["elapsed"]
         return took, pickle.stat().st_size, mem.extra
 
     dill_result: dict[str, Any]
     try:
         first = dump()
-    except PeerError as exc:
+    except BenchError as exc:
         first = None
         dill_result = {"error": f"dill.dump_session: {exc}"}
-    rerun += execute(server, kernel, session.mutate, deadline.left())["elapsed"]
-    ready = execute(server, kernel, "print('ready')", deadline.left())
+    rerun += server.execute(kernel, session.mutate, deadline.left())["elapsed"]
+    ready = server.execute(kernel, "print('ready')", deadline.left())
     rerun += ready["first_output"]
-    before = execute(server, kernel, session.check, deadline.left())["out"]
+    before = server.execute(kernel, session.check, deadline.left())["out"]
     rerun_result = {"restore_to_output": rerun, "correct": True, "fingerprint": [before, before]}
     if first is None:
         return dill_result, rerun_result
@@ -742,12 +405,12 @@ def run_dill_and_rerun(
         started = time.monotonic()
         server.api("POST", f"api/kernels/{kernel}/restart", {})
         code = f"import dill\ndill.load_session({str(pickle)!r})"
-        execute(server, kernel, code, deadline.left())
+        server.execute(kernel, code, deadline.left())
         sent = time.monotonic()
-        ready = execute(server, kernel, "print('ready')", deadline.left())
+        ready = server.execute(kernel, "print('ready')", deadline.left())
         restore = sent - started + ready["first_output"]
-        after = execute(server, kernel, session.check, deadline.left())["out"]
-    except PeerError as exc:
+        after = server.execute(kernel, session.check, deadline.left())["out"]
+    except BenchError as exc:
         return {"error": f"dill.load_session: {exc}"}, rerun_result
     finally:
         pickle.unlink(missing_ok=True)
@@ -780,22 +443,14 @@ class Context:
         # Kernel wrappers bind unix sockets in their runtime directory, whose paths may not
         # exceed 107 bytes: a short directory, whatever --work is.
         self.short = Path(tempfile.mkdtemp(prefix="bp-", dir="/tmp"))
-        self.ours_server: Any = None
-        self.peer_server: Any = None
+        self.ours_server: Server | None = None
+        self.peer_server: Server | None = None
         if "ours" in peers:
-            config = {
-                "ServerApp": {"jpserver_extensions": {"jupyter_ext": True}},
-                "SnapshotExtensionApp": {
-                    "local_store_dir": str(work / "store"),
-                    "work_dir": str(work / "snapwork"),
-                    "idle_suspend_after": 0,
-                    "snapshot_before_shutdown": False,
-                    "keep_last": 0,
-                    "periodic_interval": 0,
-                },
-            }
+            config = extension_config(
+                work / "snapwork", local_store_dir=str(work / "store"), **QUIET
+            )
             env = {"JUPYTER_SNAPSHOT_RUNTIME_DIR": str(self.short)}
-            self.ours_server = Server(work / "ours-server", self.root, config, env)
+            self.ours_server = Server(work / "ours-server", self.root, config, env=env)
         if {"kishu", "dill", "rerun"} & set(peers):
             # A plain server, as Kishu's users run it (the extension is not enabled).
             config = {"ServerApp": {"jpserver_extensions": {"jupyter_ext": False}}}
@@ -807,7 +462,9 @@ class Context:
             (work / "kishu-home" / ".kishu" / "config.ini").write_text(
                 "[JUPYTERINT]\ntest_mode = True\n"
             )
-            self.peer_server = Server(work / "peer-server", self.root, config, env)
+            self.peer_server = Server(
+                work / "peer-server", self.root, config, env=env, ready="api/status"
+            )
 
     def close(self) -> None:
         for server in (self.ours_server, self.peer_server):
@@ -834,11 +491,11 @@ def run_session(
         started = time.monotonic()
         try:
             if peer == "dill":
-                dill, rerun = run_dill_and_rerun(ctx, session, Deadline(timeout))
+                dill, rerun = run_dill_and_rerun(ctx, session, Deadline(timeout, "--peer-timeout"))
                 results["dill"], results["rerun"] = dill, rerun
             else:
-                results[peer] = runners[peer](ctx, session, Deadline(timeout))
-        except (PeerError, TimeoutError, subprocess.TimeoutExpired) as exc:
+                results[peer] = runners[peer](ctx, session, Deadline(timeout, "--peer-timeout"))
+        except (BenchError, TimeoutError, subprocess.TimeoutExpired) as exc:
             results[peer] = {"error": f"{type(exc).__name__}: {exc}"}
         except Exception as exc:  # noqa: BLE001 - the run goes on, the error is reported
             results[peer] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -35,82 +35,45 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_peers import BareKernel, Deadline, PeerError, Server, criu_dump, execute, free_port
+from harness import (
+    MIB,
+    QUIET,
+    BareKernel,
+    Deadline,
+    MotoServer,
+    Server,
+    criu_dump,
+    criu_restore,
+    extension_config,
+)
 
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.humanize import human_bytes
 
-MIB = 1 << 20
 OBJECT = 16 * MIB
 BUCKET = "bench-resume"
 ALLOCATE = "import numpy as np\ndata = np.random.default_rng(7).random({n})\nprint(data[:3].sum())"
-
-
-class Moto:
-    """moto's standalone S3 server on 127.0.0.1."""
-
-    def __init__(self, work: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = (work / "moto.log").open("wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        self.client = self.make_client()
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                self.client.create_bucket(Bucket=BUCKET)
-                return
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-
-    def make_client(self) -> Any:
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.url,
-            region_name="us-east-1",
-            aws_access_key_id="bench",
-            aws_secret_access_key="bench",
-            config=Config(max_pool_connections=16),
-        )
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(30)
-        self._log.close()
 
 
 def ours(server: Server, mib: int, timeout: float) -> dict[str, Any]:
     """Snapshot until durable, a second one, restore into a new kernel until first output."""
     deadline = Deadline(timeout)
     kernel = server.start_session(f"k{mib}-{time.monotonic_ns()}.ipynb", "python3-snapshot")
-    execute(server, kernel, ALLOCATE.format(n=mib * MIB // 8), deadline.left())
-    first, durable, phases = timed_job(server, "api/snapshots", {"kernel_id": kernel}, deadline)
-    second, _, _ = timed_job(server, "api/snapshots", {"kernel_id": kernel}, deadline)
+    server.execute(kernel, ALLOCATE.format(n=mib * MIB // 8), deadline.left())
+    snap = server.run_job("api/snapshots", {"kernel_id": kernel}, deadline)
+    first = snap.result
+    second = server.run_job("api/snapshots", {"kernel_id": kernel}, deadline).result
     server.end_sessions()
     started = time.monotonic()
-    restored, _, restore_phases = timed_job(
-        server, f"api/snapshots/{second['id']}/restore", {}, deadline
-    )
-    ready = execute(server, restored["kernel_id"], "print('ready')", deadline.left())
+    restore_run = server.run_job(f"api/snapshots/{second['id']}/restore", {}, deadline)
+    restored = restore_run.result
+    ready = server.execute(restored["kernel_id"], "print('ready')", deadline.left())
     restore = time.monotonic() - started - ready["elapsed"] + ready["first_output"]
     # A lazy restore goes on after that first output: when had the kernel all its memory?
     while True:
@@ -123,7 +86,7 @@ def ours(server: Server, mib: int, timeout: float) -> dict[str, Any]:
     all_in = time.monotonic() - started
     server.end_sessions()
     return {
-        "durable": durable,
+        "durable": snap.seconds,
         "pause": first.get("pause_seconds"),
         "image_bytes": first.get("total_bytes"),
         "stored_bytes": first.get("stored_bytes"),
@@ -131,33 +94,27 @@ def ours(server: Server, mib: int, timeout: float) -> dict[str, Any]:
         "restore": restore,
         "all_memory_in": all_in,
         "lazy": lazy,
-        "snapshot_phases": phases,
-        "restore_phases": restore_phases,
+        "snapshot_phases": snap.phases,
+        "restore_phases": restore_run.phases,
     }
 
 
-def timed_job(
-    server: Server, path: str, body: dict[str, Any], deadline: Deadline
-) -> tuple[dict[str, Any], float, dict[str, float]]:
-    """Start a job and follow it; its result, its seconds, and the seconds of each phase."""
-    started = time.monotonic()
-    job = server.api("POST", path, body)["job"]
-    seen: dict[str, float] = {}
-    while job["status"] == "running":
-        seen.setdefault(job.get("phase") or "?", time.monotonic())
-        deadline.left()
-        time.sleep(0.01)
-        job = server.api("GET", f"api/snapshots/jobs/{job['id']}")
-    ended = time.monotonic()
-    if job["status"] != "done":
-        error = job.get("error") or {}
-        raise PeerError(f"{error.get('code')}: {error.get('message')}")
-    marks = [*sorted(seen.items(), key=lambda kv: kv[1]), ("end", ended)]
-    phases = {name: round(marks[i + 1][1] - at, 3) for i, (name, at) in enumerate(marks[:-1])}
-    return job["result"], ended - started, phases
+def s3_client(url: str) -> Any:
+    """boto3's S3 client for the moto server at ``url``, 16 connections."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=url,
+        region_name="us-east-1",
+        aws_access_key_id="bench",
+        aws_secret_access_key="bench",
+        config=Config(max_pool_connections=16),
+    )
 
 
-def ceilings(work: Path, criu: Criu, moto: Moto, mib: int, timeout: float) -> dict[str, Any]:
+def ceilings(work: Path, criu: Criu, s3: Any, mib: int, timeout: float) -> dict[str, Any]:
     """Bare CRIU dump / restore of the same kernel size, and raw S3 PUT / GET of its images."""
     deadline = Deadline(timeout)
     kernel = BareKernel(work)
@@ -179,34 +136,13 @@ def ceilings(work: Path, criu: Criu, moto: Moto, mib: int, timeout: float) -> di
         dump_durable = time.monotonic() - started
         kernel.kill()
         subprocess.run(["sync"], check=True)
-        (work / "restored.pid").unlink(missing_ok=True)
         started = time.monotonic()
-        result = subprocess.run(
-            [
-                str(criu.path),
-                "restore",
-                "-D",
-                str(images),
-                "-o",
-                "restore.log",
-                "--file-locks",
-                "--restore-detached",
-                "--pidfile",
-                str(work / "restored.pid"),
-            ],
-            capture_output=True,
-            timeout=deadline.left(),
-        )
-        if result.returncode != 0:
-            log = (images / "restore.log").read_text(errors="replace").splitlines()
-            errors = [line for line in log if "Error" in line][-3:]
-            raise PeerError(f"criu restore failed: {errors}")
-        restored_pid = int((work / "restored.pid").read_text())
+        restored_pid = criu_restore(criu, images, work / "restored.pid", deadline, verbose=False)
         kernel.connect()
         sent = time.monotonic()
         ready = kernel.run("print('ready')", deadline.left())
         restore = sent - started + ready["first_output"]
-        put, get, total = raw_s3(moto, files)
+        put, get, total = raw_s3(s3, files)
         return {
             "dump": dump,
             "dump_durable": dump_durable,
@@ -216,8 +152,6 @@ def ceilings(work: Path, criu: Criu, moto: Moto, mib: int, timeout: float) -> di
             "image_bytes": total,
         }
     finally:
-        if kernel.client is not None:
-            kernel.client.stop_channels()
         kernel.kill()
         if restored_pid:
             with contextlib.suppress(ProcessLookupError):
@@ -225,7 +159,7 @@ def ceilings(work: Path, criu: Criu, moto: Moto, mib: int, timeout: float) -> di
         shutil.rmtree(images, ignore_errors=True)
 
 
-def raw_s3(moto: Moto, files: list[Path]) -> tuple[float, float, int]:
+def raw_s3(s3: Any, files: list[Path]) -> tuple[float, float, int]:
     """boto3 PUT, then GET, of the files' bytes as 16 MiB objects, 8 at a time."""
     pieces = [(path, offset) for path in files for offset in range(0, path.stat().st_size, OBJECT)]
 
@@ -234,11 +168,11 @@ def raw_s3(moto: Moto, files: list[Path]) -> tuple[float, float, int]:
         with path.open("rb") as fh:
             fh.seek(offset)
             data = fh.read(OBJECT)
-        moto.client.put_object(Bucket=BUCKET, Key=f"raw/{index}", Body=data)
+        s3.put_object(Bucket=BUCKET, Key=f"raw/{index}", Body=data)
         return len(data)
 
     def get(index: int) -> int:
-        body = moto.client.get_object(Bucket=BUCKET, Key=f"raw/{index}")["Body"].read()
+        body = s3.get_object(Bucket=BUCKET, Key=f"raw/{index}")["Body"].read()
         return len(body)
 
     with ThreadPoolExecutor(8) as pool:
@@ -248,21 +182,14 @@ def raw_s3(moto: Moto, files: list[Path]) -> tuple[float, float, int]:
         started = time.monotonic()
         sum(pool.map(get, range(len(pieces))))
         get_seconds = time.monotonic() - started
-    moto.client.delete_objects(
+    s3.delete_objects(
         Bucket=BUCKET, Delete={"Objects": [{"Key": f"raw/{i}"} for i in range(len(pieces))]}
     )
     return put_seconds, get_seconds, total
 
 
-def servers(work: Path, moto: Moto) -> dict[str, Server]:
+def servers(work: Path, moto: MotoServer) -> dict[str, Server]:
     root = work / "notebooks"
-    root.mkdir(parents=True, exist_ok=True)
-    common = {
-        "idle_suspend_after": 0,
-        "snapshot_before_shutdown": False,
-        "keep_last": 0,
-        "periodic_interval": 0,
-    }
     configs = {
         "local": {"local_store_dir": str(work / "store-local"), "image_cache_max_bytes": 0},
         "s3": {
@@ -289,15 +216,8 @@ def servers(work: Path, moto: Moto) -> dict[str, Server]:
     env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
     made = {}
     for name, extra in configs.items():
-        config = {
-            "ServerApp": {"jpserver_extensions": {"jupyter_ext": True}},
-            "SnapshotExtensionApp": {
-                **common,
-                **extra,
-                "work_dir": str(work / f"snapwork-{name}"),
-            },
-        }
-        made[name] = Server(work / f"server-{name}", root, config, env)
+        config = extension_config(work / f"snapwork-{name}", **QUIET, **extra)
+        made[name] = Server(work / f"server-{name}", root, config, env=env)
     return made
 
 
@@ -360,14 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-resume-", dir="/var/tmp"))
     criu = Criu.locate()
-    moto = Moto(work)
+    moto = MotoServer(work / "moto.log")
     made: dict[str, Server] = {}
     rows = []
     try:
+        s3 = s3_client(moto.url)
+        s3.create_bucket(Bucket=BUCKET)
         made = servers(work, moto)
         for mib in (int(s) for s in args.sizes.split(",")):
             row: dict[str, Any] = {"mib": mib}
-            row["ceilings"] = ceilings(work, criu, moto, mib, args.timeout)
+            row["ceilings"] = ceilings(work, criu, s3, mib, args.timeout)
             for name, server in made.items():
                 row[name] = ours(server, mib, args.timeout)
             rows.append(row)

@@ -21,13 +21,11 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness import BareKernel, criu_dump, criu_restore
 
 from jupyter_ext.core.criu import Criu, frozen_seconds
 from jupyter_ext.core.humanize import human_bytes
@@ -44,20 +42,6 @@ def _tick():
         _ticks["max_gap"] = max(_ticks["max_gap"], now - _ticks["last"])
         _ticks["last"] = now
 threading.Thread(target=_tick, daemon=True).start()
-"""
-
-# Plain ipykernel, except that its debugger's loopback TCP connection to its own shell
-# socket is dropped (as the snapshot kernel does): CRIU cannot dump established TCP
-# connections without iptables.
-BARE_KERNEL = """
-import zmq
-from ipykernel.kernelapp import IPKernelApp
-class App(IPKernelApp):
-    def init_control(self, context):
-        super().init_control(context)
-        self.debug_shell_socket.close(linger=0)
-        self.debug_shell_socket = context.socket(zmq.DEALER)
-App.launch_instance()
 """
 
 REPORTER = """
@@ -111,59 +95,21 @@ def bench_ours(mib: int, work: Path, criu: Criu) -> dict[str, float]:
 
 def bench_bare(mib: int, work: Path, criu: Criu) -> dict[str, float]:
     """The same ipykernel, started directly (no wrapper, no client), dumped by bare CRIU."""
-    from jupyter_client.connect import write_connection_file
-
     report = work / "gap"
-    connection_file = write_connection_file(str(work / "bare-kernel.json"))[0]
     startup = work / "startup.py"
     startup.write_text(STATE.format(mib=mib) + REPORTER.format(path=str(report)))
-    env = {k: v for k, v in os.environ.items() if k != "JPY_PARENT_PID"}
-    launcher = subprocess.Popen(
-        [
-            "unshare",
-            "--pid",
-            "--fork",
-            "--time",
-            "setsid",
-            sys.executable,
-            "-c",
-            BARE_KERNEL,
-            "-f",
-            connection_file,
-            "--HistoryManager.hist_file=:memory:",
-            "--IPKernelApp.parent_handle=1",
-            f"--IPKernelApp.file_to_run={startup}",
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
+    args = ["--IPKernelApp.parent_handle=1", f"--IPKernelApp.file_to_run={startup}"]
+    kernel = BareKernel(work, args, connect=False)
     images = work / "bare"
     images.mkdir()
     try:
         wait_until(lambda: Path(f"{report}.ready").exists(), timeout=60, what="bare kernel")
-        pid = int(Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()[0])
+        pid = kernel.pid
         time.sleep(0.3)
         os.kill(pid, signal.SIGUSR1)
         time.sleep(0.05)
         started = time.monotonic()
-        subprocess.run(
-            [
-                str(criu.path),
-                "dump",
-                "-t",
-                str(pid),
-                "-D",
-                str(images),
-                "-o",
-                "dump.log",
-                "-v4",
-                "--file-locks",
-                "--leave-running",
-            ],
-            check=True,
-        )
+        criu_dump(criu, pid, images)
         dump = time.monotonic() - started
         frozen = frozen_seconds(images / "dump.log")
         time.sleep(0.05)
@@ -172,28 +118,11 @@ def bench_bare(mib: int, work: Path, criu: Criu) -> dict[str, float]:
         wait_until(report.exists, what="gap report")
         time.sleep(0.05)
         pause = float(report.read_text())
-        os.kill(pid, signal.SIGKILL)
-        launcher.wait()
-        wait_until(lambda: not Path(f"/proc/{pid}").exists(), what="bare kernel to die")
+        kernel.kill()
         started = time.monotonic()
-        subprocess.run(
-            [
-                str(criu.path),
-                "restore",
-                "-D",
-                str(images),
-                "-o",
-                "restore.log",
-                "-v4",
-                "--file-locks",
-                "--restore-detached",
-                "--pidfile",
-                str(work / "restored.pid"),
-            ],
-            check=True,
-        )
+        restored = criu_restore(criu, images, work / "restored.pid")
         restore = time.monotonic() - started
-        os.kill(int((work / "restored.pid").read_text()), signal.SIGKILL)
+        os.kill(restored, signal.SIGKILL)
         image_bytes = sum(p.stat().st_size for p in images.glob("*.img"))
         return {
             "pause": pause,
@@ -203,8 +132,7 @@ def bench_bare(mib: int, work: Path, criu: Criu) -> dict[str, float]:
             "image_bytes": image_bytes,
         }
     finally:
-        launcher.kill()
-        launcher.wait()
+        kernel.kill()
         shutil.rmtree(images, ignore_errors=True)
         for p in (report, Path(f"{report}.ready"), work / "restored.pid", startup):
             p.unlink(missing_ok=True)
