@@ -39,6 +39,7 @@ from typing import Any
 
 from harness import QUIET, Server, extension_config
 
+from jupyter_ext.core import mountns
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.humanize import human_bytes
 from jupyter_ext.core.manifest import IMAGES_DIR, Manifest
@@ -48,7 +49,8 @@ STATE = "import numpy as np; x = np.random.default_rng(1).random({mib} * 131072)
 
 def bare_restore(criu: Criu, snapshot_dir: Path) -> float:
     """``criu restore`` of the snapshot's images with our wrapper's options and inherited
-    fds (a pipe for its output, a directory for its channels); the restored tree is
+    fds (a pipe for its output, a directory for its channels) and mounts (the kernel's
+    mount namespace, core/mountns.py); the restored tree is
     killed afterwards. Returns the seconds CRIU ran."""
     manifest = Manifest.read(snapshot_dir)
     work = Path(tempfile.mkdtemp(prefix="bare-restore-"))
@@ -61,6 +63,7 @@ def bare_restore(criu: Criu, snapshot_dir: Path) -> float:
     args += ["--restore-sibling", "--tcp-close", "--pidfile", str(pidfile)]
     args += ["--inherit-fd", f"fd[{write_end}]:{manifest.stdio_pipe}"]
     args += ["--inherit-fd", f"fd[{dir_fd}]:{manifest.runtime_dir_key}"]
+    args += mountns.restore_options(manifest.mounts, work / "no-mount")[0]
     try:
         started = time.monotonic()
         subprocess.run(args, check=True, pass_fds=(write_end, dir_fd), stdin=subprocess.DEVNULL)
