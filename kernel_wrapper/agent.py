@@ -141,7 +141,7 @@ class SnapshotAgent(threading.Thread):
         since = request.get("since")
         shell = self.shell
         # The running cell's count: IPython 9 counts before the cell runs, older versions
-        # after; the wrapper fills it in from the cell's execute_input (snapshotter).
+        # after; the wrapper fills it in from the cell's execute_input (kernel_wrapper.dump).
         result = self.cells.since(since if type(since) is int else 0)
         if shell is not None:
             hidden = set(getattr(shell, "user_ns_hidden", {}))

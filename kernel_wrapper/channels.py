@@ -23,6 +23,9 @@ INNER_ROUTING_ID = b"kernel-snapshot-wrapper"
 #: The Jupyter channels the wrapper relays (the heartbeat it answers itself).
 REQUEST_CHANNELS = ("shell", "stdin", "control")
 
+Route = tuple[str, str]
+"""("server" or "inner", channel name): where a message goes."""
+
 _TWINS: weakref.WeakKeyDictionary[zmq.asyncio.Socket, zmq.Socket[bytes]] = (
     weakref.WeakKeyDictionary()
 )

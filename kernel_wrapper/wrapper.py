@@ -11,7 +11,8 @@ The wrapper is composed of parts, each with its own state:
 - :class:`~kernel_wrapper.channels.ServerChannels`: the sockets jupyter_server connects to;
 - :class:`~kernel_wrapper.runtime.RuntimeDir`: the private directory of the inner channels;
 - :class:`~kernel_wrapper.supervisor.Supervisor`: the inner kernel's process;
-- :class:`~kernel_wrapper.relay.Relay`: messages between the two sides;
+- :class:`~kernel_wrapper.relay.Relay`: messages between the two sides, and what they
+  tell of the kernel (:class:`~kernel_wrapper.tracker.KernelTracker`);
 - :class:`~kernel_wrapper.standin.StandIn`: answers while there is no kernel process;
 - :class:`~kernel_wrapper.lifecycle.Lifecycle`: the state, which switches relay and stand-in;
 - :class:`~kernel_wrapper.snapshotter.Snapshotter`: dumps and restores;
@@ -123,7 +124,7 @@ class KernelWrapper:
         stand_in = StandIn(
             self.session,
             self.server,
-            kernel_info=lambda: self.relay.kernel_info,
+            kernel_info=lambda: self.relay.tracker.kernel_info,
             hold=self.relay.hold,
             wake=lambda: self._background(self.snapshotter.wake()),
             shutdown=lambda: self.lifecycle.end(0),
@@ -254,21 +255,21 @@ class KernelWrapper:
         pid = self.process.pid
         if args.gpu and pid is not None:
             gpu_status = await asyncio.to_thread(kernel_gpu_status, proctree.descendants(pid))
-        relay, snapshotter = self.relay, self.snapshotter
+        tracker, snapshotter = self.relay.tracker, self.snapshotter
         return {
             "gpu": gpu_status,
             "state": self.lifecycle.state.value,
             "inner_pid": pid,
             "wrapper_pid": os.getpid(),
-            "lineage": snapshotter.lineage,
+            "lineage": snapshotter.record.lineage,
             "runtime_dir": str(self.runtime.path),
-            "execution_state": relay.execution_state,
-            "last_activity": relay.last_activity,
-            "executions_since_snapshot": relay.executions_since_snapshot,
-            "longest_cell_since_snapshot": round(relay.longest_cell_since_snapshot, 3),
-            "sequence": snapshotter.sequence,
+            "execution_state": tracker.execution_state,
+            "last_activity": tracker.last_activity,
+            "executions_since_snapshot": tracker.executions_since_snapshot,
+            "longest_cell_since_snapshot": round(tracker.longest_cell_since_snapshot, 3),
+            "sequence": snapshotter.record.sequence,
             "busy": snapshotter.busy,
-            "resumed_request": relay.resumed_request,
-            "lazy_restore": snapshotter.lazy_status,
-            "closed_on_restore": snapshotter.closed_on_restore,
+            "resumed_request": tracker.resumed_request,
+            "lazy_restore": snapshotter.lazy.status,
+            "closed_on_restore": snapshotter.restorer.closed_on_restore,
         }

@@ -238,8 +238,8 @@ async def _relay(tmp_path: Path) -> None:
         assert frames[0] == INNER_ROUTING_ID
         at = frames.index(DELIM)
         assert frames[at + 1] == b"", "the kernel holds no key: messages reach it unsigned"
-        assert relay.executions_since_snapshot == 1
-        running = relay.running_request()
+        assert relay.tracker.executions_since_snapshot == 1
+        running = relay.tracker.running_request()
         assert running is not None
         assert running["header"]["msg_id"] == request["header"]["msg_id"]
         # Its reply goes out signed by the wrapper (Client.reply checks the signature).
@@ -247,13 +247,13 @@ async def _relay(tmp_path: Path) -> None:
         reply = await client.reply()
         assert reply["parent_header"]["msg_id"] == request["header"]["msg_id"]
         await asyncio.sleep(0.1)
-        assert relay.running_request() is None
-        assert relay.execution_state == "idle"
+        assert relay.tracker.running_request() is None
+        assert relay.tracker.execution_state == "idle"
         # A request signed with another key never reaches the kernel.
         forged = Session(key=b"another key")
         forged.send(client.shell, forged.msg("execute_request", {"code": "2"}))
         assert not await kernel.shell.poll(500)
-        assert relay.executions_since_snapshot == 1
+        assert relay.tracker.executions_since_snapshot == 1
         relay.stop()
         await relay.close_inner()
         kernel.close()

@@ -221,6 +221,12 @@ class SuspendArgs(_Args):
     chunk_kib: int | None = None
     write_back: bool = False
 
+    def snapshot_args(self) -> SnapshotArgs:
+        """The snapshot a suspend takes: every field the two share, the kernel not left
+        running."""
+        shared = {f.name for f in fields(SnapshotArgs)} & {f.name for f in fields(self)}
+        return SnapshotArgs(**{name: getattr(self, name) for name in shared}, leave_running=False)
+
 
 @dataclass(frozen=True)
 class ResumeArgs(_Args):

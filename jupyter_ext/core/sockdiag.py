@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,3 +99,11 @@ def socket_fds(pid: int | str) -> dict[int, int]:
 def socket_inodes(pid: int | str) -> set[int]:
     """Inodes of the sockets that process ``pid`` ("self" for this one) holds open."""
     return set(socket_fds(pid).values())
+
+
+def tree_socket_inodes(pids: Iterable[int]) -> set[int]:
+    """Inodes of the sockets that any of ``pids`` (a process tree) holds open."""
+    inodes: set[int] = set()
+    for pid in pids:
+        inodes |= socket_inodes(pid)
+    return inodes

@@ -1,0 +1,374 @@
+"""A snapshot of the running kernel, as named steps.
+
+A dump goes like this:
+
+1. stop forwarding requests from the server (they wait in the server-facing sockets);
+2. drop every connection to the kernel without losing a message (``Relay.disconnect``);
+   the kernel never stops running;
+3. checkpoint its CUDA state, if any, into host memory;
+4. ``criu dump --leave-running`` (the kernel is frozen only while CRIU seizes it and
+   copies its memory), its memory hashed as CRIU writes it;
+5. bind the inner channels again: the kernel reconnects and delivers what it queued;
+6. write the manifest, while the kernel runs.
+
+In :meth:`Dumper.dump` these are the steps *prepare* (the checks), *freeze and dump*
+(1-5), *manifest* and *seal* (6). The images are written into a staging directory beside
+the snapshot's, which sealing renames into place; a dump that fails at any step removes it
+(:func:`_staging`, the one place that does), so a snapshot is complete or absent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import secrets
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from jupyter_ext import __version__
+from jupyter_ext.core import mountns, proctree, shmfiles
+from jupyter_ext.core.chunking import ChunkParams, auto_chunk_kib
+from jupyter_ext.core.criu import Criu, external_file_key
+from jupyter_ext.core.errors import KernelNotRunningError, SnapshotError
+from jupyter_ext.core.gpu import GpuCheckpoint
+from jupyter_ext.core.growinghash import GrowingFileChunker
+from jupyter_ext.core.manifest import (
+    IMAGES_DIR,
+    Manifest,
+    new_snapshot_id,
+    remove_tree,
+    seal,
+    utc_now,
+)
+from jupyter_ext.core.protocol import ProgressCallback, SnapshotArgs
+
+from .channels import InnerChannels
+from .dumptree import KernelTree
+from .lifecycle import State
+from .parts import KernelParts
+from .runtime import RuntimeDir
+
+#: How long the kernel's agent gets to say what the snapshot holds (it takes ~50 ms at
+#: most; more only while the kernel's code holds the interpreter lock in C).
+SUMMARY_TIMEOUT = 1.0
+
+
+def with_fate(exc: SnapshotError, inner_pid: int) -> SnapshotError:
+    """A failed dump's error, saying what became of the kernel: only what is true."""
+    if proctree.is_alive(inner_pid):
+        fate = "The kernel keeps running unharmed."
+    else:
+        fate = (
+            "The kernel's process ended during the snapshot: what it held since its last "
+            "snapshot is gone; restore that snapshot, or restart the kernel."
+        )
+    return type(exc)(f"{exc.message} {fate}", hint=exc.hint, log_excerpt=exc.log_excerpt)
+
+
+@contextlib.contextmanager
+def _staging(dest: Path) -> Iterator[Path]:
+    """A new staging directory beside ``dest`` (with its images directory), removed if the
+    dump fails; sealing renames it to ``dest``."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = dest.parent / f".{dest.name}.partial-{secrets.token_hex(4)}"
+    (staging / IMAGES_DIR).mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        remove_tree(staging)
+        raise
+
+
+@contextlib.contextmanager
+def _work_dir(runtime: RuntimeDir) -> Iterator[Path]:
+    """CRIU's work directory, removed after the dump. CRIU's log goes to our runtime
+    directory, not beside the images: on a disk that fills up it would be cut, and the
+    error could no longer say why."""
+    work_dir = Path(tempfile.mkdtemp(prefix="dump-", dir=runtime.path))
+    try:
+        yield work_dir
+    finally:
+        remove_tree(work_dir)
+
+
+@dataclasses.dataclass
+class _Dumped:
+    """What freeze-and-dump leaves for the manifest."""
+
+    contents: dict[str, Any]
+    runtime_dir_key: str
+    mounts: list[str]
+    """The external mount points of the kernel's own mount namespace (mountns)."""
+    tree: KernelTree
+    chunk_kib: int
+    gpu: dict[str, Any] = dataclasses.field(default_factory=dict)
+    shm_files: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    disconnect_seconds: float = 0.0
+    dump_seconds: float = 0.0
+    frozen_seconds: float = 0.0
+    shm_copy_seconds: float = 0.0
+    pause_seconds: float = 0.0
+
+
+class Dumper:
+    """Dumps ``kernel`` into sealed snapshot directories, keeping its record."""
+
+    def __init__(self, kernel: KernelParts) -> None:
+        self.kernel = kernel
+
+    async def dump(self, args: SnapshotArgs, progress: ProgressCallback) -> Manifest:
+        """Snapshot the kernel into ``args.dest`` (its process ends unless
+        ``args.leave_running``); the sealed manifest."""
+        dest = Path(args.dest)
+        await self._prepare(dest)
+        criu = self.kernel.criu()
+        with _staging(dest) as staging:
+            with _work_dir(self.kernel.runtime) as work_dir:
+                dumped, hasher = await self._freeze_and_dump(
+                    criu, staging, work_dir, args, progress
+                )
+            manifest = self._manifest(criu, dumped, args)
+            progress({"phase": "hashing"})
+            manifest = await self._seal(staging, manifest, dest, hasher)
+        self.kernel.record.dumped(manifest)
+        self.kernel.tracker.snapshot_taken()
+        progress({"phase": "done", "bytes": manifest.total_bytes})
+        return manifest
+
+    # ------------------------------------------------------------------ prepare
+
+    async def _prepare(self, dest: Path) -> None:
+        """Refuse a dump without a running kernel, or into a directory that exists; wait
+        until a lazily restored kernel has all of its memory."""
+        if not self.kernel.lifecycle.is_(State.RUNNING) or self.kernel.process.pid is None:
+            raise KernelNotRunningError(
+                "There is no running kernel process to snapshot "
+                f"(the kernel is {self.kernel.lifecycle.state.value}).",
+                hint="Start or restore the kernel first.",
+            )
+        if dest.exists():
+            raise SnapshotError(f"The snapshot directory {dest} already exists.")
+        await self.kernel.lazy.settled()
+        if not self.kernel.lifecycle.is_(State.RUNNING) or self.kernel.process.pid is None:
+            state = self.kernel.lifecycle.state.value
+            raise KernelNotRunningError(
+                f"The kernel did not come back from its lazy restore ({state}).",
+                hint="See the kernel's status (lazy_restore) for why.",
+            )
+
+    async def _contents(self) -> dict[str, Any]:
+        """What the kernel's agent says the snapshot holds (kernel_wrapper.contents), while
+        the kernel still runs; without an answer the snapshot goes on, its record partial."""
+        if self.kernel.relay.inner is None:
+            return {"partial": True, "partial_reason": "the kernel is not connected"}
+        answer = await self.kernel.relay.inner.ask_agent(
+            "summary", SUMMARY_TIMEOUT, since=self.kernel.record.cells_through
+        )
+        answer.pop("id", None)
+        if answer.get("error"):
+            return {"partial": True, "partial_reason": str(answer["error"])}
+        cells = answer.get("cells")
+        running = self.kernel.tracker.running_request()
+        if cells and isinstance(cells[-1], dict) and cells[-1].get("running") and running:
+            cells[-1]["execution_count"] = running.get("execution_count")
+        return answer
+
+    # ------------------------------------------------------------------ freeze and dump
+
+    async def _freeze_and_dump(
+        self,
+        criu: Criu,
+        staging: Path,
+        work_dir: Path,
+        args: SnapshotArgs,
+        progress: ProgressCallback,
+    ) -> tuple[_Dumped, GrowingFileChunker]:
+        """Steps 1-5: the kernel's CUDA state checkpointed, its connections dropped, its
+        tree dumped into ``staging``, its connections back (if it keeps running). Returns
+        what the manifest needs, and the hasher of the memory images."""
+        inner_pid = self.kernel.process.pid
+        assert inner_pid is not None  # checked by _prepare
+        runtime_dir_key = external_file_key(self.kernel.runtime.fd)
+        mounts = mountns.external_mounts(inner_pid)
+        contents = await self._contents()
+        self.kernel.lifecycle.enter(State.SNAPSHOTTING)
+        await asyncio.sleep(0)  # let the cancelled pumps let go of their sockets
+        gpu_info, checkpoint = await self._gpu_checkpoint(inner_pid, args, progress)
+        progress({"phase": "dumping"})
+        started = time.monotonic()
+        tree: KernelTree | None = None
+        try:
+            await self.kernel.relay.disconnect(inner_pid)
+            disconnect_seconds = time.monotonic() - started
+            tree = KernelTree.inspect(inner_pid)
+            dumped = _Dumped(
+                contents=contents,
+                runtime_dir_key=runtime_dir_key,
+                mounts=mounts,
+                tree=tree,
+                chunk_kib=self._chunk_kib(args, tree),
+                gpu=gpu_info,
+                disconnect_seconds=disconnect_seconds,
+            )
+            hasher = await self._criu_dump(criu, staging, work_dir, args, dumped)
+        except BaseException as exc:
+            if tree is not None:
+                tree.held.close()
+            if checkpoint is not None:
+                await self.kernel.gpu.abort(checkpoint)
+            if isinstance(exc, SnapshotError):
+                raise with_fate(exc, inner_pid) from exc
+            raise
+        finally:
+            self._reconnect()
+        if checkpoint is not None:
+            if args.leave_running:
+                await self.kernel.gpu.resume(checkpoint)
+            gpu_info["checkpoint"] = checkpoint.to_dict()
+        tree.held.close()
+        dumped.pause_seconds = time.monotonic() - started
+        if not args.leave_running:
+            self.kernel.lifecycle.enter(State.SUSPENDED)
+        return dumped, hasher
+
+    def _chunk_kib(self, args: SnapshotArgs, tree: KernelTree) -> int:
+        """The chunk size asked for, else one for the kernel's memory (the previous
+        snapshot's if it still fits: chunking.auto_chunk_kib)."""
+        if args.chunk_kib is not None:
+            return args.chunk_kib
+        memory = proctree.private_memory_bytes(tree.pids)
+        return auto_chunk_kib(memory, self.kernel.record.chunk_kib)
+
+    async def _gpu_checkpoint(
+        self, inner_pid: int, args: SnapshotArgs, progress: ProgressCallback
+    ) -> tuple[dict[str, Any], GpuCheckpoint | None]:
+        """Step 3, before the connections are dropped: a kernel whose CUDA state cannot
+        be checkpointed runs on as before."""
+        try:
+            return await self.kernel.gpu.checkpoint(inner_pid, progress, args.release_gpu_caches)
+        except BaseException:
+            self.kernel.lifecycle.enter(State.RUNNING)
+            raise
+
+    async def _criu_dump(
+        self,
+        criu: Criu,
+        staging: Path,
+        work_dir: Path,
+        args: SnapshotArgs,
+        dumped: _Dumped,
+    ) -> GrowingFileChunker:
+        """Step 4: ``criu dump`` of the disconnected tree, the /dev/shm files it holds
+        copied while it is frozen, the memory cut and hashed as CRIU writes it (the only
+        time it is hashed); then the images fixed for a restore elsewhere. Returns the
+        hasher, to finish once the dump is over."""
+        tree = dumped.tree
+        copier = (
+            shmfiles.FrozenCopy(tree.held, staging / shmfiles.SNAPSHOT_DIR_NAME, work_dir)
+            if tree.held.files
+            else None
+        )
+        dump_started = time.monotonic()
+        params = ChunkParams.of_kib(dumped.chunk_kib)
+        hasher = GrowingFileChunker(
+            staging, staging / IMAGES_DIR, params, write_back=args.write_back
+        )
+        # Without --leave-running CRIU ends the kernel: no death, and it is reaped here.
+        async with contextlib.nullcontext() if args.leave_running else self.kernel.process.ending():
+            try:
+                dumped.frozen_seconds = await criu.dump(
+                    tree.root,
+                    staging / IMAGES_DIR,
+                    work_dir,
+                    leave_running=args.leave_running,
+                    externals=[
+                        dumped.runtime_dir_key,
+                        *tree.held.keys,
+                        *mountns.dump_keys(dumped.mounts),
+                    ],
+                    keep_tcp=tree.keep_tcp,
+                    action_script=copier.action_script if copier else None,
+                )
+            except BaseException as exc:
+                hasher.cancel()
+                if copier is not None and copier.error is not None:
+                    raise SnapshotError(
+                        f"The kernel's shared memory files could not be copied into the "
+                        f"snapshot: {copier.error}.",
+                        hint="Free space on the disk of the work directory if it is "
+                        "full; else read the error, fix what it names and retry.",
+                    ) from exc
+                raise
+            finally:
+                if copier is not None:
+                    copier.finish()
+            dumped.dump_seconds = time.monotonic() - dump_started
+            await tree.fix_images(staging / IMAGES_DIR)
+            if copier is not None:
+                dumped.shm_files = copier.records
+                dumped.shm_copy_seconds = copier.seconds
+            if not args.leave_running:
+                shmfiles.remove_names(dumped.shm_files, tree.held)
+        return hasher
+
+    def _reconnect(self) -> None:
+        """Step 5, after the dump, failed or not: bind the inner channels again (the
+        kernel reconnects and delivers what it queued), unless the kernel is gone."""
+        if self.kernel.process.pid is not None and self.kernel.lifecycle.is_(State.SNAPSHOTTING):
+            self.kernel.relay.connect_inner(
+                self.kernel.relay.inner or InnerChannels(self.kernel.runtime.path)
+            )
+            self.kernel.lifecycle.enter(State.RUNNING)
+
+    # ------------------------------------------------------------------ manifest and seal
+
+    def _manifest(self, criu: Criu, dumped: _Dumped, args: SnapshotArgs) -> Manifest:
+        """The snapshot's record, before the files are hashed: the kernel, its lineage,
+        what the dump found and how long each part took."""
+        tree = dumped.tree
+        return Manifest(
+            id=new_snapshot_id(),
+            lineage=self.kernel.record.lineage,
+            sequence=self.kernel.record.next_sequence(args.sequence),
+            created=utc_now(),
+            trigger=args.trigger,
+            runtime_dir=str(self.kernel.runtime.path),
+            runtime_dir_key=dumped.runtime_dir_key,
+            mounts=dumped.mounts,
+            stdio_pipe=self.kernel.process.stdio_pipe,
+            kernel_spec=args.metadata.get("kernel_spec", {}),
+            notebook_path=args.metadata.get("notebook_path"),
+            kernel_info=self.kernel.tracker.kernel_info,
+            parent_id=self.kernel.record.parent_snapshot,
+            product_version=__version__,
+            criu_version=criu.version_text,
+            needed_files=tree.needed,
+            bound_ports=[port.to_dict() for port in tree.ports],
+            shm_files=dumped.shm_files,
+            unix_socket_dirs=tree.socket_dirs,
+            tcp_kept=tree.keep_tcp,
+            kept_connections=[c.to_dict() for c in tree.kept_connections()],
+            closed_connections=[c.to_dict() for c in tree.closed_connections()],
+            running_request=self.kernel.tracker.running_request(),
+            gpu=dumped.gpu,
+            disconnect_seconds=round(dumped.disconnect_seconds, 4),
+            dump_seconds=round(dumped.dump_seconds, 4),
+            frozen_seconds=round(dumped.frozen_seconds, 4),
+            shm_copy_seconds=round(dumped.shm_copy_seconds, 4),
+            pause_seconds=round(dumped.pause_seconds, 4),
+            chunk_kib=dumped.chunk_kib,
+            contents=dumped.contents,
+        )
+
+    @staticmethod
+    async def _seal(
+        staging: Path, manifest: Manifest, dest: Path, hasher: GrowingFileChunker
+    ) -> Manifest:
+        """Step 6: the files hashed (the memory images as CRIU wrote them), the manifest
+        written last and the staging directory renamed to ``dest``."""
+        hashed = await asyncio.to_thread(hasher.finish)
+        return await asyncio.to_thread(seal, staging, manifest, dest, hashed)

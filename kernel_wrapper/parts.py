@@ -1,0 +1,38 @@
+"""The wrapper's parts that its dumps and restores work on, passed to each as one."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from jupyter_ext.core.criu import Criu
+
+from .gpusteps import GpuSteps
+from .lazyrestore import LazyRestore
+from .lifecycle import Lifecycle
+from .record import KernelRecord
+from .relay import Relay
+from .runtime import RuntimeDir
+from .supervisor import Supervisor
+from .tracker import KernelTracker
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelParts:
+    """One kernel as a dump or a restore sees it: its state (``lifecycle``), its
+    messages (``relay``, and what they tell: ``tracker``), its ``process``, its
+    ``runtime`` directory, its CUDA steps (``gpu``), its lazy restores (``lazy``) and the
+    ``record`` of its snapshots; ``criu`` gives the CRIU binary (located on first use)."""
+
+    lifecycle: Lifecycle
+    relay: Relay
+    process: Supervisor
+    runtime: RuntimeDir
+    gpu: GpuSteps
+    lazy: LazyRestore
+    record: KernelRecord
+    criu: Callable[[], Criu]
+
+    @property
+    def tracker(self) -> KernelTracker:
+        return self.relay.tracker

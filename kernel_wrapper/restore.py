@@ -1,0 +1,283 @@
+"""A snapshot's kernel in place of the one there is: CRIU restore, then CUDA restore.
+
+The snapshot is read and checked first, before anything is ended: its files (unless the
+caller has just verified them), its compatibility with this machine, and the ports it
+needs. Then the kernel there is ends, CRIU restores the snapshot's tree as our child, and
+the CUDA restore (:mod:`kernel_wrapper.gpusteps`) gives its processes their GPU memory.
+
+With lazy restore (:mod:`kernel_wrapper.lazyrestore`) the kernel runs as soon as CRIU has
+rebuilt it, its memory served page by page: from ``pages_from`` when given (an images
+directory, or ``unix:PATH`` of a lazypages.RangeServer lending the store), filling in the
+sparse ``pages-*.img`` of the snapshot; else from the snapshot's own images.
+
+A restore that fails leaves nothing of its own behind (files, directories, processes). A
+running kernel it replaced is saved first and put back (:mod:`kernel_wrapper.rollback`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from jupyter_ext.core import netports, proctree, shmfiles, sockdiag
+from jupyter_ext.core.compat import check_compatible
+from jupyter_ext.core.criu import Criu
+from jupyter_ext.core.errors import IncompatibleSnapshotError, RestoreError
+from jupyter_ext.core.lazypages import DirectoryPages, PageSource, page_source, stage_pages_files
+from jupyter_ext.core.manifest import IMAGES_DIR, Manifest, verify
+from jupyter_ext.core.protocol import ProgressCallback
+from kernel_snapshots import write_restore_info
+
+from .channels import InnerChannels
+from .lifecycle import State
+from .parts import KernelParts
+from .supervisor import Supervisor
+
+log = logging.getLogger("kernel_wrapper")
+
+
+class Restorer:
+    """Restores snapshots as the kernel of ``kernel``; it keeps what the last restore did
+    (``last_gpu_restore``, ``closed_on_restore``)."""
+
+    def __init__(self, kernel: KernelParts) -> None:
+        self.kernel = kernel
+        self.last_gpu_restore: dict[str, Any] = {}
+        """Timings of the CUDA restore of the last restore (empty without CUDA)."""
+        self.closed_on_restore: list[dict[str, Any]] = []
+        """Connections to outside peers that the last restore gave back closed."""
+
+    async def checked(self, source: Path, progress: ProgressCallback, verified: bool) -> Manifest:
+        """The manifest of the snapshot in ``source``, refused before anything is ended if
+        a file does not match it or it cannot run here. ``verified`` skips re-hashing files
+        the caller has just checked (the server extension verifies every download); the
+        manifest and compatibility are still read."""
+        progress({"phase": "verifying"})
+        if verified:
+            manifest = Manifest.read(source)
+        else:
+            manifest = await asyncio.to_thread(verify, source)
+        check_compatible(manifest)
+        self._check_ports_free(manifest)
+        return manifest
+
+    def _check_ports_free(self, manifest: Manifest) -> None:
+        """Refuse, before anything is ended, a snapshot whose listening or bound ports
+        another process holds here (the kernel being replaced does not count)."""
+        ports = [netports.BoundPort.from_dict(p) for p in manifest.bound_ports]
+        if not ports:
+            return
+        pid = self.kernel.process.pid
+        own = sockdiag.tree_socket_inodes(proctree.descendants(pid)) if pid else set()
+        taken = netports.taken_ports(ports, ignore=own)
+        if taken:
+            raise IncompatibleSnapshotError(
+                "The snapshot's kernel had network ports open that another process holds "
+                f"here: {', '.join(taken)}.",
+                hint="Stop the process that holds them ('ss -tulpn' names it), or restore "
+                "on a machine where they are free.",
+            )
+
+    async def restore(
+        self, source: Path, manifest: Manifest, criu: Criu, *, lazy: bool, pages_from: str | None
+    ) -> None:
+        """The snapshot in ``source`` as the kernel (see replace_inner), which then goes on
+        from it: its next snapshot follows this one."""
+
+        def restored() -> None:
+            self.kernel.record.restored(manifest)
+            self.kernel.tracker.snapshot_taken()
+
+        await self.replace_inner(source, manifest, criu, restored, lazy=lazy, pages_from=pages_from)
+
+    async def replace_inner(
+        self,
+        source: Path,
+        manifest: Manifest,
+        criu: Criu,
+        before_running: Callable[[], None],
+        *,
+        lazy: bool = False,
+        pages_from: str | None = None,
+    ) -> None:
+        """CRIU (and CUDA) restore of ``source`` as the inner kernel, after ending the one
+        there is; ``before_running`` updates the kernel's records just before requests flow
+        again (held requests then count as new work). On failure the state says what is
+        left: SUSPENDED if the kernel was suspended, else DEAD."""
+        previous = self.kernel.lifecycle.state
+        self.kernel.lifecycle.enter(State.RESTORING)
+        try:
+            await self.kernel.process.kill()
+            await self.kernel.relay.close_inner()
+            self.kernel.relay.connect_inner(InnerChannels(self.kernel.runtime.path))
+            # The restored kernel reads this before its next cell and runs its restore
+            # hooks (its TCP connections come back closed; kernel_snapshots).
+            write_restore_info(
+                self.kernel.runtime.path,
+                snapshot_id=manifest.id,
+                snapshot_created=manifest.created,
+                snapshot_host=manifest.host,
+                in_place=previous != State.STARTING,
+                resumed=self.kernel.record.suspended_snapshot == source,
+                closed_connections=manifest.closed_connections,
+            )
+            pid = await self._criu_tree(source, manifest, criu, lazy, pages_from)
+            await self._cuda_restore(manifest, pid)
+        except BaseException:
+            if self.kernel.process.pid is None:
+                await self.kernel.relay.close_inner()
+            self.kernel.lifecycle.enter(
+                State.SUSPENDED
+                if previous == State.SUSPENDED
+                else State.DEAD
+                if self.kernel.process.pid is None
+                else State.RUNNING
+            )
+            raise
+        self._running(pid, manifest, before_running)
+
+    def _running(self, pid: int, manifest: Manifest, before_running: Callable[[], None]) -> None:
+        """The restored kernel ``pid`` takes over: requests flow to it again."""
+        self.kernel.process.adopt(pid)
+        self.kernel.record.lineage = manifest.lineage
+        self.kernel.tracker.kernel_info = manifest.kernel_info or self.kernel.tracker.kernel_info
+        # A restore is activity: a kernel resumed for a cell must not look idle since
+        # before its suspend and be suspended again before that cell even starts.
+        self.kernel.tracker.last_activity = time.time()
+        before_running()
+        self.kernel.tracker.resume_request(manifest.running_request)
+        self.kernel.lifecycle.enter(State.RUNNING)
+
+    async def _cuda_restore(self, manifest: Manifest, pid: int) -> None:
+        """After ``criu restore`` of the tree ``pid``: the CUDA restore. On failure the
+        tree (and the transfer of a lazy restore) is gone again."""
+        self.closed_on_restore = manifest.closed_connections
+        try:
+            self.last_gpu_restore = await self.kernel.gpu.restore(manifest, pid)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            if self.kernel.lazy.transfer is not None:
+                self.kernel.lazy.drop(self.kernel.lazy.transfer)
+            raise
+
+    async def _criu_tree(
+        self,
+        source: Path,
+        manifest: Manifest,
+        criu: Criu,
+        lazy: bool,
+        pages_from: str | None,
+    ) -> int:
+        """``criu restore`` of the tree (lazily: ``lazy.transfer`` is then the transfer),
+        with the files it needs made here first; returns the kernel's pid. On failure those
+        files, and whatever CRIU restored, are gone again."""
+        made_dirs, shm = await _make_files(manifest, source)
+        work_dir = Path(tempfile.mkdtemp(prefix="restore-", dir=self.kernel.runtime.path))
+        before = set(proctree.children(os.getpid()))
+        inherit_fds = [
+            (self.kernel.process.stdio_w, manifest.stdio_pipe),
+            (self.kernel.runtime.fd, manifest.runtime_dir_key),
+            *shm.inherit,
+        ]
+        try:
+            images = source / IMAGES_DIR
+            pages, kept_here = await _pages(images, pages_from, lazy)
+            if not lazy:
+                return await criu.restore(
+                    images,
+                    work_dir,
+                    inherit_fds=inherit_fds,
+                    keep_tcp=manifest.tcp_kept,
+                    mounts=manifest.mounts,
+                )
+            self.kernel.lazy.starting()
+            pid, self.kernel.lazy.transfer = await criu.restore_lazy(
+                images,
+                work_dir,
+                pages,
+                write_through=kept_here,
+                kill_tree=lambda daemon: Supervisor.kill_children_except(before | {daemon}),
+                inherit_fds=inherit_fds,
+                keep_tcp=manifest.tcp_kept,
+                mounts=manifest.mounts,
+            )
+            return pid
+        except BaseException as exc:
+            shm.undo()
+            _remove_dirs(made_dirs)
+            # CRIU restores the tree as our child: one it gave up on (or that died with
+            # it) must not stay behind, half-restored.
+            Supervisor.kill_children_except(before)
+            if lazy:
+                self.kernel.lazy.failed(exc)
+            raise
+        finally:
+            shm.close_fds()
+            if self.kernel.lazy.transfer is None:
+                shutil.rmtree(work_dir, ignore_errors=True)
+
+
+async def _make_files(manifest: Manifest, source: Path) -> tuple[list[Path], shmfiles.Recreated]:
+    """What the restored tree needs here besides its images: the directories of its unix
+    sockets, its /dev/shm files. Nothing stays behind if this fails."""
+    # A multiprocessing manager's socket lives in a /tmp/pymp-* another node lacks.
+    made_dirs = netports.make_missing_dirs(manifest.unix_socket_dirs)
+    try:
+        shm = await asyncio.to_thread(shmfiles.recreate, manifest.shm_files, source)
+    except BaseException:
+        _remove_dirs(made_dirs)
+        raise
+    if shm.private:
+        log.warning(
+            "restoring with private copies of /dev/shm files whose names another "
+            "process holds here (another copy of this snapshot?): %s",
+            ", ".join(shm.private),
+        )
+    return made_dirs, shm
+
+
+async def _pages(images: Path, pages_from: str | None, lazy: bool) -> tuple[PageSource, bool]:
+    """Where the kernel's memory comes from, and whether the pages files in ``images``
+    are kept by that source (the server downloads them as the kernel runs; else this
+    wrapper makes and completes them)."""
+    pages = page_source(pages_from) if pages_from else DirectoryPages(images)
+    kept_here = pages_from is not None and not any(images.glob("pages-*.img"))
+    if pages_from is not None and (kept_here or not lazy):
+        # What criu restore reads from the files itself (not lazy: every page).
+        await _stage(images, pages, lazy)
+    return pages, kept_here
+
+
+async def _stage(images: Path, pages: PageSource, lazy: bool) -> None:
+    """Write into the images' pages files what ``criu restore`` reads from them itself."""
+    try:
+        await asyncio.to_thread(stage_pages_files, images, pages, lazy_too=not lazy)
+    except OSError as exc:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise RestoreError(
+            f"The kernel's memory could not be staged in {images}: {exc.strerror or exc}.",
+            hint="Free space on that disk (or set work_dir to one with room for the "
+            "kernel's memory), then restore again."
+            if full
+            else "Make sure the store is reachable, then restore again.",
+        ) from exc
+
+
+def _remove_dirs(made: list[Path]) -> None:
+    """Remove directories a failed restore made (innermost first), if still empty."""
+    for path in reversed(made):
+        with contextlib.suppress(OSError):
+            path.rmdir()
