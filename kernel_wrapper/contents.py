@@ -24,6 +24,7 @@ finished within either is still reported, marked ``partial`` with the reason.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import heapq
 import itertools
@@ -32,7 +33,10 @@ import threading
 import time
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 #: The largest variables listed per snapshot.
 TOP_VARIABLES = 50
@@ -282,27 +286,26 @@ def _shallow_sizer(cls: type, fw: Frameworks, budget: Budget) -> Callable[[Any],
     return _OBJECT_SIZEOF
 
 
-def summarize_namespace(
-    namespace: dict[str, Any],
-    hidden: set[str] | frozenset[str] = frozenset(),
-    *,
-    top: int = TOP_VARIABLES,
-    units: int = BUDGET_UNITS,
-    seconds: float = DEADLINE_SECONDS,
-) -> dict[str, Any]:
-    """:func:`_summarize` with the cycle collector paused: a collection that our own
+def _collector_paused(summarize: Callable[P, R]) -> Callable[P, R]:
+    """Run ``summarize`` with the cycle collector paused: a collection that our own
     allocations trigger would run user ``__del__`` methods in this thread, and a full one
     over a large heap takes longer than the whole summary."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return _summarize(namespace, hidden, top=top, units=units, seconds=seconds)
-    finally:
-        if collecting:
-            gc.enable()
+
+    @functools.wraps(summarize)
+    def paused(*args: P.args, **kwargs: P.kwargs) -> R:
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return summarize(*args, **kwargs)
+        finally:
+            if collecting:
+                gc.enable()
+
+    return paused
 
 
-def _summarize(
+@_collector_paused
+def summarize_namespace(
     namespace: dict[str, Any],
     hidden: set[str] | frozenset[str] = frozenset(),
     *,

@@ -38,7 +38,6 @@ entry side by side read the same files, with no copy.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
@@ -54,6 +53,7 @@ from typing import Any
 
 from . import private
 from .errors import SnapshotError
+from .leftovers import lock_directory, try_lock_directory
 from .manifest import (
     MANIFEST_NAME,
     SEAL_STAMPS_NAME,
@@ -125,13 +125,7 @@ def lock_shared(path: Path) -> int:
     """An fd of the directory ``path`` holding a shared flock: a download in use, which a
     clean-up after crashes leaves alone (it needs the exclusive lock), and which the cache
     can lease once it is admitted."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return lock_directory(path, shared=True)
 
 
 def group_of(manifest: Manifest) -> str:
@@ -260,22 +254,6 @@ class ImageCache:
         finally:
             os.close(fd)
 
-    @staticmethod
-    def _try_lock(path: Path, how: int) -> int | None:
-        """An fd of the directory holding its flock, or None if another holds it."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        try:
-            fcntl.flock(fd, how | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return None
-            raise
-        return fd
-
     # -- entries ---------------------------------------------------------------------
 
     def entries(self) -> list[Entry]:
@@ -297,7 +275,7 @@ class ImageCache:
         never sees half of it. Without ``wait`` its files are deleted on a thread of their
         own (unlinking a 300 MB image took 0.07 s here; a crash leaves the renamed
         directory to :meth:`recover`)."""
-        fd = self._try_lock(path, fcntl.LOCK_EX)
+        fd = try_lock_directory(path)
         if fd is None:
             return False
         try:
@@ -378,7 +356,7 @@ class ImageCache:
             staging.rename(entry.path)
             held = None
             if lease:
-                fd = self._try_lock(entry.path, fcntl.LOCK_SH)
+                fd = try_lock_directory(entry.path, shared=True)
                 held = Lease(self, entry, fd, manifest) if fd is not None else None
             self._sweep(newest=entry, wait=False)  # not while the snapshot's job waits
             return held
@@ -392,7 +370,7 @@ class ImageCache:
             path = self.root / snapshot_id
             if not path.is_dir():
                 return None
-            fd = self._try_lock(path, fcntl.LOCK_SH)
+            fd = try_lock_directory(path, shared=True)
             if fd is None:
                 return None  # being removed
             try:
@@ -463,7 +441,7 @@ class ImageCache:
                 if path.name == ".lock" or not path.is_dir():
                     continue
                 if not SNAPSHOT_ID_RE.match(path.name):
-                    fd = self._try_lock(path, fcntl.LOCK_EX)
+                    fd = try_lock_directory(path)
                     if fd is not None:  # not an admission under way elsewhere
                         os.close(fd)
                         shutil.rmtree(path, ignore_errors=True)
@@ -497,7 +475,7 @@ class ImageCache:
         """Whether no restore holds the entry (for tests and tools), waiting a little."""
         deadline = time.monotonic() + timeout
         while True:
-            fd = self._try_lock(self.root / snapshot_id, fcntl.LOCK_EX)
+            fd = try_lock_directory(self.root / snapshot_id)
             if fd is not None:
                 os.close(fd)
                 return True

@@ -101,24 +101,29 @@ def remove_orphaned_dumps(directory: Path) -> list[Path]:
     return removed
 
 
-def lock_directory(path: Path) -> int:
+def lock_directory(path: Path, *, shared: bool = False) -> int:
     """An fd of the directory ``path`` holding its flock: a download or restore copy in
     use stays locked, so a clean-up can tell it from one a dead process left
-    (:func:`remove_unlocked`)."""
+    (:func:`remove_unlocked`). ``shared``: a copy in use that others may use too (a
+    restore reading it, the image cache leasing it); a clean-up needs it exclusive."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def _try_lock_directory(path: Path) -> int | None:
-    """Like :func:`lock_directory`, or None at once if another process holds it."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def try_lock_directory(path: Path, *, shared: bool = False) -> int | None:
+    """Like :func:`lock_directory`, or None at once if another process holds the lock
+    (or the directory is gone)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
@@ -135,7 +140,7 @@ def remove_unlocked(directory: Path) -> list[Path]:
         if not entry.is_dir() or entry.is_symlink():
             continue
         try:
-            fd = _try_lock_directory(entry)
+            fd = try_lock_directory(entry)
         except FileNotFoundError:
             continue
         if fd is None:

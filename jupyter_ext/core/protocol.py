@@ -418,12 +418,6 @@ class WrapperClient:
                 return message.get("result")
             raise SnapshotError.from_dict(message.get("error", {}))
 
-    def request_sync(
-        self,
-        op: str,
-        args: dict[str, Any] | None = None,
-        on_progress: ProgressCallback | None = None,
-        timeout: float | None = None,
-    ) -> Any:
-        """Blocking form of :meth:`request`, for the CLI and tests."""
-        return asyncio.run(self.request(op, args, on_progress, timeout))
+    def request_sync(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        """Blocking form of :meth:`request` (same arguments), for the CLI and tests."""
+        return asyncio.run(self.request(op, *args, **kwargs))

@@ -32,17 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .criu import external_file_key
+
 SHM_DIR = Path("/dev/shm")
 #: Where the copies go inside a snapshot directory.
 SNAPSHOT_DIR_NAME = "shm"
-
-
-def _external_key(fd: int) -> str:
-    mnt_id = -1
-    for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
-        if line.startswith("mnt_id:"):
-            mnt_id = int(line.split()[1])
-    return f"file[{mnt_id:x}:{os.fstat(fd).st_ino:x}]"
 
 
 @dataclass
@@ -145,7 +139,7 @@ def hold_tree_files(pids: Iterable[int], directory: Path = SHM_DIR) -> HeldFiles
                 os.close(fd)  # the name went to another file meanwhile
                 continue
             held.files.append(
-                HeldFile(fd, _external_key(fd), sorted(names[inode]), st.st_mode & 0o7777)
+                HeldFile(fd, external_file_key(fd), sorted(names[inode]), st.st_mode & 0o7777)
             )
             break
     return held
