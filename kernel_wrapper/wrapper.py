@@ -269,6 +269,7 @@ class KernelWrapper:
             "sequence": snapshotter.sequence,
             "busy": snapshotter.busy,
             "resumed_request": relay.resumed_request,
+            "running_request": relay.running_request(),
             "lazy_restore": snapshotter.lazy_status,
             "closed_on_restore": snapshotter.closed_on_restore,
         }
