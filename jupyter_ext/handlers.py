@@ -259,7 +259,7 @@ class VariablesHandler(SnapshotHandler):
                 str(exc),
                 'Send {"kernel_id": "<kernel id>", "names": ["df"], "rename": {"df": "df_old"}}.',
             ) from exc
-        job = variables.start(self.manager, snapshot_id, kernel_id, mapping)
+        job = await variables.start(self.manager, snapshot_id, kernel_id, mapping)
         # As a restore: a missing snapshot is a 404, an incompatible one a 422.
         await self.manager.wait_checked(job)
         self.reply({"job": job.to_dict()}, status=202)

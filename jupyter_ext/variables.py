@@ -21,7 +21,7 @@ import logging
 import shutil
 from typing import TYPE_CHECKING, Any
 
-from .core.errors import SnapshotBusyError, VariableTransferError
+from .core.errors import SnapshotBusyError, VariableTransferError, WrapperUnavailableError
 from .core.manifest import check_snapshot_id
 
 if TYPE_CHECKING:
@@ -153,13 +153,29 @@ async def execute(kernel_manager: Any, kernel_id: str, code: str) -> dict[str, A
         client.stop_channels()
 
 
-def start(
+async def running_a_cell(manager: SnapshotManager, kernel_id: str) -> bool:
+    """Whether the kernel runs a cell: busy, with an execute_request it has not answered.
+
+    Asked of the kernel's wrapper, which records each status and reply before it passes it
+    on: a client that has its cell's reply or idle status is never told the cell runs. (The
+    server's own ``execution_state`` follows its own iopub subscription, which may get the
+    idle status after the client did.) Only a kernel without our wrapper is judged by that.
+    """
+    km = manager.kernel(kernel_id)
+    try:
+        status = await manager.wrapper(kernel_id).status()
+    except WrapperUnavailableError:
+        return getattr(km, "execution_state", "") == "busy"
+    running = status.get("running_request", {})  # a wrapper older than the field: busy decides
+    return status["execution_state"] == "busy" and running is not None
+
+
+async def start(
     manager: SnapshotManager, snapshot_id: str, kernel_id: str, mapping: dict[str, str]
 ) -> Job:
     """The job that copies ``mapping``'s variables from the snapshot into ``kernel_id``."""
     check_snapshot_id(snapshot_id)
-    km = manager.kernel(kernel_id)
-    if getattr(km, "execution_state", "") == "busy":
+    if await running_a_cell(manager, kernel_id):
         raise SnapshotBusyError(
             f"Kernel {kernel_id} is running a cell; variables are only loaded into an idle "
             "kernel (the running code could see them change midway).",

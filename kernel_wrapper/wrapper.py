@@ -270,6 +270,7 @@ class KernelWrapper:
             "sequence": snapshotter.record.sequence,
             "busy": snapshotter.busy,
             "resumed_request": tracker.resumed_request,
+            "running_request": tracker.running_request(),
             "lazy_restore": snapshotter.lazy.status,
             "closed_on_restore": snapshotter.restorer.closed_on_restore,
         }

@@ -136,7 +136,13 @@ def start_kernel(jp_fetch: Fetch, jp_serverapp: Any, jp_asyncio_loop: Any) -> An
             )
             kernel_id = json.loads(response.body)["id"]
         km = jp_serverapp.kernel_manager.get_kernel(kernel_id)
-        client = AsyncKernelClient(connection_file=km.connection_file)
+        # With the kernel manager as parent, wait_for_ready asks it whether the kernel
+        # process lives; without, jupyter_client judges that by heartbeats and calls the
+        # kernel dead after one echo later than a second (on a loaded machine: "RuntimeError:
+        # Kernel died before replying to kernel_info"). Not km.client(): that shares the
+        # manager's session, whose id is the shell socket's identity, and another client
+        # of it (variables.execute) would take this one's routing over.
+        client = AsyncKernelClient(connection_file=km.connection_file, parent=km)
         client.load_connection_file()
         client.start_channels()
         await client.wait_for_ready(timeout=60)

@@ -249,6 +249,8 @@ class KernelStatus(TypedDict):
     sequence: int
     busy: bool
     resumed_request: dict[str, Any] | None
+    running_request: dict[str, Any] | None
+    """The execute_request the kernel got and has not answered yet (the oldest), if any."""
     lazy_restore: dict[str, Any]
     closed_on_restore: list[dict[str, Any]]
     """Connections to outside peers the last restore gave back closed (pid, process,
