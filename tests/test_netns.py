@@ -213,3 +213,43 @@ def test_a_failed_restore_leaves_no_helper(kernel_factory: Factory, tmp_path: Pa
     assert helpers(other) == []
     assert not other.status()["own_network"]
     assert other.execute("print(x)").strip() == "42"
+
+
+def test_idle_suspend_and_resume_of_a_copy(kernel_factory: Factory, tmp_path: Path) -> None:
+    """A suspend ends the copy (its namespace and helper with it); the next cell resumes it
+    into a fresh namespace of its own (the original still holds the ports)."""
+    kernel = kernel_factory()
+    kernel.execute(KERNEL)
+    kernel.snapshot(tmp_path / "snap")
+    copy = kernel_factory(restore_from=tmp_path / "snap")
+    check(copy, "copy")
+    (helper,) = helpers(copy)
+    copy.control.request_sync("suspend", {"dest": str(tmp_path / "suspended")}, timeout=300)
+    assert copy.status()["state"] == "suspended"
+    assert not proctree.is_alive(helper)
+    assert helpers(copy) == []
+    assert check(copy, "resumed") == {"seen": "copy", "who": "resumed"}  # resumes it
+    assert copy.status()["own_network"]
+    assert len(helpers(copy)) == 1
+    assert check(kernel, "original") == {"seen": "original", "who": "original"}
+
+
+def test_lazy_restore_of_a_copy(kernel_factory: Factory, tmp_path: Path) -> None:
+    """A copy restored with lazy pages goes into its own namespace the same way."""
+    from jupyter_ext.core.criu import Criu
+    from jupyter_ext.core.protocol import ENV_LAZY_RESTORE_MIN_BYTES
+
+    if not Criu.locate().supports_lazy_pages()[0]:
+        pytest.skip("lazy pages are not supported on this machine")
+    kernel = kernel_factory()
+    kernel.execute(KERNEL + "import numpy as np; big = np.arange(4 << 20)\n")
+    kernel.snapshot(tmp_path / "snap")
+    copy = kernel_factory(env={ENV_LAZY_RESTORE_MIN_BYTES: "0"})
+    copy.control.request_sync("restore", {"source": str(tmp_path / "snap")}, timeout=300)
+    wait_until(lambda: copy.status()["lazy_restore"].get("state") != "transferring", 120)
+    assert copy.status()["lazy_restore"]["state"] == "complete"
+    assert copy.status()["own_network"]
+    assert check(copy, "copy") == {"seen": "original", "who": "copy"}
+    assert copy.execute("print(int(big.sum()) == (4 << 20) * ((4 << 20) - 1) // 2)").strip() == (
+        "True"
+    )
