@@ -7,10 +7,17 @@ shows the medians of the manifest's ``frozen_seconds`` (CRIU's seize to unfreeze
 kernel must still use its own connections (the server accepts no new one).
 
     .venv/bin/python bench/bench_network.py [--connections 0,1,64] [--repeat 9] [--parallel]
+    .venv/bin/python bench/bench_network.py --side-by-side [--repeat 9]
 
 ``--parallel``: the kernel also runs a spawn ``Pool(2)`` (named semaphores in /dev/shm,
 copied while frozen) and a ``SyncManager`` child with a dict proxy (a connection inside the
 kernel's tree: saved with its state, ``--tcp-established``, with root).
+
+``--side-by-side`` (root): three kernels in one run, snapshotted in turn: (a) a plain
+kernel, (b) a kernel with a ``SyncManager`` child (a kept connection) in the server's
+network namespace, (c) a copy of (b)'s snapshot restored beside it, so in a network
+namespace of its own (core/netns.py); also the restore of (c) and of the same snapshot
+into the server's namespace (after (b) and (c) ended), until the kernel answers.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +73,80 @@ shared["a"] = 1
 """
 
 
+MANAGER = """
+import multiprocessing as mp
+from multiprocessing.managers import SyncManager
+manager = SyncManager(address=("127.0.0.1", 0), ctx=mp.get_context("fork"))
+manager.start()
+shared = manager.dict()
+shared["a"] = 1
+"""
+
+
+def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "frozen_ms": round(statistics.median(r["frozen_seconds"] for r in runs) * 1000, 1),
+        "frozen_ms_each": [round(r["frozen_seconds"] * 1000) for r in runs],
+        "dump_ms": round(statistics.median(r["dump_seconds"] for r in runs) * 1000, 1),
+        "pause_ms": round(statistics.median(r["pause_seconds"] for r in runs) * 1000, 1),
+    }
+
+
+def side_by_side(repeat: int, work: Path) -> None:
+    """(a) plain, (b) kept connection, host namespace, (c) its copy in its own namespace."""
+    plain = KernelProcess(work / "kernels")
+    kept = KernelProcess(work / "kernels")
+    kernels: dict[str, KernelProcess] = {"a plain": plain, "b kept, host netns": kept}
+    restores: dict[str, float] = {}
+    try:
+        kept.execute(MANAGER)
+        kept.snapshot(work / "origin")
+        started = time.monotonic()
+        copy = KernelProcess(work / "kernels", restore_from=work / "origin")
+        copy.execute("shared['a'] += 1")
+        restores["copy beside it (own netns)"] = time.monotonic() - started
+        kernels["c kept, own netns"] = copy
+        assert copy.status()["own_network"]
+        assert not kept.status()["own_network"]
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in kernels}
+        for n in range(repeat):
+            for name, kernel in kernels.items():
+                dest = work / f"snap-{n}"
+                runs[name].append(kernel.snapshot(dest))
+                shutil.rmtree(dest)
+                kernel.execute("shared['a'] += 1" if name != "a plain" else "pass")
+        for kernel in (kept, copy):
+            kernel.shutdown()
+        started = time.monotonic()
+        again = KernelProcess(work / "kernels", restore_from=work / "origin")
+        again.execute("shared['a'] += 1")
+        restores["same snapshot alone (server's netns)"] = time.monotonic() - started
+        again.shutdown()
+    finally:
+        for kernel in kernels.values():
+            if kernel.process.poll() is None:
+                kernel.shutdown()
+    for name, each in runs.items():
+        row = _medians(each)
+        print(json.dumps({"kernel": name, **row}), flush=True)
+    for name, seconds in restores.items():
+        print(json.dumps({"restore": name, "seconds": round(seconds, 3)}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--connections", default="0,1,64")
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--parallel", action="store_true")
+    parser.add_argument("--side-by-side", action="store_true")
     args = parser.parse_args()
+    if args.side_by_side:
+        work = Path(tempfile.mkdtemp(prefix="bench-network-"))
+        try:
+            side_by_side(args.repeat, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     server = _Server(("127.0.0.1", 0), _Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}/"

@@ -292,6 +292,7 @@ class Dumper:
                     ],
                     keep_tcp=tree.keep_tcp,
                     action_script=copier.action_script if copier else None,
+                    netns=self.kernel.process.network,
                 )
             except BaseException as exc:
                 hasher.cancel()

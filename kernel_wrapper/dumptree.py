@@ -42,7 +42,7 @@ class KernelTree:
         try:
             needed = [f for f in proctree.needed_files(pids) if f["path"] not in held.paths]
             inodes = sockdiag.tree_socket_inodes(pids)
-            ports = netports.bound_ports(inodes)
+            ports = netports.bound_ports(inodes, root)
             socket_dirs = netports.unix_socket_dirs(root, inodes)
             connections = tcpconns.tree_connections(pids)
         except BaseException:

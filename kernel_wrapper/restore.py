@@ -4,6 +4,10 @@ The snapshot is read and checked first, before anything is ended: its files (unl
 caller has just verified them), its compatibility with this machine, and the ports it
 needs. Then the kernel there is ends, CRIU restores the snapshot's tree as our child, and
 the CUDA restore (:mod:`kernel_wrapper.gpusteps`) gives its processes their GPU memory.
+A snapshot with kept connections (between its own processes) whose ports (listening, or
+of those connections) another process holds here (a copy beside a running kernel of the
+same snapshot) is restored, as root, into a network namespace of its own
+(:mod:`jupyter_ext.core.netns`); other snapshots whose ports are taken are refused.
 
 With lazy restore (:mod:`kernel_wrapper.lazyrestore`) the kernel runs as soon as CRIU has
 rebuilt it, its memory served page by page: from ``pages_from`` when given (an images
@@ -29,9 +33,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jupyter_ext.core import netports, proctree, shmfiles, sockdiag
+from jupyter_ext.core import filelocks, netns, netports, proctree, shmfiles, sockdiag
 from jupyter_ext.core.compat import check_compatible
-from jupyter_ext.core.criu import Criu
+from jupyter_ext.core.criu import Criu, unprivileged
 from jupyter_ext.core.errors import IncompatibleSnapshotError, RestoreError
 from jupyter_ext.core.lazypages import DirectoryPages, PageSource, page_source, stage_pages_files
 from jupyter_ext.core.manifest import IMAGES_DIR, Manifest, verify
@@ -69,24 +73,66 @@ class Restorer:
             manifest = await asyncio.to_thread(verify, source)
         check_compatible(manifest)
         self._check_ports_free(manifest)
+        self._check_locks_free(manifest, source)
         return manifest
+
+    def _check_locks_free(self, manifest: Manifest, source: Path) -> None:
+        """Refuse a snapshot whose file locks another process holds here (core/filelocks.py:
+        CRIU would wait for them for ever); the kernel being replaced does not count."""
+        if not filelocks.snapshot_locks_files(source):
+            return
+        pid = self.kernel.process.pid
+        paths = [str(f["path"]) for f in manifest.needed_files if f["kind"] == "open"]
+        locked = filelocks.locked_elsewhere(paths, ignore=proctree.descendants(pid) if pid else [])
+        if locked:
+            raise IncompatibleSnapshotError(
+                "The snapshot's kernel held locks on files that another process holds locked "
+                f"here: {', '.join(locked)}. The restore would wait for them.",
+                hint="End that process (another copy of this kernel? Dask's workers lock "
+                "their directories), then restore again.",
+            )
 
     def _check_ports_free(self, manifest: Manifest) -> None:
         """Refuse, before anything is ended, a snapshot whose listening or bound ports
-        another process holds here (the kernel being replaced does not count)."""
+        another process holds here (the kernel being replaced does not count), unless it
+        keeps connections and can have a network namespace of its own (root, slirp4netns);
+        a listener without them (a web app) keeps today's refusal: in a namespace of its
+        own nobody outside the copy would reach it."""
         ports = [netports.BoundPort.from_dict(p) for p in manifest.bound_ports]
         if not ports:
             return
         pid = self.kernel.process.pid
         own = sockdiag.tree_socket_inodes(proctree.descendants(pid)) if pid else set()
         taken = netports.taken_ports(ports, ignore=own)
-        if taken:
+        if not taken:
+            return
+        own_network = manifest.tcp_kept and not unprivileged()
+        if not own_network or netns.slirp_path() is None:
             raise IncompatibleSnapshotError(
                 "The snapshot's kernel had network ports open that another process holds "
                 f"here: {', '.join(taken)}.",
                 hint="Stop the process that holds them ('ss -tulpn' names it), or restore "
-                "on a machine where they are free.",
+                "on a machine where they are free"
+                + (", or install slirp4netns (docs/network.md)." if own_network else "."),
             )
+        log.info(
+            "ports of the snapshot are taken here (%s): restoring it into a network "
+            "namespace of its own",
+            ", ".join(taken),
+        )
+
+    @staticmethod
+    def _network_for(manifest: Manifest) -> netns.OwnNetwork | None:
+        """A network namespace of its own for a restored tree with kept connections if its
+        ports (listening, or those connections' local ones) are taken here now, else None
+        (the server's)."""
+        if unprivileged() or not manifest.tcp_kept:
+            return None
+        ports = [netports.BoundPort.from_dict(p) for p in manifest.bound_ports]
+        taken = netports.taken_ports(ports) + netports.taken_endpoints(
+            [str(c["local"]) for c in manifest.kept_connections]
+        )
+        return netns.OwnNetwork.create() if taken else None
 
     async def restore(
         self, source: Path, manifest: Manifest, criu: Criu, *, lazy: bool, pages_from: str | None
@@ -131,8 +177,13 @@ class Restorer:
                 resumed=self.kernel.record.suspended_snapshot == source,
                 closed_connections=manifest.closed_connections,
             )
-            pid = await self._criu_tree(source, manifest, criu, lazy, pages_from)
-            await self._cuda_restore(manifest, pid)
+            pid, network = await self._criu_tree(source, manifest, criu, lazy, pages_from)
+            try:
+                await self._cuda_restore(manifest, pid)
+            except BaseException:
+                if network is not None:
+                    network.close()
+                raise
         except BaseException:
             if self.kernel.process.pid is None:
                 await self.kernel.relay.close_inner()
@@ -144,11 +195,18 @@ class Restorer:
                 else State.RUNNING
             )
             raise
-        self._running(pid, manifest, before_running)
+        self._running(pid, network, manifest, before_running)
 
-    def _running(self, pid: int, manifest: Manifest, before_running: Callable[[], None]) -> None:
-        """The restored kernel ``pid`` takes over: requests flow to it again."""
-        self.kernel.process.adopt(pid)
+    def _running(
+        self,
+        pid: int,
+        network: netns.OwnNetwork | None,
+        manifest: Manifest,
+        before_running: Callable[[], None],
+    ) -> None:
+        """The restored kernel ``pid`` (in ``network``, if given) takes over: requests
+        flow to it again."""
+        self.kernel.process.adopt(pid, network)
         self.kernel.record.lineage = manifest.lineage
         self.kernel.tracker.kernel_info = manifest.kernel_info or self.kernel.tracker.kernel_info
         # A restore is activity: a kernel resumed for a cell must not look idle since
@@ -180,10 +238,11 @@ class Restorer:
         criu: Criu,
         lazy: bool,
         pages_from: str | None,
-    ) -> int:
+    ) -> tuple[int, netns.OwnNetwork | None]:
         """``criu restore`` of the tree (lazily: ``lazy.transfer`` is then the transfer),
-        with the files it needs made here first; returns the kernel's pid. On failure those
-        files, and whatever CRIU restored, are gone again."""
+        with the files it needs made here first, in a network namespace of its own if its
+        ports are taken here; returns the kernel's pid and that namespace. On failure those
+        files, the namespace, and whatever CRIU restored, are gone again."""
         made_dirs, shm = await _make_files(manifest, source)
         work_dir = Path(tempfile.mkdtemp(prefix="restore-", dir=self.kernel.runtime.path))
         before = set(proctree.children(os.getpid()))
@@ -192,17 +251,23 @@ class Restorer:
             (self.kernel.runtime.fd, manifest.runtime_dir_key),
             *shm.inherit,
         ]
+        network: netns.OwnNetwork | None = None
         try:
+            network = await asyncio.to_thread(self._network_for, manifest)
+            if network is not None:
+                before.add(network.helper.pid)  # ends with close(), not as a leftover
             images = source / IMAGES_DIR
             pages, kept_here = await _pages(images, pages_from, lazy)
             if not lazy:
-                return await criu.restore(
+                pid = await criu.restore(
                     images,
                     work_dir,
                     inherit_fds=inherit_fds,
                     keep_tcp=manifest.tcp_kept,
                     mounts=manifest.mounts,
+                    netns=network,
                 )
+                return pid, network
             self.kernel.lazy.starting()
             pid, self.kernel.lazy.transfer = await criu.restore_lazy(
                 images,
@@ -213,14 +278,17 @@ class Restorer:
                 inherit_fds=inherit_fds,
                 keep_tcp=manifest.tcp_kept,
                 mounts=manifest.mounts,
+                netns=network,
             )
-            return pid
+            return pid, network
         except BaseException as exc:
             shm.undo()
             _remove_dirs(made_dirs)
             # CRIU restores the tree as our child: one it gave up on (or that died with
             # it) must not stay behind, half-restored.
             Supervisor.kill_children_except(before)
+            if network is not None:
+                network.close()  # after the tree: no process of it may see its network go
             if lazy:
                 self.kernel.lazy.failed(exc)
             raise

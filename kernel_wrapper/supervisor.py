@@ -20,6 +20,7 @@ from pathlib import Path
 from jupyter_ext.core import pidspace, proctree
 from jupyter_ext.core.criu import unprivileged
 from jupyter_ext.core.errors import KernelNotRunningError
+from jupyter_ext.core.netns import OwnNetwork
 from jupyter_ext.core.protocol import ENV_OWN_PROC
 
 log = logging.getLogger("kernel_wrapper")
@@ -52,6 +53,9 @@ class Supervisor:
         self._launcher: subprocess.Popen[bytes] | None = None
         self._pidfd: int | None = None
         self._expected_exit = False
+        self.network: OwnNetwork | None = None
+        """The kernel's own network namespace (a copy restored beside another: core/netns.py),
+        None while it runs in the server's; it ends with the kernel."""
         self.stdio_r, self.stdio_w = os.pipe()
         os.set_blocking(self.stdio_r, False)
 
@@ -121,9 +125,10 @@ class Supervisor:
         self._set_pid(await self._first_child(launcher.pid))
         self._watch(launcher.pid)
 
-    def adopt(self, pid: int) -> None:
-        """Supervise a kernel CRIU restored as our child."""
+    def adopt(self, pid: int, network: OwnNetwork | None = None) -> None:
+        """Supervise a kernel CRIU restored as our child (into ``network``, if given)."""
         self._launcher = None
+        self.network = network
         self._set_pid(pid)
         self._watch(pid)
 
@@ -170,6 +175,7 @@ class Supervisor:
     def _exited(self, code: int) -> None:
         self._launcher = None
         self._set_pid(None)
+        self.end_network()
         if self._expected_exit:
             self._expected_exit = False
             return
@@ -227,5 +233,12 @@ class Supervisor:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
 
+    def end_network(self) -> None:
+        """End the kernel's own network namespace and its helper, if it has them."""
+        if self.network is not None:
+            self.network.close()
+            self.network = None
+
     def close(self) -> None:
         self._unwatch()
+        self.end_network()

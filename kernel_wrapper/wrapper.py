@@ -273,4 +273,7 @@ class KernelWrapper:
             "running_request": tracker.running_request(),
             "lazy_restore": snapshotter.lazy.status,
             "closed_on_restore": snapshotter.restorer.closed_on_restore,
+            # A copy restored beside another kernel of its snapshot: its own network
+            # namespace, reached out of through slirp4netns (core/netns.py).
+            "own_network": self.process.network is not None,
         }

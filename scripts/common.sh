@@ -53,7 +53,8 @@ setup_machine() {
     return 1
   fi
   command -v apt-get >/dev/null || { echo "this needs Debian/Ubuntu (no apt-get)" >&2; return 1; }
-  apt_install util-linux iproute2 patchelf python3-venv ca-certificates gcc curl "$@"
+  # slirp4netns: a way out for a copy restored into a network namespace of its own.
+  apt_install util-linux iproute2 slirp4netns patchelf python3-venv ca-certificates gcc curl "$@"
   if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
     apt_install nodejs npm
   fi

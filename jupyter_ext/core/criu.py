@@ -25,10 +25,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import mountns, proctree
 from .confinement import Confinement, explain_denied
+from .criulog import frozen_seconds as frozen_seconds
+from .criulog import log_excerpt as log_excerpt
 from .errors import (
     CriuError,
     CriuNotFoundError,
@@ -39,6 +41,9 @@ from .errors import (
 )
 from .lazypages import PageServer, PageSource
 from .protocol import ENV_CRIU, ENV_CRIU_PREFIX
+
+if TYPE_CHECKING:
+    from .netns import OwnNetwork
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +213,7 @@ class Criu:
         externals: Sequence[str] = (),
         keep_tcp: bool = False,
         action_script: str | None = None,
+        netns: OwnNetwork | None = None,
     ) -> float:
         """Dump the process tree rooted at ``pid`` into ``images_dir``.
 
@@ -215,7 +221,8 @@ class Criu:
         restore will hand over with ``--inherit-fd`` instead of reopening them.
         ``keep_tcp`` saves TCP connections with their state (:data:`TCP_KEEP_DUMP_OPTIONS`);
         ``action_script`` runs at CRIU's steps (post-dump: still frozen). Returns how long
-        the tree was frozen (see :func:`frozen_seconds`).
+        the tree was frozen (see :func:`frozen_seconds`). ``netns``: the tree's own network
+        namespace, where CRIU then runs (core/netns.py: not dumped itself).
         """
         tcp = TCP_KEEP_DUMP_OPTIONS if keep_tcp else TCP_DUMP_OPTIONS
         args = ["dump", "-t", str(pid), "-D", str(images_dir), "-W", str(work_dir)]
@@ -228,7 +235,7 @@ class Criu:
             args.append("--leave-running")
         for attempt in range(KERNDAT_ATTEMPTS):
             async with working_directories_locked(pid):
-                rc, output = await self._run(args)
+                rc, output = await self._run(args, netns=netns)
             if rc == 0 or not _kerndat_failed(work_dir / "dump.log", output):
                 break
             # CRIU failed in its start-up probes, before it touched the kernel: without a
@@ -249,6 +256,7 @@ class Criu:
         inherit_fds: Sequence[tuple[int, str]] = (),
         keep_tcp: bool = False,
         mounts: Sequence[str] = (),
+        netns: OwnNetwork | None = None,
     ) -> int:
         """Restore the tree in ``images_dir`` as a sibling of this process; returns its pid.
 
@@ -256,11 +264,18 @@ class Criu:
         image (``pipe:[INODE]``, or an external ``file[MNT:INODE]``), so the restored
         kernel uses our pipes and directories, not those of the process that was dumped.
         ``keep_tcp``: the images were dumped with ``keep_tcp`` (connections with state).
+        ``netns``: the network namespace to restore the tree into (CRIU runs there).
         ``mounts``: the external mount points of the tree's own mount namespace, bound
         from the same paths here (:mod:`.mountns`).
         """
         return await self._restore(
-            images_dir, work_dir, inherit_fds, lazy=False, keep_tcp=keep_tcp, mounts=mounts
+            images_dir,
+            work_dir,
+            inherit_fds,
+            lazy=False,
+            keep_tcp=keep_tcp,
+            mounts=mounts,
+            netns=netns,
         )
 
     async def restore_lazy(
@@ -274,6 +289,7 @@ class Criu:
         inherit_fds: Sequence[tuple[int, str]] = (),
         keep_tcp: bool = False,
         mounts: Sequence[str] = (),
+        netns: OwnNetwork | None = None,
     ) -> tuple[int, LazyTransfer]:
         """Restore as :meth:`restore` does, but with lazy pages: the tree runs at once and
         its memory is read from ``source`` as it touches it, the rest in the background.
@@ -311,7 +327,13 @@ class Criu:
             await transfer.listening()
             restoring = asyncio.ensure_future(
                 self._restore(
-                    images_dir, work_dir, inherit_fds, lazy=True, keep_tcp=keep_tcp, mounts=mounts
+                    images_dir,
+                    work_dir,
+                    inherit_fds,
+                    lazy=True,
+                    keep_tcp=keep_tcp,
+                    mounts=mounts,
+                    netns=netns,
                 )
             )
             # CRIU's restorer itself touches lazy memory (rseq, TLS): a page that cannot
@@ -342,6 +364,7 @@ class Criu:
         lazy: bool,
         keep_tcp: bool = False,
         mounts: Sequence[str] = (),
+        netns: OwnNetwork | None = None,
     ) -> int:
         pidfile = work_dir / "restored.pid"
         tcp = TCP_KEEP_RESTORE_OPTIONS if keep_tcp else ("--tcp-close",)
@@ -369,11 +392,11 @@ class Criu:
         args += mount_options
         adopting = contextlib.nullcontext() if sibling else proctree.subreaper_while()
         with adopting:
-            rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
+            rc, output = await self._run(args, [fd for fd, _ in inherit_fds], netns)
             deadline = time.monotonic() + PID_FREE_WAIT_SECONDS
             while rc != 0 and time.monotonic() < deadline and pid_being_freed(work_dir):
                 await asyncio.sleep(0.05)
-                rc, output = await self._run(args, pass_fds=[fd for fd, _ in inherit_fds])
+                rc, output = await self._run(args, [fd for fd, _ in inherit_fds], netns)
         if rc != 0:
             excerpt = log_excerpt(work_dir / "restore.log", output)
             message, hint = explain_failure(excerpt, restoring=True)
@@ -403,8 +426,14 @@ class Criu:
         return out.returncode == 0 and "is supported" in text, text
 
     async def _start(
-        self, args: list[str], pass_fds: Sequence[int] = ()
+        self, args: list[str], pass_fds: Sequence[int] = (), netns: OwnNetwork | None = None
     ) -> asyncio.subprocess.Process:
+        def prepare() -> None:
+            # A dump must not go on (holding the kernel seized) after its wrapper died.
+            proctree.die_with_parent()
+            if netns is not None:
+                netns.enter()
+
         try:
             return await asyncio.create_subprocess_exec(
                 str(self.path),
@@ -413,14 +442,15 @@ class Criu:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 pass_fds=pass_fds,
-                # A dump must not go on (holding the kernel seized) after its wrapper died.
-                preexec_fn=proctree.die_with_parent,
+                preexec_fn=prepare,
             )
         except OSError as exc:
             raise CriuError(f"Could not start {self.path}: {exc}", hint=INSTALL_HINT) from exc
 
-    async def _run(self, args: list[str], pass_fds: Sequence[int] = ()) -> tuple[int, str]:
-        proc = await self._start(args, pass_fds)
+    async def _run(
+        self, args: list[str], pass_fds: Sequence[int] = (), netns: OwnNetwork | None = None
+    ) -> tuple[int, str]:
+        proc = await self._start(args, pass_fds, netns)
         out, _ = await proc.communicate()
         return proc.returncode or 0, out.decode(errors="replace")
 
@@ -612,43 +642,6 @@ def _remove_stale_parasite_dir(dir_fd: int) -> None:
         with contextlib.suppress(OSError):
             os.rmdir(PARASITE_PROC_DIR, dir_fd=dir_fd)
     log.info("removed a %s left by an interrupted dump", PARASITE_PROC_DIR)
-
-
-_LOG_LINE = re.compile(rb"^\((\d+\.\d+)\) (.*)$")
-
-
-def frozen_seconds(dump_log: Path) -> float:
-    """How long a dump kept the tree frozen: from CRIU's first "Seized task" to its
-    "Unfreezing tasks", read from the timestamps of the log (0.0 if they are missing).
-
-    This is the kernel's real pause; the rest of ``criu dump`` runs beside the kernel.
-    """
-    seized: float | None = None
-    try:
-        with dump_log.open("rb") as log:
-            for line in log:
-                match = _LOG_LINE.match(line)
-                if match is None:
-                    continue
-                if seized is None and match[2].startswith(b"Seized task"):
-                    seized = float(match[1])
-                elif seized is not None and match[2].startswith(b"Unfreezing tasks"):
-                    return float(match[1]) - seized
-    except OSError:
-        pass
-    return 0.0
-
-
-def log_excerpt(log_file: Path, output: str, limit: int = 20) -> str:
-    """The lines of a CRIU log that explain a failure: its errors, and what led to them."""
-    try:
-        lines = log_file.read_text(errors="replace").splitlines()
-    except OSError:
-        lines = output.splitlines()
-    picked = [line for line in lines if "Error" in line or "error" in line or "Warn" in line]
-    if not picked:
-        picked = lines[-limit:]
-    return "\n".join(line.strip() for line in picked[-limit:])
 
 
 # (pattern in the log, message, hint). A hint starting with "incompatible:" marks

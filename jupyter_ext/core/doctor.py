@@ -294,6 +294,40 @@ def check_tcp_connections(criu: Criu | None) -> Check:
     )
 
 
+def check_copies_side_by_side() -> Check:
+    """Whether a copy restored beside a kernel that holds its ports can have a network
+    namespace of its own (core/netns.py)."""
+    from .netns import slirp_path
+
+    name = "copies side by side"
+    if unprivileged():
+        return Check(
+            name,
+            False,
+            "without root a copy whose ports (listening) another kernel holds here is "
+            "refused (no network namespace of its own)",
+            fix="Run Jupyter as root (docs/network.md, docs/nonroot.md).",
+            required=False,
+        )
+    slirp = slirp_path()
+    if slirp is None:
+        return Check(
+            name,
+            False,
+            "slirp4netns is missing: a copy whose ports another kernel holds here (a copy "
+            "of a kernel with a Dask cluster or a manager beside the original) is refused",
+            fix="apt-get install slirp4netns",
+            required=False,
+        )
+    return Check(
+        name,
+        True,
+        "a copy whose ports another kernel holds here gets a network namespace of its own, "
+        f"reaching out through {slirp} (the server's loopback at 10.0.2.2)",
+        required=False,
+    )
+
+
 def check_runtime_dir(runtime_dir: Path) -> Check:
     try:
         runtime_dir.mkdir(parents=True, exist_ok=True)
@@ -363,6 +397,7 @@ def run_checks(
         check_tools(),
         check_sock_diag(),
         check_tcp_connections(criu),
+        check_copies_side_by_side(),
     ]
     if runtime_dir is not None:
         checks.append(check_runtime_dir(runtime_dir))

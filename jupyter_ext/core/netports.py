@@ -4,7 +4,9 @@ CRIU restores a listening TCP socket or a bound UDP socket by binding its addres
 port again; if another process holds that port the restore fails ("Address already in
 use"). The wrapper records the kernel's ports in the manifest and checks them before a
 restore starts, so the error names the port, and a running kernel is never ended for a
-restore that cannot succeed. Facts come from /proc/net of this network namespace.
+restore that cannot succeed (or, as root, restores a copy whose ports are taken into a
+network namespace of its own: core/netns.py). Facts come from /proc/net of this network
+namespace, or of a kernel's (``/proc/PID/net``: a copy in its own namespace).
 """
 
 from __future__ import annotations
@@ -71,13 +73,13 @@ def proc_net_address(hex_address: str) -> str:
     return str(ipaddress.ip_address(socket.inet_ntop(family, packed)))
 
 
-def _entries() -> list[_Entry]:
-    """Every TCP and UDP socket of this network namespace with a local port."""
+def _entries(pid: int | str = "self") -> list[_Entry]:
+    """Every TCP and UDP socket of ``pid``'s network namespace with a local port."""
     found: list[_Entry] = []
     for proto in ("tcp", "udp"):
         for table in (proto, proto + "6"):
             try:
-                lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+                lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
             except OSError:
                 continue
             for line in lines:
@@ -104,9 +106,10 @@ def _binds(entry: _Entry) -> bool:
     return entry.port.proto == "udp" or entry.state == _TCP_LISTEN
 
 
-def bound_ports(inodes: set[int]) -> list[BoundPort]:
-    """The ports the sockets with these inodes hold (a kernel's, from its open fds)."""
-    ports = {entry.port for entry in _entries() if entry.inode in inodes and _binds(entry)}
+def bound_ports(inodes: set[int], pid: int | str = "self") -> list[BoundPort]:
+    """The ports the sockets with these inodes hold (a kernel's, from its open fds; ``pid``
+    is one of its processes)."""
+    ports = {entry.port for entry in _entries(pid) if entry.inode in inodes and _binds(entry)}
     return sorted(ports, key=lambda p: (p.proto, p.port, p.address))
 
 
@@ -117,6 +120,25 @@ def taken_ports(ports: list[BoundPort], ignore: Collection[int] = ()) -> list[st
     return [
         port.describe() for port in ports if any(port.collides_with(other.port) for other in others)
     ]
+
+
+def taken_endpoints(endpoints: list[str]) -> list[str]:
+    """Which local endpoints (``ADDR:PORT``, ``[ADDR]:PORT``) of a snapshot's kept TCP
+    connections a socket here holds (any state but TIME_WAIT's, which holds no socket)."""
+    held = {
+        endpoint_text(e.port.address, e.port.port)
+        for e in _entries()
+        if e.port.proto == "tcp" and e.inode != 0
+    }
+    return sorted(f"TCP {endpoint} (a kept connection's)" for endpoint in set(endpoints) & held)
+
+
+def endpoint_text(address: str, port: int) -> str:
+    """``ADDR:PORT`` (``[ADDR]:PORT`` for IPv6; an IPv4-mapped address as IPv4)."""
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
 def unix_socket_dirs(pid: int, inodes: set[int]) -> list[str]:

@@ -255,6 +255,9 @@ class KernelStatus(TypedDict):
     closed_on_restore: list[dict[str, Any]]
     """Connections to outside peers the last restore gave back closed (pid, process,
     local, remote)."""
+    own_network: bool
+    """The kernel runs in a network namespace of its own (a copy restored beside a kernel
+    holding its ports; it reaches out through slirp4netns): docs/network.md."""
 
 
 class Restored(TypedDict):

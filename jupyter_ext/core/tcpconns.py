@@ -18,7 +18,6 @@ TCP repair needs CAP_NET_ADMIN: without root every connection is restored closed
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import socket
 import struct
@@ -40,6 +39,7 @@ from .criuimages import (
     sub_message,
     with_sub_message,
 )
+from .netports import endpoint_text as _endpoint
 from .netports import proc_net_address
 
 _TCP_ESTABLISHED = 0x01
@@ -59,13 +59,6 @@ class Connection:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _endpoint(address: str, port: int) -> str:
-    ip = ipaddress.ip_address(address)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
 def _established(pid: int) -> dict[int, tuple[str, str]]:

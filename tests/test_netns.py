@@ -1,0 +1,255 @@
+"""Copies of one snapshot side by side, with connections inside each (a multiprocessing
+manager on 127.0.0.1), while the original runs: each copy whose ports
+are taken here gets a network namespace of its own (core/netns.py), its connections come
+back established on its own loopback, it still reaches the server's loopback through
+slirp4netns (10.0.2.2), its later snapshots restore, and its helper ends with it. A Dask
+cluster's copy beside its original is refused: its workers' directory locks are held.
+docs/network.md ("Copies side by side").
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from jupyter_ext.core import netns, proctree
+from jupyter_ext.core.criu import unprivileged
+from jupyter_ext.testing import KernelProcess, wait_until
+
+Factory = Callable[..., KernelProcess]
+
+pytestmark = [
+    pytest.mark.skipif(unprivileged(), reason="without root a kernel keeps no connections"),
+    pytest.mark.skipif(netns.slirp_path() is None, reason="slirp4netns is not installed"),
+]
+
+KERNEL = r"""
+import json, multiprocessing as mp, socket
+from multiprocessing.managers import SyncManager
+manager = SyncManager(address=("127.0.0.1", 0), ctx=mp.get_context("fork"))
+manager.start()
+shared = manager.dict()
+shared["who"] = "original"
+"""
+
+CHECK = r"""
+shared["seen"] = shared["who"]
+shared["who"] = WHO
+print(json.dumps({"seen": shared["seen"], "who": shared["who"]}))
+"""
+
+DASK = r"""
+from dask.distributed import Client, LocalCluster
+cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                       dashboard_address=None, host="127.0.0.1")
+client = Client(cluster)
+"""
+
+REACH_HOST = r"""
+s = socket.create_connection((HOST, PORT), timeout=10)
+print(s.recv(100).decode())
+s.close()
+"""
+
+
+@pytest.fixture
+def host_server() -> Iterator[int]:
+    """A tiny server on the host's 127.0.0.1 that greets every connection."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.sendall(b"hello from the host")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def helpers(kernel: KernelProcess) -> list[int]:
+    """The slirp4netns helpers of the kernel's wrapper."""
+    return [
+        pid
+        for pid in proctree.children(kernel.process.pid)
+        if Path(f"/proc/{pid}/comm").read_text().strip() == "slirp4netns"
+    ]
+
+
+def check(kernel: KernelProcess, who: str) -> dict[str, object]:
+    out = kernel.execute(CHECK.replace("WHO", repr(who)), timeout=120)
+    result: dict[str, object] = json.loads(out)
+    return result
+
+
+def test_copies_side_by_side_keep_their_connections(
+    kernel_factory: Factory, tmp_path: Path, host_server: int
+) -> None:
+    kernel = kernel_factory()
+    kernel.execute(KERNEL, timeout=300)
+    manifest = kernel.snapshot(tmp_path / "snap")
+    assert manifest["tcp_kept"]
+    # Two copies beside the running original: their ports are taken, each gets its own
+    # network namespace, where its connections come back established.
+    first = kernel_factory(restore_from=tmp_path / "snap")
+    second = kernel_factory(restore_from=tmp_path / "snap")
+    assert not kernel.status()["own_network"]
+    assert first.status()["own_network"]
+    assert second.status()["own_network"]
+    assert len(helpers(first)) == 1
+    assert len(helpers(second)) == 1
+    assert check(first, "first") == {"seen": "original", "who": "first"}
+    assert check(second, "second") == {"seen": "original", "who": "second"}
+    assert check(kernel, "original") == {"seen": "original", "who": "original"}
+    assert check(first, "first")["seen"] == "first"
+    # The server's own loopback, the documented way.
+    reach = REACH_HOST.replace("HOST", repr(netns.HOST_ADDRESS)).replace("PORT", str(host_server))
+    assert first.execute(reach).strip() == "hello from the host"
+    # A later snapshot of a copy (its namespace not dumped), restored beside the others.
+    later = first.snapshot(tmp_path / "later")
+    assert later["tcp_kept"]
+    third = kernel_factory(restore_from=tmp_path / "later")
+    assert third.status()["own_network"]
+    assert check(third, "third") == {"seen": "first", "who": "third"}
+    assert third.execute(reach).strip() == "hello from the host"
+    # The helper ends with its kernel: killed, and with its wrapper.
+    (helper,) = helpers(first)
+    first.kill_inner()
+    assert not proctree.is_alive(helper)
+    (helper,) = helpers(second)
+    second.kill_all()
+    wait_until(lambda: not proctree.is_alive(helper), what="the helper to end")
+
+
+def test_restore_in_place_of_a_copy_and_beside_nothing(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """A restore in place of a copy decides anew: its namespace and helper go with the
+    replaced kernel; with the original gone, the snapshot goes into the server's."""
+    kernel = kernel_factory()
+    kernel.execute(KERNEL, timeout=300)
+    kernel.snapshot(tmp_path / "snap")
+    copy = kernel_factory(restore_from=tmp_path / "snap")
+    (helper,) = helpers(copy)
+    copy.restore(tmp_path / "snap")
+    assert copy.status()["own_network"]
+    assert not proctree.is_alive(helper)
+    kernel.kill_all()
+    copy.restore(tmp_path / "snap")
+    assert not copy.status()["own_network"]
+    assert helpers(copy) == []
+    assert check(copy, "copy") == {"seen": "original", "who": "copy"}
+
+
+def test_copy_of_a_dask_kernel_beside_it_is_refused_naming_the_lock(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """Dask's workers lock their directories: a copy would wait for ever in CRIU's restore
+    of those locks while the original holds them; it is refused before anything starts."""
+    kernel = kernel_factory()
+    kernel.execute(DASK, timeout=300)
+    kernel.snapshot(tmp_path / "snap")
+    with pytest.raises(RuntimeError, match="locked by process"):
+        kernel_factory(restore_from=tmp_path / "snap")
+    kernel.kill_all()
+    restored = kernel_factory(restore_from=tmp_path / "snap")
+    assert not restored.status()["own_network"]
+    out = restored.execute("print(client.submit(sum, [1, 2]).result())", timeout=120)
+    assert out.strip() == "3"
+
+
+def test_doctor_says_copies_side_by_side_get_their_own_network() -> None:
+    from jupyter_ext.core.doctor import check_copies_side_by_side
+
+    check = check_copies_side_by_side()
+    assert check.ok
+    assert "10.0.2.2" in check.detail
+
+
+def test_helper_ends_when_its_namespace_is_closed() -> None:
+    network = netns.OwnNetwork.create()
+    helper = network.helper.pid
+    assert proctree.is_alive(helper)
+    network.close()
+    network.close()
+    assert not proctree.is_alive(helper)
+
+
+def test_a_failed_restore_leaves_no_helper(kernel_factory: Factory, tmp_path: Path) -> None:
+    """CRIU fails restoring a copy into its own namespace: the helper is gone with it, and
+    the kernel that was there is put back."""
+    from jupyter_ext.core.criu import Criu
+    from jupyter_ext.core.errors import RestoreError
+    from jupyter_ext.core.protocol import ENV_CRIU
+
+    kernel = kernel_factory()
+    kernel.execute(KERNEL)
+    kernel.snapshot(tmp_path / "snap")
+    failing = tmp_path / "criu"
+    failing.write_text(
+        "#!/bin/sh\n"
+        f'case "$*" in restore*{tmp_path / "snap"}*) echo refused >&2; exit 1;; esac\n'
+        f'exec {Criu.locate().path} "$@"\n'
+    )
+    failing.chmod(0o755)
+    other = kernel_factory(env={ENV_CRIU: str(failing)})
+    other.execute("x = 42")
+    with pytest.raises(RestoreError, match="put back"):
+        other.restore(tmp_path / "snap")
+    assert helpers(other) == []
+    assert not other.status()["own_network"]
+    assert other.execute("print(x)").strip() == "42"
+
+
+def test_idle_suspend_and_resume_of_a_copy(kernel_factory: Factory, tmp_path: Path) -> None:
+    """A suspend ends the copy (its namespace and helper with it); the next cell resumes it
+    into a fresh namespace of its own (the original still holds the ports)."""
+    kernel = kernel_factory()
+    kernel.execute(KERNEL)
+    kernel.snapshot(tmp_path / "snap")
+    copy = kernel_factory(restore_from=tmp_path / "snap")
+    check(copy, "copy")
+    (helper,) = helpers(copy)
+    copy.control.request_sync("suspend", {"dest": str(tmp_path / "suspended")}, timeout=300)
+    assert copy.status()["state"] == "suspended"
+    assert not proctree.is_alive(helper)
+    assert helpers(copy) == []
+    assert check(copy, "resumed") == {"seen": "copy", "who": "resumed"}  # resumes it
+    assert copy.status()["own_network"]
+    assert len(helpers(copy)) == 1
+    assert check(kernel, "original") == {"seen": "original", "who": "original"}
+
+
+def test_lazy_restore_of_a_copy(kernel_factory: Factory, tmp_path: Path) -> None:
+    """A copy restored with lazy pages goes into its own namespace the same way."""
+    from jupyter_ext.core.criu import Criu
+    from jupyter_ext.core.protocol import ENV_LAZY_RESTORE_MIN_BYTES
+
+    if not Criu.locate().supports_lazy_pages()[0]:
+        pytest.skip("lazy pages are not supported on this machine")
+    kernel = kernel_factory()
+    kernel.execute(KERNEL + "import numpy as np; big = np.arange(4 << 20)\n")
+    kernel.snapshot(tmp_path / "snap")
+    copy = kernel_factory(env={ENV_LAZY_RESTORE_MIN_BYTES: "0"})
+    copy.control.request_sync("restore", {"source": str(tmp_path / "snap")}, timeout=300)
+    wait_until(lambda: copy.status()["lazy_restore"].get("state") != "transferring", 120)
+    assert copy.status()["lazy_restore"]["state"] == "complete"
+    assert copy.status()["own_network"]
+    assert check(copy, "copy") == {"seen": "original", "who": "copy"}
+    assert copy.execute("print(int(big.sum()) == (4 << 20) * ((4 << 20) - 1) // 2)").strip() == (
+        "True"
+    )
