@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import struct
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -73,30 +73,36 @@ def proc_net_address(hex_address: str) -> str:
     return str(ipaddress.ip_address(socket.inet_ntop(family, packed)))
 
 
+def proc_net_rows(pid: int | str, tables: tuple[str, ...]) -> Iterator[list[str]]:
+    """The rows of ``/proc/PID/net/<table>`` (``pid``'s network namespace) for each table,
+    split into fields; short rows and tables that cannot be read are left out."""
+    for table in tables:
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) >= 10:
+                yield fields
+
+
 def _entries(pid: int | str = "self") -> list[_Entry]:
     """Every TCP and UDP socket of ``pid``'s network namespace with a local port."""
     found: list[_Entry] = []
     for proto in ("tcp", "udp"):
-        for table in (proto, proto + "6"):
-            try:
-                lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-            except OSError:
+        for fields in proc_net_rows(pid, (proto, proto + "6")):
+            hex_address, hex_port = fields[1].split(":")
+            port = int(hex_port, 16)
+            if port == 0:
                 continue
-            for line in lines:
-                fields = line.split()
-                if len(fields) < 10:
-                    continue
-                hex_address, hex_port = fields[1].split(":")
-                port = int(hex_port, 16)
-                if port == 0:
-                    continue
-                found.append(
-                    _Entry(
-                        BoundPort(proto, proc_net_address(hex_address), port),
-                        int(fields[3], 16),
-                        int(fields[9]),
-                    )
+            found.append(
+                _Entry(
+                    BoundPort(proto, proc_net_address(hex_address), port),
+                    int(fields[3], 16),
+                    int(fields[9]),
                 )
+            )
     return found
 
 

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import proctree
+from . import netports, proctree
 from .criuimages import (
     FD_TYPE_INETSK,
     FE_ISK,
@@ -64,25 +64,19 @@ class Connection:
 def _established(pid: int) -> dict[int, tuple[str, str]]:
     """Established TCP sockets of ``pid``'s network namespace: inode -> (local, remote)."""
     found: dict[int, tuple[str, str]] = {}
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except OSError:
+    for fields in netports.proc_net_rows(pid, ("tcp", "tcp6")):
+        if int(fields[3], 16) != _TCP_ESTABLISHED:
             continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 10 or int(fields[3], 16) != _TCP_ESTABLISHED:
-                continue
-            inode = int(fields[9])
-            if inode == 0:
-                continue  # not accepted yet: --skip-in-flight leaves it out
-            (local_addr, local_port), (remote_addr, remote_port) = (
-                field.split(":") for field in fields[1:3]
-            )
-            found[inode] = (
-                _endpoint(proc_net_address(local_addr), int(local_port, 16)),
-                _endpoint(proc_net_address(remote_addr), int(remote_port, 16)),
-            )
+        inode = int(fields[9])
+        if inode == 0:
+            continue  # not accepted yet: --skip-in-flight leaves it out
+        (local_addr, local_port), (remote_addr, remote_port) = (
+            field.split(":") for field in fields[1:3]
+        )
+        found[inode] = (
+            _endpoint(proc_net_address(local_addr), int(local_port, 16)),
+            _endpoint(proc_net_address(remote_addr), int(remote_port, 16)),
+        )
     return found
 
 
