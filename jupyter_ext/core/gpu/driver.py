@@ -24,7 +24,7 @@ from .errors import (
     GpuUnavailableError,
     ProcessState,
     cuda_version_text,
-    hint_for,
+    step_failed,
 )
 
 _CHECKPOINT_SYMBOLS = (
@@ -96,15 +96,13 @@ def _cuda_error(
     state: ProcessState | None = None,
 ) -> GpuCheckpointError:
     what = f"{name} ({text})" if text else name
-    where = f" It is {state.label}." if state is not None else ""
-    return GpuCheckpointError(
-        f"CUDA {step} of process {pid} failed: {what}.{where}",
-        hint=hint_for(step, code, pid, state),
-        pid=pid,
+    return step_failed(
+        f"CUDA {step} of process {pid} failed: {what}",
         step=step,
-        cuda_error=code,
-        cuda_error_name=name,
-        cuda_error_string=text,
+        pid=pid,
+        code=code,
+        name=name,
+        text=text,
         state=state,
     )
 

@@ -91,6 +91,32 @@ class GpuCheckpointError(SnapshotError):
         self.state = state
 
 
+def step_failed(
+    failure: str,
+    *,
+    step: str,
+    pid: int,
+    code: int | None,
+    name: str,
+    text: str,
+    state: ProcessState | None,
+) -> GpuCheckpointError:
+    """The error of a CUDA ``step`` of ``pid`` that failed with ``code`` (``name``,
+    ``text``), as either backend reports it: ``failure`` says what failed and how, the
+    process's ``state`` (if known) and what to do are added."""
+    where = f" It is {state.label}." if state is not None else ""
+    return GpuCheckpointError(
+        f"{failure}.{where}",
+        hint=hint_for(step, code, pid, state),
+        pid=pid,
+        step=step,
+        cuda_error=code,
+        cuda_error_name=name,
+        cuda_error_string=text,
+        state=state,
+    )
+
+
 class GpuUnavailableError(GpuCheckpointError):
     """No usable CUDA checkpoint support: libcuda or cuda-checkpoint missing or too old."""
 

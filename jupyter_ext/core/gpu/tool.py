@@ -24,7 +24,7 @@ from .errors import (
     GpuCheckpointError,
     GpuUnavailableError,
     ProcessState,
-    hint_for,
+    step_failed,
 )
 
 _STATE_WORDS = {state.label: state for state in ProcessState}
@@ -110,16 +110,14 @@ class CudaCheckpointTool:
                     state = self.get_state(pid)
             code = _code_from_text(output)
             name = CUDA_ERROR_NAMES.get(code, "") if code is not None else ""
-            where = f" It is {state.label}." if state is not None else ""
-            raise GpuCheckpointError(
+            raise step_failed(
                 f"cuda-checkpoint {step} of process {pid} failed (exit {done.returncode}): "
-                f"{output or 'no output'}.{where}",
-                hint=hint_for(step, code, pid, state),
-                pid=pid,
+                f"{output or 'no output'}",
                 step=step,
-                cuda_error=code,
-                cuda_error_name=name,
-                cuda_error_string=output,
+                pid=pid,
+                code=code,
+                name=name,
+                text=output,
                 state=state,
             )
         return output
