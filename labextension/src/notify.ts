@@ -85,6 +85,12 @@ export function connectNotifications(model: ISnapshotsModel): () => void {
   };
 
   const onChanged = (_: unknown, tracked: ITrackedJob) => {
+    if (tracked.job.status !== 'running' || tracked.job.phase === 'done') {
+      // Ended, or about to: `finished` follows (in the same tick when the poll saw it
+      // end) and replaces the toast. An update right before a dismissal can bring the
+      // toast back, spinning for ever with "done" in it.
+      return;
+    }
     if (tracked.notify && !ids.has(tracked.job.id)) {
       onStarted(_, tracked);
       return;
