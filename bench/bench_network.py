@@ -8,6 +8,7 @@ kernel must still use its own connections (the server accepts no new one).
 
     .venv/bin/python bench/bench_network.py [--connections 0,1,64] [--repeat 9] [--parallel]
     .venv/bin/python bench/bench_network.py --side-by-side [--repeat 9]
+    .venv/bin/python bench/bench_network.py --dask [--repeat 9]
 
 ``--parallel``: the kernel also runs a spawn ``Pool(2)`` (named semaphores in /dev/shm,
 copied while frozen) and a ``SyncManager`` child with a dict proxy (a connection inside the
@@ -18,6 +19,11 @@ kernel, (b) a kernel with a ``SyncManager`` child (a kept connection) in the ser
 network namespace, (c) a copy of (b)'s snapshot restored beside it, so in a network
 namespace of its own (core/netns.py); also the restore of (c) and of the same snapshot
 into the server's namespace (after (b) and (c) ended), until the kernel answers.
+
+``--dask`` (root): a Dask ``LocalCluster`` kernel; copies of its snapshot restored beside
+it (a private view of ``/tmp`` and a network namespace of their own: core/privatetmp.py,
+core/netns.py) against the same snapshot restored alone after it ended, each until the
+cluster computed in a cell; and the freeze of the copy against the original's.
 """
 
 from __future__ import annotations
@@ -133,17 +139,71 @@ def side_by_side(repeat: int, work: Path) -> None:
         print(json.dumps({"restore": name, "seconds": round(seconds, 3)}), flush=True)
 
 
+DASK = """
+from dask.distributed import Client, LocalCluster
+cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                       dashboard_address=None, host="127.0.0.1")
+client = Client(cluster)
+"""
+DASK_CELL = "print(client.submit(sum, [1, 2]).result())"
+
+
+def _restore_until_output(work: Path, snapshot: Path) -> tuple[KernelProcess, float]:
+    started = time.monotonic()
+    kernel = KernelProcess(work / "kernels", restore_from=snapshot)
+    assert kernel.execute(DASK_CELL, timeout=120).strip() == "3"
+    return kernel, time.monotonic() - started
+
+
+def dask_copies(repeat: int, work: Path) -> None:
+    """Dask copies beside the original (private /tmp, own network) against alone."""
+    original = KernelProcess(work / "kernels")
+    beside: list[float] = []
+    frozen: dict[str, list[dict[str, Any]]] = {"original": [], "copy beside it": []}
+    try:
+        original.execute(DASK, timeout=300)
+        original.snapshot(work / "origin")
+        for n in range(repeat):
+            copy, seconds = _restore_until_output(work, work / "origin")
+            assert copy.status()["private_temp"], copy.status()
+            beside.append(seconds)
+            for name, kernel in (("original", original), ("copy beside it", copy)):
+                frozen[name].append(kernel.snapshot(work / f"snap-{n}"))
+                shutil.rmtree(work / f"snap-{n}")
+            copy.shutdown()
+    finally:
+        original.shutdown()
+    alone: list[float] = []
+    for _ in range(repeat):
+        kernel, seconds = _restore_until_output(work, work / "origin")
+        assert kernel.status()["private_temp"] is None
+        alone.append(seconds)
+        kernel.shutdown()
+    for name, runs in frozen.items():
+        print(json.dumps({"kernel": name, **_medians(runs)}), flush=True)
+    beside_s, alone_s = statistics.median(beside), statistics.median(alone)
+    row = {
+        "beside_s": round(beside_s, 3),
+        "alone_s": round(alone_s, 3),
+        "ratio": round(beside_s / alone_s, 2),
+        "beside_each": [round(x, 2) for x in beside],
+        "alone_each": [round(x, 2) for x in alone],
+    }
+    print(json.dumps({"restore until the cluster computed": row}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--connections", default="0,1,64")
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--parallel", action="store_true")
     parser.add_argument("--side-by-side", action="store_true")
+    parser.add_argument("--dask", action="store_true")
     args = parser.parse_args()
-    if args.side_by_side:
+    if args.side_by_side or args.dask:
         work = Path(tempfile.mkdtemp(prefix="bench-network-"))
         try:
-            side_by_side(args.repeat, work)
+            (dask_copies if args.dask else side_by_side)(args.repeat, work)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         return

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_ext import __version__
-from jupyter_ext.core import mountns, proctree, shmfiles
+from jupyter_ext.core import mountns, privatetmp, proctree, shmfiles
 from jupyter_ext.core.chunking import ChunkParams, auto_chunk_kib
 from jupyter_ext.core.criu import Criu, external_file_key
 from jupyter_ext.core.errors import KernelNotRunningError, SnapshotError
@@ -340,6 +340,7 @@ class Dumper:
             runtime_dir=str(self.kernel.runtime.path),
             runtime_dir_key=dumped.runtime_dir_key,
             mounts=dumped.mounts,
+            temp_dir=privatetmp.bound_temp_dir(dumped.mounts),
             stdio_pipe=self.kernel.process.stdio_pipe,
             kernel_spec=args.metadata.get("kernel_spec", {}),
             notebook_path=args.metadata.get("notebook_path"),

@@ -39,7 +39,7 @@ from ipykernel.iostream import IOPubThread
 from ipykernel.kernelapp import IPKernelApp
 
 import kernel_snapshots
-from jupyter_ext.core import confinement, mountns, proctree
+from jupyter_ext.core import confinement, mountns, privatetmp, proctree
 from jupyter_ext.core.protocol import AGENT_PORT, ENV_INNER_DIR, ENV_OWN_PROC
 
 from .agent import SnapshotAgent
@@ -212,6 +212,7 @@ def main() -> None:
     os.setsid()  # CRIU wants the root task to lead its own session.
     if os.environ.pop(ENV_OWN_PROC, None) == "1":
         mountns.mount_own_proc()
+        privatetmp.bind_temp_dir()  # a copy beside this kernel can get a private view
     lifeline = os.dup(2)
     runtime_dir = Path(os.environ.pop(ENV_INNER_DIR))
     kernel_snapshots._install(runtime_dir)

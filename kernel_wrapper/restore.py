@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -29,16 +30,25 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from jupyter_ext.core import filelocks, netns, netports, proctree, shmfiles, sockdiag
+from jupyter_ext.core import (
+    filelocks,
+    netns,
+    netports,
+    privatetmp,
+    proctree,
+    shmfiles,
+    sockdiag,
+)
 from jupyter_ext.core.compat import check_compatible
 from jupyter_ext.core.criu import Criu, unprivileged
 from jupyter_ext.core.errors import IncompatibleSnapshotError, RestoreError
 from jupyter_ext.core.lazypages import DirectoryPages, PageSource, page_source, stage_pages_files
 from jupyter_ext.core.manifest import IMAGES_DIR, Manifest, verify
+from jupyter_ext.core.privatetmp import PrivateTemp
 from jupyter_ext.core.protocol import ProgressCallback
 from kernel_snapshots import write_restore_info
 
@@ -78,19 +88,44 @@ class Restorer:
 
     def _check_locks_free(self, manifest: Manifest, source: Path) -> None:
         """Refuse a snapshot whose file locks another process holds here (core/filelocks.py:
-        CRIU would wait for them for ever); the kernel being replaced does not count."""
-        if not filelocks.snapshot_locks_files(source):
-            return
+        CRIU would wait for them for ever), unless they all lie in the kernel's temporary
+        directory, of which such a copy gets a private view (core/privatetmp.py); the
+        kernel being replaced does not count."""
         pid = self.kernel.process.pid
-        paths = [str(f["path"]) for f in manifest.needed_files if f["kind"] == "open"]
-        locked = filelocks.locked_elsewhere(paths, ignore=proctree.descendants(pid) if pid else [])
-        if locked:
-            raise IncompatibleSnapshotError(
-                "The snapshot's kernel held locks on files that another process holds locked "
-                f"here: {', '.join(locked)}. The restore would wait for them.",
-                hint="End that process (another copy of this kernel? Dask's workers lock "
-                "their directories), then restore again.",
-            )
+        locked = _locked_elsewhere(manifest, source, proctree.descendants(pid) if pid else [])
+        if not locked or self._private_temp_covers(manifest, locked):
+            return
+        raise IncompatibleSnapshotError(
+            "The snapshot's kernel held locks on files that another process holds locked "
+            f"here: {', '.join(f'{path} (locked by process {holder})' for path, holder in locked)}."
+            " The restore would wait for them.",
+            hint="End that process (another copy of this kernel?), then restore again.",
+        )
+
+    @staticmethod
+    def _private_temp_covers(manifest: Manifest, locked: list[tuple[str, int]]) -> bool:
+        """Whether a private view of the snapshot's temporary directory frees every one of
+        the ``locked`` files (root, and the kernel had bound the directory)."""
+        temp = manifest.temp_dir
+        return (
+            bool(temp)
+            and not unprivileged()
+            and all(path.startswith(temp.rstrip("/") + "/") for path, _ in locked)
+        )
+
+    def _private_temp_for(self, manifest: Manifest, source: Path) -> PrivateTemp | None:
+        """A private view of the temporary directory for a restored tree whose file locks
+        there another process holds now (a copy beside a running kernel of the snapshot),
+        else None (the server's directory)."""
+        locked = _locked_elsewhere(manifest, source)
+        if not locked or not self._private_temp_covers(manifest, locked):
+            return None
+        log.info(
+            "files the snapshot locks are locked here (%s): restoring it with a private view of %s",
+            ", ".join(path for path, _ in locked),
+            manifest.temp_dir,
+        )
+        return PrivateTemp.create(manifest.temp_dir, self.kernel.runtime.path)
 
     def _check_ports_free(self, manifest: Manifest) -> None:
         """Refuse, before anything is ended, a snapshot whose listening or bound ports
@@ -177,12 +212,11 @@ class Restorer:
                 resumed=self.kernel.record.suspended_snapshot == source,
                 closed_connections=manifest.closed_connections,
             )
-            pid, network = await self._criu_tree(source, manifest, criu, lazy, pages_from)
+            pid, own = await self._criu_tree(source, manifest, criu, lazy, pages_from)
             try:
                 await self._cuda_restore(manifest, pid)
             except BaseException:
-                if network is not None:
-                    network.close()
+                own.close()
                 raise
         except BaseException:
             if self.kernel.process.pid is None:
@@ -195,18 +229,18 @@ class Restorer:
                 else State.RUNNING
             )
             raise
-        self._running(pid, network, manifest, before_running)
+        self._running(pid, own, manifest, before_running)
 
     def _running(
         self,
         pid: int,
-        network: netns.OwnNetwork | None,
+        own: OwnParts,
         manifest: Manifest,
         before_running: Callable[[], None],
     ) -> None:
-        """The restored kernel ``pid`` (in ``network``, if given) takes over: requests
+        """The restored kernel ``pid`` (with what it has of its own) takes over: requests
         flow to it again."""
-        self.kernel.process.adopt(pid, network)
+        self.kernel.process.adopt(pid, own.network, own.private_temp)
         self.kernel.record.lineage = manifest.lineage
         self.kernel.tracker.kernel_info = manifest.kernel_info or self.kernel.tracker.kernel_info
         # A restore is activity: a kernel resumed for a cell must not look idle since
@@ -238,12 +272,13 @@ class Restorer:
         criu: Criu,
         lazy: bool,
         pages_from: str | None,
-    ) -> tuple[int, netns.OwnNetwork | None]:
+    ) -> tuple[int, OwnParts]:
         """``criu restore`` of the tree (lazily: ``lazy.transfer`` is then the transfer),
         with the files it needs made here first, in a network namespace of its own if its
-        ports are taken here; returns the kernel's pid and that namespace. On failure those
-        files, the namespace, and whatever CRIU restored, are gone again."""
-        made_dirs, shm = await _make_files(manifest, source)
+        ports are taken here, with a private view of its temporary directory if its file
+        locks there are; returns the kernel's pid and what it has of its own. On failure
+        those files, what it had of its own, and whatever CRIU restored, are gone again."""
+        made, shm = await _make_files(manifest, source)
         work_dir = Path(tempfile.mkdtemp(prefix="restore-", dir=self.kernel.runtime.path))
         before = set(proctree.children(os.getpid()))
         inherit_fds = [
@@ -251,11 +286,15 @@ class Restorer:
             (self.kernel.runtime.fd, manifest.runtime_dir_key),
             *shm.inherit,
         ]
-        network: netns.OwnNetwork | None = None
+        own = OwnParts()
         try:
-            network = await asyncio.to_thread(self._network_for, manifest)
+            own.network = network = await asyncio.to_thread(self._network_for, manifest)
             if network is not None:
                 before.add(network.helper.pid)  # ends with close(), not as a leftover
+            own.private_temp = private_temp = await asyncio.to_thread(
+                self._private_temp_for, manifest, source
+            )
+            mount_sources = own.mount_sources()
             images = source / IMAGES_DIR
             pages, kept_here = await _pages(images, pages_from, lazy)
             if not lazy:
@@ -265,30 +304,33 @@ class Restorer:
                     inherit_fds=inherit_fds,
                     keep_tcp=manifest.tcp_kept,
                     mounts=manifest.mounts,
+                    mount_sources=mount_sources,
                     netns=network,
                 )
-                return pid, network
-            self.kernel.lazy.starting()
-            pid, self.kernel.lazy.transfer = await criu.restore_lazy(
-                images,
-                work_dir,
-                pages,
-                write_through=kept_here,
-                kill_tree=lambda daemon: Supervisor.kill_children_except(before | {daemon}),
-                inherit_fds=inherit_fds,
-                keep_tcp=manifest.tcp_kept,
-                mounts=manifest.mounts,
-                netns=network,
-            )
-            return pid, network
+            else:
+                self.kernel.lazy.starting()
+                pid, self.kernel.lazy.transfer = await criu.restore_lazy(
+                    images,
+                    work_dir,
+                    pages,
+                    write_through=kept_here,
+                    kill_tree=lambda daemon: Supervisor.kill_children_except(before | {daemon}),
+                    inherit_fds=inherit_fds,
+                    keep_tcp=manifest.tcp_kept,
+                    mounts=manifest.mounts,
+                    mount_sources=mount_sources,
+                    netns=network,
+                )
+            if private_temp is not None:
+                private_temp.detach()  # the copy's mount namespace holds it now
+            return pid, own
         except BaseException as exc:
             shm.undo()
-            _remove_dirs(made_dirs)
+            _remove_made(made)
             # CRIU restores the tree as our child: one it gave up on (or that died with
             # it) must not stay behind, half-restored.
             Supervisor.kill_children_except(before)
-            if network is not None:
-                network.close()  # after the tree: no process of it may see its network go
+            own.close()  # after the tree: no process of it may see its network go
             if lazy:
                 self.kernel.lazy.failed(exc)
             raise
@@ -298,15 +340,51 @@ class Restorer:
                 shutil.rmtree(work_dir, ignore_errors=True)
 
 
+@dataclasses.dataclass
+class OwnParts:
+    """What a restored copy has of its own, not the server's; all of it ends with it."""
+
+    network: netns.OwnNetwork | None = None
+    private_temp: PrivateTemp | None = None
+
+    def mount_sources(self) -> dict[str, str]:
+        """Where the restore binds the copy's mount points from, where not the same path."""
+        if self.private_temp is None:
+            return {}
+        return {self.private_temp.lower: str(self.private_temp.source)}
+
+    def close(self) -> None:
+        if self.network is not None:
+            self.network.close()
+        if self.private_temp is not None:
+            self.private_temp.close()
+
+
+def _locked_elsewhere(
+    manifest: Manifest, source: Path, ignore: Collection[int] = ()
+) -> list[tuple[str, int]]:
+    """The files the snapshot's kernel held open and locked that a process here (not in
+    ``ignore``) holds a lock on, with that process."""
+    if not filelocks.snapshot_locks_files(source):
+        return []
+    paths = [str(f["path"]) for f in manifest.needed_files if f["kind"] == "open"]
+    return filelocks.locked_elsewhere(paths, ignore)
+
+
 async def _make_files(manifest: Manifest, source: Path) -> tuple[list[Path], shmfiles.Recreated]:
     """What the restored tree needs here besides its images: the directories of its unix
-    sockets, its /dev/shm files. Nothing stays behind if this fails."""
-    # A multiprocessing manager's socket lives in a /tmp/pymp-* another node lacks.
-    made_dirs = netports.make_missing_dirs(manifest.unix_socket_dirs)
+    sockets, the empty files it held open in its temporary directory, its /dev/shm files.
+    Nothing stays behind if this fails."""
+    made: list[Path] = []
     try:
+        # A multiprocessing manager's socket lives in a /tmp/pymp-* another node lacks;
+        # Dask's workers lock empty files in /tmp/dask-scratch-space, which the cluster's
+        # shutdown removed (and another node never had).
+        made += netports.make_missing_dirs(manifest.unix_socket_dirs)
+        made += privatetmp.make_missing_empty_files(manifest.needed_files, manifest.temp_dir)
         shm = await asyncio.to_thread(shmfiles.recreate, manifest.shm_files, source)
     except BaseException:
-        _remove_dirs(made_dirs)
+        _remove_made(made)
         raise
     if shm.private:
         log.warning(
@@ -314,7 +392,7 @@ async def _make_files(manifest: Manifest, source: Path) -> tuple[list[Path], shm
             "process holds here (another copy of this snapshot?): %s",
             ", ".join(shm.private),
         )
-    return made_dirs, shm
+    return made, shm
 
 
 async def _pages(images: Path, pages_from: str | None, lazy: bool) -> tuple[PageSource, bool]:
@@ -344,8 +422,12 @@ async def _stage(images: Path, pages: PageSource, lazy: bool) -> None:
         ) from exc
 
 
-def _remove_dirs(made: list[Path]) -> None:
-    """Remove directories a failed restore made (innermost first), if still empty."""
+def _remove_made(made: list[Path]) -> None:
+    """Remove the files and directories a failed restore made (innermost first), the
+    directories if still empty."""
     for path in reversed(made):
         with contextlib.suppress(OSError):
-            path.rmdir()
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()
+            else:
+                path.unlink()

@@ -21,6 +21,7 @@ from jupyter_ext.core import pidspace, proctree
 from jupyter_ext.core.criu import unprivileged
 from jupyter_ext.core.errors import KernelNotRunningError
 from jupyter_ext.core.netns import OwnNetwork
+from jupyter_ext.core.privatetmp import PrivateTemp
 from jupyter_ext.core.protocol import ENV_OWN_PROC
 
 log = logging.getLogger("kernel_wrapper")
@@ -56,6 +57,10 @@ class Supervisor:
         self.network: OwnNetwork | None = None
         """The kernel's own network namespace (a copy restored beside another: core/netns.py),
         None while it runs in the server's; it ends with the kernel."""
+        self.private_temp: PrivateTemp | None = None
+        """The kernel's private view of the temporary directory (a copy restored beside
+        another: core/privatetmp.py), None while it sees the server's; it ends with the
+        kernel."""
         self.stdio_r, self.stdio_w = os.pipe()
         os.set_blocking(self.stdio_r, False)
 
@@ -125,10 +130,17 @@ class Supervisor:
         self._set_pid(await self._first_child(launcher.pid))
         self._watch(launcher.pid)
 
-    def adopt(self, pid: int, network: OwnNetwork | None = None) -> None:
-        """Supervise a kernel CRIU restored as our child (into ``network``, if given)."""
+    def adopt(
+        self,
+        pid: int,
+        network: OwnNetwork | None = None,
+        private_temp: PrivateTemp | None = None,
+    ) -> None:
+        """Supervise a kernel CRIU restored as our child (into ``network``, with
+        ``private_temp``, if given: both end with it)."""
         self._launcher = None
         self.network = network
+        self.private_temp = private_temp
         self._set_pid(pid)
         self._watch(pid)
 
@@ -175,7 +187,7 @@ class Supervisor:
     def _exited(self, code: int) -> None:
         self._launcher = None
         self._set_pid(None)
-        self.end_network()
+        self.end_own()
         if self._expected_exit:
             self._expected_exit = False
             return
@@ -233,12 +245,16 @@ class Supervisor:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
 
-    def end_network(self) -> None:
-        """End the kernel's own network namespace and its helper, if it has them."""
+    def end_own(self) -> None:
+        """End the kernel's own network namespace and its helper, and its private
+        temporary directory, if it has them."""
         if self.network is not None:
             self.network.close()
             self.network = None
+        if self.private_temp is not None:
+            self.private_temp.close()
+            self.private_temp = None
 
     def close(self) -> None:
         self._unwatch()
-        self.end_network()
+        self.end_own()

@@ -276,4 +276,6 @@ class KernelWrapper:
             # A copy restored beside another kernel of its snapshot: its own network
             # namespace, reached out of through slirp4netns (core/netns.py).
             "own_network": self.process.network is not None,
+            # ...and its own view of the temporary directory (core/privatetmp.py).
+            "private_temp": private.lower if (private := self.process.private_temp) else None,
         }

@@ -3,13 +3,15 @@ manager on 127.0.0.1), while the original runs: each copy whose ports
 are taken here gets a network namespace of its own (core/netns.py), its connections come
 back established on its own loopback, it still reaches the server's loopback through
 slirp4netns (10.0.2.2), its later snapshots restore, and its helper ends with it. A Dask
-cluster's copy beside its original is refused: its workers' directory locks are held.
-docs/network.md ("Copies side by side").
+cluster's copy beside its original gets a private view of the temporary directory, where
+its workers lock and write their own directories (core/privatetmp.py). docs/network.md
+("Copies side by side").
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -155,21 +157,93 @@ def test_restore_in_place_of_a_copy_and_beside_nothing(
     assert check(copy, "copy") == {"seen": "original", "who": "copy"}
 
 
-def test_copy_of_a_dask_kernel_beside_it_is_refused_naming_the_lock(
+WORKER_DIR = r"""
+worker_dir = next(iter(client.run(lambda dask_worker: dask_worker.local_directory).values()))
+"""
+
+MARK = r"""
+import os
+def mark(dask_worker, who=WHO):
+    with open(os.path.join(dask_worker.local_directory, "mark"), "a") as fh:
+        fh.write(who + " ")
+    with open(os.path.join(dask_worker.local_directory, "mark")) as fh:
+        return fh.read()
+print(next(iter(client.run(mark).values())), client.submit(sum, [1, 2]).result())
+"""
+
+
+def mark(kernel: KernelProcess, who: str) -> str:
+    """The Dask worker of ``kernel`` appends ``who`` to a file in its own directory, and
+    says what the file holds, and what its cluster computed."""
+    return kernel.execute(MARK.replace("WHO", repr(who)), timeout=120).strip()
+
+
+def test_copies_of_a_dask_kernel_side_by_side_lock_and_write_their_own_scratch(
     kernel_factory: Factory, tmp_path: Path
 ) -> None:
-    """Dask's workers lock their directories: a copy would wait for ever in CRIU's restore
-    of those locks while the original holds them; it is refused before anything starts."""
+    """Dask's workers lock their directories in the temporary directory: a copy restored
+    beside the running original gets a private view of it (core/privatetmp.py). The
+    copy's cluster works on its own loopback, what each worker writes in its directory
+    stays its own, the copy's snapshots restore, and its view ends with it. Restored where
+    the workers' lock files are gone (another node), those are made again."""
     kernel = kernel_factory()
-    kernel.execute(DASK, timeout=300)
+    kernel.execute(DASK + WORKER_DIR, timeout=300)
+    worker_dir = kernel.execute("print(worker_dir)").strip()
+    assert worker_dir.startswith("/tmp/")
     kernel.snapshot(tmp_path / "snap")
-    with pytest.raises(RuntimeError, match="locked by process"):
-        kernel_factory(restore_from=tmp_path / "snap")
+    copy = kernel_factory(restore_from=tmp_path / "snap")
+    status = copy.status()
+    assert status["private_temp"] == "/tmp", status
+    assert status["own_network"], status
+    assert kernel.status()["private_temp"] is None
+    assert mark(copy, "copy") == "copy  3"
+    assert mark(kernel, "original") == "original  3"
+    assert mark(copy, "copy") == "copy copy  3"
+    assert Path(worker_dir, "mark").read_text() == "original "
+    # The copy's own snapshot, restored beside the original again and alone.
+    copy.snapshot(tmp_path / "copy-snap")
+    second = kernel_factory(restore_from=tmp_path / "copy-snap")
+    assert second.status()["private_temp"] == "/tmp"
+    # What the copy wrote there was its own, as a node's /tmp is: its snapshot has none.
+    assert mark(second, "second") == "original second  3"
+    view, left = (
+        next(Path(k.status()["runtime_dir"]).glob("private-tmp-*")) for k in (copy, second)
+    )
+    copy.kill_inner()  # the kernel ends, its wrapper removes its view
+    wait_until(lambda: not view.exists(), 30, "the copy's private view removed")
     kernel.kill_all()
-    restored = kernel_factory(restore_from=tmp_path / "snap")
-    assert not restored.status()["own_network"]
-    out = restored.execute("print(client.submit(sum, [1, 2]).result())", timeout=120)
-    assert out.strip() == "3"
+    second.kill_all()  # a node failure: the next wrapper to start removes what it left
+    assert left.exists()
+    # As on another node: the workers' lock files and directories are gone; the restore
+    # makes them again (empty), the copy's cluster works.
+    shutil.rmtree(worker_dir)
+    Path(worker_dir + ".dirlock").unlink()
+    alone = kernel_factory(restore_from=tmp_path / "copy-snap")
+    assert not left.exists()
+    assert alone.status()["private_temp"] is None
+    assert mark(alone, "alone") == "alone  3"
+
+
+def test_copy_beside_a_kernel_locking_a_file_elsewhere_is_refused_naming_it(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """Locks outside the temporary directory get no private view: a copy beside the
+    kernel holding them would wait for ever in CRIU's restore; it is refused before
+    anything starts, naming the file and the process."""
+    locked = Path("/var/tmp") / f"snapshot-test-{tmp_path.name}.lock"
+    locked.write_text("")
+    try:
+        kernel = kernel_factory()
+        kernel.execute(f"import fcntl; fh = open({str(locked)!r}); fcntl.flock(fh, fcntl.LOCK_EX)")
+        kernel.snapshot(tmp_path / "snap")
+        with pytest.raises(RuntimeError, match=f"{locked} \\(locked by process"):
+            kernel_factory(restore_from=tmp_path / "snap")
+        kernel.kill_all()
+        restored = kernel_factory(restore_from=tmp_path / "snap")
+        assert restored.status()["private_temp"] is None
+        assert restored.execute("print(fh.name)").strip() == str(locked)
+    finally:
+        locked.unlink()
 
 
 def test_doctor_says_copies_side_by_side_get_their_own_network() -> None:

@@ -22,6 +22,7 @@ from .jupyter_api import (
     damage_chunk,
     error_of,
     manager_of,
+    middle_chunk,
     server_config,
     snapshot,
     wait_job,
@@ -167,48 +168,51 @@ async def test_corrupt_snapshot_fails_its_restore_before_criu(
     assert not manager_of(jp_serverapp).lent
 
 
-class SlowPacks:
-    """A store backend whose ranged reads run at ``rate`` bytes stored a second, one at a
-    time (the reads themselves are the real backend's): slow for memory that does not
-    compress."""
+class HeldPacks:
+    """A store backend that holds back every read of one stored chunk until ``released``
+    is set (the reads themselves are the real backend's)."""
 
-    def __init__(self, backend: Any, rate: float, gate: threading.Event) -> None:
+    def __init__(self, backend: Any, where: Any, released: threading.Event) -> None:
         self._backend = backend
-        self._rate = rate
-        self._gate = gate
-        self._one_at_a_time = threading.Lock()
+        self._where = where
+        self._released = released
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
 
     def load(self, handle: Any, offset: int = 0, length: int | None = None) -> Any:
-        if length is not None:
-            assert self._gate.wait(300), "the test never opened the gate"
-            with self._one_at_a_time:
-                time.sleep(length / self._rate)
+        where = self._where
+        end = offset + length if length is not None else None
+        if (
+            handle.name == where.obj
+            and offset < where.offset + where.length
+            and (end is None or end > where.offset)
+        ):
+            assert self._released.wait(300), "the test never released the held chunk"
         return self._backend.load(handle, offset, length)
 
 
 @contextlib.contextmanager
-def slow_pages(manager: Any, rate: float = 4e6) -> Iterator[threading.Event]:
-    """Lazy restores started meanwhile read their pages through :class:`SlowPacks`: still
-    transferring when the test acts. The event yielded is a gate, open: a test that must
-    act before the transfer ends, however slow the machine, closes it meanwhile."""
+def memory_held(manager: Any, snapshot_id: str) -> Iterator[threading.Event]:
+    """Lazy restores of ``snapshot_id`` started meanwhile get all of the kernel's memory
+    but the :func:`middle_chunk` of its largest array, which waits until the event
+    yielded is set (at the latest when the block ends): the restored kernel runs, and is
+    "transferring" until then, however fast or slow the machine."""
     store = manager.store
     real_open = store.open_images
-    gate = threading.Event()
-    gate.set()
+    released = threading.Event()
+    _path, where = middle_chunk(manager, snapshot_id, "images/pages-")
 
-    def open_slowly(snapshot_id: str) -> Any:
+    def open_held(snapshot_id: str) -> Any:
         images = real_open(snapshot_id)
-        images._reader.backend = SlowPacks(store.backend, rate, gate)
+        images._reader.backend = HeldPacks(store.backend, where, released)
         return images
 
-    store.open_images = open_slowly
+    store.open_images = open_held
     try:
-        yield gate
+        yield released
     finally:
-        gate.set()
+        released.set()
         store.open_images = real_open
 
 
@@ -234,7 +238,7 @@ async def test_damaged_memory_stops_a_lazily_restored_kernel(
     await kernel.run("import numpy as np; a = np.random.default_rng(1).random(16 << 20); x = 1")
     snapshot_id = (await snapshot(jp_fetch, kernel.id))["result"]["id"]
     damaged = damage_chunk(manager, snapshot_id, "images/pages-")
-    with slow_pages(manager):  # the damage is read after the job said the kernel runs
+    with memory_held(manager, snapshot_id):  # the damage is read after the kernel runs
         restore = await call(jp_fetch, "POST", snapshot_id, "restore")
         job = await wait_job(jp_fetch, restore["job"])
         assert job["status"] == "done", job
@@ -275,10 +279,11 @@ async def test_a_snapshot_a_kernel_still_reads_is_deleted_once_its_pages_are_in(
     await kernel.run("import numpy as np; a = np.random.default_rng(5).random(8 << 20)")
     snapshot_id = (await snapshot(jp_fetch, kernel.id))["result"]["id"]
     store = manager.store
-    with slow_pages(manager, rate=2e6) as gate:  # 64 MiB: ~30 s of pages
+    # A chunk of the array waits until the retention below has run (pages slowed down
+    # instead once all came in before the test acted, on a loaded machine).
+    with memory_held(manager, snapshot_id) as released:
         restore = await call(jp_fetch, "POST", snapshot_id, "restore")
         restored = await wait_job(jp_fetch, restore["job"])
-        gate.clear()  # the rest of its memory waits until the retention below has run
         assert restored["status"] == "done", restored
         new_kernel = restored["result"]["kernel_id"]
         status = await call(jp_fetch, "GET", "kernels", new_kernel)
@@ -287,9 +292,9 @@ async def test_a_snapshot_a_kernel_still_reads_is_deleted_once_its_pages_are_in(
         manager.keep_last = 1  # the next snapshot of that kernel would retire this one
         await snapshot(jp_fetch, kernel.id)
         assert store.get(snapshot_id), "retention passed it over"
-        gate.set()
+        released.set()
 
-    # Waits for the pages (seconds at the store's 2 MB/s here: longer than a default request).
+    # Waits for the rest of the pages (longer than a default request on a slow machine).
     await jp_fetch("api", "snapshots", snapshot_id, method="DELETE", request_timeout=300)
     assert not manager.lent
     status = await call(jp_fetch, "GET", "kernels", new_kernel)

@@ -35,7 +35,7 @@ def check_compatible(manifest: Manifest) -> None:
             + ", ".join(important[:8]),
             hint="Restore on a machine with the same or a newer CPU model.",
         )
-    problems = missing_files(manifest.needed_files)
+    problems = missing_files(manifest.needed_files, made_in=manifest.temp_dir)
     if problems:
         raise IncompatibleSnapshotError(
             "Files the kernel had open are missing or changed here: " + "; ".join(problems[:5]),

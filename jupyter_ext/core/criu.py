@@ -22,7 +22,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -256,6 +256,7 @@ class Criu:
         inherit_fds: Sequence[tuple[int, str]] = (),
         keep_tcp: bool = False,
         mounts: Sequence[str] = (),
+        mount_sources: Mapping[str, str] | None = None,
         netns: OwnNetwork | None = None,
     ) -> int:
         """Restore the tree in ``images_dir`` as a sibling of this process; returns its pid.
@@ -266,7 +267,7 @@ class Criu:
         ``keep_tcp``: the images were dumped with ``keep_tcp`` (connections with state).
         ``netns``: the network namespace to restore the tree into (CRIU runs there).
         ``mounts``: the external mount points of the tree's own mount namespace, bound
-        from the same paths here (:mod:`.mountns`).
+        from the same paths here, or from ``mount_sources[path]`` (:mod:`.mountns`).
         """
         return await self._restore(
             images_dir,
@@ -275,6 +276,7 @@ class Criu:
             lazy=False,
             keep_tcp=keep_tcp,
             mounts=mounts,
+            mount_sources=mount_sources,
             netns=netns,
         )
 
@@ -289,6 +291,7 @@ class Criu:
         inherit_fds: Sequence[tuple[int, str]] = (),
         keep_tcp: bool = False,
         mounts: Sequence[str] = (),
+        mount_sources: Mapping[str, str] | None = None,
         netns: OwnNetwork | None = None,
     ) -> tuple[int, LazyTransfer]:
         """Restore as :meth:`restore` does, but with lazy pages: the tree runs at once and
@@ -333,6 +336,7 @@ class Criu:
                     lazy=True,
                     keep_tcp=keep_tcp,
                     mounts=mounts,
+                    mount_sources=mount_sources,
                     netns=netns,
                 )
             )
@@ -364,6 +368,7 @@ class Criu:
         lazy: bool,
         keep_tcp: bool = False,
         mounts: Sequence[str] = (),
+        mount_sources: Mapping[str, str] | None = None,
         netns: OwnNetwork | None = None,
     ) -> int:
         pidfile = work_dir / "restored.pid"
@@ -383,7 +388,9 @@ class Criu:
             args.append("--lazy-pages")
         for fd, resource in inherit_fds:
             args += ["--inherit-fd", f"fd[{fd}]:{resource}"]
-        mount_options, missing = mountns.restore_options(list(mounts), work_dir / "no-mount")
+        mount_options, missing = mountns.restore_options(
+            list(mounts), work_dir / "no-mount", mount_sources
+        )
         if missing:
             log.warning(
                 "mount points of the snapshot this machine lacks (empty here): %s",

@@ -4,7 +4,9 @@ CRIU takes a restored process's file locks again (``--file-locks``), blocking: i
 process holds a lock on the same file, ``criu restore`` waits for ever. A copy of a
 snapshot restored beside a running kernel of the same snapshot meets exactly that when the
 kernel locks files (Dask's workers lock their directories under ``dask-scratch-space``).
-The restore checks first and refuses, naming the file and the process that holds it.
+The restore checks first: locks in the kernel's temporary directory are the copy's own
+in a private view of it (core/privatetmp.py); others it refuses, naming the file and the
+process that holds it.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ def _locks_here() -> dict[tuple[int, int, int], int]:
     return held
 
 
-def locked_elsewhere(paths: Collection[str], ignore: Collection[int] = ()) -> list[str]:
-    """Which of ``paths`` a process here (not in ``ignore``) holds a lock on, in words."""
+def locked_elsewhere(paths: Collection[str], ignore: Collection[int] = ()) -> list[tuple[str, int]]:
+    """Which of ``paths`` a process here (not in ``ignore``) holds a lock on, and that
+    process."""
     held = _locks_here()
-    found: list[str] = []
+    found: list[tuple[str, int]] = []
     for path in sorted(set(paths)):
         try:
             st = os.stat(path)
@@ -55,5 +58,5 @@ def locked_elsewhere(paths: Collection[str], ignore: Collection[int] = ()) -> li
             continue
         pid = held.get((os.major(st.st_dev), os.minor(st.st_dev), st.st_ino))
         if pid is not None and pid not in ignore:
-            found.append(f"{path} (locked by process {pid})")
+            found.append((path, pid))
     return found

@@ -208,6 +208,10 @@ class Manifest:
     """Mount points of the kernel's own mount namespace that were the server's (all but
     its /proc): a restore binds each from the same path (core/mountns.py). Empty for a
     kernel that shared the server's mount namespace (non-root mode, older snapshots)."""
+    temp_dir: str = ""
+    """The kernel's temporary directory when it is one of ``mounts`` (the kernel bound it
+    onto itself): a copy restored beside a running kernel of the snapshot, whose file locks
+    there the running one holds, gets a private view of it (core/privatetmp.py)."""
     tcp_kept: bool = False
     """TCP connections were saved with their state: those between two processes of the
     tree come back established (core/tcpconns.py)."""

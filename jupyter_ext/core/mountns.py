@@ -25,6 +25,7 @@ import ctypes
 import ctypes.util
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,10 +34,12 @@ DETACHED_TYPES = frozenset({"nsfs"})
 #: The filesystem type CRIU mounts anew on restore, for the restored PID namespace.
 PROC_TYPE = "proc"
 
-_MNT_DETACH = 2
-_MS_NOSUID = 0x2
-_MS_NODEV = 0x4
-_MS_NOEXEC = 0x8
+MNT_DETACH = 2
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_BIND = 0x1000
+MS_REC = 0x4000
 
 
 class MountPoint(NamedTuple):
@@ -91,18 +94,22 @@ def dump_keys(paths: list[str]) -> list[str]:
     return [f"mnt[{path}]:{path}" for path in paths]
 
 
-def restore_options(paths: list[str], substitute: Path) -> tuple[list[str], list[str]]:
+def restore_options(
+    paths: list[str], substitute: Path, sources: Mapping[str, str] | None = None
+) -> tuple[list[str], list[str]]:
     """``criu restore`` options binding each external mount point of the snapshot from
-    the same path here, and the paths this machine lacks: those are given ``substitute``,
-    an empty directory (a kernel that holds files there fails to restore, naming them).
-    Empty when the snapshot has no mount namespace of its own."""
+    the same path here, or from ``sources[path]`` where given (a copy's private view,
+    core/privatetmp.py), and the paths this machine lacks: those are given
+    ``substitute``, an empty directory (a kernel that holds files there fails to restore,
+    naming them). Empty when the snapshot has no mount namespace of its own."""
     if not paths:
         return [], []
+    sources = sources or {}
     options = ["--root", "/"]
     missing = []
     for path in paths:
-        source = path
-        if not os.path.exists(path):
+        source = sources.get(path, path)
+        if not os.path.exists(source):
             missing.append(path)
             substitute.mkdir(mode=0o700, exist_ok=True)
             source = str(substitute)
@@ -114,25 +121,48 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
-def _check(result: int, what: str) -> None:
+def mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    """mount(2); OSError naming both paths."""
+    result = _libc().mount(
+        source.encode(),
+        target.encode(),
+        fstype.encode() if fstype else None,
+        flags,
+        data.encode() if data else None,
+    )
     if result != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
+        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+
+def detach(target: str) -> None:
+    """Lazily unmount ``target`` (``umount -l``); OSError if it cannot be."""
+    if _libc().umount2(target.encode(), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"umount {target}: {os.strerror(err)}")
+
+
+def detach_below(directory: Path) -> None:
+    """Detach whatever is mounted at or below ``directory`` in our mount namespace (what a
+    killed process left), deepest first."""
+    prefix = str(directory).rstrip("/") + "/"
+    for point in reversed(mount_points()):
+        if (point.path + "/").startswith(prefix):
+            with contextlib.suppress(OSError):
+                detach(point.path)
 
 
 def mount_own_proc() -> None:
     """Make this process's (private) mount namespace ready for CRIU, with a ``/proc`` of
     its PID namespace. Called by the kernel as PID 1, before it opens anything."""
-    libc = _libc()
     # Deepest first: a namespace file mounted below another is detached before it.
-    for mount in reversed(mount_points()):
-        if mount.fstype in DETACHED_TYPES:
+    for point in reversed(mount_points()):
+        if point.fstype in DETACHED_TYPES:
             with contextlib.suppress(OSError):
-                _check(libc.umount2(mount.path.encode(), _MNT_DETACH), f"umount {mount.path}")
+                detach(point.path)
     # The server's /proc (with whatever is mounted below it) goes; ours takes its place.
-    _check(libc.umount2(b"/proc", _MNT_DETACH), "umount /proc")
-    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
-    _check(libc.mount(b"proc", b"/proc", b"proc", flags, None), "mount proc on /proc")
+    detach("/proc")
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
     # Standard input was opened in the server's mount namespace: CRIU could not name it.
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

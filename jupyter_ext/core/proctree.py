@@ -149,7 +149,9 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
         if kind == "cwd":
             seen[path] = {"path": path, "kind": kind, "size": None}
         elif stat.S_ISREG(st.st_mode):
-            seen[path] = {"path": path, "kind": kind, "size": st.st_size}
+            # The mode too: CRIU checks it, and a restore may make an empty file again.
+            mode = stat.S_IMODE(st.st_mode)
+            seen[path] = {"path": path, "kind": kind, "size": st.st_size, "mode": mode}
 
     for pid in pids:
         with contextlib.suppress(OSError):
@@ -174,15 +176,30 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
     return sorted(seen.values(), key=lambda entry: str(entry["path"]))
 
 
-def missing_files(entries: list[dict[str, object]]) -> list[str]:
-    """Which needed files are absent or changed here, in words (empty when all is well)."""
+def empty_open_file_in(entry: dict[str, object], directory: str) -> bool:
+    """Whether a needed file is an empty file the tree held open in ``directory`` (a
+    lock file in the kernel's temporary directory: a restore may make it again)."""
+    prefix = directory.rstrip("/") + "/"
+    return (
+        bool(directory)
+        and entry["kind"] == "open"
+        and entry.get("size") == 0
+        and str(entry["path"]).startswith(prefix)
+    )
+
+
+def missing_files(entries: list[dict[str, object]], made_in: str = "") -> list[str]:
+    """Which needed files are absent or changed here, in words (empty when all is well).
+    Empty open files in ``made_in`` that are absent are no problem: the restore makes them
+    (core/privatetmp.py)."""
     problems: list[str] = []
     for entry in entries:
         path = str(entry["path"])
         try:
             st = os.stat(path)
         except OSError:
-            problems.append(f"{path} ({entry['kind']}) does not exist")
+            if not empty_open_file_in(entry, made_in):
+                problems.append(f"{path} ({entry['kind']}) does not exist")
             continue
         size = entry.get("size")
         if size is not None and st.st_size != size:

@@ -258,6 +258,9 @@ class KernelStatus(TypedDict):
     own_network: bool
     """The kernel runs in a network namespace of its own (a copy restored beside a kernel
     holding its ports; it reaches out through slirp4netns): docs/network.md."""
+    private_temp: str | None
+    """The temporary directory of which the kernel has a private view (a copy restored
+    beside a kernel holding its file locks there: Dask's workers), else None."""
 
 
 class Restored(TypedDict):

@@ -16,7 +16,9 @@ while CRIU holds the tree frozen (a post-dump action script asks the wrapper and
 so the copy matches the memory image (a lock held is held, counts are kept). A restore
 recreates each file (:func:`recreate`), under its name when that is free, else (another
 restored copy of the snapshot runs here) as a private unlinked file that nothing else
-sees, and hands it to ``criu restore --inherit-fd``.
+sees, and hands it to ``criu restore --inherit-fd``. Such a private file lies on the
+server's ``/dev/shm`` mount, which a kernel with a mount namespace of its own does not
+have: its next dump takes it over too, like a named file (CRIU could not save it).
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def hold_tree_files(pids: Iterable[int], directory: Path = SHM_DIR) -> HeldFiles
     """Open every regular file in ``directory`` that has a name there and that these
     processes map or hold open (by that name, else through the process's fd or, with root,
     its ``map_files`` entry). Unlinked files, and files that cannot be opened, are left to
-    CRIU, as before."""
+    CRIU, as before, unless CRIU cannot reach them (see below)."""
+    pids = list(pids)
     try:
         shm_dev = os.stat(directory).st_dev
     except OSError:
@@ -119,30 +122,57 @@ def hold_tree_files(pids: Iterable[int], directory: Path = SHM_DIR) -> HeldFiles
                 if st.st_ino in openers and stat.S_ISREG(st.st_mode):
                     names.setdefault(st.st_ino, []).append(entry.name)
     held = HeldFiles()
+    tree_mounts = _mount_ids(pids)
     for inode, paths in sorted(openers.items()):
-        if inode not in names:
-            # Unlinked (a fork context's semaphores, PyTorch's shared tensors): CRIU saves
-            # such a file's content itself, as before; taking it over would only lengthen
-            # the freeze by the copy.
-            continue
+        file_names = sorted(names.get(inode, []))
         # The tree's own fd or mapping first: CRIU's key names the mount the tree reaches
         # the file through, which is another (with the same inode) when the kernel has a
         # mount namespace of its own (core/mountns.py).
-        candidates = paths + [str(directory / name) for name in sorted(names[inode])]
-        for path in candidates:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                continue
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != (shm_dev, inode):
-                os.close(fd)  # the name went to another file meanwhile
-                continue
-            held.files.append(
-                HeldFile(fd, external_file_key(fd), sorted(names[inode]), st.st_mode & 0o7777)
-            )
-            break
+        fd = _open_same(paths + [str(directory / name) for name in file_names], shm_dev, inode)
+        if fd is None:
+            continue
+        if not file_names and _fd_mount_id(fd) in tree_mounts:
+            # Unlinked (a fork context's semaphores, PyTorch's shared tensors): CRIU saves
+            # such a file's content itself, as before; taking it over would only lengthen
+            # the freeze by the copy. Unless the tree reaches it through a mount its own
+            # mount namespace lacks (a restore's private copy, recreate()): CRIU cannot.
+            os.close(fd)
+            continue
+        mode = os.fstat(fd).st_mode & 0o7777
+        held.files.append(HeldFile(fd, external_file_key(fd), file_names, mode))
     return held
+
+
+def _open_same(candidates: list[str], dev: int, inode: int) -> int | None:
+    """The first of ``candidates`` that opens and is still the file (``dev``, ``inode``),
+    open; None if none is (its name went to another file meanwhile)."""
+    for path in candidates:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (dev, inode):
+            return fd
+        os.close(fd)
+    return None
+
+
+def _mount_ids(pids: Iterable[int]) -> set[int]:
+    """The ids of the mounts of the tree's mount namespace (its first process's)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            lines = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+            return {int(line.split(None, 1)[0]) for line in lines}
+    return set()
+
+
+def _fd_mount_id(fd: int) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
+            if line.startswith("mnt_id:"):
+                return int(line.split()[1])
+    return None
 
 
 _SCRIPT = """\
