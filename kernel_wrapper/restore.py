@@ -105,12 +105,13 @@ class Restorer:
     @staticmethod
     def _private_temp_covers(manifest: Manifest, locked: list[tuple[str, int]]) -> bool:
         """Whether a private view of the snapshot's temporary directory frees every one of
-        the ``locked`` files (root, and the kernel had bound the directory)."""
+        the ``locked`` files (root, overlayfs, and the kernel had bound the directory)."""
         temp = manifest.temp_dir
         return (
             bool(temp)
             and not unprivileged()
             and all(path.startswith(temp.rstrip("/") + "/") for path, _ in locked)
+            and privatetmp.overlay_supported()
         )
 
     def _private_temp_for(self, manifest: Manifest, source: Path) -> PrivateTemp | None:

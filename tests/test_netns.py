@@ -252,6 +252,7 @@ def test_doctor_says_copies_side_by_side_get_their_own_network() -> None:
     check = check_copies_side_by_side()
     assert check.ok
     assert "10.0.2.2" in check.detail
+    assert "private view of its temporary directory" in check.detail
 
 
 def test_helper_ends_when_its_namespace_is_closed() -> None:

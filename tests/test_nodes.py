@@ -234,6 +234,8 @@ from dask.distributed import Client, LocalCluster
 cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                        dashboard_address=None, host="127.0.0.1")
 client = Client(cluster)
+worker_dirs = list(client.run(lambda dask_worker: dask_worker.local_directory).values())
+print(" ".join(worker_dirs))
 """
 PARALLEL_TCP = r"""
 from multiprocessing.managers import SyncManager
@@ -252,7 +254,9 @@ def test_parallel_kernel_restored_on_another_node(
 ) -> None:
     """Spawn and forkserver pools, a lock held, joblib's loky workers, (with root) a manager
     and a Dask cluster, in pods:
-    snapshotted on node A, the node lost and its /dev/shm files gone, restored on node B
+    snapshotted on node A, the node lost and its /dev/shm files, its managers' socket
+    directories and its Dask workers' directories (with their lock files) gone, restored
+    on node B
     from S3 and used again with the same objects, with the same results."""
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
@@ -262,7 +266,8 @@ def test_parallel_kernel_restored_on_another_node(
         nodes.append(node_a)
         kernel_a = node_a.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
         code = PARALLEL if NODE_USER else PARALLEL + CLUSTER + PARALLEL_TCP
-        ws_execute(node_a, kernel_a, code, timeout=300)
+        worker_dirs = ws_execute(node_a, kernel_a, code, timeout=300).split()
+        assert len(worker_dirs) == (0 if NODE_USER else 2), worker_dirs
         job = node_a.client.call("POST", "", body={"kernel_id": kernel_a})["job"]
         snapshot = follow(node_a, job)["result"]
         names = [name for f in snapshot["shm_files"] for name in f["names"]]
@@ -273,6 +278,9 @@ def test_parallel_kernel_restored_on_another_node(
             Path("/dev/shm", name).unlink(missing_ok=True)
         for directory in snapshot["unix_socket_dirs"]:
             shutil.rmtree(directory)
+        for directory in worker_dirs:  # nor the Dask workers' directories and lock files
+            shutil.rmtree(directory)
+            Path(directory + ".dirlock").unlink()
 
         node_b = node_server(network, 6, tmp_path / "node-b", notebooks, s3_url, "dora")
         nodes.append(node_b)

@@ -298,6 +298,7 @@ def check_copies_side_by_side() -> Check:
     """Whether a copy restored beside a kernel that holds its ports can have a network
     namespace of its own (core/netns.py)."""
     from .netns import slirp_path
+    from .privatetmp import overlay_supported
 
     name = "copies side by side"
     if unprivileged():
@@ -319,11 +320,21 @@ def check_copies_side_by_side() -> Check:
             fix="apt-get install slirp4netns",
             required=False,
         )
+    if not overlay_supported():
+        return Check(
+            name,
+            False,
+            "overlayfs is missing: a copy of a kernel whose workers lock files in its "
+            "temporary directory (Dask) beside the original is refused (core/privatetmp.py)",
+            fix="modprobe overlay",
+            required=False,
+        )
     return Check(
         name,
         True,
         "a copy whose ports another kernel holds here gets a network namespace of its own, "
-        f"reaching out through {slirp} (the server's loopback at 10.0.2.2)",
+        f"reaching out through {slirp} (the server's loopback at 10.0.2.2), and a private "
+        "view of its temporary directory where the other holds its file locks (overlayfs)",
         required=False,
     )
 

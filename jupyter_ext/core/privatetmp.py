@@ -66,6 +66,18 @@ def bind_temp_dir() -> str | None:
     return temp
 
 
+def overlay_supported() -> bool:
+    """Whether this kernel mounts overlayfs (``/proc/filesystems``; a module not loaded
+    yet is loaded by the first mount, so its presence counts too)."""
+    try:
+        if "\toverlay\n" in Path("/proc/filesystems").read_text():
+            return True
+    except OSError:
+        return False
+    release = os.uname().release
+    return any(Path(f"/lib/modules/{release}/kernel/fs/overlayfs").glob("overlay.ko*"))
+
+
 #: Dask's workers lock ``<dir>.dirlock`` for their directory ``<dir>`` (distributed's
 #: ``WorkSpace``): a lock file made again gets its directory back too.
 DIRLOCK_SUFFIX = ".dirlock"
