@@ -99,14 +99,20 @@ def _restore_marker(runtime_dir: Path) -> tuple[str, int]:
 
 
 def _watch_wrapper(runtime_dir: Path, lifeline: int) -> None:
-    marker = _restore_marker(runtime_dir)
+    # As PID 1 of its own namespace (root) the kernel has no tracer to declare, and must
+    # not open files of the runtime directory now and then: they lie on the server's
+    # mount, which its own mount namespace lacks, and a dump that froze this thread with
+    # one open failed ("Can't lookup mount ... wrapper.pid").
+    declares = os.getpid() != 1
+    marker = _restore_marker(runtime_dir) if declares else None
     while True:
         time.sleep(WATCH_INTERVAL)
-        # A restored task is new to Yama: declare the (maybe new) wrapper again.
-        now = _restore_marker(runtime_dir)
-        if now != marker:
-            marker = now
-            declare_wrapper_as_tracer(runtime_dir)
+        if declares:
+            # A restored task is new to Yama: declare the (maybe new) wrapper again.
+            now = _restore_marker(runtime_dir)
+            if now != marker:
+                marker = now
+                declare_wrapper_as_tracer(runtime_dir)
         if not wrapper_alive(lifeline):
             if os.getpid() != 1:
                 # No PID namespace (non-root mode): our children would outlive us.
