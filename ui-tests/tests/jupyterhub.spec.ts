@@ -82,6 +82,25 @@ async function waitForLab(page: Page): Promise<void> {
   );
 }
 
+/**
+ * Wait until JupyterLab has saved its layout with the notebook open (its workspace, on
+ * the user's server). Lab saves it a moment after the layout changes; a server stopped
+ * before that reopens without the notebook (a race this test once lost on a slow run).
+ */
+async function waitForSavedLayout(page: Page): Promise<void> {
+  await expect
+    .poll(
+      async () => {
+        const response = await page.request.get(
+          `${HUB}user/${USER}/lab/api/workspaces`
+        );
+        return response.ok() ? await response.text() : `${response.status()}`;
+      },
+      { timeout: 60_000, message: `the workspace saved with ${NOTEBOOK} open` }
+    )
+    .toContain(`notebook:${NOTEBOOK}`);
+}
+
 /** Wait until the notebook's kernel is a snapshot kernel and idle (the status bar). */
 async function waitForIdleKernel(page: Page): Promise<void> {
   await expect(page.getByText('Python 3 (snapshots) | Idle')).toBeVisible({
@@ -164,6 +183,7 @@ test.describe('JupyterHub', () => {
     await expect(items.first()).toContainText('complete');
 
     // An admin (or the idle culler) stops the server: it snapshots the kernel first.
+    await waitForSavedLayout(page);
     await stopServer(request);
 
     // The user starts it again from the hub's home page; JupyterLab reopens the
