@@ -3,7 +3,9 @@
  *
  * The toolbar button and the Kernel menu entries are declared in `schema/plugin.json`
  * (`jupyter.lab.toolbars`, `jupyter.lab.menus`); this module registers the commands they
- * name, adds them to the palette and keeps their enabled/toggled state up to date.
+ * name, adds them to the palette and keeps their enabled/toggled state up to date. The
+ * panel's buttons execute the same commands and are enabled by them: each command's
+ * enablement is written here once.
  */
 import type { JupyterFrontEnd } from '@jupyterlab/application';
 import type { ICommandPalette } from '@jupyterlab/apputils';
@@ -56,6 +58,13 @@ export function addCommands(
     const status = model.kernelStatus(kernelIdOf(currentPanel()));
     return status?.snapshots ? (status.state ?? 'running') : null;
   };
+  /** A job of this panel runs on the current notebook's kernel. */
+  const hasJob = () => model.jobsFor(kernelIdOf(currentPanel())).length > 0;
+  /** A job runs on it, or it is a snapshot kernel that is not running. */
+  const busy = () => {
+    const state = kernelState();
+    return hasJob() || (!!state && state !== 'running');
+  };
   /** Run a flow on the current notebook, if there is one. */
   const onCurrent =
     (flow: (nb: NotebookPanel) => Promise<unknown>) => async () => {
@@ -70,7 +79,7 @@ export function addCommands(
     caption:
       'Save the whole kernel process (memory, GPU memory) to the snapshot store; the kernel keeps running',
     icon: snapshotIcon,
-    isEnabled: () => !!kernelIdOf(currentPanel()),
+    isEnabled: () => !!kernelIdOf(currentPanel()) && !busy(),
     execute: onCurrent(nb => snapshotNotebook(actions, nb))
   });
   commands.addCommand(CommandIDs.suspend, {
@@ -78,15 +87,13 @@ export function addCommands(
     caption:
       'Snapshot the kernel and end its process (frees its memory and GPU); running a cell resumes it',
     isEnabled: () =>
-      isSnapshotNotebook() &&
-      kernelState() === 'running' &&
-      model.jobsFor(kernelIdOf(currentPanel())).length === 0,
+      isSnapshotNotebook() && kernelState() === 'running' && !hasJob(),
     execute: onCurrent(nb => suspendOrResume(actions, nb, 'suspend'))
   });
   commands.addCommand(CommandIDs.resume, {
     label: 'Resume Suspended Kernel',
     caption: 'Bring a suspended kernel back now',
-    isEnabled: () => kernelState() === 'suspended',
+    isEnabled: () => kernelState() === 'suspended' && !hasJob(),
     execute: onCurrent(nb => suspendOrResume(actions, nb, 'resume'))
   });
   commands.addCommand(CommandIDs.openPanel, {

@@ -106,7 +106,11 @@ const panelPlugin: JupyterFrontEndPlugin<void> = {
     labelKernelsByNotebook(model, tracker);
     const current = followCurrentNotebook(model, tracker, services);
 
-    const panel = new SnapshotsPanel({ actions, currentNotebook: current });
+    const panel = new SnapshotsPanel({
+      actions,
+      commands,
+      currentNotebook: current
+    });
     shell.add(panel, 'right', { rank: 600 });
     restorer?.add(panel, PANEL_ID);
 

@@ -1,3 +1,4 @@
+import type { JupyterFrontEnd } from '@jupyterlab/application';
 import { ReactWidget, UseSignal } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import {
@@ -12,15 +13,13 @@ import {
   IActionContext,
   isSnapshotKernel,
   restoreSnapshot,
-  snapshotNotebook,
-  suspendOrResume,
-  takeVariables,
-  useSnapshotKernel
+  takeVariables
 } from '../actions';
 import { baseName, formatBytes, policyLines } from '../format';
 import { snapshotIcon } from '../icons';
 import { describeError } from '../request';
 import {
+  CommandIDs,
   IKernelStatus,
   INotebookTarget,
   IPolicy,
@@ -42,6 +41,9 @@ import { SnapshotItem } from './SnapshotItem';
 
 export interface ISnapshotViewProps {
   actions: IActionContext;
+  /** The app's commands: the buttons on the current notebook execute them
+   * (commandsAndMenu.ts), and are enabled when they are. */
+  commands: JupyterFrontEnd['commands'];
   /** The notebook panel the model's target is about. */
   currentNotebook: () => NotebookPanel | null;
 }
@@ -53,19 +55,23 @@ function TargetSection(
     status: IKernelStatus | null;
   }
 ): JSX.Element {
-  const { actions, target, status } = props;
+  const { actions, commands, target, status } = props;
   const { model } = actions;
   const panel = props.currentNotebook();
   const jobs = model.jobsFor(target.kernelId);
   const snapshotKernel = isSnapshotKernel(model, target);
   const state = status?.snapshots ? (status.state ?? 'running') : null;
-  const busy = jobs.length > 0 || (!!state && state !== 'running');
   const [pending, setPending] = React.useState(false);
 
-  const run = (action: () => Promise<unknown>) => {
+  /** Execute a command on the current notebook (while it runs, the buttons wait). */
+  const run = (id: string) => {
     setPending(true);
-    void action().finally(() => setPending(false));
+    void commands
+      .execute(id)
+      .catch(() => undefined)
+      .finally(() => setPending(false));
   };
+  const disabled = (id: string) => pending || !commands.isEnabled(id);
 
   let notice: JSX.Element | null = null;
   if (!target.kernelId) {
@@ -75,7 +81,7 @@ function TargetSection(
           This notebook has no kernel. Choose "{SNAPSHOT_KERNEL_DISPLAY_NAME}"
           to take snapshots of it.
         </p>
-        {panel && <UseKernelButton panel={panel} />}
+        {panel && <UseKernelButton commands={commands} />}
       </Callout>
     );
   } else if (!snapshotKernel) {
@@ -85,7 +91,7 @@ function TargetSection(
           This notebook's kernel is not a snapshot kernel: choose "
           {SNAPSHOT_KERNEL_DISPLAY_NAME}".
         </p>
-        {panel && <UseKernelButton panel={panel} />}
+        {panel && <UseKernelButton commands={commands} />}
       </Callout>
     );
   } else if (status && !status.snapshots) {
@@ -170,8 +176,8 @@ function TargetSection(
           <ActionButton
             kind="accept"
             className="jp-KernelSnapshots-take"
-            disabled={busy || pending}
-            onClick={() => run(() => snapshotNotebook(actions, panel))}
+            disabled={disabled(CommandIDs.snapshot)}
+            onClick={() => run(CommandIDs.snapshot)}
             title="Snapshot the kernel now (it keeps running)"
           >
             <snapshotIcon.react
@@ -182,20 +188,16 @@ function TargetSection(
           </ActionButton>
           {state === 'suspended' ? (
             <ActionButton
-              disabled={jobs.length > 0 || pending}
-              onClick={() =>
-                run(() => suspendOrResume(actions, panel, 'resume'))
-              }
+              disabled={disabled(CommandIDs.resume)}
+              onClick={() => run(CommandIDs.resume)}
               title="Bring the kernel back now"
             >
               Resume now
             </ActionButton>
           ) : (
             <ActionButton
-              disabled={busy || pending}
-              onClick={() =>
-                run(() => suspendOrResume(actions, panel, 'suspend'))
-              }
+              disabled={disabled(CommandIDs.suspend)}
+              onClick={() => run(CommandIDs.suspend)}
               title="Snapshot the kernel and end its process (frees its memory and GPU); the next cell brings it back"
             >
               Suspend now
@@ -221,11 +223,17 @@ function TargetSection(
   );
 }
 
-function UseKernelButton(props: { panel: NotebookPanel }): JSX.Element {
+function UseKernelButton(props: {
+  commands: JupyterFrontEnd['commands'];
+}): JSX.Element {
   return (
     <ActionButton
       kind="accept"
-      onClick={() => void useSnapshotKernel(props.panel)}
+      onClick={() =>
+        void props.commands
+          .execute(CommandIDs.useSnapshotKernel)
+          .catch(() => undefined)
+      }
       title={`Start a "${SNAPSHOT_KERNEL_DISPLAY_NAME}" kernel (kernelspec ${SNAPSHOT_KERNEL_NAME}) for this notebook`}
     >
       Use {SNAPSHOT_KERNEL_DISPLAY_NAME}
@@ -314,7 +322,11 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
           Retrying by itself, less and less often.
         </p>
         <ActionButton
-          onClick={() => void model.refresh().catch(() => undefined)}
+          onClick={() =>
+            void props.commands
+              .execute(CommandIDs.refresh)
+              .catch(() => undefined)
+          }
         >
           Retry now
         </ActionButton>
@@ -456,7 +468,8 @@ export class SnapshotsPanel extends ReactWidget {
   }
 
   render(): JSX.Element {
-    const { model } = this._props.actions;
+    const { actions, commands } = this._props;
+    const { model } = actions;
     return (
       <>
         <div className="jp-KernelSnapshots-header">
@@ -467,7 +480,11 @@ export class SnapshotsPanel extends ReactWidget {
                 icon={refreshIcon}
                 tooltip="Refresh the snapshots"
                 className={model.loading ? 'jp-mod-loading' : ''}
-                onClick={() => void model.refresh().catch(() => undefined)}
+                onClick={() =>
+                  void commands
+                    .execute(CommandIDs.refresh)
+                    .catch(() => undefined)
+                }
               />
             )}
           </UseSignal>

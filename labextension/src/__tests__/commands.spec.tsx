@@ -1,0 +1,229 @@
+/**
+ * The snapshot commands and the panel's buttons: when each command is enabled (written
+ * once, in commandsAndMenu.ts), and that the panel's buttons execute the commands and are
+ * enabled when they are. A real command registry and model, against the stub server.
+ */
+import type { JupyterFrontEnd } from '@jupyterlab/application';
+import type { NotebookPanel } from '@jupyterlab/notebook';
+import type { ServiceManager } from '@jupyterlab/services';
+import { CommandRegistry } from '@lumino/commands';
+import { ReactWidget } from '@jupyterlab/apputils';
+import { Widget } from '@lumino/widgets';
+import * as React from 'react';
+
+import { IActionContext, notebookTarget } from '../actions';
+import { addCommands } from '../commandsAndMenu';
+import { SnapshotsView } from '../components/SnapshotPanel';
+import { SnapshotsModel } from '../model';
+import {
+  CommandIDs,
+  IJob,
+  IKernelStatus,
+  SNAPSHOT_KERNEL_NAME
+} from '../tokens';
+import { StubServer } from './stubServer';
+
+/** What the commands and the panel read of a notebook panel. */
+function notebook(kernelName = SNAPSHOT_KERNEL_NAME): NotebookPanel {
+  return {
+    sessionContext: {
+      session: { kernel: { id: 'k1', name: kernelName } },
+      kernelDisplayName: 'Python 3 (snapshots)'
+    },
+    context: { path: 'a.ipynb' }
+  } as unknown as NotebookPanel;
+}
+
+const services = {
+  contents: { localPath: (path: string) => path }
+} as unknown as ServiceManager.IManager;
+
+function runningJob(): IJob {
+  return {
+    id: 'j1',
+    kind: 'snapshot',
+    kernel_id: 'k1',
+    status: 'running',
+    phase: 'dumping',
+    done_bytes: 0,
+    total_bytes: 0,
+    started: 0,
+    finished: null,
+    result: null,
+    error: null
+  };
+}
+
+describe('snapshot commands', () => {
+  let server: StubServer;
+  let model: SnapshotsModel;
+  let commands: CommandRegistry;
+  let panel: NotebookPanel | null;
+  let actions: IActionContext;
+
+  /** A model that knows kernel k1 with this status, and the commands on it. */
+  const setUp = async (status: Partial<IKernelStatus> | null) => {
+    server = new StubServer();
+    server.on('GET', 'kernels', {
+      body: {
+        kernels: status ? [{ kernel_id: 'k1', ...status }] : []
+      }
+    });
+    server.on('GET', 'policy', { body: { store: 'local' } });
+    server.routes.push(request =>
+      request.method === 'GET' ? { body: { snapshots: [] } } : undefined
+    );
+    model = new SnapshotsModel({
+      serverSettings: server.settings,
+      auto: false,
+      standby: 'never'
+    });
+    commands = new CommandRegistry();
+    actions = {
+      model,
+      services,
+      findNotebook: () => panel,
+      openNotebook: () => undefined
+    };
+    addCommands({ commands } as unknown as JupyterFrontEnd, {
+      actions,
+      currentPanel: () => panel,
+      showPanel: () => undefined
+    });
+    await model.refresh();
+  };
+
+  const enabled = () => ({
+    snapshot: commands.isEnabled(CommandIDs.snapshot),
+    suspend: commands.isEnabled(CommandIDs.suspend),
+    resume: commands.isEnabled(CommandIDs.resume)
+  });
+
+  beforeEach(() => {
+    panel = notebook();
+  });
+
+  afterEach(() => {
+    model?.dispose();
+  });
+
+  it('a running snapshot kernel: snapshot and suspend', async () => {
+    await setUp({ snapshots: true, state: 'running' });
+    expect(enabled()).toEqual({ snapshot: true, suspend: true, resume: false });
+  });
+
+  it('a job on the kernel: none (until it ends)', async () => {
+    await setUp({ snapshots: true, state: 'running' });
+    model.track(runningJob());
+    expect(enabled()).toEqual({
+      snapshot: false,
+      suspend: false,
+      resume: false
+    });
+  });
+
+  it('a suspended kernel: resume only', async () => {
+    await setUp({ snapshots: true, state: 'suspended' });
+    expect(enabled()).toEqual({
+      snapshot: false,
+      suspend: false,
+      resume: true
+    });
+    model.track(runningJob());
+    expect(enabled().resume).toBe(false);
+  });
+
+  it('another kernel: snapshot, which offers the snapshot kernel', async () => {
+    panel = notebook('python3');
+    await setUp({ snapshots: false });
+    expect(enabled()).toEqual({
+      snapshot: true,
+      suspend: false,
+      resume: false
+    });
+  });
+
+  it('no notebook: none', async () => {
+    panel = null;
+    await setUp({ snapshots: true, state: 'running' });
+    expect(enabled()).toEqual({
+      snapshot: false,
+      suspend: false,
+      resume: false
+    });
+  });
+});
+
+describe('the panel on the current notebook', () => {
+  let widget: ReactWidget;
+
+  beforeAll(() => {
+    // React's act() flushes the renders and effects of what it wraps.
+    (
+      globalThis as { IS_REACT_ACT_ENVIRONMENT?: boolean }
+    ).IS_REACT_ACT_ENVIRONMENT = true;
+  });
+
+  afterEach(async () => {
+    // Unmounting renders too: inside act(), as the mounting.
+    await React.act(async () => widget.dispose());
+  });
+
+  it('executes the commands and is enabled by them', async () => {
+    const server = new StubServer();
+    server.on('GET', 'kernels', {
+      body: {
+        kernels: [{ kernel_id: 'k1', snapshots: true, state: 'running' }]
+      }
+    });
+    server.routes.push(request =>
+      request.method === 'GET' ? { body: { snapshots: [] } } : undefined
+    );
+    const model = new SnapshotsModel({
+      serverSettings: server.settings,
+      auto: false,
+      standby: 'never'
+    });
+    await model.refresh();
+    const panel = notebook();
+    model.target = notebookTarget(panel, services);
+    // The real registry, with commands that say when they ran.
+    const executed: string[] = [];
+    const commands = new CommandRegistry();
+    const enabled = new Set([CommandIDs.snapshot, CommandIDs.resume]);
+    for (const id of [CommandIDs.snapshot, CommandIDs.suspend]) {
+      commands.addCommand(id, {
+        execute: () => {
+          executed.push(id);
+        },
+        isEnabled: () => enabled.has(id)
+      });
+    }
+    const actions: IActionContext = {
+      model,
+      services,
+      findNotebook: () => panel,
+      openNotebook: () => undefined
+    };
+    widget = ReactWidget.create(
+      <SnapshotsView
+        actions={actions}
+        commands={commands}
+        currentNotebook={() => panel}
+      />
+    );
+    await React.act(async () => {
+      Widget.attach(widget, document.body);
+      await widget.renderPromise;
+    });
+    const button = (name: string) =>
+      Array.from(widget.node.querySelectorAll('button')).find(b =>
+        b.textContent?.includes(name)
+      ) as HTMLButtonElement;
+    expect(button('Snapshot kernel').disabled).toBe(false);
+    expect(button('Suspend now').disabled).toBe(true); // its command is disabled
+    await React.act(async () => button('Snapshot kernel').click());
+    expect(executed).toEqual([CommandIDs.snapshot]);
+    model.dispose();
+  });
+});
