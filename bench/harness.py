@@ -1,7 +1,7 @@
 """What the benchmarks share: real servers, cells, jobs, and bare CRIU for the baselines.
 
 - ``Server``: ``jupyter server`` as a separate process in its own Jupyter directories, the
-  one the tests start (``tests/servers.py``'s ``ServerProcess``), with the REST calls a
+  one the tests start (``jupyter_ext.testing.ServerProcess``), with the REST calls a
   benchmark makes: notebook sessions and kernels, jobs followed with their phases
   (``run_job``), cells run through a kernel's websocket as JupyterLab runs them
   (``execute``: their output, and when it came), and a stop that ends the kernels first.
@@ -37,8 +37,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from jupyter_ext.core.criu import Criu  # noqa: E402
-from tests.s3server import MotoServer, free_port  # noqa: E402
-from tests.servers import ServerProcess, execute_request, ws_close, ws_connect  # noqa: E402
+from jupyter_ext.testing import (  # noqa: E402
+    MotoServer,
+    ServerProcess,
+    execute_request,
+    free_port,
+    ws_close,
+    ws_connect,
+)
 
 __all__ = [
     "MIB",

@@ -187,29 +187,29 @@ class SnapshotExtensionApp(SnapshotSettings):
             try:
                 if self.periodic_interval > 0 and now - last_periodic >= self.periodic_interval:
                     last_periodic = now
-                    await self.manager.periodic_pass()
+                    await self.manager.schedules.periodic_pass()
                 await self.long_cells.tick()
                 if self.idle_suspend_after > 0:
-                    await self.manager.suspend_idle(
+                    await self.manager.schedules.suspend_idle(
                         self.idle_suspend_after,
                         gpu_only=not self.suspend_cpu_kernels,
                         gpu_kernels=holds_gpu,
                     )
                 if now - last_retry >= self.upload_retry_interval:
                     last_retry = now
-                    await self.manager.retry_uploads()
+                    await self.manager.uploads.retry()
             except Exception:
                 self.log.exception("snapshot policy tick failed")
 
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         """Called by jupyter_server once its event loop runs: start the policies, and the
         uploads of snapshots a previous run of this server could not store."""
-        self.manager.start_reaping()  # without root: see SnapshotManager.start_reaping
+        self.manager.reaper.start()  # without root: see Reaper.start
         _freeze_start_up_objects()
-        recovered = self.manager.recover_staged()
+        recovered = self.manager.uploads.recover_staged()
         if recovered:
             self.log.info("uploading %d snapshot(s) kept locally: %s", len(recovered), recovered)
-            self._recovery = asyncio.ensure_future(self.manager.retry_uploads())
+            self._recovery = asyncio.ensure_future(self.manager.uploads.retry())
         self._policy_task = asyncio.ensure_future(self._policy_loop())
         if os.environ.get("JUPYTERHUB_API_TOKEN") and (
             signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -234,10 +234,10 @@ class SnapshotExtensionApp(SnapshotSettings):
         if self._policy_task is not None:
             self._policy_task.cancel()
         if self.snapshot_before_shutdown:
-            jobs = await self.manager.snapshot_all(
+            jobs = await self.manager.schedules.snapshot_all(
                 "before-shutdown", self.shutdown_snapshot_timeout
             )
             if jobs:
                 self.log.info("snapshots before shutdown: %s", [j.status for j in jobs])
         self.manager.store.close()
-        self.manager.stop_reaping()
+        self.manager.reaper.stop()

@@ -51,15 +51,15 @@ class LongCellPolicy:
         for gone in set(self.last) - set(kernel_ids):
             del self.last[gone]
         for kernel_id in kernel_ids:
-            if manager.has_job(kernel_id) or kernel_id in manager.periodic_opt_out:
+            if manager.jobs.has_job(kernel_id) or kernel_id in manager.schedules.periodic_opt_out:
                 continue  # the panel's per-kernel switch turns all automatic ones off
-            status = await manager.kernel_status(kernel_id)
+            status = await manager.schedules.kernel_status(kernel_id)
             if not long_cell_due(
                 status, self.threshold, self.last.get(kernel_id), now, self.min_interval
             ):
                 continue
             try:
-                jobs.append(manager.create(kernel_id, trigger="long-cell"))
+                jobs.append(manager.dumps.create(kernel_id, trigger="long-cell"))
             except SnapshotError:
                 continue  # another job just started on it: the next tick looks again
             self.last[kernel_id] = now

@@ -1,8 +1,9 @@
 """REST API under /api/snapshots (see openapi.yaml beside this module).
 
-Every verb is authenticated and authorized on the ``kernels`` resource; ids in URLs are
-validated by the route patterns and again by the manager; domain errors become HTTP
-errors with the cause and what to do, in one place (:meth:`SnapshotHandler.write_error`).
+Every verb is authenticated and authorized on the ``kernels`` resource; the routes take
+any id in a path segment (``[^/]+``) and the manager checks it (a malformed id is a 400,
+an unknown one a 404); domain errors become HTTP errors with the cause and what to do, in
+one place (:data:`HTTP_STATUS`, :meth:`SnapshotHandler.write_error`).
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ from .core.errors import (
     VariableTransferError,
     WrapperUnavailableError,
 )
+from .core.gpu import GpuCheckpointError, GpuUnavailableError
 from .core.manifest import TRIGGERS
 from .core.store import StoreError
 from .manager import SnapshotManager, validate_notebook_path
 
+#: The HTTP status of each domain error, the first class that matches (a subclass before
+#: its base); anything else is a 500. jupyter_ext/openapi.yaml says the same.
 HTTP_STATUS: dict[type[SnapshotError], int] = {
     BadIdError: 400,
     SnapshotNotFoundError: 404,
@@ -48,6 +52,13 @@ HTTP_STATUS: dict[type[SnapshotError], int] = {
     CriuNotFoundError: 503,
     RestoreError: 500,
     StoreError: 503,
+    # No CUDA checkpoint support on this machine (libcuda, driver, cuda-checkpoint): as
+    # for CRIU, the service is missing here. A GPU the snapshot cannot run on is an
+    # IncompatibleSnapshotError (422).
+    GpuUnavailableError: 503,
+    # A CUDA step refused the kernel now (a lock timed out under a running GPU kernel,
+    # out of memory, a process in the wrong state): like a failed dump, try again later.
+    GpuCheckpointError: 409,
 }
 SNAPSHOT_ID = r"(?P<snapshot_id>[^/]+)"
 KERNEL_ID = r"(?P<kernel_id>[^/]+)"
@@ -180,7 +191,7 @@ class SnapshotsHandler(SnapshotHandler):
             raise BadRequest(
                 f"trigger must be one of {', '.join(TRIGGERS)}, not {trigger!r}.", API_HINT
             )
-        listing = await self.manager.list_snapshots(
+        listing = await self.manager.snapshots.list_snapshots(
             kernel_id=self.get_query_argument("kernel_id", None),
             path=validate_notebook_path(path) if path else None,
             trigger=trigger,
@@ -197,7 +208,7 @@ class SnapshotsHandler(SnapshotHandler):
                 "kernel_id (a string) is required.",
                 'Send {"kernel_id": "<kernel id>"}; GET /api/snapshots/kernels lists them.',
             )
-        job = self.manager.create(kernel_id, trigger="manual")
+        job = self.manager.dumps.create(kernel_id, trigger="manual")
         self.reply({"job": job.to_dict()}, status=202)
 
 
@@ -205,12 +216,12 @@ class SnapshotItemHandler(SnapshotHandler):
     @web.authenticated
     @authorized
     async def get(self, snapshot_id: str) -> None:
-        self.reply(await self.manager.get(snapshot_id))
+        self.reply(await self.manager.snapshots.get(snapshot_id))
 
     @web.authenticated
     @authorized
     async def delete(self, snapshot_id: str) -> None:
-        await self.manager.delete(snapshot_id)
+        await self.manager.snapshots.delete(snapshot_id)
         self.set_status(204)
         self.finish()
 
@@ -232,11 +243,11 @@ class RestoreHandler(SnapshotHandler):
                 "path must be a string.",
                 'Send {"path": "<notebook path>"} to restore into a new kernel for a notebook.',
             )
-        job = self.manager.restore(snapshot_id, kernel_id=kernel_id, path=path)
+        job = self.manager.restores.restore(snapshot_id, kernel_id=kernel_id, path=path)
         # Answered once the snapshot's manifest is checked: a missing snapshot is a 404, an
         # incompatible one a 422; a long download (with progress) and the hash checks
         # are the job's.
-        await self.manager.wait_checked(job)
+        await self.manager.jobs.wait_checked(job)
         self.reply({"job": job.to_dict()}, status=202)
 
 
@@ -261,7 +272,7 @@ class VariablesHandler(SnapshotHandler):
             ) from exc
         job = await variables.start(self.manager, snapshot_id, kernel_id, mapping)
         # As a restore: a missing snapshot is a 404, an incompatible one a 422.
-        await self.manager.wait_checked(job)
+        await self.manager.jobs.wait_checked(job)
         self.reply({"job": job.to_dict()}, status=202)
 
 
@@ -269,21 +280,21 @@ class JobHandler(SnapshotHandler):
     @web.authenticated
     @authorized
     async def get(self, job_id: str) -> None:
-        self.reply(self.manager.job(job_id).to_dict())
+        self.reply(self.manager.jobs.job(job_id).to_dict())
 
 
 class KernelsHandler(SnapshotHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.reply({"kernels": await self.manager.kernels()})
+        self.reply({"kernels": await self.manager.schedules.kernels_status()})
 
 
 class KernelHandler(SnapshotHandler):
     @web.authenticated
     @authorized
     async def get(self, kernel_id: str) -> None:
-        self.reply(await self.manager.kernel_status(self._known(kernel_id)))
+        self.reply(await self.manager.schedules.kernel_status(self._known(kernel_id)))
 
     @web.authenticated
     @authorized
@@ -296,11 +307,11 @@ class KernelHandler(SnapshotHandler):
                 raise BadRequest(
                     "periodic must be true or false.", 'Send {"periodic": false} to opt out.'
                 )
-            self.manager.set_periodic(kernel_id, body["periodic"])
-        self.reply(await self.manager.kernel_status(kernel_id))
+            self.manager.schedules.set_periodic(kernel_id, body["periodic"])
+        self.reply(await self.manager.schedules.kernel_status(kernel_id))
 
     def _known(self, kernel_id: str) -> str:
-        self.manager.kernel(kernel_id)
+        self.manager.server_kernels.kernel(kernel_id)
         return kernel_id
 
 
@@ -309,9 +320,9 @@ class SuspendHandler(SnapshotHandler):
     @authorized
     async def post(self, kernel_id: str, action: str) -> None:
         if action == "suspend":
-            job = self.manager.suspend(kernel_id, trigger="manual")
+            job = self.manager.dumps.suspend(kernel_id, trigger="manual")
         else:
-            job = self.manager.resume(kernel_id)
+            job = self.manager.dumps.resume(kernel_id)
         self.reply({"job": job.to_dict()}, status=202)
 
 

@@ -1,24 +1,32 @@
-"""Real snapshot kernels for the tests and the benchmarks (shipped, so both use one
-harness): a wrapper process (`python -m kernel_wrapper`) and a jupyter_client."""
+"""Real processes for the tests and the benchmarks (shipped, so both use one harness):
+a snapshot kernel (`python -m kernel_wrapper`) with a jupyter_client; moto's S3 server
+(:class:`MotoServer`); ``jupyter server`` with the extension as a separate process in its
+own Jupyter directories (:class:`ServerProcess`, a REST :class:`Endpoint`), and its
+kernels' websockets as JupyterLab opens them (:func:`ws_connect`, :func:`execute_request`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.connect import write_connection_file
 
+from jupyter_ext.cli import ServerClient
 from jupyter_ext.core import proctree
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.protocol import (
@@ -28,6 +36,9 @@ from jupyter_ext.core.protocol import (
     WrapperClient,
     WrapperInfo,
 )
+
+if TYPE_CHECKING:
+    from tornado.websocket import WebSocketClientConnection
 
 #: Seconds without a heartbeat echo before the test client calls the kernel dead.
 HEARTBEAT_GRACE = 10.0
@@ -243,3 +254,317 @@ def describe_threads(pids: list[int]) -> str:
             dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True)
             lines.append(dump.stdout)
     return "\n".join(lines)
+
+
+# -- servers: moto S3, jupyter server with the extension, its kernels' websockets --
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class MotoServer:
+    """``moto_server -H 127.0.0.1 -p PORT``, started and waited for; ``stop()`` ends it."""
+
+    def __init__(self, log_path: Path, timeout: float = 30.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = log_path.open("wb")
+        moto_server = Path(sys.executable).with_name("moto_server")
+        self.process = subprocess.Popen(
+            [str(moto_server), "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while not self._answers():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"moto_server did not start: {log_path.read_text()}")
+            time.sleep(0.1)
+
+    def ensure_bucket(self, name: str) -> str:
+        """Create the bucket ``name`` unless it exists; returns the name."""
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=self.url)
+        try:
+            client.create_bucket(Bucket=name)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        finally:
+            client.close()
+        return name
+
+    def _answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/moto-api/", timeout=1):
+                return True
+        except urllib.error.HTTPError:
+            return True  # any HTTP answer means it is serving
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect (to a login page, say) is an answer to check, not one to follow."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_opener = urllib.request.build_opener(_NoRedirect)
+
+
+class Endpoint:
+    """A Jupyter server's REST API at a base URL with a token: a server of ours, or a
+    user's server behind JupyterHub's proxy (``.../user/<name>/``). An empty token sends
+    none."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.url = url.rstrip("/") + "/"
+        self.token = token
+        self.client = ServerClient(self.url, token)
+
+    def api(self, method: str, path: str, body: Any = None) -> Any:
+        """Any endpoint of the server (not only /api/snapshots); an error status raises
+        ``urllib.error.HTTPError``, a redirect too."""
+        request = urllib.request.Request(
+            self.url + path,
+            method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"token {self.token}"} if self.token else {},
+        )
+        try:
+            with _opener.open(request, timeout=120) as response:
+                data = response.read()
+        except urllib.error.HTTPError as exc:
+            exc.close()  # it holds the connection open until closed
+            raise
+        return json.loads(data) if data else None
+
+
+def give_to(user: str, *paths: Path) -> None:
+    """Make ``paths`` the ordinary ``user``'s (recursively), and let them through every
+    directory above (pytest's own temporary directory is root's alone, mode 0700)."""
+    for path in paths:
+        subprocess.run(["chown", "-R", f"{user}:", str(path)], check=True)
+        for parent in path.resolve().parents:
+            mode = parent.stat().st_mode
+            if not mode & 0o001:
+                parent.chmod(mode | 0o001)
+
+
+class ServerProcess(Endpoint):
+    """``jupyter server`` with the snapshot extension, in its own data and runtime dirs."""
+
+    def __init__(
+        self,
+        home: Path,
+        root_dir: Path,
+        config: dict[str, Any],
+        *,
+        netns: str | None = None,
+        address: str = "127.0.0.1",
+        env: dict[str, str] | None = None,
+        user: str | None = None,
+        pod: bool = False,
+        umask: int | None = None,
+    ) -> None:
+        """``user``: run the server (and so its kernels and CRIU) as this ordinary user,
+        from a root test run (non-root mode on other nodes, docs/nonroot.md). ``pod``: in
+        a PID namespace of its own, with its own /proc, as in a container: process ids
+        start at 1 and everything in it dies with its first process."""
+        home.mkdir(parents=True, exist_ok=True)
+        self.home = home
+        self.port = free_port()
+        self.address = address
+        super().__init__(f"http://{address}:{self.port}/", uuid.uuid4().hex)
+        config_file = home / "config.json"
+        config_file.write_text(json.dumps(config))
+        self.env = {
+            **os.environ,
+            "JUPYTER_DATA_DIR": str(home / "data"),
+            "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+            "JUPYTER_CONFIG_DIR": str(home / "config"),
+            "JUPYTER_SNAPSHOT_RUNTIME_DIR": str(home / "kernels"),
+            **(env or {}),
+        }
+        argv = [
+            sys.executable,
+            "-m",
+            "jupyter_server",
+            "--allow-root",
+            "--no-browser",
+            f"--ServerApp.ip={address}",
+            f"--ServerApp.port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={root_dir}",
+            f"--config={config_file}",
+        ]
+        if user is not None:
+            self.env.update(HOME=str(home), USER=user, LOGNAME=user, PYTHONDONTWRITEBYTECODE="1")
+            give_to(user, home, root_dir)
+            argv = ["runuser", "-u", user, "--", *argv]
+        self.pod = pod
+        if pod:
+            argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *argv]
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]
+        self.log_path = home / "server.log"
+        self._log = self.log_path.open("wb")
+        # Not our stdin: the server's children inherit it, and a Node.js one (JupyterLab
+        # runs `npm prefix`) makes it non-blocking, which a helper reading commands from
+        # the same stdin (tests/nodes_for_ui.py) took for its end, and stopped.
+        self.process = subprocess.Popen(
+            argv,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            umask=-1 if umask is None else umask,
+        )
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log()}")
+            try:
+                self.client.call("GET", "policy")
+                return
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(0.2)
+        raise TimeoutError(f"server did not start: {self.log()}")
+
+    def _server_pid(self) -> int:
+        """The Jupyter server's own process (below unshare and runuser)."""
+        for pid in proctree.descendants(self.process.pid):  # parents first
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if argv[:3] == [sys.executable.encode(), b"-m", b"jupyter_server"]:
+                    return pid
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kernel_processes(self) -> list[int]:
+        """The server's process group: the server, its kernels' wrappers and inner kernels."""
+        out = subprocess.run(
+            ["ps", "-e", "-o", "pid=,sid="], capture_output=True, text=True, check=True
+        ).stdout
+        session = os.getsid(self.process.pid)
+        pids = [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == session]
+        return pids
+
+    def kill_node(self) -> None:
+        """kill -9 the server and every process it started, as a node failure would."""
+        pids = set(self.kernel_processes())
+        for pid in list(pids):
+            pids.update(proctree.descendants(pid))
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait(10)
+        self._log.close()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 120) -> int:
+        if self.process.poll() is None:
+            if self.pod:  # unshare ignores the signal (its child, the pod, would have to end)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self._server_pid(), sig)
+            else:
+                self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill_node()
+        self._log.close()
+        return self.process.returncode
+
+
+def kernel_message(
+    msg_type: str, content: dict[str, Any], metadata: dict[str, Any] | None = None
+) -> tuple[str, str]:
+    """A request for a kernel's websocket, as JupyterLab sends it: (its msg_id, its JSON)."""
+    msg_id = uuid.uuid4().hex
+    header = {
+        "msg_id": msg_id,
+        "msg_type": msg_type,
+        "session": uuid.uuid4().hex,
+        "username": "test",
+        "date": "2026-01-01T00:00:00Z",
+        "version": "5.3",
+    }
+    message = {
+        "header": header,
+        "parent_header": {},
+        "metadata": metadata or {},
+        "content": content,
+        "channel": "shell",
+        "buffers": [],
+    }
+    return msg_id, json.dumps(message)
+
+
+def execute_request(code: str, cell_id: str | None = None) -> tuple[str, str]:
+    """An execute_request (from the cell ``cell_id``, as JupyterLab names it)."""
+    content = {
+        "code": code,
+        "silent": False,
+        "store_history": True,
+        "user_expressions": {},
+        "allow_stdin": False,
+    }
+    return kernel_message("execute_request", content, {"cellId": cell_id} if cell_id else None)
+
+
+async def ws_connect(server: Endpoint, kernel_id: str) -> WebSocketClientConnection:
+    """A websocket to a kernel's channels, as JupyterLab opens it."""
+    from tornado.httpclient import HTTPRequest
+    from tornado.websocket import websocket_connect
+
+    url = "ws" + server.url.removeprefix("http") + f"api/kernels/{kernel_id}/channels"
+    # jupyter_server answers the handshake once the kernel answered kernel_info, or after
+    # its kernel_info_timeout (60 s) without it; tornado's own default (20 s) would give
+    # up first, and hide what the server says then.
+    request = HTTPRequest(
+        url,
+        headers={"Authorization": f"token {server.token}"},
+        connect_timeout=90,
+        request_timeout=90,
+    )
+    return await websocket_connect(request)
+
+
+async def ws_close(ws: WebSocketClientConnection) -> None:
+    """Close, and wait until the socket is shut: the loop must not end with it open (it
+    would be left to the garbage collector); after 1 s it is dropped."""
+    import asyncio
+
+    # close() forgets the protocol; its stream says when the socket is shut.
+    stream = ws.protocol.stream if ws.protocol is not None else None
+    ws.close()
+    for _ in range(100):
+        if stream is None or stream.closed():
+            break
+        await asyncio.sleep(0.01)
+    if stream is not None and not stream.closed():
+        stream.close()

@@ -161,9 +161,9 @@ async def running_a_cell(manager: SnapshotManager, kernel_id: str) -> bool:
     server's own ``execution_state`` follows its own iopub subscription, which may get the
     idle status after the client did.) Only a kernel without our wrapper is judged by that.
     """
-    km = manager.kernel(kernel_id)
+    km = manager.server_kernels.kernel(kernel_id)
     try:
-        status = await manager.wrapper(kernel_id).status()
+        status = await manager.server_kernels.wrapper(kernel_id).status()
     except WrapperUnavailableError:
         return getattr(km, "execution_state", "") == "busy"
     running = status.get("running_request", {})  # a wrapper older than the field: busy decides
@@ -181,12 +181,12 @@ async def start(
             "kernel (the running code could see them change midway).",
             hint="Wait until the cell finishes, or interrupt it, then try again.",
         )
-    manager.check_not_busy(kernel_id)
+    manager.jobs.check_not_busy(kernel_id)
 
     async def work(job: Job) -> dict[str, Any]:
         return await _take(manager, job, snapshot_id, kernel_id, mapping)
 
-    return manager.start_job("variables", kernel_id, work)
+    return manager.jobs.start("variables", kernel_id, work)
 
 
 async def _take(
@@ -196,13 +196,13 @@ async def _take(
     outdir.mkdir(parents=True, mode=0o700)
     side: str | None = None
     try:
-        restored = await manager.restore_side_kernel(job, snapshot_id)
+        restored = await manager.restores.restore_side_kernel(job, snapshot_id)
         side = str(restored["kernel_id"])
         if restored.get("running_request"):
             # The cell running at the snapshot goes on in the side kernel; the pickling
             # would wait behind it (forever, for a cell that never ends): interrupt it.
             await manager.kernel_manager.interrupt_kernel(side)
-        manager.progress(job, "serialising")
+        manager.jobs.progress(job, "serialising")
         reply = await execute(
             manager.kernel_manager, side, _DUMP % {"names": list(mapping), "outdir": str(outdir)}
         )
@@ -224,7 +224,7 @@ async def _take(
             )
         await _stop(manager, side)
         side = None
-        manager.progress(job, "loading")
+        manager.jobs.progress(job, "loading")
         reply = await execute(
             manager.kernel_manager,
             target,

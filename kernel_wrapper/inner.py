@@ -1,7 +1,7 @@
 """The inner kernel: ipykernel, made ready to be dumped and restored by CRIU.
 
 It runs as PID 1 of its own PID and time namespaces (started by the wrapper) and differs
-from a plain ipykernel in three ways, each needed for a clean CRIU image:
+from a plain ipykernel in six ways, each needed for a clean CRIU image or a restore:
 
 * its ZMQ sockets *connect* to endpoints that the wrapper binds in a private directory,
   so that while the wrapper is away (during a dump, after a restore elsewhere) messages
@@ -9,7 +9,8 @@ from a plain ipykernel in three ways, each needed for a clean CRIU image:
 * it has no heartbeat of its own (the wrapper answers heartbeats for the kernel's whole
   life) and keeps IPython's history in memory (a growing SQLite file would break restore);
 * a watcher thread ends the kernel when its wrapper is gone, so no kernel is orphaned,
-  also after a restore into a new wrapper (it follows ``wrapper.pid`` in the directory);
+  also after a restore into a new wrapper: nobody reads its output pipe any more (a
+  restore hands the kernel its new wrapper's pipe; see :func:`wrapper_alive`);
 * a snapshot agent thread (kernel_wrapper.agent) tells the wrapper before each dump what
   the snapshot holds (cells run, largest variables) and releases framework GPU caches
   before a GPU checkpoint;

@@ -9,9 +9,9 @@ import pytest
 
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import CriuNotFoundError
-from jupyter_ext.testing import KernelProcess
+from jupyter_ext.testing import KernelProcess, MotoServer
 
-from .s3server import CuttableProxy, MotoServer
+from .s3server import CuttableProxy
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

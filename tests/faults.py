@@ -27,8 +27,9 @@ from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.manifest import MANIFEST_NAME, SNAPSHOT_ID_RE, verify
 from jupyter_ext.core.store import LocalStore, S3Store
 from jupyter_ext.manager import user_prefix
+from jupyter_ext.testing import ServerProcess
 
-from .servers import ServerProcess, ws_execute
+from .servers import ws_execute
 
 OWNER = "fault"
 S3_PREFIX = "kernel-snapshots"

@@ -28,8 +28,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from .s3server import MotoServer
-from .servers import ServerProcess
+from jupyter_ext.testing import MotoServer, ServerProcess
 
 BUCKET = "kernel-snapshots-ui-nodes"
 S3_ENV = {

@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from .servers import Endpoint
+from jupyter_ext.testing import Endpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_YAML = ROOT / "deploy" / "z2jh" / "config.yaml"
@@ -236,6 +236,6 @@ def _for_podman(manifest: dict[str, Any], name: str, port: int, token: str) -> d
 
 
 def _free_port() -> int:
-    from .s3server import free_port
+    from jupyter_ext.testing import free_port
 
     return free_port()

@@ -1,83 +1,18 @@
-"""A real S3 endpoint for tests, and a way to break the network to it.
+"""A way to break the network to the tests' real S3 endpoint.
 
-``MotoServer`` runs moto's standalone server as a child process on 127.0.0.1 (it keeps
-objects in memory and implements conditional writes). ``CuttableProxy`` forwards TCP to
-it; ``cut()`` drops every connection and refuses new ones, as a failed network would,
-while the server keeps its objects so a test can look at what was left behind; ``stall()``
-accepts connections and never answers, as an overloaded endpoint would.
+The endpoint is ``jupyter_ext.testing.MotoServer``, moto's standalone server as a child
+process on 127.0.0.1 (it keeps objects in memory and implements conditional writes; the
+benchmarks use it too). ``CuttableProxy`` forwards TCP to it; ``cut()`` drops every
+connection and refuses new ones, as a failed network would, while the server keeps its
+objects so a test can look at what was left behind; ``stall()`` accepts connections and
+never answers, as an overloaded endpoint would.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
-import subprocess
-import sys
 import threading
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-class MotoServer:
-    """``moto_server -H 127.0.0.1 -p PORT``, started and waited for; ``stop()`` ends it."""
-
-    def __init__(self, log_path: Path, timeout: float = 30.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = log_path.open("wb")
-        moto_server = Path(sys.executable).with_name("moto_server")
-        self.process = subprocess.Popen(
-            [str(moto_server), "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + timeout
-        while not self._answers():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"moto_server did not start: {log_path.read_text()}")
-            time.sleep(0.1)
-
-    def ensure_bucket(self, name: str) -> str:
-        """Create the bucket ``name`` unless it exists; returns the name."""
-        import boto3
-
-        client = boto3.client("s3", endpoint_url=self.url)
-        try:
-            client.create_bucket(Bucket=name)
-        except client.exceptions.BucketAlreadyOwnedByYou:
-            pass
-        finally:
-            client.close()
-        return name
-
-    def _answers(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/moto-api/", timeout=1):
-                return True
-        except urllib.error.HTTPError:
-            return True  # any HTTP answer means it is serving
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
 
 
 class CuttableProxy:

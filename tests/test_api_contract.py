@@ -30,9 +30,10 @@ from tornado import web
 
 from jupyter_ext.core.protocol import Phase
 from jupyter_ext.handlers import route_table
+from jupyter_ext.testing import ServerProcess
 
 from .jupyter_api import Fetch, server_config
-from .servers import ServerProcess, follow, ws_execute
+from .servers import follow, ws_execute
 
 OPENAPI = Path(__file__).parents[1] / "jupyter_ext" / "openapi.yaml"
 SCHEMA = schemathesis.openapi.from_path(str(OPENAPI))

@@ -44,7 +44,7 @@ class Moto:
     """moto's S3 server on the host, reachable from the pods at their network's gateway."""
 
     def __init__(self, log: Path) -> None:
-        from .s3server import free_port
+        from jupyter_ext.testing import free_port
 
         self.port = free_port()
         self._log = log.open("wb")

@@ -33,6 +33,7 @@ import pytest
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.errors import SnapshotError
+from jupyter_ext.testing import MotoServer
 
 from .faults import (
     FAULT_ITERATIONS,
@@ -61,7 +62,6 @@ from .faults import (
     wait_job,
     wait_quiet,
 )
-from .s3server import MotoServer
 from .tmpfs import Tmpfs
 
 pytestmark = [

@@ -153,7 +153,7 @@ async def test_a_changed_entry_is_hashed_again_and_a_tampered_one_falls_back_to_
     result = await restore(jp_fetch, snap["id"], kernel_id=kernel.id)
     assert result["source"] == "store"
     assert (await kernel.run(CHECK)).strip() == "True 1000000"
-    await manager.lazy_restores_settled()  # all pages in: the download is checked, cached
+    await manager.lending.settled()  # all pages in: the download is checked, cached
     assert cached_ids(manager) == [snap["id"]]
     assert pages_file(entry).read_bytes() == good
     assert (await restore(jp_fetch, snap["id"], kernel_id=kernel.id))["source"] == "cache"
@@ -209,7 +209,7 @@ async def test_a_budget_of_zero_turns_the_cache_off(
     result = await restore(jp_fetch, snap["id"])
     assert result["source"] == "store"
     assert await run_in(start_kernel, result["kernel_id"], CHECK) == "True 1000000"
-    await manager.lazy_restores_settled()
+    await manager.lending.settled()
     assert cached_ids(manager) == []
     assert not list(manager.cache_dir.iterdir()), "the download is removed"
 
@@ -317,7 +317,9 @@ def test_a_file_changed_after_its_check_is_not_admitted(tmp_path: Path) -> None:
 
 
 def test_the_cache_survives_a_restart_and_broken_entries_are_removed(tmp_path: Path) -> None:
-    from .servers import ServerProcess, follow, ws_execute
+    from jupyter_ext.testing import ServerProcess
+
+    from .servers import follow, ws_execute
 
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()

@@ -19,9 +19,10 @@ import boto3
 import pytest
 import yaml
 
+from jupyter_ext.testing import Endpoint, MotoServer
+
 from .hub import ROOT, Hub
-from .s3server import MotoServer
-from .servers import Endpoint, follow, ws_execute
+from .servers import follow, ws_execute
 
 pytestmark = pytest.mark.usefixtures("criu")
 PREFIX = "kernel-snapshots"

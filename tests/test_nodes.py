@@ -19,9 +19,9 @@ import boto3
 import pytest
 
 from jupyter_ext.core.pidspace import PID_FLOOR
+from jupyter_ext.testing import ServerProcess, free_port
 
-from .s3server import free_port
-from .servers import HOST_ADDRESS, Network, ServerProcess, follow, ws_execute
+from .servers import HOST_ADDRESS, Network, follow, ws_execute
 
 pytestmark = [
     pytest.mark.usefixtures("criu"),

@@ -18,11 +18,11 @@ import pytest
 
 from jupyter_ext.app import EVENT_SCHEMA_ID
 from jupyter_ext.core.store import LocalStore
-from jupyter_ext.testing import wait_until
+from jupyter_ext.testing import MotoServer, ServerProcess, wait_until
 
 from .jupyter_api import Fetch, call, manager_of, server_config, snapshot, until, wait_job
-from .s3server import CuttableProxy, MotoServer
-from .servers import ServerProcess, ws_execute
+from .s3server import CuttableProxy
+from .servers import ws_execute
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
 
@@ -397,7 +397,7 @@ class TestShutdownSnapshots:
             )
             accepted, _ = outside.accept()
             with accepted, caplog.at_level(logging.WARNING, logger="jupyter_ext"):
-                jobs = await manager.snapshot_all("before-shutdown", 120)
+                jobs = await manager.schedules.snapshot_all("before-shutdown", 120)
         await asyncio.sleep(0.2)
         assert [j.status for j in jobs if j.kernel_id == good.id] == ["done"]
         assert [j.status for j in jobs if j.kernel_id == bad.id] == ["failed", "failed"]

@@ -20,18 +20,18 @@ from jupyter_client import BlockingKernelClient
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.manifest import Manifest
-from jupyter_ext.testing import KernelProcess
-
-from .jupyter_api import server_config
-from .servers import (
+from jupyter_ext.testing import (
     Endpoint,
+    KernelProcess,
     ServerProcess,
     execute_request,
-    follow,
     kernel_message,
     ws_close,
     ws_connect,
 )
+
+from .jupyter_api import server_config
+from .servers import follow
 
 Factory = Callable[..., KernelProcess]
 STEPS_OF_SERVER_LOOP = 60

@@ -238,12 +238,12 @@ def test_manager_deletes_along_the_budget_until_the_store_fits(
     s1, s2, s3, s4 = put_snapshots(manager, tmp_path / "dirs", 4)
     before = manager.store.stats().stored_bytes
     manager.max_bytes = before - 1  # one deletion is enough
-    assert manager.apply_retention(s4) == [s1.id]
+    assert manager.retention.apply(s4) == [s1.id]
     assert manager.store.stats().stored_bytes <= manager.max_bytes
     assert events == [("deleted", {"snapshot_id": s1.id, "reason": "retention"})]
 
     manager.max_bytes = 1  # cannot be met: everything but the notebook's newest goes
-    assert manager.apply_retention(s4) == [s2.id, s3.id]
+    assert manager.retention.apply(s4) == [s2.id, s3.id]
     assert [s.manifest.id for s in manager.store.snapshots()] == [s4.id]
 
 
@@ -251,7 +251,7 @@ def test_manager_keep_last_and_budget_together(manager: SnapshotManager, tmp_pat
     s1, s2, s3, s4 = put_snapshots(manager, tmp_path / "dirs", 4)
     manager.keep_last = 3
     manager.max_bytes = manager.store.stats().stored_bytes  # met once s1 is gone
-    assert manager.apply_retention(s4) == [s1.id]
+    assert manager.retention.apply(s4) == [s1.id]
     assert [s.manifest.id for s in manager.store.snapshots()] == [s2.id, s3.id, s4.id]
 
 
@@ -303,7 +303,7 @@ def test_concurrent_retention_passes_delete_each_snapshot_once(
 
     monkeypatch.setattr(manager.store, "snapshots", listing_together)
     with ThreadPoolExecutor(3) as pool:
-        passes = [pool.submit(manager.apply_retention, stored[-1]) for _ in range(3)]
+        passes = [pool.submit(manager.retention.apply, stored[-1]) for _ in range(3)]
         removed = [future.result() for future in passes]  # none raises
     assert sorted(i for ids in removed for i in ids) == sorted(m.id for m in stored[:4])
     assert [s.manifest.id for s in manager.store.snapshots()] == [m.id for m in stored[4:]]

@@ -165,7 +165,7 @@ async def test_corrupt_snapshot_fails_its_restore_before_criu(
     assert failed["phase"] == "downloading"
     assert (await kernel.run("print(x)")).strip() == "1"
     assert not list((tmp_path / "work" / "cache").iterdir())
-    assert not manager_of(jp_serverapp).lent
+    assert not manager_of(jp_serverapp).lending.lent
 
 
 class HeldPacks:
@@ -261,8 +261,8 @@ async def test_damaged_memory_stops_a_lazily_restored_kernel(
     assert (
         await kernel.run("print(x, a.sum() == np.random.default_rng(1).random(16 << 20).sum())")
     ).strip() == "1 True"
-    await manager.lazy_restores_settled()
-    assert not manager.lent
+    await manager.lending.settled()
+    assert not manager.lending.lent
     assert not list((tmp_path / "work" / "cache").iterdir())
 
 
@@ -288,7 +288,7 @@ async def test_a_snapshot_a_kernel_still_reads_is_deleted_once_its_pages_are_in(
         new_kernel = restored["result"]["kernel_id"]
         status = await call(jp_fetch, "GET", "kernels", new_kernel)
         assert status["lazy_restore"]["state"] == "transferring", status["lazy_restore"]
-        assert [lent.snapshot_id for lent in manager.lent] == [snapshot_id]
+        assert [lent.snapshot_id for lent in manager.lending.lent] == [snapshot_id]
         manager.keep_last = 1  # the next snapshot of that kernel would retire this one
         await snapshot(jp_fetch, kernel.id)
         assert store.get(snapshot_id), "retention passed it over"
@@ -296,7 +296,7 @@ async def test_a_snapshot_a_kernel_still_reads_is_deleted_once_its_pages_are_in(
 
     # Waits for the rest of the pages (longer than a default request on a slow machine).
     await jp_fetch("api", "snapshots", snapshot_id, method="DELETE", request_timeout=300)
-    assert not manager.lent
+    assert not manager.lending.lent
     status = await call(jp_fetch, "GET", "kernels", new_kernel)
     assert status["lazy_restore"]["state"] == "complete", status["lazy_restore"]
     code, _error = await error_of(jp_fetch, "GET", snapshot_id)
@@ -330,6 +330,24 @@ async def test_incompatible_snapshot_is_422_before_any_download(
     assert error["code"] == "snapshot-incompatible"
     assert str(data) in error["message"]
     assert (await kernel.run("print(fh.read())")).strip() == "kept open"
+
+
+def test_gpu_errors_have_their_http_status() -> None:
+    """A machine without CUDA checkpoint support is a 503 (as one without CRIU), a CUDA
+    step that refused the kernel now a 409 (as a failed dump), also as the wrapper sends
+    them over its control socket; an unfit GPU is a 422 (check_restore_compatible raises
+    IncompatibleSnapshotError: test above). They used to be 500s."""
+    from jupyter_ext.core.errors import SnapshotError
+    from jupyter_ext.core.gpu import GpuCheckpointError, GpuUnavailableError
+    from jupyter_ext.handlers import status_of
+
+    unavailable = GpuUnavailableError("libcuda.so.1 not found", hint="Install the driver.")
+    failed = GpuCheckpointError("cuCheckpointProcessLock failed", step="lock", pid=7)
+    assert status_of(unavailable) == 503
+    assert status_of(failed) == 409
+    for error in (unavailable, failed):
+        sent = SnapshotError.from_dict(error.to_dict())  # across the control socket
+        assert status_of(sent) == status_of(error)
 
 
 async def test_every_endpoint_needs_authentication(jp_fetch: Fetch) -> None:

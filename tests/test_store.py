@@ -32,8 +32,9 @@ from jupyter_ext.core.store import LocalStore, S3Store, StoredSnapshot, StoreErr
 from jupyter_ext.core.store import pack as packs
 from jupyter_ext.core.store.backend import Handle, Kind, local
 from jupyter_ext.core.store.pack import Location
+from jupyter_ext.testing import MotoServer, free_port
 
-from .s3server import CuttableProxy, MotoServer, free_port
+from .s3server import CuttableProxy
 from .tmpfs import small_disk as tmpfs_disk
 
 BUCKET = "snapshots"

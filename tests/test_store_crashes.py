@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from jupyter_ext.core import manifest as manifest_mod
+from jupyter_ext.testing import MotoServer
 
 from .faults import FAULT_ITERATIONS, FAULT_SEED
-from .s3server import MotoServer
 from .store_worker import PACK_BYTES, open_store
 from .test_store import make_snapshot, random_pages
 

@@ -4,10 +4,12 @@ It joins the core (wrapper control client, store) to jupyter_server's kernel and
 managers. Long work runs as :class:`Job` objects that report progress, so the REST API
 can return at once. Handlers never touch kernels or stores directly.
 
-:class:`SnapshotManager` is a facade over parts, each an object given what it uses when
-it is made (a part uses only those above it; none reaches into another's state)::
+:class:`SnapshotManager` makes the parts and holds them; its callers call the part that
+does the work (``manager.dumps.create``, ``manager.jobs.wait``). Each part is given what
+it uses when it is made (a part uses only those above it; none reaches into another's
+state)::
 
-    base.py       settings, folders, ids, the API's form of a snapshot (no state)
+    shared.py     what the parts share: settings, folders, ids, the API form of a snapshot
     jobs.py       Jobs: the job registry, progress, background tasks
     reaping.py    Reaper: orphaned kernel processes reaped (without root)
     kernels.py    Kernels (reaper): lookup, wrappers, the guarded dump, kernels to restore into
@@ -30,15 +32,6 @@ from typing import Any, Generic, TypeVar
 from ..core import private
 from ..core.imagecache import ImageCache
 from ..core.store import SnapshotStore
-from .base import (
-    KERNEL_ID_RE,
-    EmitEvent,
-    ManagerSettings,
-    Workspace,
-    check_kernel_id,
-    user_prefix,
-    validate_notebook_path,
-)
 from .dumps import Dumps
 from .jobs import PROGRESS_EVENT_INTERVAL, Job, Jobs
 from .kernels import Kernels
@@ -49,6 +42,15 @@ from .restore import LAZY_HOLD_SECONDS, Restores
 from .retention import Retention
 from .schedules import Schedules
 from .sessions import Sessions
+from .shared import (
+    KERNEL_ID_RE,
+    EmitEvent,
+    ManagerSettings,
+    Workspace,
+    check_kernel_id,
+    user_prefix,
+    validate_notebook_path,
+)
 from .stored import StoredSnapshots
 from .uploads import STALE_WORK_SECONDS, PendingUpload, Uploads
 
@@ -87,9 +89,8 @@ class _Setting(Generic[T]):
 
 
 class SnapshotManager:
-    """One per server: jobs, policies and the store of its user. It makes the parts (see
-    the module's docstring) and gives each what it needs; what the app, handlers,
-    variables.py, autosnap.py and tests use is bound here to the part that does it."""
+    """One per server: jobs and the store of its user. It makes the parts (see the
+    module's docstring) and gives each what it needs; callers use the parts."""
 
     kernel_name = _Setting[str]()
     keep_last = _Setting[int]()
@@ -143,6 +144,8 @@ class SnapshotManager:
         #: The newest snapshot of each kernel, unpacked.
         self.image_cache = cache = ImageCache(ws.image_cache_dir, image_cache_max_bytes)
 
+        # The parts: the app, the handlers, variables.py, autosnap.py and the tests call
+        # the one that does the work (manager.dumps.create, manager.jobs.wait, ...).
         self.jobs = jobs = Jobs(emit)
         self.reaper = Reaper()
         self.server_kernels = kernels = Kernels(kernel_manager, self.reaper, work_dir)
@@ -164,40 +167,7 @@ class SnapshotManager:
         )
         self.restores = Restores(**common, image_cache=cache, lending=lending)
         self.dumps = dumps = Dumps(**common)
-        self.schedules = schedules = Schedules(kernels, jobs, lending, dumps, emit)
-
-        # The public API, each where it is done.
-        self.job = jobs.job
-        self.wait = jobs.wait
-        self.wait_checked = jobs.wait_checked
-        self.has_job = jobs.has_job
-        self.check_not_busy = jobs.check_not_busy  # variables.py: a job of its own kind
-        self.start_job = jobs.start
-        self.progress = jobs.progress
-        self.kernel = kernels.kernel
-        self.wrapper = kernels.wrapper
-        self.start_reaping = self.reaper.start
-        self.stop_reaping = self.reaper.stop
-        self.lent = lending.lent
-        self.lazy_restores_settled = lending.settled
-        self.apply_retention = self.retention.apply
-        self.retry_uploads = uploads.retry
-        self.recover_staged = uploads.recover_staged
-        self.list_snapshots = snapshots.list_snapshots
-        self.get = snapshots.get
-        self.delete = snapshots.delete
-        self.restore = self.restores.restore
-        self.restore_side_kernel = self.restores.restore_side_kernel
-        self.create = dumps.create
-        self.suspend = dumps.suspend
-        self.resume = dumps.resume
-        self.periodic_opt_out = schedules.periodic_opt_out
-        self.set_periodic = schedules.set_periodic
-        self.kernel_status = schedules.kernel_status
-        self.kernels = schedules.kernels_status
-        self.suspend_idle = schedules.suspend_idle
-        self.periodic_pass = schedules.periodic_pass
-        self.snapshot_all = schedules.snapshot_all
+        self.schedules = Schedules(kernels, jobs, lending, dumps, emit)
 
     @property
     def work_dir(self) -> Path:

@@ -11,10 +11,10 @@ from ..core import private
 from ..core.manifest import new_snapshot_id
 from ..core.protocol import SnapshotArgs, SuspendArgs
 from ..core.store import SnapshotStore
-from .base import EmitEvent, ManagerSettings, Workspace
 from .jobs import Job, Jobs
 from .kernels import Kernels
 from .sessions import Sessions
+from .shared import EmitEvent, ManagerSettings, Workspace
 from .stored import StoredSnapshots
 from .uploads import Uploads
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..core.errors import SnapshotBusyError, SnapshotError, SnapshotNotFoundError
 from ..core.protocol import Phase, ProgressCallback, ProgressEvent
-from .base import EmitEvent
+from .shared import EmitEvent
 
 log = logging.getLogger("jupyter_ext")
 

@@ -24,8 +24,8 @@ from ..core.protocol import (
     WrapperClient,
     WrapperInfo,
 )
-from .base import check_kernel_id
 from .reaping import Reaper
+from .shared import check_kernel_id
 
 
 @dataclass

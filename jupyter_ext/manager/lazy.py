@@ -17,10 +17,10 @@ from ..core.imagecache import ImageCache, stamp_tree
 from ..core.lazypages import PAGES_FILE_RE, restore_order
 from ..core.manifest import IMAGES_DIR, verify
 from ..core.store import SnapshotStore
-from .base import EmitEvent
 from .jobs import Jobs
 from .kernels import Kernels
 from .pages import LentPages
+from .shared import EmitEvent
 
 log = logging.getLogger("jupyter_ext")
 

@@ -27,12 +27,12 @@ from ..core.manifest import (
 )
 from ..core.protocol import RestoreRequest
 from ..core.store import SnapshotStore
-from .base import EmitEvent, ManagerSettings, Workspace, validate_notebook_path
 from .jobs import Job, Jobs
 from .kernels import Kernels
 from .lazy import LazyLending
 from .pages import LentPages
 from .sessions import Sessions
+from .shared import EmitEvent, ManagerSettings, Workspace, validate_notebook_path
 from .stored import StoredSnapshots
 from .uploads import Uploads
 

@@ -9,8 +9,8 @@ from ..core.imagecache import ImageCache
 from ..core.manifest import Manifest
 from ..core.retention import Retained, RetentionPolicy, plan_retention
 from ..core.store import SnapshotStore
-from .base import EmitEvent, ManagerSettings
 from .lazy import LazyLending
+from .shared import EmitEvent, ManagerSettings
 
 
 class Retention:

@@ -10,11 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.errors import SnapshotError, SnapshotNotFoundError, WrapperUnavailableError
-from .base import EmitEvent
 from .dumps import Dumps
 from .jobs import Job, Jobs
 from .kernels import Kernels
 from .lazy import LazyLending
+from .shared import EmitEvent
 
 log = logging.getLogger("jupyter_ext")
 

@@ -10,8 +10,8 @@ from typing import Any
 from ..core.imagecache import ImageCache
 from ..core.manifest import Manifest, check_snapshot_id
 from ..core.store import SnapshotStore, StoreError
-from .base import EmitEvent, describe, describe_manifest
 from .lazy import LazyLending
+from .shared import EmitEvent, describe, describe_manifest
 from .uploads import PendingUpload, Uploads
 
 

@@ -19,8 +19,8 @@ from ..core.imagecache import ImageCache, stamp_checked
 from ..core.leftovers import lock_directory, remove_orphaned_dumps, remove_unlocked
 from ..core.manifest import MANIFEST_NAME, SNAPSHOT_ID_RE, Manifest, remove_tree
 from ..core.store import SnapshotStore
-from .base import Workspace, describe
 from .jobs import Job, Jobs
+from .shared import Workspace, describe
 
 log = logging.getLogger("jupyter_ext")
 
