@@ -12,10 +12,11 @@ from typing import Any
 
 from jupyter_server.serverapp import ServerApp
 
-from .autosnap import LongCellPolicy
+from .autosnap import PolicyTick
 from .core import private
 from .core.chunking import ChunkParams
 from .core.errors import SnapshotError
+from .core.policies import PolicySettings
 from .core.private import GROUP_SHARED, PRIVATE
 from .core.protocol import ENV_LAZY_RESTORE, ENV_LAZY_RESTORE_MIN_BYTES, ENV_PID_FLOOR
 from .core.store import LocalStore, S3Encryption, S3Store, SnapshotStore
@@ -40,15 +41,6 @@ def _freeze_start_up_objects() -> None:
 
 
 EVENT_SCHEMA_ID = "https://events.jupyter.org/jupyter_kernel_snapshots/snapshot/v1"
-
-
-def holds_gpu(status: dict[str, Any]) -> bool:
-    """Whether a kernel holds GPU memory: by NVML's count, or (without NVML) because its
-    processes use CUDA at all."""
-    gpu = status.get("gpu") or {}
-    if gpu.get("bytes") is None:
-        return bool(gpu.get("processes"))
-    return bool(gpu.get("bytes"))
 
 
 class SnapshotExtensionApp(SnapshotSettings):
@@ -137,8 +129,15 @@ class SnapshotExtensionApp(SnapshotSettings):
         os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"
         os.environ[ENV_LAZY_RESTORE_MIN_BYTES] = str(self.lazy_restore_min_bytes)
         os.environ[ENV_PID_FLOOR] = str(self.kernel_pid_floor)
-        self.long_cells = LongCellPolicy(
-            self.manager, self.long_cell_seconds, self.long_cell_min_interval
+        self.policies = PolicyTick(
+            self.manager,
+            PolicySettings(
+                periodic_interval=self.periodic_interval,
+                long_cell_seconds=self.long_cell_seconds,
+                long_cell_min_interval=self.long_cell_min_interval,
+                idle_suspend_after=self.idle_suspend_after,
+                suspend_cpu_kernels=self.suspend_cpu_kernels,
+            ),
         )
         self._policy_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Future[None] | None = None
@@ -178,23 +177,13 @@ class SnapshotExtensionApp(SnapshotSettings):
                 logger.emit(schema_id=EVENT_SCHEMA_ID, data=payload)
 
     async def _policy_loop(self) -> None:
-        """Periodic snapshots, idle suspend and upload retries, one tick at a time."""
-        last_periodic = asyncio.get_running_loop().time()
-        last_retry = last_periodic
+        """The snapshot policies (autosnap.PolicyTick) and upload retries, one tick at a time."""
+        last_retry = asyncio.get_running_loop().time()
         while True:
             await asyncio.sleep(self.policy_tick)
             now = asyncio.get_running_loop().time()
             try:
-                if self.periodic_interval > 0 and now - last_periodic >= self.periodic_interval:
-                    last_periodic = now
-                    await self.manager.schedules.periodic_pass()
-                await self.long_cells.tick()
-                if self.idle_suspend_after > 0:
-                    await self.manager.schedules.suspend_idle(
-                        self.idle_suspend_after,
-                        gpu_only=not self.suspend_cpu_kernels,
-                        gpu_kernels=holds_gpu,
-                    )
+                await self.policies.tick()
                 if now - last_retry >= self.upload_retry_interval:
                     last_retry = now
                     await self.manager.uploads.retry()

@@ -1,66 +1,69 @@
-"""Automatic snapshots after long cells: the work of a cell that ran for minutes is worth
-keeping, and a kernel that just finished one is the cheapest moment to take it.
+"""The policy tick: the snapshots the server takes by itself (periodic, after long cells,
+idle suspend), decided in :mod:`.core.policies` on each kernel's status, read once.
 
-The wrapper measures each cell from its ``execute_input`` to its ``execute_reply`` (queued
-cells do not count their wait) and reports the longest since the last snapshot
-(``longest_cell_since_snapshot``). Each policy tick, a kernel whose longest cell reached
-``threshold`` seconds is snapshotted ("long-cell"), at most once per ``min_interval``
-seconds per kernel (any snapshot of the kernel counts: it resets the wrapper's record).
+Here only what needs the server: the kernels and their wrappers, the jobs it starts.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
-from .core.errors import SnapshotError
+from .core import policies
+from .core.errors import SnapshotError, SnapshotNotFoundError, WrapperUnavailableError
+from .core.protocol import KernelStatus, StatusArgs
+from .manager import Job, SnapshotManager
 
-
-def long_cell_due(
-    status: dict[str, Any], threshold: float, last: float | None, now: float, min_interval: float
-) -> bool:
-    """Whether a kernel (its wrapper's ``status``) is due for a long-cell snapshot."""
-    if threshold <= 0 or not status.get("snapshots") or status.get("state") != "running":
-        return False
-    if float(status.get("longest_cell_since_snapshot") or 0) < threshold:
-        return False
-    return last is None or now - last >= min_interval
+log = logging.getLogger("jupyter_ext")
 
 
-@dataclass
-class LongCellPolicy:
-    """Snapshots after long cells, for one server's SnapshotManager."""
+class PolicyTick:
+    """The policies of one server's :class:`SnapshotManager`, one :meth:`tick` at a time."""
 
-    manager: Any
-    threshold: float
-    """Seconds a cell must run (SnapshotExtensionApp.long_cell_seconds; 0: off)."""
-    min_interval: float
-    """Seconds between two such snapshots of one kernel."""
-    last: dict[str, float] = field(default_factory=dict)
-    """When each kernel's last long-cell snapshot started (time.monotonic())."""
+    def __init__(self, manager: SnapshotManager, settings: policies.PolicySettings) -> None:
+        self.manager = manager
+        self.settings = settings
+        self.memory = policies.PolicyMemory(last_periodic=time.monotonic())
 
-    async def tick(self) -> list[Any]:
-        """Start the snapshots that are due; the jobs started."""
-        if self.threshold <= 0:
-            return []
-        jobs = []
-        now = time.monotonic()
+    async def tick(self) -> list[Job]:
+        """Read the status of each kernel a policy could act on (once, with its GPU
+        accounting only if a decision needs it), decide, start the jobs; the jobs started.
+        A start refused (another job just began on the kernel) is left to the next tick."""
         manager = self.manager
-        kernel_ids = list(manager.kernel_manager.list_kernel_ids())
-        for gone in set(self.last) - set(kernel_ids):
-            del self.last[gone]
-        for kernel_id in kernel_ids:
-            if manager.jobs.has_job(kernel_id) or kernel_id in manager.schedules.periodic_opt_out:
-                continue  # the panel's per-kernel switch turns all automatic ones off
-            status = await manager.schedules.kernel_status(kernel_id)
-            if not long_cell_due(
-                status, self.threshold, self.last.get(kernel_id), now, self.min_interval
-            ):
-                continue
+        now = time.monotonic()
+        kernel_ids = manager.server_kernels.ids()
+        self.memory.forget_others(kernel_ids)
+        is_round = policies.periodic_round(self.settings, self.memory, now)
+        kernels = await asyncio.gather(*(self._kernel(k, is_round) for k in kernel_ids))
+        plan = policies.decide(kernels, self.settings, self.memory, now, time.time())
+        if plan.periodic_round:
+            self.memory.last_periodic = now
+        jobs = []
+        for decision in plan.decisions:
+            kernel_id, trigger = decision.kernel_id, decision.trigger
             try:
-                jobs.append(manager.dumps.create(kernel_id, trigger="long-cell"))
-            except SnapshotError:
-                continue  # another job just started on it: the next tick looks again
-            self.last[kernel_id] = now
+                if decision.suspends:
+                    jobs.append(manager.dumps.suspend(kernel_id, trigger=trigger))
+                else:
+                    jobs.append(manager.dumps.create(kernel_id, trigger=trigger))
+            except SnapshotError as exc:
+                log.info("no %s snapshot of kernel %s now: %s", trigger, kernel_id, exc.message)
+                continue
+            self.memory.started(decision, now)
         return jobs
+
+    async def _kernel(self, kernel_id: str, is_round: bool) -> policies.Kernel:
+        """What this tick knows of a kernel (its status only if a policy could use it)."""
+        manager = self.manager
+        has_job = manager.jobs.has_job(kernel_id)
+        automatic = kernel_id not in manager.schedules.periodic_opt_out
+        status: KernelStatus | None = None
+        if policies.needs_status(self.settings, is_round, has_job, automatic):
+            # Not a snapshot kernel, or one that went away since it was listed: no status.
+            with contextlib.suppress(WrapperUnavailableError, SnapshotNotFoundError):
+                status = await manager.server_kernels.wrapper(kernel_id).status(
+                    StatusArgs(gpu=self.settings.needs_gpu)
+                )
+        return policies.Kernel(kernel_id, status, has_job=has_job, automatic=automatic)

@@ -1,5 +1,6 @@
-"""Server-side policies with a real server and kernels: periodic snapshots, retention,
-snapshot before shutdown, events, and uploads that fail and are retried."""
+"""Server-side policies with a real server and kernels: one policy tick, long cells, idle
+GPU suspend, retention, snapshot before shutdown, events, and uploads that fail and are
+retried. The policies' decisions themselves: tests/test_policy_decisions.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import boto3
 import pytest
 
 from jupyter_ext.app import EVENT_SCHEMA_ID
+from jupyter_ext.autosnap import PolicyTick
+from jupyter_ext.core.policies import PolicySettings
+from jupyter_ext.core.protocol import StatusArgs, WrapperClient
 from jupyter_ext.core.store import LocalStore
 from jupyter_ext.testing import MotoServer, ServerProcess, wait_until
 
@@ -33,44 +37,67 @@ def base_config(tmp_path: Path, **extension: Any) -> dict[str, Any]:
     return server_config(tmp_path, **extension)
 
 
-@pytest.mark.usefixtures("running_extensions")
-class TestPeriodic:
+class TestOneTick:
+    """One policy tick against real kernels, called directly (no policy loop runs)."""
+
     @pytest.fixture
     def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:
-        return base_config(tmp_path, periodic_interval=1.0)
+        return base_config(tmp_path)
 
-    async def test_only_kernels_that_ran_something(
-        self, jp_fetch: Fetch, start_kernel: Any
+    async def test_reads_each_kernel_once_and_starts_what_is_due(
+        self,
+        jp_fetch: Fetch,
+        jp_serverapp: Any,
+        start_kernel: Any,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
-        kernel = await start_kernel()
+        """Periodic, long-cell and idle suspend all on: each kernel's wrapper is asked for
+        its status once a tick (it used to be up to three times), with its GPU accounting
+        since idle suspend of GPU kernels needs it. Of three kernels, the one that ran a
+        cell gets a periodic snapshot; the one that did not, and the one the panel's
+        switch turned off, get none."""
+        manager = manager_of(jp_serverapp)
+        asked: list[tuple[str, bool]] = []
+        real_status = WrapperClient.status
 
-        async def periodic() -> list[dict[str, Any]]:
-            return (await call(jp_fetch, "GET", trigger="periodic"))["snapshots"]
+        async def counted(client: WrapperClient, args: StatusArgs | None = None, **kw: Any) -> Any:
+            args = args or StatusArgs()
+            asked.append((str(client.control), args.gpu))
+            return await real_status(client, args, **kw)
 
-        await asyncio.sleep(2.5)
-        assert await periodic() == []  # nothing ran yet
-        await kernel.run("x = 1")
+        monkeypatch.setattr(WrapperClient, "status", counted)
+        ran, opted_out = await start_kernel(), await start_kernel()
+        await start_kernel()  # ran nothing
+        await ran.run("x = 1")
+        await opted_out.run("y = 2")
+        await call(jp_fetch, "PATCH", "kernels", opted_out.id, body={"periodic": False})
+        settings = PolicySettings(
+            periodic_interval=60, long_cell_seconds=600, idle_suspend_after=3600
+        )
+        policy = PolicyTick(manager, settings)
+        policy.memory.last_periodic -= 60  # the interval has passed: a periodic round
+        asked.clear()
 
-        async def one() -> bool:
-            return len(await periodic()) == 1
+        jobs = await policy.tick()
 
-        await until(one)
-        await asyncio.sleep(2.5)
-        assert len(await periodic()) == 1  # nothing ran since
-
-        await call(jp_fetch, "PATCH", "kernels", kernel.id, body={"periodic": False})
-        await kernel.run("x = 2")
-        await asyncio.sleep(2.5)
-        assert len(await periodic()) == 1  # opted out
-
-        await call(jp_fetch, "PATCH", "kernels", kernel.id, body={"periodic": True})
-
-        async def two() -> bool:
-            return len(await periodic()) == 2
-
-        await until(two)
-        newest = (await periodic())[0]
-        assert newest["sequence"] == 2
+        assert len(asked) == 3, asked
+        assert len(set(asked)) == 3, asked  # three kernels, each once
+        assert all(gpu for _, gpu in asked)
+        assert [(job.kernel_id, job.kind) for job in jobs] == [(ran.id, "snapshot")]
+        done = await manager.jobs.wait(jobs[0], 300)
+        assert done.status == "done", done.error
+        assert done.result is not None
+        assert done.result["trigger"] == "periodic"
+        # The next tick is no periodic round: nothing is due, each kernel is asked once.
+        asked.clear()
+        assert await policy.tick() == []
+        assert len(asked) == 3, asked
+        # Without idle suspend no decision needs the GPU (NVML), nor the status of the
+        # kernel the panel's switch turned off: two kernels asked, without GPU accounting.
+        policy.settings = PolicySettings(long_cell_seconds=600)
+        asked.clear()
+        assert await policy.tick() == []
+        assert [gpu for _, gpu in asked] == [False, False], asked
 
 
 @pytest.mark.usefixtures("running_extensions")
@@ -99,19 +126,6 @@ class TestLongCell:
         cells = [c["first_line"] for c in first["contents"]["cells"]]
         assert cells == ["short = 1", "import time"]
         assert first["contents"]["cells"][1]["seconds"] >= 2.5
-
-
-def test_long_cell_policy_decisions() -> None:
-    from jupyter_ext.autosnap import long_cell_due
-
-    status = {"snapshots": True, "state": "running", "longest_cell_since_snapshot": 61.0}
-    assert long_cell_due(status, 60, None, now=1000, min_interval=300)
-    assert not long_cell_due(status, 0, None, now=1000, min_interval=300)  # off
-    assert not long_cell_due(status, 90, None, now=1000, min_interval=300)  # too short
-    assert not long_cell_due(status, 60, last=800, now=1000, min_interval=300)  # too soon
-    assert long_cell_due(status, 60, last=700, now=1000, min_interval=300)
-    assert not long_cell_due({**status, "state": "suspended"}, 60, None, 1000, 300)
-    assert not long_cell_due({**status, "snapshots": False}, 60, None, 1000, 300)
 
 
 class TestRetention:
@@ -573,11 +587,16 @@ class TestIdleGpuSuspend:
 
         await until(suspended, timeout=60)
         assert not Path(f"/proc/{inner}").exists()  # the process ended: its GPU is free
-        await asyncio.sleep(2)
-        cpu_status = await call(jp_fetch, "GET", "kernels", cpu_kernel.id)
-        assert cpu_status["state"] == "running"  # CPU kernels are left alone by default
-        listed = (await call(jp_fetch, "GET", trigger="idle-suspend"))["snapshots"]
-        assert [s["kernel_id"] for s in listed] == [gpu_kernel.id]
+
+        async def suspend_stored() -> list[dict[str, Any]]:
+            return (await call(jp_fetch, "GET", trigger="idle-suspend"))["snapshots"]
+
+        async def stored() -> bool:
+            return bool(await suspend_stored())
+
+        await until(stored)  # the suspend's snapshot is listed once it is in the store
+        # CPU kernels are left alone by default (test_policy_decisions.py: idle suspend).
+        assert [s["kernel_id"] for s in await suspend_stored()] == [gpu_kernel.id]
 
         # The next cell brings the kernel back by itself, with its GPU state.
         assert (await gpu_kernel.run("print(device_ok())")).strip() == "True"

@@ -21,7 +21,11 @@ state)::
     stored.py     StoredSnapshots (store, uploads, lending, image cache): list, get, delete
     restore.py    Restores (kernels, sessions, jobs, uploads, stored, lending, ...): restores
     dumps.py      Dumps (kernels, sessions, jobs, uploads, stored): snapshot, suspend, resume
-    schedules.py  Schedules (kernels, jobs, lending, dumps): kernel status, periodic, idle
+    schedules.py  Schedules (kernels, jobs, lending, dumps): kernel status, automatic
+                  snapshots on or off, snapshots of all before a stop
+
+The snapshot policies (periodic, long cells, idle suspend) are decided in core/policies.py
+on each kernel's status, read once a tick by jupyter_ext/autosnap.py.
 """
 
 from __future__ import annotations

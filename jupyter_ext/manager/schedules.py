@@ -1,12 +1,12 @@
-"""Snapshots on a schedule: periodic, of idle kernels (suspend), and of all before the
-server stops; and each kernel's status, which these go by."""
+"""Each kernel's status as the API shows it, the per-kernel switch of automatic
+snapshots, and the snapshots of all kernels before the server stops. What the policies
+start each tick is decided in core/policies.py (jupyter_ext/autosnap.py reads them)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from ..core.errors import SnapshotError, SnapshotNotFoundError, WrapperUnavailableError
@@ -29,7 +29,7 @@ def _reason(outcome: Job | SnapshotError) -> str:
 
 
 class Schedules:
-    """Periodic snapshots, idle suspends, and the snapshots before a stop."""
+    """Kernel statuses, the periodic switch, and the snapshots before a stop."""
 
     def __init__(
         self, kernels: Kernels, jobs: Jobs, lending: LazyLending, dumps: Dumps, emit: EmitEvent
@@ -73,41 +73,6 @@ class Schedules:
     async def kernels_status(self) -> list[dict[str, Any]]:
         """Every kernel's status, its wrapper asked for all kernels at once."""
         return list(await asyncio.gather(*(self.kernel_status(k) for k in self.kernels.ids())))
-
-    async def suspend_idle(
-        self, idle_seconds: float, gpu_only: bool, gpu_kernels: Callable[[dict[str, Any]], bool]
-    ) -> list[Job]:
-        """Suspend kernels idle for longer than ``idle_seconds`` (never busy ones)."""
-        jobs: list[Job] = []
-        now = time.time()
-        for kernel_id in self.kernels.ids():
-            if self.jobs.has_job(kernel_id):
-                continue
-            status = await self.kernel_status(kernel_id)
-            if not status.get("snapshots") or status.get("state") != "running":
-                continue
-            if status.get("execution_state") != "idle":
-                continue
-            if now - float(status.get("last_activity", now)) < idle_seconds:
-                continue
-            if gpu_only and not gpu_kernels(status):
-                continue
-            jobs.append(self.dumps.suspend(kernel_id))
-        return jobs
-
-    async def periodic_pass(self) -> list[Job]:
-        """Snapshot every snapshot kernel that ran something since its last snapshot."""
-        jobs: list[Job] = []
-        for kernel_id in self.kernels.ids():
-            if kernel_id in self.periodic_opt_out or self.jobs.has_job(kernel_id):
-                continue
-            status = await self.kernel_status(kernel_id)
-            if not status.get("snapshots") or status.get("state") != "running":
-                continue
-            if status.get("executions_since_snapshot", 0) <= 0:
-                continue
-            jobs.append(self.dumps.create(kernel_id, trigger="periodic"))
-        return jobs
 
     async def snapshot_all(self, trigger: str, timeout: float) -> list[Job]:
         """Snapshot every running snapshot kernel at once, bounded in time (server shutdown).
