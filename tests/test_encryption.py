@@ -227,6 +227,15 @@ def test_nothing_of_the_secret_in_any_object_and_restores(open_store: Any, tmp_p
     assert {name.split("/")[0] for name in objects} == {"keys", "packs", "snapshots"}
     assert holding(objects, secret) == []
     assert holding(objects, b"work/analysis.ipynb") == []  # the manifest is in the record
+    refs = refs_of(store, stored)
+    for ref in refs[:: max(1, len(refs) // 16)]:  # no chunk id either (records, trailers)
+        assert holding(objects, ref.hash.encode()) == []
+    # A claim (a put in progress) names packs: sealed too.
+    store.claims.write("c" * 32, stored.manifest.id, {refs[0].where.obj})
+    claim = read_object(store, f"puts/{'c' * 32}.json")
+    assert claim.startswith(b"JKSSEAL1")
+    assert refs[0].where.obj.encode() not in claim
+    assert store.claims.claimed_objects(f"{'c' * 32}.json", stale=False) == {refs[0].where.obj}
     assert tree(store.fetch(stored.manifest.id, tmp_path / "out")) == tree(source)
     # Without a key the same bytes would be found (the search sees zstd frames).
     plain = LocalStore(tmp_path / "plain", chunking=SMALL_CHUNKS)
@@ -278,6 +287,24 @@ def test_swapped_records_and_packs_are_refused(open_store: Any, tmp_path: Path) 
             fresh.get(stored.manifest.id)
     write_object(store, names[0], records[0])
     write_object(store, names[1], records[1])
+    # Two chunks of one size exchanged in their pack: each is bound to its own id.
+    by_length: dict[tuple[str, int], Any] = {}
+    pair = None
+    for ref in refs_of(store, first):
+        other = by_length.setdefault((ref.where.obj, ref.where.length), ref)
+        if other.hash != ref.hash:
+            pair = (other, ref)
+            break
+    assert pair is not None
+    blobs = [
+        read_object(store, pair[0].where.obj)[r.where.offset :][: r.where.length] for r in pair
+    ]
+    damage(store, pair[0].where, blobs[1])
+    damage(store, pair[1].where, blobs[0])
+    with pytest.raises(SnapshotCorruptError, match="does not authenticate"):
+        open_store(keys).fetch(first.manifest.id, tmp_path / "chunks-swapped")
+    damage(store, pair[0].where, blobs[0])
+    damage(store, pair[1].where, blobs[1])
     # Two packs exchanged: the chunks a record locates in one are the other's.
     packs = sorted({r.where.obj for r in refs_of(store, first)})
     assert len(packs) >= 2
