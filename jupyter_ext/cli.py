@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import getpass
 import json
 import os
@@ -44,6 +45,20 @@ from .settings import data_dir, default_key_file
 KERNELSPEC_DIR = Path(__file__).resolve().parent / "kernelspec"
 
 
+class _ServerConfigFiles(JupyterApp):
+    name = "jupyter-snapshot-server-config"
+    config_file_name = "jupyter_server_config"
+
+
+@functools.cache
+def server_option(name: str, fallback: str) -> str:
+    """An option of SnapshotExtensionApp as a Jupyter server here would read it from its
+    config files (a hub's /etc/jupyter), so that the commands use the server's key."""
+    files = _ServerConfigFiles()
+    files.load_config_file()
+    return str(files.config.get("SnapshotExtensionApp", {}).get(name, fallback))
+
+
 class DoctorApp(JupyterApp):
     name = "jupyter-snapshot-doctor"
     description = "Say what works and what is missing for kernel snapshots, and how to fix it."
@@ -60,10 +75,9 @@ class DoctorApp(JupyterApp):
         default (<Jupyter data dir>/kernel_snapshots/work).""",
     )
     key_source = Unicode(
-        "file",
         config=True,
         help="""The server's encryption_key_source, to say whether its store is encrypted and
-        where the key is. Default: "file".""",
+        where the key is. Default: the server's (its config files), else "file".""",
     )
     key_file = Unicode(
         config=True,
@@ -79,9 +93,13 @@ class DoctorApp(JupyterApp):
         "key-file": "DoctorApp.key_file",
     }
 
+    @default("key_source")
+    def _default_key_source(self) -> str:
+        return server_option("encryption_key_source", "file")
+
     @default("key_file")
     def _default_key_file(self) -> str:
-        return str(default_key_file())
+        return server_option("encryption_key_file", str(default_key_file()))
 
     @default("store_dir")
     def _default_store_dir(self) -> str:
@@ -290,16 +308,16 @@ class _SnapshotCommand(JupyterApp):
         False, config=True, help="As SnapshotExtensionApp.local_store_group_access."
     )
     key_source = Unicode(
-        "file",
         config=True,
         help="""Where the store's encryption key comes from, as
-        SnapshotExtensionApp.encryption_key_source: "file", "env" or "none". Default: "file".""",
+        SnapshotExtensionApp.encryption_key_source: "file", "env" or "none". Default: the
+        server's (its config files), else "file".""",
     )
     key_file = Unicode(
         config=True,
-        help="""The key file of key source "file". Default: as
-        SnapshotExtensionApp.encryption_key_file (<Jupyter data dir>/kernel_snapshots/
-        store.key).""",
+        help="""The key file of key source "file". Default: the server's
+        encryption_key_file (its config files), else <Jupyter data dir>/kernel_snapshots/
+        store.key.""",
     )
     as_json = Bool(False, config=True, help="Print JSON.")
     aliases = {
@@ -315,9 +333,13 @@ class _SnapshotCommand(JupyterApp):
     }
     flags = {"json": ({"_SnapshotCommand": {"as_json": True}}, "Print JSON.")}
 
+    @default("key_source")
+    def _default_key_source(self) -> str:
+        return server_option("encryption_key_source", "file")
+
     @default("key_file")
     def _default_key_file(self) -> str:
-        return str(default_key_file())
+        return server_option("encryption_key_file", str(default_key_file()))
 
     def store_spec(self) -> StoreSpec | None:
         """The store named on the command line (None: work through the server), made as

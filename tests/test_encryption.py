@@ -466,9 +466,16 @@ def test_rotate_key_and_doctor_from_the_command_line(tmp_path: Path) -> None:
     key_file.chmod(0o644)
     line = next(x for x in cli("doctor").stdout.splitlines() if "store encryption" in x)
     assert "readable by others" in line
+    # The server's own option, from its config files, is what doctor reports.
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    (config_dir / "jupyter_server_config.json").write_text(
+        '{"SnapshotExtensionApp": {"encryption_key_source": "none"}}'
+    )
     off = subprocess.run(
-        [sys.executable, "-m", "jupyter_ext.cli", "doctor", "--key-source", "none"],
+        [sys.executable, "-m", "jupyter_ext.cli", "doctor"],
         capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "JUPYTER_CONFIG_DIR": str(config_dir)},
     )  # fmt: skip
     line = next(x for x in off.stdout.splitlines() if "store encryption" in x)
     assert line.startswith("[warn]")
