@@ -551,6 +551,12 @@ class RestoreApp(_SnapshotCommand):
                     f"{c['process']} (pid {c['pid']}) {c['local']} -> {c['remote']}" for c in closed
                 )
             )
+        for shm in result.get("private_shm") or []:  # a live process holds the name here
+            holders = ", ".join(f"{h['process']} (pid {h['pid']})" for h in shm["held_by"])
+            print(
+                f"/dev/shm/{shm['name']}: private copy (the name is {holders}'s here: a new "
+                "attach by that name reaches that process's file, not the kernel's)"
+            )
 
 
 class TakeApp(_SnapshotCommand):
