@@ -37,7 +37,7 @@ from jupyter_ext.core.protocol import (
     WrapperClient,
     WrapperInfo,
 )
-from jupyter_ext.core.store.keys import ENV_KEY
+from jupyter_ext.core.store.keys import ENV_KEY, EnvKeySource
 
 if TYPE_CHECKING:
     from tornado.websocket import WebSocketClientConnection
@@ -375,6 +375,12 @@ RUN_KEY = base64.b64encode(os.urandom(32)).decode()
 servers on other homes (another node, a restart) share a user's store, as a spawner that
 sets one user's key on every node ("env") would make them; a key file in each home would
 not be the same key."""
+
+
+def run_keys() -> EnvKeySource:
+    """The key source that opens the stores of this run's servers (:data:`RUN_KEY`), for
+    a test that reads a server's store directly."""
+    return EnvKeySource({ENV_KEY: RUN_KEY})
 
 
 class ServerProcess(Endpoint):

@@ -22,7 +22,7 @@ from jupyter_ext.autosnap import PolicyTick
 from jupyter_ext.core.policies import PolicySettings
 from jupyter_ext.core.protocol import StatusArgs, WrapperClient
 from jupyter_ext.core.store import LocalStore
-from jupyter_ext.testing import MotoServer, ServerProcess, wait_until
+from jupyter_ext.testing import MotoServer, ServerProcess, run_keys, wait_until
 
 from .jupyter_api import Fetch, call, manager_of, server_config, snapshot, until, wait_job
 from .s3server import CuttableProxy
@@ -232,6 +232,9 @@ class TestUploadFailure:
             store="s3",
             s3_bucket=moto.ensure_bucket(BUCKET),
             s3_endpoint_url=proxy.url,
+            # A store of each test's own: each test's server has its own key file, and
+            # a store is encrypted with the key of the server that made it.
+            s3_prefix=tmp_path.name,
             upload_retry_interval=0.5,
         )
 
@@ -351,7 +354,7 @@ def test_snapshot_before_shutdown(tmp_path: Path, snapshot_kernelspec: str) -> N
     kernel = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
     ws_execute(server, kernel, "import numpy as np; w = np.ones(2**22)")
     assert server.stop(signal.SIGTERM) == 0
-    stored = LocalStore(tmp_path / "store" / "users" / _owner()).snapshots()
+    stored = LocalStore(tmp_path / "store" / "users" / _owner(), keys=run_keys()).snapshots()
     assert [s.manifest.trigger for s in stored] == ["before-shutdown"]
     assert stored[0].manifest.kernel_spec["kernel_id"] == kernel
 
@@ -364,7 +367,7 @@ def test_every_kernel_is_snapshotted_before_shutdown(
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
     config = base_config(tmp_path, snapshot_before_shutdown=True)
-    store = LocalStore(tmp_path / "store" / "users" / _owner())
+    store = LocalStore(tmp_path / "store" / "users" / _owner(), keys=run_keys())
     expected: set[str] = set()
     for round_ in range(2):
         server = ServerProcess(tmp_path / f"server{round_}", notebooks, config)
@@ -469,7 +472,7 @@ def test_a_second_stop_signal_waits_for_the_shutdown_snapshots(
     staging = tmp_path / "work" / "staging"
     wait_until(lambda: staging.is_dir() and any(staging.iterdir()), what="a shutdown snapshot")
     assert server.stop(signal.SIGTERM) == 0
-    stored = LocalStore(tmp_path / "store" / "users" / _owner()).snapshots()
+    stored = LocalStore(tmp_path / "store" / "users" / _owner(), keys=run_keys()).snapshots()
     assert [s.manifest.trigger for s in stored] == ["before-shutdown"]
 
 
