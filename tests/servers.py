@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jupyter_ext.cli import ServerClient
-from jupyter_ext.core.store.keys import ENV_KEY
+from jupyter_ext.core.store.keys import ENV_KEY, EnvKeySource
 
 if TYPE_CHECKING:
     from tornado.websocket import WebSocketClientConnection
@@ -123,6 +123,12 @@ RUN_KEY = base64.b64encode(os.urandom(32)).decode()
 servers on other homes (another node, a restart) share a user's store, as a spawner that
 sets one user's key on every node ("env") would make them; a key file in each home would
 not be the same key."""
+
+
+def run_keys() -> EnvKeySource:
+    """The key source of the test run's servers (RUN_KEY), for opening a store they wrote
+    directly, as a second reader with the user's key would."""
+    return EnvKeySource({ENV_KEY: RUN_KEY})
 
 
 class ServerProcess(Endpoint):

@@ -19,9 +19,10 @@ import boto3
 import pytest
 
 from jupyter_ext.core.pidspace import PID_FLOOR
+from jupyter_ext.core.store.keys import ENV_KEY
 
 from .s3server import free_port
-from .servers import HOST_ADDRESS, Network, ServerProcess, follow, ws_execute
+from .servers import HOST_ADDRESS, RUN_KEY, Network, ServerProcess, follow, ws_execute
 
 pytestmark = [
     pytest.mark.usefixtures("criu"),
@@ -182,12 +183,13 @@ def test_cli_lists_a_store_directly(network: Network, s3_url: str, tmp_path: Pat
             f"--s3-bucket={BUCKET}",
             f"--s3-endpoint-url={s3_url}",
             "--s3-prefix=kernel-snapshots/users/carol",
+            "--key-source=env",  # the servers' key (a spawner's), to read the store directly
         ]
         return subprocess.run(
             [sys.executable, "-m", "jupyter_ext.cli", *args, *(store if s3 else [])],
             capture_output=True,
             text=True,
-            env={**os.environ, **S3_ENV},
+            env={**os.environ, **S3_ENV, ENV_KEY: RUN_KEY},
             check=True,
         ).stdout
 

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from jupyter_ext.testing import wait_until
 
 from .jupyter_api import Fetch, call, manager_of, server_config, snapshot, until, wait_job
 from .s3server import CuttableProxy, MotoServer
-from .servers import ServerProcess, ws_execute
+from .servers import ServerProcess, run_keys, ws_execute
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
 
@@ -218,6 +219,9 @@ class TestUploadFailure:
             store="s3",
             s3_bucket=moto.ensure_bucket(BUCKET),
             s3_endpoint_url=proxy.url,
+            # A prefix per test: each test's server makes its own key file, and a store
+            # keyed by an earlier test's key is refused (rightly) as another key's.
+            s3_prefix=f"kernel-snapshots-{uuid.uuid4().hex[:8]}",
             upload_retry_interval=0.5,
         )
 
@@ -337,7 +341,7 @@ def test_snapshot_before_shutdown(tmp_path: Path, snapshot_kernelspec: str) -> N
     kernel = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
     ws_execute(server, kernel, "import numpy as np; w = np.ones(2**22)")
     assert server.stop(signal.SIGTERM) == 0
-    stored = LocalStore(tmp_path / "store" / "users" / _owner()).snapshots()
+    stored = LocalStore(tmp_path / "store" / "users" / _owner(), keys=run_keys()).snapshots()
     assert [s.manifest.trigger for s in stored] == ["before-shutdown"]
     assert stored[0].manifest.kernel_spec["kernel_id"] == kernel
 
@@ -350,7 +354,7 @@ def test_every_kernel_is_snapshotted_before_shutdown(
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
     config = base_config(tmp_path, snapshot_before_shutdown=True)
-    store = LocalStore(tmp_path / "store" / "users" / _owner())
+    store = LocalStore(tmp_path / "store" / "users" / _owner(), keys=run_keys())
     expected: set[str] = set()
     for round_ in range(2):
         server = ServerProcess(tmp_path / f"server{round_}", notebooks, config)
@@ -455,7 +459,7 @@ def test_a_second_stop_signal_waits_for_the_shutdown_snapshots(
     staging = tmp_path / "work" / "staging"
     wait_until(lambda: staging.is_dir() and any(staging.iterdir()), what="a shutdown snapshot")
     assert server.stop(signal.SIGTERM) == 0
-    stored = LocalStore(tmp_path / "store" / "users" / _owner()).snapshots()
+    stored = LocalStore(tmp_path / "store" / "users" / _owner(), keys=run_keys()).snapshots()
     assert [s.manifest.trigger for s in stored] == ["before-shutdown"]
 
 

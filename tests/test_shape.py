@@ -79,10 +79,12 @@ def test_no_private_attribute_of_another_object() -> None:
 
 
 STORE_LAYERS = {
+    "sealing": -1,
     "pack": 0,
     "api": 1,
     "backend": 2,
     "record": 3,
+    "keys": 3,
     "index": 4,
     "workers": 4,
     "claims": 5,
