@@ -20,6 +20,7 @@ from .core.private import GROUP_SHARED, PRIVATE
 from .core.protocol import ENV_LAZY_RESTORE, ENV_LAZY_RESTORE_MIN_BYTES, ENV_PID_FLOOR
 from .core.store import LocalStore, S3Encryption, S3Store, SnapshotStore
 from .handlers import route_table
+from .hubservice.client import signing_client
 from .manager import SnapshotManager, user_prefix
 from .settings import SnapshotSettings
 
@@ -67,11 +68,21 @@ class SnapshotExtensionApp(SnapshotSettings):
         if self.store == "s3":
             if not self.s3_bucket:
                 raise ValueError("SnapshotExtensionApp.s3_bucket must be set for the s3 store.")
+            client = None
+            if self.hub_service_url:
+                client = signing_client(
+                    self.hub_service_url,
+                    os.environ.get("JUPYTERHUB_API_TOKEN", ""),
+                    self.s3_endpoint_url or None,
+                    self.s3_region or None,
+                    max_workers=8,
+                )
             return S3Store(
                 self.s3_bucket,
                 f"{self.s3_prefix.strip('/')}/{prefix}".strip("/"),
                 endpoint_url=self.s3_endpoint_url or None,
                 region=self.s3_region or None,
+                client=client,
                 encryption=S3Encryption(self.s3_server_side_encryption, self.s3_sse_kms_key_id),
                 chunking=self.chunking(),
                 pack_bytes=self.pack_mib << 20,

@@ -67,7 +67,19 @@ class SnapshotSettings(ExtensionApp):
         "",
         config=True,
         help="""Endpoint of an S3-compatible service (MinIO, Ceph, moto). Default: "" (AWS).
-        Credentials come from boto3's standard chain (environment, files, instance role).""",
+        Credentials come from the hub service (hub_service_url), else from boto3's standard
+        chain (environment, files, instance role).""",
+    )
+    hub_service_url = Unicode(
+        "",
+        config=True,
+        help="""URL of the product's JupyterHub service (python -m jupyter_ext.hubservice,
+        docs/jupyterhub.md), e.g. "http://hub:10101/services/kernel-snapshots/". With the s3
+        store, the server then holds no bucket credentials: the service signs each of its S3
+        requests, and only those inside <s3_prefix>/users/<owner>/, after the hub told it
+        whose token ($JUPYTERHUB_API_TOKEN) the server sent. Default: "" (credentials from
+        boto3's standard chain; under a hub with one set for all users, any user's code can
+        read and delete every user's snapshots: unsafe for multi-user hubs).""",
     )
     s3_region = Unicode("", config=True, help='S3 region. Default: "" (boto3 decides).')
     s3_server_side_encryption = Unicode(
