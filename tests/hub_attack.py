@@ -97,7 +97,7 @@ def attack(bucket: str, bob_keys: list[str]) -> dict[str, Any]:
     )
     token = os.environ.get("JUPYTERHUB_API_TOKEN", "")
     if service:
-        from jupyter_ext.hubservice.client import signing_client
+        from jupyter_ext.core.store.hubclient import signing_client
 
         clients["hub service"] = signing_client(service, token, endpoint, "us-east-1", 4)
 

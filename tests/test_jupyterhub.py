@@ -8,6 +8,7 @@ proxy with a hub token, as a browser's or a script's would.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import sys
@@ -146,8 +147,9 @@ def start_hub(
 ) -> Hub:
     """A hub whose users' servers keep their snapshots in ``bucket`` of the S3 server, as
     deploy/z2jh/config.yaml deploys them: the hub service signs their requests, and the
-    servers hold no bucket credentials. ``shared_secret``: the old recipe instead, the
-    store admin's key in every server's environment (one Secret in singleuser.extraEnv).
+    servers hold no bucket credentials, and encrypt with their user's key from it.
+    ``shared_secret``: the old recipe instead, as issue 33 found it: the store admin's key
+    in every server's environment (one Secret in singleuser.extraEnv), no encryption.
     ``server_options``: more SnapshotExtensionApp options of the servers."""
     values = z2jh_values()
     config = z2jh_server_config()
@@ -173,6 +175,7 @@ def start_hub(
     }
     if shared_secret:
         del config["SnapshotExtensionApp"]["hub_service_url"]
+        config["SnapshotExtensionApp"]["encryption_key_source"] = "none"
         environment.update(
             AWS_ACCESS_KEY_ID=s3.access_key[0],
             AWS_SECRET_ACCESS_KEY=s3.access_key[1],
@@ -342,6 +345,12 @@ def bob_with_a_secret(hub: Hub) -> tuple[Endpoint, dict[str, Any], str]:
     return bob, snapshot, secret
 
 
+def bucket_hits(s3: Bucket, bucket: str, needle: str) -> list[str]:
+    """The objects of the whole bucket (every one, its raw bytes, read with the store
+    admin's key) that hold ``needle`` in the clear or in a zstd frame."""
+    return plaintext_hits(s3.keys(bucket, ""), needle.encode())
+
+
 def plaintext_hits(objects: dict[str, bytes], needle: bytes) -> list[str]:
     """The keys of the objects that hold ``needle`` as it is or inside a zstd frame (how a
     pack's chunks are compressed): what anyone who can read the bucket finds."""
@@ -375,10 +384,15 @@ def test_alice_cannot_reach_bobs_snapshots(tmp_path: Path, s3: Bucket) -> None:
     ) as hub:
         bob, snapshot, secret = bob_with_a_secret(hub)
         before = s3.keys(bucket, f"{PREFIX}/users/bob/")
-        assert len(before) >= 2  # his pack(s) and his record
+        assert len(before) >= 3  # his pack(s), his record and his wrapped master key
+        # Encrypted with bob's key from the service (derived from the current secret).
+        bob_key = derive_user_key(bytes.fromhex(secrets[0]), "bob")
+        assert [k for k in before if "/keys/" in k] == [f"{PREFIX}/users/bob/keys/{bob_key[0]}"]
+        assert bucket_hits(s3, bucket, secret) == []
         alice = hub.add_user("alice")
         hub.start_server("alice")
         got = attack_from_alice(hub, alice, bucket, sorted(before))
+        said = json.dumps(got)
         results = got["results"]
         assert got["token"], "alice's kernel holds her server's hub token"
         assert got["keys"] == 0, "no bucket credentials anywhere in alice's server"
@@ -392,7 +406,10 @@ def test_alice_cannot_reach_bobs_snapshots(tmp_path: Path, s3: Bucket) -> None:
         assert (alice_key["current"]["id"], alice_key["previous"][0]["id"]) == tuple(
             kid for kid, _ in expected
         )
-        assert derive_user_key(bytes.fromhex(secrets[0]), "bob")[0] != alice_key["current"]["id"]
+        # Nothing of bob's keys (any secret's) in what alice got (their ids are public:
+        # the names of his key objects).
+        bobs = [derive_user_key(bytes.fromhex(s), "bob")[1] for s in secrets]
+        assert not [k for k in bobs if base64.b64encode(k).decode() in said or k.hex() in said]
         allowed = {what: r for what, r in results.items() if not r.startswith("refused: ")}
         assert not allowed
         assert results["sign {}"] == results["sign {'user': 'bob'}"] == "refused: 403"
@@ -401,18 +418,22 @@ def test_alice_cannot_reach_bobs_snapshots(tmp_path: Path, s3: Bucket) -> None:
         # Nothing of bob's changed, and his snapshot comes back.
         assert s3.keys(bucket, f"{PREFIX}/users/bob/") == before
         assert s3.keys(bucket, f"{PREFIX}/users/alice/stolen") == {}
+        # A new server of bob's (nothing of the old one's memory) asks the service again.
+        hub.api("DELETE", "users/bob/server")
+        hub.wait_server("bob", lambda state: state is None)
+        hub.start_server("bob")
         answer = bob.client.call("POST", f"{snapshot['id']}/restore", body={})
         restored = follow(bob, answer["job"])["result"]
         assert restored["source"] == "store"
         assert ws_execute(bob, restored["kernel_id"], "print(secret)") == secret + "\n"
+        assert bucket_hits(s3, bucket, secret) == []
 
 
 def test_shared_secret_mode_lets_alice_reach_bobs_snapshots(tmp_path: Path, s3: Bucket) -> None:
     """The old recipe, one Secret of bucket credentials in every server: the same code in
     alice's kernel reads bob's secret in his objects and deletes them. (What the test above
-    refutes, on the same S3 server: its enforcement is what makes the refusals real.)"""
-    import base64
-
+    refutes, on the same S3 server: its enforcement is what makes the refusals real; and
+    without encryption the bucket holds bob's secret, which the grep above finds.)"""
     bucket = "shared-secret"
     with start_hub(tmp_path, s3, bucket, shared_secret=True, server_options=NO_CACHE) as hub:
         bob, snapshot, secret = bob_with_a_secret(hub)
@@ -429,7 +450,7 @@ def test_shared_secret_mode_lets_alice_reach_bobs_snapshots(tmp_path: Path, s3: 
         assert read.startswith("allowed: ")
         stolen = {record: base64.b64decode(read.removeprefix("allowed: "))}
         assert plaintext_hits(stolen, secret.encode()) == [record]
-        assert plaintext_hits(before, secret.encode())  # and anyone who reads the bucket
+        assert bucket_hits(s3, bucket, secret)  # and anyone who reads the bucket
         for what in ("list bob", "copy", "overwrite", "delete", "delete many"):
             assert results[f"key 0: {what}"] == "allowed", what
         assert s3.keys(bucket, f"{PREFIX}/users/bob/") == {}

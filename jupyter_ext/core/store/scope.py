@@ -96,7 +96,7 @@ class SignRequest:
             raise StoreError(
                 f"A malformed signing request: {exc!r}.",
                 hint="Send method, url, headers and payload_sha256 (the hub service's client "
-                "in jupyter_ext.hubservice.client does).",
+                "in jupyter_ext.core.store.hubclient does).",
             ) from exc
         return cls(method, url, headers, payload, body)
 

@@ -1,6 +1,7 @@
-"""A user server's side of the hub service: its S3 requests signed by the service, and
-its user's key-encryption key. Both authenticate with the server's own hub token
-(``JUPYTERHUB_API_TOKEN``), which reaches only that user's prefix and key."""
+"""A user server's side of the product's hub service (jupyter_ext/hubservice): its S3
+requests signed by the service, and its user's key-encryption key. Both authenticate
+with the server's own hub token (``JUPYTERHUB_API_TOKEN``), which reaches only that user's
+prefix and key."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import time
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from ..core.store.api import StoreError
-from ..core.store.scope import EMPTY_SHA256
+from .api import StoreError
+from .scope import EMPTY_SHA256
 
 _HINT = (
     "Check that the hub service {url} runs (c.JupyterHub.services, docs/jupyterhub.md) and "
@@ -151,6 +152,9 @@ class HubKeySource:
         self.max_age = max_age
         self._lock = threading.Lock()
         self._keys: tuple[float, tuple[str, bytes], list[tuple[str, bytes]]] | None = None
+
+    def __str__(self) -> str:
+        return f"the hub service {self.client.url}"
 
     def _fetch(self) -> tuple[tuple[str, bytes], list[tuple[str, bytes]]]:
         with self._lock:
