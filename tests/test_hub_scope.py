@@ -9,12 +9,16 @@ import hashlib
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 
 import boto3
 import pytest
 from botocore.credentials import Credentials
 
+from jupyter_ext.core.doctor import check_bucket_credentials
 from jupyter_ext.core.store.api import StoreError
+from jupyter_ext.core.store.keys import KeySettings, make_key_source
 from jupyter_ext.core.store.scope import EMPTY_SHA256, SignRequest, UserScope, sign, user_prefix
 from jupyter_ext.core.store.userkey import derive_user_key, parse_secret
 
@@ -171,3 +175,32 @@ def test_each_user_gets_a_key_of_their_own_per_secret() -> None:
     for bad in ("zz", first.hex()[:62]):
         with pytest.raises(StoreError):
             parse_secret(bad, "s")
+
+
+def test_doctor_names_long_lived_bucket_credentials_under_a_hub(tmp_path: Path) -> None:
+    hub = {"JUPYTERHUB_API_TOKEN": "t", "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    assert check_bucket_credentials({"AWS_ACCESS_KEY_ID": "k"}, tmp_path).ok  # no hub
+    assert check_bucket_credentials(hub, tmp_path).ok
+    # Short-lived (STS) credentials are not the shared-Secret mode.
+    assert check_bucket_credentials(
+        {**hub, "AWS_ACCESS_KEY_ID": "k", "AWS_SESSION_TOKEN": "s"}, tmp_path
+    ).ok
+    check = check_bucket_credentials({**hub, "AWS_ACCESS_KEY_ID": "k"}, tmp_path)
+    assert not check.ok
+    assert "Unsafe for multi-user hubs" in check.detail
+    assert "hub_service_url" in check.fix
+    (tmp_path / ".aws").mkdir()
+    (tmp_path / ".aws" / "credentials").write_text("[default]\naws_access_key_id = k\n")
+    check = check_bucket_credentials(hub, tmp_path)
+    assert not check.ok
+    assert str(tmp_path / ".aws" / "credentials") in check.detail
+
+
+def test_the_hub_key_source_needs_the_service_and_names_it() -> None:
+    settings = KeySettings(Path("unused"), "alice", {"JUPYTERHUB_API_TOKEN": "t"})
+    with pytest.raises(StoreError, match="hub_service_url"):
+        make_key_source("hub", settings)
+    source = make_key_source("hub", replace(settings, hub_service_url="http://127.0.0.1:1/s/"))
+    assert str(source) == "the hub service http://127.0.0.1:1/s/"
+    with pytest.raises(StoreError, match="No hub token"):
+        make_key_source("hub", replace(settings, environ={}, hub_service_url="http://h/"))

@@ -317,19 +317,20 @@ def attack_from_alice(hub: Hub, alice: Endpoint, bucket: str, bob_keys: list[str
 
 
 def doctor_says(hub: Hub, server: Endpoint) -> dict[str, Any]:
-    """`jupyter snapshot doctor`'s bucket credentials check, run in a kernel of the server
-    (with its environment, as in a terminal of it)."""
+    """`jupyter snapshot doctor`'s checks of the bucket credentials and of the store's
+    encryption, by name, run in a kernel of the server (with its environment, as in a
+    terminal of it)."""
     kernel = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
     doctor = str(Path(sys.executable).with_name("jupyter-snapshot"))
     code = (
         "import json, subprocess\n"
         f"out = subprocess.run([{doctor!r}, 'doctor', '--json'], capture_output=True).stdout\n"
-        "print(json.dumps([c for c in json.loads(out) if c['name'] == 'bucket credentials']))"
+        "names = ('bucket credentials', 'store encryption')\n"
+        "print(json.dumps({c['name']: c for c in json.loads(out) if c['name'] in names}))"
     )
-    (check,) = json.loads(ws_execute(server, kernel, code))
+    checks: dict[str, Any] = json.loads(ws_execute(server, kernel, code))
     server.api("DELETE", f"api/kernels/{kernel}")
-    result: dict[str, Any] = check
-    return result
+    return checks
 
 
 def bob_with_a_secret(hub: Hub) -> tuple[Endpoint, dict[str, Any], str]:
@@ -396,7 +397,9 @@ def test_alice_cannot_reach_bobs_snapshots(tmp_path: Path, s3: Bucket) -> None:
         results = got["results"]
         assert got["token"], "alice's kernel holds her server's hub token"
         assert got["keys"] == 0, "no bucket credentials anywhere in alice's server"
-        assert doctor_says(hub, alice)["ok"] is True
+        doctor = doctor_says(hub, alice)
+        assert doctor["bucket credentials"]["ok"] is True
+        assert "key from the hub service" in doctor["store encryption"]["detail"]
         # Her own prefix works through the service, not otherwise: the S3 server enforces.
         assert results.pop("hub service: list alice") == "allowed"
         assert results.pop("unsigned: list alice").startswith("refused: ")
@@ -441,7 +444,7 @@ def test_shared_secret_mode_lets_alice_reach_bobs_snapshots(tmp_path: Path, s3: 
         alice = hub.add_user("alice")
         hub.start_server("alice")
         results = attack_from_alice(hub, alice, bucket, sorted(before))["results"]
-        doctor = doctor_says(hub, alice)
+        doctor = doctor_says(hub, alice)["bucket credentials"]
         assert doctor["ok"] is False
         assert "AWS_ACCESS_KEY_ID" in doctor["detail"]
         assert "Unsafe for multi-user" in doctor["detail"]
