@@ -30,13 +30,13 @@ from typing import Any, Generic, TypeVar
 from ..core import private
 from ..core.imagecache import ImageCache
 from ..core.store import SnapshotStore
+from ..core.store.scope import user_prefix
 from .base import (
     KERNEL_ID_RE,
     EmitEvent,
     ManagerSettings,
     Workspace,
     check_kernel_id,
-    user_prefix,
     validate_notebook_path,
 )
 from .dumps import Dumps
