@@ -349,7 +349,11 @@ class _SnapshotCommand(JupyterApp):
         return StoreSpec(
             kind="local" if self.store_dir else "s3",
             key_source=self.key_source,
-            keys=KeySettings(Path(self.key_file), getpass.getuser()),
+            keys=KeySettings(
+                Path(self.key_file),
+                getpass.getuser(),
+                hub_service_url=server_option("hub_service_url", ""),
+            ),
             local_dir=Path(self.store_dir) if self.store_dir else None,
             group_access=self.group_access,
             s3_bucket=self.s3_bucket,

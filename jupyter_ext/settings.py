@@ -19,7 +19,7 @@ from .core.chunking import ChunkParams
 from .core.lazypages import LAZY_MIN_BYTES
 from .core.pidspace import PID_FLOOR
 from .core.store import KEY_SOURCES, KeySettings, S3Encryption, StoreSpec
-from .manager.shared import user_prefix
+from .core.store.scope import user_prefix
 
 
 def data_dir() -> Path:
@@ -74,7 +74,19 @@ class SnapshotSettings(ExtensionApp):
         "",
         config=True,
         help="""Endpoint of an S3-compatible service (MinIO, Ceph, moto). Default: "" (AWS).
-        Credentials come from boto3's standard chain (environment, files, instance role).""",
+        Credentials come from the hub service (hub_service_url), else from boto3's standard
+        chain (environment, files, instance role).""",
+    )
+    hub_service_url = Unicode(
+        "",
+        config=True,
+        help="""URL of the product's JupyterHub service (python -m jupyter_ext.hubservice,
+        docs/jupyterhub.md), e.g. "http://hub:10101/services/kernel-snapshots/". With the s3
+        store, the server then holds no bucket credentials: the service signs each of its S3
+        requests, and only those inside <s3_prefix>/users/<owner>/, after the hub told it
+        whose token ($JUPYTERHUB_API_TOKEN) the server sent. Default: "" (credentials from
+        boto3's standard chain; under a hub with one set for all users, any user's code can
+        read and delete every user's snapshots: unsafe for multi-user hubs).""",
     )
     s3_region = Unicode("", config=True, help='S3 region. Default: "" (boto3 decides).')
     s3_server_side_encryption = Unicode(
@@ -99,7 +111,9 @@ class SnapshotSettings(ExtensionApp):
         bucket without the key reads a snapshot). "file": a key file on this machine,
         made at first use (encryption_key_file); "env": $JUPYTER_SNAPSHOT_KEY (32 bytes,
         base64; older keys still accepted in $JUPYTER_SNAPSHOT_KEY_PREVIOUS,
-        comma-separated), set by a spawner; "none": no encryption, so that whoever may
+        comma-separated), set by a spawner; "hub": the user's key from the product's hub
+        service (hub_service_url; derived there from the hub's secret and the user's name,
+        given only to this user's server); "none": no encryption, so that whoever may
         read the store or the bucket reads every snapshot (warned about at start and by
         'jupyter snapshot doctor'). A lost key makes every snapshot unreadable.
         Default: "file".""",
@@ -321,7 +335,9 @@ class SnapshotSettings(ExtensionApp):
         return StoreSpec(
             kind="s3" if self.store == "s3" else "local",
             key_source=self.encryption_key_source,
-            keys=KeySettings(Path(self.encryption_key_file), self.owner),
+            keys=KeySettings(
+                Path(self.encryption_key_file), self.owner, hub_service_url=self.hub_service_url
+            ),
             local_dir=Path(self.local_store_dir) / prefix,
             group_access=self.local_store_group_access,
             s3_bucket=self.s3_bucket,

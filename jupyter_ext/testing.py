@@ -301,6 +301,45 @@ class MotoServer:
             client.close()
         return name
 
+    def enforce_credentials(self, user: str = "store-admin") -> tuple[str, str]:
+        """Turn on moto's IAM enforcement: from now on only requests signed with a key of
+        an IAM user (or role) whose policy allows them are served; others get 403
+        (InvalidAccessKeyId, SignatureDoesNotMatch, AccessDenied). Returns the access key
+        of ``user``, made first, with every S3 action on every resource. Make buckets before
+        (``ensure_bucket``), or with this key after. moto checks header signatures and the
+        users' policies; it does not evaluate STS session policies or presigned URLs, and
+        accepts unsigned ``x-amz-*`` headers (AWS refuses them: "HeadersNotSigned")."""
+        import json
+
+        import boto3
+
+        iam = boto3.client(
+            "iam",
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            aws_access_key_id="before-enforcement",  # any key is accepted until then
+            aws_secret_access_key="before-enforcement",
+        )
+        try:
+            iam.create_user(UserName=user)
+            policy = {
+                "Version": "2012-10-17",
+                "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+            }
+            iam.put_user_policy(UserName=user, PolicyName="s3", PolicyDocument=json.dumps(policy))
+            key = iam.create_access_key(UserName=user)["AccessKey"]
+        finally:
+            iam.close()
+        request = urllib.request.Request(
+            self.url + "/moto-api/reset-auth",
+            data=b"0",  # requests served without credentials from now on
+            method="POST",
+            headers={"Content-Type": "text/plain"},
+        )
+        with urllib.request.urlopen(request, timeout=10):
+            pass
+        return key["AccessKeyId"], key["SecretAccessKey"]
+
     def _answers(self) -> bool:
         try:
             with urllib.request.urlopen(self.url + "/moto-api/", timeout=1):

@@ -25,9 +25,10 @@ from typing import Any
 from jupyter_ext.core import proctree
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.manifest import MANIFEST_NAME, SNAPSHOT_ID_RE, verify
-from jupyter_ext.core.store import LocalStore, S3Store
+from jupyter_ext.core.store import LocalStore, S3Store, sealing
+from jupyter_ext.core.store.backend import layout
 from jupyter_ext.manager import user_prefix
-from jupyter_ext.testing import ServerProcess
+from jupyter_ext.testing import ServerProcess, run_keys
 
 from .servers import ws_execute
 
@@ -134,9 +135,12 @@ class Lab:
         """The server's store, opened directly (as a second reader would)."""
         if self.store == "s3":
             return S3Store(
-                self.s3_bucket, f"{S3_PREFIX}/{user_prefix(OWNER)}", endpoint_url=self.s3_url
+                self.s3_bucket,
+                f"{S3_PREFIX}/{user_prefix(OWNER)}",
+                endpoint_url=self.s3_url,
+                keys=run_keys(),
             )
-        return LocalStore(self.store_dir / user_prefix(OWNER))
+        return LocalStore(self.store_dir / user_prefix(OWNER), keys=run_keys())
 
     def store_files(self) -> tuple[dict[str, bytes], set[str]]:
         """(record id -> record bytes, object names) as they lie in the store."""
@@ -179,9 +183,19 @@ class Lab:
         (record id -> its packs, packs in the store)."""
         records, objects = self.store_files()
         refs: dict[str, set[str]] = {}
-        for snapshot_id, data in records.items():
-            refs[snapshot_id] = set(json.loads(data)["objects"])
-            self.seen_objects |= refs[snapshot_id]
+        store: LocalStore | S3Store | None = None
+        try:
+            for snapshot_id, data in records.items():
+                if sealing.is_sealed_file(data):  # opened with the user's key, as a reader
+                    store = store or self.open_store()
+                    assert store.keyring is not None
+                    path = layout.path(layout.record(snapshot_id))
+                    data = store.keyring.sealer().open_file(path, data)
+                refs[snapshot_id] = set(json.loads(data)["objects"])
+                self.seen_objects |= refs[snapshot_id]
+        finally:
+            if store is not None:
+                store.close()
         return refs, objects
 
     def orphan_objects(self) -> set[str]:

@@ -40,6 +40,7 @@ def main() -> None:
     store = open_store(where, grace_seconds=0, pack_bytes=PACK_BYTES, repack_below=0.9)
     pages = random_pages(rng, 1024)
     work_dir.mkdir(parents=True, exist_ok=True)
+    print("ready", flush=True)  # the kill's delay counts from here, not from its imports
     for sequence in range(1, 1000):
         if sequence % 5:
             pages = mutate(pages, rng, inserts=4, changes=64)

@@ -23,7 +23,8 @@ import pytest
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.confinement import Confinement, explain_denied, yama_relational_permits
-from jupyter_ext.core.criu import Criu, explain_failure
+from jupyter_ext.core.criu import Criu
+from jupyter_ext.core.criulog import explain_failure
 from jupyter_ext.core.doctor import check_confinement
 from jupyter_ext.core.protocol import ENV_CRIU
 from jupyter_ext.testing import KernelProcess, wait_until
@@ -95,7 +96,7 @@ def test_seccomp_filter_is_named_and_stops_a_real_dump(criu: Criu, tmp_path: Pat
     images.mkdir()
     dump = (
         "import subprocess, sys\n"
-        "from jupyter_ext.core.criu import explain_failure, log_excerpt\n"
+        "from jupyter_ext.core.criulog import explain_failure, log_excerpt\n"
         "from pathlib import Path\n"
         "victim = subprocess.Popen(['sleep', '60'])\n"
         f"d = Path({str(images)!r})\n"

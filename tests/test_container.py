@@ -127,6 +127,11 @@ def make_pod(tmp_path: Path, moto: Moto, home: Path) -> Iterator[MakePod]:
         config["SnapshotExtensionApp"].update(
             s3_bucket=BUCKET, s3_endpoint_url=moto.pod_url, chunk_kib=1024
         )
+        # No hub in this stage, so no hub service to sign requests or give the key: the pod
+        # gets the store's credentials itself (the shared-Secret way) and keeps its key in a
+        # file on its home volume (the service: tests/test_jupyterhub.py).
+        del config["SnapshotExtensionApp"]["hub_service_url"]
+        config["SnapshotExtensionApp"]["encryption_key_source"] = "file"
         config_file = tmp_path / f"server-config-{uuid.uuid4().hex[:6]}.json"
         config_file.write_text(json.dumps(config))
         config_file.chmod(0o644)

@@ -8,10 +8,13 @@ proxy with a hub token, as a browser's or a script's would.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import sys
 import urllib.error
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,8 @@ import boto3
 import pytest
 import yaml
 
-from jupyter_ext.testing import Endpoint, MotoServer
+from jupyter_ext.core.errors import SnapshotNotFoundError
+from jupyter_ext.testing import Endpoint, MotoServer, free_port
 
 from .hub import ROOT, Hub
 from .servers import follow, ws_execute
@@ -30,23 +34,133 @@ PREFIX = "kernel-snapshots"
 IDLE_TIMEOUT = 15
 
 
+SERVICE = "kernel-snapshots"
+
+
+def z2jh_values() -> dict[str, Any]:
+    values: dict[str, Any] = yaml.safe_load((ROOT / "deploy" / "z2jh" / "config.yaml").read_text())
+    return values
+
+
 def z2jh_server_config() -> dict[str, Any]:
     """The single-user server configuration that deploy/z2jh/config.yaml mounts."""
-    values = yaml.safe_load((ROOT / "deploy" / "z2jh" / "config.yaml").read_text())
-    data: dict[str, Any] = values["singleuser"]["extraFiles"]["jupyter-server-config"]["data"]
+    data: dict[str, Any] = z2jh_values()["singleuser"]["extraFiles"]["jupyter-server-config"][
+        "data"
+    ]
     return data
 
 
-def start_hub(home: Path, moto: MotoServer, bucket: str, **hub_options: Any) -> Hub:
-    """A hub whose users' servers keep their snapshots in ``bucket`` of the moto server."""
+@dataclass
+class Bucket:
+    """An S3 server that enforces credentials (moto's IAM enforcement: the tests' own
+    boto3 defaults, any unsigned request, any unknown key are refused), its buckets, and
+    the key of the one IAM user allowed every S3 action: the store's admin (the hub
+    service's, or in the shared-Secret mode every server's)."""
+
+    moto: MotoServer
+    access_key: tuple[str, str]
+
+    def client(self) -> Any:
+        return boto3.client(
+            "s3",
+            endpoint_url=self.moto.url,
+            region_name="us-east-1",
+            aws_access_key_id=self.access_key[0],
+            aws_secret_access_key=self.access_key[1],
+        )
+
+    def keys(self, bucket: str, prefix: str = PREFIX) -> dict[str, bytes]:
+        """Every object under ``prefix``, with its bytes."""
+        client = self.client()
+        try:
+            pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+            return {k: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
+        finally:
+            client.close()
+
+
+BUCKETS = ("hub-snapshots", "culled-snapshots", "two-users", "shared-secret")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bucket]:
+    server = MotoServer(tmp_path_factory.mktemp("moto-iam") / "moto.log")
+    try:
+        bucket = Bucket(server, server.enforce_credentials())
+        client = bucket.client()
+        for name in BUCKETS:
+            client.create_bucket(Bucket=name)
+        client.close()
+        yield bucket
+    finally:
+        server.stop()
+
+
+def hub_service(home: Path, s3: Bucket, bucket: str, key_secrets: list[str]) -> dict[str, Any]:
+    """The z2jh recipe's hub service (hub.services.kernel-snapshots) on a free local port,
+    its placeholders filled in, its Secret's two files written under ``home``."""
+    values = z2jh_values()["hub"]["services"][SERVICE]
+    secrets = home / "kernel-snapshots-hub"
+    secrets.mkdir(mode=0o700)
+    (secrets / "aws-credentials").write_text(
+        "[default]\naws_access_key_id = {}\naws_secret_access_key = {}\n".format(*s3.access_key)
+    )
+    (secrets / "key-secrets").write_text("\n".join(key_secrets) + "\n")
+    filled = {
+        "<bucket>": bucket,
+        "<https://s3.example.org>": s3.moto.url,
+        "<region, e.g. us-east-1>": "us-east-1",
+        "0.0.0.0": "127.0.0.1",
+        "/etc/kernel-snapshots": str(secrets),
+    }
+
+    def fill(text: str) -> str:
+        for placeholder, value in filled.items():
+            text = text.replace(placeholder, value)
+        return text
+
+    assert values["command"][:3] == ["python3", "-m", "jupyter_ext.hubservice"]
+    return {
+        "name": SERVICE,
+        "url": f"http://127.0.0.1:{free_port()}",
+        "command": [sys.executable, *map(fill, values["command"][1:])],
+        "environment": {
+            **{k: fill(v) for k, v in values["environment"].items()},
+            "AWS_CONFIG_FILE": "/nonexistent",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        },
+    }
+
+
+def start_hub(
+    home: Path,
+    s3: Bucket,
+    bucket: str,
+    *,
+    shared_secret: bool = False,
+    key_secrets: tuple[str, ...] = (os.urandom(32).hex(),),
+    server_options: dict[str, Any] | None = None,
+    services: Sequence[dict[str, Any]] = (),
+    roles: Sequence[dict[str, Any]] = (),
+    **hub_options: Any,
+) -> Hub:
+    """A hub whose users' servers keep their snapshots in ``bucket`` of the S3 server, as
+    deploy/z2jh/config.yaml deploys them: the hub service signs their requests, and the
+    servers hold no bucket credentials, and encrypt with their user's key from it.
+    ``shared_secret``: the old recipe instead, as issue 33 found it: the store admin's key
+    in every server's environment (one Secret in singleuser.extraEnv), no encryption.
+    ``server_options``: more SnapshotExtensionApp options of the servers."""
+    values = z2jh_values()
     config = z2jh_server_config()
     config["SnapshotExtensionApp"].update(
-        s3_bucket=moto.ensure_bucket(bucket),
-        s3_endpoint_url=moto.url,
+        s3_bucket=bucket,
+        s3_endpoint_url=s3.moto.url,
         # moto stores objects one by one, slowly: 1 MiB chunks (about 40 per snapshot, not
         # 2000) keep every request well within the culler's timeout. Chunking is not what
         # these tests are about.
         chunk_kib=1024,
+        **(server_options or {}),
     )
     assert config["SnapshotExtensionApp"]["s3_prefix"] == PREFIX
     assert "ServerApp" not in config, "the pods run as uid 1000, not root"
@@ -57,23 +171,28 @@ def start_hub(home: Path, moto: MotoServer, bucket: str, **hub_options: Any) -> 
         # In Z2JH pods every user's server runs as the same OS user (getpass looks at
         # LOGNAME first): only $JUPYTERHUB_USER tells the users apart.
         "LOGNAME": "jovyan",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
+        **values["singleuser"]["extraEnv"],
     }
-    return Hub(home, config, environment, **hub_options)
+    if shared_secret:
+        del config["SnapshotExtensionApp"]["hub_service_url"]
+        config["SnapshotExtensionApp"]["encryption_key_source"] = "none"
+        environment.update(
+            AWS_ACCESS_KEY_ID=s3.access_key[0],
+            AWS_SECRET_ACCESS_KEY=s3.access_key[1],
+            AWS_DEFAULT_REGION="us-east-1",
+        )
+    else:
+        service = hub_service(home, s3, bucket, list(key_secrets))
+        config["SnapshotExtensionApp"]["hub_service_url"] = f"{service['url']}/services/{SERVICE}/"
+        services = [service, *services]
+        recipe = values["hub"]["loadRoles"]
+        roles = [*({"name": name, **role} for name, role in recipe.items()), *roles]
+    return Hub(home, config, environment, services=services, roles=roles, **hub_options)
 
 
-def stored_records(moto: MotoServer, bucket: str) -> list[str]:
+def stored_records(s3: Bucket, bucket: str) -> list[str]:
     """The snapshot records in the bucket, as S3 keys."""
-    client = boto3.client("s3", endpoint_url=moto.url)
-    try:
-        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=PREFIX)
-        keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
-    finally:
-        client.close()
-    return sorted(key for key in keys if "/snapshots/" in key)
+    return sorted(key for key in s3.keys(bucket) if "/snapshots/" in key)
 
 
 def refused(server: Endpoint, path: str = "api/snapshots") -> int:
@@ -84,8 +203,8 @@ def refused(server: Endpoint, path: str = "api/snapshots") -> int:
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory, moto: MotoServer) -> Iterator[Hub]:
-    with start_hub(tmp_path_factory.mktemp("hub"), moto, "hub-snapshots") as running:
+def hub(tmp_path_factory: pytest.TempPathFactory, s3: Bucket) -> Iterator[Hub]:
+    with start_hub(tmp_path_factory.mktemp("hub"), s3, "hub-snapshots") as running:
         yield running
 
 
@@ -114,14 +233,14 @@ def alice_snapshot(hub: Hub, alice: Endpoint) -> dict[str, Any]:
 
 
 def test_snapshot_of_a_kernel_in_a_hub_server(
-    alice: Endpoint, alice_snapshot: dict[str, Any], moto: MotoServer
+    alice: Endpoint, alice_snapshot: dict[str, Any], s3: Bucket
 ) -> None:
     assert alice_snapshot["status"] == "complete"
     assert alice_snapshot["trigger"] == "manual"
     listed = alice.client.call("GET", "")["snapshots"]
     assert [s["id"] for s in listed] == [alice_snapshot["id"]]
     # alice's: the record is under her prefix, named by the hub ($JUPYTERHUB_USER).
-    assert stored_records(moto, "hub-snapshots") == [
+    assert stored_records(s3, "hub-snapshots") == [
         f"{PREFIX}/users/alice/snapshots/{alice_snapshot['id']}.json"
     ]
     assert alice.client.call("GET", "policy")["snapshot_before_shutdown"] is True
@@ -144,9 +263,7 @@ def test_the_hub_decides_who_reaches_snapshots(
     assert [s["id"] for s in alice.client.call("GET", "")["snapshots"]] == [alice_snapshot["id"]]
 
 
-def test_idle_culler_stops_a_server_whose_kernel_comes_back(
-    tmp_path: Path, moto: MotoServer
-) -> None:
+def test_idle_culler_stops_a_server_whose_kernel_comes_back(tmp_path: Path, s3: Bucket) -> None:
     culler = {
         "name": "idle-culler",
         "command": [
@@ -162,9 +279,7 @@ def test_idle_culler_stops_a_server_whose_kernel_comes_back(
         "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"],
         "services": ["idle-culler"],
     }
-    with start_hub(
-        tmp_path, moto, "culled-snapshots", services=[culler], roles=[culler_role]
-    ) as hub:
+    with start_hub(tmp_path, s3, "culled-snapshots", services=[culler], roles=[culler_role]) as hub:
         alice = hub.add_user("alice")
         hub.start_server("alice")
         kernel = alice.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
@@ -180,3 +295,168 @@ def test_idle_culler_stops_a_server_whose_kernel_comes_back(
         restored = follow(alice, answer["job"])["result"]
         out = ws_execute(alice, restored["kernel_id"], "print(before_cull.sum())")
         assert out == "499500\n"
+
+
+# Restores read the store, not the images a snapshot leaves on its server.
+NO_CACHE = {"image_cache_max_bytes": 0}
+
+
+def attack_from_alice(hub: Hub, alice: Endpoint, bucket: str, bob_keys: list[str]) -> Any:
+    """Run tests/hub_attack.py in a kernel of alice's; what each attempt got."""
+    kernel = alice.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+    code = (ROOT / "tests" / "hub_attack.py").read_text()
+    code += f"\nprint(json.dumps(attack({bucket!r}, {bob_keys!r})))\n"
+    try:
+        out = ws_execute(alice, kernel, code)
+    except Exception as exc:
+        log = "\n".join(hub.log().splitlines()[-80:])
+        raise AssertionError(
+            f"the attack cell failed ({exc!r}); the hub's log ends:\n{log}"
+        ) from exc
+    return json.loads(out)
+
+
+def doctor_says(hub: Hub, server: Endpoint) -> dict[str, Any]:
+    """`jupyter snapshot doctor`'s checks of the bucket credentials and of the store's
+    encryption, by name, run in a kernel of the server (with its environment, as in a
+    terminal of it)."""
+    kernel = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+    doctor = str(Path(sys.executable).with_name("jupyter-snapshot"))
+    code = (
+        "import json, subprocess\n"
+        f"out = subprocess.run([{doctor!r}, 'doctor', '--json'], capture_output=True).stdout\n"
+        "names = ('bucket credentials', 'store encryption')\n"
+        "print(json.dumps({c['name']: c for c in json.loads(out) if c['name'] in names}))"
+    )
+    checks: dict[str, Any] = json.loads(ws_execute(server, kernel, code))
+    server.api("DELETE", f"api/kernels/{kernel}")
+    return checks
+
+
+def bob_with_a_secret(hub: Hub) -> tuple[Endpoint, dict[str, Any], str]:
+    """bob's server, and a snapshot of his kernel holding a secret (also in his cell)."""
+    secret = "bob-secret-" + os.urandom(8).hex()
+    bob = hub.add_user("bob")
+    hub.start_server("bob")
+    kernel = bob.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+    ws_execute(bob, kernel, f"secret = {secret!r}")
+    job = bob.client.call("POST", "", body={"kernel_id": kernel})["job"]
+    snapshot: dict[str, Any] = follow(bob, job)["result"]
+    assert snapshot["status"] == "complete"
+    return bob, snapshot, secret
+
+
+def bucket_hits(s3: Bucket, bucket: str, needle: str) -> list[str]:
+    """The objects of the whole bucket (every one, its raw bytes, read with the store
+    admin's key) that hold ``needle`` in the clear or in a zstd frame."""
+    return plaintext_hits(s3.keys(bucket, ""), needle.encode())
+
+
+def plaintext_hits(objects: dict[str, bytes], needle: bytes) -> list[str]:
+    """The keys of the objects that hold ``needle`` as it is or inside a zstd frame (how a
+    pack's chunks are compressed): what anyone who can read the bucket finds."""
+    import zstandard
+
+    hits = []
+    for key, data in objects.items():
+        found = needle in data
+        start = data.find(b"\x28\xb5\x2f\xfd")
+        while not found and start >= 0:
+            try:
+                reader = zstandard.ZstdDecompressor().stream_reader(data[start:])
+                found = needle in reader.read(1 << 30)
+            except zstandard.ZstdError:
+                pass
+            start = data.find(b"\x28\xb5\x2f\xfd", start + 1)
+        if found:
+            hits.append(key)
+    return hits
+
+
+def test_alice_cannot_reach_bobs_snapshots(tmp_path: Path, s3: Bucket) -> None:
+    """The recipe's hub service: alice's kernel, holding all her server holds, cannot list,
+    read, copy, overwrite or delete bob's objects, nor get them signed, nor get bob's key;
+    bob's snapshot restores afterwards."""
+    from jupyter_ext.core.store.userkey import derive_user_key
+
+    bucket, secrets = "two-users", [os.urandom(32).hex(), os.urandom(32).hex()]
+    with start_hub(
+        tmp_path, s3, bucket, key_secrets=tuple(secrets), server_options=NO_CACHE
+    ) as hub:
+        bob, snapshot, secret = bob_with_a_secret(hub)
+        before = s3.keys(bucket, f"{PREFIX}/users/bob/")
+        assert len(before) >= 3  # his pack(s), his record and his wrapped master key
+        # Encrypted with bob's key from the service (derived from the current secret).
+        bob_key = derive_user_key(bytes.fromhex(secrets[0]), "bob")
+        assert [k for k in before if "/keys/" in k] == [f"{PREFIX}/users/bob/keys/{bob_key[0]}"]
+        assert bucket_hits(s3, bucket, secret) == []
+        alice = hub.add_user("alice")
+        hub.start_server("alice")
+        got = attack_from_alice(hub, alice, bucket, sorted(before))
+        said = json.dumps(got)
+        results = got["results"]
+        assert got["token"], "alice's kernel holds her server's hub token"
+        assert got["keys"] == 0, "no bucket credentials anywhere in alice's server"
+        doctor = doctor_says(hub, alice)
+        assert doctor["bucket credentials"]["ok"] is True
+        assert "key from the hub service" in doctor["store encryption"]["detail"]
+        # Her own prefix works through the service, not otherwise: the S3 server enforces.
+        assert results.pop("hub service: list alice") == "allowed"
+        assert results.pop("unsigned: list alice").startswith("refused: ")
+        alice_key = json.loads(results.pop("key").removeprefix("allowed: "))
+        assert alice_key == json.loads(results.pop("key ?user=bob").removeprefix("allowed: "))
+        expected = [derive_user_key(bytes.fromhex(s), "alice") for s in secrets]
+        assert (alice_key["current"]["id"], alice_key["previous"][0]["id"]) == tuple(
+            kid for kid, _ in expected
+        )
+        # Nothing of bob's keys (any secret's) in what alice got (their ids are public:
+        # the names of his key objects).
+        bobs = [derive_user_key(bytes.fromhex(s), "bob")[1] for s in secrets]
+        assert not [k for k in bobs if base64.b64encode(k).decode() in said or k.hex() in said]
+        allowed = {what: r for what, r in results.items() if not r.startswith("refused: ")}
+        assert not allowed
+        assert results["sign {}"] == results["sign {'user': 'bob'}"] == "refused: 403"
+        # Two clients (unsigned, the service) x 9 attempts, less the two above, 2 signings.
+        assert len(results) == 2 * 9 - 2 + 2, results
+        # Nothing of bob's changed, and his snapshot comes back.
+        assert s3.keys(bucket, f"{PREFIX}/users/bob/") == before
+        assert s3.keys(bucket, f"{PREFIX}/users/alice/stolen") == {}
+        # A new server of bob's (nothing of the old one's memory) asks the service again.
+        hub.api("DELETE", "users/bob/server")
+        hub.wait_server("bob", lambda state: state is None)
+        hub.start_server("bob")
+        answer = bob.client.call("POST", f"{snapshot['id']}/restore", body={})
+        restored = follow(bob, answer["job"])["result"]
+        assert restored["source"] == "store"
+        assert ws_execute(bob, restored["kernel_id"], "print(secret)") == secret + "\n"
+        assert bucket_hits(s3, bucket, secret) == []
+
+
+def test_shared_secret_mode_lets_alice_reach_bobs_snapshots(tmp_path: Path, s3: Bucket) -> None:
+    """The old recipe, one Secret of bucket credentials in every server: the same code in
+    alice's kernel reads bob's secret in his objects and deletes them. (What the test above
+    refutes, on the same S3 server: its enforcement is what makes the refusals real; and
+    without encryption the bucket holds bob's secret, which the grep above finds.)"""
+    bucket = "shared-secret"
+    with start_hub(tmp_path, s3, bucket, shared_secret=True, server_options=NO_CACHE) as hub:
+        bob, snapshot, secret = bob_with_a_secret(hub)
+        before = s3.keys(bucket, f"{PREFIX}/users/bob/")
+        alice = hub.add_user("alice")
+        hub.start_server("alice")
+        results = attack_from_alice(hub, alice, bucket, sorted(before))["results"]
+        doctor = doctor_says(hub, alice)["bucket credentials"]
+        assert doctor["ok"] is False
+        assert "AWS_ACCESS_KEY_ID" in doctor["detail"]
+        assert "Unsafe for multi-user" in doctor["detail"]
+        record = next(k for k in before if "/snapshots/" in k)
+        read = results[f"key 0: read {record}"]
+        assert read.startswith("allowed: ")
+        stolen = {record: base64.b64decode(read.removeprefix("allowed: "))}
+        assert plaintext_hits(stolen, secret.encode()) == [record]
+        assert bucket_hits(s3, bucket, secret)  # and anyone who reads the bucket
+        for what in ("list bob", "copy", "overwrite", "delete", "delete many"):
+            assert results[f"key 0: {what}"] == "allowed", what
+        assert s3.keys(bucket, f"{PREFIX}/users/bob/") == {}
+        assert bob.client.call("GET", "")["snapshots"] == []
+        with pytest.raises(SnapshotNotFoundError, match="There is no snapshot"):
+            bob.client.call("POST", f"{snapshot['id']}/restore", body={})

@@ -378,7 +378,7 @@ def test_shutdown_snapshot_of_a_connected_kernel_restores(
 ) -> None:
     """A server asked to stop snapshots a kernel holding connections (before-shutdown);
     restored, the kernel reconnects."""
-    from jupyter_ext.testing import ServerProcess
+    from jupyter_ext.testing import ServerProcess, run_keys
 
     from .jupyter_api import server_config
     from .servers import ws_execute
@@ -391,7 +391,7 @@ def test_shutdown_snapshot_of_a_connected_kernel_restores(
     ws_execute(server, kernel_id, f"URL = {http4.url!r}\n" + HTTP_SETUP)
     assert http4.accepted() == 2
     assert server.stop(signal.SIGTERM) == 0
-    store = LocalStore(tmp_path / "store" / "users" / _owner())
+    store = LocalStore(tmp_path / "store" / "users" / _owner(), keys=run_keys())
     try:
         (stored,) = store.snapshots()
         assert stored.manifest.trigger == "before-shutdown"

@@ -19,7 +19,8 @@ import boto3
 import pytest
 
 from jupyter_ext.core.pidspace import PID_FLOOR
-from jupyter_ext.testing import ServerProcess, free_port
+from jupyter_ext.core.store.keys import ENV_KEY
+from jupyter_ext.testing import RUN_KEY, ServerProcess, free_port
 
 from .servers import HOST_ADDRESS, Network, follow, ws_execute
 
@@ -182,12 +183,13 @@ def test_cli_lists_a_store_directly(network: Network, s3_url: str, tmp_path: Pat
             f"--s3-bucket={BUCKET}",
             f"--s3-endpoint-url={s3_url}",
             "--s3-prefix=kernel-snapshots/users/carol",
+            "--key-source=env",  # the servers' key (a spawner's), to read the store directly
         ]
         return subprocess.run(
             [sys.executable, "-m", "jupyter_ext.cli", *args, *(store if s3 else [])],
             capture_output=True,
             text=True,
-            env={**os.environ, **S3_ENV},
+            env={**os.environ, **S3_ENV, ENV_KEY: RUN_KEY},
             check=True,
         ).stdout
 

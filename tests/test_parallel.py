@@ -527,8 +527,15 @@ import os, ray, numpy as np
 # On a loaded machine Ray's dashboard agent takes over the raylet's 30 s to start (its
 # imports), and the raylet gives up: more time for it, and for workers to register.
 os.environ.update(RAY_agent_register_timeout_ms="600000", RAY_worker_register_timeout_seconds="600")
-ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20,
-         log_to_driver=False, configure_logging=False)
+for attempt in range(3):  # ray.init waits a fixed 30 s for its raylet: too short when loaded
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20,
+                 log_to_driver=False, configure_logging=False)
+        break
+    except Exception as exc:
+        if "timed out during startup" not in str(exc) or attempt == 2:
+            raise
+        ray.shutdown()
 @ray.remote
 def square(x):
     return x * x

@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -232,9 +233,9 @@ class TestUploadFailure:
             store="s3",
             s3_bucket=moto.ensure_bucket(BUCKET),
             s3_endpoint_url=proxy.url,
-            # A store of each test's own: each test's server has its own key file, and
-            # a store is encrypted with the key of the server that made it.
-            s3_prefix=tmp_path.name,
+            # A prefix per test: each test's server makes its own key file, and a store
+            # keyed by an earlier test's key is refused (rightly) as another key's.
+            s3_prefix=f"kernel-snapshots-{uuid.uuid4().hex[:8]}",
             upload_retry_interval=0.5,
         )
 

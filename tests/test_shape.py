@@ -79,20 +79,25 @@ def test_no_private_attribute_of_another_object() -> None:
 
 
 STORE_LAYERS = {
+    "sealing": -1,
     "pack": 0,
     "api": 1,
     "backend": 2,
-    "record": 3,
-    "index": 4,
-    "workers": 4,
-    "claims": 5,
-    "repack": 6,
-    "put": 6,
-    "fetch": 6,
-    "images": 7,
-    "prune": 7,
-    "repository": 8,
-    "stores": 9,
+    "scope": 2,
+    "userkey": 2,
+    "hubclient": 3,
+    "record": 4,
+    "keys": 4,
+    "index": 5,
+    "workers": 5,
+    "claims": 6,
+    "repack": 7,
+    "put": 7,
+    "fetch": 7,
+    "images": 8,
+    "prune": 8,
+    "repository": 9,
+    "stores": 10,
 }
 """jupyter_ext/core/store/ from the bottom up: a part imports only parts below it."""
 

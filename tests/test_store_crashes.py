@@ -63,10 +63,14 @@ def run_until_killed(mode: str, where: str, seed: int, delay: float, work_dir: P
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
+        deadline = time.monotonic() + 120
+        while "ready" not in log.read_text() and worker.poll() is None:
+            assert time.monotonic() < deadline, "the store worker did not start"
+            time.sleep(0.05)
         time.sleep(delay)
         worker.send_signal(signal.SIGKILL)
         worker.wait(30)
-    return log.read_text().splitlines()
+    return [line for line in log.read_text().splitlines() if line != "ready"]
 
 
 def check_store(where: str, tmp_path: Path) -> int:

@@ -382,6 +382,39 @@ def check_private(paths: list[Path]) -> Check:
     )
 
 
+def check_bucket_credentials(environ: Mapping[str, str], home: Path) -> Check:
+    """Under a hub, long-lived bucket credentials in a user's server reach every user's
+    snapshots: the user's own code reads them as the server does (docs/jupyterhub.md)."""
+    name = "bucket credentials"
+    if not (environ.get("JUPYTERHUB_API_TOKEN") or environ.get("JUPYTERHUB_USER")):
+        return Check(name, True, "not under JupyterHub", required=False)
+    found = []
+    if environ.get("AWS_ACCESS_KEY_ID") and not environ.get("AWS_SESSION_TOKEN"):
+        found.append("AWS_ACCESS_KEY_ID in the environment")
+    files = {Path(environ.get("AWS_SHARED_CREDENTIALS_FILE") or home / ".aws" / "credentials")}
+    files.add(Path(environ.get("AWS_CONFIG_FILE") or home / ".aws" / "config"))
+    for path in sorted(files):
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        if "aws_access_key_id" in text.lower():
+            found.append(f"a key in {path}")
+    if not found:
+        return Check(name, True, "no long-lived bucket credentials in this server", required=False)
+    return Check(
+        name,
+        False,
+        f"this hub server holds long-lived bucket credentials ({', '.join(found)}): code in "
+        "any kernel can read them, and with one set for all users (the shared-Secret mode) "
+        "read and delete every user's snapshots. Unsafe for multi-user hubs.",
+        fix="Run the product's hub service (python -m jupyter_ext.hubservice) and set "
+        "SnapshotExtensionApp.hub_service_url; remove the credentials from the servers "
+        "(deploy/z2jh/config.yaml, docs/jupyterhub.md).",
+        required=False,
+    )
+
+
 def check_encryption(source: str, key_file: Path, environ: Mapping[str, str]) -> Check:
     """Whether the store is encrypted, where its key is, and that a lost key loses every
     snapshot: said before anyone loses it."""
@@ -406,6 +439,14 @@ def check_encryption(source: str, key_file: Path, environ: Mapping[str, str]) ->
                 fix=f"Set {ENV_KEY} (32 random bytes, base64) in the server's environment.",
             )
         return Check(name, True, f"on (AES-256-GCM), key from ${ENV_KEY}. {LOST_KEY}")
+    if source == "hub":
+        return Check(
+            name,
+            True,
+            "on (AES-256-GCM), key from the hub service, derived there from the hub's secret "
+            "and this user's name: without the service's key secrets (--key-secrets-file) "
+            "no snapshot of any user can be read; its admin keeps a copy somewhere safe.",
+        )
     if source != "file":
         return Check(name, True, f"on (AES-256-GCM), key from the {source!r} source. {LOST_KEY}")
     try:
@@ -462,6 +503,7 @@ def run_checks(
         checks.append(check_runtime_dir(runtime_dir))
     if private_dirs:
         checks.append(check_private(private_dirs))
+    checks.append(check_bucket_credentials(os.environ, Path.home()))
     if encryption is not None:
         checks.append(encryption)
     for factory in extra or []:

@@ -13,14 +13,18 @@ So before ``criu restore`` the entries that are the kernel's own (their two ends
 connection the snapshot recorded, or of the kernel the restore replaces) are destroyed
 (``SOCK_DESTROY``, by the entry's cookie: needs CAP_NET_ADMIN, so root), or, without root,
 waited for until they expire. Entries of other connections on the kernel's ports are not
-the kernel's to remove: the restore is refused, saying so and when they end, which is
-another error than that of a port a live process holds (core/netports.py names it).
+the kernel's to remove: where they hold the port (a bind with ``SO_REUSEADDR``, as CRIU's,
+fails) the restore is refused, saying so and when they end, which is another error than
+that of a port a live process holds (core/netports.py names it); where they do not (their
+socket had ``SO_REUSEADDR`` too), the restore goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -84,18 +88,42 @@ class Own:
         return _pair(entry) in self.pairs or any(p.collides_with(local) for p in self.ports)
 
 
+def binds_with_reuse(port: BoundPort) -> bool:
+    """Whether ``port`` can be bound here now with ``SO_REUSEADDR``, as CRIU binds a
+    listening socket it restores: TIME_WAIT entries whose socket had it too (the accepted
+    connections of a listener that set it, as most servers do) do not hold the port then.
+    An address this machine lacks is not this check's to judge (True)."""
+    family = socket.AF_INET6 if ":" in port.address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((port.address, port.port))
+        except OSError as exc:
+            return exc.errno != errno.EADDRINUSE
+    return True
+
+
 def blocking(ports: Iterable[BoundPort], own: Own) -> Blocking:
     """The TIME_WAIT entries here that hold one of the listening TCP ``ports`` (split by
-    whether they are the kernel's), and the kernel's other entries."""
+    whether they are the kernel's; another's only where it really holds the port: see
+    :func:`binds_with_reuse`), and the kernel's other entries."""
     listening = [p for p in ports if p.proto == "tcp"]
     found = Blocking([], [], [])
+    held: dict[BoundPort, bool] = {}
     for entry in sockdiag.tcp_time_waits():
         local = BoundPort("tcp", entry.local[0], entry.local[1])
         mine = own.holds(entry)
-        if any(port.collides_with(local) for port in listening):
-            (found.own if mine else found.foreign).append(entry)
+        port = next((p for p in listening if p.collides_with(local)), None)
+        if port is None:
+            if mine:
+                found.also_own.append(entry)
         elif mine:
-            found.also_own.append(entry)
+            found.own.append(entry)
+        else:
+            if port not in held:
+                held[port] = not binds_with_reuse(port)
+            if held[port]:
+                found.foreign.append(entry)
     return found
 
 

@@ -36,6 +36,7 @@ from typing import Any, Generic, TypeVar
 from ..core import private
 from ..core.imagecache import ImageCache
 from ..core.store import SnapshotStore
+from ..core.store.scope import user_prefix
 from .dumps import Dumps
 from .jobs import PROGRESS_EVENT_INTERVAL, Job, Jobs
 from .kernels import Kernels
@@ -52,7 +53,6 @@ from .shared import (
     ManagerSettings,
     Workspace,
     check_kernel_id,
-    user_prefix,
     validate_notebook_path,
 )
 from .stored import StoredSnapshots

@@ -67,11 +67,16 @@ class LazyLending:
 
         async def wait() -> None:
             outcome: dict[str, Any] = {}
+            closed = False
             try:
                 outcome = await self._transferred(kernel_id, timeout)
+            except GeneratorExit:  # closed unfinished as its loop ended: nothing may wait
+                closed = True
+                raise
             finally:
                 try:
-                    await then(outcome)
+                    if not closed:
+                        await then(outcome)
                 finally:
                     self._settling.discard(kernel_id)
             if outcome.get("state") == "failed":  # after the job said "done": say it now

@@ -81,12 +81,6 @@ def validate_notebook_path(path: str) -> str:
     return "/".join(parts)
 
 
-def user_prefix(username: str) -> str:
-    """The store prefix of a user: from the server's identity, safe as a path and S3 key."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", username) or "anonymous"
-    return f"users/{safe}"
-
-
 def describe_manifest(
     manifest: Manifest, status: str, error: str = "", full: bool = False
 ) -> dict[str, Any]:

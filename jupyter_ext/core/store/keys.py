@@ -184,14 +184,35 @@ class KeySettings:
     key_file: Path
     owner: str
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    """The server's environment: $JUPYTER_SNAPSHOT_KEY ("env"), $JUPYTERHUB_API_TOKEN
+    ("hub", and the hub service's signatures of S3 requests)."""
+    hub_service_url: str = ""
+    """The product's hub service ("hub"; also signs the s3 store's requests when set)."""
+
+    @property
+    def hub_token(self) -> str:
+        return self.environ.get("JUPYTERHUB_API_TOKEN", "")
+
+
+def _hub_key_source(settings: KeySettings) -> KeySource:
+    """The user's KEK from the hub service, asked with the server's own hub token."""
+    from .hubclient import HubClient, HubKeySource
+
+    if not settings.hub_service_url:
+        raise StoreError(
+            "The snapshot store's key source is 'hub', but no hub service is configured.",
+            hint="Set SnapshotExtensionApp.hub_service_url (docs/jupyterhub.md), or choose "
+            "another encryption_key_source.",
+        )
+    return HubKeySource(HubClient(settings.hub_service_url, settings.hub_token))
 
 
 KEY_SOURCES: dict[str, Callable[[KeySettings], KeySource]] = {
     "file": lambda settings: FileKeySource(settings.key_file),
     "env": lambda settings: EnvKeySource(settings.environ),
+    "hub": _hub_key_source,
 }
-"""The key sources by the name ``encryption_key_source`` gives ("none": no encryption).
-A hub's source registers itself here."""
+"""The key sources by the name ``encryption_key_source`` gives ("none": no encryption)."""
 
 
 def make_key_source(name: str, settings: KeySettings) -> KeySource | None:

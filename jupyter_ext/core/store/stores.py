@@ -17,6 +17,7 @@ from ..private import GROUP_SHARED, PRIVATE, Modes
 from .api import StoreError
 from .backend.local import LocalBackend
 from .backend.s3 import S3Backend, S3Encryption, connect
+from .hubclient import signing_client
 from .keys import KeySettings, KeySource, make_key_source
 from .repository import Repository
 
@@ -92,9 +93,11 @@ def is_disk_full(exc: BaseException | None) -> bool:
 class S3Store(Repository):
     """A store in an S3 bucket under a prefix (one prefix per user keeps users apart).
 
-    Credentials come from boto3's standard chain. Packs are a single PUT each (16 MiB by
-    default); reads are ranged GETs of the chunks a restore needs, coalesced. Every object
-    is written private (no ACL grants) and with ``encryption`` if it is set.
+    Credentials come from boto3's standard chain, unless ``client`` is given (under a hub,
+    one whose requests the hub service signs: core/store/hubclient.py). Packs are a single
+    PUT each (16 MiB by default); reads are ranged GETs of the chunks a restore needs,
+    coalesced. Every object is written private (no ACL grants) and with ``encryption`` if
+    it is set.
     """
 
     backend: S3Backend
@@ -161,11 +164,21 @@ def open_store(spec: StoreSpec) -> LocalStore | S3Store:
             raise StoreError(
                 "The s3 store needs a bucket.", hint="Set SnapshotExtensionApp.s3_bucket."
             )
+        client = None
+        if spec.keys.hub_service_url:
+            client = signing_client(
+                spec.keys.hub_service_url,
+                spec.keys.hub_token,
+                spec.s3_endpoint_url or None,
+                spec.s3_region or None,
+                max_workers=8,
+            )
         return S3Store(
             spec.s3_bucket,
             spec.s3_prefix,
             endpoint_url=spec.s3_endpoint_url or None,
             region=spec.s3_region or None,
+            client=client,
             encryption=spec.s3_encryption,
             **tuning,
         )

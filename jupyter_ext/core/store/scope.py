@@ -1,0 +1,221 @@
+"""One user's part of an S3 bucket, and the signing of requests that stay inside it.
+
+Under a hub no user's server holds bucket credentials: the product's hub service
+(``jupyter_ext.hubservice``) holds them and signs (AWS SigV4, header form) each S3 request
+a server sends it, after :meth:`UserScope.check` found that the request reaches only that
+user's prefix. The signature covers the method, host, path, query, every header that
+matters and the payload's hash, so a signed request cannot be turned into another one;
+S3 refuses it after about 15 minutes (its clock-skew window).
+
+Only what the store does is signed: reading, writing (optionally ``If-None-Match``),
+deleting one object, listing under the prefix, deleting many (whose body the service
+reads). Copying (``x-amz-copy-source``), ACLs, multipart uploads, versions and every
+bucket-level request are refused, so is any ``x-amz-*`` header not on the list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from .api import StoreError
+
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
+MAX_DELETE_BODY = 1 << 20
+"""A DeleteObjects body of 1000 keys (S3's most) is well under 1 MiB."""
+
+_SIGNED_HEADERS = {
+    "content-type",
+    "content-length",
+    "content-md5",
+    "range",
+    "if-none-match",
+    "if-match",
+    "x-amz-content-sha256",
+    "x-amz-server-side-encryption",
+    "x-amz-server-side-encryption-aws-kms-key-id",
+    "x-amz-sdk-checksum-algorithm",
+    "x-amz-checksum-mode",
+    "x-amz-checksum-crc32",
+    "x-amz-checksum-crc32c",
+    "x-amz-checksum-crc64nvme",
+    "x-amz-checksum-sha1",
+    "x-amz-checksum-sha256",
+}
+"""Headers the service signs; any other x-amz-* header is refused (copy sources, ACL
+grants, tagging, ...), other headers (user agent, SDK ids) are left unsigned."""
+_REPLACED_HEADERS = {"x-amz-date", "authorization", "x-amz-security-token"}
+"""Headers the service itself sets."""
+_LIST_QUERY = {
+    "list-type",
+    "prefix",
+    "start-after",
+    "continuation-token",
+    "max-keys",
+    "encoding-type",
+    "delimiter",
+}
+_OBJECT_IDS = {
+    "GET": "GetObject",
+    "HEAD": "HeadObject",
+    "PUT": "PutObject",
+    "DELETE": "DeleteObject",
+}
+
+
+def user_prefix(username: str) -> str:
+    """The store prefix of a user: from the server's identity, safe as a path and S3 key."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", username) or "anonymous"
+    return f"users/{safe}"
+
+
+@dataclass(frozen=True)
+class SignRequest:
+    """What a user's server asks the service to sign: the request as it will be sent."""
+
+    method: str
+    url: str
+    headers: dict[str, str]
+    payload_sha256: str
+    body: bytes = b""
+    """Only for DeleteObjects, whose keys are in the body."""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], body: bytes = b"") -> SignRequest:
+        try:
+            method, url = str(data["method"]).upper(), str(data["url"])
+            headers = {str(k): str(v) for k, v in dict(data["headers"]).items()}
+            payload = str(data["payload_sha256"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreError(
+                f"A malformed signing request: {exc!r}.",
+                hint="Send method, url, headers and payload_sha256 (the hub service's client "
+                "in jupyter_ext.core.store.hubclient does).",
+            ) from exc
+        return cls(method, url, headers, payload, body)
+
+
+@dataclass(frozen=True)
+class UserScope:
+    """``s3://bucket/<base>/users/<name>/`` behind ``endpoint_url`` (empty: AWS)."""
+
+    bucket: str
+    base: str
+    user: str
+    endpoint_url: str = ""
+    region: str = "us-east-1"
+
+    @property
+    def prefix(self) -> str:
+        return "/".join(p for p in (self.base.strip("/"), user_prefix(self.user)) if p) + "/"
+
+    def hosts(self) -> tuple[set[str], set[str]]:
+        """The hosts of path-style URLs (``/bucket/key``) and of virtual-host ones."""
+        if self.endpoint_url:
+            path_hosts = {urlsplit(self.endpoint_url).netloc.lower()}
+        else:
+            path_hosts = {"s3.amazonaws.com", f"s3.{self.region}.amazonaws.com"}
+        return path_hosts, {f"{self.bucket}.{host}".lower() for host in path_hosts}
+
+    def _refuse(self, request: SignRequest, why: str) -> StoreError:
+        return StoreError(
+            f"Refused to sign {request.method} {request.url} for {self.user}: {why}.",
+            hint=f"A server of {self.user} may only reach s3://{self.bucket}/{self.prefix}.",
+        )
+
+    def check(self, request: SignRequest) -> None:
+        """Raise StoreError unless ``request`` is one the store makes, inside the prefix."""
+        url = urlsplit(request.url)
+        path_hosts, virtual_hosts = self.hosts()
+        host = url.netloc.lower()
+        raw_path = url.path
+        if host in path_hosts:
+            bucket, _, raw_key = raw_path.lstrip("/").partition("/")
+            bucket = unquote(bucket)
+        elif host in virtual_hosts:
+            bucket, raw_key = self.bucket, raw_path.lstrip("/")
+        else:
+            raise self._refuse(request, f"the host {url.netloc} is not the store's endpoint")
+        if bucket != self.bucket:
+            raise self._refuse(request, f"bucket {bucket!r} is not the store's")
+        query = parse_qsl(url.query, keep_blank_values=True)
+        names = [name for name, _ in query]
+        if len(set(names)) != len(names):
+            raise self._refuse(request, "a query parameter is repeated")
+        params = dict(query)
+        for name in request.headers:
+            lower = name.lower()
+            if lower.startswith("x-amz-") and lower not in _SIGNED_HEADERS | _REPLACED_HEADERS:
+                raise self._refuse(request, f"the header {name} is not one the store sends")
+        payload = request.payload_sha256
+        if payload != UNSIGNED_PAYLOAD and not re.fullmatch(r"[0-9a-f]{64}", payload):
+            raise self._refuse(request, "payload_sha256 is not a SHA-256 hex digest")
+        key = unquote(raw_key)
+        if request.method == "GET" and not raw_key and params.get("list-type") == "2":
+            if unknown := sorted(set(params) - _LIST_QUERY):
+                raise self._refuse(request, f"listing parameters {unknown}")
+            if not params.get("prefix", "").startswith(self.prefix):
+                raise self._refuse(request, "a listing outside the user's prefix")
+            return
+        if request.method == "POST" and not raw_key and set(params) == {"delete"}:
+            self._check_delete(request)
+            return
+        if request.method not in _OBJECT_IDS:
+            raise self._refuse(request, f"the method {request.method}")
+        if (
+            set(params) - {"x-id"}
+            or params.get("x-id", _OBJECT_IDS[request.method]) != (_OBJECT_IDS[request.method])
+        ):
+            raise self._refuse(request, f"query parameters {sorted(params)}")
+        self._check_key(request, key)
+
+    def _check_key(self, request: SignRequest, key: str) -> None:
+        if not key.startswith(self.prefix) or len(key) == len(self.prefix):
+            raise self._refuse(request, f"the key {key!r} is outside the user's prefix")
+        parts = key.split("/")
+        if any(part in ("", ".", "..") for part in parts) or any(ord(c) < 32 for c in key):
+            raise self._refuse(request, f"the key {key!r} is not a plain path")
+
+    def _check_delete(self, request: SignRequest) -> None:
+        if len(request.body) > MAX_DELETE_BODY:
+            raise self._refuse(request, "a DeleteObjects body over 1 MiB")
+        if hashlib.sha256(request.body).hexdigest() != request.payload_sha256:
+            raise self._refuse(request, "the DeleteObjects body does not match its hash")
+        try:
+            root = ElementTree.fromstring(request.body)
+        except ElementTree.ParseError as exc:
+            raise self._refuse(request, f"the DeleteObjects body is not XML ({exc})") from exc
+        keys = [e.text or "" for e in root.iter() if e.tag.rsplit("}", 1)[-1] == "Key"]
+        if not keys:
+            raise self._refuse(request, "a DeleteObjects body without keys")
+        for key in keys:
+            self._check_key(request, key)
+
+
+def sign(request: SignRequest, credentials: Any, region: str) -> dict[str, str]:
+    """The headers that make ``request`` a signed S3 request (SigV4, header form):
+    Authorization, X-Amz-Date, X-Amz-Content-SHA256 and, with temporary credentials,
+    X-Amz-Security-Token. ``credentials`` are botocore's (frozen) credentials."""
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+
+    class ClientPayload(S3SigV4Auth):  # type: ignore[misc]  # botocore has no types
+        """Signs the payload hash the client computed (the service never sees bodies but
+        DeleteObjects', whose hash :meth:`UserScope.check` compared)."""
+
+        def payload(self, request: AWSRequest) -> str:
+            return str(request.context["payload_sha256"])
+
+    signed = _SIGNED_HEADERS - {"x-amz-content-sha256"}
+    headers = {k: v for k, v in request.headers.items() if k.lower() in signed}
+    aws = AWSRequest(method=request.method, url=request.url, headers=headers)
+    aws.context["payload_sha256"] = request.payload_sha256
+    ClientPayload(credentials, "s3", region).add_auth(aws)
+    wanted = ("Authorization", "X-Amz-Date", "X-Amz-Content-SHA256", "X-Amz-Security-Token")
+    return {name: str(aws.headers[name]) for name in wanted if name in aws.headers}
