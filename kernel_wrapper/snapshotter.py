@@ -199,11 +199,9 @@ class Snapshotter:
     def _resumed_from(self, source: Path) -> None:
         """After a restore: the kernel is no longer suspended (its suspend's snapshot is
         deleted if it was to be, and restored from)."""
-        record = self.record
-        if record.suspended_snapshot is not None:
-            if record.discard_after_resume and record.suspended_snapshot == source:
-                shutil.rmtree(source, ignore_errors=True)
-            record.suspended_snapshot = None
+        discard = self.record.discard_after_resume
+        if self.record.resumed() == source and discard:
+            shutil.rmtree(source, ignore_errors=True)
 
     async def _complete_lazy(
         self, transfer: LazyTransfer, saved: SavedKernel | None, criu: Criu

@@ -24,6 +24,7 @@ it is made (a part uses only those above it; none reaches into another's state):
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -50,7 +51,7 @@ from .retention import Retention
 from .schedules import Schedules
 from .sessions import Sessions
 from .stored import StoredSnapshots
-from .uploads import STALE_WORK_SECONDS, PendingUpload, Uploads
+from .uploads import STALE_WORK_SECONDS, PendingUpload, Uploads, remove_released_suspends
 
 __all__ = [
     "KERNEL_ID_RE",
@@ -214,6 +215,10 @@ class SnapshotManager:
     @property
     def image_cache_dir(self) -> Path:
         return self.workspace.image_cache_dir
+
+    async def remove_released_suspends(self) -> list[Path]:
+        """Remove the dumps of suspended kernels that have ended (uploads.py)."""
+        return await asyncio.to_thread(remove_released_suspends, self.workspace)
 
     def tighten(self) -> list[private.Exposed]:
         """Take from the store's files on this machine and the work directory the access
