@@ -214,6 +214,12 @@ class Snapshotter:
             await transfer.wait()
             filled = await asyncio.to_thread(transfer.server.fill_gaps)
         except SnapshotError as exc:
+            if self.relay.tracker.shutdown_requested or self.lifecycle.is_(State.STOPPING):
+                # Shut down on purpose: the kernel, and with it the transfer, ended.
+                log.info("lazy restore ended with the kernel's shutdown (%s)", exc.message)
+                self.lazy.drop(transfer)
+                self.lazy.status = {"state": "ended"}
+                return
             log.error("lazy restore failed: %s", exc)
             async with self._lock:
                 if self.process.pid == pid:
