@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 
-from jupyter_ext.app import EVENT_SCHEMA_ID
 from jupyter_ext.core.leftovers import DumpLock
 
-from .jupyter_api import Fetch, call, manager_of, server_config, until
+from .jupyter_api import Fetch, call, events_of, manager_of, server_config, until
 from .servers import ws_close, ws_run
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec", "running_extensions")
@@ -151,12 +150,7 @@ class TestTabOpen:
         kernel_id = session["kernel"]["id"]
         assert await run_in_new_tab(jp_ws_fetch, kernel_id, STATE) == "set"
         cull_soon(jp_serverapp)  # the culler runs, but this shutdown is the user's
-        events: list[dict[str, Any]] = []
-
-        async def listener(logger: Any, schema_id: str, data: dict[str, Any]) -> None:
-            events.append(data)
-
-        jp_serverapp.event_logger.add_listener(schema_id=EVENT_SCHEMA_ID, listener=listener)
+        events = events_of(jp_serverapp)
         await jp_fetch("api", "kernels", kernel_id, method="DELETE")
         assert kernel_id not in jp_serverapp.kernel_manager
         assert (await call(jp_fetch, "GET"))["snapshots"] == []

@@ -14,13 +14,12 @@ from typing import Any
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from jupyter_ext.app import EVENT_SCHEMA_ID
-
 from .jupyter_api import (
     Fetch,
     call,
     damage_chunk,
     error_of,
+    events_of,
     manager_of,
     middle_chunk,
     server_config,
@@ -224,12 +223,7 @@ async def test_damaged_memory_stops_a_lazily_restored_kernel(
     store, each chunk checked against its sha256. A damaged one never reaches the kernel:
     the new kernel is stopped, its status and a "failed" event say why, and what it read
     from is given back. The kernel the snapshot was taken of is not touched."""
-    events: list[dict[str, Any]] = []
-
-    async def listener(logger: Any, schema_id: str, data: dict[str, Any]) -> None:
-        events.append(data)
-
-    jp_serverapp.event_logger.add_listener(schema_id=EVENT_SCHEMA_ID, listener=listener)
+    events = events_of(jp_serverapp)
     manager = manager_of(jp_serverapp)
     manager.lazy_from_store = True
     kernel = await start_kernel()
@@ -317,12 +311,7 @@ async def test_a_lazy_restore_its_kernel_ends_on_purpose_has_not_failed(
     """A kernel shut down (on purpose: DELETE /api/kernels) while its memory still comes
     in lazily ends its lazy restore with it: no "failed" event, no error in the log, and
     what it read from is given back (issue 34 item 3)."""
-    events: list[dict[str, Any]] = []
-
-    async def listener(logger: Any, schema_id: str, data: dict[str, Any]) -> None:
-        events.append(data)
-
-    jp_serverapp.event_logger.add_listener(schema_id=EVENT_SCHEMA_ID, listener=listener)
+    events = events_of(jp_serverapp)
     manager = manager_of(jp_serverapp)
     manager.lazy_from_store = True
     kernel = await start_kernel()
