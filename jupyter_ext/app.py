@@ -20,6 +20,7 @@ from .core.private import GROUP_SHARED, PRIVATE
 from .core.protocol import ENV_LAZY_RESTORE, ENV_LAZY_RESTORE_MIN_BYTES, ENV_PID_FLOOR
 from .core.store import SnapshotStore, open_store
 from .core.store.keys import ENV_KEY, ENV_PREVIOUS_KEYS
+from .culling import CullingPolicy
 from .handlers import route_table
 from .manager import SnapshotManager
 from .settings import SnapshotSettings
@@ -85,6 +86,8 @@ class SnapshotExtensionApp(SnapshotSettings):
             "snapshot_before_shutdown": self.snapshot_before_shutdown,
             "idle_suspend_after": self.idle_suspend_after,
             "suspend_cpu_kernels": self.suspend_cpu_kernels,
+            "cull_action": self.cull_action,
+            "cull_idle_timeout": self.server.kernel_manager.cull_idle_timeout,
         }
 
     @property
@@ -112,6 +115,7 @@ class SnapshotExtensionApp(SnapshotSettings):
             chunk_kib=self.chunk_kib or None,
         )
         self._tighten()
+        CullingPolicy(self.server.kernel_manager, self.manager, self.cull_action).install()
         # Kernel wrappers are started by the kernel manager with this process's environment.
         os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"
         os.environ[ENV_LAZY_RESTORE_MIN_BYTES] = str(self.lazy_restore_min_bytes)

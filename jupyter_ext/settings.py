@@ -13,7 +13,7 @@ from typing import Any
 
 from jupyter_core.paths import jupyter_data_dir
 from jupyter_server.extension.application import ExtensionApp
-from traitlets import Bool, Float, Int, TraitError, Unicode, default, validate
+from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, default, validate
 
 from .core.chunking import ChunkParams
 from .core.lazypages import LAZY_MIN_BYTES
@@ -263,6 +263,28 @@ class SnapshotSettings(ExtensionApp):
         help="""Seconds a kernel holding GPU memory may stay idle before it is suspended
         (snapshot, process ended, GPU freed); the next cell brings it back. Default: 1800
         (30 minutes). 0 turns idle suspend off.""",
+    )
+    cull_action = Enum(
+        ["suspend", "shutdown"],
+        "suspend",
+        config=True,
+        help="""What jupyter_server's own kernel culler (MappingKernelManager.
+        cull_idle_timeout, cull_interval, cull_connected, cull_busy) does to a snapshot
+        kernel it finds idle. Default: "suspend": the kernel is suspended instead of
+        shut down (as idle_suspend_after does: snapshot, process ended, memory, GPU and
+        ports freed); it stays listed with its session, so an open tab's next cell, or
+        the notebook opened again, brings it back with its state. A suspended kernel is
+        never culled: it holds no process but its wrapper (a few MB) and its snapshot in
+        work_dir/suspended, removed when the kernel is shut down. A kernel that cannot be
+        suspended (busy, with cull_busy) is snapshotted and then shut down; a kernel left
+        without a snapshot is named in the log and an "unsaved" event. "shutdown": the
+        culler shuts kernels down, their state lost (jupyter_server's own behaviour).
+        Kernels other than snapshot kernels are always shut down. A shutdown the user asks
+        for (DELETE /api/kernels/ID or /api/sessions/ID: Shut Down Kernel, closing a
+        notebook with its kernel) is never turned into a suspend. With idle_suspend_after
+        shorter than cull_idle_timeout, idle suspend comes first and the culler then
+        finds the kernel suspended; periodic_interval snapshots are taken of running
+        kernels only (docs/jupyterhub.md, "Kernel culling").""",
     )
     release_gpu_caches = Bool(
         True,

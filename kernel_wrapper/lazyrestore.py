@@ -32,7 +32,8 @@ class LazyRestore:
         self.min_bytes = min_bytes
         """...from local images, for kernels with at least this much memory."""
         self.status: dict[str, Any] = {}
-        """The last lazy restore: state (transferring/complete/failed), bytes, error."""
+        """The last lazy restore: state (transferring/complete/failed, or ended: the
+        kernel was shut down before every page was in), bytes, error."""
         self.transfer: LazyTransfer | None = None
         """The pages of the kernel on their way, until they are all in."""
         self._supported: bool | None = None

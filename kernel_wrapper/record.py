@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
 from pathlib import Path
 
+from jupyter_ext.core.leftovers import lock_directory
 from jupyter_ext.core.manifest import Manifest
 
 
@@ -27,6 +29,10 @@ class KernelRecord:
     """The snapshot a suspended kernel comes back from."""
     discard_after_resume: bool = False
     """Whether ``suspended_snapshot`` is deleted once the kernel is back from it."""
+    _held: int = dataclasses.field(default=-1, init=False, repr=False)
+    """The flock held on ``suspended_snapshot`` (shared) while it is the kernel's: once
+    the wrapper ends, the server finds it free and removes the dump
+    (:func:`jupyter_ext.core.leftovers.remove_unlocked`)."""
 
     def next_sequence(self, sequence: int | None) -> int:
         """The sequence number of the snapshot being taken: ``sequence`` if given."""
@@ -48,5 +54,16 @@ class KernelRecord:
 
     def suspended(self, snapshot: Path, discard_after_resume: bool) -> None:
         """The kernel's process ended; it comes back from ``snapshot``."""
+        self.resumed()
+        self._held = lock_directory(snapshot, shared=True)
         self.suspended_snapshot = snapshot
         self.discard_after_resume = discard_after_resume
+
+    def resumed(self) -> Path | None:
+        """The kernel is no longer suspended: its snapshot, no longer held, is returned
+        (the caller deletes it if it is to be)."""
+        if self._held >= 0:
+            os.close(self._held)
+            self._held = -1
+        snapshot, self.suspended_snapshot = self.suspended_snapshot, None
+        return snapshot

@@ -200,11 +200,9 @@ class Snapshotter:
     def _resumed_from(self, source: Path) -> None:
         """After a restore: the kernel is no longer suspended (its suspend's snapshot is
         deleted if it was to be, and restored from)."""
-        record = self.record
-        if record.suspended_snapshot is not None:
-            if record.discard_after_resume and record.suspended_snapshot == source:
-                shutil.rmtree(source, ignore_errors=True)
-            record.suspended_snapshot = None
+        discard = self.record.discard_after_resume
+        if self.record.resumed() == source and discard:
+            shutil.rmtree(source, ignore_errors=True)
 
     async def _complete_lazy(
         self, transfer: LazyTransfer, saved: SavedKernel | None, criu: Criu
@@ -217,6 +215,12 @@ class Snapshotter:
             await transfer.wait()
             filled = await asyncio.to_thread(transfer.server.fill_gaps)
         except SnapshotError as exc:
+            if self.relay.tracker.shutdown_requested or self.lifecycle.is_(State.STOPPING):
+                # Shut down on purpose: the kernel, and with it the transfer, ended.
+                log.info("lazy restore ended with the kernel's shutdown (%s)", exc.message)
+                self.lazy.drop(transfer)
+                self.lazy.status = {"state": "ended"}
+                return
             log.error("lazy restore failed: %s", exc)
             async with self._lock:
                 if self.process.pid == pid:

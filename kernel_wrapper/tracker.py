@@ -54,6 +54,9 @@ class KernelTracker:
         self.longest_cell_since_snapshot = 0.0
         """Seconds of the longest cell that finished since the last snapshot: the server's
         long-cell policy snapshots after one past its threshold."""
+        self.shutdown_requested = False
+        """Whether a shutdown_request went to the kernel: its end is then on purpose (a
+        lazy restore it cuts short has not failed)."""
         self.resumed_request: dict[str, Any] | None = None
         """The request a restored kernel was running at its snapshot, while it still runs."""
         self._executing: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
@@ -93,6 +96,8 @@ class KernelTracker:
                 content = json.loads(frames[at + 5])
                 self.execution_state = content["execution_state"]
                 self.last_activity = time.time()
+        elif name == "control" and not reply and b'"shutdown_request"' in header:
+            self.shutdown_requested = True
         elif reply and b'"kernel_info_reply"' in header:
             with contextlib.suppress(ValueError, IndexError):
                 self.kernel_info = json.loads(frames[at + 5])

@@ -26,6 +26,19 @@ def snapshot_kernelspec(jp_environ: None) -> str:
     return install_kernelspec(user=True)
 
 
+def events_of(jp_serverapp: Any) -> list[dict[str, Any]]:
+    """The snapshot events the server emits from now on, as they come."""
+    from jupyter_ext.app import EVENT_SCHEMA_ID
+
+    seen: list[dict[str, Any]] = []
+
+    async def listener(logger: Any, schema_id: str, data: dict[str, Any]) -> None:
+        seen.append(data)
+
+    jp_serverapp.event_logger.add_listener(schema_id=EVENT_SCHEMA_ID, listener=listener)
+    return seen
+
+
 def manager_of(jp_serverapp: Any) -> SnapshotManager:
     manager: SnapshotManager = jp_serverapp.extension_manager.extension_points[
         "jupyter_ext"

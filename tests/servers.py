@@ -68,43 +68,47 @@ def follow(server: Endpoint, job: dict[str, Any]) -> dict[str, Any]:
     return done
 
 
-def ws_execute(server: Endpoint, kernel_id: str, code: str, timeout: float = 120) -> str:
-    """Run ``code`` in a kernel through the server's websocket, as JupyterLab does; return
-    its stdout, or raise with the error."""
+async def ws_run(ws: WebSocketClientConnection, code: str, timeout: float = 120) -> str:
+    """Run ``code`` on an open kernel websocket, as JupyterLab does; return its stdout
+    once the kernel is idle again, or raise with the error."""
     import asyncio
 
-    async def execute(ws: WebSocketClientConnection) -> str:
-        msg_id, message = execute_request(code)
-        ws.write_message(message)
-        out: list[str] = []
-        reply: dict[str, Any] | None = None
-        idle = False
-        deadline = time.monotonic() + timeout
-        while (reply is None or not idle) and time.monotonic() < deadline:
-            raw = await asyncio.wait_for(ws.read_message(), deadline - time.monotonic())
-            if raw is None:
-                raise RuntimeError("the kernel's websocket closed")
-            msg = json.loads(raw)
-            if msg.get("parent_header", {}).get("msg_id") != msg_id:
-                continue
-            if msg["msg_type"] == "stream":
-                out.append(msg["content"]["text"])
-            elif msg["msg_type"] == "error":
-                out.append("\n".join(msg["content"]["traceback"]))
-            elif msg["msg_type"] == "execute_reply":
-                reply = msg["content"]
-            elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                idle = True
-        if reply is None:
-            raise TimeoutError(f"no execute_reply for {code!r}")
-        if reply["status"] != "ok":
-            raise AssertionError(f"cell failed: {''.join(out)}")
-        return "".join(out)
+    msg_id, message = execute_request(code)
+    ws.write_message(message)
+    out: list[str] = []
+    reply: dict[str, Any] | None = None
+    idle = False
+    deadline = time.monotonic() + timeout
+    while (reply is None or not idle) and time.monotonic() < deadline:
+        raw = await asyncio.wait_for(ws.read_message(), deadline - time.monotonic())
+        if raw is None:
+            raise RuntimeError("the kernel's websocket closed")
+        msg = json.loads(raw)
+        if msg.get("parent_header", {}).get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            out.append("\n".join(msg["content"]["traceback"]))
+        elif msg["msg_type"] == "execute_reply":
+            reply = msg["content"]
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            idle = True
+    if reply is None:
+        raise TimeoutError(f"no execute_reply for {code!r}")
+    if reply["status"] != "ok":
+        raise AssertionError(f"cell failed: {''.join(out)}")
+    return "".join(out)
+
+
+def ws_execute(server: Endpoint, kernel_id: str, code: str, timeout: float = 120) -> str:
+    """Run ``code`` in a kernel through the server's websocket (:func:`ws_run`)."""
+    import asyncio
 
     async def go() -> str:
         ws = await ws_connect(server, kernel_id)
         try:
-            return await execute(ws)
+            return await ws_run(ws, code, timeout)
         finally:
             await ws_close(ws)
 

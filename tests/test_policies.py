@@ -18,14 +18,22 @@ from typing import Any
 import boto3
 import pytest
 
-from jupyter_ext.app import EVENT_SCHEMA_ID
 from jupyter_ext.autosnap import PolicyTick
 from jupyter_ext.core.policies import PolicySettings
 from jupyter_ext.core.protocol import StatusArgs, WrapperClient
 from jupyter_ext.core.store import LocalStore
 from jupyter_ext.testing import MotoServer, ServerProcess, run_keys, wait_until
 
-from .jupyter_api import Fetch, call, manager_of, server_config, snapshot, until, wait_job
+from .jupyter_api import (
+    Fetch,
+    call,
+    events_of,
+    manager_of,
+    server_config,
+    snapshot,
+    until,
+    wait_job,
+)
 from .s3server import CuttableProxy
 from .servers import ws_execute
 
@@ -171,12 +179,7 @@ class TestEvents:
     async def test_snapshot_restore_delete_events(
         self, jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any
     ) -> None:
-        seen: list[dict[str, Any]] = []
-
-        async def listener(logger: Any, schema_id: str, data: dict[str, Any]) -> None:
-            seen.append(data)
-
-        jp_serverapp.event_logger.add_listener(schema_id=EVENT_SCHEMA_ID, listener=listener)
+        seen = events_of(jp_serverapp)
         kernel = await start_kernel()
         await kernel.run("y = 3")
         job = await wait_job(
@@ -396,12 +399,7 @@ class TestShutdownSnapshots:
         import logging
         import socket
 
-        seen: list[dict[str, Any]] = []
-
-        async def listener(logger: Any, schema_id: str, data: dict[str, Any]) -> None:
-            seen.append(data)
-
-        jp_serverapp.event_logger.add_listener(schema_id=EVENT_SCHEMA_ID, listener=listener)
+        seen = events_of(jp_serverapp)
         good = await start_kernel()
         bad = await start_kernel()
         await good.run("x = 1")

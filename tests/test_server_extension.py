@@ -14,13 +14,12 @@ from typing import Any
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from jupyter_ext.app import EVENT_SCHEMA_ID
-
 from .jupyter_api import (
     Fetch,
     call,
     damage_chunk,
     error_of,
+    events_of,
     manager_of,
     middle_chunk,
     server_config,
@@ -224,12 +223,7 @@ async def test_damaged_memory_stops_a_lazily_restored_kernel(
     store, each chunk checked against its sha256. A damaged one never reaches the kernel:
     the new kernel is stopped, its status and a "failed" event say why, and what it read
     from is given back. The kernel the snapshot was taken of is not touched."""
-    events: list[dict[str, Any]] = []
-
-    async def listener(logger: Any, schema_id: str, data: dict[str, Any]) -> None:
-        events.append(data)
-
-    jp_serverapp.event_logger.add_listener(schema_id=EVENT_SCHEMA_ID, listener=listener)
+    events = events_of(jp_serverapp)
     manager = manager_of(jp_serverapp)
     manager.lazy_from_store = True
     kernel = await start_kernel()
@@ -304,6 +298,48 @@ async def test_a_snapshot_a_kernel_still_reads_is_deleted_once_its_pages_are_in(
     restored_kernel = await start_kernel(new_kernel)
     same = "print(a.sum() == np.random.default_rng(5).random(8 << 20).sum())"
     assert (await restored_kernel.run(same)).strip() == "True"
+
+
+@pytest.mark.needs_root("lazy restore")
+async def test_a_lazy_restore_its_kernel_ends_on_purpose_has_not_failed(
+    jp_fetch: Fetch,
+    start_kernel: Any,
+    jp_serverapp: Any,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A kernel shut down (on purpose: DELETE /api/kernels) while its memory still comes
+    in lazily ends its lazy restore with it: no "failed" event, no error in the log, and
+    what it read from is given back (issue 34 item 3)."""
+    events = events_of(jp_serverapp)
+    manager = manager_of(jp_serverapp)
+    manager.lazy_from_store = True
+    kernel = await start_kernel()
+    await kernel.run("import numpy as np; a = np.random.default_rng(3).random(16 << 20)")
+    snapshot_id = (await snapshot(jp_fetch, kernel.id))["result"]["id"]
+    with memory_held(manager, snapshot_id) as released:
+        restore = await call(jp_fetch, "POST", snapshot_id, "restore")
+        restored = await wait_job(jp_fetch, restore["job"])
+        assert restored["status"] == "done", restored
+        new_kernel = restored["result"]["kernel_id"]
+        status = await call(jp_fetch, "GET", "kernels", new_kernel)
+        assert status["lazy_restore"]["state"] == "transferring", status["lazy_restore"]
+        capfd.readouterr()
+        shutdown = asyncio.ensure_future(
+            jp_fetch("api", "kernels", new_kernel, method="DELETE", request_timeout=120)
+        )
+        # The kernel process ends; its lazy-pages daemon then hangs up on the wrapper.
+        inner = status["inner_pid"]
+        while Path(f"/proc/{inner}").exists():
+            await asyncio.sleep(0.05)
+        released.set()
+        await shutdown
+    await manager.lending.settled()
+    assert not manager.lending.lent
+    assert not [e for e in events if e["action"] == "failed"], events
+    log = capfd.readouterr().err
+    assert "lazy restore ended with the kernel's shutdown" in log
+    assert "[kernel_wrapper ERROR]" not in log, log[-3000:]
 
 
 async def test_incompatible_snapshot_is_422_before_any_download(

@@ -132,12 +132,16 @@ def try_lock_directory(path: Path, *, shared: bool = False) -> int | None:
     return fd
 
 
-def remove_unlocked(directory: Path) -> list[Path]:
+def remove_unlocked(directory: Path, *, sealed_only: bool = False) -> list[Path]:
     """Remove the folders in ``directory`` that no live process holds locked (downloads
-    and restore copies of a server that died). Returns what was removed."""
+    and restore copies of a server that died; with ``sealed_only`` the sealed dumps of
+    suspended kernels whose wrapper ended, never a dump still being written: its partial
+    folder, or its :class:`DumpLock` held). Returns what was removed."""
     removed = []
     for entry in sorted(directory.iterdir()):
         if not entry.is_dir() or entry.is_symlink():
+            continue
+        if sealed_only and entry.name.startswith("."):
             continue
         try:
             fd = try_lock_directory(entry)
@@ -146,11 +150,30 @@ def remove_unlocked(directory: Path) -> list[Path]:
         if fd is None:
             continue  # in use
         try:
+            if sealed_only and _dump_locked(entry):
+                continue  # sealed a moment ago: its wrapper takes it next
             if remove_now(entry):
                 removed.append(entry)
         finally:
             os.close(fd)
     return removed
+
+
+def _dump_locked(dest: Path) -> bool:
+    """Whether a live server's :class:`DumpLock` on ``dest`` is held (its request runs)."""
+    try:
+        fd = os.open(lock_path(dest), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True
+        raise
+    finally:
+        os.close(fd)
+    return False
 
 
 def after_failed_dump(exc: SnapshotError, dest: Path, wrapper_pid: int | None) -> Manifest:

@@ -82,11 +82,13 @@ TRIGGERS = (
     "periodic",
     "long-cell",
     "idle-suspend",
+    "cull",
     "before-shutdown",
     "before-restore",
 )
 """What took a snapshot; "before-restore" saves a kernel a restore in place replaces;
-"long-cell" follows a cell that ran longer than the server's threshold."""
+"long-cell" follows a cell that ran longer than the server's threshold; "cull" is
+jupyter_server's kernel culler (the kernel suspended instead of shut down)."""
 
 
 def new_snapshot_id() -> str:

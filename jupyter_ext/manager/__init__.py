@@ -30,6 +30,7 @@ on each kernel's status, read once a tick by jupyter_ext/autosnap.py.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -56,7 +57,7 @@ from .shared import (
     validate_notebook_path,
 )
 from .stored import StoredSnapshots
-from .uploads import STALE_WORK_SECONDS, PendingUpload, Uploads
+from .uploads import STALE_WORK_SECONDS, PendingUpload, Uploads, remove_released_suspends
 
 __all__ = [
     "KERNEL_ID_RE",
@@ -188,6 +189,10 @@ class SnapshotManager:
     @property
     def image_cache_dir(self) -> Path:
         return self.workspace.image_cache_dir
+
+    async def remove_released_suspends(self) -> list[Path]:
+        """Remove the dumps of suspended kernels that have ended (uploads.py)."""
+        return await asyncio.to_thread(remove_released_suspends, self.workspace)
 
     def tighten(self) -> list[private.Exposed]:
         """Take from the store's files on this machine and the work directory the access

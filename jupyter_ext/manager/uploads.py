@@ -138,6 +138,7 @@ class Uploads:
             if directory.is_dir():  # dumps of a server that died: at once, not in an hour
                 for path in remove_orphaned_dumps(directory):
                     log.info("Removed %s, left by a dump whose server ended", path)
+        remove_released_suspends(ws)
         for path in remove_unlocked(ws.cache_dir):  # likewise its downloads
             log.info("Removed %s, left by a restore whose server ended", path)
         for path in self.image_cache.recover():
@@ -163,9 +164,21 @@ class Uploads:
             if _untouched_for(entry, stale_after):
                 log.info("Removing %s, left by an interrupted restore", entry)
                 remove_tree(entry)
-        if ws.suspended_dir.is_dir():  # sealed ones belong to suspended kernels: never removed
+        if ws.suspended_dir.is_dir():  # sealed ones: removed once their kernel ends (above)
             for entry in ws.suspended_dir.glob(".*.partial-*"):
                 if _untouched_for(entry, stale_after):
                     log.info("Removing %s, left by an interrupted suspend", entry)
                     remove_tree(entry)
         return recovered
+
+
+def remove_released_suspends(workspace: Workspace) -> list[Path]:
+    """Remove the dumps of suspended kernels that have ended (shut down, culled, killed,
+    or gone with a server that died): each wrapper holds its kernel's dump locked while it
+    is suspended on it. Their snapshot stays in the store (and the image cache)."""
+    if not workspace.suspended_dir.is_dir():
+        return []
+    removed = remove_unlocked(workspace.suspended_dir, sealed_only=True)
+    for path in removed:
+        log.info("Removed %s, the dump of a suspended kernel that ended", path)
+    return removed

@@ -104,6 +104,7 @@ const TRIGGERS: { [key: string]: string } = {
   periodic: 'periodic',
   'long-cell': 'after a long cell',
   'idle-suspend': 'idle suspend',
+  cull: 'idle cull',
   'before-shutdown': 'before shutdown',
   'before-restore': 'before a restore'
 };
@@ -252,6 +253,16 @@ export function policyLines(policy: IPolicy): [string, string][] {
         })`
       : 'off'
   ]);
+  const cull = policy.cull_idle_timeout ?? 0;
+  if (cull > 0) {
+    lines.push([
+      'Kernel culler',
+      `after ${formatDuration(cull)} idle: ` +
+        (policy.cull_action === 'shutdown'
+          ? 'shut down, state lost'
+          : 'suspended, state kept')
+    ]);
+  }
   lines.push([
     'Before server shutdown',
     policy.snapshot_before_shutdown ? 'snapshot every kernel' : 'no snapshot'

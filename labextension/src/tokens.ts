@@ -46,6 +46,7 @@ export type Trigger =
   | 'periodic'
   | 'long-cell'
   | 'idle-suspend'
+  | 'cull'
   | 'before-shutdown'
   | 'before-restore';
 
@@ -242,6 +243,8 @@ export interface IPolicy {
   snapshot_before_shutdown?: boolean;
   idle_suspend_after?: number;
   suspend_cpu_kernels?: boolean;
+  cull_action?: 'suspend' | 'shutdown';
+  cull_idle_timeout?: number;
   [key: string]: unknown;
 }
 
