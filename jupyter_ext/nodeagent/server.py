@@ -86,6 +86,9 @@ class Agent:
         self.owner_pattern = owner_pattern
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(state_dir, 0o700)
+        for leftover in state_dir.glob("*-*"):
+            # What an agent that was killed during a request left (its caller got an error).
+            shutil.rmtree(leftover, ignore_errors=True)
         socket_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(socket_dir, 0o755)
         with contextlib.suppress(FileNotFoundError):
