@@ -20,11 +20,19 @@ its memory still arrives; "all memory in" is when the last page was there (the k
 status). ``local`` and ``s3`` download first (``lazy_restore_from_store`` off);
 ``local-lazy`` and ``s3-lazy`` are the same stores with the default.
 
+Every store is encrypted (the default, issue #33); ``--plain`` adds twins of the S3 ways
+with encryption off (``s3-plain``, ``s3-lazy-plain``, each a prefix of its own) and the raw
+AES-256-GCM throughput of this machine (the product's own sealing of 16 KiB chunks, one
+thread and all cores): goal, S3 durable and S3 restore to first output within 5 % of the
+unencrypted ones of the same run. ``--ways s3,s3-lazy`` runs only those ways (and their
+twins).
+
 Goals (issue #16): S3 durable <= 2.5x raw PUT; S3 restore <= 2.5x raw GET (or under 2 s
 lazily); local durable <= 3x bare dump; same-machine restore <= 1.3x bare restore;
 second snapshot of an idle kernel <= 2 % new bytes.
 
     sudo nice -n 5 .venv/bin/python bench/bench_resume.py --sizes 256,1024,4096 --json out.json
+    sudo nice -n 5 .venv/bin/python bench/bench_resume.py --sizes 256,1024 --ways s3,s3-lazy --plain
 """
 
 from __future__ import annotations
@@ -188,7 +196,7 @@ def raw_s3(s3: Any, files: list[Path]) -> tuple[float, float, int]:
     return put_seconds, get_seconds, total
 
 
-def servers(work: Path, moto: MotoServer) -> dict[str, Server]:
+def servers(work: Path, moto: MotoServer, ways: set[str], plain: bool) -> dict[str, Server]:
     root = work / "notebooks"
     configs = {
         "local": {"local_store_dir": str(work / "store-local"), "image_cache_max_bytes": 0},
@@ -213,6 +221,18 @@ def servers(work: Path, moto: MotoServer) -> dict[str, Server]:
             ),
         }
         configs[name]["lazy_restore_from_store"] = False
+    if plain:  # unencrypted twins, each with a prefix of its own
+        for name in ("s3", "s3-lazy"):
+            configs[f"{name}-plain"] = {
+                **configs[name],
+                "s3_prefix": f"{name}-plain",
+                "encryption_key_source": "none",
+            }
+    configs = {  # each unencrypted twin right after its way: the load of the moment is shared
+        name: configs[name]
+        for name in sorted(configs, key=lambda n: list(configs).index(n.removesuffix("-plain")))
+        if not ways or name in ways or name.removesuffix("-plain") in ways
+    }
     env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
     made = {}
     for name, extra in configs.items():
@@ -229,7 +249,53 @@ def seconds(value: float | None) -> str:
     return f"{value:.2f} s" if value is not None else "-"
 
 
+def aes_gcm_throughput(chunk: int = 16 << 10, total: int = 256 * MIB) -> dict[str, float]:
+    """MB/s of the store's own sealing (sealing.Sealer: nonce, AES-256-GCM, tag) of random
+    chunks, on one thread and on every core: the ceiling of what encryption can cost."""
+    from jupyter_ext.core.store.sealing import Sealer
+
+    sealer = Sealer(os.urandom(32))
+    data = memoryview(os.urandom(total))
+    context = b"jks-chunk\0" + b"0" * 64
+
+    def seal(part: range) -> None:
+        for offset in part:
+            sealer.seal(data[offset : offset + chunk], context)
+
+    offsets = range(0, total, chunk)
+    started = time.perf_counter()
+    seal(offsets)
+    one = total / (time.perf_counter() - started) / 1e6
+    cores = os.cpu_count() or 1
+    started = time.perf_counter()
+    with ThreadPoolExecutor(cores) as pool:
+        list(pool.map(seal, [offsets[i::cores] for i in range(cores)]))
+    every = total / (time.perf_counter() - started) / 1e6
+    return {"one_thread_mb_s": one, "all_cores_mb_s": every, "cores": cores}
+
+
+def encryption_table(rows: list[dict[str, Any]], aes: dict[str, float]) -> str:
+    lines = [
+        f"AES-256-GCM (sealing 16 KiB chunks): {aes['one_thread_mb_s']:.0f} MB/s on one thread,"
+        f" {aes['all_cores_mb_s']:.0f} MB/s on {aes['cores']:.0f} cores.",
+        "",
+        "| kernel | S3 durable encrypted | unencrypted | ratio | S3 restore (download first) "
+        "encrypted | unencrypted | ratio | S3 restore lazily encrypted | unencrypted | ratio |",
+        "|" + "---|" * 10,
+    ]
+    for row in rows:
+        cells = [human_bytes(row["mib"] * MIB)]
+        for name, key in (("s3", "durable"), ("s3", "restore"), ("s3-lazy", "restore")):
+            enc = (row.get(name) or {}).get(key)
+            plain = (row.get(f"{name}-plain") or {}).get(key)
+            cells += [seconds(enc), seconds(plain), ratio(enc, plain)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
+    if not all(name in rows[0] for name in ("local", "s3", "cache", "local-lazy", "s3-lazy")):
+        return ""  # a run of some ways only: the encryption table says it
     lines = [
         "| kernel | images | local durable | bare dump | +fsync | ratio (dump / +fsync) "
         "| S3 durable | raw PUT | ratio | local restore | S3 restore | raw GET | ratio "
@@ -277,16 +343,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="256,1024,4096", help="MiB of kernel memory")
     parser.add_argument("--json", type=Path, help="also write every number here")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per size")
+    parser.add_argument("--ways", default="", help="only these ways (comma-separated)")
+    parser.add_argument("--plain", action="store_true", help="unencrypted twins of the S3 ways")
     args = parser.parse_args(argv)
+    ways = {w for w in args.ways.split(",") if w}
     work = Path(tempfile.mkdtemp(prefix="bench-resume-", dir="/var/tmp"))
     criu = Criu.locate()
     moto = MotoServer(work / "moto.log")
     made: dict[str, Server] = {}
     rows = []
+    aes = None
     try:
         s3 = s3_client(moto.url)
         s3.create_bucket(Bucket=BUCKET)
-        made = servers(work, moto)
+        made = servers(work, moto, ways, args.plain)
+        aes = aes_gcm_throughput() if args.plain else None
         for mib in (int(s) for s in args.sizes.split(",")):
             row: dict[str, Any] = {"mib": mib}
             row["ceilings"] = ceilings(work, criu, s3, mib, args.timeout)
@@ -301,8 +372,11 @@ def main(argv: list[str] | None = None) -> int:
         moto.stop()
         shutil.rmtree(work, ignore_errors=True)
     print(markdown(rows))
+    if aes is not None:
+        print(encryption_table(rows, aes))
     if args.json:
-        args.json.write_text(json.dumps({"date": time.strftime("%F %T"), "rows": rows}, indent=1))
+        doc = {"date": time.strftime("%F %T"), "rows": rows, "aes_gcm": aes}
+        args.json.write_text(json.dumps(doc, indent=1))
     return 0
 
 

@@ -14,13 +14,13 @@ from jupyter_server.serverapp import ServerApp
 
 from .autosnap import LongCellPolicy
 from .core import private
-from .core.chunking import ChunkParams
 from .core.errors import SnapshotError
 from .core.private import GROUP_SHARED, PRIVATE
 from .core.protocol import ENV_LAZY_RESTORE, ENV_LAZY_RESTORE_MIN_BYTES, ENV_PID_FLOOR
-from .core.store import LocalStore, S3Encryption, S3Store, SnapshotStore
+from .core.store import SnapshotStore, open_store
+from .core.store.keys import ENV_KEY, ENV_PREVIOUS_KEYS
 from .handlers import route_table
-from .manager import SnapshotManager, user_prefix
+from .manager import SnapshotManager
 from .settings import SnapshotSettings
 
 EVENT_SCHEMA = Path(__file__).parent / "events" / "snapshot.yaml"
@@ -58,34 +58,20 @@ class SnapshotExtensionApp(SnapshotSettings):
     name = "jupyter_ext"
     description = __doc__
 
-    def chunking(self) -> ChunkParams | None:
-        return ChunkParams.of_kib(self.chunk_kib) if self.chunk_kib else None
-
     def make_store(self) -> SnapshotStore:
-        """The owner's store: its prefix comes from the server's identity, not a request."""
-        prefix = user_prefix(self.owner)
-        if self.store == "s3":
-            if not self.s3_bucket:
-                raise ValueError("SnapshotExtensionApp.s3_bucket must be set for the s3 store.")
-            return S3Store(
-                self.s3_bucket,
-                f"{self.s3_prefix.strip('/')}/{prefix}".strip("/"),
-                endpoint_url=self.s3_endpoint_url or None,
-                region=self.s3_region or None,
-                encryption=S3Encryption(self.s3_server_side_encryption, self.s3_sse_kms_key_id),
-                chunking=self.chunking(),
-                pack_bytes=self.pack_mib << 20,
+        """The owner's store (:meth:`store_spec`). An "env" key is taken out of this
+        process's environment once read, so kernels (started with it) do not inherit it."""
+        store = open_store(self.store_spec())
+        if self.encryption_key_source == "env":
+            for name in (ENV_KEY, ENV_PREVIOUS_KEYS):
+                os.environ.pop(name, None)
+        if self.encryption_key_source == "none":
+            self.log.warning(
+                "kernel snapshots: the store is NOT encrypted (encryption_key_source 'none'): "
+                "whoever may read %s reads every snapshot, the kernels' whole memory.",
+                self.store_spec().location(),
             )
-        if self.store != "local":
-            raise ValueError(
-                f'SnapshotExtensionApp.store must be "local" or "s3", not {self.store!r}.'
-            )
-        return LocalStore(
-            Path(self.local_store_dir) / prefix,
-            chunking=self.chunking(),
-            pack_bytes=self.pack_mib << 20,
-            modes=GROUP_SHARED if self.local_store_group_access else PRIVATE,
-        )
+        return store
 
     def policy(self) -> dict[str, Any]:
         """The server-side policy, shown read-only in the panel."""
@@ -96,6 +82,7 @@ class SnapshotExtensionApp(SnapshotSettings):
                 if self.store == "s3"
                 else self.local_store_dir
             ),
+            "encryption": self.encryption_key_source != "none",
             "periodic_interval": self.periodic_interval,
             "keep_last": self.keep_last,
             "keep_hourly_hours": self.keep_hourly_hours,

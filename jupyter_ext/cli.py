@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import getpass
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -24,15 +26,37 @@ from .core.contents import (
     describe_contents,
     short_contents,
 )
-from .core.doctor import run_checks
+from .core.doctor import check_encryption, run_checks
 from .core.errors import SnapshotError
 from .core.humanize import human_bytes, human_seconds, time_ago
 from .core.manifest import check_snapshot_id
 from .core.protocol import DEFAULT_RUNTIME_ROOT
-from .core.store import SnapshotStore
-from .settings import data_dir
+from .core.store import (
+    KeySettings,
+    Repository,
+    S3Encryption,
+    SnapshotStore,
+    StoreSpec,
+    open_store,
+)
+from .core.store.keys import LOST_KEY, FileKeySource
+from .settings import data_dir, default_key_file
 
 KERNELSPEC_DIR = Path(__file__).resolve().parent / "kernelspec"
+
+
+class _ServerConfigFiles(JupyterApp):
+    name = "jupyter-snapshot-server-config"
+    config_file_name = "jupyter_server_config"
+
+
+@functools.cache
+def server_option(name: str, fallback: str) -> str:
+    """An option of SnapshotExtensionApp as a Jupyter server here would read it from its
+    config files (a hub's /etc/jupyter), so that the commands use the server's key."""
+    files = _ServerConfigFiles()
+    files.load_config_file()
+    return str(files.config.get("SnapshotExtensionApp", {}).get(name, fallback))
 
 
 class DoctorApp(JupyterApp):
@@ -50,13 +74,32 @@ class DoctorApp(JupyterApp):
         help="""The work directory to check likewise. Default: SnapshotExtensionApp.work_dir's
         default (<Jupyter data dir>/kernel_snapshots/work).""",
     )
+    key_source = Unicode(
+        config=True,
+        help="""The server's encryption_key_source, to say whether its store is encrypted and
+        where the key is. Default: the server's (its config files), else "file".""",
+    )
+    key_file = Unicode(
+        config=True,
+        help="The key file of key source 'file'. Default: as the server's encryption_key_file.",
+    )
     as_json = Bool(False, config=True, help="Print the checks as JSON.")
     flags = {"json": ({"DoctorApp": {"as_json": True}}, "Print the checks as JSON.")}
     aliases = {
         "criu": "DoctorApp.criu",
         "store-dir": "DoctorApp.store_dir",
         "work-dir": "DoctorApp.work_dir",
+        "key-source": "DoctorApp.key_source",
+        "key-file": "DoctorApp.key_file",
     }
+
+    @default("key_source")
+    def _default_key_source(self) -> str:
+        return server_option("encryption_key_source", "file")
+
+    @default("key_file")
+    def _default_key_file(self) -> str:
+        return server_option("encryption_key_file", str(default_key_file()))
 
     @default("store_dir")
     def _default_store_dir(self) -> str:
@@ -71,6 +114,7 @@ class DoctorApp(JupyterApp):
             self.criu or None,
             DEFAULT_RUNTIME_ROOT,
             private_dirs=[Path(p) for p in (self.store_dir, self.work_dir) if p],
+            encryption=check_encryption(self.key_source, Path(self.key_file), os.environ),
         )
         if self.as_json:
             print(json.dumps([c.to_dict() for c in checks], indent=1))
@@ -253,6 +297,28 @@ class _SnapshotCommand(JupyterApp):
         help="Prefix in the bucket (default: this user's).",
     )
     s3_endpoint_url = Unicode("", config=True, help="S3-compatible endpoint URL.")
+    s3_region = Unicode("", config=True, help='S3 region. Default: "" (boto3 decides).')
+    s3_server_side_encryption = Unicode(
+        "", config=True, help='As SnapshotExtensionApp.s3_server_side_encryption. Default: "".'
+    )
+    s3_sse_kms_key_id = Unicode(
+        "", config=True, help='As SnapshotExtensionApp.s3_sse_kms_key_id. Default: "".'
+    )
+    group_access = Bool(
+        False, config=True, help="As SnapshotExtensionApp.local_store_group_access."
+    )
+    key_source = Unicode(
+        config=True,
+        help="""Where the store's encryption key comes from, as
+        SnapshotExtensionApp.encryption_key_source: "file", "env" or "none". Default: the
+        server's (its config files), else "file".""",
+    )
+    key_file = Unicode(
+        config=True,
+        help="""The key file of key source "file". Default: the server's
+        encryption_key_file (its config files), else <Jupyter data dir>/kernel_snapshots/
+        store.key.""",
+    )
     as_json = Bool(False, config=True, help="Print JSON.")
     aliases = {
         "url": "_SnapshotCommand.url",
@@ -261,19 +327,41 @@ class _SnapshotCommand(JupyterApp):
         "s3-bucket": "_SnapshotCommand.s3_bucket",
         "s3-prefix": "_SnapshotCommand.s3_prefix",
         "s3-endpoint-url": "_SnapshotCommand.s3_endpoint_url",
+        "s3-region": "_SnapshotCommand.s3_region",
+        "key-source": "_SnapshotCommand.key_source",
+        "key-file": "_SnapshotCommand.key_file",
     }
     flags = {"json": ({"_SnapshotCommand": {"as_json": True}}, "Print JSON.")}
 
-    def direct_store(self) -> SnapshotStore | None:
-        from .core.store import LocalStore, S3Store
+    @default("key_source")
+    def _default_key_source(self) -> str:
+        return server_option("encryption_key_source", "file")
 
-        if self.store_dir:
-            return LocalStore(Path(self.store_dir))
-        if self.s3_bucket:
-            return S3Store(
-                self.s3_bucket, self.s3_prefix, endpoint_url=self.s3_endpoint_url or None
-            )
-        return None
+    @default("key_file")
+    def _default_key_file(self) -> str:
+        return server_option("encryption_key_file", str(default_key_file()))
+
+    def store_spec(self) -> StoreSpec | None:
+        """The store named on the command line (None: work through the server), made as
+        the server makes its own (core.store.open_store)."""
+        if not self.store_dir and not self.s3_bucket:
+            return None
+        return StoreSpec(
+            kind="local" if self.store_dir else "s3",
+            key_source=self.key_source,
+            keys=KeySettings(Path(self.key_file), getpass.getuser()),
+            local_dir=Path(self.store_dir) if self.store_dir else None,
+            group_access=self.group_access,
+            s3_bucket=self.s3_bucket,
+            s3_prefix=self.s3_prefix.strip("/"),
+            s3_endpoint_url=self.s3_endpoint_url,
+            s3_region=self.s3_region,
+            s3_encryption=S3Encryption(self.s3_server_side_encryption, self.s3_sse_kms_key_id),
+        )
+
+    def direct_store(self) -> SnapshotStore | None:
+        spec = self.store_spec()
+        return None if spec is None else open_store(spec)
 
     def server(self) -> ServerClient:
         return ServerClient.find(self.url, self.token)
@@ -463,6 +551,12 @@ class RestoreApp(_SnapshotCommand):
                     f"{c['process']} (pid {c['pid']}) {c['local']} -> {c['remote']}" for c in closed
                 )
             )
+        for shm in result.get("private_shm") or []:  # a live process holds the name here
+            holders = ", ".join(f"{h['process']} (pid {h['pid']})" for h in shm["held_by"])
+            print(
+                f"/dev/shm/{shm['name']}: private copy (the name is {holders}'s here: a new "
+                "attach by that name reaches that process's file, not the kernel's)"
+            )
 
 
 class TakeApp(_SnapshotCommand):
@@ -518,6 +612,97 @@ class RemoveApp(_SnapshotCommand):
             print(f"Deleted {snapshot_id}")
 
 
+class _StoreCommand(_SnapshotCommand):
+    """A command on a store itself (--store-dir or --s3-*), never through a server."""
+
+    def open(self) -> Repository:
+        spec = self.store_spec()
+        if spec is None:
+            raise SnapshotError(
+                "Name the store: --store-dir DIR, or --s3-bucket B [--s3-prefix P].",
+                hint=f"The server's local store of this user is {data_dir() / 'store' / 'users'}"
+                f"/{getpass.getuser()}.",
+            )
+        return open_store(spec)
+
+
+class EncryptStoreApp(_StoreCommand):
+    name = "jupyter-snapshot-store-encrypt"
+    description = (
+        "Encrypt a store's unencrypted snapshots (a store from before encryption): each is "
+        "read and verified, stored again encrypted under its id, and the unencrypted packs "
+        "are removed. Run it while no server takes snapshots into the store."
+    )
+    work_dir = Unicode(
+        config=True,
+        help="Where each snapshot is unpacked on its way (default: the server's work_dir).",
+    )
+    aliases = {**_SnapshotCommand.aliases, "work-dir": "EncryptStoreApp.work_dir"}
+
+    @default("work_dir")
+    def _default_work_dir(self) -> str:
+        return str(data_dir() / "work")
+
+    def run(self) -> None:
+        store = self.open()
+        if store.keyring is None:
+            raise SnapshotError(
+                "Encrypting a store needs a key source (--key-source file or env).",
+                hint="Leave --key-source at its default, file.",
+            )
+
+        def said(snapshot_id: str) -> None:
+            print(f"encrypted {snapshot_id}", flush=True)
+
+        done = store.encrypt_unencrypted(Path(self.work_dir), said)
+        print(f"{len(done)} snapshot(s) encrypted; key: {store.keyring.describe()}. {LOST_KEY}")
+
+
+class RotateKeyApp(_StoreCommand):
+    name = "jupyter-snapshot-store-rotate-key"
+    description = (
+        "A new key-encryption key for a store of key source 'file': the store's master key "
+        "is rewrapped (one small object; no snapshot rewritten). The old key stays in "
+        "<key file>.previous, still accepted by other stores that use the same file until "
+        "they are opened once."
+    )
+
+    def run(self) -> None:
+        if self.key_source != "file":
+            raise SnapshotError(
+                f"rotate-key changes a key file; this store's key source is {self.key_source!r}.",
+                hint="With 'env': set JUPYTER_SNAPSHOT_KEY to the new key and "
+                "JUPYTER_SNAPSHOT_KEY_PREVIOUS to the old one; the server rewraps at start.",
+            )
+        store = self.open()
+        if store.keyring is None:
+            raise SnapshotError("This store is not encrypted.", hint="Leave --key-source at file.")
+        before = store.keyring.kek_id  # unwrapped with the key of today
+        FileKeySource(Path(self.key_file)).rotate()
+        rotated = self.open()
+        assert rotated.keyring is not None
+        print(
+            f"The store's master key is now wrapped by key {rotated.keyring.kek_id} (was "
+            f"{before}), in {self.key_file}; the old key is in {self.key_file}.previous. "
+            + LOST_KEY
+        )
+
+
+class StoreApp(JupyterApp):
+    name = "jupyter-snapshot-store"
+    description = "Work on a store itself: encrypt, rotate-key."
+    subcommands = {
+        "encrypt": (EncryptStoreApp, EncryptStoreApp.description),
+        "rotate-key": (RotateKeyApp, RotateKeyApp.description),
+    }
+
+    def start(self) -> None:
+        if self.subapp is None:
+            print("No subcommand given; choose one of: " + ", ".join(self.subcommands))
+            self.exit(1)
+        super().start()
+
+
 class SnapshotApp(JupyterApp):
     name = "jupyter-snapshot"
     version = __version__
@@ -531,6 +716,7 @@ class SnapshotApp(JupyterApp):
         "take": (TakeApp, TakeApp.description),
         "rm": (RemoveApp, RemoveApp.description),
         "doctor": (DoctorApp, DoctorApp.description),
+        "store": (StoreApp, StoreApp.description),
         "install-kernelspec": (InstallKernelSpecApp, InstallKernelSpecApp.description),
     }
 

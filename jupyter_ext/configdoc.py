@@ -12,7 +12,7 @@ from traitlets import TraitType
 from .settings import SnapshotSettings
 
 #: Traits whose default is computed at start (see their help).
-COMPUTED = ("owner", "local_store_dir", "work_dir")
+COMPUTED = ("owner", "local_store_dir", "work_dir", "encryption_key_file")
 
 
 def _default(trait: TraitType[object, object]) -> str:

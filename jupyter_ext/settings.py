@@ -18,11 +18,18 @@ from traitlets import Bool, Float, Int, TraitError, Unicode, default, validate
 from .core.chunking import ChunkParams
 from .core.lazypages import LAZY_MIN_BYTES
 from .core.pidspace import PID_FLOOR
+from .core.store import KEY_SOURCES, KeySettings, S3Encryption, StoreSpec
+from .manager.base import user_prefix
 
 
 def data_dir() -> Path:
     """Where the product keeps its files by default: <Jupyter data dir>/kernel_snapshots."""
     return Path(jupyter_data_dir()) / "kernel_snapshots"
+
+
+def default_key_file() -> Path:
+    """The "file" key source's default: beside the store, never in it (0700 directory)."""
+    return data_dir() / "store.key"
 
 
 class SnapshotSettings(ExtensionApp):
@@ -83,6 +90,25 @@ class SnapshotSettings(ExtensionApp):
         config=True,
         help="""KMS key (id, ARN or alias) for s3_server_side_encryption "aws:kms".
         Default: "" (the account's AWS-managed key aws/s3).""",
+    )
+    encryption_key_source = Unicode(
+        "file",
+        config=True,
+        help="""Where the key that encrypts the store comes from (client-side encryption,
+        AES-256-GCM: every pack chunk, record and claim; nobody who reads the store or the
+        bucket without the key reads a snapshot). "file": a key file on this machine,
+        made at first use (encryption_key_file); "env": $JUPYTER_SNAPSHOT_KEY (32 bytes,
+        base64; older keys still accepted in $JUPYTER_SNAPSHOT_KEY_PREVIOUS,
+        comma-separated), set by a spawner; "none": no encryption, so that whoever may
+        read the store or the bucket reads every snapshot (warned about at start and by
+        'jupyter snapshot doctor'). A lost key makes every snapshot unreadable.
+        Default: "file".""",
+    )
+    encryption_key_file = Unicode(
+        config=True,
+        help="""The key file of encryption_key_source "file" (mode 0600, made at first use;
+        back it up: without it no snapshot can be read). Never inside the store.
+        Default: <Jupyter data dir>/kernel_snapshots/store.key.""",
     )
     chunk_kib = Int(
         0,
@@ -265,6 +291,47 @@ class SnapshotSettings(ExtensionApp):
     @default("owner")
     def _default_owner(self) -> str:
         return os.environ.get("JUPYTERHUB_USER") or getpass.getuser()
+
+    @default("encryption_key_file")
+    def _default_encryption_key_file(self) -> str:
+        return str(default_key_file())
+
+    @validate("store")
+    def _valid_store(self, proposal: dict[str, Any]) -> str:
+        if proposal["value"] not in ("local", "s3"):
+            raise TraitError(
+                f'SnapshotExtensionApp.store must be "local" or "s3", not {proposal["value"]!r}.'
+            )
+        return str(proposal["value"])
+
+    @validate("encryption_key_source")
+    def _valid_key_source(self, proposal: dict[str, Any]) -> str:
+        name = str(proposal["value"])
+        if name != "none" and name not in KEY_SOURCES:
+            choices = ", ".join(f'"{n}"' for n in [*KEY_SOURCES, "none"])
+            raise TraitError(
+                f"SnapshotExtensionApp.encryption_key_source must be one of {choices}, "
+                f"not {name!r}."
+            )
+        return name
+
+    def store_spec(self) -> StoreSpec:
+        """The owner's store: its prefix comes from the server's identity, not a request."""
+        prefix = user_prefix(self.owner)
+        return StoreSpec(
+            kind="s3" if self.store == "s3" else "local",
+            key_source=self.encryption_key_source,
+            keys=KeySettings(Path(self.encryption_key_file), self.owner),
+            local_dir=Path(self.local_store_dir) / prefix,
+            group_access=self.local_store_group_access,
+            s3_bucket=self.s3_bucket,
+            s3_prefix=f"{self.s3_prefix.strip('/')}/{prefix}".strip("/"),
+            s3_endpoint_url=self.s3_endpoint_url,
+            s3_region=self.s3_region,
+            s3_encryption=S3Encryption(self.s3_server_side_encryption, self.s3_sse_kms_key_id),
+            chunk_kib=self.chunk_kib,
+            pack_mib=self.pack_mib,
+        )
 
     @default("local_store_dir")
     def _default_local_store_dir(self) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_ext import __version__
-from jupyter_ext.core import mountns, privatetmp, proctree, shmfiles
+from jupyter_ext.core import appended, mountns, privatetmp, proctree, shmfiles
 from jupyter_ext.core.chunking import ChunkParams, auto_chunk_kib
 from jupyter_ext.core.criu import Criu, external_file_key
 from jupyter_ext.core.errors import KernelNotRunningError, SnapshotError
@@ -107,6 +107,7 @@ class _Dumped:
     chunk_kib: int
     gpu: dict[str, Any] = dataclasses.field(default_factory=dict)
     shm_files: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    appended_files: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     disconnect_seconds: float = 0.0
     dump_seconds: float = 0.0
     frozen_seconds: float = 0.0
@@ -267,11 +268,13 @@ class Dumper:
         time it is hashed); then the images fixed for a restore elsewhere. Returns the
         hasher, to finish once the dump is over."""
         tree = dumped.tree
-        copier = (
-            shmfiles.FrozenCopy(tree.held, staging / shmfiles.SNAPSHOT_DIR_NAME, work_dir)
-            if tree.held.files
-            else None
-        )
+        shm = shmfiles.ShmCopy(tree.held, staging / shmfiles.SNAPSHOT_DIR_NAME)
+        logs = appended.AppendedCopy(tree.appended_files, staging / appended.SNAPSHOT_DIR_NAME)
+        steps: list[shmfiles.FrozenStep] = [
+            *([shm] if tree.held.files else []),
+            *([logs] if tree.appended_files else []),
+        ]
+        copier = shmfiles.FrozenCopy(steps, work_dir) if steps else None
         dump_started = time.monotonic()
         params = ChunkParams.of_kib(dumped.chunk_kib)
         hasher = GrowingFileChunker(
@@ -291,6 +294,7 @@ class Dumper:
                         *mountns.dump_keys(dumped.mounts),
                     ],
                     keep_tcp=tree.keep_tcp,
+                    ghost_limit=tree.ghost_bytes,
                     action_script=copier.action_script if copier else None,
                     netns=self.kernel.process.network,
                 )
@@ -298,8 +302,8 @@ class Dumper:
                 hasher.cancel()
                 if copier is not None and copier.error is not None:
                     raise SnapshotError(
-                        f"The kernel's shared memory files could not be copied into the "
-                        f"snapshot: {copier.error}.",
+                        "The kernel's shared memory files or logs could not be copied into "
+                        f"the snapshot: {copier.error}.",
                         hint="Free space on the disk of the work directory if it is "
                         "full; else read the error, fix what it names and retry.",
                     ) from exc
@@ -310,7 +314,8 @@ class Dumper:
             dumped.dump_seconds = time.monotonic() - dump_started
             await tree.fix_images(staging / IMAGES_DIR)
             if copier is not None:
-                dumped.shm_files = copier.records
+                dumped.shm_files = shm.records
+                dumped.appended_files = logs.records
                 dumped.shm_copy_seconds = copier.seconds
             if not args.leave_running:
                 shmfiles.remove_names(dumped.shm_files, tree.held)
@@ -351,6 +356,7 @@ class Dumper:
             needed_files=tree.needed,
             bound_ports=[port.to_dict() for port in tree.ports],
             shm_files=dumped.shm_files,
+            appended_files=dumped.appended_files,
             unix_socket_dirs=tree.socket_dirs,
             tcp_kept=tree.keep_tcp,
             kept_connections=[c.to_dict() for c in tree.kept_connections()],

@@ -14,7 +14,15 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
-from jupyter_ext.core import criuimages, netports, proctree, shmfiles, sockdiag, tcpconns
+from jupyter_ext.core import (
+    appended,
+    criuimages,
+    netports,
+    proctree,
+    shmfiles,
+    sockdiag,
+    tcpconns,
+)
 from jupyter_ext.core.criu import unprivileged
 
 
@@ -33,6 +41,11 @@ class KernelTree:
     connections: tcpconns.TreeConnections
     keep_tcp: bool
     """Connections inside the tree keep their state (needs TCP repair: root)."""
+    appended_files: list[dict[str, object]]
+    """The open files the tree appends to (logs), each with its ``opener``: carried in
+    the snapshot as they were (core/appended.py)."""
+    ghost_bytes: int
+    """The largest deleted file the tree holds (CRIU saves it in the images)."""
 
     @classmethod
     def inspect(cls, root: int) -> KernelTree:
@@ -41,6 +54,9 @@ class KernelTree:
         held = shmfiles.hold_tree_files(pids)
         try:
             needed = [f for f in proctree.needed_files(pids) if f["path"] not in held.paths]
+            appended_files = appended.appended(needed)
+            needed = [{k: v for k, v in f.items() if k != "opener"} for f in needed]
+            ghost_bytes = proctree.largest_deleted_file(pids)
             inodes = sockdiag.tree_socket_inodes(pids)
             ports = netports.bound_ports(inodes, root)
             socket_dirs = netports.unix_socket_dirs(root, inodes)
@@ -49,7 +65,18 @@ class KernelTree:
             held.close()
             raise
         keep_tcp = bool(connections.inside) and not unprivileged()
-        return cls(root, pids, held, needed, ports, socket_dirs, connections, keep_tcp)
+        return cls(
+            root,
+            pids,
+            held,
+            needed,
+            ports,
+            socket_dirs,
+            connections,
+            keep_tcp,
+            appended_files,
+            ghost_bytes,
+        )
 
     def kept_connections(self) -> list[tcpconns.Connection]:
         """The connections a restore brings back alive (both ends in the tree)."""

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_ext.core import (
+    appended,
     filelocks,
     netns,
     netports,
@@ -42,6 +43,8 @@ from jupyter_ext.core import (
     proctree,
     shmfiles,
     sockdiag,
+    tcpconns,
+    timewait,
 )
 from jupyter_ext.core.compat import check_compatible
 from jupyter_ext.core.criu import Criu, unprivileged
@@ -70,6 +73,13 @@ class Restorer:
         """Timings of the CUDA restore of the last restore (empty without CUDA)."""
         self.closed_on_restore: list[dict[str, Any]] = []
         """Connections to outside peers that the last restore gave back closed."""
+        self.private_shm: list[dict[str, Any]] = []
+        """The /dev/shm names the last restore found held by a live process here (``name``,
+        ``held_by``): the kernel has private copies, a new attach by name reaches the
+        other process's file (core/shmfiles.py)."""
+        self._replaced = timewait.Own(set())
+        """The connections and listening ports of the kernel the restore ended (its
+        TIME_WAIT entries are its own)."""
 
     async def checked(self, source: Path, progress: ProgressCallback, verified: bool) -> Manifest:
         """The manifest of the snapshot in ``source``, refused before anything is ended if
@@ -130,10 +140,12 @@ class Restorer:
 
     def _check_ports_free(self, manifest: Manifest) -> None:
         """Refuse, before anything is ended, a snapshot whose listening or bound ports
-        another process holds here (the kernel being replaced does not count), unless it
-        keeps connections and can have a network namespace of its own (root, slirp4netns);
-        a listener without them (a web app) keeps today's refusal: in a namespace of its
-        own nobody outside the copy would reach it."""
+        another process holds here (the kernel being replaced does not count), naming
+        it, unless it keeps connections and can have a network namespace of its own (root,
+        slirp4netns); a listener without them (a web app) keeps today's refusal: in a
+        namespace of its own nobody outside the copy would reach it. Ports held only by
+        TIME_WAIT entries are refused only when they are not the kernel's own
+        (core/timewait.py: the restore clears those)."""
         ports = [netports.BoundPort.from_dict(p) for p in manifest.bound_ports]
         if not ports:
             return
@@ -141,13 +153,20 @@ class Restorer:
         own = sockdiag.tree_socket_inodes(proctree.descendants(pid)) if pid else set()
         taken = netports.taken_ports(ports, ignore=own)
         if not taken:
+            found = timewait.blocking(ports, _own_entries(manifest) | self._running_kernel())
+            if found.foreign:
+                raise IncompatibleSnapshotError(
+                    "The snapshot's kernel listened on ports that no process holds here, "
+                    f"but ended connections do: {found.foreign_text()}.",
+                    hint="Restore again once they have ended, or on another machine.",
+                )
             return
         own_network = manifest.tcp_kept and not unprivileged()
         if not own_network or netns.slirp_path() is None:
             raise IncompatibleSnapshotError(
                 "The snapshot's kernel had network ports open that another process holds "
-                f"here: {', '.join(taken)}.",
-                hint="Stop the process that holds them ('ss -tulpn' names it), or restore "
+                f"here: {'; '.join(taken)}.",
+                hint="Stop the process that holds them, or restore "
                 "on a machine where they are free"
                 + (", or install slirp4netns (docs/network.md)." if own_network else "."),
             )
@@ -155,6 +174,21 @@ class Restorer:
             "ports of the snapshot are taken here (%s): restoring it into a network "
             "namespace of its own",
             ", ".join(taken),
+        )
+
+    def _running_kernel(self) -> timewait.Own:
+        """The connections and listening ports of the running kernel (none: empty)."""
+        pid = self.kernel.process.pid
+        if pid is None:
+            return timewait.Own(set())
+        pids = proctree.descendants(pid)
+        connections = tcpconns.tree_connections(pids)
+        listening = netports.bound_ports(sockdiag.tree_socket_inodes(pids), pid)
+        return timewait.Own(
+            timewait.connection_pairs(
+                c.to_dict() for c in connections.inside + connections.outside
+            ),
+            tuple(listening),
         )
 
     @staticmethod
@@ -199,6 +233,7 @@ class Restorer:
         previous = self.kernel.lifecycle.state
         self.kernel.lifecycle.enter(State.RESTORING)
         try:
+            self._replaced = self._running_kernel()
             await self.kernel.process.kill()
             await self.kernel.relay.close_inner()
             self.kernel.relay.connect_inner(InnerChannels(self.kernel.runtime.path))
@@ -298,6 +333,11 @@ class Restorer:
             mount_sources = own.mount_sources()
             images = source / IMAGES_DIR
             pages, kept_here = await _pages(images, pages_from, lazy)
+            if network is None:  # the ports it binds are this namespace's
+                await timewait.clear_own(
+                    [netports.BoundPort.from_dict(p) for p in manifest.bound_ports],
+                    _own_entries(manifest) | self._replaced,
+                )
             if not lazy:
                 pid = await criu.restore(
                     images,
@@ -324,6 +364,7 @@ class Restorer:
                 )
             if private_temp is not None:
                 private_temp.detach()  # the copy's mount namespace holds it now
+            self.private_shm = shm.private
             return pid, own
         except BaseException as exc:
             shm.undo()
@@ -361,6 +402,13 @@ class OwnParts:
             self.private_temp.close()
 
 
+def _own_entries(manifest: Manifest) -> timewait.Own:
+    """What makes a TIME_WAIT entry one of the snapshot's kernel: a connection it recorded."""
+    return timewait.Own(
+        timewait.connection_pairs(manifest.kept_connections + manifest.closed_connections)
+    )
+
+
 def _locked_elsewhere(
     manifest: Manifest, source: Path, ignore: Collection[int] = ()
 ) -> list[tuple[str, int]]:
@@ -374,7 +422,8 @@ def _locked_elsewhere(
 
 async def _make_files(manifest: Manifest, source: Path) -> tuple[list[Path], shmfiles.Recreated]:
     """What the restored tree needs here besides its images: the directories of its unix
-    sockets, the empty files it held open in its temporary directory, its /dev/shm files.
+    sockets, the empty files it held open in its temporary directory, the files it
+    appended to (as they were at the snapshot), its /dev/shm files.
     Nothing stays behind if this fails."""
     made: list[Path] = []
     try:
@@ -383,15 +432,16 @@ async def _make_files(manifest: Manifest, source: Path) -> tuple[list[Path], shm
         # shutdown removed (and another node never had).
         made += netports.make_missing_dirs(manifest.unix_socket_dirs)
         made += privatetmp.make_missing_empty_files(manifest.needed_files, manifest.temp_dir)
+        await asyncio.to_thread(appended.put_back, manifest.appended_files, source, made)
         shm = await asyncio.to_thread(shmfiles.recreate, manifest.shm_files, source)
     except BaseException:
         _remove_made(made)
         raise
     if shm.private:
         log.warning(
-            "restoring with private copies of /dev/shm files whose names another "
-            "process holds here (another copy of this snapshot?): %s",
-            ", ".join(shm.private),
+            "restoring with private copies of /dev/shm files whose names a live process "
+            "holds here (another copy of this snapshot?): %s",
+            "; ".join(f"{p['name']} (held by {p['held_by']})" for p in shm.private),
         )
     return made, shm
 

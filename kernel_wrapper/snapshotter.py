@@ -163,6 +163,7 @@ class Snapshotter:
             "lineage": manifest.lineage,
             "gpu": self.restorer.last_gpu_restore,
             "closed_connections": manifest.closed_connections,
+            "private_shm": self.restorer.private_shm,
         }
 
     # ------------------------------------------------------------------ restore

@@ -278,4 +278,6 @@ class KernelWrapper:
             "own_network": self.process.network is not None,
             # ...and its own view of the temporary directory (core/privatetmp.py).
             "private_temp": private.lower if (private := self.process.private_temp) else None,
+            # ...and private copies of /dev/shm files whose names a live process holds.
+            "private_shm": snapshotter.restorer.private_shm,
         }

@@ -7,6 +7,7 @@ like an S3 server or the notebooks' directory). Traffic stays on addresses we cr
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jupyter_ext.cli import ServerClient
+from jupyter_ext.core.store.keys import ENV_KEY
 
 if TYPE_CHECKING:
     from tornado.websocket import WebSocketClientConnection
@@ -116,6 +118,13 @@ def give_to(user: str, *paths: Path) -> None:
                 parent.chmod(mode | 0o001)
 
 
+RUN_KEY = base64.b64encode(os.urandom(32)).decode()
+"""The key-encryption key of every server of a test run whose config names no key source:
+servers on other homes (another node, a restart) share a user's store, as a spawner that
+sets one user's key on every node ("env") would make them; a key file in each home would
+not be the same key."""
+
+
 class ServerProcess(Endpoint):
     """``jupyter server`` with the snapshot extension, in its own data and runtime dirs."""
 
@@ -143,6 +152,10 @@ class ServerProcess(Endpoint):
         self.port = free_port()
         self.address = address
         super().__init__(f"http://{address}:{self.port}/", uuid.uuid4().hex)
+        app = config.get("SnapshotExtensionApp", {})
+        if "encryption_key_source" not in app:
+            config = {**config, "SnapshotExtensionApp": {**app, "encryption_key_source": "env"}}
+            env = {ENV_KEY: RUN_KEY, **(env or {})}
         config_file = home / "config.json"
         config_file.write_text(json.dumps(config))
         self.env = {

@@ -9,12 +9,14 @@ test's: a killed worker cleans nothing).
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
 
 from jupyter_ext.core.chunking import PAGE_SIZE
-from jupyter_ext.core.store import LocalStore, S3Store
+from jupyter_ext.core.store import EnvKeySource, LocalStore, S3Store
+from jupyter_ext.core.store.keys import ENV_KEY
 
 from .test_store import make_snapshot, mutate, random_pages
 
@@ -23,6 +25,9 @@ PACK_BYTES = 256 << 10
 
 
 def open_store(where: str, **kwargs: object) -> LocalStore | S3Store:
+    """The store at ``where``, encrypted when $JUPYTER_SNAPSHOT_KEY is set."""
+    if os.environ.get(ENV_KEY):
+        kwargs["keys"] = EnvKeySource(os.environ)
     if where.startswith("s3://"):
         endpoint, bucket, prefix = where.removeprefix("s3://").split("|")
         return S3Store(bucket, prefix, endpoint_url=endpoint, region="us-east-1", **kwargs)  # type: ignore[arg-type]

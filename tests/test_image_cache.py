@@ -97,26 +97,56 @@ async def test_restore_is_served_from_the_cache_without_the_store(
     assert cached_ids(manager) == [snap["id"]]
 
 
-async def test_a_first_snapshot_is_one_inode_in_the_store_and_the_cache(
+class TestUnencrypted:
+    @pytest.fixture
+    def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:
+        return server_config(tmp_path, image_cache_max_bytes=-1, encryption_key_source="none")
+
+    async def test_a_first_snapshot_is_one_inode_in_the_store_and_the_cache(
+        self, jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any, tmp_path: Path
+    ) -> None:
+        """A kernel's first snapshot of random floats in an unencrypted local store: the
+        store adopts the sealed memory image (an image pack) and the image cache keeps the
+        same file, stamped as the put left it: a restore finds it fresh (nothing hashed
+        again) and serves it."""
+        manager = manager_of(jp_serverapp)
+        snap = await first_snapshot_of_floats(jp_fetch, start_kernel)
+        entry = manager.image_cache_dir / snap["id"]
+        adopted = list((tmp_path / "store").rglob("*.img"))
+        assert len(adopted) == 1
+        assert adopted[0].stat().st_ino == pages_file(entry).stat().st_ino
+        await restored_from_a_fresh_entry(jp_fetch, start_kernel, manager, snap["id"])
+
+
+async def test_an_encrypted_store_copies_the_first_snapshot_and_the_cache_serves_it(
     jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any, tmp_path: Path
 ) -> None:
-    """A kernel's first snapshot of random floats: the local store adopts the sealed memory
-    image (an image pack) and the image cache keeps the same file, stamped as the put left
-    it: a restore finds it fresh (nothing hashed again) and serves it."""
+    """Encrypted (the default), the store never adopts an image (it would be the kernel's
+    memory in the clear): the memory is sealed into packs, and the image cache keeps the
+    dump's files, fresh, and serves the restore."""
     manager = manager_of(jp_serverapp)
+    snap = await first_snapshot_of_floats(jp_fetch, start_kernel)
+    assert not list((tmp_path / "store").rglob("*.img"))
+    assert list((tmp_path / "store").rglob("keys/*"))
+    await restored_from_a_fresh_entry(jp_fetch, start_kernel, manager, snap["id"])
+
+
+async def first_snapshot_of_floats(jp_fetch: Fetch, start_kernel: Any) -> dict[str, Any]:
     kernel = await start_kernel()
     await kernel.run("import numpy as np; st = np.random.default_rng(5).random(24_000_000)")
     await kernel.run("st_sum = float(st.sum())")
-    snap = (await snapshot(jp_fetch, kernel.id))["result"]
-    entry = manager.image_cache_dir / snap["id"]
-    adopted = list((tmp_path / "store").rglob("*.img"))
-    assert len(adopted) == 1
-    assert adopted[0].stat().st_ino == pages_file(entry).stat().st_ino
-    lease = manager.image_cache.lease(snap["id"])
+    snap: dict[str, Any] = (await snapshot(jp_fetch, kernel.id))["result"]
+    return snap
+
+
+async def restored_from_a_fresh_entry(
+    jp_fetch: Fetch, start_kernel: Any, manager: SnapshotManager, snapshot_id: str
+) -> None:
+    lease = manager.image_cache.lease(snapshot_id)
     assert lease is not None
     assert lease.fresh, "the stamps the put left are the cached files' stamps"
     lease.release()
-    result = await restore(jp_fetch, snap["id"])
+    result = await restore(jp_fetch, snapshot_id)
     assert result["source"] == "cache"
     out = await run_in(start_kernel, result["kernel_id"], "print(float(st.sum()) == st_sum)")
     assert out == "True"

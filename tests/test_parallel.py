@@ -18,7 +18,7 @@ import pytest
 from jupyter_ext.core import netns
 from jupyter_ext.core.criu import unprivileged
 from jupyter_ext.core.shmfiles import SHM_DIR
-from jupyter_ext.testing import KernelProcess
+from jupyter_ext.testing import KernelProcess, wait_until
 
 Factory = Callable[..., KernelProcess]
 
@@ -354,3 +354,263 @@ def test_kernel_finds_its_processes_by_their_ids(
         kernel.kill_all()
         restored = kernel_factory(restore_from=tmp_path / "snap")
     assert restored.execute("print(own_processes())").strip() == expected
+
+
+SHARED_BLOCK = r"""
+from multiprocessing import shared_memory
+import numpy as np, subprocess, sys
+block = shared_memory.SharedMemory(create=True, size=1 << 20)
+array = np.ndarray((1 << 17,), dtype=np.int64, buffer=block.buf)
+array[:] = 5
+def child_attaches():
+    '''A new process attaches by name, reads the segment and writes into it.'''
+    code = (
+        "import sys, numpy as np\n"
+        "from multiprocessing import resource_tracker, shared_memory\n"
+        "s = shared_memory.SharedMemory(name=sys.argv[1])\n"
+        "resource_tracker.unregister(s._name, 'shared_memory')  # not the child's to unlink\n"
+        "a = np.ndarray((1 << 17,), dtype=np.int64, buffer=s.buf)\n"
+        "print(int(a.sum())); a[0] = -1\n"
+    )
+    seen = subprocess.run([sys.executable, "-c", code, block.name], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    return int(seen), int(array[0])
+"""
+
+
+@pytest.mark.parametrize("how", ["new-kernel", "in-place"])
+def test_shared_memory_name_a_dead_kernel_left_is_taken_back(
+    kernel_factory: Factory, tmp_path: Path, how: str
+) -> None:
+    """The killed kernel's segment name is still in /dev/shm (its resource tracker died
+    with it), held by no live process: the restore takes the name back, so a new process
+    attaching by name reaches the restored kernel's memory, not the stale segment."""
+    kernel = kernel_factory()
+    kernel.execute(SHARED_BLOCK)
+    manifest = kernel.snapshot(tmp_path / "snap")
+    (name,) = [n for f in manifest["shm_files"] for n in f["names"]]
+    kernel.execute("array[:] = 7")  # after the snapshot: what the stale segment holds
+    if how == "in-place":
+        result = kernel.restore(tmp_path / "snap")
+        restored = kernel
+    else:
+        kernel.kill_all()
+        assert (SHM_DIR / name).exists(), "the dead kernel's name is left behind"
+        restored = kernel_factory(restore_from=tmp_path / "snap")
+        result = None
+    assert restored.execute("print(child_attaches())").strip() == f"({5 << 17}, -1)"
+    assert restored.status()["private_shm"] == []
+    if result is not None:
+        assert result["private_shm"] == []
+
+
+def test_shared_memory_name_a_live_process_holds_gives_a_private_copy_and_says_so(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """A live process holds the name (here: this test maps the dead kernel's segment): the
+    restored kernel gets a private copy, and its status names the file and the process."""
+    import mmap
+
+    kernel = kernel_factory()
+    kernel.execute(SHARED_BLOCK)
+    manifest = kernel.snapshot(tmp_path / "snap")
+    (name,) = [n for f in manifest["shm_files"] for n in f["names"]]
+    kernel.kill_all()
+    with open(SHM_DIR / name, "r+b") as held, mmap.mmap(held.fileno(), 0) as stale:
+        restored = kernel_factory(restore_from=tmp_path / "snap")
+        (private,) = restored.status()["private_shm"]
+        assert private["name"] == name
+        assert {"pid": os.getpid(), "process": Path("/proc/self/comm").read_text().strip()} in (
+            private["held_by"]
+        )
+        # New attaches reach the other process's file; the kernel's own memory is intact.
+        assert restored.execute("print(child_attaches())").strip() == f"({5 << 17}, 5)"
+        assert stale[:8] == (-1).to_bytes(8, "little", signed=True)
+    (SHM_DIR / name).unlink()
+
+
+#: A child process's own TCP server without SO_REUSEADDR, and the kernel's connection to it.
+CHILD_SERVER = r'''
+import socket, subprocess, sys
+child = subprocess.Popen([sys.executable, "-u", "-c", """
+import socket, sys
+server = socket.socket()  # no SO_REUSEADDR: its connections' TIME_WAIT entries hold the port
+server.bind(("127.0.0.1", 0)); server.listen()
+print(server.getsockname()[1], flush=True)
+while True:
+    conn, _ = server.accept()
+    stream = conn.makefile("rw")
+    for line in stream:
+        if line.strip() == "close":
+            break  # the server side closes first: the TIME_WAIT entry is on its port
+        stream.write(line.upper()); stream.flush()
+    stream.close(); conn.close()
+"""], stdout=subprocess.PIPE, text=True)
+port = int(child.stdout.readline())
+def connect():
+    global stream
+    stream = socket.create_connection(("127.0.0.1", port)).makefile("rw")
+def echo(text):
+    stream.write(text + "\n"); stream.flush()
+    return stream.readline().strip()
+connect()
+assert echo("first") == "FIRST"
+'''
+
+
+def _time_waits_on(port: int) -> int:
+    from jupyter_ext.core import sockdiag
+
+    return sum(1 for entry in sockdiag.tcp_time_waits() if entry.local[1] == port)
+
+
+@pytest.mark.parametrize("how", ["new-kernel", "in-place"])
+def test_child_server_comes_back_right_after_a_kill(
+    kernel_factory: Factory, tmp_path: Path, how: str
+) -> None:
+    """The connection between the kernel and its child's server ends with the tree, and
+    its TIME_WAIT entry holds the server's port (its socket has no SO_REUSEADDR): the
+    restore clears the kernel's own entries (without root: waits for them) and binds the
+    port on the first try."""
+    kernel = kernel_factory()
+    kernel.execute(CHILD_SERVER)
+    port = int(kernel.execute("print(port)"))
+    manifest = kernel.snapshot(tmp_path / "snap")
+    assert {"proto": "tcp", "address": "127.0.0.1", "port": port} in manifest["bound_ports"]
+    # The server side closes first, so the entry is on its port every time (a kill leaves
+    # it there in about one run of two).
+    kernel.execute("stream.write('close\\n'); stream.flush(); stream.readline(); stream.close()")
+    wait_until(lambda: _time_waits_on(port) > 0, what="the TIME_WAIT entry")
+    if how == "in-place":
+        kernel.restore(tmp_path / "snap")
+        restored = kernel
+    else:
+        kernel.kill_all()
+        restored = kernel_factory(restore_from=tmp_path / "snap")
+    if unprivileged():  # the connection came back closed: a new one to the same server
+        restored.execute("connect()")
+    assert restored.execute("print(echo('again'))").strip() == "AGAIN"
+
+
+def test_port_a_live_process_holds_is_refused_naming_it_time_wait_otherwise(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """Another process listening on the kernel's port refuses the restore, naming that
+    process; ended connections that are not the kernel's refuse it with another error."""
+    import socket
+
+    kernel = kernel_factory()
+    kernel.execute(
+        "import socket\nserver = socket.socket()\n"
+        "server.bind(('127.0.0.1', 0)); server.listen()\nport = server.getsockname()[1]\n"
+    )
+    port = int(kernel.execute("print(port)"))
+    kernel.snapshot(tmp_path / "snap")
+    kernel.kill_all()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        with pytest.raises(RuntimeError, match=rf"held by process {os.getpid()} \("):
+            kernel_factory(restore_from=tmp_path / "snap")
+        # A connection of this test, closed first on the port's side: TIME_WAIT, not ours.
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = other.accept()
+        accepted.close()
+        client.close()
+    wait_until(lambda: _time_waits_on(port) > 0, what="the TIME_WAIT entry")
+    with pytest.raises(RuntimeError, match="no process holds here, but ended connections do"):
+        kernel_factory(restore_from=tmp_path / "snap")
+
+
+RAY = r"""
+import os, ray, numpy as np
+# On a loaded machine Ray's dashboard agent takes over the raylet's 30 s to start (its
+# imports), and the raylet gives up: more time for it, and for workers to register.
+os.environ.update(RAY_agent_register_timeout_ms="600000", RAY_worker_register_timeout_seconds="600")
+ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20,
+         log_to_driver=False, configure_logging=False)
+@ray.remote
+def square(x):
+    return x * x
+@ray.remote
+class Counter:
+    def __init__(self):
+        self.n = 0
+    def add(self, k):
+        self.n += k
+        return self.n
+counter = Counter.remote()
+big = ray.put(np.arange(2 << 20, dtype=np.int64))  # 16 MiB in the object store
+def work():
+    return (sum(ray.get([square.remote(i) for i in range(10)])), ray.get(counter.add.remote(1)),
+            int(ray.get(big)[-1]), int(ray.get(ray.put(np.ones(1 << 20))).sum()))
+before = work()
+"""
+
+
+@pytest.mark.needs_root
+@pytest.mark.parametrize("how", ["in-place", "new-kernel", "other-node"])
+def test_ray_local_cluster_keeps_working(kernel_factory: Factory, tmp_path: Path, how: str) -> None:
+    """Ray's driver, raylet, GCS and workers (a task, an actor, a 16 MiB object in the
+    object store: an unlinked /dev/shm file larger than CRIU's default ghost limit) come
+    back working; the logs they append to are as they were at the snapshot, also where
+    the session's directory is gone (another node). Without root Ray's connections to its
+    GCS would come back closed (docs/network.md)."""
+    kernel = kernel_factory()
+    kernel.execute(RAY, timeout=300)
+    manifest = kernel.snapshot(tmp_path / "snap")
+    assert manifest["tcp_kept"]
+    logs = {Path(f["path"]).name: f for f in manifest["appended_files"]}
+    assert {"raylet.out", "log_monitor.log", "gcs_server.out"} <= set(logs)
+    if how == "in-place":
+        kernel.execute("after = work()")  # the actor's count goes on, and the logs grow
+        kernel.restore(tmp_path / "snap")
+        restored = kernel
+    else:
+        kernel.kill_all()
+        remove_shm_files(manifest)
+        if how == "other-node":
+            shutil.rmtree(Path(logs["raylet.out"]["path"]).parents[1])  # Ray's session
+        restored = kernel_factory(restore_from=tmp_path / "snap")
+    # The actor counts on from the snapshot's count; the object put before is still there.
+    out = restored.execute("print(work() == (before[0], before[1] + 1, *before[2:]))", timeout=300)
+    assert out.strip() == "True"
+    for log in logs.values():  # what Ray wrote since is after the snapshot's part
+        carried = (tmp_path / "snap" / log["content"]).read_bytes()
+        assert Path(log["path"]).read_bytes()[: log["size"]] == carried
+
+
+APPENDS = r"""
+log = open(LOG, "a"); log.write("before\n"); log.flush()
+data = open(DATA); first = data.readline()
+"""
+
+
+@pytest.mark.parametrize("how", ["new-kernel", "other-node"])
+def test_logs_come_back_as_they_were_files_read_that_changed_refuse(
+    kernel_factory: Factory, tmp_path: Path, how: str
+) -> None:
+    """A file the kernel appends to is restored as it was at the snapshot (made again with
+    its directory where missing); a file it reads that changed refuses the restore,
+    naming it."""
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    log, data = log_dir / "run.log", tmp_path / "data.txt"
+    data.write_text("one\ntwo\n")
+    kernel = kernel_factory()
+    kernel.execute(APPENDS.replace("LOG", repr(str(log))).replace("DATA", repr(str(data))))
+    manifest = kernel.snapshot(tmp_path / "snap")
+    assert [f["path"] for f in manifest["appended_files"]] == [str(log)]
+    kernel.execute("log.write('after the snapshot\\n'); log.flush()")
+    kernel.kill_all()
+    with data.open("a") as more:
+        more.write("three\n")
+    with pytest.raises(RuntimeError, match=rf"{data} \(open\) has 14 bytes, expected 8"):
+        kernel_factory(restore_from=tmp_path / "snap")
+    data.write_text("one\ntwo\n")
+    if how == "other-node":
+        shutil.rmtree(log_dir)
+    restored = kernel_factory(restore_from=tmp_path / "snap")
+    out = restored.execute("log.write('restored\\n'); log.flush(); print(data.readline())")
+    assert out.strip() == "two"
+    assert log.read_text() == "before\nrestored\n"

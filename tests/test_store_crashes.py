@@ -3,11 +3,13 @@ snapshot complete and restorable, and the next put cleans up what it left.
 
 ``tests/store_worker.py`` stores (and, for repacks, deletes) snapshots in a loop and is
 killed after a random delay (``random.Random(FAULT_SEED)``); ``FAULT_ITERATIONS`` makes
-the loop longer by hand. Both backends: a local directory and S3 (moto).
+the loop longer by hand. Both backends: a local directory and S3 (moto), each unencrypted
+and encrypted.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import random
 import signal
@@ -20,6 +22,9 @@ from pathlib import Path
 import pytest
 
 from jupyter_ext.core import manifest as manifest_mod
+from jupyter_ext.core.store.backend import layout
+from jupyter_ext.core.store.keys import ENV_KEY
+from jupyter_ext.core.store.sealing import FILE_MAGIC
 
 from .faults import FAULT_ITERATIONS, FAULT_SEED
 from .s3server import MotoServer
@@ -36,6 +41,14 @@ def where(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return str(tmp_path / "store")
     moto: MotoServer = request.getfixturevalue("moto")
     return f"s3://{moto.url}|{moto.ensure_bucket('crashes')}|{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(params=["unencrypted", "encrypted"])
+def encrypted(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Encrypted: the worker and the checks open the store with a key of the test's."""
+    if request.param == "encrypted":
+        monkeypatch.setenv(ENV_KEY, base64.b64encode(os.urandom(32)).decode())
+    return bool(request.param == "encrypted")
 
 
 def run_until_killed(mode: str, where: str, seed: int, delay: float, work_dir: Path) -> list[str]:
@@ -93,7 +106,9 @@ def check_cleaned_up(where: str, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["put", "repack"])
-def test_a_killed_store_process_loses_nothing(where: str, mode: str, tmp_path: Path) -> None:
+def test_a_killed_store_process_loses_nothing(
+    where: str, mode: str, encrypted: bool, tmp_path: Path
+) -> None:
     rng = random.Random(f"{FAULT_SEED}-{mode}")
     steps = 0
     for kill in range(KILLS):
@@ -105,3 +120,11 @@ def test_a_killed_store_process_loses_nothing(where: str, mode: str, tmp_path: P
         assert listed >= 1 or not any(line.startswith("put") for line in done), done
     assert steps >= KILLS  # the kills landed after some work, not only before any
     check_cleaned_up(where, tmp_path)
+    if encrypted:  # what the worker stored is sealed
+        store = open_store(where)
+        try:
+            records = [store.backend.load(layout.record(i)) for i in store.index.record_ids()]
+            assert records
+            assert all(bytes(r).startswith(FILE_MAGIC) for r in records if r is not None)
+        finally:
+            store.close()

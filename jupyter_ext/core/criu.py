@@ -39,6 +39,7 @@ from .errors import (
     IncompatibleSnapshotError,
     RestoreError,
 )
+from .humanize import human_bytes
 from .lazypages import PageServer, PageSource
 from .protocol import ENV_CRIU, ENV_CRIU_PREFIX
 
@@ -212,6 +213,7 @@ class Criu:
         leave_running: bool,
         externals: Sequence[str] = (),
         keep_tcp: bool = False,
+        ghost_limit: int = 0,
         action_script: str | None = None,
         netns: OwnNetwork | None = None,
     ) -> float:
@@ -220,6 +222,8 @@ class Criu:
         ``externals`` are CRIU external-resource keys (``file[MNT:INODE]``) that the
         restore will hand over with ``--inherit-fd`` instead of reopening them.
         ``keep_tcp`` saves TCP connections with their state (:data:`TCP_KEEP_DUMP_OPTIONS`);
+        ``ghost_limit``: the largest deleted file the tree holds (CRIU saves those in the
+        images; its default limit is 1 MiB, Ray's object store is one of them).
         ``action_script`` runs at CRIU's steps (post-dump: still frozen). Returns how long
         the tree was frozen (see :func:`frozen_seconds`). ``netns``: the tree's own network
         namespace, where CRIU then runs (core/netns.py: not dumped itself).
@@ -227,6 +231,7 @@ class Criu:
         tcp = TCP_KEEP_DUMP_OPTIONS if keep_tcp else TCP_DUMP_OPTIONS
         args = ["dump", "-t", str(pid), "-D", str(images_dir), "-W", str(work_dir)]
         args += ["-o", "dump.log", "-v4", "--file-locks", *tcp, *mode_args()]
+        args += ["--ghost-limit", str(max(ghost_limit, DEFAULT_GHOST_LIMIT))]
         for key in externals:
             args += ["--external", key]
         if action_script is not None:
@@ -461,6 +466,9 @@ class Criu:
         out, _ = await proc.communicate()
         return proc.returncode or 0, out.decode(errors="replace")
 
+
+#: CRIU's own ghost-file limit, the least a dump passes.
+DEFAULT_GHOST_LIMIT = 1 << 20
 
 #: Tries of a dump whose CRIU failed in its own start-up probes (see :meth:`Criu.dump`).
 KERNDAT_ATTEMPTS = 3
@@ -748,6 +756,9 @@ _KNOWN_FAILURES: list[tuple[str, str, str]] = [
 ]
 
 
+#: CRIU's refusal of a deleted file larger than ``--ghost-limit``: its path and size.
+_GHOST_TOO_BIG = re.compile(r"Can't dump ghost file (\S+) of (\d+) size")
+
 #: Error lines CRIU prints on success too; they explain nothing.
 _HARMLESS = re.compile(r"RLIMIT_NOFILE|Can't keep kdat cache|location for kerndat file")
 
@@ -763,6 +774,14 @@ _DENIED = re.compile(
 def explain_failure(excerpt: str, *, restoring: bool) -> tuple[str, str]:
     """A plain message and hint for a failed dump or restore, from its log excerpt."""
     meaningful = "\n".join(line for line in excerpt.splitlines() if not _HARMLESS.search(line))
+    ghost = _GHOST_TOO_BIG.search(meaningful)
+    if ghost:
+        return (
+            f"The kernel holds a deleted file ({ghost[1]}, {human_bytes(int(ghost[2]))}) "
+            "larger than the limit for such files the dump gave CRIU (--ghost-limit, the "
+            "largest deleted file the kernel held just before the dump: this one grew).",
+            "Take the snapshot again once the kernel's files stop growing.",
+        )
     if _DENIED.search(meaningful):
         denied = explain_denied(meaningful, unprivileged=unprivileged(), restoring=restoring)
         if denied is not None:

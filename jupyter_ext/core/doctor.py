@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from .criu import REQUIRED_FEATURES, UNPRIVILEGED_CAPS, Criu, unprivileged
 from .errors import CriuNotFoundError
 from .private import exposed, others_can_replace
 from .protocol import ENV_RUNTIME_DIR
+from .store.keys import ENV_KEY, LOST_KEY
 
 VFS_CAP_FLAGS_EFFECTIVE = 0x1
 ST_NOSUID = 2
@@ -381,11 +382,58 @@ def check_private(paths: list[Path]) -> Check:
     )
 
 
+def check_encryption(source: str, key_file: Path, environ: Mapping[str, str]) -> Check:
+    """Whether the store is encrypted, where its key is, and that a lost key loses every
+    snapshot: said before anyone loses it."""
+    name = "store encryption"
+    if source == "none":
+        return Check(
+            name,
+            False,
+            "off (encryption_key_source 'none'): whoever may read the store or the bucket "
+            "reads every snapshot, the kernels' whole memory",
+            fix="Set SnapshotExtensionApp.encryption_key_source to 'file' (the default) or "
+            "'env'; then 'jupyter snapshot store encrypt' for the snapshots stored so far.",
+            required=False,
+        )
+    if source == "env":
+        if not environ.get(ENV_KEY):
+            return Check(
+                name,
+                False,
+                f"on, key from ${ENV_KEY}, which is not set here: the server cannot read "
+                "or write its store",
+                fix=f"Set {ENV_KEY} (32 random bytes, base64) in the server's environment.",
+            )
+        return Check(name, True, f"on (AES-256-GCM), key from ${ENV_KEY}. {LOST_KEY}")
+    if source != "file":
+        return Check(name, True, f"on (AES-256-GCM), key from the {source!r} source. {LOST_KEY}")
+    try:
+        mode = key_file.stat().st_mode & 0o777
+    except FileNotFoundError:
+        return Check(
+            name,
+            True,
+            f"on (AES-256-GCM); the key file {key_file} is made at the first snapshot. " + LOST_KEY,
+        )
+    except OSError as exc:
+        return Check(name, False, f"on, but the key file {key_file} cannot be read: {exc}")
+    if mode & 0o077:
+        return Check(
+            name,
+            False,
+            f"on, but the key file {key_file} is readable by others (mode {mode:04o})",
+            fix=f"chmod 600 {key_file}",
+        )
+    return Check(name, True, f"on (AES-256-GCM), key file {key_file} (0600). {LOST_KEY}")
+
+
 def run_checks(
     criu_path: str | None = None,
     runtime_dir: Path | None = None,
     extra: list[Callable[[], Check]] | None = None,
     private_dirs: list[Path] | None = None,
+    encryption: Check | None = None,
 ) -> list[Check]:
     """Every check, in the order a person fixing the machine would go through them."""
     checks = [check_privileges()]
@@ -414,6 +462,8 @@ def run_checks(
         checks.append(check_runtime_dir(runtime_dir))
     if private_dirs:
         checks.append(check_private(private_dirs))
+    if encryption is not None:
+        checks.append(encryption)
     for factory in extra or []:
         checks.append(factory())
     return checks

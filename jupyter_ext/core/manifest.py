@@ -201,6 +201,10 @@ class Manifest:
     shm_files: list[dict[str, Any]] = field(default_factory=list)
     """``/dev/shm`` files the tree mapped or held open (semaphores, shared memory), copied
     into the snapshot while it was frozen; a restore makes them again (core/shmfiles.py)."""
+    appended_files: list[dict[str, Any]] = field(default_factory=list)
+    """Files the tree held open for appending (logs): their content up to their size at
+    the snapshot (copied while it was frozen); a restore puts them back as they were
+    (core/appended.py). Their ``needed_files`` entries are marked ``appended``."""
     unix_socket_dirs: list[str] = field(default_factory=list)
     """Directories of the file-system unix sockets the tree had bound (a multiprocessing
     manager's ``/tmp/pymp-*``): a restore makes those that are missing."""
@@ -229,7 +233,8 @@ class Manifest:
     frozen_seconds: float = 0.0
     """How long the kernel's processes were frozen (CRIU's log, seize to unfreeze)."""
     shm_copy_seconds: float = 0.0
-    """Of ``frozen_seconds``, how long copying the ``/dev/shm`` files took."""
+    """Of ``frozen_seconds``, how long copying the ``/dev/shm`` files and the appended
+    files took."""
     pause_seconds: float = 0.0
     """How long requests to the kernel were held: disconnect, dump and reconnect."""
     total_bytes: int = 0

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from . import proctree, sockdiag
+
 _TCP_LISTEN = 0x0A
 _WILDCARDS = ("0.0.0.0", "::")
 
@@ -62,6 +64,7 @@ class _Entry:
     port: BoundPort
     state: int
     inode: int
+    uid: int
 
 
 def proc_net_address(hex_address: str) -> str:
@@ -101,6 +104,7 @@ def _entries(pid: int | str = "self") -> list[_Entry]:
                     BoundPort(proto, proc_net_address(hex_address), port),
                     int(fields[3], 16),
                     int(fields[9]),
+                    int(fields[7]),
                 )
             )
     return found
@@ -121,11 +125,26 @@ def bound_ports(inodes: set[int], pid: int | str = "self") -> list[BoundPort]:
 
 def taken_ports(ports: list[BoundPort], ignore: Collection[int] = ()) -> list[str]:
     """Which of ``ports`` a socket here holds (except sockets in ``ignore``, e.g. those of
-    the kernel a restore replaces), in words."""
+    the kernel a restore replaces), in words, each with the process that holds it. (The
+    TIME_WAIT entries of ended connections hold no socket: core/timewait.py.)"""
     others = [e for e in _entries() if e.inode not in ignore and _binds(e)]
+    taken = {port: [o for o in others if port.collides_with(o.port)] for port in ports}
+    wanted = {o.inode for holding in taken.values() for o in holding}
+    owners = dict(sockdiag.socket_owners(proctree.all_pids())) if wanted else {}
     return [
-        port.describe() for port in ports if any(port.collides_with(other.port) for other in others)
+        f"{port.describe()}, held by {', '.join(sorted({_holder(o, owners) for o in holding}))}"
+        for port, holding in taken.items()
+        if holding
     ]
+
+
+def _holder(entry: _Entry, owners: dict[int, int]) -> str:
+    """The process that holds a socket, in words (without root, another user's processes
+    cannot be looked into: then its user)."""
+    pid = owners.get(entry.inode)
+    if pid is None:
+        return f"a process of user {entry.uid} ('ss -tulpn' as root names it)"
+    return f"process {pid} ({proctree.process_name(pid)})"
 
 
 def taken_endpoints(endpoints: list[str]) -> list[str]:

@@ -122,6 +122,19 @@ def private_memory_bytes(pids: Collection[int]) -> int:
     return total
 
 
+def process_name(pid: int) -> str:
+    """The short name of ``pid`` (its ``comm``), "?" if it cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def all_pids() -> list[int]:
+    """Every process this one can see."""
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
 def is_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:
@@ -136,11 +149,17 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
 
     Open file descriptors, file-backed memory mappings (the interpreter, its libraries)
     and working directories. Deleted files are left out: CRIU carries them in the image.
+    An open file that one of the processes appends to (``O_APPEND``, for writing: a log)
+    is marked ``appended``, with an ``opener`` (``/proc/PID/fd/N``) to read it through
+    during the dump: the snapshot carries it as it was (core/appended.py), instead of
+    needing it unchanged.
     """
     seen: dict[str, dict[str, object]] = {}
 
-    def add(path: str, kind: str) -> None:
+    def add(path: str, kind: str, opener: str = "") -> None:
         if path in seen or not path.startswith("/") or path.endswith(" (deleted)"):
+            if path in seen and opener and _appends(opener) and not seen[path].get("appended"):
+                seen[path].update(appended=True, opener=opener)
             return
         try:
             st = os.stat(path)
@@ -152,6 +171,8 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
             # The mode too: CRIU checks it, and a restore may make an empty file again.
             mode = stat.S_IMODE(st.st_mode)
             seen[path] = {"path": path, "kind": kind, "size": st.st_size, "mode": mode}
+            if opener and _appends(opener):
+                seen[path].update(appended=True, opener=opener)
 
     for pid in pids:
         with contextlib.suppress(OSError):
@@ -162,7 +183,7 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
             fds = []
         for fd in fds:
             try:
-                add(os.readlink(f"/proc/{pid}/fd/{fd}"), "open")
+                add(os.readlink(f"/proc/{pid}/fd/{fd}"), "open", f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
         try:
@@ -174,6 +195,39 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
             if len(parts) == 6 and parts[5].startswith("/"):
                 add(parts[5], "mapped")
     return sorted(seen.values(), key=lambda entry: str(entry["path"]))
+
+
+def largest_deleted_file(pids: list[int]) -> int:
+    """The size of the largest deleted regular file these processes hold open or map (at
+    least as far as a mapping reaches): CRIU saves such "ghost" files in the images, up to
+    its ``--ghost-limit`` (Ray's object store is one, in /dev/shm)."""
+    largest = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").endswith(" (deleted)"):
+                        st = os.stat(f"/proc/{pid}/fd/{fd}")
+                        if stat.S_ISREG(st.st_mode):
+                            largest = max(largest, st.st_size)
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].endswith(" (deleted)"):
+                    start, end = (int(x, 16) for x in parts[0].split("-"))
+                    largest = max(largest, int(parts[2], 16) + end - start)
+    return largest
+
+
+def _appends(opener: str) -> bool:
+    """Whether the fd ``/proc/PID/fd/N`` is open for appending (``O_APPEND``, writable)."""
+    fdinfo = opener.replace("/fd/", "/fdinfo/")
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(fdinfo).read_text().splitlines():
+            if line.startswith("flags:"):
+                flags = int(line.split()[1], 8)
+                return bool(flags & os.O_APPEND) and flags & os.O_ACCMODE != os.O_RDONLY
+    return False
 
 
 def empty_open_file_in(entry: dict[str, object], directory: str) -> bool:
@@ -191,9 +245,11 @@ def empty_open_file_in(entry: dict[str, object], directory: str) -> bool:
 def missing_files(entries: list[dict[str, object]], made_in: str = "") -> list[str]:
     """Which needed files are absent or changed here, in words (empty when all is well).
     Empty open files in ``made_in`` that are absent are no problem: the restore makes them
-    (core/privatetmp.py)."""
+    (core/privatetmp.py); nor are files the kernel appended to."""
     problems: list[str] = []
     for entry in entries:
+        if entry.get("appended"):
+            continue  # the snapshot carries it; the restore puts it back (core/appended.py)
         path = str(entry["path"])
         try:
             st = os.stat(path)

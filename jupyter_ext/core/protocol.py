@@ -261,6 +261,10 @@ class KernelStatus(TypedDict):
     private_temp: str | None
     """The temporary directory of which the kernel has a private view (a copy restored
     beside a kernel holding its file locks there: Dask's workers), else None."""
+    private_shm: list[dict[str, Any]]
+    """The /dev/shm names that a live process held when the kernel was last restored
+    (``name``, ``held_by``: pid and process): the kernel has private copies of those
+    files, and a new attach by such a name reaches the other process's file."""
 
 
 class Restored(TypedDict):
@@ -272,6 +276,8 @@ class Restored(TypedDict):
     gpu: dict[str, Any] | None
     closed_connections: list[dict[str, Any]]
     """Connections to peers outside the kernel that the restore gave back closed."""
+    private_shm: list[dict[str, Any]]
+    """As :attr:`KernelStatus.private_shm`, for this restore."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ have: its next dump takes it over too, like a named file (CRIU could not save it
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import stat
@@ -32,9 +33,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from . import proctree
 from .criu import external_file_key
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 #: Where the copies go inside a snapshot directory.
@@ -184,8 +188,33 @@ read answer < '{answer}'
 """
 
 
+class FrozenStep(Protocol):
+    """Something copied while CRIU holds the tree frozen (:class:`FrozenCopy`)."""
+
+    def copy(self) -> None: ...
+
+
+class ShmCopy:
+    """The held ``/dev/shm`` files, copied into ``dest``; :attr:`records` for the manifest."""
+
+    def __init__(self, held: HeldFiles, dest: Path) -> None:
+        self.held = held
+        self.dest = dest
+        self.records: list[dict[str, Any]] = []
+
+    def copy(self) -> None:
+        self.dest.mkdir(parents=True, exist_ok=True)
+        for index, held in enumerate(self.held.files):
+            rel = f"{self.dest.name}/{index}"
+            target = self.dest / str(index)
+            size = os.fstat(held.fd).st_size
+            with open(target, "wb") as out:
+                copy_fd(held.fd, out.fileno(), size)
+            self.records.append(held.record(rel))
+
+
 class FrozenCopy:
-    """Copies held files into ``dest`` while CRIU keeps the tree frozen.
+    """Runs the ``steps`` (copies into the snapshot) while CRIU keeps the tree frozen.
 
     CRIU runs :attr:`action_script` (``--action-script``) at each step; at ``post-dump``,
     the last step before the tree runs again, it writes to a FIFO and waits for the
@@ -193,10 +222,8 @@ class FrozenCopy:
     dump and the tree runs on, unharmed.
     """
 
-    def __init__(self, held: HeldFiles, dest: Path, work_dir: Path) -> None:
-        self.held = held
-        self.dest = dest
-        self.records: list[dict[str, Any]] = []
+    def __init__(self, steps: list[FrozenStep], work_dir: Path) -> None:
+        self.steps = steps
         self.error: OSError | None = None
         self.copied = False
         self.seconds = 0.0
@@ -219,7 +246,8 @@ class FrozenCopy:
         started = time.monotonic()
         answer = b"ok\n"
         try:
-            self._copy()
+            for step in self.steps:
+                step.copy()
             self.copied = True
         except OSError as exc:
             self.error = exc
@@ -227,16 +255,6 @@ class FrozenCopy:
         with contextlib.suppress(OSError), open(self._answer, "wb") as out:
             out.write(answer)  # fails only if the script is gone (CRIU killed)
         self.seconds = time.monotonic() - started
-
-    def _copy(self) -> None:
-        self.dest.mkdir(parents=True, exist_ok=True)
-        for index, held in enumerate(self.held.files):
-            rel = f"{SNAPSHOT_DIR_NAME}/{index}"
-            target = self.dest / str(index)
-            size = os.fstat(held.fd).st_size
-            with open(target, "wb") as out:
-                _copy_fd(held.fd, out.fileno(), size)
-            self.records.append(held.record(rel))
 
     def finish(self) -> None:
         """After CRIU ended: release a thread still waiting for a script that never ran."""
@@ -250,7 +268,7 @@ class FrozenCopy:
             self._thread.join(timeout=5)
 
 
-def _copy_fd(src: int, dst: int, size: int) -> None:
+def copy_fd(src: int, dst: int, size: int) -> None:
     """Copy ``size`` bytes from offset 0 to offset 0 in the kernel (tmpfs to disk and back:
     ``sendfile``, as ``copy_file_range`` refuses to cross file systems)."""
     os.lseek(dst, 0, os.SEEK_SET)
@@ -268,8 +286,10 @@ class Recreated:
 
     inherit: list[tuple[int, str]] = field(default_factory=list)
     created: list[Path] = field(default_factory=list)
-    private: list[str] = field(default_factory=list)
-    """Names that were taken here (another copy of the snapshot runs): restored unlinked."""
+    private: list[dict[str, Any]] = field(default_factory=list)
+    """Names a live process holds here (another copy of the snapshot runs), each with
+    those processes (``name``, ``held_by``): the kernel's files are then private copies,
+    unlinked, and a new attach by such a name reaches the other process's file."""
 
     def close_fds(self) -> None:
         for fd, _ in self.inherit:
@@ -289,7 +309,11 @@ class Recreated:
 def recreate(
     records: list[dict[str, Any]], snapshot_dir: Path, directory: Path = SHM_DIR
 ) -> Recreated:
-    """Make the snapshot's ``/dev/shm`` files again for a restore, each with its content."""
+    """Make the snapshot's ``/dev/shm`` files again for a restore, each with its content.
+
+    A name that is there already is taken back when no live process maps it or holds it
+    open (:func:`holders`: a killed kernel's file, whose resource tracker died with it);
+    only a name a live process holds leaves the restored kernel a private copy."""
     done = Recreated()
     try:
         for record in records:
@@ -297,15 +321,17 @@ def recreate(
             mode = int(record["mode"])
             fd = -1
             if names:
-                with contextlib.suppress(FileExistsError):
-                    fd = os.open(directory / names[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+                fd, held_by = _create(directory / names[0], mode)
+                if fd >= 0:
                     done.created.append(directory / names[0])
                     for extra in names[1:]:
-                        with contextlib.suppress(FileExistsError):
-                            os.link(directory / names[0], directory / extra)
-                            done.created.append(directory / extra)
-                if fd < 0:
-                    done.private.extend(names)
+                        if not _take_back(directory / extra):
+                            with contextlib.suppress(FileExistsError):
+                                os.link(directory / names[0], directory / extra)
+                                done.created.append(directory / extra)
+                else:
+                    who = [{"pid": pid, "process": proctree.process_name(pid)} for pid in held_by]
+                    done.private += [{"name": name, "held_by": who} for name in names]
             if fd < 0:
                 private = directory / f".jks-restore-{secrets.token_hex(8)}"
                 fd = os.open(private, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
@@ -314,13 +340,97 @@ def recreate(
             os.fchmod(fd, mode)  # not narrowed by the umask
             content = snapshot_dir / str(record["content"])
             with open(content, "rb") as src:
-                _copy_fd(src.fileno(), fd, int(record["size"]))
+                copy_fd(src.fileno(), fd, int(record["size"]))
             os.ftruncate(fd, int(record["size"]))
             os.lseek(fd, 0, os.SEEK_SET)
     except BaseException:
         done.undo()
         raise
     return done
+
+
+def _create(path: Path, mode: int) -> tuple[int, list[int]]:
+    """``path`` made anew and open, after taking its name back if stale; else -1 and the
+    live processes that hold the file under that name."""
+    held_by: list[int] = []
+    for _ in range(2):
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode), []
+        except FileExistsError:
+            held_by = _take_back(path)
+            if held_by:
+                break
+    return -1, held_by
+
+
+def _take_back(path: Path) -> list[int]:
+    """Remove ``path`` unless a live process holds its file: those processes (none: the
+    name is free now)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return []
+    held_by = holders(st.st_dev, st.st_ino)
+    if not held_by:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            log.info("took back %s: no live process holds it (a killed kernel's)", path)
+    return held_by
+
+
+def holders(dev: int, inode: int, pids: Iterable[int] | None = None) -> list[int]:
+    """The live processes (of ``pids``, default all) that map the file (``dev``,
+    ``inode``) or hold it open. Without root only one's own processes can be looked into:
+    another user's process cannot reach a user's ``/dev/shm`` file of mode 0600 (what
+    ``shm_open`` and ``sem_open`` of multiprocessing make) unless it is root's."""
+    dev_text = _dev_text(dev)
+    found: list[int] = []
+    for pid in proctree.all_pids() if pids is None else pids:
+        if _maps(pid, dev_text, inode) or _holds_open(pid, dev, inode):
+            found.append(pid)
+    return [pid for pid in found if not _dying(pid)]
+
+
+#: SIGKILL's bit in /proc/PID/status's pending-signal masks.
+_SIGKILL_BIT = 1 << 8
+
+
+def _dying(pid: int) -> bool:
+    """Gone, a zombie, or killed and not yet out (the tree a restore in place ended, whose
+    processes without a PID namespace of their own are not waited for one by one)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return True
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    if fields.get("State", "").split()[:1] in (["Z"], ["X"]):
+        return True
+    return any(int(fields.get(k, "0"), 16) & _SIGKILL_BIT for k in ("SigPnd", "ShdPnd"))
+
+
+def _maps(pid: int, dev_text: str, inode: int) -> bool:
+    try:
+        lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) >= 5 and parts[3] == dev_text and parts[4] == str(inode):
+            return True
+    return False
+
+
+def _holds_open(pid: int, dev: int, inode: int) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+            if (st.st_dev, st.st_ino) == (dev, inode):
+                return True
+    return False
 
 
 def remove_names(records: list[dict[str, Any]], held: HeldFiles, directory: Path = SHM_DIR) -> None:

@@ -18,15 +18,13 @@ TCP repair needs CAP_NET_ADMIN: without root every connection is restored closed
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import struct
-from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import netports, proctree
+from . import netports, proctree, sockdiag
 from .criuimages import (
     FD_TYPE_INETSK,
     FE_ISK,
@@ -80,27 +78,6 @@ def _established(pid: int) -> dict[int, tuple[str, str]]:
     return found
 
 
-def _socket_owners(pids: Iterable[int]) -> Iterator[tuple[int, int]]:
-    """(socket inode, pid) for every socket fd of these processes."""
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    yield int(target[8:-1]), pid
-
-
-def _process_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
-
-
 @dataclass(frozen=True)
 class TreeConnections:
     """The tree's established TCP connections, split by where their peer is."""
@@ -118,7 +95,7 @@ def tree_connections(pids: list[int]) -> TreeConnections:
         return TreeConnections([], [])
     table = _established(pids[0])
     owners: dict[int, int] = {}
-    for inode, pid in _socket_owners(pids):
+    for inode, pid in sockdiag.socket_owners(pids):
         owners.setdefault(inode, pid)
     ours = {inode: table[inode] for inode in owners if inode in table}
     ends = set(ours.values())
@@ -130,7 +107,7 @@ def tree_connections(pids: list[int]) -> TreeConnections:
             seen_as = proctree.ns_pid(pid)
         except OSError:
             seen_as = pid
-        conn = Connection(seen_as, _process_name(pid), local, remote)
+        conn = Connection(seen_as, proctree.process_name(pid), local, remote)
         (inside if (remote, local) in ends else outside).append(conn)
     return TreeConnections(inside, outside)
 

@@ -210,6 +210,14 @@ export interface IKernelStatus {
   resumed_request?: IRunningRequest | null;
   /** Connections to outside peers that the last restore gave back closed. */
   closed_on_restore?: IConnection[];
+  /** /dev/shm names a live process held at the last restore (private copies). */
+  private_shm?: IPrivateShm[];
+}
+
+/** A /dev/shm name of the kernel's that another live process holds here. */
+export interface IPrivateShm {
+  name: string;
+  held_by: { pid: number; process: string }[];
 }
 
 /** A TCP connection of a kernel's process (docs/network.md). */

@@ -9,6 +9,8 @@ picture)::
       fetch.py       Reader, the download pipeline; images.py: SnapshotImages
       prune.py       survey -> plan_cleanup (pure) -> execute; repack.py
       claims.py      claims, clean-up markers, heartbeats
+      keys.py        key sources, the master key (keys/<id>), records and claims sealed
+      sealing.py     AES-256-GCM pieces bound to what they are
       index.py       records and trailers read so far, Catalog (one owner: the repository)
       record.py      the record format;  pack.py: the pack format, range coalescing
     backend/       base.py (the protocol), layout.py (the one path layout), local.py, s3.py
@@ -26,13 +28,19 @@ restic's prune with claims for its locks (``claims.py``, ``prune.py``).
 from .api import ChunkRef, SnapshotStore, StoredSnapshot, StoreError, StoreStats
 from .backend.s3 import S3Encryption
 from .images import SnapshotImages
+from .keys import KEY_SOURCES, EnvKeySource, FileKeySource, KeySettings, KeySource
 from .repository import DEFAULT_GRACE_SECONDS, REPACK_BELOW, Repository
-from .stores import LocalStore, S3Store
+from .stores import LocalStore, S3Store, StoreSpec, open_store
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS",
+    "KEY_SOURCES",
     "REPACK_BELOW",
     "ChunkRef",
+    "EnvKeySource",
+    "FileKeySource",
+    "KeySettings",
+    "KeySource",
     "LocalStore",
     "Repository",
     "S3Encryption",
@@ -40,6 +48,8 @@ __all__ = [
     "SnapshotImages",
     "SnapshotStore",
     "StoreError",
+    "StoreSpec",
     "StoreStats",
     "StoredSnapshot",
+    "open_store",
 ]

@@ -158,6 +158,7 @@ class Reader:
         self.index = index
         self.backend = index.backend
         self.record = record
+        self.sealer = None if index.keyring is None else index.keyring.sealer()
         self._catalog: Catalog | None = None
         self._lock = threading.Lock()
 
@@ -214,7 +215,7 @@ class Reader:
 
     def _decoded(self, ref: ChunkRef, blob: memoryview, check: bool) -> bytes | memoryview:
         try:
-            data = pack.decode(blob, ref.where.codec, ref.size)
+            data = pack.decode(blob, ref.where.codec, ref.size, ref.hash, self.sealer)
             if check:
                 pack.check_chunk(data, ref.size, ref.hash)
         except ValueError as exc:

@@ -15,6 +15,7 @@ from ..errors import SnapshotCorruptError
 from . import pack
 from .api import ChunkRef
 from .backend import Backend, Kind, ObjectStat, layout
+from .keys import Keyring
 from .pack import Location
 from .record import Record
 
@@ -24,9 +25,12 @@ logger = logging.getLogger(__name__)
 class Index:
     """Records, trailers and object listings of one store, cached where they cannot change."""
 
-    def __init__(self, backend: Backend, max_workers: int) -> None:
+    def __init__(self, backend: Backend, max_workers: int, keyring: Keyring | None) -> None:
         self.backend = backend
+        """Records and claims through it are sealed and opened (keys.SealedBackend)."""
         self.max_workers = max_workers
+        self.keyring = keyring
+        """The store's master key (None: a store without encryption)."""
         self._cache: dict[str, Record] = {}
         self._cache_lock = threading.Lock()
         self._trailers: dict[str, list[pack.PackEntry]] = {}
@@ -110,13 +114,19 @@ class Index:
             if read is None:
                 return []
             data = bytes(read)
-            length = pack.trailer_length(data[-pack.FOOTER_SIZE :])
+            footer = data[-pack.FOOTER_SIZE :]
+            length = pack.trailer_length(footer)
+            sealer = None
+            if pack.is_sealed_pack(footer):
+                if self.keyring is None:
+                    raise ValueError("it is encrypted, and this store has no key")
+                sealer = self.keyring.sealer()
             start = len(data) - pack.FOOTER_SIZE - length
             if start < 0:
                 more = self.backend.load(handle, size - pack.FOOTER_SIZE - length, -start)
                 data = bytes(more or b"") + data
                 start = 0
-            entries = pack.parse_trailer(name, data[start : start + length], size)
+            entries = pack.parse_trailer(name, data[start : start + length], size, sealer)
         except (ValueError, IndexError) as exc:
             logger.warning("The trailer of pack %s cannot be read: %s", name, exc)
         self._trailers[name] = entries

@@ -6,6 +6,8 @@ describes itself (restic's pack format is the model)::
     blob 0 | blob 1 | ... | blob n-1 | trailer | u32 trailer length (LE) | b"JKSPACK1"
 
 The trailer is zstd-compressed JSON: ``[[sha256, size, offset, length, codec], ...]``.
+In an encrypted store (sealing.py) each blob is sealed after compression (codecs
+``zstd+aes``, ``raw+aes``), the trailer is sealed too, and the magic is ``JKSPACK2``.
 Snapshot records locate each chunk directly (pack, offset, length), so reading a snapshot
 never needs a trailer; trailers are read only to find chunks that a repack moved.
 
@@ -29,7 +31,10 @@ from typing import Literal, NamedTuple, TypeVar
 
 import zstandard
 
+from .sealing import Sealer, chunk_context, trailer_context
+
 PACK_MAGIC = b"JKSPACK1"
+SEALED_PACK_MAGIC = b"JKSPACK2"
 _FOOTER = struct.Struct("<I")
 FOOTER_SIZE = _FOOTER.size + len(PACK_MAGIC)
 DEFAULT_PACK_BYTES = 16 * 1024 * 1024
@@ -45,8 +50,10 @@ COALESCE_GAP = 1024 * 1024
 """Ranges of one pack closer than this are read in one request (the gap is read too)."""
 MAX_READ = 32 * 1024 * 1024
 
-Codec = Literal["zstd", "raw"]
-CODECS: tuple[Codec, ...] = ("zstd", "raw")
+Codec = Literal["zstd", "raw", "zstd+aes", "raw+aes"]
+CODECS: tuple[Codec, ...] = ("zstd", "raw", "zstd+aes", "raw+aes")
+SEALED_CODECS = frozenset({"zstd+aes", "raw+aes"})
+"""Blobs sealed with the store's master key after compression (sealing.py)."""
 PACK_NAME_RE = re.compile(r"^packs/([0-9a-f]{2})/\1[0-9a-f]{62}$")
 LEGACY_NAME_RE = re.compile(r"^chunks/([0-9a-f]{2})/\1[0-9a-f]{62}$")
 """Objects of record format 1: one zstd-compressed chunk each, named by its sha256."""
@@ -110,17 +117,40 @@ class _Codec(threading.local):
 _codec = _Codec()
 
 
-def encode(data: bytes | memoryview, try_zstd: bool = True) -> tuple[bytes | memoryview, Codec]:
-    """The blob to store for a chunk, and its codec (raw when zstd saves too little)."""
+def encode(
+    data: bytes | memoryview,
+    try_zstd: bool = True,
+    sealer: Sealer | None = None,
+    digest: str = "",
+) -> tuple[bytes | memoryview, Codec]:
+    """The blob to store for a chunk, and its codec (raw when zstd saves too little);
+    with ``sealer``, sealed after compression and bound to ``digest``."""
+    blob: bytes | memoryview = data
+    codec: Codec = "raw"
     if try_zstd:
         compressed = _codec.compressor.compress(data)
         if len(compressed) <= len(data) * RAW_ABOVE:
-            return compressed, "zstd"
-    return data, "raw"
+            blob, codec = compressed, "zstd"
+    if sealer is None:
+        return blob, codec
+    sealed: Codec = "zstd+aes" if codec == "zstd" else "raw+aes"
+    return sealer.seal(blob, chunk_context(digest, codec, len(data))), sealed
 
 
-def decode(blob: bytes | memoryview, codec: Codec, size: int) -> bytes | memoryview:
-    """A chunk's bytes from its blob; raises ValueError if the blob is not what it claims."""
+def decode(
+    blob: bytes | memoryview,
+    codec: Codec,
+    size: int,
+    digest: str = "",
+    sealer: Sealer | None = None,
+) -> bytes | memoryview:
+    """A chunk's bytes from its blob; raises ValueError if the blob is not what it claims
+    (a sealed one that does not open as the chunk ``digest``, too)."""
+    if codec in SEALED_CODECS:
+        if sealer is None:
+            raise ValueError("it is encrypted, and this store has no key")
+        codec = "zstd" if codec == "zstd+aes" else "raw"
+        blob = sealer.open(blob, chunk_context(digest, codec, size))
     if codec == "raw":
         if len(blob) != size:
             raise ValueError("the raw blob has another size")
@@ -154,7 +184,7 @@ class Compressibility:
         return self._raw_run % PROBE_EVERY == 1
 
     def saw(self, codec: Codec) -> None:
-        self._raw_run = max(self._raw_run, 1) if codec == "raw" else 0
+        self._raw_run = max(self._raw_run, 1) if codec in ("raw", "raw+aes") else 0
 
 
 @dataclass(frozen=True)
@@ -181,8 +211,9 @@ def blob_bytes(blob: Blob) -> bytes | memoryview:
 class PackBuilder:
     """Collects blobs into one pack; ``finish`` gives its bytes, trailer included."""
 
-    def __init__(self) -> None:
+    def __init__(self, sealer: Sealer | None = None) -> None:
         self.name = new_pack_name()
+        self.sealer = sealer
         self._parts: list[Blob] = []
         self._entries: list[list[object]] = []
         self.size = 0
@@ -200,7 +231,13 @@ class PackBuilder:
     def finish(self) -> Parts:
         """The pack as its parts, in order: joined only where a store needs one buffer."""
         trailer = _codec.compressor.compress(json.dumps(self._entries).encode())
-        footer = _FOOTER.pack(len(trailer)) + PACK_MAGIC
+        magic = PACK_MAGIC
+        if self.sealer is not None:
+            trailer, magic = (
+                self.sealer.seal(trailer, trailer_context(self.name)),
+                SEALED_PACK_MAGIC,
+            )
+        footer = _FOOTER.pack(len(trailer)) + magic
         return [*self._parts, trailer, footer]
 
 
@@ -210,16 +247,26 @@ Parts = Sequence[Blob]
 
 def trailer_length(footer: bytes) -> int:
     """The trailer's length from a pack's last FOOTER_SIZE bytes."""
-    if len(footer) != FOOTER_SIZE or not footer.endswith(PACK_MAGIC):
+    if len(footer) != FOOTER_SIZE or not footer.endswith((PACK_MAGIC, SEALED_PACK_MAGIC)):
         raise ValueError("it does not end like a pack")
     (length,) = _FOOTER.unpack(footer[: _FOOTER.size])
     return int(length)
 
 
-def parse_trailer(name: str, trailer: bytes, pack_size: int) -> list[PackEntry]:
-    """The chunks a pack lists; checks every range lies within its blobs."""
+def is_sealed_pack(footer: bytes) -> bool:
+    """Whether a pack's last FOOTER_SIZE bytes say it is an encrypted store's."""
+    return footer.endswith(SEALED_PACK_MAGIC)
+
+
+def parse_trailer(
+    name: str, trailer: bytes, pack_size: int, sealer: Sealer | None = None
+) -> list[PackEntry]:
+    """The chunks a pack lists; checks every range lies within its blobs. ``sealer``: the
+    trailer is sealed (the pack ends with SEALED_PACK_MAGIC)."""
     body_end = pack_size - FOOTER_SIZE - len(trailer)
     try:
+        if sealer is not None:
+            trailer = sealer.open(trailer, trailer_context(name))
         raw = zstandard.ZstdDecompressor().decompress(trailer, max_output_size=64 << 20)
         rows = json.loads(raw)
         entries = []

@@ -23,6 +23,7 @@ from .api import ChunkRef, StoreError, corrupt, os_hint, report
 from .backend import Handle, Kind
 from .index import Index
 from .pack import Location
+from .sealing import Sealer
 from .workers import Bounded, MappedFile, sha256_hex
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class Upload:
         """Where each distinct chunk is in the snapshot: file, offset, size."""
         self.known: dict[str, Location] = {}
         """The chunks the store has (listed at the start)."""
+        self.sealer: Sealer | None = None
+        """The store's master key (None: not encrypted), from the start of the put."""
         self.lock = threading.Lock()
         self._relied: set[str] = set()
         self._written: set[str] = set()
@@ -129,7 +132,15 @@ class Upload:
     def run(self) -> None:
         total = self.manifest.total_bytes
         report(self.progress, "uploading", 0, total)
-        self.known = self.index.locate_all().located
+        keyring = self.index.keyring
+        self.sealer = None if keyring is None else keyring.sealer()
+        # An encrypted put reuses only sealed chunks (an unencrypted one, of a store from
+        # before its encryption, would stay readable to whoever reads the store).
+        self.known = {
+            digest: where
+            for digest, where in self.index.locate_all().located.items()
+            if (where.codec in pack.SEALED_CODECS) == (self.sealer is not None)
+        }
         self.sealed = manifest_mod.sealed_stamps(self.root)
         try:
             with Packer(self) as packer, ThreadPoolExecutor(self.settings.max_workers) as pool:
@@ -172,7 +183,7 @@ class Upload:
                 raise corrupt(self.manifest.id, "a chunk differs from its manifest entry")
         if digest in self.known:
             return digest, len(data), None, "raw"
-        blob, codec = pack.encode(data, compressibility.worth_trying())
+        blob, codec = pack.encode(data, compressibility.worth_trying(), self.sealer, digest)
         compressibility.saw(codec)
         return digest, len(data), blob, codec
 
@@ -374,7 +385,7 @@ class Upload:
                     pack.check_chunk(data, size, digest)
                 except ValueError as exc:
                     raise corrupt(self.manifest.id, f"{relpath} changed while stored") from exc
-                blob, codec = pack.encode(data)
+                blob, codec = pack.encode(data, sealer=self.sealer, digest=digest)
                 where = self.locations[digest] = packer.add(digest, size, blob, codec)
                 self.new_bytes += where.length
 
@@ -406,7 +417,7 @@ class Packer:
 
     def add(self, digest: str, size: int, blob: pack.Blob, codec: pack.Codec) -> Location:
         if self.builder is None:
-            self.builder = pack.PackBuilder()
+            self.builder = pack.PackBuilder(self.upload.sealer)
             self.upload.claim(self.builder.name)  # claimed before it exists
         where = self.builder.add(digest, size, blob, codec)
         if self.builder.size >= self.settings.pack_bytes:

@@ -13,7 +13,7 @@ from typing import Any
 from .. import manifest as manifest_mod
 from ..errors import SnapshotCorruptError
 from ..manifest import Manifest
-from . import pack
+from . import pack, sealing
 from .api import ChunkRef
 from .pack import Location
 
@@ -167,5 +167,6 @@ def _check_chunk_map(manifest: Manifest, chunks: dict[str, list[ChunkRef]]) -> N
                 or where.length <= 0
                 or not pack.is_object_name(where.obj)
                 or (where.codec == "raw" and where.length != ref.size)
+                or (where.codec == "raw+aes" and where.length != ref.size + sealing.OVERHEAD)
             ):
                 raise ValueError(f"a chunk of {path} is malformed")

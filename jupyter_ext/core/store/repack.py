@@ -31,6 +31,8 @@ class Repack:
         self.backend = index.backend
         self.pack_bytes = pack_bytes
         self.lease = lease
+        keyring = index.keyring
+        self.sealer = None if keyring is None else keyring.sealer()
 
     def run(self, worn: list[str], needed: dict[str, dict[str, tuple[int, Location]]]) -> None:
         """Copy the needed chunks of ``worn`` packs into new packs, then delete them.
@@ -61,7 +63,7 @@ class Repack:
                 if copied is None:
                     continue
                 for digest, size, blob, codec in copied:
-                    builder = builder or pack.PackBuilder()
+                    builder = builder or pack.PackBuilder(self.sealer)
                     builder.add(digest, size, blob, codec)
                 done.append(name)
                 kept += sum(w.length for _, w in needed[name].values())
@@ -97,7 +99,8 @@ class Repack:
                 for digest, where in group:
                     blob = data[where.offset - start : where.offset - start + where.length]
                     size = chunks[digest][0]
-                    pack.check_chunk(pack.decode(blob, where.codec, size), size, digest)
+                    plain = pack.decode(blob, where.codec, size, digest, self.sealer)
+                    pack.check_chunk(plain, size, digest)
                     copied.append((digest, size, blob, where.codec))
         except ValueError as exc:
             logger.warning("Pack %s is not repacked: a chunk %s", name, exc)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +18,14 @@ from ..errors import SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
 from ..manifest import Manifest
 from ..private import Exposed
 from ..protocol import ProgressCallback
-from . import pack
+from . import pack, sealing
 from .api import Progress, Skip, StoredSnapshot, StoreError, StoreStats, corrupt, report
 from .backend import Backend, layout
 from .claims import Claims, Heartbeat
 from .fetch import Reader, fetch_into
 from .images import SnapshotImages
 from .index import Index
+from .keys import Keyring, KeySource, SealedBackend
 from .prune import Cleaner
 from .put import PutSettings, Upload
 from .record import Record
@@ -53,7 +55,10 @@ class Repository:
         chunking: ChunkParams | None = None,
         pack_bytes: int = pack.DEFAULT_PACK_BYTES,
         repack_below: float = REPACK_BELOW,
+        keys: KeySource | None = None,
     ) -> None:
+        """``keys``: where the key-encryption key comes from; None stores everything
+        unencrypted (encryption_key_source "none")."""
         self.backend = backend
         self.max_workers = max_workers
         self.grace_seconds = grace_seconds
@@ -61,8 +66,13 @@ class Repository:
         """Fixed chunk sizes; None picks them per snapshot (:func:`auto_chunk_kib`)."""
         self.pack_bytes = pack_bytes
         self.repack_below = repack_below
-        self.index = Index(backend, max_workers)
-        self.claims = Claims(backend)
+        self.keyring = None if keys is None else Keyring(backend, keys)
+        """The store's master key (None: not encrypted)."""
+        if self.keyring is not None:
+            self.adopts_images = False  # an image pack is the snapshot's file as it is
+        sealed = SealedBackend(backend, self.keyring)
+        self.index = Index(sealed, max_workers, self.keyring)
+        self.claims = Claims(sealed)
         self._leftovers: dict[str, set[str]] = {}
         """Failed puts whose clean-up failed too (store unreachable): claim token -> the
         objects to remove; tried again after the next put and by every delete."""
@@ -150,7 +160,7 @@ class Repository:
         )
         self.backend.sync()
         upload.check_unchanged()
-        if not self.backend.save_if_absent(layout.record(manifest.id), record.to_json()):
+        if not self.index.backend.save_if_absent(layout.record(manifest.id), record.to_json()):
             raced = self.index.load(manifest.id)
             if raced is None:
                 raise StoreError(
@@ -258,6 +268,68 @@ class Repository:
 
     def tighten(self) -> list[Exposed]:
         return self.backend.tighten()
+
+    # -- encryption ------------------------------------------------------------------
+
+    def encrypt_unencrypted(
+        self, work_dir: Path, said: Callable[[str], None] | None = None
+    ) -> list[str]:
+        """Store every unencrypted snapshot (of a store from before its encryption) again,
+        encrypted: each is fetched and verified into ``work_dir``, its record removed and
+        the snapshot put again under its id (a failed put writes the old record back).
+        Then the unencrypted packs no record needs are removed at once. The ids done."""
+        if self.keyring is None:
+            raise StoreError(
+                "This store has no encryption key source.",
+                hint="Choose a key source (file or env) to encrypt it.",
+            )
+        self.keyring.sealer()
+        unencrypted: dict[str, bytes] = {}
+        for snapshot_id in self.index.record_ids():
+            data = self.backend.load(layout.record(snapshot_id))
+            if data is not None and not sealing.is_sealed_file(data):
+                unencrypted[snapshot_id] = bytes(data)
+        done = []
+        for snapshot_id, data in unencrypted.items():
+            self._require(snapshot_id)  # refuses a plaintext record that is not the store's
+            staging = Path(work_dir) / f"encrypting-{snapshot_id}"
+            manifest_mod.remove_tree(staging)
+            self.fetch(snapshot_id, staging)
+            try:
+                self.backend.remove(layout.record(snapshot_id))
+                self.index.forget(snapshot_id)
+                try:
+                    self.put(staging)
+                except BaseException:
+                    self.backend.save_if_absent(layout.record(snapshot_id), data)
+                    raise
+            finally:
+                manifest_mod.remove_tree(staging)
+            done.append(snapshot_id)
+            if said is not None:
+                said(snapshot_id)
+        self.keyring.forget_plaintext(set(unencrypted))
+        self._remove_unencrypted_packs()
+        return done
+
+    def _remove_unencrypted_packs(self) -> None:
+        """Every pack no record needs whose chunks are not sealed (a pack of the store
+        from before, a repack of one, an image pack): a migration leaves no plaintext."""
+        named = {obj for r in self.index.records(strict=True).values() for obj in r.objects()}
+        plain = []
+        for name, stat in self.index.objects().items():
+            if name in named:
+                continue
+            if not pack.PACK_NAME_RE.match(name) or stat.size < pack.FOOTER_SIZE:
+                plain.append(name)  # an image pack, a chunk of format 1
+                continue
+            footer = self.backend.load(
+                layout.object_handle(name), stat.size - pack.FOOTER_SIZE, pack.FOOTER_SIZE
+            )
+            if footer is not None and not pack.is_sealed_pack(bytes(footer)):
+                plain.append(name)
+        self.backend.remove_all(plain)
+        logger.info("Removed %d unencrypted packs", len(plain))
 
     # -- clean-up --------------------------------------------------------------------
 

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import errno
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict, Unpack
+from typing import Any, Literal, TypedDict, Unpack
 
 from ..chunking import ChunkParams
 from ..humanize import human_bytes
 from ..manifest import Manifest
-from ..private import PRIVATE, Modes
+from ..private import GROUP_SHARED, PRIVATE, Modes
 from .api import StoreError
 from .backend.local import LocalBackend
 from .backend.s3 import S3Backend, S3Encryption, connect
+from .keys import KeySettings, KeySource, make_key_source
 from .repository import Repository
 
 
@@ -26,6 +28,7 @@ class Tuning(TypedDict, total=False):
     chunking: ChunkParams | None
     pack_bytes: int
     repack_below: float
+    keys: KeySource | None
 
 
 class LocalStore(Repository):
@@ -116,3 +119,65 @@ class S3Store(Repository):
     @property
     def client(self) -> Any:
         return self.backend.client
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Everything a store is made from: the server's options and the CLI's both become
+    one of these, and :func:`open_store` makes the store, so a store is configured once."""
+
+    kind: Literal["local", "s3"]
+    key_source: str
+    """A name in keys.KEY_SOURCES, or "none" (no encryption)."""
+    keys: KeySettings
+    local_dir: Path | None = None
+    """The user's own store directory (local)."""
+    group_access: bool = False
+    s3_bucket: str = ""
+    s3_prefix: str = ""
+    """The user's own prefix in the bucket, whole."""
+    s3_endpoint_url: str = ""
+    s3_region: str = ""
+    s3_encryption: S3Encryption = field(default_factory=S3Encryption)
+    chunk_kib: int = 0
+    """0: automatic."""
+    pack_mib: int = 16
+
+    def location(self) -> str:
+        if self.kind == "s3":
+            return f"s3://{self.s3_bucket}/{self.s3_prefix}"
+        return str(self.local_dir)
+
+
+def open_store(spec: StoreSpec) -> LocalStore | S3Store:
+    """The store ``spec`` describes (nothing is read or written yet)."""
+    tuning: Tuning = {
+        "chunking": ChunkParams.of_kib(spec.chunk_kib) if spec.chunk_kib else None,
+        "pack_bytes": spec.pack_mib << 20,
+        "keys": make_key_source(spec.key_source, spec.keys),
+    }
+    if spec.kind == "s3":
+        if not spec.s3_bucket:
+            raise StoreError(
+                "The s3 store needs a bucket.", hint="Set SnapshotExtensionApp.s3_bucket."
+            )
+        return S3Store(
+            spec.s3_bucket,
+            spec.s3_prefix,
+            endpoint_url=spec.s3_endpoint_url or None,
+            region=spec.s3_region or None,
+            encryption=spec.s3_encryption,
+            **tuning,
+        )
+    if spec.local_dir is None:
+        raise StoreError("The local store needs a directory.", hint="Set local_store_dir.")
+    key_file = spec.keys.key_file.resolve()
+    if spec.key_source == "file" and key_file.is_relative_to(spec.local_dir.resolve()):
+        raise StoreError(
+            f"The encryption key file {key_file} is inside the store {spec.local_dir}: "
+            "whoever reads the store would read the key.",
+            hint="Set encryption_key_file to a path outside the store.",
+        )
+    return LocalStore(
+        spec.local_dir, modes=GROUP_SHARED if spec.group_access else PRIVATE, **tuning
+    )

@@ -125,6 +125,27 @@ function TargetSection(
     );
   }
 
+  // Names a live process held at the last restore: the kernel has private copies.
+  const privateShm =
+    state === 'running' && status?.private_shm?.length ? (
+      <Callout kind="warning" title="Shared memory not shared">
+        <p>
+          Another process here holds these /dev/shm names, so the restored
+          kernel has private copies:{' '}
+          {status.private_shm
+            .map(
+              f =>
+                `${f.name} (held by ${f.held_by
+                  .map(h => `${h.process} pid ${h.pid}`)
+                  .join(', ')})`
+            )
+            .join('; ')}
+          . A new attach by such a name (SharedMemory(name=...), a new worker)
+          reaches that process's memory, not the kernel's.
+        </p>
+      </Callout>
+    ) : null;
+
   return (
     <section
       className="jp-KernelSnapshots-target"
@@ -165,6 +186,7 @@ function TargetSection(
           )}
       </div>
       {notice}
+      {privateShm}
       {snapshotKernel && panel && (
         <div className="jp-KernelSnapshots-targetActions">
           <ActionButton

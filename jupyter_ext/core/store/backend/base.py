@@ -25,6 +25,9 @@ class Kind(enum.Enum):
     """A snapshot's record: durable once saved."""
     PUT = "put"
     """A claim or a clean-up marker: durable once saved, replaced whole."""
+    KEY = "key"
+    """The store's master key wrapped by a key-encryption key (keys.py): durable once
+    saved, replaced whole."""
 
 
 class Handle(NamedTuple):

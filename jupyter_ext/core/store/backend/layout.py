@@ -4,6 +4,7 @@
     snapshots/<id>.json     a snapshot's record (record.py)
     puts/<token>.json       a claim of a put in progress (claims.py)
     puts/<token>.cleaning   a clean-up in progress
+    keys/<key id>           the master key, wrapped by the key-encryption key of that id
     chunks/<hh>/<sha256>    record format 1 only (one object per chunk): still read
 
 A pack's name is its path (records name packs so); a record is named by its snapshot id,
@@ -15,6 +16,7 @@ from __future__ import annotations
 from .base import Handle, Kind
 
 PUTS_DIR = "puts"
+KEYS_DIR = "keys"
 RECORDS_DIR = "snapshots"
 RECORD_SUFFIX = ".json"
 
@@ -25,6 +27,8 @@ def path(handle: Handle) -> str:
         return f"{RECORDS_DIR}/{handle.name}{RECORD_SUFFIX}"
     if handle.kind is Kind.PUT:
         return f"{PUTS_DIR}/{handle.name}"
+    if handle.kind is Kind.KEY:
+        return f"{KEYS_DIR}/{handle.name}"
     return handle.name
 
 
@@ -35,6 +39,7 @@ def directory(kind: Kind) -> str:
         Kind.LEGACY: "chunks",
         Kind.RECORD: RECORDS_DIR,
         Kind.PUT: PUTS_DIR,
+        Kind.KEY: KEYS_DIR,
     }[kind]
 
 
@@ -54,3 +59,11 @@ def record(snapshot_id: str) -> Handle:
 
 def put(name: str) -> Handle:
     return Handle(Kind.PUT, name)
+
+
+def key(key_id: str) -> Handle:
+    return Handle(Kind.KEY, key_id)
+
+
+FLAT = (Kind.PUT, Kind.KEY)
+"""Kinds kept in one directory without subdirectories (listed by file name)."""

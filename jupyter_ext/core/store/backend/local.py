@@ -160,8 +160,8 @@ class LocalBackend:
 
     def entries(self, kind: Kind) -> Iterator[tuple[str, ObjectStat]]:
         directory = layout.directory(kind)
-        if kind is Kind.PUT:
-            yield from self._puts()
+        if kind in layout.FLAT:
+            yield from self._flat(kind)
             return
         try:
             for sub in scandir(self.root / directory):
@@ -174,16 +174,16 @@ class LocalBackend:
         except OSError as exc:
             raise self._error(f"list its {directory}", exc) from exc
 
-    def _puts(self) -> list[tuple[str, ObjectStat]]:
+    def _flat(self, kind: Kind) -> list[tuple[str, ObjectStat]]:
         found = []
         try:
-            for entry in scandir(self.root / layout.PUTS_DIR):
+            for entry in scandir(self.root / layout.directory(kind)):
                 if not entry.name.startswith("."):
                     with contextlib.suppress(FileNotFoundError):  # ended since the listing
                         st = entry.stat()
                         found.append((entry.name, ObjectStat(st.st_size, st.st_mtime)))
         except OSError as exc:
-            raise self._error("list the puts in progress", exc) from exc
+            raise self._error(f"list its {layout.directory(kind)}", exc) from exc
         return found
 
     def remove(self, handle: Handle) -> None:
@@ -191,7 +191,7 @@ class LocalBackend:
         verb = "remove" if handle.kind is Kind.PUT else "delete"
         try:
             path.unlink(missing_ok=True)
-            if handle.kind is Kind.RECORD:
+            if handle.kind in (Kind.RECORD, Kind.KEY):
                 fsync_dir(path.parent)
         except OSError as exc:
             raise self._error(f"{verb} {_describe(handle)}", exc) from exc

@@ -240,8 +240,8 @@ class S3Backend:
         return [name for name, _ in self.entries(kind)]
 
     def entries(self, kind: Kind) -> Iterator[tuple[str, ObjectStat]]:
-        if kind is Kind.PUT:
-            for obj in self._list(layout.PUTS_DIR):
+        if kind in layout.FLAT:
+            for obj in self._list(layout.directory(kind)):
                 stat = ObjectStat(int(obj["Size"]), obj["LastModified"].timestamp())
                 yield obj["Key"].rsplit("/", 1)[-1], stat
             return

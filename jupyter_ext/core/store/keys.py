@@ -1,0 +1,460 @@
+"""Where an encrypted store's keys live (restic's key files): a random master key per
+repository (per user prefix) seals every chunk, trailer, record and claim (sealing.py); it
+is kept in the store only wrapped by a key-encryption key (KEK), as ``keys/<KEK id>``. The
+KEK never enters the store: it comes from a :class:`KeySource` (a file in the user's 0700
+Jupyter data directory, an environment variable set by a spawner, or a hub service).
+
+A new KEK rewraps the master key (one small object; no data rewritten): the source's
+``previous()`` keys still unwrap the old object, which is then replaced by one wrapped
+with ``current()``. A lost KEK leaves the master key, and so every snapshot, unreadable.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from .. import private
+from ..errors import SnapshotCorruptError
+from ..private import Exposed
+from .api import StoreError
+from .backend import Backend, Handle, Kind, ObjectStat, layout
+from .pack import Parts
+from .sealing import KEY_BYTES, Sealer, is_sealed_file
+
+logger = logging.getLogger(__name__)
+
+ENV_KEY = "JUPYTER_SNAPSHOT_KEY"
+"""The env source's KEK: 32 bytes, base64."""
+ENV_PREVIOUS_KEYS = "JUPYTER_SNAPSHOT_KEY_PREVIOUS"
+"""The env source's older KEKs (comma-separated, base64), still accepted to unwrap."""
+KEY_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+KEY_FORMAT = 1
+LOST_KEY = (
+    "Without this key no snapshot in the store can be read, by anyone: keep a copy of it "
+    "somewhere safe (a password manager), not in the store."
+)
+
+
+class KeySource(Protocol):
+    """Where a repository's key-encryption key comes from."""
+
+    def current(self) -> tuple[str, bytes]: ...  # (key id, 32 random bytes)
+
+    def previous(self) -> list[tuple[str, bytes]]: ...  # older keys, still accepted to unwrap
+
+
+def key_id(kek: bytes) -> str:
+    """A KEK's public name (the name of the object it wraps): says nothing of the key."""
+    return hashlib.sha256(b"jupyter-kernel-snapshots kek id\0" + kek).hexdigest()[:16]
+
+
+def parse_key(text: str, where: str) -> tuple[str, bytes]:
+    """A KEK written as base64 (32 bytes), with its id; ``where`` names it in the error."""
+    try:
+        kek = base64.b64decode(text.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        kek = b""
+    if len(kek) != KEY_BYTES:
+        raise StoreError(
+            f"The snapshot encryption key in {where} is not {KEY_BYTES} bytes in base64.",
+            hint='Give it as printed by: python -c "import base64, os; '
+            'print(base64.b64encode(os.urandom(32)).decode())"',
+        )
+    return key_id(kek), kek
+
+
+def new_key_text() -> str:
+    return base64.b64encode(os.urandom(KEY_BYTES)).decode()
+
+
+class FileKeySource:
+    """A key file of its own on this machine (the single-machine default): made at first
+    use, mode 0600, in a 0700 directory; never in the store. ``<file>.previous`` holds
+    the keys it replaced (one a line), still accepted to unwrap."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+
+    def __str__(self) -> str:
+        return f"the key file {self.path}"
+
+    @property
+    def previous_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".previous")
+
+    def current(self) -> tuple[str, bytes]:
+        with self._lock:
+            try:
+                text = self.path.read_text()
+            except FileNotFoundError:
+                text = self._make()
+            except OSError as exc:
+                raise StoreError(
+                    f"Cannot read the snapshot encryption key {self.path}: {exc.strerror}.",
+                    hint="Check that this user may read it (mode 0600).",
+                ) from exc
+        return parse_key(text, str(self.path))
+
+    def _make(self) -> str:
+        text = new_key_text() + "\n"
+        try:
+            private.make_dirs(self.path.parent)
+            fd = private.create(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            return self.path.read_text()
+        except OSError as exc:
+            raise StoreError(
+                f"Cannot create the snapshot encryption key {self.path}: {exc.strerror}.",
+                hint="Check that this user may write its directory.",
+            ) from exc
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        logger.warning("Made a new snapshot encryption key: %s. %s", self.path, LOST_KEY)
+        return text
+
+    def previous(self) -> list[tuple[str, bytes]]:
+        try:
+            lines = self.previous_path.read_text().split()
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise StoreError(
+                f"Cannot read the previous snapshot keys {self.previous_path}: {exc.strerror}.",
+                hint="Check that this user may read it (mode 0600).",
+            ) from exc
+        return [parse_key(line, str(self.previous_path)) for line in lines]
+
+    def rotate(self) -> tuple[str, bytes]:
+        """A new current key; the one it replaces goes to ``<file>.previous`` first, so a
+        crash at any step leaves both readable. The new key."""
+        old = self.current()
+        with self._lock:
+            lines = self.previous_path.read_text().split() if self.previous_path.exists() else []
+            lines.append(base64.b64encode(old[1]).decode())
+            private.write_file(self.previous_path, "\n".join(lines) + "\n")
+            text = new_key_text() + "\n"
+            private.write_file(self.path, text)
+        logger.warning("New snapshot encryption key in %s. %s", self.path, LOST_KEY)
+        return parse_key(text, str(self.path))
+
+
+class EnvKeySource:
+    """The KEK in the server's environment, $JUPYTER_SNAPSHOT_KEY (base64), set by a
+    spawner from a secret of the user's; older ones in $JUPYTER_SNAPSHOT_KEY_PREVIOUS
+    (comma-separated). Read once, when the store is configured."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self._current = environ.get(ENV_KEY, "")
+        self._previous = [k for k in environ.get(ENV_PREVIOUS_KEYS, "").split(",") if k.strip()]
+
+    def __str__(self) -> str:
+        return f"${ENV_KEY}"
+
+    def current(self) -> tuple[str, bytes]:
+        if not self._current.strip():
+            raise StoreError(
+                f"The snapshot store's key source is 'env', but ${ENV_KEY} is not set.",
+                hint=f"Set {ENV_KEY} (32 random bytes, base64) in the server's environment "
+                "(the spawner's), or choose another encryption_key_source.",
+            )
+        return parse_key(self._current, f"${ENV_KEY}")
+
+    def previous(self) -> list[tuple[str, bytes]]:
+        return [parse_key(text, f"${ENV_PREVIOUS_KEYS}") for text in self._previous]
+
+
+@dataclass(frozen=True)
+class KeySettings:
+    """What a key source may be made from."""
+
+    key_file: Path
+    owner: str
+    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+
+KEY_SOURCES: dict[str, Callable[[KeySettings], KeySource]] = {
+    "file": lambda settings: FileKeySource(settings.key_file),
+    "env": lambda settings: EnvKeySource(settings.environ),
+}
+"""The key sources by the name ``encryption_key_source`` gives ("none": no encryption).
+A hub's source registers itself here."""
+
+
+def make_key_source(name: str, settings: KeySettings) -> KeySource | None:
+    """The source named ``name``; None for "none" (encryption off)."""
+    if name == "none":
+        return None
+    if name not in KEY_SOURCES:
+        choices = ", ".join(f'"{n}"' for n in [*KEY_SOURCES, "none"])
+        raise StoreError(
+            f"Unknown snapshot encryption key source {name!r}.",
+            hint=f"Set encryption_key_source to one of {choices}.",
+        )
+    return KEY_SOURCES[name](settings)
+
+
+@dataclass
+class _Payload:
+    master: bytes
+    plaintext_records: dict[str, str]
+    """Records stored before encryption began (id -> sha256 of the record): still read,
+    any other unencrypted record is refused as forged."""
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "master": base64.b64encode(self.master).decode(),
+                "plaintext_records": self.plaintext_records,
+            },
+            sort_keys=True,
+        ).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> _Payload:
+        doc = json.loads(data)
+        master = base64.b64decode(doc["master"])
+        records = {str(k): str(v) for k, v in dict(doc["plaintext_records"]).items()}
+        if len(master) != KEY_BYTES:
+            raise ValueError("the master key has the wrong size")
+        return cls(master, records)
+
+
+class Keyring:
+    """The master key of one store, unwrapped on first use (not at start: a store may be
+    unreachable then), and created with the first put into a store that has none."""
+
+    def __init__(self, backend: Backend, source: KeySource) -> None:
+        self.backend = backend
+        self.source = source
+        self._lock = threading.Lock()
+        self._sealer: Sealer | None = None
+        self._payload: _Payload | None = None
+        self._kek_id = ""
+
+    def describe(self) -> str:
+        return str(self.source)
+
+    def sealer(self) -> Sealer:
+        with self._lock:
+            if self._sealer is None:
+                self._payload = self._open()
+                self._sealer = Sealer(self._payload.master)
+            return self._sealer
+
+    @property
+    def kek_id(self) -> str:
+        self.sealer()
+        return self._kek_id
+
+    def plaintext_allowed(self, snapshot_id: str, data: bytes) -> bool:
+        """Whether an unencrypted record is one the store held when encryption began."""
+        self.sealer()
+        assert self._payload is not None
+        expected = self._payload.plaintext_records.get(snapshot_id)
+        return expected is not None and hashlib.sha256(data).hexdigest() == expected
+
+    def forget_plaintext(self, snapshot_ids: set[str]) -> None:
+        """After a migration: unencrypted records of these ids are refused from now on."""
+        self.sealer()
+        with self._lock:
+            assert self._payload is not None
+            for snapshot_id in snapshot_ids:
+                self._payload.plaintext_records.pop(snapshot_id, None)
+            kek_id, kek = self._current()
+            self.backend.save(layout.key(kek_id), self._wrap(kek_id, kek, self._payload))
+
+    def _current(self) -> tuple[str, bytes]:
+        kek_id, kek = self.source.current()
+        if not KEY_ID_RE.match(kek_id) or len(kek) != KEY_BYTES:
+            raise StoreError(
+                f"{self.describe()} gave a malformed key (id {kek_id!r}, {len(kek)} bytes).",
+                hint="Check the key source's configuration.",
+            )
+        return kek_id, kek
+
+    def _open(self) -> _Payload:
+        kek_id, kek = self._current()
+        names = set(self.backend.names(Kind.KEY))
+        if kek_id in names:
+            self._kek_id = kek_id
+            return self._unwrap(kek_id, kek)
+        for old_id, old in self.source.previous():
+            if old_id in names:
+                payload = self._unwrap(old_id, old)
+                self.backend.save(layout.key(kek_id), self._wrap(kek_id, kek, payload))
+                for name in names - {kek_id}:
+                    self.backend.remove(layout.key(name))
+                logger.info("Snapshot store key rewrapped: %s -> %s", old_id, kek_id)
+                self._kek_id = kek_id
+                return payload
+        if names:
+            where = self.backend.location(layout.key(sorted(names)[0]))
+            raise StoreError(
+                f"The snapshot store is encrypted with another key than the one in "
+                f"{self.describe()} (key id {kek_id}; the store's is {', '.join(sorted(names))} "
+                f"at {where}): its snapshots cannot be read.",
+                hint="Put back the key this store was made with; after a rotation, give the "
+                "old one as a previous key. A lost key cannot be recovered.",
+            )
+        created = self._create(kek_id, kek)
+        self._kek_id = kek_id
+        return self._unwrap(kek_id, kek) if created is None else created  # None: raced
+
+    def _create(self, kek_id: str, kek: bytes) -> _Payload | None:
+        """A new master key; the records already there (unencrypted) stay readable."""
+        plaintext = {}
+        for snapshot_id in self.backend.names(Kind.RECORD):
+            data = self.backend.load(layout.record(snapshot_id))
+            if data is None:
+                continue
+            if is_sealed_file(data):
+                raise StoreError(
+                    f"The snapshot store has encrypted snapshots but no key object under "
+                    f"{self.backend.location(layout.key(kek_id)).rsplit('/', 1)[0]}: they "
+                    "cannot be read.",
+                    hint="Restore the store's keys/ objects from a backup; without them the "
+                    "encrypted snapshots are lost.",
+                )
+            plaintext[snapshot_id] = hashlib.sha256(bytes(data)).hexdigest()
+        payload = _Payload(os.urandom(KEY_BYTES), plaintext)
+        if not self.backend.save_if_absent(layout.key(kek_id), self._wrap(kek_id, kek, payload)):
+            return None
+        logger.info("Snapshot store encrypted from now on; key: %s", self.describe())
+        return payload
+
+    def _wrap(self, kek_id: str, kek: bytes, payload: _Payload) -> bytes:
+        sealed = Sealer(kek).seal(payload.to_json(), _key_context(kek_id))
+        return json.dumps(
+            {"format": KEY_FORMAT, "kek": kek_id, "sealed": base64.b64encode(sealed).decode()}
+        ).encode()
+
+    def _unwrap(self, kek_id: str, kek: bytes) -> _Payload:
+        handle = layout.key(kek_id)
+        data = self.backend.load(handle)
+        try:
+            if data is None:
+                raise ValueError("it is gone")
+            doc = json.loads(bytes(data))
+            if doc.get("format") != KEY_FORMAT or doc.get("kek") != kek_id:
+                raise ValueError("it is not a key object of this version")
+            sealed = base64.b64decode(doc["sealed"])
+            return _Payload.parse(Sealer(kek).open(sealed, _key_context(kek_id)))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StoreError(
+                f"The snapshot store's key {self.backend.location(handle)} cannot be "
+                f"unwrapped with {self.describe()}: {exc}.",
+                hint="Put back the key this store was made with, or the store's keys/ "
+                "objects from a backup.",
+            ) from exc
+
+
+def _key_context(kek_id: str) -> bytes:
+    return f"jks-key\0{kek_id}".encode()
+
+
+SEALED_KINDS = (Kind.RECORD, Kind.PUT)
+
+
+class SealedBackend:
+    """A backend whose records and claims are sealed with the master key on the way in and
+    opened on the way out (each bound to its path: a record moved to another name does
+    not open). Packs pass through: their chunks are sealed one by one (pack.py). Without a
+    keyring, everything passes through, and a sealed file is refused with the reason."""
+
+    def __init__(self, inner: Backend, keyring: Keyring | None) -> None:
+        self.inner = inner
+        self.keyring = keyring
+
+    def _seal(self, handle: Handle, data: bytes) -> bytes:
+        if self.keyring is None or handle.kind not in SEALED_KINDS:
+            return data
+        return self.keyring.sealer().seal_file(layout.path(handle), data)
+
+    def location(self, handle: Handle) -> str:
+        return self.inner.location(handle)
+
+    def save(self, handle: Handle, data: bytes | Parts) -> None:
+        self.inner.save(handle, self._seal(handle, data) if isinstance(data, bytes) else data)
+
+    def save_if_absent(self, handle: Handle, data: bytes) -> bool:
+        return self.inner.save_if_absent(handle, self._seal(handle, data))
+
+    def adopt(self, handle: Handle, source: Path) -> bool:
+        return self.keyring is None and self.inner.adopt(handle, source)
+
+    def load(
+        self, handle: Handle, offset: int = 0, length: int | None = None
+    ) -> bytes | memoryview | None:
+        data = self.inner.load(handle, offset, length)
+        if data is None or length is not None or handle.kind not in SEALED_KINDS:
+            return data
+        data = bytes(data)
+        where = self.inner.location(handle)
+        if not is_sealed_file(data):
+            if (
+                self.keyring is not None
+                and handle.kind is Kind.RECORD
+                and not self.keyring.plaintext_allowed(handle.name, data)
+            ):
+                raise SnapshotCorruptError(
+                    f"The record {where} is not encrypted, though this store is, and was not "
+                    "in the store when its encryption began: it was not written by this "
+                    "product (tampered with?).",
+                    hint="Delete this snapshot; pick another one.",
+                )
+            return data
+        if self.keyring is None:
+            raise StoreError(
+                f"{where} is encrypted, and encryption is off for this store "
+                "(encryption_key_source 'none').",
+                hint="Configure the key source this store was written with.",
+            )
+        try:
+            return self.keyring.sealer().open_file(layout.path(handle), data)
+        except ValueError as exc:
+            raise SnapshotCorruptError(
+                f"{where} cannot be opened: {exc}.",
+                hint="Delete this snapshot or file; pick another snapshot.",
+            ) from exc
+
+    def names(self, kind: Kind) -> list[str]:
+        return self.inner.names(kind)
+
+    def entries(self, kind: Kind) -> Iterator[tuple[str, ObjectStat]]:
+        return self.inner.entries(kind)
+
+    def remove(self, handle: Handle) -> None:
+        self.inner.remove(handle)
+
+    def remove_all(self, names: list[str]) -> None:
+        self.inner.remove_all(names)
+
+    def sync(self) -> None:
+        self.inner.sync()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def tighten(self) -> list[Exposed]:
+        return self.inner.tighten()
+
+
+def status(source: KeySource | None) -> dict[str, Any]:
+    """Whether encryption is on and where the key is (doctor, the server's policy)."""
+    if source is None:
+        return {"encryption": "off", "key": ""}
+    return {"encryption": "on", "key": str(source)}

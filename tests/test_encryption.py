@@ -1,0 +1,495 @@
+"""Client-side encryption of the store (issue 33 item 1): whoever reads the store's
+directory or the whole bucket without the key reads nothing of a snapshot; a damaged,
+forged or swapped object is refused and named; a wrong key says which key and where; a
+new key-encryption key rewraps without rewriting packs; an unencrypted store is migrated.
+Real stores (a directory, moto's S3 server), real jupyter_server, kernels and CRIU."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import random
+import stat
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zstandard
+
+from jupyter_ext.core.errors import SnapshotCorruptError
+from jupyter_ext.core.store import EnvKeySource, FileKeySource, KeySource, StoreError
+from jupyter_ext.core.store.backend import Handle, Kind
+
+from .jupyter_api import Fetch, call, manager_of, restore, server_config, snapshot
+from .s3server import MotoServer
+from .test_store import (
+    BUCKET,
+    SMALL_CHUNKS,
+    LocalStore,
+    S3Store,
+    Store,
+    damage,
+    make_snapshot,
+    random_pages,
+    read_object,
+    refs_of,
+    tree,
+    write_object,
+)
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def env_key() -> tuple[str, EnvKeySource]:
+    text = base64.b64encode(os.urandom(32)).decode()
+    return text, EnvKeySource({"JUPYTER_SNAPSHOT_KEY": text})
+
+
+def readable(blob: bytes) -> Iterator[bytes]:
+    """What a reader of the bucket gets from an object without a key: its bytes, and every
+    zstd frame in it decompressed (packs hold chunks as frames, trailers are frames)."""
+    yield blob
+    at = blob.find(ZSTD_MAGIC)
+    while at >= 0:
+        with contextlib.suppress(zstandard.ZstdError):
+            yield zstandard.ZstdDecompressor().decompressobj().decompress(blob[at:])
+        at = blob.find(ZSTD_MAGIC, at + 1)
+
+
+def everything_in(where: Path | tuple[MotoServer, str]) -> dict[str, bytes]:
+    """Every object: every file under a directory, or every key of a bucket."""
+    if isinstance(where, Path):
+        return {str(p): p.read_bytes() for p in where.rglob("*") if p.is_file()}
+    import boto3
+
+    server, bucket = where
+    client = boto3.client("s3", endpoint_url=server.url)
+    found = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for obj in page.get("Contents", []):
+            found[obj["Key"]] = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+    client.close()
+    return found
+
+
+def holding(objects: dict[str, bytes], needle: bytes) -> list[str]:
+    return [name for name, blob in objects.items() if any(needle in b for b in readable(blob))]
+
+
+@pytest.fixture(params=["local", "s3"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def open_store(request: pytest.FixtureRequest, backend: str, tmp_path: Path) -> Iterator[Any]:
+    """Open a store (the same one each call) with the given key source."""
+    made: list[Store] = []
+    prefix = f"users/{uuid.uuid4().hex[:8]}"
+
+    def make(keys: KeySource | None, **kwargs: Any) -> Store:
+        store: Store
+        kwargs.setdefault("chunking", SMALL_CHUNKS)
+        if backend == "local":
+            store = LocalStore(tmp_path / "store", keys=keys, **kwargs)
+        else:
+            server: MotoServer = request.getfixturevalue("moto")
+            bucket = server.ensure_bucket(BUCKET)
+            store = S3Store(
+                bucket, prefix, endpoint_url=server.url, region="us-east-1", keys=keys, **kwargs
+            )
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()
+
+
+def stored_objects(store: Store) -> dict[str, bytes]:
+    """Every object of the store, by its name in the layout."""
+    if isinstance(store, LocalStore):
+        return {
+            p.relative_to(store.root).as_posix(): p.read_bytes()
+            for p in store.root.rglob("*")
+            if p.is_file()
+        }
+    found = {}
+    for page in store.client.get_paginator("list_objects_v2").paginate(
+        Bucket=BUCKET, Prefix=store.backend.prefix + "/"
+    ):
+        for obj in page.get("Contents", []):
+            name = obj["Key"].removeprefix(store.backend.prefix + "/")
+            found[name] = read_object(store, name)
+    return found
+
+
+def pack_tags(store: Store) -> dict[str, str]:
+    """Each pack's identity as the store sees it: the ETag on S3, inode and mtime locally."""
+    if isinstance(store, S3Store):
+        listed = store.client.list_objects_v2(Bucket=BUCKET, Prefix=store.backend.prefix + "/packs")
+        return {obj["Key"]: obj["ETag"] for obj in listed.get("Contents", [])}
+    return {
+        str(p): f"{p.stat().st_ino}:{p.stat().st_mtime_ns}"
+        for p in (store.root / "packs").rglob("*")
+    }
+
+
+def secret_snapshot(tmp_path: Path, secret: bytes, sequence: int = 1, seed: int = 1) -> Path:
+    pages = random_pages(random.Random(seed), 512)
+    marked = pages[:40960] + secret * 64 + pages[40960 + 64 * len(secret) :]
+    return make_snapshot(tmp_path, marked, sequence=sequence)
+
+
+# -- a real kernel through the server ------------------------------------------------------
+
+
+@pytest.fixture(params=["local", "s3", "local-unencrypted", "s3-unencrypted"])
+def variant(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def jp_server_config(
+    request: pytest.FixtureRequest, variant: str, tmp_path: Path
+) -> dict[str, Any]:
+    extra: dict[str, Any] = {"encryption_key_file": str(tmp_path / "keys" / "store.key")}
+    if variant.endswith("unencrypted"):
+        extra["encryption_key_source"] = "none"
+    if variant.startswith("s3"):
+        server: MotoServer = request.getfixturevalue("moto")
+        bucket = f"enc-{uuid.uuid4().hex[:12]}"
+        extra.update(store="s3", s3_bucket=server.ensure_bucket(bucket), s3_endpoint_url=server.url)
+    return server_config(tmp_path, **extra)
+
+
+@pytest.mark.usefixtures("criu", "snapshot_kernelspec")
+async def test_nothing_of_a_snapshot_is_in_any_stored_object(
+    jp_fetch: Fetch,
+    start_kernel: Any,
+    jp_serverapp: Any,
+    variant: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    """A secret in a kernel variable and in the cell that made it: in no object of the
+    store (every file of the directory, every key of the bucket, zstd frames unpacked),
+    nor the key; the snapshot restores. Unencrypted (the control): the secret is found."""
+    manager = manager_of(jp_serverapp)
+    secret = f"jks-secret-{uuid.uuid4().hex}"
+    kernel = await start_kernel()
+    await kernel.run(f"hidden = '{secret}'.upper().lower(); keep = [hidden] * 3")
+    snap = (await snapshot(jp_fetch, kernel.id))["result"]
+    assert snap["status"] == "complete", snap
+    store = manager.store
+    if isinstance(store, S3Store):
+        objects = everything_in((request.getfixturevalue("moto"), store.backend.bucket))
+    else:
+        objects = everything_in(tmp_path / "store")
+    assert objects
+    found = holding(objects, secret.encode())
+    if variant.endswith("unencrypted"):
+        assert found, "the control: unencrypted, the secret is in the store"
+        assert (await call(jp_fetch, "GET", "policy"))["encryption"] is False
+        return
+    assert found == []
+    assert (await call(jp_fetch, "GET", "policy"))["encryption"] is True
+    key_file = tmp_path / "keys" / "store.key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(key_file.parent.stat().st_mode) == 0o700
+    kek = base64.b64decode(key_file.read_text())
+    assert holding(objects, kek) == []
+    assert holding(objects, key_file.read_text().strip().encode()) == []
+    # It restores, into a new kernel (lazily from the store where the server can).
+    job = await restore(jp_fetch, snap["id"])
+    assert job["status"] == "done", job
+    restored = await start_kernel(job["result"]["kernel_id"])
+    assert (await restored.run("print(hidden == keep[2], len(hidden))")).strip() == (
+        f"True {len(secret)}"
+    )
+
+
+# -- the store's own checks ----------------------------------------------------------------
+
+
+def test_nothing_of_the_secret_in_any_object_and_restores(open_store: Any, tmp_path: Path) -> None:
+    secret = b"jks-store-secret-" + uuid.uuid4().hex.encode()
+    _, keys = env_key()
+    store = open_store(keys)
+    source = secret_snapshot(tmp_path, secret)
+    stored = store.put(source)
+    objects = stored_objects(store)
+    assert {name.split("/")[0] for name in objects} == {"keys", "packs", "snapshots"}
+    assert holding(objects, secret) == []
+    assert holding(objects, b"work/analysis.ipynb") == []  # the manifest is in the record
+    refs = refs_of(store, stored)
+    for ref in refs[:: max(1, len(refs) // 16)]:  # no chunk id either (records, trailers)
+        assert holding(objects, ref.hash.encode()) == []
+    # A claim (a put in progress) names packs: sealed too.
+    store.claims.write("c" * 32, stored.manifest.id, {refs[0].where.obj})
+    claim = read_object(store, f"puts/{'c' * 32}.json")
+    assert claim.startswith(b"JKSSEAL1")
+    assert refs[0].where.obj.encode() not in claim
+    assert store.claims.claimed_objects(f"{'c' * 32}.json", stale=False) == {refs[0].where.obj}
+    assert tree(store.fetch(stored.manifest.id, tmp_path / "out")) == tree(source)
+    # Without a key the same bytes would be found (the search sees zstd frames).
+    plain = LocalStore(tmp_path / "plain", chunking=SMALL_CHUNKS)
+    plain.put(secret_snapshot(tmp_path, secret, seed=1))
+    assert holding(everything_in(tmp_path / "plain"), secret)
+
+
+def test_a_flipped_byte_in_a_chunk_is_refused_naming_it(open_store: Any, tmp_path: Path) -> None:
+    store = open_store(env_key()[1])
+    stored = store.put(secret_snapshot(tmp_path, b"x" * 64))
+    ref = refs_of(store, stored)[3]
+    assert ref.where.codec in ("raw+aes", "zstd+aes")
+    damage(store, ref.where)
+    with pytest.raises(SnapshotCorruptError, match=f"chunk {ref.hash[:12]}… of images/pages-1"):
+        store.fetch(stored.manifest.id, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    offset = sum(r.size for r in refs_of(store, stored)[:3])
+    with pytest.raises(SnapshotCorruptError, match="does not authenticate"):
+        store.open_images(stored.manifest.id).read("images/pages-1.img", offset, 4096)
+
+
+def test_a_flipped_byte_in_a_record_is_refused_naming_it(open_store: Any, tmp_path: Path) -> None:
+    keys = env_key()[1]
+    store = open_store(keys)
+    stored = store.put(secret_snapshot(tmp_path, b"y" * 64))
+    name = f"snapshots/{stored.manifest.id}.json"
+    data = bytearray(read_object(store, name))
+    data[len(data) // 2] ^= 0x01
+    write_object(store, name, bytes(data))
+    fresh = open_store(keys)
+    with pytest.raises(SnapshotCorruptError, match=rf"{stored.manifest.id}\.json cannot be opened"):
+        fresh.get(stored.manifest.id)
+    assert fresh.snapshots() == []  # a listing skips it (and logs why)
+
+
+def test_swapped_records_and_packs_are_refused(open_store: Any, tmp_path: Path) -> None:
+    """Two valid objects exchanged: each is bound to its name, so neither opens."""
+    keys = env_key()[1]
+    store = open_store(keys, pack_bytes=64 << 10)
+    first = store.put(secret_snapshot(tmp_path, b"a" * 64, seed=1))
+    second = store.put(secret_snapshot(tmp_path, b"b" * 64, sequence=2, seed=2))
+    names = [f"snapshots/{s.manifest.id}.json" for s in (first, second)]
+    records = [read_object(store, n) for n in names]
+    write_object(store, names[0], records[1])
+    write_object(store, names[1], records[0])
+    fresh = open_store(keys)
+    for stored in (first, second):
+        with pytest.raises(SnapshotCorruptError, match=rf"{stored.manifest.id}\.json cannot be"):
+            fresh.get(stored.manifest.id)
+    write_object(store, names[0], records[0])
+    write_object(store, names[1], records[1])
+    # Two chunks of one size exchanged in their pack: each is bound to its own id.
+    by_length: dict[tuple[str, int], Any] = {}
+    pair = None
+    for ref in refs_of(store, first):
+        other = by_length.setdefault((ref.where.obj, ref.where.length), ref)
+        if other.hash != ref.hash:
+            pair = (other, ref)
+            break
+    assert pair is not None
+    blobs = [
+        read_object(store, pair[0].where.obj)[r.where.offset :][: r.where.length] for r in pair
+    ]
+    damage(store, pair[0].where, blobs[1])
+    damage(store, pair[1].where, blobs[0])
+    with pytest.raises(SnapshotCorruptError, match="does not authenticate"):
+        open_store(keys).fetch(first.manifest.id, tmp_path / "chunks-swapped")
+    damage(store, pair[0].where, blobs[0])
+    damage(store, pair[1].where, blobs[1])
+    # Two packs exchanged: the chunks a record locates in one are the other's.
+    packs = sorted({r.where.obj for r in refs_of(store, first)})
+    assert len(packs) >= 2
+    blobs = [read_object(store, p) for p in packs[:2]]
+    write_object(store, packs[0], blobs[1])
+    write_object(store, packs[1], blobs[0])
+    with pytest.raises(SnapshotCorruptError, match="is damaged: chunk"):
+        open_store(keys).fetch(first.manifest.id, tmp_path / "swapped")
+
+
+def test_a_forged_unencrypted_record_is_refused(open_store: Any, tmp_path: Path) -> None:
+    """A record written in the clear by someone who may write the bucket (an unencrypted
+    store's format) is not one the store had before it was encrypted: refused."""
+    keys = env_key()[1]
+    plain = open_store(None)
+    forged = plain.put(secret_snapshot(tmp_path, b"f" * 64, seed=3))
+    forged_record = read_object(plain, f"snapshots/{forged.manifest.id}.json")
+    plain.delete(forged.manifest.id)
+    store = open_store(keys)
+    store.put(secret_snapshot(tmp_path, b"g" * 64, seed=4))  # the store is encrypted now
+    write_object(store, f"snapshots/{forged.manifest.id}.json", forged_record)
+    fresh = open_store(keys)
+    with pytest.raises(SnapshotCorruptError, match="is not encrypted, though this store is"):
+        fresh.get(forged.manifest.id)
+
+
+def test_a_wrong_or_lost_key_says_which_key_and_where(open_store: Any, tmp_path: Path) -> None:
+    key_file = tmp_path / "home" / "store.key"
+    store = open_store(FileKeySource(key_file))
+    stored = store.put(secret_snapshot(tmp_path, b"k" * 64))
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    with pytest.raises(StoreError, match=r"encrypted with another key than the one in \$JUPYTER"):
+        open_store(env_key()[1]).get(stored.manifest.id)
+    key_file.unlink()  # lost: a new key file is made, which opens nothing
+    with pytest.raises(StoreError, match=f"the key file {key_file}"):
+        open_store(FileKeySource(key_file)).snapshots()
+    with pytest.raises(StoreError, match=r"\$JUPYTER_SNAPSHOT_KEY is not set"):
+        open_store(EnvKeySource({})).snapshots()
+    with pytest.raises(StoreError, match="is encrypted, and encryption is off"):
+        open_store(None).get(stored.manifest.id)
+
+
+def test_a_new_key_encryption_key_rewraps_without_rewriting_packs(
+    open_store: Any, tmp_path: Path
+) -> None:
+    old_text, old = env_key()
+    store = open_store(old)
+    source = secret_snapshot(tmp_path, b"r" * 64)
+    stored = store.put(source)
+    packs_before = pack_tags(store)
+    keys_before = {n for n in stored_objects(store) if n.startswith("keys/")}
+    new_text = base64.b64encode(os.urandom(32)).decode()
+    rotated = EnvKeySource(
+        {"JUPYTER_SNAPSHOT_KEY": new_text, "JUPYTER_SNAPSHOT_KEY_PREVIOUS": old_text}
+    )
+    fresh = open_store(rotated)
+    assert tree(fresh.fetch(stored.manifest.id, tmp_path / "out")) == tree(source)
+    assert pack_tags(fresh) == packs_before, "no pack was rewritten"
+    keys_after = {n for n in stored_objects(fresh) if n.startswith("keys/")}
+    assert len(keys_after) == 1
+    assert keys_after != keys_before
+    with pytest.raises(StoreError, match="another key"):  # the old key opens nothing now
+        open_store(old).get(stored.manifest.id)
+    only_new = EnvKeySource({"JUPYTER_SNAPSHOT_KEY": new_text})
+    second = open_store(only_new).put(secret_snapshot(tmp_path, b"s" * 64, sequence=2, seed=9))
+    assert open_store(only_new).get(second.manifest.id).manifest.id == second.manifest.id
+
+
+def test_dedup_and_repack_work_encrypted(open_store: Any, tmp_path: Path) -> None:
+    keys = env_key()[1]
+    store = open_store(keys, grace_seconds=0, pack_bytes=256 << 10)
+    pages = random_pages(random.Random(5), 1024)
+    first = store.put(make_snapshot(tmp_path, pages, sequence=1))
+    changed = pages[: 200 << 12] + random.Random(6).randbytes(8 << 12) + pages[208 << 12 :]
+    second_source = make_snapshot(tmp_path, changed, sequence=2)
+    second = store.put(second_source)
+    assert 0 < second.new_bytes < first.new_bytes / 4, "the shared chunks are not stored again"
+    before = set(pack_tags(store))
+    store.delete(first.manifest.id)  # most of the first's packs are still needed: repacked
+    assert set(pack_tags(store)) != before
+    assert tree(open_store(keys).fetch(second.manifest.id, tmp_path / "out")) == tree(second_source)
+
+
+def test_an_unencrypted_store_is_read_then_migrated(open_store: Any, tmp_path: Path) -> None:
+    """A store from before encryption: an encrypted server reads its snapshots and writes
+    new ones encrypted; `jupyter snapshot store encrypt` stores them again encrypted and
+    removes every unencrypted pack; their old records are refused afterwards."""
+    secret = b"jks-old-secret-" + uuid.uuid4().hex.encode()
+    plain = open_store(None)
+    sources = [secret_snapshot(tmp_path, secret, sequence=n, seed=n) for n in (1, 2)]
+    old = [plain.put(s) for s in sources]
+    old_record = read_object(plain, f"snapshots/{old[0].manifest.id}.json")
+    assert holding(stored_objects(plain), secret)
+    key_file = tmp_path / "keys" / "store.key"
+    store = open_store(FileKeySource(key_file))
+    assert [s.manifest.id for s in store.snapshots()] == [s.manifest.id for s in old]
+    new = store.put(secret_snapshot(tmp_path, secret, sequence=3, seed=3))
+    assert holding({"new": read_object(store, f"snapshots/{new.manifest.id}.json")}, secret) == []
+
+    if isinstance(store, LocalStore):
+        where = ["--store-dir", str(store.root)]
+    else:
+        where = [
+            "--s3-bucket", BUCKET, "--s3-prefix", store.backend.prefix,
+            "--s3-endpoint-url", store.client.meta.endpoint_url,
+        ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "jupyter_ext.cli", "store", "encrypt", *where,
+         "--key-file", str(key_file), "--work-dir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "2 snapshot(s) encrypted" in done.stdout
+    assert "no snapshot in the store can be read" in done.stdout  # the lost-key warning
+    objects = stored_objects(store)
+    assert holding(objects, secret) == []
+    fresh = open_store(FileKeySource(key_file))
+    ids = sorted(s.manifest.id for s in fresh.snapshots())
+    assert ids == sorted([*(s.manifest.id for s in old), new.manifest.id])
+    for stored, source in zip(old, sources, strict=True):
+        out = tmp_path / f"out-{stored.manifest.id}"
+        assert tree(fresh.fetch(stored.manifest.id, out)) == tree(source)
+    # The old record, put back by someone who kept it, is not accepted any more.
+    fresh.backend.remove(Handle(Kind.RECORD, old[0].manifest.id))
+    write_object(fresh, f"snapshots/{old[0].manifest.id}.json", old_record)
+    with pytest.raises(SnapshotCorruptError, match="is not encrypted"):
+        open_store(FileKeySource(key_file)).get(old[0].manifest.id)
+
+
+def test_rotate_key_and_doctor_from_the_command_line(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys" / "store.key"
+    store_dir = tmp_path / "store"
+    store = LocalStore(store_dir, keys=FileKeySource(key_file), chunking=SMALL_CHUNKS)
+    source = secret_snapshot(tmp_path, b"d" * 64)
+    stored = store.put(source)
+    old_key = key_file.read_text()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "jupyter_ext.cli", *args, "--key-file", str(key_file)],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+
+    packs = pack_tags(store)
+    rotated = cli("store", "rotate-key", "--store-dir", str(store_dir))
+    assert rotated.returncode == 0, rotated.stderr
+    assert key_file.read_text() != old_key
+    assert (key_file.parent / "store.key.previous").read_text().split() == [old_key.strip()]
+    assert pack_tags(store) == packs
+    with pytest.raises(StoreError, match="another key"):
+        LocalStore(store_dir, keys=EnvKeySource({"JUPYTER_SNAPSHOT_KEY": old_key})).snapshots()
+    fresh = LocalStore(store_dir, keys=FileKeySource(key_file))
+    assert tree(fresh.fetch(stored.manifest.id, tmp_path / "out")) == tree(source)
+
+    doctor = cli("doctor")
+    line = next(x for x in doctor.stdout.splitlines() if "store encryption" in x)
+    assert f"key file {key_file} (0600)" in line
+    assert "Without this key no snapshot in the store can be read" in line
+    key_file.chmod(0o644)
+    line = next(x for x in cli("doctor").stdout.splitlines() if "store encryption" in x)
+    assert "readable by others" in line
+    # The server's own option, from its config files, is what doctor reports.
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    (config_dir / "jupyter_server_config.json").write_text(
+        '{"SnapshotExtensionApp": {"encryption_key_source": "none"}}'
+    )
+    off = subprocess.run(
+        [sys.executable, "-m", "jupyter_ext.cli", "doctor"],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "JUPYTER_CONFIG_DIR": str(config_dir)},
+    )  # fmt: skip
+    line = next(x for x in off.stdout.splitlines() if "store encryption" in x)
+    assert line.startswith("[warn]")
+    assert "reads every snapshot" in line
+
+
+def test_the_key_file_is_never_inside_the_local_store(tmp_path: Path) -> None:
+    from jupyter_ext.core.store import KeySettings, StoreSpec, open_store
+
+    spec = StoreSpec(
+        kind="local",
+        key_source="file",
+        keys=KeySettings(tmp_path / "store" / "key", "alice"),
+        local_dir=tmp_path / "store",
+    )
+    with pytest.raises(StoreError, match="is inside the store"):
+        open_store(spec)
