@@ -47,11 +47,20 @@ TARGET = (
 def valid_messages() -> list[dict[str, Any]]:
     return [
         {"v": 1, "op": "hello", "args": {}},
-        {"v": 1, "op": "dump", "args": {"pid": 4100, "leave_running": True, "externals": []}},
         {
             "v": 1,
             "op": "dump",
-            "args": {"pid": 77, "leave_running": False, "externals": ["file[1a:2b]"]},
+            "args": {"pid": 4100, "leave_running": True, "externals": [], "ghost_limit": 0},
+        },
+        {
+            "v": 1,
+            "op": "dump",
+            "args": {
+                "pid": 77,
+                "leave_running": False,
+                "externals": ["file[1a:2b]"],
+                "ghost_limit": 5 << 30,
+            },
         },
         {
             "v": 1,
@@ -59,6 +68,11 @@ def valid_messages() -> list[dict[str, Any]]:
             "args": {"files": ["core-1.img", "pages-1.img"], "seal": "a" * 64, "inherit": []},
         },
     ]
+
+
+def _dump(args: bytes) -> bytes:
+    """A dump request's datagram with ``args`` (the inside of its args object)."""
+    return b'{"v": 1, "op": "dump", "args": {' + args + b"}}"
 
 
 def _nfds(message: dict[str, Any]) -> int:
@@ -77,26 +91,36 @@ def _nfds(message: dict[str, Any]) -> int:
         (b'{"v": true, "op": "hello", "args": {}}', "protocol version True"),
         (b'{"v": 1, "op": "shell", "args": {}}', "unknown operation 'shell'"),
         (b'{"v": 1, "op": "hello", "args": {}, "as": "root"}', "unknown field 'as'"),
+        (_dump(b'"pid": 1, "leave_running": true, "externals": [], "ghost_limit": 0'), "pid must"),
         (
-            b'{"v": 1, "op": "dump", "args": {"pid": 1, "leave_running": true, "externals": []}}',
-            "pid must be a process id",
+            _dump(b'"pid": "7", "leave_running": true, "externals": [], "ghost_limit": 0'),
+            "pid must",
         ),
         (
-            b'{"v": 1, "op": "dump", "args": {"pid": "7", "leave_running": true, "externals": []}}',
-            "pid must be a process id",
-        ),
-        (
-            b'{"v": 1, "op": "dump", "args": {"pid": 7, "leave_running": 1, "externals": []}}',
+            _dump(b'"pid": 7, "leave_running": 1, "externals": [], "ghost_limit": 0'),
             "leave_running must be true or false",
         ),
+        (_dump(b'"pid": 7, "leave_running": true'), "missing field 'externals'"),
         (
-            b'{"v": 1, "op": "dump", "args": {"pid": 7, "leave_running": true}}',
-            "missing field 'externals'",
+            _dump(
+                b'"pid": 7, "leave_running": true, "externals": ["--action-script=/tmp/x"], '
+                b'"ghost_limit": 0'
+            ),
+            "externals has",
         ),
         (
-            b'{"v": 1, "op": "dump", "args": {"pid": 7, "leave_running": true, '
-            b'"externals": ["--action-script=/tmp/x"]}}',
-            "externals has",
+            _dump(b'"pid": 7, "leave_running": true, "externals": [], "ghost_limit": -1'),
+            "ghost_limit must be an integer",
+        ),
+        (
+            _dump(b'"pid": 7, "leave_running": true, "externals": [], "ghost_limit": 1.5'),
+            "ghost_limit must be an integer",
+        ),
+        (
+            _dump(
+                b'"pid": 7, "leave_running": true, "externals": [], "ghost_limit": 1099511627777'
+            ),
+            "ghost_limit must be an integer",
         ),
         (
             b'{"v": 1, "op": "restore", "args": {"files": ["../../etc/shadow"], "seal": "'

@@ -433,7 +433,8 @@ def test_baseline_agent_refuses_another_pods_kernel_and_another_users_images(
         socket,
         f"for pid in ({kernel_host_pid}, {kernel_pid}):\n"
         "    try:\n"
-        "        call(SOCKET, DumpRequest(pid=pid, leave_running=True, externals=[]))\n"
+        "        request = DumpRequest(pid, leave_running=True, externals=[], ghost_limit=0)\n"
+        "        call(SOCKET, request)\n"
         "        print('dumped', pid)\n"
         "    except SnapshotError as exc:\n"
         "        print(exc.message)\n",

@@ -117,6 +117,7 @@ class AgentCriu(Criu):
         leave_running: bool,
         externals: Sequence[str] = (),
         keep_tcp: bool = False,
+        ghost_limit: int = 0,
         action_script: str | None = None,
         netns: OwnNetwork | None = None,
     ) -> float:
@@ -124,7 +125,9 @@ class AgentCriu(Criu):
             raise _not_through_agent("connections kept with their state", DumpError)
         if action_script is not None:
             raise _not_through_agent("its /dev/shm files copied while frozen", DumpError)
-        request = DumpRequest(pid=pid, leave_running=leave_running, externals=list(externals))
+        request = DumpRequest(
+            pid=pid, leave_running=leave_running, externals=list(externals), ghost_limit=ghost_limit
+        )
         result, fds = await asyncio.to_thread(call, self.path, request)
         try:
             await asyncio.to_thread(_copy_out, fds, result["files"], images_dir)

@@ -52,6 +52,8 @@ MAX_FILES = 4096
 MAX_EXTERNALS = 64
 #: Process ids: 1 .. pid_max's ceiling (kernel/pid.c, PID_MAX_LIMIT).
 PID_MAX = 4 * 1024 * 1024
+#: The largest deleted file a dump may save (CRIU's ``--ghost-limit``): 1 TiB.
+GHOST_LIMIT_MAX = 1 << 40
 
 _EXTERNAL = re.compile(r"file\[[0-9a-f]{1,16}:[0-9a-f]{1,16}\]")
 _INHERITED = re.compile(r"pipe:\[[0-9]{1,20}\]|file\[[0-9a-f]{1,16}:[0-9a-f]{1,16}\]")
@@ -154,11 +156,16 @@ class DumpRequest(_Request):
     leave_running: bool
     externals: list[str]
     """CRIU external keys (``file[MNT:INODE]``): resources a restore hands over."""
+    ghost_limit: int
+    """The largest deleted file the tree holds, in bytes (CRIU saves those in the images:
+    Ray's object store is one)."""
 
     def check(self) -> None:
         _check_pid(self.op, "pid", self.pid)
         _check_bool(self.op, "leave_running", self.leave_running)
         _check_strings(self.op, "externals", self.externals, _EXTERNAL, MAX_EXTERNALS)
+        if type(self.ghost_limit) is not int or not 0 <= self.ghost_limit <= GHOST_LIMIT_MAX:
+            raise _refuse(f"dump: ghost_limit must be an integer 0..{GHOST_LIMIT_MAX}")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from jupyter_ext.core.agentproto import (
     receive_more,
     send,
 )
-from jupyter_ext.core.criu import TCP_DUMP_OPTIONS, Criu, explain_failure
+from jupyter_ext.core.criu import DEFAULT_GHOST_LIMIT, TCP_DUMP_OPTIONS, Criu, explain_failure
 from jupyter_ext.core.criulog import frozen_seconds, log_excerpt
 from jupyter_ext.core.errors import (
     DumpError,
@@ -193,6 +193,7 @@ class Agent:
             args = ["dump", "-t", str(request.pid), "-D", _fd_path(images)]
             args += ["-W", _fd_path(work), "-o", "dump.log", "-v4", "--file-locks"]
             args += [*TCP_DUMP_OPTIONS]
+            args += ["--ghost-limit", str(max(request.ghost_limit, DEFAULT_GHOST_LIMIT))]
             for key in request.externals:
                 args += ["--external", key]
             if request.leave_running:
