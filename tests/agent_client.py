@@ -2,7 +2,7 @@
 own client (core/agentclient.py), one operation per run, its answer as one JSON line.
 
     python -m tests.agent_client SOCKET hello
-    python -m tests.agent_client SOCKET dump PID IMAGES_DIR [--end]
+    python -m tests.agent_client SOCKET dump PID IMAGES_DIR [--end] [--ghost-limit=BYTES]
     python -m tests.agent_client SOCKET restore IMAGES_DIR
     python -m tests.agent_client SOCKET raw JSON          (a request as given, for refusals)
 """
@@ -37,9 +37,15 @@ def main(argv: list[str]) -> dict[str, Any]:
         if op == "dump":
             images = Path(rest[1])
             images.mkdir()
-            frozen = asyncio.run(
-                criu.dump(int(rest[0]), images, images, leave_running="--end" not in rest)
+            ghost = [int(a.split("=")[1]) for a in rest if a.startswith("--ghost-limit=")]
+            dumping = criu.dump(
+                int(rest[0]),
+                images,
+                images,
+                leave_running="--end" not in rest,
+                ghost_limit=ghost[0] if ghost else 0,
             )
+            frozen = asyncio.run(dumping)
             return {"ok": True, "frozen_seconds": frozen}
         if op == "restore":
             pid = asyncio.run(criu.restore(Path(rest[0]), Path(rest[0])))

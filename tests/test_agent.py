@@ -400,6 +400,36 @@ def test_agent_dumps_and_restores_its_callers_own_process(
 
 
 @needs_root
+def test_agent_dumps_a_deleted_file_up_to_the_ghost_limit_asked(
+    agent: RunningAgent, make_pod: Callable[[str], FakePod], top: Path
+) -> None:
+    """A process holding a deleted 3 MiB file (as Ray's object store does): CRIU's default
+    limit (1 MiB) refuses it, the limit the request names lets the agent dump it."""
+    pod = make_pod("jupyter-alice")
+    shared = _shared_dir(top, "alice")
+    holder = (
+        "import os\n"
+        f"f = open({str(shared / 'store')!r}, 'wb')\n"
+        "f.write(b'x' * (3 << 20))\n"
+        "f.flush()\n"
+        f"os.unlink({str(shared / 'store')!r})\n" + TARGET
+    )
+    pid = pod.start([sys.executable, "-c", holder, str(shared / "x")])
+    deadline = time.monotonic() + 20
+    while (shared / "store").exists():
+        assert time.monotonic() < deadline, "the file was not deleted"
+        time.sleep(0.05)
+    refused = pod.client(str(agent.socket), "dump", str(pid), str(shared / "small"))
+    assert refused["ok"] is False
+    assert "larger than the limit" in str(refused["error"]), refused
+    dumped = pod.client(
+        str(agent.socket), "dump", str(pid), str(shared / "images"), f"--ghost-limit={4 << 20}"
+    )
+    assert dumped["ok"] is True, dumped
+    assert _stop_and_read(pod, pid, shared / "x") == "42"
+
+
+@needs_root
 def test_agent_refuses_another_pods_processes(
     agent: RunningAgent, make_pod: Callable[[str], FakePod], top: Path
 ) -> None:
