@@ -13,6 +13,7 @@ import asyncio
 import json
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,9 @@ def main(argv: list[str]) -> dict[str, Any]:
                 leave_running="--end" not in rest,
                 ghost_limit=ghost[0] if ghost else 0,
             )
+            started = time.monotonic()
             frozen = asyncio.run(dumping)
-            return {"ok": True, "frozen_seconds": frozen}
+            return {"ok": True, "frozen_seconds": frozen, "seconds": time.monotonic() - started}
         if op == "restore":
             pid = asyncio.run(criu.restore(Path(rest[0]), Path(rest[0])))
             return {"ok": True, "pid": pid}

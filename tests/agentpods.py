@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from jupyter_ext.core import agentproto
+
 ROOT = Path(__file__).resolve().parent.parent
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
 
@@ -69,10 +71,12 @@ class FakePod:
             time.sleep(0.01)
         raise RuntimeError("the stand-in pod did not start")
 
-    def argv(self, command: Sequence[str]) -> list[str]:
-        """``command`` as a process of the pod's user, in the pod."""
+    def argv(self, command: Sequence[str], groups: Sequence[int] = ()) -> list[str]:
+        """``command`` as a process of the pod's user (also in ``groups``), in the pod."""
         enter = ["nsenter", f"--target={self.init_pid}", "--uts", "--pid", "--mount", "--"]
-        return [*enter, *NOBODY, "--", *command]
+        user = [a for a in NOBODY if a != "--clear-groups"]
+        user.append(f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups")
+        return [*enter, *user, "--", *command]
 
     def start(self, command: Sequence[str]) -> int:
         """Start ``command`` in the pod; its pid in the pod's PID namespace."""
@@ -96,8 +100,12 @@ class FakePod:
 
     def client(self, *args: str) -> dict[str, object]:
         """``tests/agent_client.py ARGS`` in the pod: its JSON answer (an error too)."""
+        return self.run_json([sys.executable, "-m", "tests.agent_client", *args])
+
+    def run_json(self, command: Sequence[str], groups: Sequence[int] = ()) -> dict[str, object]:
+        """Run ``command`` in the pod as its user; the JSON object its last line prints."""
         out = subprocess.run(
-            self.argv([sys.executable, "-m", "tests.agent_client", *args]),
+            self.argv(command, groups),
             capture_output=True,
             text=True,
             timeout=300,
@@ -106,7 +114,7 @@ class FakePod:
             check=False,
         )
         if not out.stdout.strip():
-            raise RuntimeError(f"the pod's client said nothing: {out.stderr[-3000:]}")
+            raise RuntimeError(f"{command[:2]} in the pod said nothing: {out.stderr[-3000:]}")
         answer: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
         return answer
 
@@ -143,6 +151,40 @@ class FakePod:
                 self.cgroup.parent.rmdir()
                 return
             time.sleep(0.05)
+
+
+class RunningAgent:
+    """``python -m jupyter_ext.nodeagent`` on this machine, its directories in ``top``."""
+
+    def __init__(self, top: Path) -> None:
+        self.socket_dir = top / "socket"
+        self.log = (top / "agent.log").open("wb")
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jupyter_ext.nodeagent",
+                "--socket-dir",
+                str(self.socket_dir),
+                "--state-dir",
+                str(top / "state"),
+                "--key-file",
+                str(top / "key" / "seal.key"),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.socket = self.socket_dir / agentproto.SOCKET_NAME
+        deadline = time.monotonic() + 30
+        while not self.socket.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((top / "agent.log").read_text())
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.log.close()
 
 
 def _cmdline(pid: int) -> list[str]:

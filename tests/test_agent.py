@@ -13,7 +13,6 @@ import os
 import random
 import secrets
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +25,7 @@ from jupyter_ext.core import agentproto, peers
 from jupyter_ext.core.agentproto import AgentRequestError, parse_request
 from jupyter_ext.nodeagent.podcriu import cgroup_procs_files
 
-from .agentpods import FakePod, cgroup_root
+from .agentpods import FakePod, RunningAgent, cgroup_root
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the node agent runs as root")
 
@@ -276,38 +275,6 @@ def test_cgroup_procs_files_follow_the_hierarchies_mounted(tmp_path: Path) -> No
 
 
 # -- the agent itself, on this machine --------------------------------------------------
-
-
-class RunningAgent:
-    def __init__(self, top: Path) -> None:
-        self.socket_dir = top / "socket"
-        self.log = (top / "agent.log").open("wb")
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "jupyter_ext.nodeagent",
-                "--socket-dir",
-                str(self.socket_dir),
-                "--state-dir",
-                str(top / "state"),
-                "--key-file",
-                str(top / "key" / "seal.key"),
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        self.socket = self.socket_dir / agentproto.SOCKET_NAME
-        deadline = time.monotonic() + 30
-        while not self.socket.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((top / "agent.log").read_text())
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        self.process.kill()
-        self.process.wait()
-        self.log.close()
 
 
 @pytest.fixture
