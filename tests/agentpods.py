@@ -35,8 +35,11 @@ def cgroup_root() -> Path:
 class FakePod:
     """One stand-in pod named ``jupyter-<user>[--suffix]``; ``close()`` ends it."""
 
-    def __init__(self, name: str, group: Path) -> None:
+    def __init__(self, name: str, group: Path, seccomp: bool = False) -> None:
+        """``seccomp``: every process of the pod under no_new_privs and a seccomp filter,
+        as RuntimeDefault runs a container (tests/under_seccomp.py)."""
         self.name = name
+        self.seccomp = seccomp
         self.container = secrets.token_hex(32)
         self.cgroup = group / f"pod-{name}-{secrets.token_hex(4)}" / self.container
         self.cgroup.mkdir(parents=True)
@@ -76,7 +79,8 @@ class FakePod:
         enter = ["nsenter", f"--target={self.init_pid}", "--uts", "--pid", "--mount", "--"]
         user = [a for a in NOBODY if a != "--clear-groups"]
         user.append(f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups")
-        return [*enter, *user, "--", *command]
+        filtered = [sys.executable, str(ROOT / "tests" / "under_seccomp.py")]
+        return [*enter, *user, "--", *(filtered if self.seccomp else []), *command]
 
     def start(self, command: Sequence[str]) -> int:
         """Start ``command`` in the pod; its pid in the pod's PID namespace."""

@@ -9,6 +9,8 @@ the keys it uses), then adapted where podman is not Kubernetes, each one said he
 - the node agent's CSI volume (deploy/z2jh/config.yaml, agent mode) becomes a bind of the
   agent's socket directory (what the CSI driver would mount); the pod's hostname is the
   name KubeSpawner gave it, as Kubernetes sets it;
+- the node agent's container (deploy/agent/agent.yaml) runs with ``podman run``: podman
+  4.3's ``kube play`` ignores ``hostPID``;
 - podman ignores ``securityContext.seccompProfile``: it is turned into podman's seccomp
   annotation (Unconfined -> ``unconfined``, RuntimeDefault -> podman's default profile);
 - podman puts a non-root container's added capabilities into its ambient set, which
@@ -230,7 +232,7 @@ class Pod:
         return took
 
     def close(self) -> None:
-        podman("pod", "rm", "--force", "--time", "0", self.name, check=False)
+        podman("rm", "--force", "--time", "0", self.name, check=False)
 
 
 LOG_NAME = ".server-{}.log"
@@ -287,17 +289,17 @@ AGENT_CSI_DRIVER = "agent.kernel-snapshots.jupyter.org"
 
 
 class AgentPod:
-    """The node agent of ``deploy/agent/agent.yaml`` in podman: its DaemonSet's pod (the
-    agent container; the CSI driver's containers need a kubelet) with the node's PID
-    namespace, privileged, its hostPath volumes in ``work`` and its key Secret a file."""
+    """The node agent of ``deploy/agent/agent.yaml`` in podman: its DaemonSet's agent
+    container (the CSI driver's containers need a kubelet), privileged, in the node's PID
+    namespace, its hostPath volumes in ``work`` and its key Secret a file. Run with
+    ``podman run`` from the container's spec: podman 4.3's ``kube play`` ignores
+    ``hostPID`` (the agent would see no caller)."""
 
     def __init__(self, image: str, work: Path) -> None:
         documents = list(yaml.safe_load_all(AGENT_YAML.read_text()))
         daemonset = next(d for d in documents if d["kind"] == "DaemonSet")
-        spec = json.loads(json.dumps(daemonset["spec"]["template"]["spec"]))
-        spec["containers"] = [c for c in spec["containers"] if c["name"] == "agent"]
-        container = spec["containers"][0]
-        container["image"] = image
+        spec = daemonset["spec"]["template"]["spec"]
+        container = next(c for c in spec["containers"] if c["name"] == "agent")
         self.socket_dir = work / "agent-socket"
         self.state_dir = work / "agent-state"
         key_dir = work / "agent-key"
@@ -305,19 +307,16 @@ class AgentPod:
             path.mkdir(parents=True, exist_ok=True)
         self.socket_dir.chmod(0o755)
         (key_dir / "seal.key").write_bytes(uuid.uuid4().bytes + uuid.uuid4().bytes)
-        mounted = {m["name"] for m in container["volumeMounts"]}
         host = {"socket": self.socket_dir, "state": self.state_dir, "key": key_dir}
-        spec["volumes"] = [
-            {"name": name, "hostPath": {"path": str(host[name]), "type": "Directory"}}
-            for name in mounted
-        ]
-        self.name = f"jks-ct-agent-{uuid.uuid4().hex[:8]}"
-        self.container = f"{self.name}-agent"
-        manifest = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": self.name}}
-        manifest["spec"] = spec
-        self.file = work / f"{self.name}.yaml"
-        self.file.write_text(yaml.safe_dump(manifest))
-        podman("kube", "play", "--network", NETWORK, str(self.file))
+        context = container["securityContext"]
+        options = ["--pid=host" if spec.get("hostPID") else "--pid=private"]
+        options += ["--privileged"] if context.get("privileged") else []
+        options += ["--user", str(context.get("runAsUser", 0)), "--network", "none"]
+        for mount in container["volumeMounts"]:
+            suffix = ":ro" if mount.get("readOnly") else ""
+            options += ["--volume", f"{host[mount['name']]}:{mount['mountPath']}{suffix}"]
+        self.name = self.container = f"jks-ct-agent-{uuid.uuid4().hex[:8]}"
+        podman("run", "--detach", "--name", self.name, *options, image, *container["command"])
         self.socket = self.socket_dir / "agent.sock"
         self.wait_ready()
 
@@ -343,4 +342,4 @@ class AgentPod:
         return podman("logs", self.container, check=False)[-6000:]
 
     def close(self) -> None:
-        podman("pod", "rm", "--force", "--time", "0", self.name, check=False)
+        podman("rm", "--force", "--time", "0", self.name, check=False)

@@ -295,13 +295,13 @@ def agent(top: Path) -> Iterator[RunningAgent]:
 
 
 @pytest.fixture
-def make_pod(top: Path) -> Iterator[Callable[[str], FakePod]]:
+def make_pod(top: Path) -> Iterator[Callable[..., FakePod]]:
     group = cgroup_root() / f"jks-agent-test-{secrets.token_hex(4)}"
     group.mkdir()
     pods: list[FakePod] = []
 
-    def make(name: str) -> FakePod:
-        pod = FakePod(name, group)
+    def make(name: str, seccomp: bool = False) -> FakePod:
+        pod = FakePod(name, group, seccomp)
         pods.append(pod)
         return pod
 
@@ -364,6 +364,28 @@ def test_agent_dumps_and_restores_its_callers_own_process(
     assert _stop_and_read(pod, pid, shared / "x") == "42"
     # Nothing of the images stays with the agent (only its CRIU copy).
     assert [p.name for p in (top / "state").iterdir()] == ["bin"]
+
+
+@needs_root
+def test_agent_restores_a_process_under_seccomp_with_its_filter(
+    agent: RunningAgent, make_pod: Callable[[str], FakePod], top: Path
+) -> None:
+    """A pod's processes run under a seccomp filter with no_new_privs (RuntimeDefault):
+    the agent dumps one and restores it with its filter and no_new_privs, as the pod's."""
+    pod = make_pod("jupyter-alice", seccomp=True)
+    shared = _shared_dir(top, "alice")
+    pid = _start_target(pod, shared / "x")
+    before = peers.status_fields(pod.host_pid(pid))
+    assert (before["Seccomp"], before["NoNewPrivs"]) == ("2", "1")
+    images = shared / "images"
+    dumped = pod.client(str(agent.socket), "dump", str(pid), str(images), "--end")
+    assert dumped["ok"] is True, dumped
+    restored = pod.client(str(agent.socket), "restore", str(images))
+    assert restored == {"ok": True, "pid": pid}, restored
+    after = peers.status_fields(pod.host_pid(pid))
+    for field in ("Seccomp", "Seccomp_filters", "NoNewPrivs", "Uid", "Gid", "CapEff", "CapBnd"):
+        assert after[field] == before[field], field
+    assert _stop_and_read(pod, pid, shared / "x") == "42"
 
 
 @needs_root

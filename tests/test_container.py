@@ -513,3 +513,53 @@ def _criu_dumping() -> bool:
         ):
             return True
     return False
+
+
+def _policies_often(values: dict[str, Any]) -> None:
+    """Periodic snapshots every second and idle CPU kernels suspended after 4 s."""
+    config = values["singleuser"]["extraFiles"]["jupyter-server-config"]["data"]
+    config["SnapshotExtensionApp"].update(
+        periodic_interval=1, policy_tick=0.5, idle_suspend_after=4, suspend_cpu_kernels=True
+    )
+
+
+def _wait_for(what: str, check: Callable[[], bool], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.25)
+
+
+def test_baseline_periodic_idle_suspend_resume_and_restore_in_place_through_the_agent(
+    make_pod: MakePod, agent: AgentPod
+) -> None:
+    """In agent mode, what the server does by itself goes through the node agent too: a
+    periodic snapshot, an idle kernel suspended (its process ended) and resumed by the next
+    cell with its state, and a restore in place of the running kernel."""
+    pod = make_pod(_policies_often, agent=agent)
+    kernel = open_notebook(pod)
+    assert ws_execute(pod.server, kernel, "x = 42\nprint(x)") == "42\n"
+
+    def listed(trigger: str) -> list[dict[str, Any]]:
+        found = pod.server.client.call("GET", "", trigger=trigger)["snapshots"]
+        return [s for s in found if s["kernel_id"] == kernel and s["status"] == "complete"]
+
+    _wait_for("periodic snapshot", lambda: bool(listed("periodic")))
+    inner = pod.server.client.call("GET", f"kernels/{kernel}")["inner_pid"]
+    _wait_for(
+        "idle suspend",
+        lambda: pod.server.client.call("GET", f"kernels/{kernel}")["state"] == "suspended",
+    )
+    assert listed("idle-suspend")
+    assert pod.exec("kill", "-0", str(inner)).returncode != 0  # its process ended
+    assert ws_execute(pod.server, kernel, "print(x)") == "42\n"  # resumed by the next cell
+    assert pod.server.client.call("GET", f"kernels/{kernel}")["state"] == "running"
+
+    # Restore in place: the running kernel (x = 44) replaced by its snapshot (x = 43).
+    pod.server.client.call("PATCH", f"kernels/{kernel}", body={"periodic": False})
+    assert ws_execute(pod.server, kernel, "x = 43\nprint(x)") == "43\n"
+    saved = snapshot(pod, kernel)["result"]["id"]
+    assert ws_execute(pod.server, kernel, "x = 44\nprint(x)") == "44\n"
+    job = pod.server.client.call("POST", f"{saved}/restore", body={"kernel_id": kernel})["job"]
+    assert follow(pod.server, job)["result"]["kernel_id"] == kernel
+    assert ws_execute(pod.server, kernel, "print(x)") == "43\n"

@@ -57,12 +57,15 @@ def elf_interpreter(path: Path) -> str:
 
 
 #: The capabilities CRIU keeps (numbers: include/uapi/linux/capability.h) as the caller's
-#: user: CHECKPOINT_RESTORE (40) and SETPCAP (8), as in in-pod mode; a dump adds
-#: SYS_ADMIN (21) to suspend the kernel's seccomp filter (PTRACE_O_SUSPEND_SECCOMP). A
-#: restore runs without it: CRIU 4.2 with CAP_SYS_ADMIN but not uid 0 fails to set the
-#: restored task's group ids (measured).
+#: user: CHECKPOINT_RESTORE (40) and SETPCAP (8), as in in-pod mode, and SYS_ADMIN (21):
+#: a dump suspends the kernel's seccomp filter (PTRACE_O_SUSPEND_SECCOMP), a restore
+#: suspends the restored tasks' and sets their filter before their no_new_privs (without
+#: it: "SECCOMP_SET_MODE_FILTER returned -13", a pod at RuntimeDefault). With SYS_ADMIN
+#: CRIU 4.2 also sets the restored tasks' group list, which needs SETGID (6) (measured).
+#: The restored tasks get back only the image's credentials (its pod's), which the agent
+#: then checks.
 DUMP_CAPS = (8, 21, 40)
-RESTORE_CAPS = (8, 40)
+RESTORE_CAPS = (6, 8, 21, 40)
 #: Where the node's (the agent image's) shared libraries are.
 LIBRARY_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64")
 
