@@ -307,7 +307,12 @@ class AgentPod:
             path.mkdir(parents=True, exist_ok=True)
         self.socket_dir.chmod(0o755)
         (key_dir / "seal.key").write_bytes(uuid.uuid4().bytes + uuid.uuid4().bytes)
-        host = {"socket": self.socket_dir, "state": self.state_dir, "key": key_dir}
+        host = {
+            "socket": self.socket_dir,
+            "state": self.state_dir,
+            "key": key_dir,
+            "cgroup": Path("/sys/fs/cgroup"),
+        }
         context = container["securityContext"]
         options = ["--pid=host" if spec.get("hostPID") else "--pid=private"]
         options += ["--privileged"] if context.get("privileged") else []

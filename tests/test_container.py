@@ -443,8 +443,8 @@ def test_baseline_agent_refuses_another_pods_kernel_and_another_users_images(
     assert all("refused" in line and "no process" in line for line in refusals), refusals
 
     # Alice's own process, dumped for her; its images lie in the home volume both see.
-    alice.exec("sh", "-c", "setsid sleep 600 </dev/null >/dev/null 2>&1 &", check=True)
-    sleeper = alice.exec("pgrep", "-n", "-x", "sleep").stdout.strip()
+    started = alice.exec("sh", "-c", "setsid sleep 600 </dev/null >/dev/null 2>&1 & echo $!")
+    sleeper = int(started.stdout.strip())
     dumped = _agent_call(
         alice,
         socket,
@@ -491,8 +491,8 @@ def test_baseline_agent_killed_during_a_dump_loses_nothing(
         follow(pod.server, job)
     assert "node agent" in failed.value.message, failed.value
     assert ws_execute(pod.server, kernel, "print(x, int(a.sum()))") == "42 60000000\n"
-    listed = pod.server.client.call("GET", "")["snapshots"]
-    assert before in [s["id"] for s in listed if s["status"] == "complete"]
+    listed = pod.server.client.call("GET", "", path=NOTEBOOK)
+    assert before in [s["id"] for s in listed["snapshots"] if s["status"] == "complete"], listed
     agent.restart()
     snapshot(pod, kernel)
     assert ws_execute(pod.server, kernel, "print(x)") == "42\n"
@@ -541,8 +541,9 @@ def test_baseline_periodic_idle_suspend_resume_and_restore_in_place_through_the_
     assert ws_execute(pod.server, kernel, "x = 42\nprint(x)") == "42\n"
 
     def listed(trigger: str) -> list[dict[str, Any]]:
-        found = pod.server.client.call("GET", "", trigger=trigger)["snapshots"]
-        return [s for s in found if s["kernel_id"] == kernel and s["status"] == "complete"]
+        found = pod.server.client.call("GET", "", trigger=trigger, path=NOTEBOOK)
+        assert not found["store_error"], found
+        return [s for s in found["snapshots"] if s["status"] == "complete"]
 
     _wait_for("periodic snapshot", lambda: bool(listed("periodic")))
     inner = pod.server.client.call("GET", f"kernels/{kernel}")["inner_pid"]

@@ -124,7 +124,7 @@ class AgentCriu(Criu):
         if keep_tcp or netns is not None:
             raise _not_through_agent("connections kept with their state", DumpError)
         if action_script is not None:
-            raise _not_through_agent("its /dev/shm files copied while frozen", DumpError)
+            raise _not_through_agent("its /dev/shm files or logs copied while frozen", DumpError)
         request = DumpRequest(
             pid=pid, leave_running=leave_running, externals=list(externals), ghost_limit=ghost_limit
         )
