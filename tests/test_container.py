@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -411,7 +412,7 @@ def test_baseline_pod_kernel_moves_through_the_agent_to_a_fresh_pod(
     assert ws_execute(fresh.server, restored["kernel_id"], state) == "42 499999500000 1\n"
     # In the fresh pod's namespaces: its server sees the kernel as one of its processes.
     pid = int(ws_execute(fresh.server, restored["kernel_id"], "print(os.getpid())"))
-    assert fresh.exec("kill", "-0", str(pid)).returncode == 0
+    assert fresh.exec("sh", "-c", f"kill -0 {pid}").returncode == 0
     # A restored kernel is snapshotted through the agent again.
     snapshot(fresh, restored["kernel_id"])
 
@@ -443,8 +444,26 @@ def test_baseline_agent_refuses_another_pods_kernel_and_another_users_images(
     assert all("refused" in line and "no process" in line for line in refusals), refusals
 
     # Alice's own process, dumped for her; its images lie in the home volume both see.
-    started = alice.exec("sh", "-c", "setsid sleep 600 </dev/null >/dev/null 2>&1 & echo $!")
-    sleeper = int(started.stdout.strip())
+    # A session leader of its own, the child of a process that reaps it (the container's
+    # first process does not): once dumped and ended, its pid is free for the restore.
+    sleeper_code = "import os, time; os.setsid(); time.sleep(600)"
+    reaper = (
+        "import subprocess, sys\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {sleeper_code!r}])\n"
+        "open('/tmp/sleeper.pid', 'w').write(str(p.pid))\n"
+        "p.wait()\n"
+    )
+    alice.exec("sh", "-c", f"python3 -c {shlex.quote(reaper)} </dev/null >/dev/null 2>&1 &")
+    sleeper = 0
+    deadline = time.monotonic() + 60
+    while not sleeper:
+        assert time.monotonic() < deadline, "the sleeper did not start"
+        started = alice.exec("sh", "-c", "cat /tmp/sleeper.pid 2>/dev/null").stdout.strip()
+        if started:
+            check = f"import os; print(os.getsid({started}) == {started})"
+            if alice.exec("python3", "-c", check).stdout.strip() == "True":
+                sleeper = int(started)
+        time.sleep(0.1)
     dumped = _agent_call(
         alice,
         socket,
@@ -476,7 +495,7 @@ def test_baseline_agent_killed_during_a_dump_loses_nothing(
     """The agent dies (SIGKILL) while CRIU dumps a kernel: the snapshot fails and says the
     agent went away, the kernel runs on with its state, the snapshot before stays, and the
     restarted agent (as the DaemonSet restarts it) snapshots the kernel again."""
-    pod = make_pod(agent=agent)
+    pod = make_pod(agent=agent, user="carol")  # a store (and key) of its own
     kernel = open_notebook(pod)
     setup = "import numpy as np\nx = 42\na = np.ones(60_000_000)\nprint(x)"
     assert ws_execute(pod.server, kernel, setup) == "42\n"
@@ -536,7 +555,7 @@ def test_baseline_periodic_idle_suspend_resume_and_restore_in_place_through_the_
     """In agent mode, what the server does by itself goes through the node agent too: a
     periodic snapshot, an idle kernel suspended (its process ended) and resumed by the next
     cell with its state, and a restore in place of the running kernel."""
-    pod = make_pod(_policies_often, agent=agent)
+    pod = make_pod(_policies_often, agent=agent, user="dave")  # a store (and key) of its own
     kernel = open_notebook(pod)
     assert ws_execute(pod.server, kernel, "x = 42\nprint(x)") == "42\n"
 
@@ -552,7 +571,7 @@ def test_baseline_periodic_idle_suspend_resume_and_restore_in_place_through_the_
         lambda: pod.server.client.call("GET", f"kernels/{kernel}")["state"] == "suspended",
     )
     assert listed("idle-suspend")
-    assert pod.exec("kill", "-0", str(inner)).returncode != 0  # its process ended
+    assert pod.exec("sh", "-c", f"kill -0 {inner}").returncode != 0  # its process ended
     assert ws_execute(pod.server, kernel, "print(x)") == "42\n"  # resumed by the next cell
     assert pod.server.client.call("GET", f"kernels/{kernel}")["state"] == "running"
 
