@@ -21,10 +21,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+from jupyter_ext.core.agentclient import AgentCriu
+from jupyter_ext.core.agentproto import ENV_AGENT_SOCKET
 from jupyter_ext.core.criu import Criu, LazyTransfer
 from jupyter_ext.core.errors import KernelNotRunningError, SnapshotBusyError, SnapshotError
 from jupyter_ext.core.lazypages import LAZY_MIN_BYTES, UNIX_PREFIX
@@ -105,8 +108,11 @@ class Snapshotter:
             )
 
     def _criu_binary(self) -> Criu:
+        """The local CRIU, or the node agent where the pod names one (agent mode: the pod
+        runs at Pod Security baseline and cannot run CRIU itself; docs/agent.md)."""
         if self._criu is None:
-            self._criu = Criu.locate(self.criu_path)
+            agent = os.environ.get(ENV_AGENT_SOCKET)
+            self._criu = AgentCriu.connect(Path(agent)) if agent else Criu.locate(self.criu_path)
         return self._criu
 
     # ------------------------------------------------------------------ operations

@@ -28,6 +28,8 @@ log = logging.getLogger("kernel_wrapper")
 
 #: How long an ended kernel gets to be reaped.
 REAP_TIMEOUT = 10.0
+#: The exit status reported for a kernel that is not the wrapper's child (node agent).
+UNKNOWN_EXIT = -255
 
 
 class Supervisor:
@@ -136,8 +138,9 @@ class Supervisor:
         network: OwnNetwork | None = None,
         private_temp: PrivateTemp | None = None,
     ) -> None:
-        """Supervise a kernel CRIU restored as our child (into ``network``, with
-        ``private_temp``, if given: both end with it)."""
+        """Supervise a kernel CRIU restored as our child, or that the node agent restored
+        (then the agent's child: watched through a pidfd all the same), into ``network``,
+        with ``private_temp``, if given: both end with it."""
         self._launcher = None
         self.network = network
         self.private_temp = private_temp
@@ -172,8 +175,13 @@ class Supervisor:
             if self._launcher is not None and self._launcher.pid == pid:
                 code = self._launcher.wait()
             else:
-                _, status = os.waitpid(pid, 0)
-                code = os.waitstatus_to_exitcode(status)
+                try:
+                    _, status = os.waitpid(pid, 0)
+                    code = os.waitstatus_to_exitcode(status)
+                except ChildProcessError:
+                    # Restored by the node agent, whose child it is (the agent reaps it):
+                    # its exit status is not ours to know.
+                    code = UNKNOWN_EXIT
             self._exited(code)
 
         loop.add_reader(watched, ready)

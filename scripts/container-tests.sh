@@ -86,8 +86,9 @@ for base in "${BASES[@]}"; do
   fi
 done
 
-# Pods an interrupted run left (tests/pods.py names them jks-ct-*).
+# Pods and agents an interrupted run left (tests/pods.py names them jks-ct-*).
 for pod in $(podman pod ls --quiet --filter name=jks-ct-); do podman pod rm --force "$pod" >/dev/null; done
+for agent in $(podman ps --all --quiet --filter name=jks-ct-agent-); do podman rm --force "$agent" >/dev/null; done
 
 log "podman build -f deploy/Dockerfile"
 start=$SECONDS

@@ -6,6 +6,11 @@ the keys it uses), then adapted where podman is not Kubernetes, each one said he
 
 - no Kubernetes API: the ``secretKeyRef`` credentials become literal test values, the
   ``extraFiles`` Secret and the user's PVC become host paths (the same mount paths);
+- the node agent's CSI volume (deploy/z2jh/config.yaml, agent mode) becomes a bind of the
+  agent's socket directory (what the CSI driver would mount); the pod's hostname is the
+  name KubeSpawner gave it, as Kubernetes sets it;
+- the node agent's container (deploy/agent/agent.yaml) runs with ``podman run``: podman
+  4.3's ``kube play`` ignores ``hostPID``;
 - podman ignores ``securityContext.seccompProfile``: it is turned into podman's seccomp
   annotation (Unconfined -> ``unconfined``, RuntimeDefault -> podman's default profile);
 - podman puts a non-root container's added capabilities into its ambient set, which
@@ -66,9 +71,27 @@ def pod_network() -> str:
     ).strip()
 
 
-def chart_values() -> dict[str, Any]:
+def chart_values(*overlays: str) -> dict[str, Any]:
+    """config.yaml's values, with the named files of deploy/z2jh/ given after it (``helm
+    --values config.yaml --values inpod.yaml``)."""
     values: dict[str, Any] = yaml.safe_load(CONFIG_YAML.read_text())
+    for name in overlays:
+        values = helm_merge(values, yaml.safe_load((CONFIG_YAML.parent / name).read_text()))
     return values
+
+
+def helm_merge(base: Any, overlay: Any) -> Any:
+    """How Helm merges a later values file: maps key by key, anything else replaced, and a
+    null removes the key."""
+    if not isinstance(base, dict) or not isinstance(overlay, dict):
+        return overlay
+    merged = dict(base)
+    for key, value in overlay.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = helm_merge(merged.get(key), value)
+    return merged
 
 
 def render_pod(
@@ -100,6 +123,7 @@ def render_pod(
         "volumes": [
             {"name": "home", "hostPath": {"path": str(home), "type": "Directory"}},
             {"name": "files", "hostPath": {"path": str(server_config), "type": "File"}},
+            *single.get("storage", {}).get("extraVolumes", []),
         ],
         "volume_mounts": [
             {"name": "home", "mountPath": HOME},
@@ -107,6 +131,7 @@ def render_pod(
                 "name": "files",
                 "mountPath": single["extraFiles"]["jupyter-server-config"]["mountPath"],
             },
+            *single.get("storage", {}).get("extraVolumeMounts", []),
         ],
         **values["hub"]["config"]["KubeSpawner"],
     }
@@ -146,12 +171,20 @@ def render_pod(
 class Pod:
     """A user pod running in podman, its server reached on 127.0.0.1:``port``."""
 
-    def __init__(self, manifest: dict[str, Any], work: Path, *, home: Path, grace: int) -> None:
+    def __init__(
+        self,
+        manifest: dict[str, Any],
+        work: Path,
+        *,
+        home: Path,
+        grace: int,
+        csi_dirs: dict[str, Path] | None = None,
+    ) -> None:
         self.home = home
         self.token = uuid.uuid4().hex
         self.name = f"jks-ct-{uuid.uuid4().hex[:8]}"
         self.port = _free_port()
-        self.manifest = _for_podman(manifest, self.name, self.port, self.token)
+        self.manifest = _for_podman(manifest, self.name, self.port, self.token, csi_dirs or {})
         container = self.manifest["spec"]["containers"][0]
         self.container = f"{self.name}-{container['name']}"
         # KubeSpawner.delete_grace_period: what a pod deletion gives the server.
@@ -199,16 +232,26 @@ class Pod:
         return took
 
     def close(self) -> None:
-        podman("pod", "rm", "--force", "--time", "0", self.name, check=False)
+        podman("rm", "--force", "--time", "0", self.name, check=False)
 
 
 LOG_NAME = ".server-{}.log"
 DROP_AMBIENT = ["setpriv", "--inh-caps=-all", "--ambient-caps=-all", "--"]
 
 
-def _for_podman(manifest: dict[str, Any], name: str, port: int, token: str) -> dict[str, Any]:
+def _for_podman(
+    manifest: dict[str, Any], name: str, port: int, token: str, csi_dirs: dict[str, Path]
+) -> dict[str, Any]:
     pod = json.loads(json.dumps(manifest))
+    # Kubernetes names the pod's host after the pod (KubeSpawner's jupyter-<user>), which
+    # the node agent reads its owner from; podman's own pod name must be unique here.
+    pod["spec"]["hostname"] = pod["metadata"]["name"]
     pod["metadata"]["name"] = name
+    for volume in pod["spec"].get("volumes", []):
+        csi = volume.pop("csi", None)
+        if csi is not None:
+            # What the CSI driver would mount: the node agent's socket directory.
+            volume["hostPath"] = {"path": str(csi_dirs[csi["driver"]]), "type": "Directory"}
     container = pod["spec"]["containers"][0]
     seccomp = (container.get("securityContext") or {}).get("seccompProfile")
     if seccomp:
@@ -239,3 +282,69 @@ def _free_port() -> int:
     from jupyter_ext.testing import free_port
 
     return free_port()
+
+
+AGENT_YAML = ROOT / "deploy" / "agent" / "agent.yaml"
+AGENT_CSI_DRIVER = "agent.kernel-snapshots.jupyter.org"
+
+
+class AgentPod:
+    """The node agent of ``deploy/agent/agent.yaml`` in podman: its DaemonSet's agent
+    container (the CSI driver's containers need a kubelet), privileged, in the node's PID
+    namespace, its hostPath volumes in ``work`` and its key Secret a file. Run with
+    ``podman run`` from the container's spec: podman 4.3's ``kube play`` ignores
+    ``hostPID`` (the agent would see no caller)."""
+
+    def __init__(self, image: str, work: Path) -> None:
+        documents = list(yaml.safe_load_all(AGENT_YAML.read_text()))
+        daemonset = next(d for d in documents if d["kind"] == "DaemonSet")
+        spec = daemonset["spec"]["template"]["spec"]
+        container = next(c for c in spec["containers"] if c["name"] == "agent")
+        self.socket_dir = work / "agent-socket"
+        self.state_dir = work / "agent-state"
+        key_dir = work / "agent-key"
+        for path in (self.socket_dir, self.state_dir, key_dir):
+            path.mkdir(parents=True, exist_ok=True)
+        self.socket_dir.chmod(0o755)
+        (key_dir / "seal.key").write_bytes(uuid.uuid4().bytes + uuid.uuid4().bytes)
+        host = {
+            "socket": self.socket_dir,
+            "state": self.state_dir,
+            "key": key_dir,
+            "cgroup": Path("/sys/fs/cgroup"),
+        }
+        context = container["securityContext"]
+        options = ["--pid=host" if spec.get("hostPID") else "--pid=private"]
+        options += ["--privileged"] if context.get("privileged") else []
+        options += ["--user", str(context.get("runAsUser", 0)), "--network", "none"]
+        for mount in container["volumeMounts"]:
+            suffix = ":ro" if mount.get("readOnly") else ""
+            options += ["--volume", f"{host[mount['name']]}:{mount['mountPath']}{suffix}"]
+        self.name = self.container = f"jks-ct-agent-{uuid.uuid4().hex[:8]}"
+        podman("run", "--detach", "--name", self.name, *options, image, *container["command"])
+        self.socket = self.socket_dir / "agent.sock"
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.socket.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the node agent did not start; its log:\n{self.log()}")
+            time.sleep(0.2)
+
+    def pid(self) -> int:
+        """The agent's process (the node's pid)."""
+        return int(podman("inspect", "--format", "{{.State.Pid}}", self.container).strip())
+
+    def restart(self) -> None:
+        """As the DaemonSet's restart policy does after the agent died."""
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+        podman("start", self.container)
+        self.wait_ready()
+
+    def log(self) -> str:
+        return podman("logs", self.container, check=False)[-6000:]
+
+    def close(self) -> None:
+        podman("rm", "--force", "--time", "0", self.name, check=False)

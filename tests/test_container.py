@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ import pytest
 
 from jupyter_ext.core.errors import SnapshotError
 
-from .pods import Pod, chart_values, pod_network, render_pod
+from .pods import AGENT_CSI_DRIVER, AgentPod, Pod, chart_values, pod_network, render_pod
 from .servers import follow, ws_execute
 
 IMAGE = os.environ.get("JKS_CONTAINER_IMAGE", "")
@@ -115,12 +116,18 @@ def home(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def make_pod(tmp_path: Path, moto: Moto, home: Path) -> Iterator[MakePod]:
-    """``make_pod(edit=None)``: a fresh user pod from config.yaml's values, ``edit``
-    changing the values first (the misconfigurations)."""
+    """``make_pod(edit=None, agent=None, user=USER)``: a fresh user pod from the recipe's
+    values, ``edit`` changing them first (the misconfigurations): in-pod mode
+    (config.yaml with inpod.yaml), or agent mode (config.yaml alone) with ``agent``'s
+    socket where the CSI volume would be."""
     pods: list[Pod] = []
 
-    def make(edit: Callable[[dict[str, Any]], None] | None = None) -> Pod:
-        values = chart_values()
+    def make(
+        edit: Callable[[dict[str, Any]], None] | None = None,
+        agent: AgentPod | None = None,
+        user: str = USER,
+    ) -> Pod:
+        values = chart_values() if agent is not None else chart_values("inpod.yaml")
         if edit is not None:
             edit(values)
         config = values["singleuser"]["extraFiles"]["jupyter-server-config"]["data"]
@@ -138,7 +145,7 @@ def make_pod(tmp_path: Path, moto: Moto, home: Path) -> Iterator[MakePod]:
         manifest = render_pod(
             values,
             image=IMAGE,
-            user=USER,
+            user=user,
             home=home,
             server_config=config_file,
             environment={
@@ -149,7 +156,8 @@ def make_pod(tmp_path: Path, moto: Moto, home: Path) -> Iterator[MakePod]:
             },
         )
         grace = values["hub"]["config"]["KubeSpawner"]["delete_grace_period"]
-        pod = Pod(manifest, tmp_path, home=home, grace=grace)
+        csi = {AGENT_CSI_DRIVER: agent.socket_dir} if agent is not None else {}
+        pod = Pod(manifest, tmp_path, home=home, grace=grace, csi_dirs=csi)
         pods.append(pod)
         pod.wait_ready()
         return pod
@@ -313,3 +321,269 @@ def test_misconfigured_pod_names_its_setting(
     assert fix in failed.value.hint, failed.value
     # The kernel is not harmed by the failed snapshot.
     assert ws_execute(pod.server, kernel, "print(2 + 2)") == "4\n"
+
+
+# -- agent mode: user pods at Pod Security baseline, the node agent does the checkpointing
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[AgentPod]:
+    """The node agent of deploy/agent/agent.yaml, privileged, in the node's PID namespace."""
+    running = AgentPod(IMAGE, tmp_path / "agent")
+    yield running
+    running.close()
+
+
+def _status(pod: Pod) -> dict[str, str]:
+    status = pod.exec("grep", "-E", "^(Uid|CapEff|CapBnd|NoNewPrivs|Seccomp):", "/proc/self/status")
+    return dict(line.split(":\t") for line in status.stdout.strip().splitlines())
+
+
+def _host_pid(pod: Pod, pod_pid: int) -> int:
+    """The node's pid of the process that is ``pod_pid`` in ``pod``'s server container."""
+    container = subprocess.run(
+        ["podman", "inspect", "--format", "{{.Id}}", pod.container],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if container not in (entry / "cgroup").read_text():
+                continue
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        ns_pids = next(line for line in status.splitlines() if line.startswith("NSpid:"))
+        if ns_pids.split()[-1] == str(pod_pid):
+            return int(entry.name)
+    raise LookupError(pod_pid)
+
+
+def _agent_call(pod: Pod, socket: str, code: str) -> list[str]:
+    """Run ``code`` (with ``call``, the requests and ``SOCKET`` at hand) in the pod as its
+    user; the messages of the errors it printed, one a line."""
+    prelude = (
+        "from pathlib import Path\n"
+        "from jupyter_ext.core.agentclient import AgentCriu, call\n"
+        "from jupyter_ext.core.agentproto import DumpRequest, RestoreRequest\n"
+        "from jupyter_ext.core.errors import SnapshotError\n"
+        f"SOCKET = Path({socket!r})\n"
+    )
+    out = pod.exec("python3", "-c", prelude + code)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()
+
+
+def test_baseline_pod_kernel_moves_through_the_agent_to_a_fresh_pod(
+    make_pod: MakePod, agent: AgentPod, moto: Moto
+) -> None:
+    """config.yaml's user pod meets Pod Security baseline (no capability, no_new_privs,
+    the runtime's default seccomp filter, no host namespace); its notebook's kernel, x = 42
+    and a NumPy array, is snapshotted through the node agent into S3, the pod is deleted
+    (its server snapshots the kernel on the way out, through the agent too), and a fresh
+    pod restores it with its state, into its own namespaces and with its seccomp filter."""
+    pod = make_pod(agent=agent)
+    spec = pod.manifest["spec"]
+    assert not any(spec.get(key) for key in ("hostPID", "hostNetwork", "hostIPC"))
+    context = spec["containers"][0]["securityContext"]
+    assert context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert context["privileged"] is False
+    fields = _status(pod)
+    assert int(fields["CapEff"], 16) == int(fields["CapBnd"], 16) == 0
+    assert fields["NoNewPrivs"] == "1"
+    assert fields["Seccomp"] == "2"
+
+    kernel = open_notebook(pod)
+    setup = "import numpy as np\nx = 42\na = np.arange(1_000_000)\nprint(x, int(a.sum()))"
+    assert ws_execute(pod.server, kernel, setup) == "42 499999500000\n"
+    manual = snapshot(pod, kernel)["result"]
+    assert manual["frozen_seconds"] > 0
+    assert f"kernel-snapshots/users/{USER}/snapshots/{manual['id']}.json" in moto.records()
+    pod.delete()
+    assert "snapshots before shutdown: ['done']" in pod.log(), pod.log()
+
+    fresh = make_pod(agent=agent)
+    restored = follow(
+        fresh.server, fresh.server.client.call("POST", f"{manual['id']}/restore", body={})["job"]
+    )["result"]
+    state = (
+        "import os\nprint(x, int(a.sum()), open('/proc/self/status').read().count('Seccomp:\\t2'))"
+    )
+    assert ws_execute(fresh.server, restored["kernel_id"], state) == "42 499999500000 1\n"
+    # In the fresh pod's namespaces: its server sees the kernel as one of its processes.
+    pid = int(ws_execute(fresh.server, restored["kernel_id"], "print(os.getpid())"))
+    assert fresh.exec("sh", "-c", f"kill -0 {pid}").returncode == 0
+    # A restored kernel is snapshotted through the agent again.
+    snapshot(fresh, restored["kernel_id"])
+
+
+def test_baseline_agent_refuses_another_pods_kernel_and_another_users_images(
+    make_pod: MakePod, agent: AgentPod
+) -> None:
+    """Bob's pod asks the agent for Alice's kernel by its node pid and by its pid in her
+    pod: refused. Images Alice's pod had the agent dump (sealed for her) are refused to
+    Bob's pod, and restore in hers."""
+    alice = make_pod(agent=agent)
+    kernel = open_notebook(alice)
+    kernel_pid = int(ws_execute(alice.server, kernel, "import os\nprint(os.getpid())"))
+    kernel_host_pid = _host_pid(alice, kernel_pid)
+    bob = make_pod(agent=agent, user="bob")
+    socket = "/run/jupyter-kernel-snapshots-agent/agent.sock"
+    refusals = _agent_call(
+        bob,
+        socket,
+        f"for pid in ({kernel_host_pid}, {kernel_pid}):\n"
+        "    try:\n"
+        "        request = DumpRequest(pid, leave_running=True, externals=[], ghost_limit=0)\n"
+        "        call(SOCKET, request)\n"
+        "        print('dumped', pid)\n"
+        "    except SnapshotError as exc:\n"
+        "        print(exc.message)\n",
+    )
+    assert len(refusals) == 2, refusals
+    assert all("refused" in line and "no process" in line for line in refusals), refusals
+
+    # Alice's own process, dumped for her; its images lie in the home volume both see.
+    # A session leader of its own, the child of a process that reaps it (the container's
+    # first process does not): once dumped and ended, its pid is free for the restore.
+    sleeper_code = "import os, time; os.setsid(); time.sleep(600)"
+    reaper = (
+        "import subprocess, sys\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {sleeper_code!r}])\n"
+        "open('/tmp/sleeper.pid', 'w').write(str(p.pid))\n"
+        "p.wait()\n"
+    )
+    alice.exec("sh", "-c", f"python3 -c {shlex.quote(reaper)} </dev/null >/dev/null 2>&1 &")
+    sleeper = 0
+    deadline = time.monotonic() + 60
+    while not sleeper:
+        assert time.monotonic() < deadline, "the sleeper did not start"
+        started = alice.exec("sh", "-c", "cat /tmp/sleeper.pid 2>/dev/null").stdout.strip()
+        if started:
+            check = f"import os; print(os.getsid({started}) == {started})"
+            if alice.exec("python3", "-c", check).stdout.strip() == "True":
+                sleeper = int(started)
+        time.sleep(0.1)
+    dumped = _agent_call(
+        alice,
+        socket,
+        "import asyncio\n"
+        "images = Path('/home/jovyan/alice-images')\n"
+        "images.mkdir()\n"
+        "criu = AgentCriu.connect(SOCKET)\n"
+        f"asyncio.run(criu.dump({sleeper}, images, images, leave_running=False))\n"
+        "print('dumped')\n",
+    )
+    assert dumped == ["dumped"]
+    restore = (
+        "import asyncio\n"
+        "images = Path('/home/jovyan/alice-images')\n"
+        "try:\n"
+        "    print('restored', asyncio.run(AgentCriu.connect(SOCKET).restore(images, images)))\n"
+        "except SnapshotError as exc:\n"
+        "    print(exc.message)\n"
+    )
+    refused = _agent_call(bob, socket, restore)
+    assert len(refused) == 1, refused
+    assert "not sealed for 'bob'" in refused[0], refused
+    assert _agent_call(alice, socket, restore) == [f"restored {sleeper}"]
+
+
+def test_baseline_agent_killed_during_a_dump_loses_nothing(
+    make_pod: MakePod, agent: AgentPod
+) -> None:
+    """The agent dies (SIGKILL) while CRIU dumps a kernel: the snapshot fails and says the
+    agent went away, the kernel runs on with its state, the snapshot before stays, and the
+    restarted agent (as the DaemonSet restarts it) snapshots the kernel again."""
+    pod = make_pod(agent=agent, user="carol")  # a store (and key) of its own
+    kernel = open_notebook(pod)
+    setup = "import numpy as np\nx = 42\na = np.ones(60_000_000)\nprint(x)"
+    assert ws_execute(pod.server, kernel, setup) == "42\n"
+    before = snapshot(pod, kernel)["result"]["id"]
+    job = pod.server.client.call("POST", "", body={"kernel_id": kernel})["job"]
+    deadline = time.monotonic() + 120
+    while not _criu_dumping():
+        assert time.monotonic() < deadline, "no dump started"
+        time.sleep(0.005)
+    os.kill(agent.pid(), 9)
+    with pytest.raises(SnapshotError) as failed:
+        follow(pod.server, job)
+    assert "node agent" in failed.value.message, failed.value
+    assert ws_execute(pod.server, kernel, "print(x, int(a.sum()))") == "42 60000000\n"
+    listed = pod.server.client.call("GET", "", path=NOTEBOOK)
+    assert before in [s["id"] for s in listed["snapshots"] if s["status"] == "complete"], listed
+    agent.restart()
+    snapshot(pod, kernel)
+    assert ws_execute(pod.server, kernel, "print(x)") == "42\n"
+
+
+def _criu_dumping() -> bool:
+    """Whether a CRIU of the node agent is dumping (its command line through the agent's
+    descriptors)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dump" in argv and any(
+            a.endswith(b"/criu") and a.startswith(b"/proc/self/fd/") for a in argv
+        ):
+            return True
+    return False
+
+
+def _policies_often(values: dict[str, Any]) -> None:
+    """Periodic snapshots every second and idle CPU kernels suspended after 4 s."""
+    config = values["singleuser"]["extraFiles"]["jupyter-server-config"]["data"]
+    config["SnapshotExtensionApp"].update(
+        periodic_interval=1, policy_tick=0.5, idle_suspend_after=4, suspend_cpu_kernels=True
+    )
+
+
+def _wait_for(what: str, check: Callable[[], bool], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.25)
+
+
+def test_baseline_periodic_idle_suspend_resume_and_restore_in_place_through_the_agent(
+    make_pod: MakePod, agent: AgentPod
+) -> None:
+    """In agent mode, what the server does by itself goes through the node agent too: a
+    periodic snapshot, an idle kernel suspended (its process ended) and resumed by the next
+    cell with its state, and a restore in place of the running kernel."""
+    pod = make_pod(_policies_often, agent=agent, user="dave")  # a store (and key) of its own
+    kernel = open_notebook(pod)
+    assert ws_execute(pod.server, kernel, "x = 42\nprint(x)") == "42\n"
+
+    def listed(trigger: str) -> list[dict[str, Any]]:
+        found = pod.server.client.call("GET", "", trigger=trigger, path=NOTEBOOK)
+        assert not found["store_error"], found
+        return [s for s in found["snapshots"] if s["status"] == "complete"]
+
+    _wait_for("periodic snapshot", lambda: bool(listed("periodic")))
+    inner = pod.server.client.call("GET", f"kernels/{kernel}")["inner_pid"]
+    _wait_for(
+        "idle suspend",
+        lambda: pod.server.client.call("GET", f"kernels/{kernel}")["state"] == "suspended",
+    )
+    assert pod.exec("sh", "-c", f"kill -0 {inner}").returncode != 0  # its process ended
+    assert ws_execute(pod.server, kernel, "print(x)") == "42\n"  # resumed by the next cell
+    assert pod.server.client.call("GET", f"kernels/{kernel}")["state"] == "running"
+
+    # Restore in place: the running kernel (x = 44) replaced by its snapshot (x = 43).
+    pod.server.client.call("PATCH", f"kernels/{kernel}", body={"periodic": False})
+    assert ws_execute(pod.server, kernel, "x = 43\nprint(x)") == "43\n"
+    saved = snapshot(pod, kernel)["result"]["id"]
+    assert ws_execute(pod.server, kernel, "x = 44\nprint(x)") == "44\n"
+    job = pod.server.client.call("POST", f"{saved}/restore", body={"kernel_id": kernel})["job"]
+    assert follow(pod.server, job)["result"]["kernel_id"] == kernel
+    assert ws_execute(pod.server, kernel, "print(x)") == "43\n"

@@ -79,16 +79,38 @@ def test_z2jh_config_sets_only_real_options() -> None:
         assert {name: getattr(app, name) for name in options} == options
 
 
-def test_z2jh_pods_run_as_a_user_with_only_the_capabilities_of_the_criu_copy() -> None:
-    """The user pods of deploy/z2jh/config.yaml (and the image's user): uid 1000, not
-    privileged, every capability dropped but the ones the CRIU copy's file capabilities
-    draw on (they must be in the bounding set), and no no_new_privs (it would disable
-    them). A change of the file capabilities without the pods', or the reverse, fails."""
-    import yaml
+def test_z2jh_pods_meet_pod_security_baseline_in_agent_mode() -> None:
+    """deploy/z2jh/config.yaml (agent mode): the user pods break no rule of Pod Security
+    "baseline" (no capability added, no privilege escalation, RuntimeDefault seccomp, no
+    hostPath or host namespaces), and reach the node agent through its CSI volume."""
+    from .pods import AGENT_CSI_DRIVER, chart_values
 
+    values = chart_values()
+    single = values["singleuser"]
+    context = values["hub"]["config"]["KubeSpawner"]["extra_container_config"]["securityContext"]
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert context["allowPrivilegeEscalation"] is single["allowPrivilegeEscalation"] is False
+    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert context["privileged"] is False
+    volumes = single["storage"]["extraVolumes"]
+    assert [v["csi"]["driver"] for v in volumes] == [AGENT_CSI_DRIVER]
+    assert not any("hostPath" in v for v in volumes)
+    mount = single["storage"]["extraVolumeMounts"][0]["mountPath"]
+    assert single["extraEnv"]["JUPYTER_SNAPSHOT_AGENT_SOCKET"] == f"{mount}/agent.sock"
+
+
+def test_z2jh_pods_run_as_a_user_with_only_the_capabilities_of_the_criu_copy() -> None:
+    """The user pods of deploy/z2jh/config.yaml with inpod.yaml (in-pod mode; and the
+    image's user): uid 1000, not privileged, every capability dropped but the ones the
+    CRIU copy's file capabilities draw on (they must be in the bounding set), and no
+    no_new_privs (it would disable them). A change of the file capabilities without the
+    pods', or the reverse, fails."""
     from jupyter_ext.core.criu import UNPRIVILEGED_CAPS
 
-    values = yaml.safe_load((ROOT / "deploy" / "z2jh" / "config.yaml").read_text())
+    from .pods import chart_values
+
+    values = chart_values("inpod.yaml")
+    assert "JUPYTER_SNAPSHOT_AGENT_SOCKET" not in values["singleuser"]["extraEnv"]
     container = values["hub"]["config"]["KubeSpawner"]["extra_container_config"]
     context = container["securityContext"]
     assert context["runAsUser"] == values["singleuser"]["uid"] == 1000

@@ -1,0 +1,287 @@
+"""The node agent's protocol: typed, versioned requests over a unix SOCK_SEQPACKET socket.
+
+The node agent (``jupyter_ext.nodeagent``, docs/agent.md) is root on the node and
+unconfined; its callers are user pods at Pod Security "baseline". Every byte a caller
+sends is untrusted: a request is parsed here into one frozen dataclass, every field
+checked (type, range, pattern, count), and anything else is refused with an
+:class:`AgentRequestError` that names the field. Nothing in a request says *who* asks or
+*which pod*: the agent learns that from the kernel (``core/peers.py``).
+
+One message is one datagram: a JSON object, at most :data:`MAX_MESSAGE` bytes, with file
+descriptors attached (SCM_RIGHTS) where an operation needs them::
+
+    -> {"v": 1, "op": "dump", "args": {"pid": 4123, "leave_running": true, "externals": []}}
+    <- {"v": 1, "ok": true, "result": {"files": [...], "seal": "...", ...}}  + one fd a file
+    <- {"v": 1, "ok": false, "error": {"code": ..., "message": ..., "hint": ...}}
+
+A datagram carries at most :data:`MAX_FDS` descriptors; a request or reply with more (the
+images of a large tree) sends the rest in further ``{"v": 1, "more": N}`` datagrams, so
+its names and the descriptors received pair up in order.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import re
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Self
+
+from .errors import SnapshotError
+
+#: The protocol version: a request of another version is refused, naming both.
+VERSION = 1
+#: Where the agent listens in its own mount namespace, and where user pods see the socket
+#: (the CSI volume's mount path, deploy/z2jh/config.yaml).
+SOCKET_NAME = "agent.sock"
+DEFAULT_SOCKET_DIR = "/run/jupyter-kernel-snapshots-agent"
+#: Set in the user pod (deploy/z2jh/config.yaml): the agent's socket. Set, the kernel
+#: wrappers dump and restore through the agent instead of running CRIU themselves.
+ENV_AGENT_SOCKET = "JUPYTER_SNAPSHOT_AGENT_SOCKET"
+#: The largest datagram either side sends or reads (a restore names ~100 files).
+MAX_MESSAGE = 64 * 1024
+#: Descriptors in one datagram (Linux allows 253: SCM_MAX_FD).
+MAX_FDS = 200
+#: The most image files a snapshot may have (a tree of many processes has a few per one).
+MAX_FILES = 4096
+#: Externals and inherited descriptors of one request.
+MAX_EXTERNALS = 64
+#: Process ids: 1 .. pid_max's ceiling (kernel/pid.c, PID_MAX_LIMIT).
+PID_MAX = 4 * 1024 * 1024
+#: The largest deleted file a dump may save (CRIU's ``--ghost-limit``): 1 TiB.
+GHOST_LIMIT_MAX = 1 << 40
+
+_EXTERNAL = re.compile(r"file\[[0-9a-f]{1,16}:[0-9a-f]{1,16}\]")
+_INHERITED = re.compile(r"pipe:\[[0-9]{1,20}\]|file\[[0-9a-f]{1,16}:[0-9a-f]{1,16}\]")
+#: CRIU's image names (``core-4123.img``, ``pages-1.img``, ``stats-dump``...): no path.
+_IMAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_SEAL = re.compile(r"[0-9a-f]{64}")
+
+
+class AgentRequestError(SnapshotError):
+    """The node agent refused a request: malformed, of another version, or about
+    processes or images that are not the caller's; the message names why."""
+
+    code = "agent-refused"
+
+
+class AgentUnavailableError(SnapshotError):
+    """The node agent cannot be reached, or went away during a request."""
+
+    code = "agent-unavailable"
+
+
+def _refuse(message: str) -> AgentRequestError:
+    return AgentRequestError(
+        f"The node agent refused the request: {message}.",
+        hint="This is a bug of the caller, or a request that was not the product's; "
+        "the agent's log names the pod that sent it.",
+    )
+
+
+@dataclass(frozen=True)
+class _Request:
+    """An operation's arguments; :meth:`parse` checks every field of a JSON object."""
+
+    op: ClassVar[str]
+    #: Descriptors the request carries: "none", "per-file" (files then inherited), ...
+    fds: ClassVar[str] = "none"
+
+    @classmethod
+    def parse(cls, args: Any) -> Self:
+        if not isinstance(args, dict):
+            raise _refuse(f"{cls.op}: args must be an object")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - names)
+        if unknown:
+            raise _refuse(f"{cls.op}: unknown field {unknown[0]!r}")
+        missing = sorted(names - set(args))
+        if missing:
+            raise _refuse(f"{cls.op}: missing field {missing[0]!r}")
+        request = cls(**args)
+        request.check()
+        return request
+
+    def check(self) -> None:
+        """Raise AgentRequestError naming the first bad field."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def expected_fds(self) -> int:
+        return 0
+
+
+def _check_pid(op: str, name: str, value: object) -> None:
+    if type(value) is not int or not 1 < value <= PID_MAX:
+        raise _refuse(f"{op}: {name} must be a process id (an integer 2..{PID_MAX})")
+
+
+def _check_bool(op: str, name: str, value: object) -> None:
+    if type(value) is not bool:
+        raise _refuse(f"{op}: {name} must be true or false")
+
+
+def _check_strings(
+    op: str, name: str, value: object, pattern: re.Pattern[str], limit: int
+) -> list[str]:
+    if not isinstance(value, list) or len(value) > limit:
+        raise _refuse(f"{op}: {name} must be a list of at most {limit} strings")
+    for item in value:
+        if not isinstance(item, str) or not pattern.fullmatch(item):
+            shown = repr(item)[:80]
+            raise _refuse(f"{op}: {name} has {shown}, not of the form {pattern.pattern}")
+    if len(set(value)) != len(value):
+        raise _refuse(f"{op}: {name} names an entry twice")
+    return value
+
+
+@dataclass(frozen=True)
+class HelloRequest(_Request):
+    """Who the agent takes the caller for, and its versions (doctor, tests)."""
+
+    op: ClassVar[str] = "hello"
+
+
+@dataclass(frozen=True)
+class DumpRequest(_Request):
+    """Dump the process tree of ``pid`` (a process id in the caller's own PID namespace)."""
+
+    op: ClassVar[str] = "dump"
+    pid: int
+    leave_running: bool
+    externals: list[str]
+    """CRIU external keys (``file[MNT:INODE]``): resources a restore hands over."""
+    ghost_limit: int
+    """The largest deleted file the tree holds, in bytes (CRIU saves those in the images:
+    Ray's object store is one)."""
+
+    def check(self) -> None:
+        _check_pid(self.op, "pid", self.pid)
+        _check_bool(self.op, "leave_running", self.leave_running)
+        _check_strings(self.op, "externals", self.externals, _EXTERNAL, MAX_EXTERNALS)
+        if type(self.ghost_limit) is not int or not 0 <= self.ghost_limit <= GHOST_LIMIT_MAX:
+            raise _refuse(f"dump: ghost_limit must be an integer 0..{GHOST_LIMIT_MAX}")
+
+
+@dataclass(frozen=True)
+class RestoreRequest(_Request):
+    """Restore the images given as descriptors (one per name in ``files``, in order),
+    sealed by this node's agents for the caller's owner, into the caller's pod. Then
+    one descriptor per entry of ``inherit``: what the restored tree gets in place of that
+    resource (CRIU's ``--inherit-fd``)."""
+
+    op: ClassVar[str] = "restore"
+    files: list[str]
+    seal: str
+    """The HMAC the dump's reply gave (hex)."""
+    inherit: list[str]
+
+    def check(self) -> None:
+        _check_strings(self.op, "files", self.files, _IMAGE_NAME, MAX_FILES)
+        if not self.files:
+            raise _refuse("restore: files is empty")
+        if not isinstance(self.seal, str) or not _SEAL.fullmatch(self.seal):
+            raise _refuse("restore: seal must be 64 hex digits")
+        _check_strings(self.op, "inherit", self.inherit, _INHERITED, MAX_EXTERNALS)
+
+    def expected_fds(self) -> int:
+        return len(self.files) + len(self.inherit)
+
+
+#: Every operation by name.
+REQUESTS: dict[str, type[_Request]] = {
+    cls.op: cls for cls in (HelloRequest, DumpRequest, RestoreRequest)
+}
+
+
+def parse_request(data: bytes, nfds: int) -> _Request:
+    """The request in one datagram with ``nfds`` descriptors, or AgentRequestError."""
+    if len(data) > MAX_MESSAGE:
+        raise _refuse(f"a message of more than {MAX_MESSAGE} bytes")
+    try:
+        message = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise _refuse(f"not a JSON object ({type(exc).__name__})") from None
+    if not isinstance(message, dict):
+        raise _refuse("not a JSON object")
+    unknown = sorted(set(message) - {"v", "op", "args"})
+    if unknown:
+        raise _refuse(f"unknown field {unknown[0]!r}")
+    version = message.get("v")
+    if type(version) is not int or version != VERSION:
+        raise _refuse(f"protocol version {version!r}; this agent speaks version {VERSION}")
+    op = message.get("op")
+    cls = REQUESTS.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise _refuse(f"unknown operation {str(op)[:40]!r}")
+    request = cls.parse(message.get("args", {}))
+    # The first datagram carries at most MAX_FDS of them; the rest follow (receive_more).
+    if nfds != min(request.expected_fds(), MAX_FDS):
+        raise _refuse(f"{op}: {nfds} descriptors sent, {request.expected_fds()} expected")
+    return request
+
+
+def encode_request(request: _Request) -> bytes:
+    return json.dumps({"v": VERSION, "op": request.op, "args": request.to_json()}).encode()
+
+
+# -- datagrams with descriptors -------------------------------------------------------------
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    """Send ``message`` with ``fds``; more than :data:`MAX_FDS` go in further datagrams."""
+    data = json.dumps({"v": VERSION, **message}).encode()
+    if len(data) > MAX_MESSAGE:
+        raise _refuse(f"a message of {len(data)} bytes (at most {MAX_MESSAGE})")
+    fds = list(fds)
+    first, rest = fds[:MAX_FDS], fds[MAX_FDS:]
+    socket.send_fds(sock, [data], first) if first else sock.sendall(data)
+    while rest:
+        batch, rest = rest[:MAX_FDS], rest[MAX_FDS:]
+        socket.send_fds(sock, [json.dumps({"v": VERSION, "more": len(batch)}).encode()], batch)
+
+
+def receive(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One datagram and its descriptors (b"" at the end of the connection). A datagram
+    cut short (longer than MAX_MESSAGE) or with its descriptors cut is refused."""
+    fds = array.array("i")
+    data, ancdata, flags, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(MAX_FDS * fds.itemsize))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    received = list(fds)
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        for fd in received:
+            _close(fd)
+        raise _refuse("a message cut short (too long, or too many descriptors)")
+    return data, received
+
+
+def receive_more(sock: socket.socket, count: int) -> list[int]:
+    """The ``count`` descriptors that follow a reply in ``more`` datagrams."""
+    fds: list[int] = []
+    while len(fds) < count:
+        data, batch = receive(sock)
+        fds += batch
+        try:
+            more = json.loads(data).get("more")
+        except (ValueError, AttributeError):
+            more = None
+        if not batch or more != len(batch):
+            for fd in fds:
+                _close(fd)
+            raise AgentUnavailableError(
+                "The node agent's reply lost its descriptors.",
+                hint="Retry; if it happens again, see the agent's log.",
+            )
+    return fds
+
+
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)

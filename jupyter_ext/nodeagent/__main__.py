@@ -1,0 +1,74 @@
+"""``jupyter-snapshot-agent``: run the node agent (as root, unconfined, in the node's PID
+namespace: deploy/agent/daemonset.yaml, docs/agent.md)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from jupyter_ext.core import peers
+from jupyter_ext.core.agentproto import DEFAULT_SOCKET_DIR
+from jupyter_ext.core.criu import Criu
+from jupyter_ext.core.errors import SnapshotError
+
+from .seal import Sealer
+from .server import Agent
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="jupyter-snapshot-agent",
+        description="Dump and restore Jupyter kernels for the user pods of this node.",
+    )
+    parser.add_argument(
+        "--socket-dir",
+        type=Path,
+        default=Path(DEFAULT_SOCKET_DIR),
+        help=f"where agent.sock is made (default {DEFAULT_SOCKET_DIR}); user pods get this "
+        "directory through the CSI volume",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path("/var/lib/jupyter-kernel-snapshots-agent"),
+        help="the agent's own work directory (images while CRIU writes or reads them)",
+    )
+    parser.add_argument(
+        "--key-file",
+        type=Path,
+        default=Path("/etc/jupyter-kernel-snapshots-agent/seal.key"),
+        help="the key images are sealed with (>= 32 bytes; made if missing, then only this "
+        "node's agent restores its images); never mount it into user pods",
+    )
+    parser.add_argument("--criu", default=None, help="the CRIU binary (default: as found)")
+    parser.add_argument(
+        "--owner-pattern",
+        default=peers.DEFAULT_OWNER_PATTERN,
+        help="regular expression for the pods' hostnames (pod names), with a group "
+        "'owner': the user whose snapshots the pod may restore",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if os.geteuid() != 0:
+        print("jupyter-snapshot-agent: run it as root (a privileged container)", file=sys.stderr)
+        return 1
+    try:
+        agent = Agent(
+            args.socket_dir,
+            args.state_dir,
+            Sealer.from_file(args.key_file),
+            Criu.locate(args.criu),
+            args.owner_pattern,
+        )
+    except SnapshotError as exc:
+        print(f"jupyter-snapshot-agent: {exc}", file=sys.stderr)
+        return 1
+    agent.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
