@@ -8,6 +8,8 @@ the image); skipped elsewhere, saying so. How podman stands in for Kubernetes:
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import shlex
@@ -23,6 +25,8 @@ import boto3
 import pytest
 
 from jupyter_ext.core.errors import SnapshotError
+from jupyter_ext.core.store.keys import ENV_KEY
+from jupyter_ext.testing import RUN_KEY
 
 from .pods import AGENT_CSI_DRIVER, AgentPod, Pod, chart_values, pod_network, render_pod
 from .servers import follow, ws_execute
@@ -135,10 +139,12 @@ def make_pod(tmp_path: Path, moto: Moto, home: Path) -> Iterator[MakePod]:
             s3_bucket=BUCKET, s3_endpoint_url=moto.pod_url, chunk_kib=1024
         )
         # No hub in this stage, so no hub service to sign requests or give the key: the pod
-        # gets the store's credentials itself (the shared-Secret way) and keeps its key in a
-        # file on its home volume (the service: tests/test_jupyterhub.py).
+        # gets the store's credentials itself (the shared-Secret way) and its user's key from
+        # its environment, as a spawner would set it (the service: tests/test_jupyterhub.py).
+        # One key per user for the whole stage: the tests share the bucket, and a user's
+        # store keyed by an earlier test's key would be refused (rightly) as another key's.
         del config["SnapshotExtensionApp"]["hub_service_url"]
-        config["SnapshotExtensionApp"]["encryption_key_source"] = "file"
+        config["SnapshotExtensionApp"]["encryption_key_source"] = "env"
         config_file = tmp_path / f"server-config-{uuid.uuid4().hex[:6]}.json"
         config_file.write_text(json.dumps(config))
         config_file.chmod(0o644)
@@ -153,6 +159,7 @@ def make_pod(tmp_path: Path, moto: Moto, home: Path) -> Iterator[MakePod]:
                 "AWS_SECRET_ACCESS_KEY": "testing",
                 "AWS_DEFAULT_REGION": "us-east-1",
                 "AWS_EC2_METADATA_DISABLED": "true",
+                ENV_KEY: user_key(user),
             },
         )
         grace = values["hub"]["config"]["KubeSpawner"]["delete_grace_period"]
@@ -165,6 +172,11 @@ def make_pod(tmp_path: Path, moto: Moto, home: Path) -> Iterator[MakePod]:
     yield make
     for pod in pods:
         pod.close()
+
+
+def user_key(user: str) -> str:
+    """The user's key-encryption key for this test run (base64), derived from the run's."""
+    return base64.b64encode(hashlib.sha256(f"{RUN_KEY}\0{user}".encode()).digest()).decode()
 
 
 def _dockerfile_arg(name: str) -> str:
