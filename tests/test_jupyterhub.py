@@ -20,12 +20,12 @@ from typing import Any
 
 import boto3
 import pytest
-import yaml
 
 from jupyter_ext.core.errors import SnapshotNotFoundError
 from jupyter_ext.testing import Endpoint, MotoServer, free_port
 
 from .hub import ROOT, Hub
+from .pods import chart_values
 from .servers import follow, ws_execute
 
 pytestmark = pytest.mark.usefixtures("criu")
@@ -38,8 +38,9 @@ SERVICE = "kernel-snapshots"
 
 
 def z2jh_values() -> dict[str, Any]:
-    values: dict[str, Any] = yaml.safe_load((ROOT / "deploy" / "z2jh" / "config.yaml").read_text())
-    return values
+    """The recipe's values in in-pod mode (config.yaml, then inpod.yaml): the servers here
+    run CRIU themselves, there is no node agent (its tests: tests/test_container.py)."""
+    return chart_values("inpod.yaml")
 
 
 def z2jh_server_config() -> dict[str, Any]:
