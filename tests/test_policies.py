@@ -510,9 +510,18 @@ def test_snapshots_the_store_refused_are_uploaded_when_the_server_starts_again(
     proxy.restore()
     second = ServerProcess(tmp_path / "second", notebooks, config)
     try:
-        wait_until(lambda: not staging.exists() or not any(staging.iterdir()), 60, "upload")
-        [listed] = second.client.call("GET", "")["snapshots"]
-        assert (listed["id"], listed["status"]) == (kept, "complete")
+        # Listed as uploading until the upload is wrapped up (retention included), after
+        # its staged directory is gone: wait for the listing, then check the directory.
+        seen: list[dict[str, Any]] = []
+
+        def stored() -> bool:
+            seen[:] = second.client.call("GET", "")["snapshots"]
+            return [s["status"] for s in seen] == ["complete"]
+
+        wait_until(stored, 60, "the upload")
+        [listed] = seen
+        assert listed["id"] == kept
+        assert not staging.exists() or not any(staging.iterdir())
         assert listed["trigger"] == "before-shutdown"
         assert not crashed_download.exists()
     finally:
