@@ -7,7 +7,7 @@ import os
 import secrets
 from pathlib import Path
 
-from jupyter_ext.core.leftovers import lock_directory
+from jupyter_ext.core.fileio import lock_directory
 from jupyter_ext.core.manifest import Manifest
 
 

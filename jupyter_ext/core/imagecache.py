@@ -53,7 +53,7 @@ from typing import Any
 
 from . import private
 from .errors import SnapshotError
-from .leftovers import lock_directory, try_lock_directory
+from .fileio import lock_directory, try_lock_directory
 from .manifest import (
     MANIFEST_NAME,
     SEAL_STAMPS_NAME,

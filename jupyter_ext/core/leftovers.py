@@ -20,6 +20,7 @@ from pathlib import Path
 
 from . import proctree
 from .errors import DumpError, SnapshotError, WrapperUnavailableError
+from .fileio import try_lock_directory
 from .humanize import human_bytes
 from .manifest import MANIFEST_NAME, Manifest
 
@@ -99,37 +100,6 @@ def remove_orphaned_dumps(directory: Path) -> list[Path]:
         finally:
             os.close(fd)
     return removed
-
-
-def lock_directory(path: Path, *, shared: bool = False) -> int:
-    """An fd of the directory ``path`` holding its flock: a download or restore copy in
-    use stays locked, so a clean-up can tell it from one a dead process left
-    (:func:`remove_unlocked`). ``shared``: a copy in use that others may use too (a
-    restore reading it, the image cache leasing it); a clean-up needs it exclusive."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def try_lock_directory(path: Path, *, shared: bool = False) -> int | None:
-    """Like :func:`lock_directory`, or None at once if another process holds the lock
-    (or the directory is gone)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return None
-        raise
-    return fd
 
 
 def remove_unlocked(directory: Path, *, sealed_only: bool = False) -> list[Path]:

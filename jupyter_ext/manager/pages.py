@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..core.lazypages import PrefixedPages, RangeServer
 from ..core.manifest import IMAGES_DIR
-from ..core.store import SnapshotImages
+from ..core.store import StoredImages
 
 
 class LentPages:
@@ -16,7 +16,7 @@ class LentPages:
     store's verified ranges, served on a unix socket in a private folder (the wrapper is
     another process; socket paths must stay short)."""
 
-    def __init__(self, snapshot_id: str, images: SnapshotImages) -> None:
+    def __init__(self, snapshot_id: str, images: StoredImages) -> None:
         self.snapshot_id = snapshot_id
         self.images = images
         self.folder = Path(tempfile.mkdtemp(prefix="jks-pages-"))

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import SnapshotError
+from ..core.fileio import lock_directory
 from ..core.imagecache import ImageCache, stamp_checked
-from ..core.leftovers import lock_directory, remove_orphaned_dumps, remove_unlocked
+from ..core.leftovers import remove_orphaned_dumps, remove_unlocked
 from ..core.manifest import MANIFEST_NAME, SNAPSHOT_ID_RE, Manifest, remove_tree
 from ..core.store import SnapshotStore
 from .jobs import Job, Jobs

@@ -25,17 +25,18 @@ one request, coalesced, and checks every chunk's sha256 and every file's. Clean-
 restic's prune with claims for its locks (``claims.py``, ``prune.py``).
 """
 
-from .api import ChunkRef, SnapshotStore, StoredSnapshot, StoreError, StoreStats
+from .api import ChunkRef, SnapshotStore, StoredImages, StoredSnapshot, StoreError, StoreStats
 from .backend.s3 import S3Encryption
 from .images import SnapshotImages
 from .keys import KEY_SOURCES, EnvKeySource, FileKeySource, KeySettings, KeySource
 from .repository import DEFAULT_GRACE_SECONDS, REPACK_BELOW, Repository
-from .stores import LocalStore, S3Store, StoreSpec, open_store
+from .stores import STORE_KINDS, LocalStore, S3Store, StoreSpec, open_store
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS",
     "KEY_SOURCES",
     "REPACK_BELOW",
+    "STORE_KINDS",
     "ChunkRef",
     "EnvKeySource",
     "FileKeySource",
@@ -50,6 +51,7 @@ __all__ = [
     "StoreError",
     "StoreSpec",
     "StoreStats",
+    "StoredImages",
     "StoredSnapshot",
     "open_store",
 ]

@@ -4,20 +4,16 @@ the error shapes every part of the store raises."""
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 from ..errors import SnapshotCorruptError, SnapshotError
 from ..manifest import Manifest
 from ..private import Exposed
 from ..protocol import Phase, ProgressCallback
 from .pack import Location
-
-if TYPE_CHECKING:
-    from .images import SnapshotImages
-
 
 Progress = ProgressCallback | None
 Skip = Callable[[str], bool] | None
@@ -64,6 +60,36 @@ class StoreStats:
     """Bytes of all objects, garbage not yet swept or repacked included."""
 
 
+Ranges = Iterable[tuple[str, int, int]]
+"""(path, offset, length) of a snapshot's files."""
+
+
+class StoredImages(Protocol):
+    """A stored snapshot's files read by range, checked (what a lazy restore serves the
+    kernel's memory from). Defined here, low, and implemented by ``images.SnapshotImages``
+    above, so that this module names nothing above it."""
+
+    manifest: Manifest
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of file ``path`` from ``offset`` (fewer at its end)."""
+        ...
+
+    def download_into(
+        self, directory: Path, paths: Iterable[str], *, now: Ranges = (), first: Ranges = ()
+    ) -> None:
+        """Keep ``paths`` in ``directory`` too, downloaded in the background."""
+        ...
+
+    def wait_downloaded(self) -> bool:
+        """Wait for the background download; whether every file is complete."""
+        ...
+
+    def close(self) -> None:
+        """Stop the download and let go of the local files."""
+        ...
+
+
 class SnapshotStore(Protocol):
     """What the snapshot manager needs from a store."""
 
@@ -83,7 +109,7 @@ class SnapshotStore(Protocol):
         self, snapshot_id: str, dest_dir: Path, progress: Progress = None, skip: Skip = None
     ) -> Path: ...
 
-    def open_images(self, snapshot_id: str) -> SnapshotImages: ...
+    def open_images(self, snapshot_id: str) -> StoredImages: ...
 
     def delete(self, snapshot_id: str, *, missing_ok: bool = False) -> None: ...
 

@@ -17,14 +17,12 @@ from pathlib import Path
 from .. import manifest as manifest_mod
 from .. import private
 from ..errors import SnapshotCorruptError
-from ..fileio import pwrite_all
-from ..leftovers import lock_directory
+from ..fileio import fsync_dir, lock_directory, pwrite_all
 from ..private import PRIVATE
 from ..protocol import ProgressCallback
 from . import pack
 from .api import ChunkRef, StoreError, corrupt, os_hint, report
 from .backend import layout
-from .backend.local import fsync_dir
 from .index import Catalog, Index
 from .record import Record
 from .workers import Bounded

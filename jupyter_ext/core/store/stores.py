@@ -1,4 +1,4 @@
-"""The two stores: a repository over a local directory, and one over an S3 bucket. The
+"""The stores: a repository over a local directory, one over an S3 bucket, one in memory. The
 policies that depend on where the bytes are live here, not in the backends: a local
 store adopts images, says how full its disk is, and sweeps its backend's temporaries."""
 
@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import errno
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypedDict, Unpack
+from typing import Any, TypedDict, Unpack
 
 from ..chunking import ChunkParams
 from ..humanize import human_bytes
@@ -16,6 +17,7 @@ from ..manifest import Manifest
 from ..private import GROUP_SHARED, PRIVATE, Modes
 from .api import StoreError
 from .backend.local import LocalBackend
+from .backend.memory import MemoryBackend
 from .backend.s3 import S3Backend, S3Encryption, connect
 from .hubclient import signing_client
 from .keys import KeySettings, KeySource, make_key_source
@@ -129,7 +131,8 @@ class StoreSpec:
     """Everything a store is made from: the server's options and the CLI's both become
     one of these, and :func:`open_store` makes the store, so a store is configured once."""
 
-    kind: Literal["local", "s3"]
+    kind: str
+    """A name in :data:`STORE_KINDS`."""
     key_source: str
     """A name in keys.KEY_SOURCES, or "none" (no encryption)."""
     keys: KeySettings
@@ -152,36 +155,52 @@ class StoreSpec:
         return str(self.local_dir)
 
 
-def open_store(spec: StoreSpec) -> LocalStore | S3Store:
-    """The store ``spec`` describes (nothing is read or written yet)."""
+Opener = Callable[[StoreSpec, Tuning], Repository]
+"""Makes the store of a spec from the repository's settings (nothing read or written)."""
+
+
+def open_store(spec: StoreSpec) -> Repository:
+    """The store ``spec`` describes (nothing is read or written yet), by its kind's opener
+    in :data:`STORE_KINDS`."""
+    opener = STORE_KINDS.get(spec.kind)
+    if opener is None:
+        raise StoreError(
+            f"Unknown store kind {spec.kind!r}; the known kinds are "
+            f"{', '.join(sorted(STORE_KINDS))}.",
+            hint="Set the store to one of those (SnapshotExtensionApp.store).",
+        )
     tuning: Tuning = {
         "chunking": ChunkParams.of_kib(spec.chunk_kib) if spec.chunk_kib else None,
         "pack_bytes": spec.pack_mib << 20,
         "keys": make_key_source(spec.key_source, spec.keys),
     }
-    if spec.kind == "s3":
-        if not spec.s3_bucket:
-            raise StoreError(
-                "The s3 store needs a bucket.", hint="Set SnapshotExtensionApp.s3_bucket."
-            )
-        client = None
-        if spec.keys.hub_service_url:
-            client = signing_client(
-                spec.keys.hub_service_url,
-                spec.keys.hub_token,
-                spec.s3_endpoint_url or None,
-                spec.s3_region or None,
-                max_workers=8,
-            )
-        return S3Store(
-            spec.s3_bucket,
-            spec.s3_prefix,
-            endpoint_url=spec.s3_endpoint_url or None,
-            region=spec.s3_region or None,
-            client=client,
-            encryption=spec.s3_encryption,
-            **tuning,
+    return opener(spec, tuning)
+
+
+def open_s3(spec: StoreSpec, tuning: Tuning) -> S3Store:
+    if not spec.s3_bucket:
+        raise StoreError("The s3 store needs a bucket.", hint="Set SnapshotExtensionApp.s3_bucket.")
+    client = None
+    if spec.keys.hub_service_url:
+        client = signing_client(
+            spec.keys.hub_service_url,
+            spec.keys.hub_token,
+            spec.s3_endpoint_url or None,
+            spec.s3_region or None,
+            max_workers=8,
         )
+    return S3Store(
+        spec.s3_bucket,
+        spec.s3_prefix,
+        endpoint_url=spec.s3_endpoint_url or None,
+        region=spec.s3_region or None,
+        client=client,
+        encryption=spec.s3_encryption,
+        **tuning,
+    )
+
+
+def open_local(spec: StoreSpec, tuning: Tuning) -> LocalStore:
     if spec.local_dir is None:
         raise StoreError("The local store needs a directory.", hint="Set local_store_dir.")
     key_file = spec.keys.key_file.resolve()
@@ -194,3 +213,17 @@ def open_store(spec: StoreSpec) -> LocalStore | S3Store:
     return LocalStore(
         spec.local_dir, modes=GROUP_SHARED if spec.group_access else PRIVATE, **tuning
     )
+
+
+def open_memory(spec: StoreSpec, tuning: Tuning) -> Repository:
+    """In this process alone, gone with it (tests; the contract's reference backend)."""
+    return Repository(MemoryBackend(), max_workers=8, **tuning)
+
+
+STORE_KINDS: dict[str, Opener] = {
+    "local": open_local,
+    "s3": open_s3,
+    "memory": open_memory,
+}
+"""Every kind of store, by ``StoreSpec.kind``: a new backend is one file under backend/
+and one line here (docs/storage.md, "Adding a backend")."""

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from ...private import Exposed
+from ..api import StoreError
 from ..pack import Parts
 
 
@@ -42,7 +43,22 @@ class ObjectStat(NamedTuple):
 
 
 class Backend(Protocol):
-    """Moves bytes. Errors are :class:`~..api.StoreError` saying what failed and where."""
+    """Moves bytes. Errors are :class:`~..api.StoreError` saying what failed and where.
+
+    The contract every backend keeps (tests/test_backend_contract.py runs it over each):
+
+    - a file is saved whole or not at all: a save that fails (its parts raise, the disk
+      fills) leaves the file as it was, and no partial file is ever loaded or listed;
+    - :meth:`save` replaces a file whole; :meth:`save_if_absent` never replaces one, and
+      of concurrent ones for a handle exactly one returns True (its bytes are the file's);
+    - a missing file is not an error: :meth:`load` returns None, :meth:`remove` and
+      :meth:`remove_all` do nothing for it (removal is idempotent);
+    - :meth:`names` and :meth:`entries` list one kind, and only files saved under it (the
+      kind's directory is the prefix listed); a backend's temporaries are never listed;
+    - a name that would leave its kind's directory is refused (``layout.check``:
+      StoreError) before any byte moves;
+    - saves from many threads at once are safe, and each lands whole.
+    """
 
     def location(self, handle: Handle) -> str:
         """Where the file is, for messages: a path or an ``s3://`` URL."""
@@ -64,8 +80,9 @@ class Backend(Protocol):
     def load(
         self, handle: Handle, offset: int = 0, length: int | None = None
     ) -> bytes | memoryview | None:
-        """The file (``length`` None), or ``length`` bytes of it from ``offset`` (fewer
-        past its end); None if it is missing."""
+        """The file (``length`` None), or ``length`` (>= 1) bytes of it from ``offset``
+        (fewer past its end); None if it is missing. A range that starts at or past the
+        end (any range of an empty file) is :func:`beyond_end`'s StoreError, never b""."""
         ...
 
     def names(self, kind: Kind) -> list[str]:
@@ -97,3 +114,13 @@ class Backend(Protocol):
         """Take from what the backend keeps on this machine the access its modes give
         nobody else; what was changed (nothing for a remote backend)."""
         ...
+
+
+def beyond_end(where: str, offset: int, size: int | None = None) -> StoreError:
+    """The one error of a ranged load starting at or past a file's end."""
+    of = f" of {size} bytes" if size is not None else ""
+    return StoreError(
+        f"Cannot read {where}{of} from byte {offset}: that is at or past its end.",
+        hint="The store's record and its packs disagree: check the store (or pick another "
+        "snapshot).",
+    )

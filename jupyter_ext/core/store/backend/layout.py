@@ -8,11 +8,13 @@
     chunks/<hh>/<sha256>    record format 1 only (one object per chunk): still read
 
 A pack's name is its path (records name packs so); a record is named by its snapshot id,
-a claim or marker by its file name.
+a claim or marker by its file name. :func:`path` refuses a name that would leave its
+kind's directory (the backend contract: names are validated before any byte moves).
 """
 
 from __future__ import annotations
 
+from ..api import StoreError
 from .base import Handle, Kind
 
 PUTS_DIR = "puts"
@@ -23,6 +25,7 @@ RECORD_SUFFIX = ".json"
 
 def path(handle: Handle) -> str:
     """Where the file of ``handle`` is, relative to the store's root ("/"-separated)."""
+    check(handle)
     if handle.kind is Kind.RECORD:
         return f"{RECORDS_DIR}/{handle.name}{RECORD_SUFFIX}"
     if handle.kind is Kind.PUT:
@@ -30,6 +33,23 @@ def path(handle: Handle) -> str:
     if handle.kind is Kind.KEY:
         return f"{KEYS_DIR}/{handle.name}"
     return handle.name
+
+
+def check(handle: Handle) -> None:
+    """Refuse a name outside its kind's directory: a flat name (record, claim, key) with a
+    "/", a pack or chunk path not under its directory, "." or ".." parts, NUL, empty."""
+    name = handle.name
+    if handle.kind in (Kind.PACK, Kind.LEGACY):
+        parts = name.split("/")
+        ok = len(parts) > 1 and parts[0] == directory(handle.kind)
+    else:
+        parts = [name]
+        ok = "/" not in name
+    if not ok or "\0" in name or any(p in ("", ".", "..") for p in parts):
+        raise StoreError(
+            f"{name!r} is not a valid name for a {handle.kind.value} in a snapshot store.",
+            hint="Check the snapshot id (or the name) given.",
+        )
 
 
 def directory(kind: Kind) -> str:

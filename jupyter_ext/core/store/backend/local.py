@@ -16,12 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ... import private
+from ...fileio import fsync_dir
 from ...growinghash import start_writeback
 from ...private import PRIVATE, Exposed, Modes
 from .. import pack
 from ..api import StoreError, os_hint
 from . import layout
-from .base import Handle, Kind, ObjectStat
+from .base import Handle, Kind, ObjectStat, beyond_end
 
 
 class LocalBackend:
@@ -138,8 +139,9 @@ class LocalBackend:
             if length is None:
                 return path.read_bytes()
             with path.open("rb") as fh:
-                if os.fstat(fh.fileno()).st_size == 0:
-                    return b""
+                size = os.fstat(fh.fileno()).st_size
+                if offset >= size:
+                    raise beyond_end(str(path), offset, size)
                 mapped = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
                 return memoryview(mapped)[offset : offset + length]
         except FileNotFoundError:
@@ -308,14 +310,6 @@ def copy_range(fd: int, start: int, length: int, out: int) -> bool:
         offset += copied
         left -= copied
     return True
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def scandir(path: Path) -> list[os.DirEntry[str]]:

@@ -13,7 +13,7 @@ from ...private import Exposed
 from .. import pack
 from ..api import StoreError
 from . import layout
-from .base import Handle, Kind, ObjectStat
+from .base import Handle, Kind, ObjectStat, beyond_end
 
 _NETWORK_HINT = "Check that {endpoint} is reachable from this machine, then retry."
 _CREDENTIALS_HINT = (
@@ -118,6 +118,9 @@ class S3Backend:
                 return None
             if exists_ok and code in ("412", "PreconditionFailed"):
                 return None
+            if code == "InvalidRange":
+                start = int(str(kw.get("Range", "bytes=0-")).split("=")[1].split("-")[0])
+                raise beyond_end(f"s3://{self.bucket}/{key}", start) from exc
             self._raise(op, key, exc)
         except BotoCoreError as exc:
             self._raise(op, key, exc)
