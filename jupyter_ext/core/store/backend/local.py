@@ -194,7 +194,8 @@ class LocalBackend:
         try:
             path.unlink(missing_ok=True)
             if handle.kind in (Kind.RECORD, Kind.KEY):
-                fsync_dir(path.parent)
+                with contextlib.suppress(FileNotFoundError):  # no directory: nothing removed
+                    fsync_dir(path.parent)
         except OSError as exc:
             raise self._error(f"{verb} {_describe(handle)}", exc) from exc
 
