@@ -13,7 +13,8 @@ picture)::
       sealing.py     AES-256-GCM pieces bound to what they are
       index.py       records and trailers read so far, Catalog (one owner: the repository)
       record.py      the record format;  pack.py: the pack format, range coalescing
-    backend/       base.py (the protocol), layout.py (the one path layout), local.py, s3.py
+    backend/       base.py (the protocol), layout.py (the one path layout), local.py, s3.py,
+                   memory.py (a new one: one file, one line in stores.STORE_KINDS)
     api.py         public types and error shapes
 
 Images are cut with page-aligned content-defined chunking (``chunking.py``), so successive
