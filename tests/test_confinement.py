@@ -264,7 +264,8 @@ def _declared(kernel: KernelProcess) -> list[int]:
     return [
         int(x)
         for x in kernel.execute(
-            "from jupyter_ext.core import confinement; print(*confinement.declared_ptracer)"
+            "from jupyter_ext.core.isolation import confinement; "
+            "print(*confinement.declared_ptracer)"
         ).split()
     ]
 

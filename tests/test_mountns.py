@@ -46,7 +46,8 @@ def test_a_kernel_namespace_names_all_but_its_proc(tmp_path: Path) -> None:
         pytest.skip("a mount namespace needs root (non-root kernels share the server's)")
     ready = tmp_path / "ready"
     code = (
-        "import sys, time; from jupyter_ext.core import mountns; mountns.mount_own_proc();"
+        "import sys, time; from jupyter_ext.core.isolation import mountns; "
+        "mountns.mount_own_proc();"
         f"open({str(ready)!r}, 'w').close(); time.sleep(60)"
     )
     child = subprocess.Popen(

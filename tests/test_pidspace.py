@@ -15,7 +15,7 @@ from jupyter_ext.core.isolation import pidspace
 
 IN_A_FRESH_POD = """
 import random
-from jupyter_ext.core import pidspace
+from jupyter_ext.core.isolation import pidspace
 before = pidspace.last_pid()
 skipped = pidspace.skip_low_pids(500, 100, random.Random(7))
 print(before, skipped, pidspace.last_pid())
