@@ -251,7 +251,7 @@ class Criu:
         ``keep_tcp``: the images were dumped with ``keep_tcp`` (connections with state).
         ``netns``: the network namespace to restore the tree into (CRIU runs there).
         ``mounts``: the external mount points of the tree's own mount namespace, bound
-        from the same paths here, or from ``mount_sources[path]`` (:mod:`.mountns`).
+        from the same paths here, or from ``mount_sources[path]`` (:mod:`..isolation.mountns`).
         """
         return await self._restore(
             images_dir,
