@@ -39,9 +39,9 @@ from typing import Any
 
 from harness import QUIET, Server, extension_config
 
-from jupyter_ext.core import mountns
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.humanize import human_bytes
+from jupyter_ext.core.isolation import mountns
 from jupyter_ext.core.manifest import IMAGES_DIR, Manifest
 
 STATE = "import numpy as np; x = np.random.default_rng(1).random({mib} * 131072); s = x.sum()"
@@ -50,7 +50,7 @@ STATE = "import numpy as np; x = np.random.default_rng(1).random({mib} * 131072)
 def bare_restore(criu: Criu, snapshot_dir: Path) -> float:
     """``criu restore`` of the snapshot's images with our wrapper's options and inherited
     fds (a pipe for its output, a directory for its channels) and mounts (the kernel's
-    mount namespace, core/mountns.py); the restored tree is
+    mount namespace, core/isolation/mountns.py); the restored tree is
     killed afterwards. Returns the seconds CRIU ran."""
     manifest = Manifest.read(snapshot_dir)
     work = Path(tempfile.mkdtemp(prefix="bare-restore-"))

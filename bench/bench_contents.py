@@ -1,4 +1,4 @@
-"""How long the agent's summary of a namespace takes (kernel_wrapper.contents), the part of
+"""How long the agent's summary of a namespace takes (kernel_wrapper.inkernel.contents), the part of
 each snapshot that runs inside the kernel: at most about 50 ms, even for 100 000 objects.
 
 Namespaces of N variables of mixed kinds (floats, short strings, small lists and dicts,
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from kernel_wrapper.contents import summarize_namespace
+from kernel_wrapper.inkernel.contents import summarize_namespace
 
 
 def namespace(n: int) -> dict[str, Any]:

@@ -17,12 +17,12 @@ kernel's tree: saved with its state, ``--tcp-established``, with root).
 ``--side-by-side`` (root): three kernels in one run, snapshotted in turn: (a) a plain
 kernel, (b) a kernel with a ``SyncManager`` child (a kept connection) in the server's
 network namespace, (c) a copy of (b)'s snapshot restored beside it, so in a network
-namespace of its own (core/netns.py); also the restore of (c) and of the same snapshot
+namespace of its own (core/isolation/netns.py); also the restore of (c) and of the same snapshot
 into the server's namespace (after (b) and (c) ended), until the kernel answers.
 
 ``--dask`` (root): a Dask ``LocalCluster`` kernel; copies of its snapshot restored beside
-it (a private view of ``/tmp`` and a network namespace of their own: core/privatetmp.py,
-core/netns.py) against the same snapshot restored alone after it ended, each until the
+it (a private view of ``/tmp`` and a network namespace of their own: core/isolation/privatetmp.py,
+core/isolation/netns.py) against the same snapshot restored alone after it ended, each until the
 cluster computed in a cell; and the freeze of the copy against the original's.
 """
 

@@ -15,7 +15,7 @@ from jupyter_server.serverapp import ServerApp
 from .autosnap import PolicyTick
 from .core import private
 from .core.errors import SnapshotError
-from .core.policies import PolicySettings
+from .core.policies.tick import PolicySettings
 from .core.private import GROUP_SHARED, PRIVATE
 from .core.protocol import ENV_LAZY_RESTORE, ENV_LAZY_RESTORE_MIN_BYTES, ENV_PID_FLOOR
 from .core.store import SnapshotStore, open_store

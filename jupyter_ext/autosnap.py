@@ -11,8 +11,15 @@ import contextlib
 import logging
 import time
 
-from .core import policies
 from .core.errors import SnapshotError, SnapshotNotFoundError, WrapperUnavailableError
+from .core.policies.tick import (
+    Kernel,
+    PolicyMemory,
+    PolicySettings,
+    decide,
+    needs_status,
+    periodic_round,
+)
 from .core.protocol import KernelStatus, StatusArgs
 from .manager import Job, SnapshotManager
 
@@ -22,10 +29,10 @@ log = logging.getLogger("jupyter_ext")
 class PolicyTick:
     """The policies of one server's :class:`SnapshotManager`, one :meth:`tick` at a time."""
 
-    def __init__(self, manager: SnapshotManager, settings: policies.PolicySettings) -> None:
+    def __init__(self, manager: SnapshotManager, settings: PolicySettings) -> None:
         self.manager = manager
         self.settings = settings
-        self.memory = policies.PolicyMemory(last_periodic=time.monotonic())
+        self.memory = PolicyMemory(last_periodic=time.monotonic())
 
     async def tick(self) -> list[Job]:
         """Read the status of each kernel a policy could act on (once, with its GPU
@@ -35,9 +42,9 @@ class PolicyTick:
         now = time.monotonic()
         kernel_ids = manager.server_kernels.ids()
         self.memory.forget_others(kernel_ids)
-        is_round = policies.periodic_round(self.settings, self.memory, now)
+        is_round = periodic_round(self.settings, self.memory, now)
         kernels = await asyncio.gather(*(self._kernel(k, is_round) for k in kernel_ids))
-        plan = policies.decide(kernels, self.settings, self.memory, now, time.time())
+        plan = decide(kernels, self.settings, self.memory, now, time.time())
         if plan.periodic_round:
             self.memory.last_periodic = now
         jobs = []
@@ -54,16 +61,16 @@ class PolicyTick:
             self.memory.started(decision, now)
         return jobs
 
-    async def _kernel(self, kernel_id: str, is_round: bool) -> policies.Kernel:
+    async def _kernel(self, kernel_id: str, is_round: bool) -> Kernel:
         """What this tick knows of a kernel (its status only if a policy could use it)."""
         manager = self.manager
         has_job = manager.jobs.has_job(kernel_id)
         automatic = kernel_id not in manager.schedules.periodic_opt_out
         status: KernelStatus | None = None
-        if policies.needs_status(self.settings, is_round, has_job, automatic):
+        if needs_status(self.settings, is_round, has_job, automatic):
             # Not a snapshot kernel, or one that went away since it was listed: no status.
             with contextlib.suppress(WrapperUnavailableError, SnapshotNotFoundError):
                 status = await manager.server_kernels.wrapper(kernel_id).status(
                     StatusArgs(gpu=self.settings.needs_gpu)
                 )
-        return policies.Kernel(kernel_id, status, has_job=has_job, automatic=automatic)
+        return Kernel(kernel_id, status, has_job=has_job, automatic=automatic)

@@ -16,8 +16,8 @@ from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, default, validate
 
 from .core.chunking import ChunkParams
+from .core.isolation.pidspace import PID_FLOOR
 from .core.lazypages import LAZY_MIN_BYTES
-from .core.pidspace import PID_FLOOR
 from .core.store import KEY_SOURCES, KeySettings, S3Encryption, StoreSpec
 from .core.store.scope import user_prefix
 

@@ -153,7 +153,8 @@ class InnerChannels:
             self.sockets[name] = sock
         iopub = self.context.socket(zmq.XSUB)
         self.sockets["iopub"] = iopub
-        # Output of forked subprocesses: [pipe uuid, *iopub message] (kernel_wrapper.inner).
+        # Output of forked subprocesses: [pipe uuid, *iopub message]
+        # (kernel_wrapper.inkernel.inner).
         self.sockets["fork_pipe"] = self.context.socket(zmq.PULL)
         self.paths: list[Path] = []
         for name, sock in self.sockets.items():
@@ -166,7 +167,7 @@ class InnerChannels:
             sock.bind(f"ipc://{path}")
             self.paths.append(path)
         iopub.send(b"\x01")  # subscribe to everything the kernel publishes
-        # The kernel's snapshot agent (kernel_wrapper.agent): not a Jupyter channel.
+        # The kernel's snapshot agent (kernel_wrapper.inkernel.agent): not a Jupyter channel.
         self.agent = self.context.socket(zmq.DEALER)
         self.agent.setsockopt(zmq.LINGER, 0)
         agent_path = runtime_dir / f"ch-{AGENT_PORT}"

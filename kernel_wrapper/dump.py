@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_ext import __version__
-from jupyter_ext.core import appended, mountns, privatetmp, proctree, shmfiles
+from jupyter_ext.core import proctree
+from jupyter_ext.core.carried import appended, shmfiles
 from jupyter_ext.core.chunking import ChunkParams, auto_chunk_kib
 from jupyter_ext.core.criu import Criu, external_file_key
 from jupyter_ext.core.errors import KernelNotRunningError, SnapshotError
 from jupyter_ext.core.gpu import GpuCheckpoint
 from jupyter_ext.core.growinghash import GrowingFileChunker
+from jupyter_ext.core.isolation import mountns, privatetmp
 from jupyter_ext.core.manifest import (
     IMAGES_DIR,
     Manifest,
@@ -162,7 +164,7 @@ class Dumper:
             )
 
     async def _contents(self) -> dict[str, Any]:
-        """What the kernel's agent says the snapshot holds (kernel_wrapper.contents), while
+        """What the kernel's agent says the snapshot holds (kernel_wrapper.inkernel.contents), while
         the kernel still runs; without an answer the snapshot goes on, its record partial."""
         if self.kernel.relay.inner is None:
             return {"partial": True, "partial_reason": "the kernel is not connected"}

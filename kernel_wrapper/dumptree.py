@@ -14,15 +14,9 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
-from jupyter_ext.core import (
-    appended,
-    criuimages,
-    netports,
-    proctree,
-    shmfiles,
-    sockdiag,
-    tcpconns,
-)
+from jupyter_ext.core import proctree
+from jupyter_ext.core.carried import appended, netports, shmfiles, sockdiag, tcpconns
+from jupyter_ext.core.criu import images as criuimages
 from jupyter_ext.core.criu import unprivileged
 
 
@@ -43,7 +37,7 @@ class KernelTree:
     """Connections inside the tree keep their state (needs TCP repair: root)."""
     appended_files: list[dict[str, object]]
     """The open files the tree appends to (logs), each with its ``opener``: carried in
-    the snapshot as they were (core/appended.py)."""
+    the snapshot as they were (core/carried/appended.py)."""
     ghost_bytes: int
     """The largest deleted file the tree holds (CRIU saves it in the images)."""
 

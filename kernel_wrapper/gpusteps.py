@@ -57,7 +57,7 @@ class GpuSteps:
     ) -> tuple[dict[str, Any], GpuCheckpoint | None]:
         """Lock and checkpoint every CUDA process of the kernel: device memory moves into
         host memory (so CRIU saves it) and the GPU is released. First, if asked, the
-        kernel releases what its frameworks cache but do not use (kernel_wrapper.agent).
+        kernel releases what its frameworks cache but do not use (kernel_wrapper.inkernel.agent).
         Returns the manifest's GPU record and the checkpoint ({} and None without CUDA)."""
         pids = proctree.descendants(inner_pid)
         cuda_pids = await asyncio.to_thread(find_cuda_processes, pids)

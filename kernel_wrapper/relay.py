@@ -24,7 +24,8 @@ import zmq
 import zmq.asyncio
 from jupyter_client.session import DELIM, Session
 
-from jupyter_ext.core import proctree, sockdiag
+from jupyter_ext.core import proctree
+from jupyter_ext.core.carried import sockdiag
 from jupyter_ext.core.errors import SnapshotError
 
 from .channels import (

@@ -7,7 +7,7 @@ the CUDA restore (:mod:`kernel_wrapper.gpusteps`) gives its processes their GPU 
 A snapshot with kept connections (between its own processes) whose ports (listening, or
 of those connections) another process holds here (a copy beside a running kernel of the
 same snapshot) is restored, as root, into a network namespace of its own
-(:mod:`jupyter_ext.core.netns`); other snapshots whose ports are taken are refused.
+(:mod:`jupyter_ext.core.isolation.netns`); other snapshots whose ports are taken are refused.
 
 With lazy restore (:mod:`kernel_wrapper.lazyrestore`) the kernel runs as soon as CRIU has
 rebuilt it, its memory served page by page: from ``pages_from`` when given (an images
@@ -34,13 +34,11 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from jupyter_ext.core import (
+from jupyter_ext.core import proctree
+from jupyter_ext.core.carried import (
     appended,
     filelocks,
-    netns,
     netports,
-    privatetmp,
-    proctree,
     shmfiles,
     sockdiag,
     tcpconns,
@@ -49,9 +47,10 @@ from jupyter_ext.core import (
 from jupyter_ext.core.compat import check_compatible
 from jupyter_ext.core.criu import Criu, unprivileged
 from jupyter_ext.core.errors import IncompatibleSnapshotError, RestoreError
+from jupyter_ext.core.isolation import netns, privatetmp
+from jupyter_ext.core.isolation.privatetmp import PrivateTemp
 from jupyter_ext.core.lazypages import DirectoryPages, PageSource, page_source, stage_pages_files
 from jupyter_ext.core.manifest import IMAGES_DIR, Manifest, verify
-from jupyter_ext.core.privatetmp import PrivateTemp
 from jupyter_ext.core.protocol import ProgressCallback
 from kernel_snapshots import write_restore_info
 
@@ -76,7 +75,7 @@ class Restorer:
         self.private_shm: list[dict[str, Any]] = []
         """The /dev/shm names the last restore found held by a live process here (``name``,
         ``held_by``): the kernel has private copies, a new attach by name reaches the
-        other process's file (core/shmfiles.py)."""
+        other process's file (core/carried/shmfiles.py)."""
         self._replaced = timewait.Own(set())
         """The connections and listening ports of the kernel the restore ended (its
         TIME_WAIT entries are its own)."""
@@ -97,9 +96,9 @@ class Restorer:
         return manifest
 
     def _check_locks_free(self, manifest: Manifest, source: Path) -> None:
-        """Refuse a snapshot whose file locks another process holds here (core/filelocks.py:
+        """Refuse a snapshot whose file locks another process holds here (core/carried/filelocks.py:
         CRIU would wait for them for ever), unless they all lie in the kernel's temporary
-        directory, of which such a copy gets a private view (core/privatetmp.py); the
+        directory, of which such a copy gets a private view (core/isolation/privatetmp.py); the
         kernel being replaced does not count."""
         pid = self.kernel.process.pid
         locked = _locked_elsewhere(manifest, source, proctree.descendants(pid) if pid else [])
@@ -145,7 +144,7 @@ class Restorer:
         slirp4netns); a listener without them (a web app) keeps today's refusal: in a
         namespace of its own nobody outside the copy would reach it. Ports held only by
         TIME_WAIT entries are refused only when they are not the kernel's own
-        (core/timewait.py: the restore clears those)."""
+        (core/carried/timewait.py: the restore clears those)."""
         ports = [netports.BoundPort.from_dict(p) for p in manifest.bound_ports]
         if not ports:
             return

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jupyter_ext.core import mountns
+from jupyter_ext.core.isolation import mountns
 from jupyter_ext.core.protocol import INNER_PORTS
 
 log = logging.getLogger("kernel_wrapper")
@@ -119,7 +119,7 @@ def remove_stale_runtime_dirs(root: Path) -> list[Path]:
             continue
         if not runtime_dir_in_use(directory):
             log.info("removing the runtime directory of a dead wrapper: %s", directory)
-            mountns.detach_below(directory)  # a private view's tmpfs (core/privatetmp.py)
+            mountns.detach_below(directory)  # a private view's tmpfs (core/isolation/privatetmp.py)
             shutil.rmtree(directory, ignore_errors=True)
             removed.append(directory)
     return removed

@@ -26,8 +26,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from jupyter_ext.core.agentclient import AgentCriu
-from jupyter_ext.core.agentproto import ENV_AGENT_SOCKET
+from jupyter_ext.core.agent.client import AgentCriu
+from jupyter_ext.core.agent.protocol import ENV_AGENT_SOCKET
 from jupyter_ext.core.criu import Criu, LazyTransfer
 from jupyter_ext.core.errors import KernelNotRunningError, SnapshotBusyError, SnapshotError
 from jupyter_ext.core.lazypages import LAZY_MIN_BYTES, UNIX_PREFIX

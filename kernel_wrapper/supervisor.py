@@ -17,11 +17,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
-from jupyter_ext.core import pidspace, proctree
+from jupyter_ext.core import proctree
 from jupyter_ext.core.criu import unprivileged
 from jupyter_ext.core.errors import KernelNotRunningError
-from jupyter_ext.core.netns import OwnNetwork
-from jupyter_ext.core.privatetmp import PrivateTemp
+from jupyter_ext.core.isolation import pidspace
+from jupyter_ext.core.isolation.netns import OwnNetwork
+from jupyter_ext.core.isolation.privatetmp import PrivateTemp
 from jupyter_ext.core.protocol import ENV_OWN_PROC
 
 log = logging.getLogger("kernel_wrapper")
@@ -57,11 +58,12 @@ class Supervisor:
         self._pidfd: int | None = None
         self._expected_exit = False
         self.network: OwnNetwork | None = None
-        """The kernel's own network namespace (a copy restored beside another: core/netns.py),
-        None while it runs in the server's; it ends with the kernel."""
+        """The kernel's own network namespace (a copy restored beside another:
+        core/isolation/netns.py), None while it runs in the server's; it ends with the
+        kernel."""
         self.private_temp: PrivateTemp | None = None
         """The kernel's private view of the temporary directory (a copy restored beside
-        another: core/privatetmp.py), None while it sees the server's; it ends with the
+        another: core/isolation/privatetmp.py), None while it sees the server's; it ends with the
         kernel."""
         self.stdio_r, self.stdio_w = os.pipe()
         os.set_blocking(self.stdio_r, False)
@@ -94,7 +96,7 @@ class Supervisor:
         """Start a fresh kernel: in new PID, mount and time namespaces with root; without root
         (CRIU --unprivileged cannot dump a task in another PID namespace) as our child,
         which makes itself a session leader, and without a parent-death signal (a restored
-        one would fire at once), and with ids a fresh pod leaves free (core/pidspace.py).
+        one would fire at once), and with ids a fresh pod leaves free (core/isolation/pidspace.py).
         docs/nonroot.md"""
         if unprivileged():
             skipped = await asyncio.to_thread(pidspace.skip_low_pids, self._pid_floor)
@@ -114,7 +116,7 @@ class Supervisor:
             self._watch(launcher.pid)
             return
         # A private mount namespace too, where the kernel mounts a /proc of its own PID
-        # namespace (core/mountns.py): psutil finds its processes by their ids there.
+        # namespace (core/isolation/mountns.py): psutil finds its processes by their ids there.
         ns = ["unshare", "--pid", "--fork", "--mount", "--propagation", "private"]
         if Path("/proc/self/ns/time").exists():
             ns.append("--time")  # monotonic clocks continue across restores elsewhere

@@ -2,7 +2,7 @@
 
 jupyter_server starts the wrapper with the kernel's connection file. The wrapper binds the
 five server-facing channels and keeps them for its whole life, while the process that
-really computes (the *inner* kernel, see :mod:`kernel_wrapper.inner`) runs in its own PID
+really computes (the *inner* kernel, see :mod:`kernel_wrapper.inkernel.inner`) runs in its own PID
 and time namespaces and is dumped, killed and restored underneath. Messages pass through
 unchanged in both directions, so their signatures stay valid.
 
@@ -37,8 +37,8 @@ from jupyter_client.session import Session
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.gpu import kernel_gpu_status
+from jupyter_ext.core.isolation.pidspace import PID_FLOOR
 from jupyter_ext.core.lazypages import LAZY_MIN_BYTES
-from jupyter_ext.core.pidspace import PID_FLOOR
 from jupyter_ext.core.protocol import (
     AWAIT_RESTORE_SECONDS,
     DEFAULT_RUNTIME_ROOT,
@@ -186,7 +186,7 @@ class KernelWrapper:
         env.pop("JPY_PARENT_PID", None)  # ipykernel would exit when its parent changes
         env[ENV_INNER_DIR] = self.runtime.inner_path
         connection_file = self.runtime.inner_connection_file(self.connection)
-        argv = [sys.executable, "-m", "kernel_wrapper.inner", "-f", str(connection_file)]
+        argv = [sys.executable, "-m", "kernel_wrapper.inkernel.inner", "-f", str(connection_file)]
         await self.process.launch([*argv, *self.kernel_args], env, pass_fds=(self.runtime.fd,))
         self.lifecycle.enter(State.RUNNING)
 
@@ -274,9 +274,9 @@ class KernelWrapper:
             "lazy_restore": snapshotter.lazy.status,
             "closed_on_restore": snapshotter.restorer.closed_on_restore,
             # A copy restored beside another kernel of its snapshot: its own network
-            # namespace, reached out of through slirp4netns (core/netns.py).
+            # namespace, reached out of through slirp4netns (core/isolation/netns.py).
             "own_network": self.process.network is not None,
-            # ...and its own view of the temporary directory (core/privatetmp.py).
+            # ...and its own view of the temporary directory (core/isolation/privatetmp.py).
             "private_temp": private.lower if (private := self.process.private_temp) else None,
             # ...and private copies of /dev/shm files whose names a live process holds.
             "private_shm": snapshotter.restorer.private_shm,

@@ -1,5 +1,5 @@
 """What a stand-in pod runs to talk to the node agent (tests/agentpods.py): the product's
-own client (core/agentclient.py), one operation per run, its answer as one JSON line.
+own client (core/agent/client.py), one operation per run, its answer as one JSON line.
 
     python -m tests.agent_client SOCKET hello
     python -m tests.agent_client SOCKET dump PID IMAGES_DIR [--end] [--ghost-limit=BYTES]
@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jupyter_ext.core.agentclient import AgentCriu
-from jupyter_ext.core.agentproto import receive
+from jupyter_ext.core.agent.client import AgentCriu
+from jupyter_ext.core.agent.protocol import receive
 from jupyter_ext.core.errors import SnapshotError
 
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from jupyter_ext.core import agentproto
+from jupyter_ext.core.agent import protocol as agentproto
 
 ROOT = Path(__file__).resolve().parent.parent
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]

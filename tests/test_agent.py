@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 
-from jupyter_ext.core import agentproto, peers
-from jupyter_ext.core.agentproto import AgentRequestError, parse_request
+from jupyter_ext.core.agent import peers
+from jupyter_ext.core.agent import protocol as agentproto
+from jupyter_ext.core.agent.protocol import AgentRequestError, parse_request
 from jupyter_ext.nodeagent.podcriu import cgroup_procs_files
 
 from .agentpods import FakePod, RunningAgent, cgroup_root

@@ -22,10 +22,14 @@ from pathlib import Path
 import pytest
 
 from jupyter_ext.core import proctree
-from jupyter_ext.core.confinement import Confinement, explain_denied, yama_relational_permits
 from jupyter_ext.core.criu import Criu
-from jupyter_ext.core.criulog import explain_failure
+from jupyter_ext.core.criu.log import explain_failure
 from jupyter_ext.core.doctor import check_confinement
+from jupyter_ext.core.isolation.confinement import (
+    Confinement,
+    explain_denied,
+    yama_relational_permits,
+)
 from jupyter_ext.core.protocol import ENV_CRIU
 from jupyter_ext.testing import KernelProcess, wait_until
 
@@ -47,7 +51,7 @@ exec(sys.argv[1])
 """
 
 REPORT = (
-    "import json; from jupyter_ext.core.confinement import Confinement; "
+    "import json; from jupyter_ext.core.isolation.confinement import Confinement; "
     "c = Confinement.read(); "
     "print(json.dumps([c.seccomp, c.no_new_privs, "
     "[b.name for b in c.blockers(unprivileged=True)], "
@@ -96,7 +100,7 @@ def test_seccomp_filter_is_named_and_stops_a_real_dump(criu: Criu, tmp_path: Pat
     images.mkdir()
     dump = (
         "import subprocess, sys\n"
-        "from jupyter_ext.core.criulog import explain_failure, log_excerpt\n"
+        "from jupyter_ext.core.criu.log import explain_failure, log_excerpt\n"
         "from pathlib import Path\n"
         "victim = subprocess.Popen(['sleep', '60'])\n"
         f"d = Path({str(images)!r})\n"
@@ -260,7 +264,8 @@ def _declared(kernel: KernelProcess) -> list[int]:
     return [
         int(x)
         for x in kernel.execute(
-            "from jupyter_ext.core import confinement; print(*confinement.declared_ptracer)"
+            "from jupyter_ext.core.isolation import confinement; "
+            "print(*confinement.declared_ptracer)"
         ).split()
     ]
 

@@ -379,8 +379,8 @@ def _agent_call(pod: Pod, socket: str, code: str) -> list[str]:
     user; the messages of the errors it printed, one a line."""
     prelude = (
         "from pathlib import Path\n"
-        "from jupyter_ext.core.agentclient import AgentCriu, call\n"
-        "from jupyter_ext.core.agentproto import DumpRequest, RestoreRequest\n"
+        "from jupyter_ext.core.agent.client import AgentCriu, call\n"
+        "from jupyter_ext.core.agent.protocol import DumpRequest, RestoreRequest\n"
         "from jupyter_ext.core.errors import SnapshotError\n"
         f"SOCKET = Path({socket!r})\n"
     )

@@ -1,5 +1,6 @@
-"""What a snapshot holds: the agent's summary of cells and variables (kernel_wrapper.contents),
-in process and through a real server, kernel and CRIU; its short form, comparison and CLI."""
+"""What a snapshot holds: the agent's summary of cells and variables
+(kernel_wrapper.inkernel.contents), in process and through a real server, kernel and CRIU;
+its short form, comparison and CLI."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from jupyter_ext.core.contents import compare_contents, short_contents
 from jupyter_ext.core.manifest import Manifest
-from kernel_wrapper.contents import CellLog, summarize_namespace
+from kernel_wrapper.inkernel.contents import CellLog, summarize_namespace
 
 from .jupyter_api import Fetch, call, manager_of, server_config, snapshot, until
 
@@ -200,7 +201,7 @@ def test_frames_with_shape_and_size_and_nothing_imported() -> None:
 def test_a_kernel_without_frameworks_gets_none_imported() -> None:
     code = (
         "import sys\n"
-        "from kernel_wrapper.contents import summarize_namespace\n"
+        "from kernel_wrapper.inkernel.contents import summarize_namespace\n"
         "summarize_namespace({'a': [1, 2], 'b': 'text'})\n"
         "print(sorted(m for m in ('numpy', 'pandas', 'polars', 'torch', 'cupy', 'jax') "
         "if m in sys.modules))"

@@ -148,9 +148,9 @@ def test_suspend_ends_the_process_and_next_cell_resumes(
 
 
 # A framework's cache, as the kernel's snapshot agent sees it: a releaser (registered the
-# way kernel_wrapper.agent registers PyTorch's and CuPy's) frees a cached device block.
+# way kernel_wrapper.inkernel.agent registers PyTorch's and CuPy's) frees a cached device block.
 CACHED_BLOCK = r"""
-import kernel_wrapper.agent as agent
+import kernel_wrapper.inkernel.agent as agent
 cached = ctypes.c_uint64()
 assert cuda.cuMemAlloc_v2(ctypes.byref(cached), ctypes.c_size_t(3 << 20)) == 0
 seen_at_release = []

@@ -667,7 +667,7 @@ from jupyter_ext.core import proctree
 assert proctree.set_subreaper(True)
 own = subprocess.Popen([sys.executable, "-c", "pass"])  # ours: left to its Popen
 # A "wrapper" in its own session starts a "kernel" leading its own session too (as
-# kernel_wrapper.inner does), then dies: the kernel is adopted.
+# kernel_wrapper.inkernel.inner does), then dies: the kernel is adopted.
 wrapper = subprocess.Popen(
     [sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen([sys.executable, "
      "'-c', 'import time; time.sleep(0.5)'], start_new_session=True); print(p.pid, flush=True)"],

@@ -1,4 +1,4 @@
-"""The kernel's own mount namespace (core/mountns.py): which mounts a dump names external,
+"""The kernel's own mount namespace (core/isolation/mountns.py): which mounts a dump names external,
 and how a restore binds them on a machine that may lack some. The dump and restore of such
 a kernel run for real in tests/test_parallel.py and every root-mode kernel test."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_ext.core import mountns
 from jupyter_ext.core.criu import unprivileged
+from jupyter_ext.core.isolation import mountns
 
 
 def test_mountinfo_escapes_are_read() -> None:
@@ -46,7 +46,8 @@ def test_a_kernel_namespace_names_all_but_its_proc(tmp_path: Path) -> None:
         pytest.skip("a mount namespace needs root (non-root kernels share the server's)")
     ready = tmp_path / "ready"
     code = (
-        "import sys, time; from jupyter_ext.core import mountns; mountns.mount_own_proc();"
+        "import sys, time; from jupyter_ext.core.isolation import mountns; "
+        "mountns.mount_own_proc();"
         f"open({str(ready)!r}, 'w').close(); time.sleep(60)"
     )
     child = subprocess.Popen(

@@ -1,10 +1,10 @@
 """Copies of one snapshot side by side, with connections inside each (a multiprocessing
 manager on 127.0.0.1), while the original runs: each copy whose ports
-are taken here gets a network namespace of its own (core/netns.py), its connections come
+are taken here gets a network namespace of its own (core/isolation/netns.py), its connections come
 back established on its own loopback, it still reaches the server's loopback through
 slirp4netns (10.0.2.2), its later snapshots restore, and its helper ends with it. A Dask
 cluster's copy beside its original gets a private view of the temporary directory, where
-its workers lock and write their own directories (core/privatetmp.py). docs/network.md
+its workers lock and write their own directories (core/isolation/privatetmp.py). docs/network.md
 ("Copies side by side").
 """
 
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_ext.core import netns, proctree
+from jupyter_ext.core import proctree
 from jupyter_ext.core.criu import unprivileged
+from jupyter_ext.core.isolation import netns
 from jupyter_ext.testing import KernelProcess, wait_until
 
 Factory = Callable[..., KernelProcess]
@@ -182,7 +183,7 @@ def test_copies_of_a_dask_kernel_side_by_side_lock_and_write_their_own_scratch(
     kernel_factory: Factory, tmp_path: Path
 ) -> None:
     """Dask's workers lock their directories in the temporary directory: a copy restored
-    beside the running original gets a private view of it (core/privatetmp.py). The
+    beside the running original gets a private view of it (core/isolation/privatetmp.py). The
     copy's cluster works on its own loopback, what each worker writes in its directory
     stays its own, the copy's snapshots restore, and its view ends with it. Restored where
     the workers' lock files are gone (another node), those are made again."""

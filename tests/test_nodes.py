@@ -18,7 +18,7 @@ from typing import Any
 import boto3
 import pytest
 
-from jupyter_ext.core.pidspace import PID_FLOOR
+from jupyter_ext.core.isolation.pidspace import PID_FLOOR
 from jupyter_ext.core.store.keys import ENV_KEY
 from jupyter_ext.testing import RUN_KEY, ServerProcess, free_port
 
@@ -230,7 +230,7 @@ before = run()
 """
 #: With root: the Dask cluster after the pools, in a kernel that has made many processes
 #: (its workers' ids, in the kernel's PID namespace, are ids the node's own processes
-#: hold or not: psutil finds them in the kernel's own /proc either way, core/mountns.py).
+#: hold or not: psutil finds them in the kernel's own /proc either way, core/isolation/mountns.py).
 CLUSTER = r"""
 from dask.distributed import Client, LocalCluster
 cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_ext.core import netns
+from jupyter_ext.core.carried.shmfiles import SHM_DIR
 from jupyter_ext.core.criu import unprivileged
-from jupyter_ext.core.shmfiles import SHM_DIR
+from jupyter_ext.core.isolation import netns
 from jupyter_ext.testing import KernelProcess, wait_until
 
 Factory = Callable[..., KernelProcess]
@@ -329,7 +329,7 @@ import os, subprocess, sys, psutil
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 def own_processes():
     me = psutil.Process(os.getpid())
-    return ("kernel_wrapper.inner" in me.cmdline(),
+    return ("kernel_wrapper.inkernel.inner" in me.cmdline(),
             psutil.Process(child.pid).cmdline()[-1],
             [p.pid for p in me.children()] == [child.pid])
 print(own_processes())
@@ -459,7 +459,7 @@ assert echo("first") == "FIRST"
 
 
 def _time_waits_on(port: int) -> int:
-    from jupyter_ext.core import sockdiag
+    from jupyter_ext.core.carried import sockdiag
 
     return sum(1 for entry in sockdiag.tcp_time_waits() if entry.local[1] == port)
 

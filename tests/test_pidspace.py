@@ -1,4 +1,4 @@
-"""Kernels without root take process ids that a fresh pod leaves free (core/pidspace.py).
+"""Kernels without root take process ids that a fresh pod leaves free (core/isolation/pidspace.py).
 
 A "pod" here is a PID namespace with its own /proc, made by root as a container runtime
 would; the restore into a fresh pod itself is tests/test_nodes.py's (nodes are pods there).
@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from jupyter_ext.core import pidspace
+from jupyter_ext.core.isolation import pidspace
 
 IN_A_FRESH_POD = """
 import random
-from jupyter_ext.core import pidspace
+from jupyter_ext.core.isolation import pidspace
 before = pidspace.last_pid()
 skipped = pidspace.skip_low_pids(500, 100, random.Random(7))
 print(before, skipped, pidspace.last_pid())

@@ -1,4 +1,4 @@
-"""The snapshot policies' decisions (jupyter_ext/core/policies.py), on kernel statuses as
+"""The snapshot policies' decisions (jupyter_ext/core/policies/tick.py), on kernel statuses as
 the wrapper answers them: no kernels, no sleeps, the times given. One policy tick against
 real kernels, and the policies end to end: tests/test_policies.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jupyter_ext.core.policies import (
+from jupyter_ext.core.policies.tick import (
     Decision,
     Kernel,
     PolicyMemory,

@@ -1,4 +1,4 @@
-"""A copy's private view of the temporary directory (core/privatetmp.py), on its own:
+"""A copy's private view of the temporary directory (core/isolation/privatetmp.py), on its own:
 the server's files visible, the copy's writes and locks its own, nothing left after it,
 also where the view's layers cannot lie on the file system they are given (an overlay,
 as in a container). The copies of a Dask kernel that need it: tests/test_netns.py."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_ext.core import mountns
-from jupyter_ext.core.privatetmp import PrivateTemp, make_missing_empty_files
+from jupyter_ext.core.isolation import mountns
+from jupyter_ext.core.isolation.privatetmp import PrivateTemp, make_missing_empty_files
 from jupyter_ext.core.proctree import missing_files
 from kernel_wrapper.runtime import remove_stale_runtime_dirs
 

@@ -224,6 +224,6 @@ def _children(pid: int) -> list[int]:
 
 def _is_kernel(pid: int) -> bool:
     try:
-        return b"kernel_wrapper.inner" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"kernel_wrapper.inkernel.inner" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False

@@ -1,6 +1,8 @@
 """Proxies for a shape one person can hold (issue 27 item 4), checked on every run: no
 module over 800 lines, no class over 400, and no private attribute of another object
-reached (``obj._x`` where ``obj`` is not ``self``/``cls``). What is not there yet is
+reached (``obj._x`` where ``obj`` is not ``self``/``cls``), a core without Jupyter imports
+in at most 15 modules plus named packages, and the in-kernel modules apart from the
+wrapper's (issue 36 item 3). What is not there yet is
 listed below with the reason, so that the list only shrinks.
 
 ``duplicates --repo jupyter_ext/core/store`` (no repeated block of 6+ lines in the store
@@ -24,9 +26,9 @@ MAX_CLASS_LINES = 400
 LONG_MODULES: dict[str, str] = {}
 LONG_CLASSES: dict[str, str] = {}
 PRIVATE_REACHED = {
-    "kernel_wrapper/inner.py:os._exit": "the standard library's documented exit without "
+    "kernel_wrapper/inkernel/inner.py:os._exit": "the standard library's documented exit without "
     "clean-up (the name only looks private)",
-    "kernel_wrapper/inner.py:kernel_snapshots._install": "kernel_snapshots is the module "
+    "kernel_wrapper/inkernel/inner.py:kernel_snapshots._install": "kernel_snapshots is the module "
     "users import in their kernels; its installer is kept out of their completions and "
     "called by the inner kernel alone",
 }
@@ -38,6 +40,63 @@ def sources() -> list[Path]:
 
 def relative(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
+
+
+CORE = ROOT / "jupyter_ext" / "core"
+MAX_CORE_MODULES = 15
+JUPYTER_ONLY = ("jupyter_server", "tornado", "traitlets")
+INKERNEL = ROOT / "kernel_wrapper" / "inkernel"
+
+
+def imported(path: Path) -> set[str]:
+    """Every module ``path`` imports, absolute, also inside functions and type checks."""
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_core_imports_no_jupyter_layer() -> None:
+    """The core is plain Python: the server extension is a thin layer on it, not in it."""
+    reached = {
+        f"{relative(path)}: {name}"
+        for path in sorted(CORE.rglob("*.py"))
+        for name in imported(path)
+        if name.split(".")[0] in JUPYTER_ONLY
+    }
+    assert reached == set()
+
+
+def test_core_keeps_its_parts_in_packages() -> None:
+    """At most 15 modules directly in jupyter_ext/core/ (``__init__.py`` counted): the
+    rest stand in named packages (criu/, carried/, isolation/, agent/, policies/, ...)."""
+    direct = sorted(p.name for p in CORE.glob("*.py"))
+    assert len(direct) <= MAX_CORE_MODULES, direct
+
+
+def test_inkernel_imports_no_wrapper_module() -> None:
+    """What runs in the user's kernel imports no wrapper module (the process boundary)."""
+    reached = {
+        f"{relative(path)}: {name}"
+        for path in sorted(INKERNEL.rglob("*.py"))
+        for name in imported(path)
+        if name.startswith("kernel_wrapper.") and not name.startswith("kernel_wrapper.inkernel")
+    }
+    assert reached == set()
+    wrapper = {relative(p) for p in INKERNEL.parent.glob("*.py")}
+    users = {
+        w
+        for w in wrapper
+        if any(n.startswith("kernel_wrapper.inkernel") for n in imported(ROOT / w))
+    }
+    assert users == set(), "the wrapper starts the kernel as a process, never imports it"
 
 
 def test_no_module_over_800_lines() -> None:

@@ -1,6 +1,6 @@
 """A snapshot's record of what it holds (``Manifest.contents``), shortened and compared.
 
-The kernel's agent writes the record (kernel_wrapper.contents); the server lists its short
+The kernel's agent writes the record (kernel_wrapper.inkernel.contents); the server lists its short
 form with every snapshot and gives the full one for a single snapshot; the CLI and the
 panel compare two. Records come from manifests of any version: every field is optional.
 """

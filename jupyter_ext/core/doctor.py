@@ -9,9 +9,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .confinement import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, Confinement, seccomp_blocker
 from .criu import REQUIRED_FEATURES, UNPRIVILEGED_CAPS, Criu, unprivileged
 from .errors import CriuNotFoundError
+from .isolation.confinement import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, Confinement, seccomp_blocker
 from .private import exposed, others_can_replace
 from .protocol import ENV_RUNTIME_DIR
 from .store.keys import ENV_KEY, LOST_KEY
@@ -231,7 +231,7 @@ def check_tools() -> Check:
 
 
 def check_sock_diag() -> Check:
-    from .sockdiag import unix_sockets
+    from .carried.sockdiag import unix_sockets
 
     try:
         count = len(unix_sockets())
@@ -297,9 +297,9 @@ def check_tcp_connections(criu: Criu | None) -> Check:
 
 def check_copies_side_by_side() -> Check:
     """Whether a copy restored beside a kernel that holds its ports can have a network
-    namespace of its own (core/netns.py)."""
-    from .netns import slirp_path
-    from .privatetmp import overlay_supported
+    namespace of its own (core/isolation/netns.py)."""
+    from .isolation.netns import slirp_path
+    from .isolation.privatetmp import overlay_supported
 
     name = "copies side by side"
     if unprivileged():
@@ -326,7 +326,8 @@ def check_copies_side_by_side() -> Check:
             name,
             False,
             "overlayfs is missing: a copy of a kernel whose workers lock files in its "
-            "temporary directory (Dask) beside the original is refused (core/privatetmp.py)",
+            "temporary directory (Dask) beside the original is refused "
+            "(core/isolation/privatetmp.py)",
             fix="modprobe overlay",
             required=False,
         )

@@ -202,25 +202,25 @@ class Manifest:
     """Listening TCP and bound UDP ports (netports.BoundPort): a restore binds them again."""
     shm_files: list[dict[str, Any]] = field(default_factory=list)
     """``/dev/shm`` files the tree mapped or held open (semaphores, shared memory), copied
-    into the snapshot while it was frozen; a restore makes them again (core/shmfiles.py)."""
+    into the snapshot while it was frozen; a restore makes them again (core/carried/shmfiles.py)."""
     appended_files: list[dict[str, Any]] = field(default_factory=list)
     """Files the tree held open for appending (logs): their content up to their size at
     the snapshot (copied while it was frozen); a restore puts them back as they were
-    (core/appended.py). Their ``needed_files`` entries are marked ``appended``."""
+    (core/carried/appended.py). Their ``needed_files`` entries are marked ``appended``."""
     unix_socket_dirs: list[str] = field(default_factory=list)
     """Directories of the file-system unix sockets the tree had bound (a multiprocessing
     manager's ``/tmp/pymp-*``): a restore makes those that are missing."""
     mounts: list[str] = field(default_factory=list)
     """Mount points of the kernel's own mount namespace that were the server's (all but
-    its /proc): a restore binds each from the same path (core/mountns.py). Empty for a
+    its /proc): a restore binds each from the same path (core/isolation/mountns.py). Empty for a
     kernel that shared the server's mount namespace (non-root mode, older snapshots)."""
     temp_dir: str = ""
     """The kernel's temporary directory when it is one of ``mounts`` (the kernel bound it
     onto itself): a copy restored beside a running kernel of the snapshot, whose file locks
-    there the running one holds, gets a private view of it (core/privatetmp.py)."""
+    there the running one holds, gets a private view of it (core/isolation/privatetmp.py)."""
     tcp_kept: bool = False
     """TCP connections were saved with their state: those between two processes of the
-    tree come back established (core/tcpconns.py)."""
+    tree come back established (core/carried/tcpconns.py)."""
     kept_connections: list[dict[str, Any]] = field(default_factory=list)
     """Connections between processes of the tree that a restore brings back (each end)."""
     closed_connections: list[dict[str, Any]] = field(default_factory=list)
@@ -246,7 +246,7 @@ class Manifest:
     gpu: dict[str, Any] = field(default_factory=dict)
     contents: dict[str, Any] = field(default_factory=dict)
     """What the snapshot holds, as the kernel's agent said just before the dump
-    (kernel_wrapper.contents): "cells" run since the previous snapshot, the largest
+    (kernel_wrapper.inkernel.contents): "cells" run since the previous snapshot, the largest
     "variables" and their totals, "partial" with a reason. Empty in snapshots taken before
     it existed (read as they are: an added field with a default needs no new format)."""
     format_version: int = FORMAT_VERSION

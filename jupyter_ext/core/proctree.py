@@ -151,7 +151,7 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
     and working directories. Deleted files are left out: CRIU carries them in the image.
     An open file that one of the processes appends to (``O_APPEND``, for writing: a log)
     is marked ``appended``, with an ``opener`` (``/proc/PID/fd/N``) to read it through
-    during the dump: the snapshot carries it as it was (core/appended.py), instead of
+    during the dump: the snapshot carries it as it was (core/carried/appended.py), instead of
     needing it unchanged.
     """
     seen: dict[str, dict[str, object]] = {}
@@ -245,11 +245,11 @@ def empty_open_file_in(entry: dict[str, object], directory: str) -> bool:
 def missing_files(entries: list[dict[str, object]], made_in: str = "") -> list[str]:
     """Which needed files are absent or changed here, in words (empty when all is well).
     Empty open files in ``made_in`` that are absent are no problem: the restore makes them
-    (core/privatetmp.py); nor are files the kernel appended to."""
+    (core/isolation/privatetmp.py); nor are files the kernel appended to."""
     problems: list[str] = []
     for entry in entries:
         if entry.get("appended"):
-            continue  # the snapshot carries it; the restore puts it back (core/appended.py)
+            continue  # the snapshot carries it; the restore puts it back (core/carried/appended.py)
         path = str(entry["path"])
         try:
             st = os.stat(path)

@@ -43,7 +43,7 @@ ENV_LAZY_RESTORE = "JUPYTER_SNAPSHOT_LAZY_RESTORE"
 #: from local images is restored lazily only from this much memory on.
 ENV_LAZY_RESTORE_MIN_BYTES = "JUPYTER_SNAPSHOT_LAZY_RESTORE_MIN_BYTES"
 #: Set by the server (SnapshotExtensionApp.kernel_pid_floor): without root, a wrapper moves
-#: its PID namespace's counter past this before it starts a kernel (core/pidspace.py).
+#: its PID namespace's counter past this before it starts a kernel (core/isolation/pidspace.py).
 ENV_PID_FLOOR = "JUPYTER_SNAPSHOT_PID_FLOOR"
 ENV_AWAIT_RESTORE = "JUPYTER_SNAPSHOT_AWAIT_RESTORE"
 AWAIT_RESTORE_SECONDS = 120.0
@@ -52,7 +52,7 @@ WRAPPER_START_SECONDS = 60.0
 #: Set by the wrapper for its inner kernel: the private directory of its channels.
 ENV_INNER_DIR = "JUPYTER_SNAPSHOT_INNER_DIR"
 #: Set (to "1") by a wrapper with root for its inner kernel: mount a /proc of the kernel's
-#: own PID namespace in its own mount namespace (core/mountns.py).
+#: own PID namespace in its own mount namespace (core/isolation/mountns.py).
 ENV_OWN_PROC = "JUPYTER_SNAPSHOT_OWN_PROC"
 #: The inner kernel's channels, ``ch-N`` sockets in that directory (the wrapper binds,
 #: the kernel connects); the snapshot agent in the kernel is ``ch-7``.

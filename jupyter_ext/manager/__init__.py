@@ -24,7 +24,7 @@ state)::
     schedules.py  Schedules (kernels, jobs, lending, dumps): kernel status, automatic
                   snapshots on or off, snapshots of all before a stop
 
-The snapshot policies (periodic, long cells, idle suspend) are decided in core/policies.py
+The snapshot policies (periodic, long cells, idle suspend) are decided in core/policies/tick.py
 on each kernel's status, read once a tick by jupyter_ext/autosnap.py.
 """
 

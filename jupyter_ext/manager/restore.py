@@ -281,7 +281,8 @@ class Restores:
                 self.lending.after_lazy(kernel_id, then)
             target_path = (path or manifest.notebook_path) if attach else None
             session = await self.sessions.attach(kernel_id, target_path) if target_path else None
-            # Names a live process held here: the kernel has private copies (core/shmfiles.py).
+            # Names a live process held here: the kernel has private copies
+            # (core/carried/shmfiles.py).
             private_shm = (await self.kernels.wrapper(kernel_id).status()).get("private_shm", [])
         self.emit(
             "restored", {"snapshot_id": snapshot_id, "kernel_id": kernel_id, "path": target_path}

@@ -7,7 +7,7 @@ import threading
 
 from ..core.imagecache import ImageCache
 from ..core.manifest import Manifest
-from ..core.retention import Retained, RetentionPolicy, plan_retention
+from ..core.policies.retention import Retained, RetentionPolicy, plan_retention
 from ..core.store import SnapshotStore
 from .lazy import LazyLending
 from .shared import EmitEvent, ManagerSettings

@@ -1,6 +1,6 @@
 """Each kernel's status as the API shows it, the per-kernel switch of automatic
 snapshots, and the snapshots of all kernels before the server stops. What the policies
-start each tick is decided in core/policies.py (jupyter_ext/autosnap.py reads them)."""
+start each tick is decided in core/policies/tick.py (jupyter_ext/autosnap.py reads them)."""
 
 from __future__ import annotations
 

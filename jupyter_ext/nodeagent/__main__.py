@@ -9,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from jupyter_ext.core import peers
-from jupyter_ext.core.agentproto import DEFAULT_SOCKET_DIR
+from jupyter_ext.core.agent import peers
+from jupyter_ext.core.agent.protocol import DEFAULT_SOCKET_DIR
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import SnapshotError
 

@@ -32,7 +32,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from jupyter_ext.core.agentproto import AgentRequestError
+from jupyter_ext.core.agent.protocol import AgentRequestError
 
 #: The namespaces CRIU joins (nsenter's options); the user namespace stays the node's.
 NAMESPACES = ("--pid", "--mount", "--net", "--ipc", "--uts", "--cgroup")

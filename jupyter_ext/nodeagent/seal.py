@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from jupyter_ext.core.agentproto import AgentRequestError
+from jupyter_ext.core.agent.protocol import AgentRequestError
 
 #: Bytes read at a time when images are hashed or copied.
 BLOCK = 1 << 20

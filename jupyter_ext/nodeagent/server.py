@@ -1,7 +1,7 @@
 """The node agent's server: one connection, one request, one reply.
 
-Each connection's caller is identified by the kernel first (core/peers.py); its request
-is parsed and checked (core/agentproto.py); only then is anything done, and only to the
+Each connection's caller is identified by the kernel first (core/agent/peers.py); its request
+is parsed and checked (core/agent/protocol.py); only then is anything done, and only to the
 caller's own processes (``dump``) or with images sealed for the caller's owner
 (``restore``, nodeagent/seal.py). Every refusal is answered with an error that names why
 and is logged with the pod it came from.
@@ -21,8 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from jupyter_ext.core import peers, proctree
-from jupyter_ext.core.agentproto import (
+from jupyter_ext.core import proctree
+from jupyter_ext.core.agent import peers
+from jupyter_ext.core.agent.protocol import (
     SOCKET_NAME,
     VERSION,
     AgentRequestError,
@@ -35,7 +36,7 @@ from jupyter_ext.core.agentproto import (
     send,
 )
 from jupyter_ext.core.criu import DEFAULT_GHOST_LIMIT, TCP_DUMP_OPTIONS, Criu
-from jupyter_ext.core.criulog import explain_failure, frozen_seconds, log_excerpt
+from jupyter_ext.core.criu.log import explain_failure, frozen_seconds, log_excerpt
 from jupyter_ext.core.errors import (
     DumpError,
     IncompatibleSnapshotError,

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..criuimages import varint
+from ..criu.images import varint
 from ..errors import SnapshotCorruptError
 
 PAGE_SIZE = mmap.PAGESIZE

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from . import proctree
-from .criu import external_file_key
+from .. import proctree
+from ..criu import external_file_key
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def hold_tree_files(pids: Iterable[int], directory: Path = SHM_DIR) -> HeldFiles
         file_names = sorted(names.get(inode, []))
         # The tree's own fd or mapping first: CRIU's key names the mount the tree reaches
         # the file through, which is another (with the same inode) when the kernel has a
-        # mount namespace of its own (core/mountns.py).
+        # mount namespace of its own (core/isolation/mountns.py).
         fd = _open_same(paths + [str(directory / name) for name in file_names], shm_dev, inode)
         if fd is None:
             continue

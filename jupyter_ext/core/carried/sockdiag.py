@@ -4,7 +4,7 @@ CRIU refuses to dump a unix stream socket that is connected to a process outside
 dumped tree. Before a dump the wrapper drops its connections to the inner kernel and
 uses these facts to know when that has happened and when no bytes are left unread.
 Before a restore, the TIME_WAIT entries of the kernel's own ended TCP connections are
-found (and, with CAP_NET_ADMIN, destroyed) here: core/timewait.py.
+found (and, with CAP_NET_ADMIN, destroyed) here: core/carried/timewait.py.
 """
 
 from __future__ import annotations

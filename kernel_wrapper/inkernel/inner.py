@@ -11,7 +11,7 @@ from a plain ipykernel in six ways, each needed for a clean CRIU image or a rest
 * a watcher thread ends the kernel when its wrapper is gone, so no kernel is orphaned,
   also after a restore into a new wrapper: nobody reads its output pipe any more (a
   restore hands the kernel its new wrapper's pipe; see :func:`wrapper_alive`);
-* a snapshot agent thread (kernel_wrapper.agent) tells the wrapper before each dump what
+* a snapshot agent thread (kernel_wrapper.inkernel.agent) tells the wrapper before each dump what
   the snapshot holds (cells run, largest variables) and releases framework GPU caches
   before a GPU checkpoint;
 * before each cell it runs the restore hooks of :mod:`kernel_snapshots` if the kernel was
@@ -19,7 +19,7 @@ from a plain ipykernel in six ways, each needed for a clean CRIU image or a rest
 * without root it declares its wrapper as its tracer (Yama's PR_SET_PTRACER), at start, in
   every child forked in Python, and again after each restore, so that CRIU, the wrapper's
   child, may seize it on nodes with ``kernel.yama.ptrace_scope = 1``
-  (:mod:`jupyter_ext.core.confinement`).
+  (:mod:`jupyter_ext.core.isolation.confinement`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from ipykernel.iostream import IOPubThread
 from ipykernel.kernelapp import IPKernelApp
 
 import kernel_snapshots
-from jupyter_ext.core import confinement, mountns, privatetmp, proctree
+from jupyter_ext.core import proctree
+from jupyter_ext.core.isolation import confinement, mountns, privatetmp
 from jupyter_ext.core.protocol import AGENT_PORT, ENV_INNER_DIR, ENV_OWN_PROC
 
 from .agent import SnapshotAgent
@@ -63,7 +64,7 @@ def wrapper_alive(lifeline: int) -> bool:
     restored kernel its new wrapper's pipe, so a pipe nobody reads means the wrapper is
     gone. Unlike a look at the wrapper's process in ``/proc``, this needs no view of the
     host's processes: as root the kernel has a ``/proc`` of its own
-    (:mod:`jupyter_ext.core.mountns`).
+    (:mod:`jupyter_ext.core.isolation.mountns`).
     """
     poller = select.poll()
     poller.register(lifeline, 0)

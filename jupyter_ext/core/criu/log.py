@@ -7,8 +7,8 @@ import os
 import re
 from pathlib import Path
 
-from .confinement import explain_denied
-from .humanize import human_bytes
+from ..humanize import human_bytes
+from ..isolation.confinement import explain_denied
 
 #: File capabilities with which an ordinary user runs the product's CRIU copy
 #: (docs/nonroot.md, measured): CAP_CHECKPOINT_RESTORE opens /proc/PID/map_files and picks

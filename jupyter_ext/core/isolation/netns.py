@@ -26,8 +26,8 @@ import select
 import shutil
 import subprocess
 
-from . import proctree
-from .errors import RestoreError
+from .. import proctree
+from ..errors import RestoreError
 
 CLONE_NEWNET = 0x40000000
 #: What slirp4netns gives the server's own loopback in the namespace (10.0.2.2 by default).

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import netports, proctree, sockdiag
-from .criuimages import (
+from .. import proctree
+from ..criu.images import (
     FD_TYPE_INETSK,
     FE_ISK,
     FE_TYPE,
@@ -37,6 +37,7 @@ from .criuimages import (
     sub_message,
     with_sub_message,
 )
+from . import netports, sockdiag
 from .netports import endpoint_text as _endpoint
 from .netports import proc_net_address
 

@@ -1,7 +1,7 @@
 """When the server snapshots a kernel by itself: the decisions of one policy tick.
 
 Every ``policy_tick`` seconds the server reads each kernel's status once (its wrapper's
-:class:`~.protocol.KernelStatus`; jupyter_ext/autosnap.py) and hands what it read to
+:class:`~..protocol.KernelStatus`; jupyter_ext/autosnap.py) and hands what it read to
 :func:`decide`: a pure function of those statuses, the settings, what the policies
 remember between ticks (:class:`PolicyMemory`) and the time, so that every decision is
 tested without kernels or sleeps (tests/test_policies.py).
@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .protocol import KernelStatus
+from ..protocol import KernelStatus
 
 Trigger = Literal["periodic", "long-cell", "idle-suspend"]
 """What a policy starts; the manifest's trigger of the snapshot it takes."""

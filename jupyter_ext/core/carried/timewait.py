@@ -15,7 +15,7 @@ connection the snapshot recorded, or of the kernel the restore replaces) are des
 waited for until they expire. Entries of other connections on the kernel's ports are not
 the kernel's to remove: where they hold the port (a bind with ``SO_REUSEADDR``, as CRIU's,
 fails) the restore is refused, saying so and when they end, which is another error than
-that of a port a live process holds (core/netports.py names it); where they do not (their
+that of a port a live process holds (core/carried/netports.py names it); where they do not (their
 socket had ``SO_REUSEADDR`` too), the restore goes on.
 """
 

@@ -2,8 +2,8 @@
 
 CRIU images are two magic words and then length-prefixed protobuf messages. files.img holds
 one FileEntry per file (criu/images/fdinfo.proto); only the few fields the product
-rewrites are decoded: an inet socket's InetSkEntry (sk-inet.proto, core/tcpconns.py) and a
-regular file's RegFileEntry (regfile.proto, core/shmfiles.py). Everything else is copied
+rewrites are decoded: an inet socket's InetSkEntry (sk-inet.proto, core/carried/tcpconns.py) and a
+regular file's RegFileEntry (regfile.proto, core/carried/shmfiles.py). Everything else is copied
 as it was.
 """
 

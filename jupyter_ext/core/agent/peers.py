@@ -27,7 +27,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from .agentproto import AgentRequestError
+from .protocol import AgentRequestError
 
 PROC = Path("/proc")
 _CONTAINER_ID = re.compile(r"[0-9a-f]{64}")

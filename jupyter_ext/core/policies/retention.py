@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from .manifest import Manifest
+from ..manifest import Manifest
 
 
 @dataclass(frozen=True)

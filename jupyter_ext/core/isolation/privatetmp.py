@@ -3,7 +3,7 @@
 As root a kernel binds its temporary directory (``/tmp``, or ``$TMPDIR``) onto itself as
 it starts (:func:`bind_temp_dir`): the directory is then a mount point of its own in the
 kernel's mount namespace, recorded in its snapshots (``Manifest.temp_dir``) and bound again
-from the same path on restore (core/mountns.py), so the kernel sees the server's files
+from the same path on restore (core/isolation/mountns.py), so the kernel sees the server's files
 there as before.
 
 A copy of a snapshot restored beside a running kernel of the same snapshot would share
@@ -33,8 +33,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from . import proctree
-from .errors import RestoreError
+from .. import proctree
+from ..errors import RestoreError
 from .mountns import MS_BIND, MS_REC, detach, mount
 
 

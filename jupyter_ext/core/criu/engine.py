@@ -1,4 +1,4 @@
-"""Finding and running CRIU.
+"""Finding and running CRIU: ``criu check``, dump, restore and lazy restore.
 
 CRIU is looked for, in this order: an explicit path (a config trait), the
 ``JUPYTER_SNAPSHOT_CRIU`` environment variable, the private prefix that
@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import errno
-import fcntl
 import logging
 import os
 import random
@@ -20,20 +17,14 @@ import re
 import shutil
 import socket
 import subprocess
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import mountns, proctree
-from .confinement import Confinement
-from .criulog import UNPRIVILEGED_CAPS as UNPRIVILEGED_CAPS
-from .criulog import explain_failure
-from .criulog import frozen_seconds as frozen_seconds
-from .criulog import log_excerpt as log_excerpt
-from .errors import (
+from .. import proctree
+from ..errors import (
     CriuError,
     CriuNotFoundError,
     CriuNotPermittedError,
@@ -41,11 +32,22 @@ from .errors import (
     IncompatibleSnapshotError,
     RestoreError,
 )
-from .lazypages import PageServer, PageSource
-from .protocol import ENV_CRIU, ENV_CRIU_PREFIX
+from ..isolation import mountns
+from ..isolation.confinement import Confinement
+from ..protocol import ENV_CRIU, ENV_CRIU_PREFIX
+from .lazy import LazyTransfer
+from .log import explain_failure, frozen_seconds, log_excerpt
+from .options import (
+    DEFAULT_GHOST_LIMIT,
+    TCP_DUMP_OPTIONS,
+    TCP_KEEP_DUMP_OPTIONS,
+    TCP_KEEP_RESTORE_OPTIONS,
+)
+from .workdirs import working_directories_locked
 
 if TYPE_CHECKING:
-    from .netns import OwnNetwork
+    from ..isolation.netns import OwnNetwork
+    from ..lazypages import PageSource
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,8 @@ INSTALL_HINT = (
 )
 
 
-def _parse_version(text: str) -> tuple[int, ...] | None:
+def parse_version(text: str) -> tuple[int, ...] | None:
+    """The version in ``criu --version``'s output (also the node agent's hello)."""
     match = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
     if not match:
         return None
@@ -91,24 +94,6 @@ def mode_args() -> list[str]:
     """CRIU options for this process's privileges."""
     return ["--unprivileged"] if unprivileged() else []
 
-
-#: How a dump treats the kernel's TCP connections. ``--tcp-close`` records them without
-#: their state and leaves them alone: no repair mode, no network lock (so neither iptables
-#: nor nftables nor CAP_NET_ADMIN), no packet dropped, the running kernel's connections
-#: untouched; a restore (always ``--tcp-close``) gives them back closed, and clients
-#: reconnect. Saving their state (``--tcp-established``) would need a lock and could only
-#: bring a connection back where its peer still has it in the same state, never after the
-#: kernel ran on. ``--skip-in-flight``: connections a listening socket has not accepted yet
-#: are left out (the running kernel still accepts them), instead of failing the dump.
-TCP_DUMP_OPTIONS = ("--tcp-close", "--skip-in-flight")
-#: How a dump of a tree with connections between its own processes saves them (with root:
-#: TCP repair needs CAP_NET_ADMIN): with their state, to come back established (the ones
-#: with an outside peer are made closed in the images afterwards: core/tcpconns.py). No
-#: network lock: both ends of a kept connection are frozen, and what an outside peer sends
-#: meanwhile reaches the running kernel (TCP repair mode loses no data); the copy of such a
-#: connection in the snapshot is restored closed anyway. Measured: docs/network.md.
-TCP_KEEP_DUMP_OPTIONS = ("--tcp-established", "--network-lock", "skip", "--skip-in-flight")
-TCP_KEEP_RESTORE_OPTIONS = ("--tcp-established", "--network-lock", "skip")
 
 #: The kernel features a kernel's dump and restore use (``criu check --feature``):
 #: mount ids of open files, epoll targets (kcmp), file locks (``--file-locks``), and
@@ -157,7 +142,7 @@ class Criu:
             except OSError as exc:
                 tried.append(f"{path} ({source}): does not start: {exc}")
                 continue
-            version = _parse_version(out.stdout)
+            version = parse_version(out.stdout)
             if out.returncode != 0 or version is None:
                 tried.append(f"{path} ({source}): does not start: {out.stderr.strip()[:200]}")
                 continue
@@ -220,7 +205,7 @@ class Criu:
         images; its default limit is 1 MiB, Ray's object store is one of them).
         ``action_script`` runs at CRIU's steps (post-dump: still frozen). Returns how long
         the tree was frozen (see :func:`frozen_seconds`). ``netns``: the tree's own network
-        namespace, where CRIU then runs (core/netns.py: not dumped itself).
+        namespace, where CRIU then runs (core/isolation/netns.py: not dumped itself).
         """
         tcp = TCP_KEEP_DUMP_OPTIONS if keep_tcp else TCP_DUMP_OPTIONS
         args = ["dump", "-t", str(pid), "-D", str(images_dir), "-W", str(work_dir)]
@@ -266,7 +251,7 @@ class Criu:
         ``keep_tcp``: the images were dumped with ``keep_tcp`` (connections with state).
         ``netns``: the network namespace to restore the tree into (CRIU runs there).
         ``mounts``: the external mount points of the tree's own mount namespace, bound
-        from the same paths here, or from ``mount_sources[path]`` (:mod:`.mountns`).
+        from the same paths here, or from ``mount_sources[path]`` (:mod:`..isolation.mountns`).
         """
         return await self._restore(
             images_dir,
@@ -303,6 +288,10 @@ class Criu:
         must stay until then. If the restore fails, ``kill_tree`` is called to kill
         every process it made except the lazy-pages daemon (whose pid it gets).
         """
+        # Imported here: lazypages reads CRIU's images (criu/images.py), so importing it
+        # while this package is set up would go round in a circle.
+        from ..lazypages import PageServer
+
         server = PageServer(images_dir, source, write_through=write_through)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -378,7 +367,7 @@ class Criu:
         # The restored tree must end up our child. As root CRIU makes it its sibling
         # (--restore-sibling). Without root it stays CRIU's child, so that CRIU, which
         # seizes every task it restored, is their ancestor: Yama's ptrace_scope 1 allows
-        # nothing else to a tracer without CAP_SYS_PTRACE (core/confinement.py); we adopt
+        # nothing else to a tracer without CAP_SYS_PTRACE (core/isolation/confinement.py); we adopt
         # the tree when CRIU exits (a child subreaper for the restore's duration).
         sibling = not unprivileged()
         if sibling:
@@ -461,9 +450,6 @@ class Criu:
         return proc.returncode or 0, out.decode(errors="replace")
 
 
-#: CRIU's own ghost-file limit, the least a dump passes.
-DEFAULT_GHOST_LIMIT = 1 << 20
-
 #: Tries of a dump whose CRIU failed in its own start-up probes (see :meth:`Criu.dump`).
 KERNDAT_ATTEMPTS = 3
 
@@ -471,87 +457,6 @@ KERNDAT_ATTEMPTS = 3
 def _kerndat_failed(log: Path, output: str) -> bool:
     """Whether CRIU stopped while detecting the kernel's features (nothing was dumped)."""
     return "Could not initialize kernel features detection" in log_excerpt(log, output)
-
-
-#: How long CRIU's lazy-pages daemon may take to listen before a lazy restore gives up.
-LAZY_DAEMON_START_SECONDS = 10.0
-
-
-class LazyTransfer:
-    """The pages of a lazily restored tree on their way: CRIU's lazy-pages daemon, and
-    the :class:`PageServer` thread that answers it."""
-
-    def __init__(
-        self,
-        server: PageServer,
-        daemon: asyncio.subprocess.Process,
-        sock: socket.socket,
-        work_dir: Path,
-    ) -> None:
-        self.server = server
-        self.daemon = daemon
-        self.work_dir = work_dir
-        self.started = time.monotonic()
-        self.finished: float | None = None
-        self._sock = sock
-        loop = asyncio.get_running_loop()
-        self.served: asyncio.Future[None] = loop.create_future()
-
-        def serve() -> None:
-            try:
-                server.serve(sock)
-            finally:
-                loop.call_soon_threadsafe(self._set_served)
-
-        self._thread = threading.Thread(target=serve, name="lazy-pages", daemon=True)
-        self._thread.start()
-
-    def _set_served(self) -> None:
-        if not self.served.done():
-            self.served.set_result(None)
-
-    async def listening(self) -> None:
-        """Wait until the daemon listens for ``criu restore --lazy-pages``."""
-        socket_path = self.work_dir / "lazy-pages.socket"
-        deadline = time.monotonic() + LAZY_DAEMON_START_SECONDS
-        while not socket_path.exists():
-            if self.daemon.returncode is not None or time.monotonic() > deadline:
-                raise RestoreError(
-                    "CRIU's lazy-pages daemon did not start.",
-                    hint="Check 'jupyter snapshot doctor' (lazy restore), or set "
-                    "SnapshotExtensionApp.lazy_restore = False.",
-                    log_excerpt=log_excerpt(self.work_dir / "lazy-pages.log", ""),
-                )
-            await asyncio.sleep(0.005)
-
-    async def wait(self) -> None:
-        """Until every page is in place; raises (leaving the daemon waiting, so the tree
-        stays frozen at its next missing page) when a page could not be served."""
-        await asyncio.shield(self.served)
-        if self.server.error is not None:
-            raise self.server.error
-        rc = await self.daemon.wait()
-        self.finished = time.monotonic()
-        if rc != 0:
-            excerpt = log_excerpt(self.work_dir / "lazy-pages.log", "")
-            raise RestoreError(
-                f"CRIU's lazy-pages daemon failed (exit status {rc}) before every page of "
-                "the kernel was in place.",
-                hint="Read the CRIU log lines below; restore again, or set "
-                "SnapshotExtensionApp.lazy_restore = False.",
-                log_excerpt=excerpt,
-            )
-
-    def close(self) -> None:
-        """End the transfer: the daemon ends when its page server goes away."""
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout=10)
-        self._sock.close()
-        if self.daemon.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.daemon.kill()
-        self.server.close()
 
 
 #: How long a restore without a PID namespace waits for a process id of the snapshot that
@@ -579,84 +484,3 @@ def pid_being_freed(work_dir: Path) -> bool:
         return False
     pid = int(match[1])
     return not proctree.is_alive(pid) or proctree.parent(pid) in (1, os.getppid())
-
-
-#: What CRIU's parasite creates, and mounts a private /proc on, in the working directory of
-#: each dumped task whose /proc belongs to another PID namespace (criu/pie/parasite.c).
-PARASITE_PROC_DIR = "proc.crtools"
-#: How often a dump waiting for another one to leave a shared directory looks again.
-LOCK_POLL_SECONDS = 0.01
-MNT_DETACH = 2
-
-
-@contextlib.asynccontextmanager
-async def working_directories_locked(pid: int) -> AsyncIterator[None]:
-    """Hold an exclusive lock on every working directory of the tree at ``pid`` while it is
-    dumped, and clear what an interrupted dump left in them.
-
-    The kernel lives in its own PID namespace, so /proc is not its own: CRIU's parasite
-    then makes ``proc.crtools`` in the task's working directory to mount a private /proc
-    there. Two dumps of kernels sharing a directory (a notebook folder) collide on that
-    name ("Can't create a directory (-17)", "can't get /proc fd") and one fails. Every dump
-    of this product takes the directory's lock (flock on the directory itself, so also
-    between servers and users sharing it); the others wait a moment, unfrozen. A
-    ``proc.crtools`` found while the lock is held was left by a dump that was killed.
-    """
-    held: list[int] = []
-    seen: set[tuple[int, int]] = set()
-    try:
-        for task in proctree.descendants(pid):
-            try:
-                fd = os.open(f"/proc/{task}/cwd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            except OSError:
-                continue  # gone, or not ours to open: CRIU reports what it cannot do
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) in seen:
-                os.close(fd)
-                continue
-            seen.add((st.st_dev, st.st_ino))
-            held.append(fd)
-        # One order for every dumper, so two trees sharing two directories cannot deadlock.
-        held.sort(key=lambda fd: (os.fstat(fd).st_dev, os.fstat(fd).st_ino))
-        for fd in held:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    await asyncio.sleep(LOCK_POLL_SECONDS)
-            _remove_stale_parasite_dir(fd)
-        yield
-    finally:
-        for fd in held:
-            os.close(fd)  # closing releases the lock
-
-
-def _remove_stale_parasite_dir(dir_fd: int) -> None:
-    """Remove the ``proc.crtools`` a killed dump left in a directory we hold locked."""
-    try:
-        os.rmdir(PARASITE_PROC_DIR, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        if exc.errno != errno.EBUSY:
-            log.warning("cannot remove a stale %s: %s", PARASITE_PROC_DIR, exc)
-            return
-        # Still a mount point (the dump died between mount and unmount): detach it first.
-        target = f"/proc/self/fd/{dir_fd}/{PARASITE_PROC_DIR}".encode()
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.umount2(target, MNT_DETACH) != 0:
-            log.warning("cannot unmount a stale %s: errno %d", target, ctypes.get_errno())
-            return
-        with contextlib.suppress(OSError):
-            os.rmdir(PARASITE_PROC_DIR, dir_fd=dir_fd)
-    log.info("removed a %s left by an interrupted dump", PARASITE_PROC_DIR)
-
-
-def external_file_key(fd: int) -> str:
-    """CRIU's key for the file open at ``fd`` of this process: ``file[MNT_ID:INODE]``."""
-    mnt_id = -1
-    for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
-        if line.startswith("mnt_id:"):
-            mnt_id = int(line.split()[1])
-    return f"file[{mnt_id:x}:{os.fstat(fd).st_ino:x}]"

@@ -21,7 +21,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .agentproto import (
+from ..criu import Criu, LazyTransfer, parse_version
+from ..errors import DumpError, RestoreError, SnapshotError
+from ..lazypages import PageSource
+from .protocol import (
     AgentUnavailableError,
     DumpRequest,
     HelloRequest,
@@ -32,12 +35,9 @@ from .agentproto import (
     receive_more,
     send,
 )
-from .criu import Criu, LazyTransfer, _parse_version
-from .errors import DumpError, RestoreError, SnapshotError
-from .lazypages import PageSource
 
 if TYPE_CHECKING:
-    from .netns import OwnNetwork
+    from ..isolation.netns import OwnNetwork
 
 #: In a snapshot's images directory: the agent's seal and the files it covers.
 SEAL_FILE = "agent-seal.json"
@@ -102,7 +102,7 @@ class AgentCriu(Criu):
     def connect(cls, socket_path: Path) -> AgentCriu:
         """The agent on ``socket_path``, once it answered (its CRIU's version)."""
         hello, _ = call(socket_path, HelloRequest())
-        version = _parse_version(f"Version: {hello['criu_version']}") or (0,)
+        version = parse_version(f"Version: {hello['criu_version']}") or (0,)
         return cls(socket_path, version, f"node agent (owner {hello['owner']})")
 
     def supports_lazy_pages(self) -> tuple[bool, str]:

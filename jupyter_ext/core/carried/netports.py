@@ -5,7 +5,7 @@ port again; if another process holds that port the restore fails ("Address alrea
 use"). The wrapper records the kernel's ports in the manifest and checks them before a
 restore starts, so the error names the port, and a running kernel is never ended for a
 restore that cannot succeed (or, as root, restores a copy whose ports are taken into a
-network namespace of its own: core/netns.py). Facts come from /proc/net of this network
+network namespace of its own: core/isolation/netns.py). Facts come from /proc/net of this network
 namespace, or of a kernel's (``/proc/PID/net``: a copy in its own namespace).
 """
 
@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import proctree, sockdiag
+from .. import proctree
+from . import sockdiag
 
 _TCP_LISTEN = 0x0A
 _WILDCARDS = ("0.0.0.0", "::")
@@ -126,7 +127,7 @@ def bound_ports(inodes: set[int], pid: int | str = "self") -> list[BoundPort]:
 def taken_ports(ports: list[BoundPort], ignore: Collection[int] = ()) -> list[str]:
     """Which of ``ports`` a socket here holds (except sockets in ``ignore``, e.g. those of
     the kernel a restore replaces), in words, each with the process that holds it. (The
-    TIME_WAIT entries of ended connections hold no socket: core/timewait.py.)"""
+    TIME_WAIT entries of ended connections hold no socket: core/carried/timewait.py.)"""
     others = [e for e in _entries() if e.inode not in ignore and _binds(e)]
     taken = {port: [o for o in others if port.collides_with(o.port)] for port in ports}
     wanted = {o.inode for holding in taken.values() for o in holding}

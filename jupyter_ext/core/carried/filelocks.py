@@ -5,7 +5,7 @@ process holds a lock on the same file, ``criu restore`` waits for ever. A copy o
 snapshot restored beside a running kernel of the same snapshot meets exactly that when the
 kernel locks files (Dask's workers lock their directories under ``dask-scratch-space``).
 The restore checks first: locks in the kernel's temporary directory are the copy's own
-in a private view of it (core/privatetmp.py); others it refuses, naming the file and the
+in a private view of it (core/isolation/privatetmp.py); others it refuses, naming the file and the
 process that holds it.
 """
 
@@ -15,7 +15,7 @@ import os
 from collections.abc import Collection
 from pathlib import Path
 
-from .manifest import IMAGES_DIR
+from ..manifest import IMAGES_DIR
 
 #: CRIU's image of the tree's file locks (two magic words when there are none).
 LOCKS_IMAGE = "filelocks.img"

@@ -5,7 +5,7 @@ unconfined; its callers are user pods at Pod Security "baseline". Every byte a c
 sends is untrusted: a request is parsed here into one frozen dataclass, every field
 checked (type, range, pattern, count), and anything else is refused with an
 :class:`AgentRequestError` that names the field. Nothing in a request says *who* asks or
-*which pod*: the agent learns that from the kernel (``core/peers.py``).
+*which pod*: the agent learns that from the kernel (``core/agent/peers.py``).
 
 One message is one datagram: a JSON object, at most :data:`MAX_MESSAGE` bytes, with file
 descriptors attached (SCM_RIGHTS) where an operation needs them::
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Self
 
-from .errors import SnapshotError
+from ..errors import SnapshotError
 
 #: The protocol version: a request of another version is refused, naming both.
 VERSION = 1

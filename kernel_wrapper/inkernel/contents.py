@@ -1,6 +1,6 @@
 """What a snapshot holds: the cells run since the previous one and the largest variables.
 
-The agent (kernel_wrapper.agent) collects this inside the kernel just before a dump, from
+The agent (kernel_wrapper.inkernel.agent) collects this inside the kernel just before a dump, from
 its own thread, while the user's code may still run. So it must never run user code: an
 object's ``__repr__``, ``__len__``, ``__sizeof__``, ``__class__`` or a property could block,
 raise or change state. Only these are read:

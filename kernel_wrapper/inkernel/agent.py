@@ -16,7 +16,7 @@ It never imports a framework: only one the kernel has already imported is touche
 
 Every kernel runs one (it costs a thread blocked on a socket): before each dump the
 wrapper asks it what the snapshot holds (``{"op": "summary", "since": N}``): the cells
-run since the previous snapshot and the largest variables (kernel_wrapper.contents),
+run since the previous snapshot and the largest variables (kernel_wrapper.inkernel.contents),
 recorded in the manifest.
 """
 

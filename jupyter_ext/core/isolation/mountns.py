@@ -99,7 +99,7 @@ def restore_options(
 ) -> tuple[list[str], list[str]]:
     """``criu restore`` options binding each external mount point of the snapshot from
     the same path here, or from ``sources[path]`` where given (a copy's private view,
-    core/privatetmp.py), and the paths this machine lacks: those are given
+    core/isolation/privatetmp.py), and the paths this machine lacks: those are given
     ``substitute``, an empty directory (a kernel that holds files there fails to restore,
     naming them). Empty when the snapshot has no mount namespace of its own."""
     if not paths:
