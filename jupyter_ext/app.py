@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import os
 import signal
@@ -27,6 +28,32 @@ from .settings import SnapshotSettings
 
 EVENT_SCHEMA = Path(__file__).parent / "events" / "snapshot.yaml"
 _frozen = False
+
+#: glibc's ``mallopt`` parameters: the size from which a buffer gets its own mapping, and
+#: how many arenas the threads share.
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8
+MMAP_THRESHOLD_BYTES, ARENA_MAX = 256 << 10, 2
+
+
+def _return_chunk_buffers_to_the_system() -> None:
+    """Chunk buffers (read, compressed, sealed: hundreds of KiB to MiB, made in the upload
+    and download threads) get their own mappings and go back to the system when freed.
+    glibc raises its mmap threshold after the first such buffer is freed, so later ones
+    came from per-thread arenas (up to 8 per core, one per thread that allocates at once),
+    which kept them: the server's RSS rose from 128 to ~260 MiB under snapshot load and
+    stayed there with every kernel gone (bench/bench_soak.py, bench/RESULTS.md). A fixed
+    threshold keeps them out of the arenas, and two arenas are enough for threads that
+    spend their time in zstd and AES, not in malloc. A no-op where the C library has no
+    ``mallopt`` (musl), and skipped where malloc is tuned in the environment already
+    (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``, ...) or ``JUPYTER_SNAPSHOT_MALLOC_TUNING``
+    is ``0`` (glibc's defaults: the soak benchmark's baseline)."""
+    tuned = any(name.startswith("MALLOC_") for name in os.environ)
+    if tuned or os.environ.get("JUPYTER_SNAPSHOT_MALLOC_TUNING") == "0":
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        libc.mallopt(M_ARENA_MAX, ARENA_MAX)
 
 
 def _freeze_start_up_objects() -> None:
@@ -186,6 +213,7 @@ class SnapshotExtensionApp(SnapshotSettings):
         uploads of snapshots a previous run of this server could not store."""
         self.manager.reaper.start()  # without root: see Reaper.start
         _freeze_start_up_objects()
+        _return_chunk_buffers_to_the_system()
         recovered = self.manager.uploads.recover_staged()
         if recovered:
             self.log.info("uploading %d snapshot(s) kept locally: %s", len(recovered), recovered)

@@ -40,17 +40,17 @@ case "${1:-}" in
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
     "$VENV/bin/mypy"
-    log "tests"
+    log "tests (set-up took ${SECONDS} s)"
     "$VENV/bin/python" -m pytest "$@"
-    log "UI tests"
+    log "UI tests (${SECONDS} s since the start)"
     scripts/ui-tests.sh
     # Non-root mode: kernel, server, policy, JupyterHub and other-node tests again, as an
     # ordinary user (docs/nonroot.md).
-    log "non-root stage"
+    log "non-root stage (${SECONDS} s since the start)"
     scripts/nonroot-tests.sh
     # deploy/Dockerfile built and its Zero to JupyterHub user pod run in podman
     # (docs/jupyterhub.md, "What is tested").
-    log "container stage"
+    log "container stage (${SECONDS} s since the start)"
     exec scripts/container-tests.sh
     ;;
   *)
