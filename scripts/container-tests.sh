@@ -86,9 +86,20 @@ for base in "${BASES[@]}"; do
   fi
 done
 
-# Pods and agents an interrupted run left (tests/pods.py names them jks-ct-*).
-for pod in $(podman pod ls --quiet --filter name=jks-ct-); do podman pod rm --force "$pod" >/dev/null; done
-for agent in $(podman ps --all --quiet --filter name=jks-ct-agent-); do podman rm --force "$agent" >/dev/null; done
+# Pods and agents of the tests (tests/pods.py names them jks-ct-*): those an interrupted run
+# left, and at the end all of them, so that no container keeps its overlay mounted (kernels
+# started later copy the host's mounts into their own mount namespaces).
+remove_test_pods() {
+  for pod in $(podman pod ls --quiet --filter name=jks-ct-); do podman pod rm --force "$pod" >/dev/null; done
+  for agent in $(podman ps --all --quiet --filter name=jks-ct-agent-); do podman rm --force "$agent" >/dev/null; done
+}
+remove_test_pods
+on_exit() {
+  local rc=$?
+  remove_test_pods || echo "container-tests: could not remove the test pods" >&2
+  exit "$rc"
+}
+trap on_exit EXIT
 
 log "podman build -f deploy/Dockerfile"
 start=$SECONDS
