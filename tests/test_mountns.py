@@ -5,10 +5,13 @@ a kernel run for real in tests/test_parallel.py and every root-mode kernel test.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,3 +85,51 @@ def test_a_kernel_namespace_names_all_but_its_proc(tmp_path: Path) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_mount_points_this_machine_lacks_are_made_and_removed(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    there = str(tmp_path)
+    nested = str(tmp_path / "gone" / "overlay" / "merged")
+    under_a_file = str(tmp_path / "a-file" / "merged")
+    made = mountns.make_mount_points([there, nested, under_a_file])
+    assert made == [tmp_path / "gone", tmp_path / "gone" / "overlay", Path(nested)]
+    assert Path(nested).is_dir()
+    mountns.remove_mount_points(made)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.parametrize("kind", ["tmpfs", "overlay"])
+def test_a_mount_gone_since_the_kernel_started_does_not_stop_its_restore(
+    kernel_factory: Callable[..., Any], tmp_path: Path, kind: str
+) -> None:
+    """A kernel's mount namespace is a copy of the server's as the kernel started, with
+    whatever was mounted then: a container's overlay (podman, docker), a drive. When that
+    is gone by the restore (the container removed), the restore still works, and leaves
+    nothing on the host."""
+    if unprivileged():
+        pytest.skip("a mount namespace needs root (non-root kernels share the server's)")
+    transient = tmp_path / "containers" / "overlay"
+    point = transient / "merged"
+    point.mkdir(parents=True)
+    if kind == "tmpfs":
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(point)], check=True)
+    else:
+        layers = {name: tmp_path / name for name in ("lower", "upper", "work")}
+        for layer in layers.values():
+            layer.mkdir()
+        options = ",".join(f"{name}dir={path}" for name, path in layers.items())
+        subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(point)], check=True)
+    try:
+        kernel = kernel_factory()
+        kernel.execute("x = 5")
+        assert str(point) in mountns.external_mounts(kernel.status()["inner_pid"])
+        kernel.snapshot(tmp_path / "snap")
+        kernel.kill_all()
+    finally:
+        subprocess.run(["umount", "--lazy", str(point)], check=True)
+    shutil.rmtree(transient.parent)
+
+    restored = kernel_factory(restore_from=tmp_path / "snap")
+    assert restored.execute("print(x)").strip() == "5"
+    assert not transient.parent.exists()

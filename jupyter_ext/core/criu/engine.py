@@ -386,12 +386,16 @@ class Criu:
             )
         args += mount_options
         adopting = contextlib.nullcontext() if sibling else proctree.subreaper_while()
-        with adopting:
-            rc, output = await self._run(args, [fd for fd, _ in inherit_fds], netns)
-            deadline = time.monotonic() + PID_FREE_WAIT_SECONDS
-            while rc != 0 and time.monotonic() < deadline and pid_being_freed(work_dir):
-                await asyncio.sleep(0.05)
+        made = mountns.make_mount_points(list(mounts))
+        try:
+            with adopting:
                 rc, output = await self._run(args, [fd for fd, _ in inherit_fds], netns)
+                deadline = time.monotonic() + PID_FREE_WAIT_SECONDS
+                while rc != 0 and time.monotonic() < deadline and pid_being_freed(work_dir):
+                    await asyncio.sleep(0.05)
+                    rc, output = await self._run(args, [fd for fd, _ in inherit_fds], netns)
+        finally:
+            mountns.remove_mount_points(made)
         if rc != 0:
             excerpt = log_excerpt(work_dir / "restore.log", output)
             message, hint = explain_failure(excerpt, restoring=True, unprivileged=unprivileged())

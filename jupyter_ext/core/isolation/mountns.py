@@ -117,6 +117,37 @@ def restore_options(
     return options, missing
 
 
+def make_mount_points(paths: list[str]) -> list[Path]:
+    """Make the directories of the snapshot's mount points this machine lacks (a container
+    that was running when the kernel started and is gone now, a drive unplugged) and
+    return them, outermost first. CRIU mounts each one on its path under the restored
+    tree's root, the host's ``/``, so the path must exist there; what is mounted on it is
+    :func:`restore_options`' empty directory. :func:`remove_mount_points` takes them away
+    once CRIU is done."""
+    made: list[Path] = []
+    for path in paths:
+        chain = []
+        point = Path(path)
+        while not os.path.lexists(point):
+            chain.append(point)
+            point = point.parent
+        if not point.is_dir() or point.is_symlink():
+            continue  # not ours to make: CRIU names it
+        for directory in reversed(chain):
+            directory.mkdir(mode=0o700)
+            made.append(directory)
+    return made
+
+
+def remove_mount_points(made: list[Path]) -> None:
+    """Remove what :func:`make_mount_points` made, innermost first. A directory still
+    mounted on in the restored kernel's namespace goes too: the kernel's (empty) mount
+    there is then detached, which it did not use."""
+    for directory in reversed(made):
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+
+
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
