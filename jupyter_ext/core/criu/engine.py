@@ -391,8 +391,18 @@ class Criu:
             with adopting:
                 rc, output = await self._run(args, [fd for fd, _ in inherit_fds], netns)
                 deadline = time.monotonic() + PID_FREE_WAIT_SECONDS
-                while rc != 0 and time.monotonic() < deadline and pid_being_freed(work_dir):
-                    await asyncio.sleep(0.05)
+                # Again: a process id on its way to be free, or CRIU failed in its start-up
+                # probes, before it restored anything (see :meth:`dump`; seen in CI as the
+                # TCP-repair probe's "Connection refused").
+                while (
+                    rc != 0
+                    and time.monotonic() < deadline
+                    and (
+                        pid_being_freed(work_dir)
+                        or _kerndat_failed(work_dir / "restore.log", output)
+                    )
+                ):
+                    await asyncio.sleep(0.05 + random.random() * 0.2)
                     rc, output = await self._run(args, [fd for fd, _ in inherit_fds], netns)
         finally:
             mountns.remove_mount_points(made)
