@@ -120,6 +120,9 @@ class KernelProcess:
         try:
             self.client.wait_for_ready(timeout=60)
         except RuntimeError as exc:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGUSR1)  # the wrapper logs its relay's state
+                time.sleep(1)
             log = self.log()
             if self.process.poll() is None:
                 log += "\n" + describe_threads(proctree.descendants(self.process.pid))
@@ -251,7 +254,7 @@ def describe_threads(pids: list[int]) -> str:
                 wchan = Path(f"{base}/wchan").read_text().strip()
                 state = Path(f"{base}/stat").read_text().rsplit(")", 1)[1].split()[0]
                 lines.append(f"{pid}/{tid} {comm} {state} {wchan}")
-        spy = shutil.which("py-spy")
+        spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
         if spy and os.path.isdir(f"/proc/{pid}"):
             dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True)
             lines.append(dump.stdout)

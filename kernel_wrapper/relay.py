@@ -35,6 +35,7 @@ from .channels import (
     ServerChannels,
     receive_ready,
     send_now,
+    sync_socket,
     take_all,
 )
 from .tracker import KernelTracker
@@ -87,7 +88,9 @@ class Relay:
         if requests:
             pumps += [(name, self.server[name], inner[name], False) for name in REQUEST_CHANNELS]
         for name, source, sink, outward in pumps:
-            self._pumps.append(asyncio.create_task(self._pump(name, source, sink, outward)))
+            pump = self._pump(name, source, sink, outward)
+            direction = "out" if outward else "in"
+            self._pumps.append(asyncio.create_task(pump, name=f"{name}-{direction}"))
 
     def stop(self) -> None:
         """Forward nothing more: requests wait in the server-facing sockets."""
@@ -188,6 +191,31 @@ class Relay:
                         self.tracker.announce_resumed()
                         for replay in self.tracker.replays():
                             self.send(("server", "iopub"), self.sign(replay))
+
+    def describe(self) -> str:
+        """What each part of the relay holds now, for a log line when messages seem stuck
+        (SIGUSR1 to the wrapper: see wrapper.KernelWrapper.run)."""
+        sockets = {f"server.{n}": s for n, s in self.server.sockets.items()}
+        if self.inner is not None:
+            sockets.update({f"inner.{n}": s for n, s in self.inner.sockets.items()})
+        events = []
+        for name, sock in sockets.items():
+            # What libzmq holds (a waiting pump beside "in" would be a lost wake-up), then
+            # the asyncio socket's look, which wakes any task waiting on what is there.
+            ready = int(sync_socket(sock).get(zmq.EVENTS))
+            sock.get(zmq.EVENTS)
+            flags = "in" if ready & zmq.POLLIN else ""
+            flags += "+out" if ready & zmq.POLLOUT else ""
+            events.append(f"{name}={flags or '-'}")
+        pumps = [task.get_name() for task in self._pumps if not task.done()]
+        ended = [task.get_name() for task in self._pumps if task.done()]
+        backlog = {f"{a}.{b}": len(q) for (a, b), q in self._backlog.items() if q}
+        held = {name: len(frames) for name, frames in self._held.items() if frames}
+        return (
+            f"open={self._open} inner={'yes' if self.inner is not None else 'no'} "
+            f"pumps={pumps} ended={ended} backlog={backlog} held={held} "
+            f"sockets: {' '.join(events)}"
+        )
 
     # ------------------------------------------------------------------ signatures
 

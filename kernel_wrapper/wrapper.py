@@ -149,6 +149,7 @@ class KernelWrapper:
         loop.add_reader(self.process.stdio_r, self.process.forward_stdio)
         loop.add_signal_handler(signal.SIGINT, self._interrupt)
         loop.add_signal_handler(signal.SIGTERM, lambda: self.lifecycle.end(0))
+        loop.add_signal_handler(signal.SIGUSR1, self._log_state)
         control = ControlServer(
             self._control_path,
             {
@@ -209,6 +210,17 @@ class KernelWrapper:
         self.relay.stop()
         await self.process.kill()
         await self.relay.close_inner()
+
+    def _log_state(self) -> None:
+        """SIGUSR1: say in the log what every part holds (a kernel that seems stuck)."""
+        log.warning(
+            "state %s, snapshot job %s, kernel %s (%s), relay: %s",
+            self.lifecycle.state.value,
+            "running" if self.snapshotter.busy else "none",
+            self.process.pid,
+            self.relay.tracker.execution_state,
+            self.relay.describe(),
+        )
 
     def _interrupt(self) -> None:
         """SIGINT from the server: interrupt the inner kernel's process group."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import stat
 import sys
 import time
@@ -232,9 +233,18 @@ async def _relay(tmp_path: Path) -> None:
         request = client.send("execute_request", {"code": "1"})
         await asyncio.sleep(0.3)
         assert not await kernel.shell.poll(100)
+        assert "open=False" in relay.describe()
+        assert "pumps=[]" in relay.describe()
         relay.start(requests=True)
         frames = await kernel.request()
         assert frames[0] == INNER_ROUTING_ID
+        # What a stuck kernel's log says (SIGUSR1): every pump, each socket's events.
+        state = relay.describe()
+        assert "open=True" in state
+        assert "'shell-in'" in state
+        assert "'iopub-out'" in state
+        assert "server.shell=" in state, state
+        assert "inner.iopub=" in state, state
         at = frames.index(DELIM)
         assert frames[at + 1] == b"", "the kernel holds no key: messages reach it unsigned"
         assert relay.tracker.executions_since_snapshot == 1
@@ -296,3 +306,19 @@ async def _stand_in(tmp_path: Path) -> None:
         assert (await client.reply())["msg_type"] == "shutdown_reply"
         assert ended == [True]
         stand_in.stop()
+
+
+def test_a_wrapper_says_what_its_relay_holds_on_sigusr1(kernel_factory: Any) -> None:
+    """The harness signals a kernel that does not answer and puts its log in the failure:
+    the log must then say the state, the relay's pumps and each socket's events, and the
+    kernel must go on working."""
+    kernel = kernel_factory()
+    kernel.process.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while "relay: open=True" not in kernel.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    line = next(x for x in kernel.log().splitlines() if "relay:" in x)
+    assert line.startswith("[kernel_wrapper WARNING] state running, snapshot job none"), line
+    assert "'shell-in'" in line
+    assert "server.iopub=" in line
+    assert kernel.execute("print(6 * 7)") == "42\n"
