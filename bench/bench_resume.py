@@ -33,6 +33,8 @@ second snapshot of an idle kernel <= 2 % new bytes.
 
     sudo nice -n 5 .venv/bin/python bench/bench_resume.py --sizes 256,1024,4096 --json out.json
     sudo nice -n 5 .venv/bin/python bench/bench_resume.py --sizes 256,1024 --ways s3,s3-lazy --plain
+    sudo nice -n 5 .venv/bin/python bench/bench_resume.py --sizes 256,1024 --ways s3,s3-lazy \
+        --plain --repeat 5 --no-ceilings    # the encryption goal, medians of 5 interleaved runs
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -241,6 +244,17 @@ def servers(work: Path, moto: MotoServer, ways: set[str], plain: bool) -> dict[s
     return made
 
 
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first run's numbers, its times replaced by the medians over ``runs`` (each
+    run kept under "runs")."""
+    merged = dict(runs[0])
+    for key in ("durable", "restore", "all_memory_in"):
+        values = [run[key] for run in runs if run.get(key) is not None]
+        merged[key] = statistics.median(values) if values else None
+    merged["runs"] = [{k: run[k] for k in ("durable", "restore", "all_memory_in")} for run in runs]
+    return merged
+
+
 def ratio(value: float | None, base: float | None) -> str:
     return f"{value / base:.2f}x" if value and base else "-"
 
@@ -290,11 +304,21 @@ def encryption_table(rows: list[dict[str, Any]], aes: dict[str, float]) -> str:
             plain = (row.get(f"{name}-plain") or {}).get(key)
             cells += [seconds(enc), seconds(plain), ratio(enc, plain)]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Each run's ratio (encrypted / unencrypted), in the order run:", ""]
+    for row in rows:
+        for name, key in (("s3", "durable"), ("s3", "restore"), ("s3-lazy", "restore")):
+            enc, plain = row.get(name) or {}, row.get(f"{name}-plain") or {}
+            pairs = zip(enc.get("runs", []), plain.get("runs", []), strict=False)
+            each = [ratio(e[key], p[key]) for e, p in pairs]
+            if each:
+                label = f"{human_bytes(row['mib'] * MIB)} {name} {key}"
+                lines.append(f"- {label}: {', '.join(each)}")
     return "\n".join(lines)
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    if not all(name in rows[0] for name in ("local", "s3", "cache", "local-lazy", "s3-lazy")):
+    needed = ("local", "s3", "cache", "local-lazy", "s3-lazy", "ceilings")
+    if not all(name in rows[0] for name in needed):
         return ""  # a run of some ways only: the encryption table says it
     lines = [
         "| kernel | images | local durable | bare dump | +fsync | ratio (dump / +fsync) "
@@ -345,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per size")
     parser.add_argument("--ways", default="", help="only these ways (comma-separated)")
     parser.add_argument("--plain", action="store_true", help="unencrypted twins of the S3 ways")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of each way, interleaved; medians reported"
+    )
+    parser.add_argument(
+        "--no-ceilings", action="store_true", help="skip bare CRIU and raw S3 (ways only)"
+    )
     args = parser.parse_args(argv)
     ways = {w for w in args.ways.split(",") if w}
     work = Path(tempfile.mkdtemp(prefix="bench-resume-", dir="/var/tmp"))
@@ -360,9 +390,17 @@ def main(argv: list[str] | None = None) -> int:
         aes = aes_gcm_throughput() if args.plain else None
         for mib in (int(s) for s in args.sizes.split(",")):
             row: dict[str, Any] = {"mib": mib}
-            row["ceilings"] = ceilings(work, criu, s3, mib, args.timeout)
-            for name, server in made.items():
-                row[name] = ours(server, mib, args.timeout)
+            if not args.no_ceilings:
+                row["ceilings"] = ceilings(work, criu, s3, mib, args.timeout)
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in made}
+            for repeat in range(args.repeat):
+                # Interleaved, the order flipped each time: a noisy machine, moto's
+                # growing memory and a warming page cache weigh on every way alike.
+                names = list(made) if repeat % 2 == 0 else list(reversed(made))
+                for name in names:
+                    runs[name].append(ours(made[name], mib, args.timeout))
+            for name, each in runs.items():
+                row[name] = medians(each)
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
