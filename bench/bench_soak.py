@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -37,19 +38,57 @@ from harness import QUIET, MotoServer, Server, extension_config
 BUCKET = "kernel-snapshots-soak"
 
 #: Loaded into the server process only (``sys.orig_argv`` names jupyter_server; kernels and
-#: their wrappers are other interpreters): the first SIGUSR2 starts tracemalloc (traced from
-#: the server's start, it started 5x slower here, past the ready timeout; what grows comes
-#: later anyway), each one dumps a snapshot.
-TRACE_HOOK = """
+#: their wrappers are other interpreters). With ``JKS_SOAK_TRACE``: the first SIGUSR2 starts
+#: tracemalloc (traced from the server's start, it started 5x slower here, past the ready
+#: timeout; what grows comes later anyway), each one dumps a snapshot. With
+#: ``JKS_SOAK_DIAG``: each SIGRTMIN+1 (jupyter_server has SIGUSR1) writes pymalloc's
+#: statistics (``sys._debugmallocstats``), glibc's ``malloc_info``, the commonest object
+#: types (after a full collection) and the threads to a new directory.
+SERVER_HOOK = """
 import sys
 if "jupyter_server" in sys.orig_argv:
-    import os, signal, tracemalloc
+    import os, signal
     def _dump(signum, frame):
+        import tracemalloc
         if not tracemalloc.is_tracing():
             tracemalloc.start(8)
         path = os.environ["JKS_SOAK_TRACE"] + f"/{int(os.times().elapsed * 1000)}.trace"
         tracemalloc.take_snapshot().dump(path)
-    signal.signal(signal.SIGUSR2, _dump)
+    def _diagnose(signum, frame):
+        import collections, ctypes, gc, threading
+        directory = os.environ["JKS_SOAK_DIAG"] + f"/{int(os.times().elapsed * 1000)}"
+        os.makedirs(directory + ".tmp")
+        fd = os.open(directory + ".tmp/pymalloc.txt", os.O_WRONLY | os.O_CREAT)
+        saved = os.dup(2)
+        os.dup2(fd, 2)
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(fd)
+        libc = ctypes.CDLL(None)
+        libc.fopen.restype = ctypes.c_void_p
+        libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        libc.fclose.argtypes = [ctypes.c_void_p]
+        stream = libc.fopen((directory + ".tmp/malloc_info.xml").encode(), b"w")
+        libc.malloc_info(0, stream)
+        libc.fclose(stream)
+        unreachable = gc.collect()  # what is left is held
+        objects = gc.get_objects()
+        counts = collections.Counter(type(o).__qualname__ for o in objects)
+        with open(directory + ".tmp/objects.txt", "w") as out:
+            out.write(f"gc-tracked objects: {len(objects)} ({gc.get_freeze_count()} frozen, ")
+            out.write(f"{unreachable} unreachable collected first)\\n")
+            out.writelines(f"{n} {name}\\n" for name, n in counts.most_common(40))
+            out.write("threads:\\n")
+            out.writelines(f"  {t.name}\\n" for t in threading.enumerate())
+        os.rename(directory + ".tmp", directory)
+    if os.environ.get("JKS_SOAK_TRACE"):
+        signal.signal(signal.SIGUSR2, _dump)
+    if os.environ.get("JKS_SOAK_DIAG"):
+        signal.signal(signal.SIGRTMIN + 1, _diagnose)
 """
 
 
@@ -60,28 +99,52 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
+def memory(pid: int) -> dict[str, int]:
+    """The server's RSS, split as ``smaps_rollup`` splits it (anonymous: malloc's heap and
+    arenas, Python's; file: mapped libraries and files), and its thread count."""
+    found = {"rss": rss_bytes(pid)}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name in ("Anonymous", "Pss_File"):
+            found[name.lower()] = int(rest.split()[0]) * 1024
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            found["threads"] = int(line.split()[1])
+    return found
+
+
 def mib(value: int) -> str:
     return f"{value / (1 << 20):.0f} MiB"
 
 
-class Tracer:
-    """tracemalloc snapshots of the server, taken on demand (SIGUSR2)."""
+class ServerHook:
+    """What the server runs at start (SERVER_HOOK): tracemalloc snapshots (``trace``) and
+    memory diagnostics (``diagnose``) taken on demand, written under the given folders."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
+    def __init__(self, trace: Path | None, diagnose: Path | None) -> None:
+        self.trace, self.diagnose = trace, diagnose
+        for directory in (trace, diagnose):
+            if directory is not None:
+                directory.mkdir(parents=True, exist_ok=True)
         self.hook = Path(tempfile.mkdtemp(prefix="jks-soak-hook-"))
-        (self.hook / "sitecustomize.py").write_text(textwrap.dedent(TRACE_HOOK))
+        (self.hook / "sitecustomize.py").write_text(textwrap.dedent(SERVER_HOOK))
 
     def env(self) -> dict[str, str]:
         path = os.pathsep.join(p for p in (str(self.hook), os.environ.get("PYTHONPATH")) if p)
-        return {"PYTHONPATH": path, "JKS_SOAK_TRACE": str(self.directory)}
+        env = {"PYTHONPATH": path}
+        if self.trace is not None:
+            env["JKS_SOAK_TRACE"] = str(self.trace)
+        if self.diagnose is not None:
+            env["JKS_SOAK_DIAG"] = str(self.diagnose)
+        return env
 
-    def take(self, pid: int) -> Path:
-        before = set(self.directory.glob("*.trace"))
+    def take_trace(self, pid: int) -> Path | None:
+        if self.trace is None:
+            return None
+        before = set(self.trace.glob("*.trace"))
         os.kill(pid, signal.SIGUSR2)
         for _ in range(600):
-            made = set(self.directory.glob("*.trace")) - before
+            made = set(self.trace.glob("*.trace")) - before
             if made:
                 [path] = made
                 size = -1
@@ -103,17 +166,40 @@ class Tracer:
             lines.extend(f"    {line}" for line in stat.traceback.format()[-8:])
         return "\n".join(lines)
 
+    def take_diagnostics(self, pid: int, label: str) -> None:
+        """``diagnose/label/``: the hook's files and the server's ``/proc/PID/smaps``."""
+        if self.diagnose is None:
+            return
+        before = {p for p in self.diagnose.iterdir() if p.name[0].isdigit()}
+        smaps = Path(f"/proc/{pid}/smaps").read_text()
+        os.kill(pid, signal.SIGRTMIN + 1)
+        for _ in range(600):
+            made = {p for p in self.diagnose.iterdir() if p.name[0].isdigit()} - before
+            made = {p for p in made if not p.name.endswith(".tmp")}
+            if made:
+                [path] = made
+                (path / "smaps.txt").write_text(smaps)
+                path.rename(self.diagnose / label)
+                return
+            time.sleep(0.1)
+        raise TimeoutError("the server wrote no diagnostics")
+
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "soak", "AWS_SECRET_ACCESS_KEY": "soak"}
+WARM_UP_MIB = 8
 
 
-def soak(args: argparse.Namespace, work: Path, glibc_defaults: bool = False) -> dict[str, Any]:
-    """One soak; ``glibc_defaults``: the server without the product's malloc tuning
-    (``jupyter_ext.app._return_chunk_buffers_to_the_system``), the baseline."""
+def soak(
+    args: argparse.Namespace, work: Path, run: int = 1, glibc_defaults: bool = False
+) -> dict[str, Any]:
+    """One soak (the ``run``-th); ``glibc_defaults``: the server without the product's malloc tuning
+    (``jupyter_ext.memory``), the baseline."""
     for name, value in CREDENTIALS.items():  # moto takes any; boto3 wants some
         os.environ.setdefault(name, value)
     moto = MotoServer(work / "moto.log")
-    tracer = Tracer(Path(args.tracemalloc)) if args.tracemalloc else None
+    way = "glibc-defaults" if glibc_defaults else "ours"
+    diagnose = Path(args.diagnose) / f"{run}-{way}" if args.diagnose else None
+    hook = ServerHook(Path(args.tracemalloc) if args.tracemalloc else None, diagnose)
     try:
         moto.ensure_bucket(BUCKET)
         config = extension_config(
@@ -127,14 +213,28 @@ def soak(args: argparse.Namespace, work: Path, glibc_defaults: bool = False) -> 
         env = dict(CREDENTIALS)
         if glibc_defaults:
             env["JUPYTER_SNAPSHOT_MALLOC_TUNING"] = "0"
-        if tracer is not None:
-            env.update(tracer.env())
+        env.update(hook.env())
         server = Server(work / "server", work / "notebooks", config, env=env)
         pid = server.process.pid
+        phases: dict[str, dict[str, int]] = {}
+
+        def phase(label: str) -> None:
+            phases[label] = memory(pid)
+            hook.take_diagnostics(pid, label)
+
         try:
             time.sleep(2)  # the start-up's last allocations
-            start = rss_bytes(pid)
-            first_trace = tracer.take(pid) if tracer else None
+            phase("cold")
+            # Warm-up: one small kernel snapshotted once and shut down, so that what the
+            # first snapshot loads once (boto3's service models, the S3 client, the
+            # kernelspec, nbformat's validators...) is not counted as what load leaves.
+            warm = server.start_session("warm-up.ipynb")
+            server.execute(warm, f"import numpy as np; w = np.ones({WARM_UP_MIB << 17})")
+            server.run_job("api/snapshots", {"kernel_id": warm})
+            server.end_sessions()
+            time.sleep(args.settle)
+            phase("warm")
+            first_trace = hook.take_trace(pid)
             kernels = [server.start_session(f"soak-{i}.ipynb") for i in range(args.kernels)]
             elements = args.mib << 17  # float64s
             for kernel in kernels:
@@ -154,15 +254,18 @@ def soak(args: argparse.Namespace, work: Path, glibc_defaults: bool = False) -> 
 
                     list(pool.map(one, kernels))
                     snapshots += len(kernels)
-                    peak = max(peak, rss_bytes(pid))
-                    print(f"round {rounds}: {snapshots} snapshots, RSS {mib(rss_bytes(pid))}")
-            loaded = rss_bytes(pid)
+                    now = rss_bytes(pid)
+                    peak = max(peak, now)
+                    print(f"round {rounds}: {snapshots} snapshots, RSS {mib(now)}", flush=True)
+            phase("loaded")
             server.end_sessions()
             time.sleep(args.settle)
-            after = rss_bytes(pid)
+            phase("after")
             trace = None
-            if tracer is not None and first_trace is not None:
-                report = tracer.compare(first_trace, tracer.take(pid))
+            if first_trace is not None:
+                last_trace = hook.take_trace(pid)
+                assert last_trace is not None
+                report = hook.compare(first_trace, last_trace)
                 (Path(args.tracemalloc) / "top.txt").write_text(report + "\n")
                 trace = str(Path(args.tracemalloc) / "top.txt")
             listed = len(server.api("GET", "api/snapshots")["snapshots"])
@@ -170,6 +273,7 @@ def soak(args: argparse.Namespace, work: Path, glibc_defaults: bool = False) -> 
             server.stop()
     finally:
         moto.stop()
+        shutil.rmtree(hook.hook, ignore_errors=True)
     return {
         "kernels": args.kernels,
         "mib": args.mib,
@@ -177,11 +281,14 @@ def soak(args: argparse.Namespace, work: Path, glibc_defaults: bool = False) -> 
         "rounds": rounds,
         "snapshots": snapshots,
         "kept": listed,
-        "rss_start": start,
+        "rss_cold": phases["cold"]["rss"],
+        "rss_start": phases["warm"]["rss"],
         "rss_peak": peak,
-        "rss_loaded": loaded,
-        "rss_after": after,
-        "after_vs_start": round(after / start, 2),
+        "rss_loaded": phases["loaded"]["rss"],
+        "rss_after": phases["after"]["rss"],
+        "after_vs_start": round(phases["after"]["rss"] / phases["warm"]["rss"], 2),
+        "after_vs_cold": round(phases["after"]["rss"] / phases["cold"]["rss"], 2),
+        "phases": phases,
         "tracemalloc": trace,
     }
 
@@ -195,6 +302,11 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=10.0, help="idle seconds at the end")
     parser.add_argument("--quick", action="store_true", help="3 kernels of 32 MiB, 1 minute")
     parser.add_argument("--tracemalloc", metavar="DIR", help="trace the server's memory")
+    parser.add_argument(
+        "--diagnose",
+        metavar="DIR",
+        help="write the server's smaps, malloc statistics, objects and threads per phase",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the result here too")
     parser.add_argument(
         "--baseline",
@@ -208,16 +320,17 @@ def main() -> int:
         args.kernels, args.mib, args.minutes = 3, 32, 1.0
     ways = [True, False] * args.baseline or [False]
     results = []
-    for glibc_defaults in ways:
+    for run, glibc_defaults in enumerate(ways, 1):
         with tempfile.TemporaryDirectory(prefix="jks-soak-") as tmp:
-            result = soak(args, Path(tmp), glibc_defaults)
+            result = soak(args, Path(tmp), run, glibc_defaults)
         result["malloc"] = "glibc defaults" if glibc_defaults else "ours"
         results.append(result)
         print(json.dumps(result, indent=2))
         print(
-            f"{result['malloc']}: RSS start {mib(result['rss_start'])}, peak under load "
-            f"{mib(result['rss_peak'])}, after all kernels are gone {mib(result['rss_after'])} "
-            f"({result['after_vs_start']}x the start; goal < 1.5x), "
+            f"{result['malloc']}: RSS cold start {mib(result['rss_cold'])}, after the warm-up "
+            f"{mib(result['rss_start'])}, peak under load {mib(result['rss_peak'])}, after all "
+            f"kernels are gone {mib(result['rss_after'])} ({result['after_vs_start']}x the "
+            f"warmed start, goal < 1.5x; {result['after_vs_cold']}x the cold start), "
             f"{result['snapshots']} snapshots",
             flush=True,
         )

@@ -22,7 +22,7 @@ import platform
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +77,7 @@ def main() -> int:
         print(f"no usable NVIDIA GPU: {inventory.get('reason')}")
         return 2
     results: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "gpu": [g.get("name") for g in inventory.get("gpus", [])],
         "driver": inventory.get("driver_version"),
         "kernel_release": platform.release(),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import os
 import signal
@@ -13,6 +12,7 @@ from typing import Any
 
 from jupyter_server.serverapp import ServerApp
 
+from . import memory
 from .autosnap import PolicyTick
 from .core import private
 from .core.errors import SnapshotError
@@ -28,32 +28,6 @@ from .settings import SnapshotSettings
 
 EVENT_SCHEMA = Path(__file__).parent / "events" / "snapshot.yaml"
 _frozen = False
-
-#: glibc's ``mallopt`` parameters: the size from which a buffer gets its own mapping, and
-#: how many arenas the threads share.
-M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8
-MMAP_THRESHOLD_BYTES, ARENA_MAX = 256 << 10, 2
-
-
-def _return_chunk_buffers_to_the_system() -> None:
-    """Chunk buffers (read, compressed, sealed: hundreds of KiB to MiB, made in the upload
-    and download threads) get their own mappings and go back to the system when freed.
-    glibc raises its mmap threshold after the first such buffer is freed, so later ones
-    came from per-thread arenas (up to 8 per core, one per thread that allocates at once),
-    which kept them: the server's RSS rose from 128 to ~260 MiB under snapshot load and
-    stayed there with every kernel gone (bench/bench_soak.py, bench/RESULTS.md). A fixed
-    threshold keeps them out of the arenas, and two arenas are enough for threads that
-    spend their time in zstd and AES, not in malloc. A no-op where the C library has no
-    ``mallopt`` (musl), and skipped where malloc is tuned in the environment already
-    (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``, ...) or ``JUPYTER_SNAPSHOT_MALLOC_TUNING``
-    is ``0`` (glibc's defaults: the soak benchmark's baseline)."""
-    tuned = any(name.startswith("MALLOC_") for name in os.environ)
-    if tuned or os.environ.get("JUPYTER_SNAPSHOT_MALLOC_TUNING") == "0":
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None)
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-        libc.mallopt(M_ARENA_MAX, ARENA_MAX)
 
 
 def _freeze_start_up_objects() -> None:
@@ -81,7 +55,8 @@ class SnapshotExtensionApp(SnapshotSettings):
     def make_store(self) -> SnapshotStore:
         """The owner's store (:meth:`store_spec`). An "env" key is taken out of this
         process's environment once read, so kernels (started with it) do not inherit it."""
-        store = open_store(self.store_spec())
+        spec = self.store_spec()
+        store = open_store(spec)
         if self.encryption_key_source == "env":
             for name in (ENV_KEY, ENV_PREVIOUS_KEYS):
                 os.environ.pop(name, None)
@@ -89,7 +64,7 @@ class SnapshotExtensionApp(SnapshotSettings):
             self.log.warning(
                 "kernel snapshots: the store is NOT encrypted (encryption_key_source 'none'): "
                 "whoever may read %s reads every snapshot, the kernels' whole memory.",
-                self.store_spec().location(),
+                spec.location(),
             )
         return store
 
@@ -114,6 +89,7 @@ class SnapshotExtensionApp(SnapshotSettings):
             "idle_suspend_after": self.idle_suspend_after,
             "suspend_cpu_kernels": self.suspend_cpu_kernels,
             "cull_action": self.cull_action,
+            "admin_shutdown_action": self.admin_shutdown_action,
             "cull_idle_timeout": self.server.kernel_manager.cull_idle_timeout,
         }
 
@@ -142,7 +118,13 @@ class SnapshotExtensionApp(SnapshotSettings):
             chunk_kib=self.chunk_kib or None,
         )
         self._tighten()
-        CullingPolicy(self.server.kernel_manager, self.manager, self.cull_action).install()
+        CullingPolicy(
+            self.server,
+            self.manager,
+            cull_action=self.cull_action,
+            admin_shutdown_action=self.admin_shutdown_action,
+            owner=self.owner,
+        ).install()
         # Kernel wrappers are started by the kernel manager with this process's environment.
         os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"
         os.environ[ENV_LAZY_RESTORE_MIN_BYTES] = str(self.lazy_restore_min_bytes)
@@ -213,7 +195,7 @@ class SnapshotExtensionApp(SnapshotSettings):
         uploads of snapshots a previous run of this server could not store."""
         self.manager.reaper.start()  # without root: see Reaper.start
         _freeze_start_up_objects()
-        _return_chunk_buffers_to_the_system()
+        memory.tune()
         recovered = self.manager.uploads.recover_staged()
         if recovered:
             self.log.info("uploading %d snapshot(s) kept locally: %s", len(recovered), recovered)

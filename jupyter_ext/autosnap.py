@@ -7,11 +7,10 @@ Here only what needs the server: the kernels and their wrappers, the jobs it sta
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
-from .core.errors import SnapshotError, SnapshotNotFoundError, WrapperUnavailableError
+from .core.errors import SnapshotError
 from .core.policies.tick import (
     Kernel,
     PolicyMemory,
@@ -20,7 +19,7 @@ from .core.policies.tick import (
     needs_status,
     periodic_round,
 )
-from .core.protocol import KernelStatus, StatusArgs
+from .core.protocol import KernelStatus
 from .manager import Job, SnapshotManager
 
 log = logging.getLogger("jupyter_ext")
@@ -68,9 +67,5 @@ class PolicyTick:
         automatic = kernel_id not in manager.schedules.periodic_opt_out
         status: KernelStatus | None = None
         if needs_status(self.settings, is_round, has_job, automatic):
-            # Not a snapshot kernel, or one that went away since it was listed: no status.
-            with contextlib.suppress(WrapperUnavailableError, SnapshotNotFoundError):
-                status = await manager.server_kernels.wrapper(kernel_id).status(
-                    StatusArgs(gpu=self.settings.needs_gpu)
-                )
+            status = await manager.server_kernels.status(kernel_id, gpu=self.settings.needs_gpu)
         return Kernel(kernel_id, status, has_job=has_job, automatic=automatic)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import getpass
 import json
 import os
 import shutil
@@ -17,30 +16,26 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_core.application import JupyterApp
-from traitlets import Bool, Unicode, default
+from traitlets import Bool, TraitError, Unicode, default
 
 from . import __version__
+from .app import SnapshotExtensionApp
+from .core.agent.protocol import ENV_AGENT_SOCKET
 from .core.contents import (
     compare_contents,
     describe_comparison,
     describe_contents,
     short_contents,
 )
-from .core.doctor import check_encryption, run_checks
+from .core.doctor import check_bucket_credentials, check_encryption, run_checks
 from .core.errors import SnapshotError
 from .core.humanize import human_bytes, human_seconds, time_ago
 from .core.manifest import check_snapshot_id
 from .core.protocol import DEFAULT_RUNTIME_ROOT
-from .core.store import (
-    KeySettings,
-    Repository,
-    S3Encryption,
-    SnapshotStore,
-    StoreSpec,
-    open_store,
-)
+from .core.store import Repository, SnapshotStore, StoreSpec, open_store
 from .core.store.keys import LOST_KEY, FileKeySource
-from .settings import data_dir, default_key_file
+from .core.store.scope import user_prefix
+from .settings import SnapshotSettings
 
 KERNELSPEC_DIR = Path(__file__).resolve().parent / "kernelspec"
 
@@ -51,37 +46,62 @@ class _ServerConfigFiles(JupyterApp):
 
 
 @functools.cache
-def server_option(name: str, fallback: str) -> str:
-    """An option of SnapshotExtensionApp as a Jupyter server here would read it from its
-    config files (a hub's /etc/jupyter), so that the commands use the server's key."""
+def server_settings() -> SnapshotSettings:
+    """SnapshotExtensionApp's options as a Jupyter server here would read them from its
+    config files (a hub's /etc/jupyter), so that the commands use the server's key and
+    store settings (a store is made from them as the server makes its own)."""
     files = _ServerConfigFiles()
     files.load_config_file()
-    return str(files.config.get("SnapshotExtensionApp", {}).get(name, fallback))
+    try:
+        return SnapshotExtensionApp(config=files.config)
+    except TraitError as exc:
+        raise SnapshotError(
+            f"The Jupyter server's configuration is not valid: {exc}",
+            hint="Correct it in its jupyter_server_config file ('jupyter --paths' lists "
+            "where those are).",
+        ) from exc
 
 
-class DoctorApp(JupyterApp):
+class _ServerKey(JupyterApp):
+    """The store's encryption key options, by default the server's."""
+
+    key_source = Unicode(
+        config=True,
+        help="""Where the store's encryption key comes from, as
+        SnapshotExtensionApp.encryption_key_source ("file", "env", "hub" or "none").
+        Default: the server's (its config files), else "file".""",
+    )
+    key_file = Unicode(
+        config=True,
+        help="""The key file of key source "file". Default: the server's
+        encryption_key_file (its config files), else <Jupyter data dir>/kernel_snapshots/
+        store.key.""",
+    )
+    aliases = {"key-source": "_ServerKey.key_source", "key-file": "_ServerKey.key_file"}
+
+    @default("key_source")
+    def _default_key_source(self) -> str:
+        return server_settings().encryption_key_source
+
+    @default("key_file")
+    def _default_key_file(self) -> str:
+        return server_settings().encryption_key_file
+
+
+class DoctorApp(_ServerKey):
     name = "jupyter-snapshot-doctor"
     description = "Say what works and what is missing for kernel snapshots, and how to fix it."
     criu = Unicode("", config=True, help="Path of the criu binary (default: search).")
     store_dir = Unicode(
         config=True,
         help="""The local store's directory to check for files others can read. Default:
-        SnapshotExtensionApp.local_store_dir's default (<Jupyter data dir>/kernel_snapshots/
-        store).""",
+        the server's local_store_dir (its config files, else <Jupyter data dir>/
+        kernel_snapshots/store).""",
     )
     work_dir = Unicode(
         config=True,
-        help="""The work directory to check likewise. Default: SnapshotExtensionApp.work_dir's
-        default (<Jupyter data dir>/kernel_snapshots/work).""",
-    )
-    key_source = Unicode(
-        config=True,
-        help="""The server's encryption_key_source, to say whether its store is encrypted and
-        where the key is. Default: the server's (its config files), else "file".""",
-    )
-    key_file = Unicode(
-        config=True,
-        help="The key file of key source 'file'. Default: as the server's encryption_key_file.",
+        help="""The work directory to check likewise. Default: the server's work_dir (its
+        config files, else <Jupyter data dir>/kernel_snapshots/work).""",
     )
     as_json = Bool(False, config=True, help="Print the checks as JSON.")
     flags = {"json": ({"DoctorApp": {"as_json": True}}, "Print the checks as JSON.")}
@@ -89,32 +109,32 @@ class DoctorApp(JupyterApp):
         "criu": "DoctorApp.criu",
         "store-dir": "DoctorApp.store_dir",
         "work-dir": "DoctorApp.work_dir",
-        "key-source": "DoctorApp.key_source",
-        "key-file": "DoctorApp.key_file",
+        **_ServerKey.aliases,
     }
-
-    @default("key_source")
-    def _default_key_source(self) -> str:
-        return server_option("encryption_key_source", "file")
-
-    @default("key_file")
-    def _default_key_file(self) -> str:
-        return server_option("encryption_key_file", str(default_key_file()))
 
     @default("store_dir")
     def _default_store_dir(self) -> str:
-        return str(data_dir() / "store")
+        return server_settings().local_store_dir
 
     @default("work_dir")
     def _default_work_dir(self) -> str:
-        return str(data_dir() / "work")
+        return server_settings().work_dir
 
     def start(self) -> None:
         checks = run_checks(
             self.criu or None,
             DEFAULT_RUNTIME_ROOT,
             private_dirs=[Path(p) for p in (self.store_dir, self.work_dir) if p],
-            encryption=check_encryption(self.key_source, Path(self.key_file), os.environ),
+            store_checks=(
+                check_bucket_credentials(
+                    os.environ,
+                    Path.home(),
+                    server_settings().store,
+                    server_settings().hub_service_url,
+                ),
+                check_encryption(self.key_source, Path(self.key_file), os.environ),
+            ),
+            agent_socket=Path(agent) if (agent := os.environ.get(ENV_AGENT_SOCKET)) else None,
         )
         if self.as_json:
             print(json.dumps([c.to_dict() for c in checks], indent=1))
@@ -284,40 +304,58 @@ def print_snapshots(snapshots: list[dict[str, Any]]) -> None:
         )
 
 
-class _SnapshotCommand(JupyterApp):
+SERVER_NAMES = {
+    "s3_bucket": "s3_bucket",
+    "s3_prefix": "s3_prefix",
+    "s3_endpoint_url": "s3_endpoint_url",
+    "s3_region": "s3_region",
+    "s3_server_side_encryption": "s3_server_side_encryption",
+    "s3_sse_kms_key_id": "s3_sse_kms_key_id",
+    "group_access": "local_store_group_access",
+}
+"""A store command's options that stand for the server's (by its option's name) where
+they are given."""
+
+
+class _SnapshotCommand(_ServerKey):
     """Shared options: which server, or which store."""
 
     url = Unicode("", config=True, help="URL of the Jupyter server (default: the running one).")
     token = Unicode("", config=True, help="Token of the Jupyter server.")
-    store_dir = Unicode("", config=True, help="Work on this local store directly.")
+    store_dir = Unicode(
+        "", config=True, help="Work on this local store directly (a user's own directory)."
+    )
     s3_bucket = Unicode("", config=True, help="Work on this S3 bucket directly.")
     s3_prefix = Unicode(
-        "kernel-snapshots/users/" + getpass.getuser(),
+        None,
+        allow_none=True,
         config=True,
-        help="Prefix in the bucket (default: this user's).",
+        help="""The user's prefix in the bucket, whole. Default: this user's under the
+        server's s3_prefix (<s3_prefix>/users/<user>).""",
     )
-    s3_endpoint_url = Unicode("", config=True, help="S3-compatible endpoint URL.")
-    s3_region = Unicode("", config=True, help='S3 region. Default: "" (boto3 decides).')
+    s3_endpoint_url = Unicode(
+        None, allow_none=True, config=True, help="S3-compatible endpoint. Default: the server's."
+    )
+    s3_region = Unicode(
+        None, allow_none=True, config=True, help="S3 region. Default: the server's."
+    )
     s3_server_side_encryption = Unicode(
-        "", config=True, help='As SnapshotExtensionApp.s3_server_side_encryption. Default: "".'
+        None,
+        allow_none=True,
+        config=True,
+        help="As SnapshotExtensionApp.s3_server_side_encryption. Default: the server's.",
     )
     s3_sse_kms_key_id = Unicode(
-        "", config=True, help='As SnapshotExtensionApp.s3_sse_kms_key_id. Default: "".'
+        None,
+        allow_none=True,
+        config=True,
+        help="As SnapshotExtensionApp.s3_sse_kms_key_id. Default: the server's.",
     )
     group_access = Bool(
-        False, config=True, help="As SnapshotExtensionApp.local_store_group_access."
-    )
-    key_source = Unicode(
+        None,
+        allow_none=True,
         config=True,
-        help="""Where the store's encryption key comes from, as
-        SnapshotExtensionApp.encryption_key_source: "file", "env" or "none". Default: the
-        server's (its config files), else "file".""",
-    )
-    key_file = Unicode(
-        config=True,
-        help="""The key file of key source "file". Default: the server's
-        encryption_key_file (its config files), else <Jupyter data dir>/kernel_snapshots/
-        store.key.""",
+        help="As SnapshotExtensionApp.local_store_group_access. Default: the server's.",
     )
     as_json = Bool(False, config=True, help="Print JSON.")
     aliases = {
@@ -328,39 +366,28 @@ class _SnapshotCommand(JupyterApp):
         "s3-prefix": "_SnapshotCommand.s3_prefix",
         "s3-endpoint-url": "_SnapshotCommand.s3_endpoint_url",
         "s3-region": "_SnapshotCommand.s3_region",
-        "key-source": "_SnapshotCommand.key_source",
-        "key-file": "_SnapshotCommand.key_file",
+        **_ServerKey.aliases,
     }
     flags = {"json": ({"_SnapshotCommand": {"as_json": True}}, "Print JSON.")}
 
-    @default("key_source")
-    def _default_key_source(self) -> str:
-        return server_option("encryption_key_source", "file")
-
-    @default("key_file")
-    def _default_key_file(self) -> str:
-        return server_option("encryption_key_file", str(default_key_file()))
-
     def store_spec(self) -> StoreSpec | None:
-        """The store named on the command line (None: work through the server), made as
-        the server makes its own (core.store.open_store)."""
+        """The store named on the command line (None: work through the server): the
+        server's settings (its config files) with what the command line names instead,
+        made into a spec as the server makes its own (StoreSpec.from_settings)."""
         if not self.store_dir and not self.s3_bucket:
             return None
-        return StoreSpec(
-            kind="local" if self.store_dir else "s3",
-            key_source=self.key_source,
-            keys=KeySettings(
-                Path(self.key_file),
-                getpass.getuser(),
-                hub_service_url=server_option("hub_service_url", ""),
-            ),
-            local_dir=Path(self.store_dir) if self.store_dir else None,
-            group_access=self.group_access,
-            s3_bucket=self.s3_bucket,
-            s3_prefix=self.s3_prefix.strip("/"),
-            s3_endpoint_url=self.s3_endpoint_url,
-            s3_region=self.s3_region,
-            s3_encryption=S3Encryption(self.s3_server_side_encryption, self.s3_sse_kms_key_id),
+        named = {
+            "store": "local" if self.store_dir else "s3",
+            "local_store_dir": self.store_dir,
+            "encryption_key_source": self.key_source,
+            "encryption_key_file": self.key_file,
+        }
+        for option, server_name in SERVER_NAMES.items():
+            if getattr(self, option) is not None:
+                named[server_name] = getattr(self, option)
+        whole = bool(self.store_dir) or self.s3_prefix is not None
+        return StoreSpec.from_settings(
+            {**server_settings().option_values(), **named}, "" if whole else None
         )
 
     def direct_store(self) -> SnapshotStore | None:
@@ -381,16 +408,19 @@ class _SnapshotCommand(JupyterApp):
         raise NotImplementedError
 
 
+def command_aliases(command: str, *options: str) -> dict[str, str]:
+    """The shared options' command-line names, and the command's own ``options``
+    (``kernel_id`` as ``--kernel-id``)."""
+    own = {option.replace("_", "-"): f"{command}.{option}" for option in options}
+    return {**_SnapshotCommand.aliases, **own}
+
+
 class ListApp(_SnapshotCommand):
     name = "jupyter-snapshot-list"
     description = "List snapshots (of a running server, or of a store with --store-dir/--s3-*)."
     path = Unicode("", config=True, help="Only snapshots of this notebook.")
     kernel_id = Unicode("", config=True, help="Only snapshots of this kernel.")
-    aliases = {
-        **_SnapshotCommand.aliases,
-        "path": "ListApp.path",
-        "kernel-id": "ListApp.kernel_id",
-    }
+    aliases = command_aliases("ListApp", "path", "kernel_id")
 
     def run(self) -> None:
         store = self.direct_store()
@@ -519,11 +549,7 @@ class RestoreApp(_SnapshotCommand):
     )
     kernel_id = Unicode("", config=True, help="Restore in place of this kernel.")
     path = Unicode("", config=True, help="Attach the new kernel to this notebook.")
-    aliases = {
-        **_SnapshotCommand.aliases,
-        "kernel-id": "RestoreApp.kernel_id",
-        "path": "RestoreApp.path",
-    }
+    aliases = command_aliases("RestoreApp", "kernel_id", "path")
 
     def run(self) -> None:
         if len(self.extra_args) != 1:
@@ -570,7 +596,7 @@ class TakeApp(_SnapshotCommand):
         "jupyter snapshot take ID NAME[=NEW_NAME] ... --kernel-id=KERNEL"
     )
     kernel_id = Unicode("", config=True, help="The kernel that gets the variables.")
-    aliases = {**_SnapshotCommand.aliases, "kernel-id": "TakeApp.kernel_id"}
+    aliases = command_aliases("TakeApp", "kernel_id")
 
     def run(self) -> None:
         if len(self.extra_args) < 2 or not self.kernel_id:
@@ -622,10 +648,11 @@ class _StoreCommand(_SnapshotCommand):
     def open(self) -> Repository:
         spec = self.store_spec()
         if spec is None:
+            server = server_settings()
             raise SnapshotError(
                 "Name the store: --store-dir DIR, or --s3-bucket B [--s3-prefix P].",
-                hint=f"The server's local store of this user is {data_dir() / 'store' / 'users'}"
-                f"/{getpass.getuser()}.",
+                hint="The server's local store of this user is "
+                f"{Path(server.local_store_dir) / user_prefix(server.owner)}.",
             )
         return open_store(spec)
 
@@ -633,32 +660,30 @@ class _StoreCommand(_SnapshotCommand):
 class EncryptStoreApp(_StoreCommand):
     name = "jupyter-snapshot-store-encrypt"
     description = (
-        "Encrypt a store's unencrypted snapshots (a store from before encryption): each is "
-        "read and verified, stored again encrypted under its id, and the unencrypted packs "
-        "are removed. Run it while no server takes snapshots into the store."
+        "Encrypt a store's unencrypted snapshots (a store from before encryption), which an "
+        "encrypted store never reads otherwise: run it only if every unencrypted snapshot in "
+        "the store is yours (delete any other first). Each is read and verified, stored "
+        "again encrypted under its id, and the unencrypted packs are removed. Run it while "
+        "no server takes snapshots into the store."
     )
     work_dir = Unicode(
         config=True,
         help="Where each snapshot is unpacked on its way (default: the server's work_dir).",
     )
-    aliases = {**_SnapshotCommand.aliases, "work-dir": "EncryptStoreApp.work_dir"}
+    aliases = command_aliases("EncryptStoreApp", "work_dir")
 
     @default("work_dir")
     def _default_work_dir(self) -> str:
-        return str(data_dir() / "work")
+        return server_settings().work_dir
 
     def run(self) -> None:
         store = self.open()
-        if store.keyring is None:
-            raise SnapshotError(
-                "Encrypting a store needs a key source (--key-source file or env).",
-                hint="Leave --key-source at its default, file.",
-            )
 
         def said(snapshot_id: str) -> None:
             print(f"encrypted {snapshot_id}", flush=True)
 
         done = store.encrypt_unencrypted(Path(self.work_dir), said)
+        assert store.keyring is not None  # encrypt_unencrypted refuses a store without
         print(f"{len(done)} snapshot(s) encrypted; key: {store.keyring.describe()}. {LOST_KEY}")
 
 

@@ -18,13 +18,18 @@ from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, default, vali
 from .core.chunking import ChunkParams
 from .core.isolation.pidspace import PID_FLOOR
 from .core.lazypages import LAZY_MIN_BYTES
-from .core.store import KEY_SOURCES, KeySettings, S3Encryption, StoreSpec
-from .core.store.scope import user_prefix
+from .core.store import KEY_SOURCES, STORE_KINDS, StoreSpec
 
 
 def data_dir() -> Path:
     """Where the product keeps its files by default: <Jupyter data dir>/kernel_snapshots."""
     return Path(jupyter_data_dir()) / "kernel_snapshots"
+
+
+def default_owner() -> str:
+    """Whose snapshots a server (or a command beside it) keeps by default: the JupyterHub
+    user of this single-user server, else the system user."""
+    return os.environ.get("JUPYTERHUB_USER") or getpass.getuser()
 
 
 def default_key_file() -> Path:
@@ -38,14 +43,18 @@ class SnapshotSettings(ExtensionApp):
 
     owner = Unicode(
         config=True,
-        help="""Whose snapshots this server keeps: the store prefix users/<owner>. Default: the
-        JupyterHub user of this single-user server ($JUPYTERHUB_USER), else the system user.""",
+        help="""Whose snapshots this server keeps: the store prefix users/<owner> (a name of
+        other characters than letters, digits, ".", "_", "-", or that begins with one of
+        the last three, is escaped, so that no two names share a prefix: docs/storage.md).
+        Default: the JupyterHub user of this single-user server ($JUPYTERHUB_USER), else
+        the system user.""",
     )
     store = Unicode(
         "local",
         config=True,
-        help="""Where snapshots are kept: "local" (a directory, see local_store_dir) or "s3"
-        (see the s3_* options). Default: "local". Use "s3" to restore on another node.""",
+        help="""Where snapshots are kept: "local" (a directory, see local_store_dir), "s3"
+        (see the s3_* options) or "memory" (this process's memory, gone with it: for tests).
+        Default: "local". Use "s3" to restore on another node.""",
     )
     local_store_dir = Unicode(
         config=True,
@@ -206,7 +215,9 @@ class SnapshotSettings(ExtensionApp):
         0.0,
         config=True,
         help="""Seconds between periodic snapshots of each snapshot kernel that ran something
-        since its last snapshot. Default: 0, which turns periodic snapshots off.""",
+        since its last snapshot. Default: 0, which turns periodic snapshots off. They bound
+        what a node failure costs; culled kernels do not need them (cull_action suspends
+        them), and suspended kernels are not snapshotted again.""",
     )
     long_cell_seconds = Float(
         60.0,
@@ -262,7 +273,10 @@ class SnapshotSettings(ExtensionApp):
         config=True,
         help="""Seconds a kernel holding GPU memory may stay idle before it is suspended
         (snapshot, process ended, GPU freed); the next cell brings it back. Default: 1800
-        (30 minutes). 0 turns idle suspend off.""",
+        (30 minutes). 0 turns idle suspend off. Shorter than jupyter_server's
+        MappingKernelManager.cull_idle_timeout, it comes first and the culler then leaves
+        the suspended kernel alone; longer (or off), the culler's suspend comes first
+        (cull_action).""",
     )
     cull_action = Enum(
         ["suspend", "shutdown"],
@@ -275,16 +289,37 @@ class SnapshotSettings(ExtensionApp):
         ports freed); it stays listed with its session, so an open tab's next cell, or
         the notebook opened again, brings it back with its state. A suspended kernel is
         never culled: it holds no process but its wrapper (a few MB) and its snapshot in
-        work_dir/suspended, removed when the kernel is shut down. A kernel that cannot be
-        suspended (busy, with cull_busy) is snapshotted and then shut down; a kernel left
-        without a snapshot is named in the log and an "unsaved" event. "shutdown": the
-        culler shuts kernels down, their state lost (jupyter_server's own behaviour).
-        Kernels other than snapshot kernels are always shut down. A shutdown the user asks
-        for (DELETE /api/kernels/ID or /api/sessions/ID: Shut Down Kernel, closing a
-        notebook with its kernel) is never turned into a suspend. With idle_suspend_after
-        shorter than cull_idle_timeout, idle suspend comes first and the culler then
-        finds the kernel suspended; periodic_interval snapshots are taken of running
-        kernels only (docs/jupyterhub.md, "Kernel culling").""",
+        work_dir/suspended, removed when the kernel is shut down or restarted or its
+        server stops. A kernel that cannot be suspended (busy, with cull_busy) is
+        snapshotted and then shut down; a kernel left without a snapshot is named in the
+        log and an "unsaved" event.
+        "shutdown": the culler shuts kernels down, their state lost (jupyter_server's own
+        behaviour). Kernels other than snapshot kernels are always shut down. A shutdown
+        the user asks for (DELETE /api/kernels/ID or /api/sessions/ID: Shut Down Kernel,
+        closing a notebook with its kernel) is never turned into a suspend; one asked by
+        someone else: admin_shutdown_action. With idle_suspend_after shorter than
+        cull_idle_timeout, idle suspend comes first and the culler then finds the kernel
+        suspended; periodic_interval snapshots are taken of running kernels only.
+        jupyterhub-idle-culler stops whole servers, not kernels: suspended kernels make no
+        activity that keeps a server alive, and a stopping server snapshots its running
+        kernels (snapshot_before_shutdown). See docs/jupyterhub.md, "Kernel culling".""",
+    )
+    admin_shutdown_action = Enum(
+        ["shutdown", "suspend"],
+        "shutdown",
+        config=True,
+        help="""What a kernel shutdown asked through the REST API (DELETE /api/kernels/ID,
+        DELETE /api/sessions/ID) by someone other than the server's owner does to a
+        snapshot kernel: on JupyterHub a hub admin, a service, or a user the server is
+        shared with, anyone whose hub name is not the owner setting (by default the
+        server's $JUPYTERHUB_USER). Default: "shutdown": the kernel is shut down, its
+        state lost (jupyter_server's behaviour). "suspend": the kernel is suspended
+        instead, as cull_action "suspend" does with a culled one (a busy kernel is
+        snapshotted, then shut down; an already suspended one stays as it is; its snapshot's
+        trigger is "admin-shutdown"); the kernel and its session stay, and the owner's next
+        cell brings the state back. The owner's own shutdowns always shut down. Without
+        identities that tell users apart (jupyter_server's own token or password login:
+        every login is the owner) it has no effect, and the server says so in its log.""",
     )
     release_gpu_caches = Bool(
         True,
@@ -326,7 +361,7 @@ class SnapshotSettings(ExtensionApp):
 
     @default("owner")
     def _default_owner(self) -> str:
-        return os.environ.get("JUPYTERHUB_USER") or getpass.getuser()
+        return default_owner()
 
     @default("encryption_key_file")
     def _default_encryption_key_file(self) -> str:
@@ -334,9 +369,10 @@ class SnapshotSettings(ExtensionApp):
 
     @validate("store")
     def _valid_store(self, proposal: dict[str, Any]) -> str:
-        if proposal["value"] not in ("local", "s3"):
+        if proposal["value"] not in STORE_KINDS:
+            choices = ", ".join(f'"{n}"' for n in STORE_KINDS)
             raise TraitError(
-                f'SnapshotExtensionApp.store must be "local" or "s3", not {proposal["value"]!r}.'
+                f"SnapshotExtensionApp.store must be one of {choices}, not {proposal['value']!r}."
             )
         return str(proposal["value"])
 
@@ -351,25 +387,14 @@ class SnapshotSettings(ExtensionApp):
             )
         return name
 
+    def option_values(self) -> dict[str, Any]:
+        """Every option above by name: the settings a store is made from
+        (:meth:`StoreSpec.from_settings`), as the CLI also reads them."""
+        return {name: getattr(self, name) for name in SnapshotSettings.class_own_traits()}
+
     def store_spec(self) -> StoreSpec:
         """The owner's store: its prefix comes from the server's identity, not a request."""
-        prefix = user_prefix(self.owner)
-        return StoreSpec(
-            kind="s3" if self.store == "s3" else "local",
-            key_source=self.encryption_key_source,
-            keys=KeySettings(
-                Path(self.encryption_key_file), self.owner, hub_service_url=self.hub_service_url
-            ),
-            local_dir=Path(self.local_store_dir) / prefix,
-            group_access=self.local_store_group_access,
-            s3_bucket=self.s3_bucket,
-            s3_prefix=f"{self.s3_prefix.strip('/')}/{prefix}".strip("/"),
-            s3_endpoint_url=self.s3_endpoint_url,
-            s3_region=self.s3_region,
-            s3_encryption=S3Encryption(self.s3_server_side_encryption, self.s3_sse_kms_key_id),
-            chunk_kib=self.chunk_kib,
-            pack_mib=self.pack_mib,
-        )
+        return StoreSpec.from_settings(self.option_values())
 
     @default("local_store_dir")
     def _default_local_store_dir(self) -> str:

@@ -33,7 +33,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -205,7 +205,7 @@ def write_restore_info(
         snapshot_created=snapshot_created,
         snapshot_host=snapshot_host,
         host=socket.gethostname(),
-        restored_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        restored_at=datetime.now(UTC).isoformat(timespec="seconds"),
         in_place=in_place,
         resumed=resumed,
         token=secrets.token_hex(8),

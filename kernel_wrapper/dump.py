@@ -33,7 +33,7 @@ from jupyter_ext import __version__
 from jupyter_ext.core import proctree
 from jupyter_ext.core.carried import appended, shmfiles
 from jupyter_ext.core.chunking import ChunkParams, auto_chunk_kib
-from jupyter_ext.core.criu import Criu, external_file_key
+from jupyter_ext.core.criu import Criu, FrozenCopy, FrozenStep, external_file_key
 from jupyter_ext.core.errors import KernelNotRunningError, SnapshotError
 from jupyter_ext.core.gpu import GpuCheckpoint
 from jupyter_ext.core.growinghash import GrowingFileChunker
@@ -110,6 +110,8 @@ class _Dumped:
     gpu: dict[str, Any] = dataclasses.field(default_factory=dict)
     shm_files: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     appended_files: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    appended: appended.AppendedCopy | None = None
+    """The appended files' copy, to finish once the kernel runs again (its files open)."""
     disconnect_seconds: float = 0.0
     dump_seconds: float = 0.0
     frozen_seconds: float = 0.0
@@ -134,6 +136,7 @@ class Dumper:
                 dumped, hasher = await self._freeze_and_dump(
                     criu, staging, work_dir, args, progress
                 )
+            await self._copy_appended(dumped, hasher)
             manifest = self._manifest(criu, dumped, args)
             progress({"phase": "hashing"})
             manifest = await self._seal(staging, manifest, dest, hasher)
@@ -204,10 +207,11 @@ class Dumper:
         progress({"phase": "dumping"})
         started = time.monotonic()
         tree: KernelTree | None = None
+        dumped: _Dumped | None = None
         try:
             await self.kernel.relay.disconnect(inner_pid)
             disconnect_seconds = time.monotonic() - started
-            tree = KernelTree.inspect(inner_pid)
+            tree = KernelTree.inspect(inner_pid, criu.keeps_tcp())
             dumped = _Dumped(
                 contents=contents,
                 runtime_dir_key=runtime_dir_key,
@@ -221,6 +225,8 @@ class Dumper:
         except BaseException as exc:
             if tree is not None:
                 tree.held.close()
+            if dumped is not None and dumped.appended is not None:
+                dumped.appended.close()
             if checkpoint is not None:
                 await self.kernel.gpu.abort(checkpoint)
             if isinstance(exc, SnapshotError):
@@ -237,6 +243,21 @@ class Dumper:
         if not args.leave_running:
             self.kernel.lifecycle.enter(State.SUSPENDED)
         return dumped, hasher
+
+    @staticmethod
+    async def _copy_appended(dumped: _Dumped, hasher: GrowingFileChunker) -> None:
+        """After the dump, the kernel running and connected again: the files it appends to,
+        up to their sizes at the freeze (appends only add past them: the freeze does not
+        grow with a large log)."""
+        try:
+            if dumped.appended is not None:
+                await asyncio.to_thread(dumped.appended.copy_after)
+        except BaseException:
+            hasher.cancel()
+            raise
+        finally:
+            if dumped.appended is not None:
+                dumped.appended.close()
 
     def _chunk_kib(self, args: SnapshotArgs, tree: KernelTree) -> int:
         """The chunk size asked for, else one for the kernel's memory (the previous
@@ -267,16 +288,17 @@ class Dumper:
     ) -> GrowingFileChunker:
         """Step 4: ``criu dump`` of the disconnected tree, the /dev/shm files it holds
         copied while it is frozen, the memory cut and hashed as CRIU writes it (the only
-        time it is hashed); then the images fixed for a restore elsewhere. Returns the
-        hasher, to finish once the dump is over."""
+        time it is hashed), the images fixed for a restore elsewhere. Returns the hasher,
+        to finish once the dump is over."""
         tree = dumped.tree
         shm = shmfiles.ShmCopy(tree.held, staging / shmfiles.SNAPSHOT_DIR_NAME)
         logs = appended.AppendedCopy(tree.appended_files, staging / appended.SNAPSHOT_DIR_NAME)
-        steps: list[shmfiles.FrozenStep] = [
+        dumped.appended = logs if tree.appended_files else None
+        steps: list[FrozenStep] = [
             *([shm] if tree.held.files else []),
             *([logs] if tree.appended_files else []),
         ]
-        copier = shmfiles.FrozenCopy(steps, work_dir) if steps else None
+        copier = FrozenCopy(steps) if steps else None
         dump_started = time.monotonic()
         params = ChunkParams.of_kib(dumped.chunk_kib)
         hasher = GrowingFileChunker(
@@ -297,7 +319,8 @@ class Dumper:
                     ],
                     keep_tcp=tree.keep_tcp,
                     ghost_limit=tree.ghost_bytes,
-                    action_script=copier.action_script if copier else None,
+                    open_by_fd=tree.held.keys,
+                    frozen=copier,
                     netns=self.kernel.process.network,
                 )
             except BaseException as exc:
@@ -310,11 +333,7 @@ class Dumper:
                         "full; else read the error, fix what it names and retry.",
                     ) from exc
                 raise
-            finally:
-                if copier is not None:
-                    copier.finish()
             dumped.dump_seconds = time.monotonic() - dump_started
-            await tree.fix_images(staging / IMAGES_DIR)
             if copier is not None:
                 dumped.shm_files = shm.records
                 dumped.appended_files = logs.records

@@ -5,19 +5,18 @@ more: the /dev/shm files the tree holds (copied into the snapshot while it is fr
 the regular files it needs at the same path, the ports it listens on, the directories of
 its unix sockets, and its TCP connections (kept inside the tree with TCP repair, closed
 toward outside peers). The tree is looked at once the wrapper has disconnected from it,
-just before ``criu dump``; the images are fixed accordingly just after.
+just before ``criu dump``, which fixes the images accordingly (core/criu/images.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from pathlib import Path
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.carried import appended, netports, shmfiles, sockdiag, tcpconns
-from jupyter_ext.core.criu import images as criuimages
-from jupyter_ext.core.criu import unprivileged
+from jupyter_ext.core.criu.options import GHOST_LIMIT_MAX
+from jupyter_ext.core.errors import SnapshotError
+from jupyter_ext.core.humanize import human_bytes
 
 
 @dataclasses.dataclass
@@ -34,23 +33,28 @@ class KernelTree:
     socket_dirs: list[str]
     connections: tcpconns.TreeConnections
     keep_tcp: bool
-    """Connections inside the tree keep their state (needs TCP repair: root)."""
+    """Connections inside the tree keep their state (TCP repair, where the CRIU that dumps
+    it can: :meth:`Criu.keeps_tcp`)."""
     appended_files: list[dict[str, object]]
     """The open files the tree appends to (logs), each with its ``opener``: carried in
     the snapshot as they were (core/carried/appended.py)."""
     ghost_bytes: int
-    """The largest deleted file the tree holds (CRIU saves it in the images)."""
+    """The largest deleted file the tree holds (CRIU saves it in the images): the dump's
+    ``--ghost-limit`` (:func:`ghost_limit`)."""
 
     @classmethod
-    def inspect(cls, root: int) -> KernelTree:
-        """Look at the tree (its /dev/shm files are held open from now on: ``held``)."""
+    def inspect(cls, root: int, keeps_tcp: bool) -> KernelTree:
+        """Look at the tree (its /dev/shm files are held open from now on: ``held``);
+        ``keeps_tcp``: whether the CRIU that dumps it can keep connections."""
         pids = proctree.descendants(root)
         held = shmfiles.hold_tree_files(pids)
         try:
             needed = [f for f in proctree.needed_files(pids) if f["path"] not in held.paths]
             appended_files = appended.appended(needed)
-            needed = [{k: v for k, v in f.items() if k != "opener"} for f in needed]
-            ghost_bytes = proctree.largest_deleted_file(pids)
+            needed = [
+                {k: v for k, v in f.items() if k not in appended.DUMP_ONLY_KEYS} for f in needed
+            ]
+            ghost_bytes = ghost_limit(proctree.deleted_files(pids))
             inodes = sockdiag.tree_socket_inodes(pids)
             ports = netports.bound_ports(inodes, root)
             socket_dirs = netports.unix_socket_dirs(root, inodes)
@@ -58,7 +62,7 @@ class KernelTree:
         except BaseException:
             held.close()
             raise
-        keep_tcp = bool(connections.inside) and not unprivileged()
+        keep_tcp = bool(connections.inside) and keeps_tcp
         return cls(
             root,
             pids,
@@ -80,12 +84,18 @@ class KernelTree:
         """The connections a restore brings back closed."""
         return self.connections.outside + ([] if self.keep_tcp else self.connections.inside)
 
-    async def fix_images(self, images: Path) -> None:
-        """After the dump: connections to outside peers come back closed; the held
-        /dev/shm files are opened by descriptor (the snapshot carries them)."""
-        if self.keep_tcp:
-            await asyncio.to_thread(tcpconns.close_outside_connections, images)
-        if self.held.files:
-            await asyncio.to_thread(
-                criuimages.open_external_files_by_fd, images, set(self.held.keys)
-            )
+
+def ghost_limit(files: list[proctree.DeletedFile]) -> int:
+    """CRIU's ``--ghost-limit`` for a tree holding these deleted files: as large as the
+    largest (a bound where its size cannot be read), at most :data:`GHOST_LIMIT_MAX`. A file
+    known to be larger is refused here, named with its size, before CRIU runs."""
+    too_big = [f for f in files if f.exact and f.size > GHOST_LIMIT_MAX]
+    if too_big:
+        largest = max(too_big, key=lambda f: f.size)
+        raise SnapshotError(
+            f"The kernel holds a deleted file larger than a snapshot can carry: {largest.path}, "
+            f"{human_bytes(largest.size)} ({largest.size} bytes; the limit is {GHOST_LIMIT_MAX}"
+            " bytes: such files are saved in the snapshot whole).",
+            hint="Close the file in the kernel (or make it smaller), then snapshot again.",
+        )
+    return min(max((f.size for f in files), default=0), GHOST_LIMIT_MAX)

@@ -9,7 +9,7 @@ from .relay import Relay
 from .standin import StandIn
 
 
-class State(str, enum.Enum):
+class State(enum.StrEnum):
     STARTING = "starting"
     RUNNING = "running"
     SNAPSHOTTING = "snapshotting"

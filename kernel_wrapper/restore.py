@@ -91,6 +91,7 @@ class Restorer:
         else:
             manifest = await asyncio.to_thread(verify, source)
         check_compatible(manifest)
+        _check_appended(manifest, source)
         self._check_ports_free(manifest)
         self._check_locks_free(manifest, source)
         return manifest
@@ -143,8 +144,8 @@ class Restorer:
         it, unless it keeps connections and can have a network namespace of its own (root,
         slirp4netns); a listener without them (a web app) keeps today's refusal: in a
         namespace of its own nobody outside the copy would reach it. Ports held only by
-        TIME_WAIT entries are refused only when they are not the kernel's own
-        (core/carried/timewait.py: the restore clears those)."""
+        TIME_WAIT entries are not taken: no process holds them, and the restore clears
+        them (core/carried/timewait.py)."""
         ports = [netports.BoundPort.from_dict(p) for p in manifest.bound_ports]
         if not ports:
             return
@@ -152,13 +153,6 @@ class Restorer:
         own = sockdiag.tree_socket_inodes(proctree.descendants(pid)) if pid else set()
         taken = netports.taken_ports(ports, ignore=own)
         if not taken:
-            found = timewait.blocking(ports, _own_entries(manifest) | self._running_kernel())
-            if found.foreign:
-                raise IncompatibleSnapshotError(
-                    "The snapshot's kernel listened on ports that no process holds here, "
-                    f"but ended connections do: {found.foreign_text()}.",
-                    hint="Restore again once they have ended, or on another machine.",
-                )
             return
         own_network = manifest.tcp_kept and not unprivileged()
         if not own_network or netns.slirp_path() is None:
@@ -333,7 +327,7 @@ class Restorer:
             images = source / IMAGES_DIR
             pages, kept_here = await _pages(images, pages_from, lazy)
             if network is None:  # the ports it binds are this namespace's
-                await timewait.clear_own(
+                await timewait.clear(
                     [netports.BoundPort.from_dict(p) for p in manifest.bound_ports],
                     _own_entries(manifest) | self._replaced,
                 )
@@ -406,6 +400,17 @@ def _own_entries(manifest: Manifest) -> timewait.Own:
     return timewait.Own(
         timewait.connection_pairs(manifest.kept_connections + manifest.closed_connections)
     )
+
+
+def _check_appended(manifest: Manifest, source: Path) -> None:
+    """Refuse, before anything is ended, a snapshot whose appended files cannot be put back
+    here (core/carried/appended.py): not the kernel's any more, or not carried and gone."""
+    problems = appended.problems(manifest.appended_files, source)
+    if problems:
+        raise IncompatibleSnapshotError(
+            "Files the kernel appended to are missing or changed here: " + "; ".join(problems[:5]),
+            hint="Put those files back (or move the ones there aside), then restore again.",
+        )
 
 
 def _locked_elsewhere(

@@ -219,13 +219,15 @@ class Snapshotter:
         pid = self.process.pid
         try:
             await transfer.wait()
+            if self._shut_down_on_purpose():
+                # CRIU's daemon ended as the kernel's memory went away: the pages it did
+                # not send are not wanted any more (nothing to fill in).
+                self._lazy_ended(transfer, "its kernel ended")
+                return
             filled = await asyncio.to_thread(transfer.server.fill_gaps)
         except SnapshotError as exc:
-            if self.relay.tracker.shutdown_requested or self.lifecycle.is_(State.STOPPING):
-                # Shut down on purpose: the kernel, and with it the transfer, ended.
-                log.info("lazy restore ended with the kernel's shutdown (%s)", exc.message)
-                self.lazy.drop(transfer)
-                self.lazy.status = {"state": "ended"}
+            if self._shut_down_on_purpose():
+                self._lazy_ended(transfer, exc.message)
                 return
             log.error("lazy restore failed: %s", exc)
             async with self._lock:
@@ -239,6 +241,15 @@ class Snapshotter:
         self.lazy.completed(transfer, filled)
         if saved is not None:
             remove_tree(saved.directory)
+
+    def _shut_down_on_purpose(self) -> bool:
+        return self.relay.tracker.shutdown_requested or self.lifecycle.is_(State.STOPPING)
+
+    def _lazy_ended(self, transfer: LazyTransfer, why: str) -> None:
+        """The kernel, and with it the transfer, ended on purpose: not a failure."""
+        log.info("lazy restore ended with the kernel's shutdown (%s)", why)
+        self.lazy.drop(transfer)
+        self.lazy.status = {"state": "ended"}
 
     async def _after_lazy_failure(
         self, exc: SnapshotError, saved: SavedKernel | None, criu: Criu

@@ -66,6 +66,9 @@ log = logging.getLogger("kernel_wrapper")
 
 __all__ = ["KernelWrapper", "State"]
 
+#: How long an ending wrapper waits for a lazy restore under way to end with its kernel.
+LAZY_END_SECONDS = 5.0
+
 
 class KernelWrapper:
     """One kernel for jupyter_server, from ``connection_file`` until it is shut down.
@@ -174,6 +177,10 @@ class KernelWrapper:
         finally:
             control.close()
             await self._shutdown_inner()
+            # A lazy restore still under way ends with its kernel: let it say so (and give
+            # back what it read from) before the wrapper is gone.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.snapshotter.lazy.settled(), LAZY_END_SECONDS)
             with contextlib.suppress(OSError):
                 info_path(self.connection_file).unlink()
             self.process.close()

@@ -2,10 +2,13 @@
 # The container stage of CI: deploy/Dockerfile built and its Zero to JupyterHub user pod run
 # in a real container runtime (rootful podman from Debian), then tests/test_container.py:
 # doctor in the pod, a kernel's state across pods through S3, the culled pod's snapshot,
-# and the misconfigured pods' errors. Run as root after the set-up (scripts/dev.sh test or
-# setup):
+# the misconfigured pods' errors, and the agent-mode tests (named "baseline": user pods at
+# Pod Security baseline and the node agent of deploy/agent/agent.yaml, docs/agent.md; one
+# of them runs ui-tests/tests/agent.spec.ts in Chromium against the pod's JupyterLab).
+# Run as root after the set-up (scripts/dev.sh test or setup); arguments go to pytest:
 #
 #   sudo scripts/container-tests.sh [PYTEST ARGS...]
+#   sudo scripts/container-tests.sh -k baseline      # only the agent-mode tests
 #
 # No registry is needed: the base images the Dockerfile's FROM lines name are made here with
 # mmdebstrap (Debian's own Python with the official images' interface: python and pip on
@@ -27,9 +30,16 @@ IMAGE="localhost/jks-singleuser:ci"
 PYTHON_VERSION=$(sed -n 's/^ARG PYTHON_VERSION=//p' deploy/Dockerfile)
 BASES=("python:${PYTHON_VERSION}-slim-trixie trixie" "python:${PYTHON_VERSION}-slim-bookworm bookworm")
 
-log "podman, runc, mmdebstrap"
+log "podman, runc, mmdebstrap, chromium"
 # runc, not crun: crun 1.8 refuses this kind of VM's hybrid cgroup hierarchy.
-apt_install podman runc catatonit mmdebstrap containernetworking-plugins iptables libcap2-bin
+apt_install podman runc catatonit mmdebstrap containernetworking-plugins iptables libcap2-bin \
+  chromium
+# The browser test of agent mode (ui-tests/tests/agent.spec.ts): its packages, as
+# scripts/ui-tests.sh installs them, where that stage has not run.
+if [ ! -d ui-tests/node_modules/@playwright/test ]; then
+  log "npm ci (ui-tests)"
+  (cd ui-tests && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error)
+fi
 
 mkdir -p "$STATE/storage"
 # cgroupfs and file logs: no systemd on CI machines. The ulimits are those root may set

@@ -31,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import time
 import urllib.error
@@ -295,7 +297,9 @@ class AgentPod:
     ``podman run`` from the container's spec: podman 4.3's ``kube play`` ignores
     ``hostPID`` (the agent would see no caller)."""
 
-    def __init__(self, image: str, work: Path) -> None:
+    def __init__(self, image: str, work: Path, key: Path | None = None) -> None:
+        """``key``: the seal key file of another agent (another node's: every node's agent
+        mounts the same Secret); else a new key."""
         documents = list(yaml.safe_load_all(AGENT_YAML.read_text()))
         daemonset = next(d for d in documents if d["kind"] == "DaemonSet")
         spec = daemonset["spec"]["template"]["spec"]
@@ -306,7 +310,10 @@ class AgentPod:
         for path in (self.socket_dir, self.state_dir, key_dir):
             path.mkdir(parents=True, exist_ok=True)
         self.socket_dir.chmod(0o755)
-        (key_dir / "seal.key").write_bytes(uuid.uuid4().bytes + uuid.uuid4().bytes)
+        self.key = key_dir / "seal.key"
+        self.key.write_bytes(
+            key.read_bytes() if key is not None else uuid.uuid4().bytes + uuid.uuid4().bytes
+        )
         host = {
             "socket": self.socket_dir,
             "state": self.state_dir,
@@ -335,6 +342,12 @@ class AgentPod:
     def pid(self) -> int:
         """The agent's process (the node's pid)."""
         return int(podman("inspect", "--format", "{{.State.Pid}}", self.container).strip())
+
+    def kill(self) -> None:
+        """The agent dies (SIGKILL), as in a crash: its socket file stays behind, and no
+        process listens on it once the container has stopped."""
+        os.kill(self.pid(), signal.SIGKILL)
+        podman("wait", self.container)
 
     def restart(self) -> None:
         """As the DaemonSet's restart policy does after the agent died."""

@@ -1,6 +1,7 @@
 """The backend contract (core/store/backend/base.py), run alike over every backend: a local
-directory, S3 (the real moto server) and memory (as restic's internal/backend/test). A new
-backend joins ``BACKENDS`` and must pass all of it."""
+directory, S3 (the real moto server) and memory (as restic's internal/backend/test). Each
+is opened as the server opens it, from settings through its kind in ``STORE_KINDS``. A new
+backend joins ``BACKENDS`` (with the settings it needs) and must pass all of it."""
 
 from __future__ import annotations
 
@@ -11,16 +12,16 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import overload
+from typing import Any, overload
 
 import pytest
+from traitlets import TraitError
 
-from jupyter_ext.core.store import STORE_KINDS, KeySettings, StoreError, StoreSpec, open_store
+from jupyter_ext.core.store import STORE_KINDS, StoreError, StoreSpec, open_store
 from jupyter_ext.core.store.backend import Backend, Handle, Kind, layout
 from jupyter_ext.core.store.backend.local import LocalBackend
-from jupyter_ext.core.store.backend.memory import MemoryBackend
-from jupyter_ext.core.store.backend.s3 import S3Backend, S3Encryption, connect
 from jupyter_ext.core.store.pack import Blob
+from jupyter_ext.settings import SnapshotSettings
 from jupyter_ext.testing import MotoServer
 
 from .test_store import make_snapshot, random_pages, tree
@@ -31,24 +32,28 @@ BUCKET = "contract"
 MakeBackend = Callable[[], Backend]
 
 
+def settings(kind: str, **values: Any) -> dict[str, Any]:
+    """The server's settings by option name, its defaults but for ``values``."""
+    return {**SnapshotSettings().option_values(), "store": kind, **values}
+
+
 @pytest.fixture(params=BACKENDS)
 def make_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeBackend]:
     """Backends of one kind; each call gets a place (directory, prefix) of its own."""
     made: list[Backend] = []
+    values = settings(request.param, local_store_dir=str(tmp_path))
+    if request.param == "s3":
+        server: MotoServer = request.getfixturevalue("moto")
+        values |= {
+            "s3_bucket": server.ensure_bucket(BUCKET),
+            "s3_prefix": "",
+            "s3_endpoint_url": server.url,
+            "s3_region": "us-east-1",
+        }
+    options = STORE_KINDS[request.param].options
 
     def make() -> Backend:
-        name = uuid.uuid4().hex[:8]
-        backend: Backend
-        if request.param == "local":
-            backend = LocalBackend(tmp_path / name)
-        elif request.param == "s3":
-            server: MotoServer = request.getfixturevalue("moto")
-            client = connect(server.url, "us-east-1", 8)
-            backend = S3Backend(
-                server.ensure_bucket(BUCKET), f"users/{name}", client, 8, S3Encryption()
-            )
-        else:
-            backend = MemoryBackend()
+        backend = options.from_settings(values, f"users/{uuid.uuid4().hex[:8]}").open(8, {})
         made.append(backend)
         return backend
 
@@ -357,13 +362,9 @@ def test_an_adopted_file_is_the_object_or_nothing_is(backend: Backend, tmp_path:
 # -- the store over the memory backend, and the registry -----------------------------------
 
 
-def memory_spec(tmp_path: Path, kind: str = "memory") -> StoreSpec:
-    return StoreSpec(kind=kind, key_source="none", keys=KeySettings(tmp_path / "key", "alice"))
-
-
 def test_a_snapshot_round_trips_through_a_store_in_memory(tmp_path: Path) -> None:
     source = make_snapshot(tmp_path, random_pages(random.Random(5), 256))
-    store = open_store(memory_spec(tmp_path))
+    store = open_store(StoreSpec.from_settings(settings("memory", encryption_key_source="none")))
     try:
         stored = store.put(source)
         fetched = store.fetch(stored.manifest.id, tmp_path / "restored")
@@ -377,9 +378,11 @@ def test_a_snapshot_round_trips_through_a_store_in_memory(tmp_path: Path) -> Non
         store.close()
 
 
-def test_an_unknown_store_kind_names_the_known_ones(tmp_path: Path) -> None:
+def test_an_unknown_store_kind_names_the_known_ones() -> None:
     with pytest.raises(StoreError, match="Unknown store kind 'ftp'; the known kinds are") as exc:
-        open_store(memory_spec(tmp_path, "ftp"))
+        StoreSpec.from_settings(settings("ftp"))
 
     assert f"the known kinds are {', '.join(sorted(STORE_KINDS))}." in str(exc.value)
     assert {"local", "s3", "memory"} <= set(STORE_KINDS)
+    with pytest.raises(TraitError, match='store must be one of "local", "s3", "memory"'):
+        SnapshotSettings(store="ftp")

@@ -24,7 +24,7 @@ import pytest
 from jupyter_ext.core import proctree
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.criu.log import explain_failure
-from jupyter_ext.core.doctor import check_confinement
+from jupyter_ext.core.doctor import check_agent_yama, check_confinement
 from jupyter_ext.core.isolation.confinement import (
     Confinement,
     explain_denied,
@@ -165,6 +165,15 @@ def test_eperm_without_a_confinement_keeps_the_log_words() -> None:
         restoring=False,
     )
     assert "seccomp" not in message  # no filter here: not blamed on one
+    # Seen while containers came and went beside a restore: a mount, not a missing file.
+    message, _ = explain_failure(
+        "1: Error (criu/mount-v2.c:634): mnt-v2: Can't stat mountpoint /tmp/.criu.mntns.X/"
+        "mnt-0000000949/var/lib/containers/storage/overlay-containers/86/userdata/shm: "
+        "No such file or directory",
+        restoring=True,
+    )
+    assert "mount" in message
+    assert "file the kernel had open" not in message
 
 
 # --- Yama ---------------------------------------------------------------------------------
@@ -196,6 +205,17 @@ def test_doctor_reads_yama_ptrace_scope(root: bool) -> None:
         assert check["yama ptrace_scope"].ok, check["yama ptrace_scope"]
     one = {c.name: c for c in check_confinement(_node(1, root=False), as_user=True)}
     assert "PR_SET_PTRACER" in one["yama ptrace_scope"].detail
+
+
+def test_doctor_in_agent_mode_passes_yama_up_to_scope_2() -> None:
+    """The node agent's CRIU attaches with CAP_SYS_PTRACE (nodeagent/podcriu.py): Yama's
+    scopes 1 and 2 let it; 3 lets no one, and doctor says what to do."""
+    for scope in (None, 0, 1, 2):
+        assert check_agent_yama(scope).ok, scope
+    refused = check_agent_yama(3)
+    assert not refused.ok
+    assert "3 on this node" in refused.detail
+    assert "2 or lower" in refused.fix
 
 
 def test_dump_refused_at_ptrace_scope_1_names_the_undeclared_child() -> None:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -389,14 +390,16 @@ def _agent_call(pod: Pod, socket: str, code: str) -> list[str]:
     return out.stdout.strip().splitlines()
 
 
-def test_baseline_pod_kernel_moves_through_the_agent_to_a_fresh_pod(
-    make_pod: MakePod, agent: AgentPod, moto: Moto
+def test_baseline_pod_kernel_moves_through_the_agent_to_a_fresh_pod_on_another_node(
+    make_pod: MakePod, agent: AgentPod, moto: Moto, tmp_path: Path
 ) -> None:
     """config.yaml's user pod meets Pod Security baseline (no capability, no_new_privs,
     the runtime's default seccomp filter, no host namespace); its notebook's kernel, x = 42
-    and a NumPy array, is snapshotted through the node agent into S3, the pod is deleted
-    (its server snapshots the kernel on the way out, through the agent too), and a fresh
-    pod restores it with its state, into its own namespaces and with its seccomp filter."""
+    and a NumPy array, is snapshotted through the node agent into S3, x becomes 43, the pod
+    is deleted (its server snapshots the kernel on the way out, through the agent too), and
+    a fresh pod on another node (another agent, with the cluster's seal key: the same
+    Secret) restores the before-shutdown snapshot (x = 43) and the manual one (x = 42),
+    each into its own namespaces and with its seccomp filter."""
     pod = make_pod(agent=agent)
     spec = pod.manifest["spec"]
     assert not any(spec.get(key) for key in ("hostPID", "hostNetwork", "hostIPC"))
@@ -416,22 +419,102 @@ def test_baseline_pod_kernel_moves_through_the_agent_to_a_fresh_pod(
     manual = snapshot(pod, kernel)["result"]
     assert manual["frozen_seconds"] > 0
     assert f"kernel-snapshots/users/{USER}/snapshots/{manual['id']}.json" in moto.records()
+    ws_execute(pod.server, kernel, "x = 43")
     pod.delete()
     assert "snapshots before shutdown: ['done']" in pod.log(), pod.log()
 
-    fresh = make_pod(agent=agent)
-    restored = follow(
-        fresh.server, fresh.server.client.call("POST", f"{manual['id']}/restore", body={})["job"]
-    )["result"]
-    state = (
-        "import os\nprint(x, int(a.sum()), open('/proc/self/status').read().count('Seccomp:\\t2'))"
-    )
-    assert ws_execute(fresh.server, restored["kernel_id"], state) == "42 499999500000 1\n"
-    # In the fresh pod's namespaces: its server sees the kernel as one of its processes.
-    pid = int(ws_execute(fresh.server, restored["kernel_id"], "print(os.getpid())"))
-    assert fresh.exec("sh", "-c", f"kill -0 {pid}").returncode == 0
-    # A restored kernel is snapshotted through the agent again.
-    snapshot(fresh, restored["kernel_id"])
+    other_node = AgentPod(IMAGE, tmp_path / "other-node", key=agent.key)
+    try:
+        fresh = make_pod(agent=other_node)
+        offered = fresh.server.client.call("GET", "", path=NOTEBOOK)["snapshots"]
+        ours = [(s["trigger"], s["status"]) for s in offered if s["kernel_id"] == kernel]
+        assert ours == [("before-shutdown", "complete"), ("manual", "complete")], offered
+        before_shutdown = next(s["id"] for s in offered if s["trigger"] == "before-shutdown")
+        state = (
+            "import os\n"
+            "print(x, int(a.sum()), open('/proc/self/status').read().count('Seccomp:\\t2'))"
+        )
+        for snapshot_id, x in ((before_shutdown, 43), (manual["id"], 42)):
+            job = fresh.server.client.call("POST", f"{snapshot_id}/restore", body={})["job"]
+            restored = follow(fresh.server, job)["result"]["kernel_id"]
+            assert ws_execute(fresh.server, restored, state) == f"{x} 499999500000 1\n"
+            # In the fresh pod's namespaces: its server sees the kernel as its process.
+            pid = int(ws_execute(fresh.server, restored, "print(os.getpid())"))
+            assert fresh.exec("sh", "-c", f"kill -0 {pid}").returncode == 0
+            # A restored kernel is snapshotted through the agent again.
+            snapshot(fresh, restored)
+            fresh.server.api("DELETE", f"api/kernels/{restored}")
+    finally:
+        other_node.close()
+
+
+def _doctor(pod: Pod) -> tuple[int, dict[str, dict[str, Any]]]:
+    """``jupyter snapshot doctor --json`` in the pod: its exit status and checks by name."""
+    out = pod.exec("jupyter", "snapshot", "doctor", "--json")
+    return out.returncode, {c["name"]: c for c in json.loads(out.stdout)}
+
+
+def test_baseline_doctor_in_the_pod_says_snapshots_work_through_the_agent(
+    make_pod: MakePod, agent: AgentPod
+) -> None:
+    """In a pod at baseline doctor checks the node agent instead of CRIU in the pod (which
+    could not run there: no capability, no_new_privs, a seccomp filter): the agent answers
+    in this protocol version and names the pod, the in-pod CRIU checks are said to be the
+    agent's job, and snapshots work."""
+    pod = make_pod(agent=agent)
+    returncode, checks = _doctor(pod)
+    failed = [c for c in checks.values() if c["required"] and not c["ok"]]
+    assert not failed, failed
+    assert returncode == 0
+    assert checks["node agent"]["ok"]
+    detail = checks["node agent"]["detail"]
+    assert "protocol version 2" in detail, detail
+    assert "'jupyter-alice' of user 'alice'" in detail, detail
+    assert not {"criu", "criu capabilities", "seccomp", "criu features"} & set(checks), checks
+    assert checks["criu in the pod"]["ok"], checks["criu in the pod"]
+    assert "node agent runs CRIU" in checks["criu in the pod"]["detail"]
+    assert "agent mode" in checks["privileges"]["detail"]
+    assert checks["tcp connections"]["ok"], checks["tcp connections"]  # the agent's TCP repair
+    assert not checks["lazy restore"]["ok"]  # said, not required: restores through the agent
+    assert "Snapshots work on this machine." in pod.exec("jupyter", "snapshot", "doctor").stdout
+
+
+def test_baseline_doctor_names_the_missing_node_agent(make_pod: MakePod, agent: AgentPod) -> None:
+    """The node agent dies (its socket left behind), then its socket goes too (the volume
+    mounted, no agent on the node): doctor fails its check naming each cause and what to
+    do, and a snapshot fails with the same words; once the agent runs again, doctor says
+    snapshots work."""
+    pod = make_pod(agent=agent)
+    kernel = open_notebook(pod)
+    assert ws_execute(pod.server, kernel, "x = 42\nprint(x)") == "42\n"
+    agent.kill()
+    returncode, checks = _doctor(pod)
+    assert returncode == 1
+    missing = checks["node agent"]
+    assert not missing["ok"]
+    assert missing["required"]
+    assert "nothing listens on it" in missing["detail"], missing
+    assert "deploy/agent/agent.yaml" in missing["fix"]
+    assert "CSI volume" in missing["fix"]
+    assert "does not answer" in checks["lazy restore"]["detail"]
+    text = pod.exec("jupyter", "snapshot", "doctor").stdout
+    assert "Snapshots do not work here yet: 1 required check(s) failed." in text, text
+    with pytest.raises(SnapshotError) as failed:
+        snapshot(pod, kernel)
+    assert "nothing listens on it" in failed.value.message, failed.value
+    assert "deploy/agent/agent.yaml" in failed.value.hint, failed.value
+
+    agent.socket.unlink()
+    returncode, checks = _doctor(pod)
+    assert returncode == 1
+    assert "no node agent has started on this node" in checks["node agent"]["detail"], checks
+
+    agent.restart()
+    returncode, checks = _doctor(pod)
+    assert returncode == 0
+    assert checks["node agent"]["ok"], checks["node agent"]
+    snapshot(pod, kernel)
+    assert ws_execute(pod.server, kernel, "print(x)") == "42\n"
 
 
 def test_baseline_agent_refuses_another_pods_kernel_and_another_users_images(
@@ -502,7 +585,7 @@ def test_baseline_agent_refuses_another_pods_kernel_and_another_users_images(
     )
     refused = _agent_call(bob, socket, restore)
     assert len(refused) == 1, refused
-    assert "not sealed for 'bob'" in refused[0], refused
+    assert "not sealed for the pod 'jupyter-bob'" in refused[0], refused
     assert _agent_call(alice, socket, restore) == [f"restored {sleeper}"]
 
 
@@ -536,7 +619,7 @@ def test_baseline_agent_killed_during_a_dump_loses_nothing(
 
 def _criu_dumping() -> bool:
     """Whether a CRIU of the node agent is dumping (its command line through the agent's
-    descriptors)."""
+    descriptors; the agent dumps through CRIU's RPC, ``criu swrk``)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -544,11 +627,63 @@ def _criu_dumping() -> bool:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"dump" in argv and any(
+        if b"swrk" in argv and any(
             a.endswith(b"/criu") and a.startswith(b"/proc/self/fd/") for a in argv
         ):
             return True
     return False
+
+
+UI_TESTS = Path(__file__).resolve().parent.parent / "ui-tests"
+#: Galata's page helpers in the pod's JupyterLab (what ui-tests/jupyter_server_test_config.py
+#: loads for the other specs), from the user's config directory on the home volume: the
+#: test's alone, not the product's.
+GALATA_CONFIG = """\
+from pathlib import Path
+import jupyterlab
+c.LabServerApp.extra_labextensions_path = [str(Path(jupyterlab.__file__).parent / "galata")]
+c.LabApp.expose_app_in_browser = True
+"""
+
+
+def test_baseline_panel_in_a_browser_through_the_agent(
+    make_pod: MakePod, agent: AgentPod, moto: Moto, home: Path
+) -> None:
+    """The panel's states in agent mode, in Chromium: ui-tests/tests/agent.spec.ts against
+    JupyterLab served from a pod at baseline, with the node agent (a snapshot seen while
+    it runs and then listed, a suspend shown in the panel and the indicator, the next cell
+    resuming the kernel, a restore in place from the panel). Its packages and Chromium:
+    scripts/container-tests.sh."""
+    assert (UI_TESTS / "node_modules" / "@playwright" / "test").is_dir(), (
+        "ui-tests' packages are missing: scripts/container-tests.sh installs them (npm ci)"
+    )
+    config = home / ".jupyter" / "jupyter_server_config.py"
+    config.parent.mkdir()
+    config.write_text(GALATA_CONFIG)
+    subprocess.run(["chown", "-R", "1000:100", str(config.parent)], check=True)
+    pod = make_pod(agent=agent, user="grace")  # a store (and key) of its own
+    env = {
+        **os.environ,
+        "UI_TESTS_AGENT_URL": pod.server.url,
+        "UI_TESTS_AGENT_TOKEN": pod.token,
+        "UI_TESTS_AGENT_STORE_PID": str(moto.process.pid),
+        "PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD": "1",
+    }
+    try:
+        out = subprocess.run(
+            ["npx", "playwright", "test", "tests/agent.spec.ts", "--reporter=list"],
+            cwd=UI_TESTS,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+    finally:
+        os.kill(moto.process.pid, signal.SIGCONT)  # the spec holds it: never left stopped
+    said = f"{out.stdout[-8000:]}\n{out.stderr[-2000:]}\nthe server's log:\n{pod.log()}"
+    assert out.returncode == 0, said
+    assert "1 passed" in out.stdout, said  # run, not skipped
 
 
 def _policies_often(values: dict[str, Any]) -> None:
@@ -599,3 +734,89 @@ def test_baseline_periodic_idle_suspend_resume_and_restore_in_place_through_the_
     job = pod.server.client.call("POST", f"{saved}/restore", body={"kernel_id": kernel})["job"]
     assert follow(pod.server, job)["result"]["kernel_id"] == kernel
     assert ws_execute(pod.server, kernel, "print(x)") == "43\n"
+
+
+def _long_cells(values: dict[str, Any]) -> None:
+    """A snapshot after each cell that ran 1.5 s or more."""
+    config = values["singleuser"]["extraFiles"]["jupyter-server-config"]["data"]
+    config["SnapshotExtensionApp"].update(
+        long_cell_seconds=1.5, long_cell_min_interval=0, policy_tick=0.5
+    )
+
+
+def test_baseline_long_cell_snapshot_through_the_agent_restores_into_a_new_kernel(
+    make_pod: MakePod, agent: AgentPod
+) -> None:
+    """A cell that ran long is snapshotted through the agent once it ended; the kernel
+    shut down, that snapshot restored into a new kernel of the same pod has what the cell
+    made (beside the running kernel it would not: without a PID namespace of its own a
+    copy needs the ids the kernel holds, docs/nonroot.md)."""
+    pod = make_pod(_long_cells, agent=agent, user="erin")  # a store (and key) of its own
+    kernel = open_notebook(pod)
+    assert ws_execute(pod.server, kernel, "x = 1\nprint(x)") == "1\n"
+    assert ws_execute(pod.server, kernel, "import time\ntime.sleep(2.5)\nx = 42") == ""
+
+    def long_cell() -> list[dict[str, Any]]:
+        found = pod.server.client.call("GET", "", trigger="long-cell", path=NOTEBOOK)
+        return [s for s in found["snapshots"] if s["status"] == "complete"]
+
+    _wait_for("long-cell snapshot", lambda: bool(long_cell()))
+    [taken] = long_cell()
+    assert [c["first_line"] for c in taken["contents"]["cells"]] == ["x = 1", "import time"]
+    pod.server.api("DELETE", f"api/kernels/{kernel}")
+    job = pod.server.client.call("POST", f"{taken['id']}/restore", body={})["job"]
+    restored = follow(pod.server, job)["result"]["kernel_id"]
+    assert restored != kernel
+    assert ws_execute(pod.server, restored, "print(x)") == "42\n"
+
+
+#: A notebook's cells with what only the snapshot carries to another pod: a spawn pool
+#: (its locks are named semaphores in /dev/shm), a shared_memory segment, a log in the
+#: pod's /tmp the kernel appends to, and a multiprocessing manager on TCP (its connection
+#: to the kernel kept with TCP repair).
+PARALLEL_SETUP = """\
+import multiprocessing as mp
+from multiprocessing import shared_memory
+from multiprocessing.managers import SyncManager
+pool = mp.get_context("spawn").Pool(2)
+manager = SyncManager(address=("127.0.0.1", 0), ctx=mp.get_context("spawn"))
+manager.start()
+shared = manager.dict(x=42)
+shm = shared_memory.SharedMemory(name="jks-ct-shm", create=True, size=1 << 20)
+shm.buf[:5] = b"hello"
+log = open("/tmp/kernel.log", "a")
+print("before", file=log, flush=True)
+print(sum(pool.map(abs, range(-5, 5))), bytes(shm.buf[:5]).decode(), shared["x"])
+"""
+PARALLEL_CHECK = """\
+print("after", file=log, flush=True)
+lines = open("/tmp/kernel.log").read().split()
+print(sum(pool.map(abs, range(-5, 5))), bytes(shm.buf[:5]).decode(), shared["x"], lines)
+"""
+
+
+def test_baseline_spawn_pool_and_shared_memory_move_through_the_agent_to_a_fresh_pod(
+    make_pod: MakePod, agent: AgentPod
+) -> None:
+    """A kernel with a spawn pool, a shared_memory segment, a log it appends to and a
+    manager on TCP is snapshotted through the agent (its /dev/shm files and log copied
+    while the agent holds it frozen, its connection to the manager kept), its pod
+    deleted, and restored in a fresh pod: the pool and the manager work, the segment and
+    the log are as they were, in the fresh pod's own /dev/shm and /tmp."""
+    pod = make_pod(agent=agent, user="frank")  # a store (and key) of its own
+    kernel = open_notebook(pod)
+    assert ws_execute(pod.server, kernel, PARALLEL_SETUP) == "25 hello 42\n"
+    taken = snapshot(pod, kernel)["result"]
+    assert len(taken["shm_files"]) >= 3, taken["shm_files"]  # the segment, the pool's locks
+    assert [f["path"] for f in taken["appended_files"]] == ["/tmp/kernel.log"]
+    assert taken["tcp_kept"] is True
+    assert taken["kept_connections"], taken
+    pod.delete()
+
+    fresh = make_pod(agent=agent, user="frank")
+    assert fresh.exec("ls", "/dev/shm").stdout.split() == []
+    job = fresh.server.client.call("POST", f"{taken['id']}/restore", body={})["job"]
+    restored = follow(fresh.server, job)["result"]["kernel_id"]
+    check = ws_execute(fresh.server, restored, PARALLEL_CHECK)
+    assert check == "25 hello 42 ['before', 'after']\n", check
+    assert "jks-ct-shm" in fresh.exec("ls", "/dev/shm").stdout.split()

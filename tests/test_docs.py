@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 from jupyter_ext.configdoc import render
@@ -12,6 +14,43 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_configuration_reference_is_current() -> None:
     current = (ROOT / "docs" / "configuration.md").read_text()
     assert current == render(), "run: python -m jupyter_ext.configdoc > docs/configuration.md"
+
+
+NAMED_FILE = re.compile(
+    r"(?<![\w.$<{/~-])(?!users/)((?:[\w.-]+/)+[\w-]+\.(?:py|ts|tsx|sh|c|md|yaml|yml|json|toml)|[\w-]+\.py)\b"
+)
+"""A relative file path (``core/store/stores.py``) or a bare module (``stores.py``); not a
+user's part of a store (``users/a_b.c``)."""
+NOT_OURS = {"jupyter_server_config.py": "the user's own config file"}
+
+
+def repository_files() -> list[str]:
+    """Every file of the checkout (without dependencies, caches and dot directories)."""
+    found = []
+    for top, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("node_modules", "lib")]
+        found += [Path(top, name).relative_to(ROOT).as_posix() for name in names]
+    return found
+
+
+def test_every_file_the_docs_name_exists() -> None:
+    """A file named in backticks in README.md or docs/*.md (``path/like/this.py``, or a
+    module's bare name) is one of the repository's, so that a moved or renamed module
+    leaves no stale name behind. A path may start anywhere in the tree (``core/...``)."""
+    files = repository_files()
+    basenames = {f.rsplit("/", 1)[-1] for f in files}
+    stale = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        for span in re.findall(r"`([^`\n]+)`", text):
+            for name in NAMED_FILE.findall(span):
+                if "/" in name:
+                    known = any(f == name or f.endswith(f"/{name}") for f in files)
+                else:
+                    known = name in basenames or name in NOT_OURS
+                if not known:
+                    stale.append(f"{doc.relative_to(ROOT)}: {name}")
+    assert stale == []
 
 
 def test_every_option_says_its_default() -> None:

@@ -8,22 +8,35 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import random
+import re
 import stat
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import zstandard
+from traitlets.config import Config
 
-from jupyter_ext.core.errors import SnapshotCorruptError
-from jupyter_ext.core.store import EnvKeySource, FileKeySource, KeySource, StoreError
+from jupyter_ext import cli
+from jupyter_ext.app import SnapshotExtensionApp
+from jupyter_ext.core.errors import SnapshotCorruptError, SnapshotNotFoundError
+from jupyter_ext.core.store import EnvKeySource, FileKeySource, KeySource, StoreError, StoreSpec
 from jupyter_ext.core.store.backend import Handle, Kind
+from jupyter_ext.core.store.hubclient import keys_of
+from jupyter_ext.core.store.keys import ENV_KEY, ENV_PREVIOUS_KEYS, parse_key
+from jupyter_ext.core.store.sealing import NONCE_BYTES, NONCES_AT_ONCE, Sealer
+from jupyter_ext.core.store.userkey import derive_user_key
+from jupyter_ext.hubservice.app import key_answer, read_secrets
+from jupyter_ext.settings import SnapshotSettings
 from jupyter_ext.testing import MotoServer
 
 from .jupyter_api import Fetch, call, manager_of, restore, server_config, snapshot
@@ -161,6 +174,11 @@ def jp_server_config(
     extra: dict[str, Any] = {"encryption_key_file": str(tmp_path / "keys" / "store.key")}
     if variant.endswith("unencrypted"):
         extra["encryption_key_source"] = "none"
+    if variant.endswith("-env"):  # as a spawner sets it, in the server's environment
+        extra["encryption_key_source"] = "env"
+        monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
+        monkeypatch.setenv(ENV_KEY, request.getfixturevalue("env_key_text"))
+        monkeypatch.setenv(ENV_PREVIOUS_KEYS, base64.b64encode(os.urandom(32)).decode())
     if variant.startswith("s3"):
         server: MotoServer = request.getfixturevalue("moto")
         bucket = f"enc-{uuid.uuid4().hex[:12]}"
@@ -212,6 +230,35 @@ async def test_nothing_of_a_snapshot_is_in_any_stored_object(
     assert (await restored.run("print(hidden == keep[2], len(hidden))")).strip() == (
         f"True {len(secret)}"
     )
+
+
+@pytest.fixture
+def env_key_text() -> str:
+    return env_key()[0]
+
+
+@pytest.mark.parametrize("variant", ["local-env"])
+@pytest.mark.usefixtures("criu", "snapshot_kernelspec", "jp_serverapp")
+async def test_kernels_do_not_inherit_the_env_key(
+    jp_fetch: Fetch, start_kernel: Any, env_key_text: str, tmp_path: Path
+) -> None:
+    """Key source "env": the server reads $JUPYTER_SNAPSHOT_KEY (and the previous keys)
+    and takes them out of its environment, so a kernel it starts, whose user code could
+    print them, has neither; the store is encrypted with that key all the same."""
+    assert ENV_KEY not in os.environ
+    assert ENV_PREVIOUS_KEYS not in os.environ
+    kernel = await start_kernel()
+    code = (
+        "import glob, os\n"
+        "start = [open(p, 'rb').read() for p in glob.glob('/proc/[0-9]*/environ')]\n"
+        "print(sorted(k for k in os.environ if 'SNAPSHOT_KEY' in k), len(start) > 0, "
+        f"any({env_key_text.encode()!r} in e or b'SNAPSHOT_KEY' in e for e in start))"
+    )  # its environment now, and the ones it and what it sees started with
+    assert (await kernel.run(code)).strip() == "[] True False"
+    snap = (await snapshot(jp_fetch, kernel.id))["result"]
+    assert snap["status"] == "complete", snap
+    kek_id = parse_key(env_key_text, "the test")[0]
+    assert [p.name for p in (tmp_path / "store").rglob("keys/*")] == [kek_id]
 
 
 # -- the store's own checks ----------------------------------------------------------------
@@ -315,20 +362,34 @@ def test_swapped_records_and_packs_are_refused(open_store: Any, tmp_path: Path) 
         open_store(keys).fetch(first.manifest.id, tmp_path / "swapped")
 
 
-def test_a_forged_unencrypted_record_is_refused(open_store: Any, tmp_path: Path) -> None:
-    """A record written in the clear by someone who may write the bucket (an unencrypted
-    store's format) is not one the store had before it was encrypted: refused."""
-    keys = env_key()[1]
+def test_a_planted_unencrypted_record_is_refused(open_store: Any, tmp_path: Path) -> None:
+    """Records and packs written in the clear into a prefix before its first key object
+    (by the bucket's admin after deleting the user's objects, keys/ too; by another user
+    while the bucket's credentials were shared): the first open with a key refuses each,
+    naming it and the migration, as it does after encryption began; it can be deleted."""
     plain = open_store(None)
-    forged = plain.put(secret_snapshot(tmp_path, b"f" * 64, seed=3))
-    forged_record = read_object(plain, f"snapshots/{forged.manifest.id}.json")
-    plain.delete(forged.manifest.id)
+    planted = [plain.put(secret_snapshot(tmp_path, b"f" * 64, n, seed=n)) for n in (1, 2)]
+    first, second = (s.manifest.id for s in planted)
+    keys = env_key()[1]
     store = open_store(keys)
-    store.put(secret_snapshot(tmp_path, b"g" * 64, seed=4))  # the store is encrypted now
-    write_object(store, f"snapshots/{forged.manifest.id}.json", forged_record)
-    fresh = open_store(keys)
-    with pytest.raises(SnapshotCorruptError, match="is not encrypted, though this store is"):
-        fresh.get(forged.manifest.id)
+    for refused in (
+        lambda: store.get(first),
+        lambda: store.fetch(first, tmp_path / "out"),
+        lambda: store.open_images(first),
+    ):
+        with pytest.raises(SnapshotCorruptError, match=rf"{first}\.json is not encrypted") as info:
+            refused()
+        assert "jupyter snapshot store encrypt" in info.value.hint
+        assert f"jupyter snapshot rm {first}" in info.value.hint
+    assert not (tmp_path / "out").exists()
+    assert store.snapshots() == []
+    new = store.put(secret_snapshot(tmp_path, b"g" * 64, 3, seed=4))  # the key object now
+    assert [s.manifest.id for s in open_store(keys).snapshots()] == [new.manifest.id]
+    with pytest.raises(SnapshotCorruptError, match="is not encrypted"):
+        store.get(second)
+    store.delete(second)  # what the hint says, for one that is not the user's
+    with pytest.raises(SnapshotNotFoundError):
+        store.get(second)
 
 
 def test_a_wrong_or_lost_key_says_which_key_and_where(open_store: Any, tmp_path: Path) -> None:
@@ -373,6 +434,98 @@ def test_a_new_key_encryption_key_rewraps_without_rewriting_packs(
     assert open_store(only_new).get(second.manifest.id).manifest.id == second.manifest.id
 
 
+def test_a_changed_key_object_is_refused_naming_it(open_store: Any, tmp_path: Path) -> None:
+    """The wrapped master key (``keys/<id>``) changed, replaced or swapped for another
+    store's wrapped by the same key: refused, the key object named (or, for the swap,
+    every record it would open)."""
+    keys = env_key()[1]
+    store = open_store(keys)
+    stored = store.put(secret_snapshot(tmp_path, b"t" * 64))
+    name = next(n for n in stored_objects(store) if n.startswith("keys/"))
+    original = read_object(store, name)
+    doc = json.loads(original)
+    sealed = bytearray(base64.b64decode(doc["sealed"]))
+    sealed[len(sealed) // 2] ^= 0x01
+    changed = {
+        "a flipped byte": {**doc, "sealed": base64.b64encode(bytes(sealed)).decode()},
+        "another key's name": {**doc, "kek": "0" * 16},
+        "another format": {**doc, "format": 99},
+    }
+    for why, replacement in changed.items():
+        write_object(store, name, json.dumps(replacement).encode())
+        with pytest.raises(StoreError, match=rf"{re.escape(name)} cannot be unwrapped") as info:
+            open_store(keys).get(stored.manifest.id)
+        assert "does not authenticate" in str(info.value) or why != "a flipped byte"
+    write_object(store, name, b"{not json")
+    with pytest.raises(StoreError, match=rf"{re.escape(name)} cannot be unwrapped"):
+        open_store(keys).snapshots()
+    other = LocalStore(tmp_path / "other", keys=keys, chunking=SMALL_CHUNKS)
+    other.put(secret_snapshot(tmp_path, b"u" * 64, seed=7))
+    write_object(store, name, (other.root / name).read_bytes())
+    with pytest.raises(SnapshotCorruptError, match=rf"{stored.manifest.id}\.json cannot be opened"):
+        open_store(keys).get(stored.manifest.id)
+    write_object(store, name, original)
+    assert open_store(keys).get(stored.manifest.id).manifest.id == stored.manifest.id
+
+
+class ServiceKeys:
+    """A user's keys as the hub service hands them out (its key secrets file read as it
+    reads it at start, its ``GET key`` answer as JSON) and as a server takes them from that
+    answer (``hubclient.keys_of``): all but the HTTP between the two, which
+    tests/test_jupyterhub.py runs."""
+
+    def __init__(self, secrets_file: Path, user: str) -> None:
+        answer = json.loads(json.dumps(key_answer(read_secrets(secrets_file), user)))
+        self._current, self._previous = keys_of(answer)
+
+    def __str__(self) -> str:
+        return "the hub service"
+
+    def current(self) -> tuple[str, bytes]:
+        return self._current
+
+    def previous(self) -> list[tuple[str, bytes]]:
+        return self._previous
+
+
+def test_a_rotation_of_the_hub_secret_rewraps_without_rewriting_anything(
+    open_store: Any, tmp_path: Path
+) -> None:
+    """The hub's admin rotates the key secret as docs/jupyterhub.md says: the new secret
+    on the first line, the old one below it, the service restarted. The next open
+    restores, and rewraps the master key to the new secret's key: one key object
+    replaced, no pack or record rewritten; with the old line dropped the store opens."""
+    secrets_file = tmp_path / "key-secrets"
+    old, new = os.urandom(32).hex(), os.urandom(32).hex()
+
+    def service(*secrets: str) -> ServiceKeys:
+        secrets_file.write_text("\n".join(secrets) + "\n")
+        return ServiceKeys(secrets_file, "alice")
+
+    def kept(store: Store) -> dict[str, bytes]:
+        return {n: b for n, b in stored_objects(store).items() if not n.startswith("keys/")}
+
+    old_id, new_id = (derive_user_key(bytes.fromhex(s), "alice")[0] for s in (old, new))
+    store = open_store(service(old))
+    source = secret_snapshot(tmp_path, b"h" * 64)
+    stored = store.put(source)
+    assert [n for n in stored_objects(store) if n.startswith("keys/")] == [f"keys/{old_id}"]
+    packs, objects = pack_tags(store), kept(store)
+
+    rotated = open_store(service(new, old))
+    assert tree(rotated.fetch(stored.manifest.id, tmp_path / "rotated")) == tree(source)
+    assert [n for n in stored_objects(rotated) if n.startswith("keys/")] == [f"keys/{new_id}"]
+    assert pack_tags(rotated) == packs, "no pack was rewritten"
+    assert kept(rotated) == objects
+
+    only_new = open_store(service(new))
+    assert tree(only_new.fetch(stored.manifest.id, tmp_path / "only-new")) == tree(source)
+    later = only_new.put(secret_snapshot(tmp_path, b"i" * 64, sequence=2, seed=8))
+    assert open_store(service(new)).get(later.manifest.id).manifest.id == later.manifest.id
+    with pytest.raises(StoreError, match="another key"):
+        open_store(service(old)).get(stored.manifest.id)
+
+
 def test_dedup_and_repack_work_encrypted(open_store: Any, tmp_path: Path) -> None:
     keys = env_key()[1]
     store = open_store(keys, grace_seconds=0, pack_bytes=256 << 10)
@@ -388,10 +541,13 @@ def test_dedup_and_repack_work_encrypted(open_store: Any, tmp_path: Path) -> Non
     assert tree(open_store(keys).fetch(second.manifest.id, tmp_path / "out")) == tree(second_source)
 
 
-def test_an_unencrypted_store_is_read_then_migrated(open_store: Any, tmp_path: Path) -> None:
-    """A store from before encryption: an encrypted server reads its snapshots and writes
-    new ones encrypted; `jupyter snapshot store encrypt` stores them again encrypted and
-    removes every unencrypted pack; their old records are refused afterwards."""
+def test_an_unencrypted_store_is_read_only_after_the_user_migrates_it(
+    open_store: Any, tmp_path: Path
+) -> None:
+    """A store from before encryption (or records planted in the clear in a fresh
+    prefix): an encrypted store reads none of its snapshots, and writes new ones
+    encrypted; `jupyter snapshot store encrypt`, run by the user, stores them again
+    encrypted and removes every unencrypted pack; an old record put back is refused."""
     secret = b"jks-old-secret-" + uuid.uuid4().hex.encode()
     plain = open_store(None)
     sources = [secret_snapshot(tmp_path, secret, sequence=n, seed=n) for n in (1, 2)]
@@ -400,7 +556,9 @@ def test_an_unencrypted_store_is_read_then_migrated(open_store: Any, tmp_path: P
     assert holding(stored_objects(plain), secret)
     key_file = tmp_path / "keys" / "store.key"
     store = open_store(FileKeySource(key_file))
-    assert [s.manifest.id for s in store.snapshots()] == [s.manifest.id for s in old]
+    assert store.snapshots() == []
+    with pytest.raises(SnapshotCorruptError, match="is not encrypted"):
+        store.get(old[0].manifest.id)
     new = store.put(secret_snapshot(tmp_path, secret, sequence=3, seed=3))
     assert holding({"new": read_object(store, f"snapshots/{new.manifest.id}.json")}, secret) == []
 
@@ -483,13 +641,96 @@ def test_rotate_key_and_doctor_from_the_command_line(tmp_path: Path) -> None:
 
 
 def test_the_key_file_is_never_inside_the_local_store(tmp_path: Path) -> None:
-    from jupyter_ext.core.store import KeySettings, StoreSpec, open_store
-
-    spec = StoreSpec(
-        kind="local",
-        key_source="file",
-        keys=KeySettings(tmp_path / "store" / "key", "alice"),
-        local_dir=tmp_path / "store",
+    settings = SnapshotSettings(
+        owner="alice",
+        local_store_dir=str(tmp_path / "store"),
+        encryption_key_file=str(tmp_path / "store" / "users" / "alice" / "key"),
     )
     with pytest.raises(StoreError, match="is inside the store"):
-        open_store(spec)
+        settings.store_spec()
+    settings.encryption_key_file = str(tmp_path / "store.key")
+    assert settings.store_spec().location() == str(tmp_path / "store" / "users" / "alice")
+
+
+def test_the_cli_makes_the_store_the_server_makes_from_its_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``jupyter snapshot store encrypt --s3-bucket B`` stores again with the server's
+    chunk and pack sizes, key and bucket settings: one spec from one config."""
+    options: dict[str, Any] = {
+        "owner": "alice",
+        "store": "s3",
+        "s3_bucket": "team",
+        "s3_prefix": "/snaps/",
+        "s3_endpoint_url": "http://127.0.0.1:9",
+        "s3_region": "eu-west-1",
+        "s3_server_side_encryption": "aws:kms",
+        "s3_sse_kms_key_id": "alias/snaps",
+        "hub_service_url": "http://127.0.0.1:8/services/snapshots/",
+        "encryption_key_source": "env",
+        "chunk_kib": 64,
+        "pack_mib": 8,
+        "local_store_dir": str(tmp_path / "store"),
+        "local_store_group_access": True,
+    }
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    (config_dir / "jupyter_server_config.json").write_text(
+        json.dumps({"SnapshotExtensionApp": options})
+    )
+    monkeypatch.setenv("JUPYTER_CONFIG_DIR", str(config_dir))
+    server = SnapshotExtensionApp(config=Config({"SnapshotExtensionApp": options}))
+
+    def from_cli(*argv: str) -> StoreSpec | None:
+        app = cli.EncryptStoreApp()
+        app.initialize(list(argv))
+        return app.store_spec()
+
+    cli.server_settings.cache_clear()
+    try:
+        assert from_cli("--s3-bucket", "team") == server.store_spec()
+        assert server.store_spec().location() == "s3://team/snaps/users/alice"
+        named = from_cli("--s3-bucket", "other", "--s3-prefix", "p/q", "--key-source", "none")
+        assert named == replace(
+            server.store_spec(),
+            options=replace(server.store_spec().options, bucket="other", prefix="p/q"),
+            key_source="none",
+        )
+        server.store = "local"
+        own = tmp_path / "store" / "users" / "alice"
+        assert from_cli("--store-dir", str(own)) == server.store_spec()
+        assert from_cli() is None  # through the running server
+    finally:
+        cli.server_settings.cache_clear()
+
+
+def test_every_sealed_piece_has_a_nonce_of_its_own() -> None:
+    """Nonces are drawn in bulk (sealing._Nonces): never one twice, across threads and
+    batches, nor in a forked child, which inherits the parent's unused ones (a nonce used
+    twice with one key breaks AES-GCM)."""
+    sealer = Sealer(os.urandom(32))
+    nonces: list[bytes] = []
+    lock = threading.Lock()
+
+    def seal_many() -> None:
+        mine = [sealer.seal(b"x", b"ctx")[:NONCE_BYTES] for _ in range(2 * NONCES_AT_ONCE)]
+        with lock:
+            nonces.extend(mine)
+
+    threads = [threading.Thread(target=seal_many) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(nonces)) == len(nonces) == 8 * NONCES_AT_ONCE
+    sealer.seal(b"x", b"ctx")  # this thread's batch now has unused nonces
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child)
+        os.write(write, sealer.seal(b"x", b"ctx")[:NONCE_BYTES])
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    childs = os.read(read, NONCE_BYTES)
+    os.close(read)
+    assert childs != sealer.seal(b"x", b"ctx")[:NONCE_BYTES]

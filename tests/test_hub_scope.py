@@ -6,6 +6,7 @@ tests/test_jupyterhub.py."""
 from __future__ import annotations
 
 import hashlib
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -15,11 +16,20 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.credentials import Credentials
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jupyter_ext.core.doctor import check_bucket_credentials
 from jupyter_ext.core.store.api import StoreError
 from jupyter_ext.core.store.keys import KeySettings, make_key_source
-from jupyter_ext.core.store.scope import EMPTY_SHA256, SignRequest, UserScope, sign, user_prefix
+from jupyter_ext.core.store.scope import (
+    EMPTY_SHA256,
+    MAX_NAME_CHARS,
+    SignRequest,
+    UserScope,
+    sign,
+    user_prefix,
+)
 from jupyter_ext.core.store.userkey import derive_user_key, parse_secret
 from jupyter_ext.testing import MotoServer
 
@@ -110,8 +120,47 @@ def test_anything_else_is_refused(why: str) -> None:
 
 
 def test_user_names_map_to_their_own_prefix() -> None:
-    assert UserScope("b", "base/", "a@b.c", ENDPOINT).prefix == "base/users/a_b.c/"
-    assert user_prefix("") == "users/anonymous"
+    """Names of a safe set are their own prefix; any other name is escaped, so no two
+    names share one (before, ``a@b.c`` and ``a_b.c`` were both ``users/a_b.c``)."""
+    assert UserScope("b", "base/", "alice", ENDPOINT).prefix == "base/users/alice/"
+    assert UserScope("b", "base/", "a_b.c", ENDPOINT).prefix == "base/users/a_b.c/"
+    assert UserScope("b", "base/", "a@b.c", ENDPOINT).prefix == "base/users/_a_40b.c/"
+    colliding = [
+        ("a@b.c", "a_b.c"),
+        ("a b", "a_b"),
+        ("", "anonymous"),
+        ("_", "__"),
+        ("_a", "a"),
+        ("é", "e"),
+        ("a/b", "a_2fb"),
+        ("_a_40b.c", "a@b.c"),
+        ("..", "_.."),
+        ("a" * 200, "a" * 201),
+    ]
+    for one, other in colliding:
+        assert user_prefix(one) != user_prefix(other), (one, other)
+    for name in ("", ".", "..", "a/b", "../x", "a" * 500, "\x00", "x\ny"):
+        part = user_prefix(name).removeprefix("users/")
+        assert part not in ("", ".", "..")
+        assert SAFE_PART_RE.fullmatch(part), part
+        assert len(part) <= MAX_NAME_CHARS + 1
+
+
+SAFE_PART_RE = re.compile(r"[A-Za-z0-9._-]+")
+"""What a user's part of a path is made of: one segment, no character S3 or a file
+system treats specially."""
+
+
+NAMES = st.text(alphabet="a_@.-/405fé A", max_size=10) | st.text()
+"""Names from the characters the old mapping folded together and those the escapes are
+made of (``_40`` is how ``@`` is written), and any text."""
+
+
+@settings(max_examples=3000, deadline=None)
+@given(NAMES, NAMES)
+def test_no_two_user_names_share_a_prefix(one: str, other: str) -> None:
+    assert (user_prefix(one) == user_prefix(other)) == (one == other)
+    assert user_prefix(one) == user_prefix(str(one))  # the same name, the same prefix
 
 
 @pytest.fixture(scope="module")
@@ -176,27 +225,52 @@ def test_each_user_gets_a_key_of_their_own_per_secret() -> None:
             parse_secret(bad, "s")
 
 
-def test_doctor_names_long_lived_bucket_credentials_under_a_hub(tmp_path: Path) -> None:
+def test_doctor_names_shared_bucket_credentials_under_a_hub(tmp_path: Path) -> None:
     hub = {"JUPYTERHUB_API_TOKEN": "t", "AWS_CONFIG_FILE": str(tmp_path / "none")}
     assert check_bucket_credentials({"AWS_ACCESS_KEY_ID": "k"}, tmp_path).ok  # no hub
     assert check_bucket_credentials(hub, tmp_path).ok
-    # Short-lived (STS) credentials are not the shared-Secret mode.
-    assert check_bucket_credentials(
-        {**hub, "AWS_ACCESS_KEY_ID": "k", "AWS_SESSION_TOKEN": "s"}, tmp_path
-    ).ok
-    check = check_bucket_credentials({**hub, "AWS_ACCESS_KEY_ID": "k"}, tmp_path)
+    assert check_bucket_credentials(hub, tmp_path, "s3", "http://hub:10101/services/s/").ok
+    assert check_bucket_credentials(hub, tmp_path, "local").ok
+    # Whatever gives the server credentials of its own, every user's server gets alike.
+    shared = {
+        "AWS_ACCESS_KEY_ID": ({"AWS_ACCESS_KEY_ID": "k"}, "AWS_ACCESS_KEY_ID"),
+        "STS credentials": (
+            {"AWS_ACCESS_KEY_ID": "k", "AWS_SESSION_TOKEN": "s"},
+            "AWS_SESSION_TOKEN",
+        ),
+        "IRSA": (
+            {"AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/t", "AWS_ROLE_ARN": "arn:r"},
+            "AWS_WEB_IDENTITY_TOKEN_FILE",
+        ),
+        "Pod Identity": (
+            {"AWS_CONTAINER_CREDENTIALS_FULL_URI": "http://169.254.170.23/v1/credentials"},
+            "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        ),
+        "ECS": (
+            {"AWS_CONTAINER_CREDENTIALS_RELATIVE_URI": "/v2/credentials/x"},
+            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        ),
+    }
+    for why, (environ, named) in shared.items():
+        check = check_bucket_credentials({**hub, **environ}, tmp_path, "s3", "http://h/")
+        assert not check.ok, why
+        assert named in check.detail, why
+        assert "Unsafe for multi-user hubs" in check.detail, why
+        assert "hub_service_url" in check.fix, why
+    # The s3 store without the hub service gets its credentials somewhere, shared.
+    check = check_bucket_credentials(hub, tmp_path, "s3", "")
     assert not check.ok
-    assert "Unsafe for multi-user hubs" in check.detail
-    assert "hub_service_url" in check.fix
+    assert "hub_service_url unset" in check.detail
     (tmp_path / ".aws").mkdir()
-    (tmp_path / ".aws" / "credentials").write_text("[default]\naws_access_key_id = k\n")
-    check = check_bucket_credentials(hub, tmp_path)
-    assert not check.ok
-    assert str(tmp_path / ".aws" / "credentials") in check.detail
+    for text in ("aws_access_key_id = k", "web_identity_token_file = /t", "credential_process = x"):
+        (tmp_path / ".aws" / "credentials").write_text(f"[default]\n{text}\n")
+        check = check_bucket_credentials(hub, tmp_path)
+        assert not check.ok, text
+        assert str(tmp_path / ".aws" / "credentials") in check.detail
 
 
 def test_the_hub_key_source_needs_the_service_and_names_it() -> None:
-    settings = KeySettings(Path("unused"), "alice", {"JUPYTERHUB_API_TOKEN": "t"})
+    settings = KeySettings(Path("unused"), {"JUPYTERHUB_API_TOKEN": "t"})
     with pytest.raises(StoreError, match="hub_service_url"):
         make_key_source("hub", settings)
     source = make_key_source("hub", replace(settings, hub_service_url="http://127.0.0.1:1/s/"))

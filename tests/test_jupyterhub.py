@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import sys
 import urllib.error
 from collections.abc import Iterator, Sequence
@@ -81,7 +82,7 @@ class Bucket:
             client.close()
 
 
-BUCKETS = ("hub-snapshots", "culled-snapshots", "two-users", "shared-secret")
+BUCKETS = ("hub-snapshots", "culled-snapshots", "two-users", "shared-secret", "migrated")
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +299,38 @@ def test_idle_culler_stops_a_server_whose_kernel_comes_back(tmp_path: Path, s3: 
         assert out == "499500\n"
 
 
+def test_an_admins_kernel_shutdown_suspends_it(tmp_path: Path, s3: Bucket) -> None:
+    """admin_shutdown_action = "suspend": a hub service with access to alice's server (an
+    admin's tool) shuts her kernel down through the API; the kernel is suspended instead,
+    and alice's next cell has her state. Her own shutdown shuts down."""
+    client = s3.client()
+    client.create_bucket(Bucket="admin-shutdown")
+    client.close()
+    ops_token = os.urandom(16).hex()
+    ops = {"name": "ops", "api_token": ops_token}
+    ops_role = {"name": "ops", "scopes": ["access:servers"], "services": ["ops"]}
+    with start_hub(
+        tmp_path,
+        s3,
+        "admin-shutdown",
+        server_options={"admin_shutdown_action": "suspend"},
+        services=[ops],
+        roles=[ops_role],
+    ) as hub:
+        alice = hub.add_user("alice")
+        hub.start_server("alice")
+        kernel = alice.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+        ws_execute(alice, kernel, "x = 6 * 7")
+        Endpoint(alice.url, ops_token).api("DELETE", f"api/kernels/{kernel}")
+        assert alice.client.call("GET", f"kernels/{kernel}")["state"] == "suspended"
+        assert [k["id"] for k in alice.api("GET", "api/kernels")] == [kernel]
+        [snapshot] = alice.client.call("GET", "", trigger="admin-shutdown")["snapshots"]
+        assert snapshot["kernel_id"] == kernel
+        assert ws_execute(alice, kernel, "print(x)") == "42\n"
+        alice.api("DELETE", f"api/kernels/{kernel}")
+        assert alice.api("GET", "api/kernels") == []
+
+
 # Restores read the store, not the images a snapshot leaves on its server.
 NO_CACHE = {"image_cache_max_bytes": 0}
 
@@ -317,21 +350,28 @@ def attack_from_alice(hub: Hub, alice: Endpoint, bucket: str, bob_keys: list[str
     return json.loads(out)
 
 
-def doctor_says(hub: Hub, server: Endpoint) -> dict[str, Any]:
-    """`jupyter snapshot doctor`'s checks of the bucket credentials and of the store's
-    encryption, by name, run in a kernel of the server (with its environment, as in a
-    terminal of it)."""
+def command_in(server: Endpoint, *args: str) -> dict[str, Any]:
+    """``jupyter snapshot ARGS`` run in a kernel of the server (with its environment, as in
+    a terminal of it): its returncode, stdout and stderr."""
     kernel = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
-    doctor = str(Path(sys.executable).with_name("jupyter-snapshot"))
+    command = [str(Path(sys.executable).with_name("jupyter-snapshot")), *args]
     code = (
         "import json, subprocess\n"
-        f"out = subprocess.run([{doctor!r}, 'doctor', '--json'], capture_output=True).stdout\n"
-        "names = ('bucket credentials', 'store encryption')\n"
-        "print(json.dumps({c['name']: c for c in json.loads(out) if c['name'] in names}))"
+        f"done = subprocess.run({command!r}, capture_output=True, text=True)\n"
+        "print(json.dumps({'returncode': done.returncode, 'stdout': done.stdout, "
+        "'stderr': done.stderr}))"
     )
-    checks: dict[str, Any] = json.loads(ws_execute(server, kernel, code))
+    done: dict[str, Any] = json.loads(ws_execute(server, kernel, code, timeout=300))
     server.api("DELETE", f"api/kernels/{kernel}")
-    return checks
+    return done
+
+
+def doctor_says(hub: Hub, server: Endpoint) -> dict[str, Any]:
+    """`jupyter snapshot doctor`'s checks of the bucket credentials and of the store's
+    encryption, by name, run in a kernel of the server."""
+    checks = json.loads(command_in(server, "doctor", "--json")["stdout"])
+    names = ("bucket credentials", "store encryption")
+    return {c["name"]: c for c in checks if c["name"] in names}
 
 
 def bob_with_a_secret(hub: Hub) -> tuple[Endpoint, dict[str, Any], str]:
@@ -461,3 +501,44 @@ def test_shared_secret_mode_lets_alice_reach_bobs_snapshots(tmp_path: Path, s3: 
         assert bob.client.call("GET", "")["snapshots"] == []
         with pytest.raises(SnapshotNotFoundError, match="There is no snapshot"):
             bob.client.call("POST", f"{snapshot['id']}/restore", body={})
+
+
+def test_a_user_migrates_their_unencrypted_snapshots_through_the_hub(
+    tmp_path: Path, s3: Bucket
+) -> None:
+    """A snapshot of the old recipe (unencrypted; put here with the store admin's key, as
+    the old recipe's servers wrote) under a user whose name is escaped in the prefix: the
+    user's server, with the recipe, reads none of it; `jupyter snapshot store encrypt
+    --s3-bucket B` run in a kernel of theirs (as in a terminal: the prefix and the "hub"
+    key source from the server's configuration, the hub service signing every request)
+    stores it again encrypted, and the server lists it."""
+    from jupyter_ext.core.store import S3Store
+    from jupyter_ext.core.store.scope import user_prefix
+    from jupyter_ext.core.store.userkey import derive_user_key
+
+    from .test_store import SMALL_CHUNKS, make_snapshot, random_pages
+
+    bucket, user, secret = "migrated", "carol@example.org", os.urandom(32).hex()
+    prefix = f"{PREFIX}/{user_prefix(user)}"
+    assert prefix == f"{PREFIX}/users/_carol_40example.org"
+    (tmp_path / "old").mkdir()
+    admin = S3Store(bucket, prefix, client=s3.client(), chunking=SMALL_CHUNKS)
+    old = admin.put(make_snapshot(tmp_path / "old", random_pages(random.Random(3), 64)))
+    admin.close()
+    with start_hub(tmp_path, s3, bucket, key_secrets=(secret,)) as hub:
+        carol = hub.add_user(user)
+        hub.start_server(user)
+        assert carol.client.call("GET", "")["snapshots"] == []
+        done = command_in(carol, "store", "encrypt", "--s3-bucket", bucket)
+        assert done["returncode"] == 0, done
+        assert f"encrypted {old.manifest.id}" in done["stdout"]
+        assert "1 snapshot(s) encrypted; key: the hub service" in done["stdout"]
+        listed = carol.client.call("GET", "")["snapshots"]
+        assert [(s["id"], s["status"]) for s in listed] == [(old.manifest.id, "complete")]
+    objects = s3.keys(bucket, f"{prefix}/")
+    assert [k for k in objects if "/keys/" in k] == [
+        f"{prefix}/keys/{derive_user_key(bytes.fromhex(secret), user)[0]}"
+    ]
+    records = {k: v for k, v in objects.items() if "/snapshots/" in k}
+    assert list(records) == [f"{prefix}/snapshots/{old.manifest.id}.json"]
+    assert all(v.startswith(b"JKSSEAL1") for v in records.values())

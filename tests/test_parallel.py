@@ -7,6 +7,7 @@ kernel and used again with the same objects. docs/network.md.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -435,7 +436,7 @@ import socket, subprocess, sys
 child = subprocess.Popen([sys.executable, "-u", "-c", """
 import socket, sys
 server = socket.socket()  # no SO_REUSEADDR: its connections' TIME_WAIT entries hold the port
-server.bind(("127.0.0.1", 0)); server.listen()
+server.bind(("127.0.0.1", PORT)); server.listen()
 print(server.getsockname()[1], flush=True)
 while True:
     conn, _ = server.accept()
@@ -448,8 +449,13 @@ while True:
 """], stdout=subprocess.PIPE, text=True)
 port = int(child.stdout.readline())
 def connect():
-    global stream
-    stream = socket.create_connection(("127.0.0.1", port)).makefile("rw")
+    global sock, stream
+    sock = socket.create_connection(("127.0.0.1", port))
+    stream = sock.makefile("rw")
+def close():
+    """Closed first on the server's side: the TIME_WAIT entry is on its port every time
+    (a kill leaves it there in about one run of two)."""
+    stream.write("close\n"); stream.flush(); stream.readline(); stream.close(); sock.close()
 def echo(text):
     stream.write(text + "\n"); stream.flush()
     return stream.readline().strip()
@@ -458,29 +464,56 @@ assert echo("first") == "FIRST"
 '''
 
 
-def _time_waits_on(port: int) -> int:
+def unclaimed_port() -> int:
+    """A free loopback port below the ephemeral range: no connection of another process
+    (the machine runs other tests) takes it as its source port while a test's kernel is
+    dead and its restore is to bind it again (a port of the ephemeral range may be, and the
+    restore is then rightly refused)."""
+    import random
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as probe, contextlib.suppress(OSError):
+            probe.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError(f"no free port below {low}")
+
+
+def _time_waits_on(port: int, remote_port: int | None = None) -> int:
     from jupyter_ext.core.carried import sockdiag
 
-    return sum(1 for entry in sockdiag.tcp_time_waits() if entry.local[1] == port)
+    return sum(
+        1
+        for entry in sockdiag.tcp_time_waits()
+        if entry.local[1] == port and remote_port in (None, entry.remote[1])
+    )
 
 
-@pytest.mark.parametrize("how", ["new-kernel", "in-place"])
+@pytest.mark.parametrize("how", ["new-kernel", "in-place", "connection-since-the-snapshot"])
 def test_child_server_comes_back_right_after_a_kill(
     kernel_factory: Factory, tmp_path: Path, how: str
 ) -> None:
     """The connection between the kernel and its child's server ends with the tree, and
     its TIME_WAIT entry holds the server's port (its socket has no SO_REUSEADDR): the
-    restore clears the kernel's own entries (without root: waits for them) and binds the
-    port on the first try."""
+    restore clears the entries (without root: ends them from their other side) and binds
+    the port on the first try. So too after a connection the kernel opened after the
+    snapshot, which the snapshot never saw: no live process holds the port, so its entry
+    is cleared like the kernel's own (before: refused as another's until it expired)."""
     kernel = kernel_factory()
-    kernel.execute(CHILD_SERVER)
+    kernel.execute(CHILD_SERVER.replace("PORT", str(unclaimed_port())))
     port = int(kernel.execute("print(port)"))
     manifest = kernel.snapshot(tmp_path / "snap")
     assert {"proto": "tcp", "address": "127.0.0.1", "port": port} in manifest["bound_ports"]
-    # The server side closes first, so the entry is on its port every time (a kill leaves
-    # it there in about one run of two).
-    kernel.execute("stream.write('close\\n'); stream.flush(); stream.readline(); stream.close()")
-    wait_until(lambda: _time_waits_on(port) > 0, what="the TIME_WAIT entry")
+    kernel.execute("close()")
+    ended = None
+    if how == "connection-since-the-snapshot":
+        code = "connect(); assert echo('new') == 'NEW'; print(sock.getsockname()[1]); close()"
+        ended = int(kernel.execute(code))
+        recorded = manifest["closed_connections"] + manifest["kept_connections"]
+        assert f"127.0.0.1:{ended}" not in {c["local"] for c in recorded}
+    wait_until(lambda: _time_waits_on(port, remote_port=ended) > 0, what="the TIME_WAIT entry")
     if how == "in-place":
         kernel.restore(tmp_path / "snap")
         restored = kernel
@@ -492,17 +525,19 @@ def test_child_server_comes_back_right_after_a_kill(
     assert restored.execute("print(echo('again'))").strip() == "AGAIN"
 
 
-def test_port_a_live_process_holds_is_refused_naming_it_time_wait_otherwise(
+def test_port_a_live_process_holds_is_refused_naming_it_ended_connections_are_not(
     kernel_factory: Factory, tmp_path: Path
 ) -> None:
     """Another process listening on the kernel's port refuses the restore, naming that
-    process; ended connections that are not the kernel's refuse it with another error."""
+    process; once it is gone, the TIME_WAIT entry its connection left on the port holds
+    nothing a restore must respect: the kernel listens on its port again."""
     import socket
 
     kernel = kernel_factory()
     kernel.execute(
         "import socket\nserver = socket.socket()\n"
-        "server.bind(('127.0.0.1', 0)); server.listen()\nport = server.getsockname()[1]\n"
+        f"server.bind(('127.0.0.1', {unclaimed_port()})); server.listen()\n"
+        "port = server.getsockname()[1]\n"
     )
     port = int(kernel.execute("print(port)"))
     kernel.snapshot(tmp_path / "snap")
@@ -518,8 +553,66 @@ def test_port_a_live_process_holds_is_refused_naming_it_time_wait_otherwise(
         accepted.close()
         client.close()
     wait_until(lambda: _time_waits_on(port) > 0, what="the TIME_WAIT entry")
-    with pytest.raises(RuntimeError, match="no process holds here, but ended connections do"):
-        kernel_factory(restore_from=tmp_path / "snap")
+    restored = kernel_factory(restore_from=tmp_path / "snap")
+    restored.execute("conn = socket.create_connection(('127.0.0.1', port)); server.accept()")
+    assert _time_waits_on(port) == 0
+
+
+#: Deleted files of several MiB: one held open in /dev/shm (a TemporaryFile), a larger one
+#: in TMP of which only the first MiB is mapped, its descriptor closed, as Ray maps its
+#: object store (Python's mmap would keep a descriptor): CRIU saves the whole file, and
+#: needs a ghost limit as large.
+DELETED_FILES = r"""
+import ctypes, mmap, os, tempfile
+held = tempfile.TemporaryFile(dir="/dev/shm")
+held.write(b"\1" * (6 << 20)); held.flush()
+fd, name = tempfile.mkstemp(dir=TMP)
+os.unlink(name)
+os.write(fd, b"\2" * (10 << 20))
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+mapped = libc.mmap(None, 1 << 20, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+os.close(fd)
+def check():
+    held.seek(0)
+    return held.read() == b"\1" * (6 << 20), ctypes.string_at(mapped, 1 << 20) == b"\2" * (1 << 20)
+"""
+
+
+def test_deleted_files_larger_than_criu_s_default_limit_come_back(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """CRIU saves deleted files whole in the images, up to the dump's ghost limit: the
+    largest deleted file the kernel holds, as CRIU sees it (the whole file's size, not its
+    mapping's; without root, a file only mapped is bounded by its file system's size)."""
+    kernel = kernel_factory()
+    kernel.execute(DELETED_FILES.replace("TMP", repr(str(tmp_path))))
+    kernel.snapshot(tmp_path / "snap")
+    kernel.kill_all()
+    restored = kernel_factory(restore_from=tmp_path / "snap")
+    assert restored.execute("print(check())").strip() == "(True, True)"
+
+
+def test_a_deleted_file_past_the_limit_refuses_the_snapshot_naming_it(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """A deleted file larger than a snapshot carries (1 TiB, here sparse) is named with
+    its size before CRIU runs; the kernel runs on."""
+    from jupyter_ext.core.criu.options import GHOST_LIMIT_MAX
+    from jupyter_ext.core.errors import SnapshotError
+
+    kernel = kernel_factory()
+    code = "import os, tempfile\nhuge = tempfile.TemporaryFile(dir=TMP)\nhuge.truncate(SIZE)\n"
+    size = GHOST_LIMIT_MAX + 4096
+    kernel.execute(code.replace("TMP", repr(str(tmp_path))).replace("SIZE", str(size)))
+    with pytest.raises(SnapshotError) as refused:
+        kernel.snapshot(tmp_path / "snap")
+    assert f"{tmp_path}/" in refused.value.message
+    assert f"(deleted), 1.0 TiB ({size} bytes;" in refused.value.message
+    assert "The kernel keeps running unharmed." in refused.value.message
+    assert kernel.execute("print(os.fstat(huge.fileno()).st_size)").strip() == str(size)
 
 
 RAY = r"""
@@ -589,6 +682,7 @@ def test_ray_local_cluster_keeps_working(kernel_factory: Factory, tmp_path: Path
 
 APPENDS = r"""
 log = open(LOG, "a"); log.write("before\n"); log.flush()
+read_log = open(READ_LOG, "a+"); read_log.write("before\n"); read_log.flush()
 data = open(DATA); first = data.readline()
 """
 
@@ -597,27 +691,66 @@ data = open(DATA); first = data.readline()
 def test_logs_come_back_as_they_were_files_read_that_changed_refuse(
     kernel_factory: Factory, tmp_path: Path, how: str
 ) -> None:
-    """A file the kernel appends to is restored as it was at the snapshot (made again with
-    its directory where missing); a file it reads that changed refuses the restore,
-    naming it."""
+    """A file the kernel only appends to stays as it is, lines written since kept (made
+    again from the snapshot where missing, with its directory); one it also reads (CRIU
+    checks its size) is made as it was at the snapshot, and refused, naming it, when it is
+    not the kernel's file any more; a file it reads that changed refuses the restore."""
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
-    log, data = log_dir / "run.log", tmp_path / "data.txt"
+    log, read_log, data = log_dir / "run.log", log_dir / "read.log", tmp_path / "data.txt"
     data.write_text("one\ntwo\n")
+    code = APPENDS.replace("READ_LOG", repr(str(read_log))).replace("LOG", repr(str(log)))
     kernel = kernel_factory()
-    kernel.execute(APPENDS.replace("LOG", repr(str(log))).replace("DATA", repr(str(data))))
+    kernel.execute(code.replace("DATA", repr(str(data))))
     manifest = kernel.snapshot(tmp_path / "snap")
-    assert [f["path"] for f in manifest["appended_files"]] == [str(log)]
-    kernel.execute("log.write('after the snapshot\\n'); log.flush()")
+    checked = {f["path"]: f["size_checked"] for f in manifest["appended_files"]}
+    assert checked == {str(log): False, str(read_log): True}
+    kernel.execute("for f in (log, read_log): f.write('after the snapshot\\n'); f.flush()")
     kernel.kill_all()
     with data.open("a") as more:
         more.write("three\n")
     with pytest.raises(RuntimeError, match=rf"{data} \(open\) has 14 bytes, expected 8"):
         kernel_factory(restore_from=tmp_path / "snap")
     data.write_text("one\ntwo\n")
+    kept = read_log.read_text()
+    read_log.write_text("another file\n")
+    with pytest.raises(RuntimeError, match=rf"{read_log} is not the file the kernel appended to"):
+        kernel_factory(restore_from=tmp_path / "snap")
+    read_log.write_text(kept)
     if how == "other-node":
         shutil.rmtree(log_dir)
     restored = kernel_factory(restore_from=tmp_path / "snap")
-    out = restored.execute("log.write('restored\\n'); log.flush(); print(data.readline())")
-    assert out.strip() == "two"
-    assert log.read_text() == "before\nrestored\n"
+    code = "for f in (log, read_log): f.write('restored\\n'); f.flush()\nprint(data.readline())"
+    assert restored.execute(code).strip() == "two"
+    since = "after the snapshot\n" if how == "new-kernel" else ""
+    assert log.read_text() == f"before\n{since}restored\n"
+    assert read_log.read_text() == "before\nrestored\n"
+
+
+def test_a_log_larger_than_a_snapshot_carries_must_stay(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """A file the kernel appends to that is larger than a snapshot carries (1 GiB, here
+    sparse) is not copied: a restore where it still is works, lines written since kept;
+    where it is gone, the restore is refused, naming it and why."""
+    from jupyter_ext.core.carried.appended import CARRY_MAX
+
+    big = tmp_path / "big.log"
+    with big.open("wb") as out:
+        out.truncate(CARRY_MAX + 1)
+    kernel = kernel_factory()
+    kernel.execute(f"big = open({str(big)!r}, 'a')")
+    manifest = kernel.snapshot(tmp_path / "snap")
+    (record,) = manifest["appended_files"]
+    assert (record["size"], record["content"]) == (CARRY_MAX + 1, None)
+    kernel.execute("big.write('after\\n'); big.flush()")
+    kernel.kill_all()
+    restored = kernel_factory(restore_from=tmp_path / "snap")
+    restored.execute("big.write('restored\\n'); big.flush()")
+    assert big.stat().st_size == CARRY_MAX + 1 + len("after\nrestored\n")
+    restored.kill_all()
+    big.unlink()
+    with pytest.raises(
+        RuntimeError, match=rf"{big} does not exist \(the kernel appended to it; at"
+    ):
+        kernel_factory(restore_from=tmp_path / "snap")

@@ -1,6 +1,7 @@
 """The snapshot policies' decisions (jupyter_ext/core/policies/tick.py), on kernel statuses as
 the wrapper answers them: no kernels, no sleeps, the times given. One policy tick against
-real kernels, and the policies end to end: tests/test_policies.py."""
+real kernels, and the policies end to end: tests/test_policies.py; culled kernels end to
+end: tests/test_culling.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from jupyter_ext.core.policies.tick import (
     Kernel,
     PolicyMemory,
     PolicySettings,
+    culled,
     decide,
     needs_status,
 )
@@ -161,3 +163,34 @@ def test_which_statuses_a_tick_reads() -> None:
     assert not PolicySettings(idle_suspend_after=60, suspend_cpu_kernels=True).needs_gpu
     assert not long_cell.needs_gpu
     assert not periodic.needs_gpu
+
+
+def test_what_the_culler_does_to_a_kernel() -> None:
+    """cull_action "suspend": an idle running kernel is suspended, a busy one (cull_busy)
+    snapshotted and shut down; a suspended kernel, or one that a job or its wrapper works
+    on, is left alone (the culler comes back); anything else just shuts down."""
+    assert culled(kernel()) == "suspend"
+    assert culled(kernel(execution_state="busy")) == "snapshot"
+    for state in ("suspended", "snapshotting", "restoring", "starting"):
+        assert culled(kernel(state=state)) == "leave", state
+    assert culled(Kernel("k1", status(), has_job=True)) == "leave"
+    assert culled(Kernel("k1", None)) == "shutdown"  # not a snapshot kernel
+    assert culled(kernel(state="dead")) == "shutdown"
+    # Neither the panel's switch nor the GPU changes it.
+    assert culled(Kernel("k1", status(), automatic=False)) == "suspend"
+    assert culled(kernel(gpu=GPU)) == "suspend"
+
+
+def test_what_anothers_shutdown_does_to_a_kernel() -> None:
+    """admin_shutdown_action "suspend": the request is now, not a pass to come back to. A
+    kernel a job works on is suspended after it; a suspended one stays as it is; one
+    starting or restoring (its state is its snapshot's) is shut down."""
+    assert culled(kernel(), "other") == "suspend"
+    assert culled(kernel(execution_state="busy"), "other") == "snapshot"
+    assert culled(kernel(state="suspended"), "other") == "leave"
+    assert culled(Kernel("k1", status(), has_job=True), "other") == "suspend"
+    assert culled(kernel(state="snapshotting"), "other") == "suspend"
+    assert culled(kernel(state="snapshotting", execution_state="busy"), "other") == "snapshot"
+    for state in ("restoring", "starting", "dead"):
+        assert culled(kernel(state=state), "other") == "shutdown", state
+    assert culled(Kernel("k1", None), "other") == "shutdown"

@@ -11,8 +11,10 @@ import pytest
 
 from jupyter_ext.core.store.api import ChunkRef, StoreError
 from jupyter_ext.core.store.backend import ObjectStat
+from jupyter_ext.core.store.index import Catalog
 from jupyter_ext.core.store.pack import Location
 from jupyter_ext.core.store.prune import PutFile, Survey, plan_cleanup
+from jupyter_ext.core.store.record import ChunkTable
 
 OLD, NEW, CUTOFF = 100.0, 300.0, 200.0
 
@@ -24,25 +26,20 @@ def pack_name(letter: str) -> str:
 A, B, C, D, E, F = (pack_name(x) for x in "abcdef")
 
 
-class Resolve:
-    """A catalog where every chunk is where its record says, unless its pack is gone."""
+class NoTrailers:
+    """An index whose packs list no chunks (no repack moved any)."""
 
-    def __init__(self, objects: dict[str, ObjectStat]) -> None:
-        self.objects = objects
-
-    def resolve(self, ref: ChunkRef) -> Location | None:
-        return ref.where if ref.where.obj in self.objects else None
+    def trailer(self, name: str, size: int) -> list[Any]:
+        return []
 
 
 def record(snapshot_id: str, *refs: ChunkRef) -> Any:
-    return SimpleNamespace(
-        manifest=SimpleNamespace(id=snapshot_id), distinct=lambda: {r.hash: r for r in refs}
-    )
+    return SimpleNamespace(manifest=SimpleNamespace(id=snapshot_id), chunks=ChunkTable(refs))
 
 
 def survey(puts: list[PutFile], objects: dict[str, ObjectStat], *records: Any) -> Survey:
-    by_id = {r.manifest.id: r for r in records}
-    return Survey("m.cleaning", puts, objects, by_id, Resolve(objects))  # type: ignore[arg-type]
+    catalog = Catalog(NoTrailers(), records, objects)  # type: ignore[arg-type]
+    return Survey("m.cleaning", puts, objects, catalog)
 
 
 def chunk(pack: str, offset: int = 0, length: int = 10) -> ChunkRef:
@@ -75,7 +72,7 @@ def test_what_goes_what_stays() -> None:
     assert plan.delete == sorted({B, D, F})
     assert plan.repack == [A]  # alone: no other clean-up runs
     assert sorted(plan.finished) == ["dead.json", "own.json"]
-    assert set(plan.needed) == {A}
+    assert plan.needed.bytes == {A: 10}
 
 
 def test_no_repack_while_another_clean_up_runs() -> None:

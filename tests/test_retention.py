@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +78,9 @@ def test_keep_last_per_notebook_oldest_first() -> None:
 def test_beyond_keep_last_one_per_hour_for_a_day_then_one_per_day_for_a_week() -> None:
     """restic's --keep-within-hourly 24h --keep-within-daily 7d after the last 2: a
     snapshot every 20 minutes over 10 days."""
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
-    start = datetime(2026, 11, 22, 0, 0, tzinfo=timezone.utc)
+    start = datetime(2026, 11, 22, 0, 0, tzinfo=UTC)
     listed = [
         snap(f"s{i}", i + 1, created=(start + timedelta(minutes=20 * i)).isoformat())
         for i in range(10 * 24 * 3)

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from tornado.httpclient import HTTPClientError
+
+from jupyter_ext.core import proctree
 
 from .jupyter_api import (
     Fetch,
@@ -22,8 +25,10 @@ from .jupyter_api import (
     events_of,
     manager_of,
     middle_chunk,
+    restore,
     server_config,
     snapshot,
+    until,
     wait_job,
 )
 
@@ -107,6 +112,91 @@ async def test_restore_into_new_kernel_attached_to_notebook(
     await jp_fetch("api", "kernels", new_kernel_id, "restart", method="POST", body="{}")
     restarted = await start_kernel(new_kernel_id)
     assert (await restarted.run("print('value' in globals())")).strip() == "False"
+
+
+async def test_a_restore_says_which_shared_memory_names_another_process_holds(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any
+) -> None:
+    """A /dev/shm name of the snapshot that a live process holds here (this test maps the
+    killed kernel's segment) gives the restored kernel a private copy: the restore's job
+    result names the file and the process (REST), and so does ``jupyter snapshot restore``
+    (here in place of the restored kernel)."""
+    import mmap
+    import signal
+    import sys
+
+    from jupyter_ext.core.carried.shmfiles import SHM_DIR
+
+    kernel = await start_kernel()
+    code = "from multiprocessing import shared_memory\n"
+    code += "block = shared_memory.SharedMemory(create=True, size=1 << 20)\nprint(block.name)"
+    name = (await kernel.run(code)).strip()
+    snapshot_id = (await snapshot(jp_fetch, kernel.id))["result"]["id"]
+    wrapper = (await call(jp_fetch, "GET", "kernels", kernel.id))["wrapper_pid"]
+    tree = [wrapper, *proctree.descendants(wrapper)]
+    for sig in (signal.SIGSTOP, signal.SIGKILL):  # none of it (its resource tracker)
+        for pid in tree:  # may see another end and clean up: the name stays behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+    await until(lambda: _all_dead(tree))
+    me = {"pid": os.getpid(), "process": Path("/proc/self/comm").read_text().strip()}
+    try:
+        with open(SHM_DIR / name, "r+b") as held, mmap.mmap(held.fileno(), 0):
+            job = await restore(jp_fetch, snapshot_id)
+            assert job["status"] == "done", job
+            (private,) = job["result"]["private_shm"]
+            assert private["name"] == name
+            assert me in private["held_by"]
+            cli = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "jupyter_ext.cli", "restore", snapshot_id,
+                f"--kernel-id={job['result']['kernel_id']}",
+                f"--url={jp_serverapp.connection_url}",
+                f"--token={jp_serverapp.identity_provider.token}",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            out, err = await cli.communicate()
+            assert cli.returncode == 0, err.decode()
+        holder = f"{me['process']} (pid {me['pid']})"
+        assert f"/dev/shm/{name}: private copy (the name is {holder}'s here: " in out.decode()
+    finally:
+        (SHM_DIR / name).unlink(missing_ok=True)
+
+
+async def test_a_restore_in_place_leaves_a_shared_memory_name_another_process_holds(
+    jp_fetch: Fetch, start_kernel: Any
+) -> None:
+    """The kernel saved before a restore in place (a dump that ends it) gives up the
+    /dev/shm names its snapshot carries, except one a live process outside it holds too:
+    that name stays that process's, and the restored kernel gets a private copy, said in
+    the result (before: the name was removed under the other process, and the restore made
+    it again, so later attaches reached the kernel's copy, not the segment it shared)."""
+    import mmap
+
+    from jupyter_ext.core.carried.shmfiles import SHM_DIR
+
+    kernel = await start_kernel()
+    code = "from multiprocessing import shared_memory\n"
+    code += "block = shared_memory.SharedMemory(create=True, size=1 << 20)\n"
+    code += "block.buf[:5] = b'first'\nprint(block.name)"
+    name = (await kernel.run(code)).strip()
+    snapshot_id = (await snapshot(jp_fetch, kernel.id))["result"]["id"]
+    try:
+        with open(SHM_DIR / name, "r+b") as held, mmap.mmap(held.fileno(), 0) as shared:
+            job = await restore(jp_fetch, snapshot_id, kernel_id=kernel.id)
+            assert job["status"] == "done", job
+            assert (SHM_DIR / name).stat().st_ino == os.fstat(held.fileno()).st_ino
+            (private,) = job["result"]["private_shm"]
+            assert private["name"] == name
+            assert os.getpid() in [each["pid"] for each in private["held_by"]]
+            shared[:5] = b"other"  # the restored kernel's copy is its own
+        after = "print(bytes(block.buf[:5]))"
+        assert (await kernel.run(after)).strip() == "b'first'"
+    finally:
+        (SHM_DIR / name).unlink(missing_ok=True)
+
+
+async def _all_dead(pids: list[int]) -> bool:
+    return not any(proctree.is_alive(pid) for pid in pids)
 
 
 async def test_bad_requests_get_clear_errors(jp_fetch: Fetch, start_kernel: Any) -> None:
@@ -300,6 +390,27 @@ async def test_a_snapshot_a_kernel_still_reads_is_deleted_once_its_pages_are_in(
     assert (await restored_kernel.run(same)).strip() == "True"
 
 
+@contextlib.asynccontextmanager
+async def restored_lazily(
+    jp_fetch: Fetch, start_kernel: Any, manager: Any, seed: int
+) -> AsyncIterator[tuple[dict[str, Any], threading.Event]]:
+    """A kernel holding ``a`` (128 MiB of ``default_rng(seed)``), snapshotted and restored
+    lazily from the store into a new kernel whose memory is held back (one chunk) until
+    ``released`` is set: its status (transferring) and ``released``."""
+    manager.lazy_from_store = True
+    kernel = await start_kernel()
+    await kernel.run(f"import numpy as np; a = np.random.default_rng({seed}).random(16 << 20)")
+    snapshot_id = (await snapshot(jp_fetch, kernel.id))["result"]["id"]
+    with memory_held(manager, snapshot_id) as released:
+        restore = await call(jp_fetch, "POST", snapshot_id, "restore")
+        restored = await wait_job(jp_fetch, restore["job"])
+        assert restored["status"] == "done", restored
+        new_kernel = restored["result"]["kernel_id"]
+        status = await call(jp_fetch, "GET", "kernels", new_kernel)
+        assert status["lazy_restore"]["state"] == "transferring", status["lazy_restore"]
+        yield {**status, "id": new_kernel}, released
+
+
 @pytest.mark.needs_root("lazy restore")
 async def test_a_lazy_restore_its_kernel_ends_on_purpose_has_not_failed(
     jp_fetch: Fetch,
@@ -313,22 +424,16 @@ async def test_a_lazy_restore_its_kernel_ends_on_purpose_has_not_failed(
     what it read from is given back (issue 34 item 3)."""
     events = events_of(jp_serverapp)
     manager = manager_of(jp_serverapp)
-    manager.lazy_from_store = True
-    kernel = await start_kernel()
-    await kernel.run("import numpy as np; a = np.random.default_rng(3).random(16 << 20)")
-    snapshot_id = (await snapshot(jp_fetch, kernel.id))["result"]["id"]
-    with memory_held(manager, snapshot_id) as released:
-        restore = await call(jp_fetch, "POST", snapshot_id, "restore")
-        restored = await wait_job(jp_fetch, restore["job"])
-        assert restored["status"] == "done", restored
-        new_kernel = restored["result"]["kernel_id"]
-        status = await call(jp_fetch, "GET", "kernels", new_kernel)
-        assert status["lazy_restore"]["state"] == "transferring", status["lazy_restore"]
+    async with restored_lazily(jp_fetch, start_kernel, manager, seed=3) as (status, released):
+        new_kernel = status["id"]
         capfd.readouterr()
         shutdown = asyncio.ensure_future(
             jp_fetch("api", "kernels", new_kernel, method="DELETE", request_timeout=120)
         )
-        # The kernel process ends; its lazy-pages daemon then hangs up on the wrapper.
+        # jupyter_client interrupts the kernel's process group, then asks it to shut down;
+        # the kernel's exit may wait for a page still held here, and jupyter_client then
+        # ends the wrapper (SIGTERM) after half its shutdown_wait_time. Either way the
+        # kernel process ends, and its lazy-pages daemon hangs up on the wrapper.
         inner = status["inner_pid"]
         while Path(f"/proc/{inner}").exists():
             await asyncio.sleep(0.05)
@@ -340,6 +445,45 @@ async def test_a_lazy_restore_its_kernel_ends_on_purpose_has_not_failed(
     log = capfd.readouterr().err
     assert "lazy restore ended with the kernel's shutdown" in log
     assert "[kernel_wrapper ERROR]" not in log, log[-3000:]
+
+
+@pytest.mark.needs_root("lazy restore")
+async def test_an_interrupt_during_a_lazy_restore_leaves_its_memory_coming(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """jupyter_client interrupts a kernel with SIGINT to its whole process group (and ends
+    one slow to shut down with SIGTERM to it). CRIU runs in a group of its own: the
+    lazy-pages daemon serving a restored kernel its memory is not killed by the Stop
+    button (before: the restore failed and the kernel, with its state, was gone)."""
+    events = events_of(jp_serverapp)
+    manager = manager_of(jp_serverapp)
+    async with restored_lazily(jp_fetch, start_kernel, manager, seed=4) as (status, released):
+        new_kernel = status["id"]
+        wrapper = status["wrapper_pid"]
+        daemons = [
+            pid
+            for pid in proctree.children(wrapper)
+            if b"lazy-pages" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        assert daemons, "no lazy-pages daemon while the memory comes in"
+        assert all(os.getpgid(pid) != os.getpgid(wrapper) for pid in daemons)
+        capfd.readouterr()
+        await jp_fetch("api", "kernels", new_kernel, "interrupt", method="POST", body=b"")
+        await asyncio.sleep(1)  # the signal has long arrived; nothing may have failed
+        status = await call(jp_fetch, "GET", "kernels", new_kernel)
+        assert status["lazy_restore"]["state"] == "transferring", status["lazy_restore"]
+        released.set()
+        for _ in range(600):
+            status = await call(jp_fetch, "GET", "kernels", new_kernel)
+            if status["lazy_restore"]["state"] != "transferring":
+                break
+            await asyncio.sleep(0.1)
+    assert status["lazy_restore"]["state"] == "complete", status["lazy_restore"]
+    assert not [e for e in events if e["action"] == "failed"], events
+    assert "[kernel_wrapper ERROR]" not in capfd.readouterr().err
+    restored_kernel = await start_kernel(new_kernel)
+    same = "print(a.sum() == np.random.default_rng(4).random(16 << 20).sum())"
+    assert (await restored_kernel.run(same)).strip() == "True"
 
 
 async def test_incompatible_snapshot_is_422_before_any_download(

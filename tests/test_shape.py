@@ -99,6 +99,19 @@ def test_inkernel_imports_no_wrapper_module() -> None:
     assert users == set(), "the wrapper starts the kernel as a process, never imports it"
 
 
+def test_the_benchmarks_import_nothing_from_the_tests() -> None:
+    """bench/ shares the package's harness (jupyter_ext/testing.py, agentpods.py), never
+    tests/: the tests may change without breaking a benchmark."""
+    bench = ROOT / "bench"
+    reached = {
+        f"{relative(path)}: {name}"
+        for path in sorted(bench.rglob("*.py"))
+        for name in imported(path)
+        if name == "tests" or name.startswith("tests.")
+    }
+    assert reached == set()
+
+
 def test_no_module_over_800_lines() -> None:
     long = {
         relative(p): n
@@ -141,22 +154,22 @@ STORE_LAYERS = {
     "sealing": -1,
     "pack": 0,
     "api": 1,
-    "backend": 2,  # base, layout, local, s3, memory: one layer (files share it)
     "scope": 2,
     "userkey": 2,
-    "hubclient": 3,
-    "record": 4,
-    "keys": 4,
-    "index": 5,
-    "workers": 5,
-    "claims": 6,
-    "repack": 7,
-    "put": 7,
-    "fetch": 7,
-    "images": 8,
-    "prune": 8,
-    "repository": 9,
-    "stores": 10,
+    "hubclient": 3,  # the hub service's signed S3 requests: a transport of the s3 backend
+    "backend": 4,  # base, layout, local, s3, memory: one layer (files share it)
+    "record": 5,
+    "keys": 5,
+    "index": 6,
+    "workers": 6,
+    "claims": 7,
+    "repack": 8,
+    "put": 8,
+    "fetch": 8,
+    "images": 9,
+    "prune": 9,
+    "repository": 10,
+    "stores": 11,
 }
 """jupyter_ext/core/store/ from the bottom up: a part imports only parts below it."""
 

@@ -7,6 +7,7 @@ few small files, sealed with ``manifest.seal`` like the wrapper does.
 from __future__ import annotations
 
 import errno
+import gc
 import hashlib
 import io
 import json
@@ -16,9 +17,11 @@ import shutil
 import subprocess
 import threading
 import time
+import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -30,8 +33,11 @@ from jupyter_ext.core.errors import BadIdError, SnapshotCorruptError, SnapshotNo
 from jupyter_ext.core.manifest import Manifest
 from jupyter_ext.core.store import LocalStore, S3Store, StoredSnapshot, StoreError
 from jupyter_ext.core.store import pack as packs
-from jupyter_ext.core.store.backend import Handle, Kind, local
+from jupyter_ext.core.store.api import ChunkRef
+from jupyter_ext.core.store.backend import Handle, Kind, ObjectStat, local
+from jupyter_ext.core.store.index import Catalog
 from jupyter_ext.core.store.pack import Location
+from jupyter_ext.core.store.record import ChunkTable
 from jupyter_ext.testing import MotoServer, free_port
 
 from .s3server import CuttableProxy
@@ -605,6 +611,108 @@ def test_mostly_unused_packs_are_repacked(make_store: MakeStore, tmp_path: Path)
     # The moved chunks are found and shared: new is the chunk (16 KiB chunks, at most 64
     # KiB) that ends the shared bytes, where the new page joins it.
     assert third.new_bytes <= (64 << 10) + 4096
+
+
+def test_the_index_forgets_the_trailers_of_packs_gone(
+    make_store: MakeStore, tmp_path: Path
+) -> None:
+    """The trailers a reader read to find chunks a repack moved are forgotten once their
+    packs are gone from the store's listing: a long-lived server does not keep every
+    trailer it ever read."""
+    store = make_store(grace_seconds=0, pack_bytes=2 << 20)
+    rng = random.Random(34)
+    shared = rng.randbytes(256 << 10)
+    first = store.put(make_snapshot(tmp_path, rng.randbytes(1 << 20) + shared))
+    second = store.put(make_snapshot(tmp_path, shared + rng.randbytes(1 << 20), sequence=2))
+    store.delete(first.manifest.id)  # repacks the shared chunks: found through trailers
+    fresh = type(store)(**reopen_args(store), grace_seconds=0)
+    fresh.fetch(second.manifest.id, tmp_path / "out")
+    records, trailers = fresh.index.held()
+    assert records == {second.manifest.id}
+    assert trailers
+    assert trailers <= set(fresh.index.objects())
+
+    fresh.delete(second.manifest.id)  # every pack goes (no grace period)
+
+    assert fresh.index.objects() == {}
+    assert fresh.index.held() == (set(), set())
+
+
+def test_the_index_keeps_a_compact_summary_of_each_record(store: Store, tmp_path: Path) -> None:
+    """The index keeps each record it read between puts (a long-lived server: every
+    retained snapshot's) as a summary of well under 150 bytes a chunk; parsed records took
+    ~700 (their manifest twice, each chunk's place as objects): a server's RSS grew by tens
+    of MiB under snapshot load and kept them (bench/RESULTS.md). A listing's manifests
+    have no chunk lists; a snapshot read for itself is whole."""
+    source = make_snapshot(tmp_path, random.Random(40).randbytes(16 << 20), chunk_kib=16)
+    stored = store.put(source)
+    assert stored.chunk_count > 900
+    fresh = type(store)(**reopen_args(store))
+    fresh.snapshots()  # the client's own first allocations (a listing, a read) come before
+    fresh.index.forget(stored.manifest.id)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        listed = fresh.snapshots()
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held / stored.chunk_count < 150, f"{held} bytes held for {stored.chunk_count} chunks"
+    assert fresh.index.held()[0] == {stored.manifest.id}
+    assert [(s.manifest.id, s.chunk_count) for s in listed] == [
+        (stored.manifest.id, stored.chunk_count)
+    ]
+    assert all(entry.chunks is None for entry in listed[0].manifest.files)
+    assert fresh.get(stored.manifest.id).manifest == Manifest.read(source)
+
+
+def test_a_catalog_of_chunk_tables(store: Store) -> None:
+    """A summary's columns give back the chunks they were made of; a catalog of several
+    finds each chunk where the first record that has its pack says, and says what each
+    pack is needed for, or that a chunk is nowhere."""
+    names = [f"packs/{i:02x}/{i:02x}{'0' * 62}" for i in range(3)]
+    refs = [
+        ChunkRef(
+            hashlib.sha256(bytes([i])).hexdigest(),
+            16384 + i,
+            Location(names[i % 3], i << 40, 100 + i, codec),
+        )
+        for i, codec in enumerate(packs.CODECS * 2)
+    ]
+    table = ChunkTable(refs)
+    assert list(table) == refs
+    assert len(table) == len(refs)
+    assert set(table.objects) == set(names)
+    # A later record has the first chunk in another pack, and one of its own.
+    other = Location(names[2], 7, 100, "raw")
+    extra = ChunkRef("ab" * 32, 5, Location(names[1], 0, 5, "raw"))
+    moved = ChunkRef(refs[0].hash, refs[0].size, other)
+    later = ChunkTable([moved, extra])
+    objects = {name: ObjectStat(1 << 50, 0.0) for name in names}
+    catalog = Catalog(store.index, [summary("a", table), summary("b", later)], objects)
+    assert [catalog.find(ref.hash) for ref in refs] == [ref.where for ref in refs]
+    assert catalog.find(extra.hash) == extra.where
+    assert catalog.find("cd" * 32) is None
+    everything = [*refs, moved, extra]  # each record needs its own places
+    assert catalog.needs().bytes == {
+        name: sum(r.where.length for r in everything if r.where.obj == name) for name in names
+    }
+    assert catalog.needs().chunks(names[2]) == {
+        r.hash: (r.size, r.where) for r in everything if r.where.obj == names[2]
+    }
+
+    del objects[names[0]]  # its chunks are found where the later record has them, or nowhere
+    catalog = Catalog(store.index, [summary("a", table), summary("b", later)], objects)
+    assert catalog.find(refs[0].hash) == other
+    assert catalog.find(refs[3].hash) is None
+    with pytest.raises(StoreError, match=f"Snapshot a needs chunk {refs[3].hash[:12]}"):
+        catalog.needs()
+
+
+def summary(snapshot_id: str, table: ChunkTable) -> Any:
+    """A record's summary as a catalog reads it."""
+    return SimpleNamespace(manifest=SimpleNamespace(id=snapshot_id), chunks=table)
 
 
 def test_a_put_finds_chunks_a_concurrent_repack_moved(

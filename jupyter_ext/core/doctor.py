@@ -9,8 +9,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .agent.client import AgentCriu
+from .agent.protocol import ENV_AGENT_SOCKET
 from .criu import REQUIRED_FEATURES, UNPRIVILEGED_CAPS, Criu, unprivileged
-from .errors import CriuNotFoundError
+from .errors import CriuNotFoundError, SnapshotError
 from .isolation.confinement import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, Confinement, seccomp_blocker
 from .private import exposed, others_can_replace
 from .protocol import ENV_RUNTIME_DIR
@@ -38,15 +40,21 @@ class Check:
         return asdict(self)
 
 
-def check_privileges() -> Check:
-    """Root, or non-root mode (docs/nonroot.md): both work, with different limits."""
+def check_privileges(*, agent_mode: bool = False) -> Check:
+    """Root, non-root mode (docs/nonroot.md) or agent mode (docs/agent.md): each works,
+    with different limits."""
     if not unprivileged():
-        return Check("privileges", True, "running as root")
+        return Check("privileges", True, "running as root" + (", agent mode" * agent_mode))
+    how = (
+        "agent mode (the node agent runs CRIU for this server, as this uid, in this pod's "
+        "namespaces"
+        if agent_mode
+        else "non-root mode (CRIU --unprivileged on the file capabilities of its binary"
+    )
     return Check(
         "privileges",
         True,
-        f"uid {os.geteuid()}: non-root mode (CRIU --unprivileged on the file capabilities "
-        "of its binary; kernels without PID and time namespaces of their own)",
+        f"uid {os.geteuid()}: {how}; kernels without PID and time namespaces of their own)",
         required=False,
     )
 
@@ -121,6 +129,61 @@ def check_pid_namespaces() -> Check:
     )
 
 
+def check_node_agent(socket_path: Path) -> tuple[Check, AgentCriu | None]:
+    """Agent mode (docs/agent.md): the node agent answers a hello on its socket, in this
+    server's protocol version, and takes this pod for a user's pod. If not, the cause (no
+    socket volume, no agent on the node, another release) and what to do."""
+    name = "node agent"
+    try:
+        agent = AgentCriu.connect(socket_path)
+    except SnapshotError as exc:
+        return Check(name, False, exc.message, fix=exc.hint), None
+    hello = agent.hello
+    return Check(
+        name,
+        True,
+        f"answers on {socket_path} (${ENV_AGENT_SOCKET}): protocol version {hello.version}, "
+        f"CRIU {hello.criu_version}; it takes this server for the pod {hello.pod_name!r} "
+        f"of user {hello.owner!r} (its snapshots are sealed for that pod name)",
+    ), agent
+
+
+AGENT_RUNS_CRIU = Check(
+    "criu in the pod",
+    True,
+    "not needed in agent mode: the node agent runs CRIU for this pod's kernels, with the "
+    "privileges a pod at Pod Security baseline lacks (CHECKPOINT_RESTORE, SYS_ADMIN to "
+    "suspend the kernel's seccomp filter, NET_ADMIN for TCP repair); this pod's missing "
+    "capabilities, no_new_privs and seccomp profile do not stop snapshots (docs/agent.md)",
+    required=False,
+)
+
+
+def check_agent_yama(scope: int | None) -> Check:
+    """Yama in agent mode: the agent's CRIU is neither the kernel's ancestor nor its
+    declared tracer, and attaches with CAP_SYS_PTRACE (nodeagent/podcriu.py), which
+    Yama accepts up to scope 2; at 3 nothing may attach."""
+    name = "yama ptrace_scope"
+    if scope is None:
+        return Check(name, True, "no Yama on this kernel", required=False)
+    if scope < 3:
+        return Check(
+            name,
+            True,
+            f"{scope}: the node agent's CRIU attaches with CAP_SYS_PTRACE, which Yama "
+            "accepts at this scope",
+            required=False,
+        )
+    return Check(
+        name,
+        False,
+        f"{scope} on this node: Yama lets no process attach to another, not even with "
+        "CAP_SYS_PTRACE, so the node agent's CRIU cannot dump or restore a kernel",
+        fix="Boot the user nodes with kernel.yama.ptrace_scope 2 or lower (3 cannot be "
+        "lowered without a reboot; a node image's sysctl.d sets it).",
+    )
+
+
 def check_criu(configured: str | None) -> tuple[Check, Criu | None]:
     try:
         criu = Criu.locate(configured)
@@ -190,21 +253,39 @@ def check_confinement(
     return [seccomp, ptrace, proc_sys]
 
 
-def check_lazy_pages(criu: Criu | None) -> Check:
+def skipped(name: str, agent_mode: bool) -> Check:
+    """A check that needs CRIU (or the node agent, in agent mode), which is missing."""
+    if agent_mode:
+        return Check(
+            name,
+            False,
+            "skipped: the node agent does not answer",
+            fix="See 'node agent' above.",
+            required=False,
+        )
+    return Check(name, False, "skipped: no CRIU", fix="Install CRIU first.", required=False)
+
+
+def check_lazy_pages(criu: Criu | None, *, agent_mode: bool = False) -> Check:
     """Lazy restore (CRIU's userfaultfd lazy pages): the first cell of a restored kernel
     runs before its memory has arrived. Without it restores copy every page first."""
     name = "lazy restore"
     if criu is None:
-        return Check(name, False, "skipped: no CRIU", fix="Install CRIU first.", required=False)
+        return skipped(name, agent_mode)
     ok, said = criu.supports_lazy_pages()
     if ok:
         return Check(name, True, f"supported ({said})", required=False)
+    where = (
+        "in-pod mode as root (docs/agent.md, 'What agent mode does not do')"
+        if isinstance(criu, AgentCriu)
+        else "Jupyter as root on a Linux kernel with userfaultfd (CONFIG_USERFAULTFD, >= 4.11)"
+    )
     return Check(
         name,
         False,
         f"not possible here, restores copy every page first: {said}",
-        fix="Run Jupyter as root on a Linux kernel with userfaultfd (CONFIG_USERFAULTFD, "
-        ">= 4.11); set SnapshotExtensionApp.lazy_restore = False to silence this.",
+        fix=f"Lazy restores need {where}; set SnapshotExtensionApp.lazy_restore = False to "
+        "silence this.",
         required=False,
     )
 
@@ -261,27 +342,29 @@ def tcp_repair_allowed() -> tuple[bool, str]:
     return True, "allowed"
 
 
-def check_tcp_connections(criu: Criu | None) -> Check:
+def check_tcp_connections(criu: Criu | None, *, agent_mode: bool = False) -> Check:
     """How kernels holding TCP connections fare here: said, because users ask it first."""
     from .criu import TCP_DUMP_OPTIONS
 
     if criu is None:
-        return Check(
-            "tcp connections", False, "skipped: no CRIU", fix="Install CRIU first.", required=False
-        )
+        return skipped("tcp connections", agent_mode)
     closed = (
         f"kernels holding TCP connections are snapshotted ({' '.join(TCP_DUMP_OPTIONS)} for "
         "connections to outside peers): no network lock (iptables, nftables) needed, the "
         "running kernel's connections are untouched; after a restore connections to outside "
         "peers are closed and clients reconnect (restore hooks: docs/network.md)"
     )
-    repair, said = tcp_repair_allowed()
-    if repair and not unprivileged():
+    if isinstance(criu, AgentCriu):
+        repair, said = True, "by the node agent's CRIU, which has CAP_NET_ADMIN"
+    else:
+        repair, said = tcp_repair_allowed()
+        repair = repair and criu.keeps_tcp()
+    if repair:
         return Check(
             "tcp connections",
             True,
             closed + "; connections between the kernel's own processes (managers, Dask, "
-            "process pools on TCP) are kept: they come back established (TCP repair allowed)",
+            f"process pools on TCP) are kept: they come back established (TCP repair {said})",
             required=False,
         )
     return Check(
@@ -383,35 +466,67 @@ def check_private(paths: list[Path]) -> Check:
     )
 
 
-def check_bucket_credentials(environ: Mapping[str, str], home: Path) -> Check:
-    """Under a hub, long-lived bucket credentials in a user's server reach every user's
-    snapshots: the user's own code reads them as the server does (docs/jupyterhub.md)."""
+CREDENTIAL_FILE_WORDS = ("aws_access_key_id", "web_identity_token_file", "credential_process")
+"""What in an AWS config or credentials file makes boto3 get credentials from it."""
+
+
+def check_bucket_credentials(
+    environ: Mapping[str, str], home: Path, store: str = "", hub_service_url: str = ""
+) -> Check:
+    """Under a hub, bucket credentials a user's server can get reach every user's
+    snapshots when every server gets the same (one Secret, one pod role): the user's own
+    code gets them as the server does (docs/jupyterhub.md). ``store`` and
+    ``hub_service_url``: the server's options (an s3 store without the hub service takes
+    credentials of its own)."""
     name = "bucket credentials"
     if not (environ.get("JUPYTERHUB_API_TOKEN") or environ.get("JUPYTERHUB_USER")):
         return Check(name, True, "not under JupyterHub", required=False)
     found = []
-    if environ.get("AWS_ACCESS_KEY_ID") and not environ.get("AWS_SESSION_TOKEN"):
-        found.append("AWS_ACCESS_KEY_ID in the environment")
+    if environ.get("AWS_ACCESS_KEY_ID"):
+        found.append(
+            "AWS_ACCESS_KEY_ID with AWS_SESSION_TOKEN in the environment (temporary, but "
+            "shared unless a session policy scopes them to this user's prefix, which "
+            "doctor cannot tell)"
+            if environ.get("AWS_SESSION_TOKEN")
+            else "AWS_ACCESS_KEY_ID in the environment"
+        )
+    if environ.get("AWS_WEB_IDENTITY_TOKEN_FILE"):
+        found.append(
+            "the pod's web identity (AWS_WEB_IDENTITY_TOKEN_FILE, IRSA: the role of a "
+            "service account every user's pod shares)"
+        )
+    for variable in (
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    ):
+        if environ.get(variable):
+            found.append(f"the container's credentials endpoint ({variable}: a pod role)")
     files = {Path(environ.get("AWS_SHARED_CREDENTIALS_FILE") or home / ".aws" / "credentials")}
     files.add(Path(environ.get("AWS_CONFIG_FILE") or home / ".aws" / "config"))
     for path in sorted(files):
         try:
-            text = path.read_text(errors="replace")
+            text = path.read_text(errors="replace").lower()
         except OSError:
             continue
-        if "aws_access_key_id" in text.lower():
-            found.append(f"a key in {path}")
+        if any(word in text for word in CREDENTIAL_FILE_WORDS):
+            found.append(f"credentials in {path}")
+    if store == "s3" and not hub_service_url:
+        found.append(
+            "the s3 store without the hub service (hub_service_url unset): the server "
+            "signs its requests with credentials of its own"
+        )
     if not found:
-        return Check(name, True, "no long-lived bucket credentials in this server", required=False)
+        return Check(name, True, "no bucket credentials in this server", required=False)
     return Check(
         name,
         False,
-        f"this hub server holds long-lived bucket credentials ({', '.join(found)}): code in "
-        "any kernel can read them, and with one set for all users (the shared-Secret mode) "
-        "read and delete every user's snapshots. Unsafe for multi-user hubs.",
+        f"this hub server can get bucket credentials ({'; '.join(found)}): code in any "
+        "kernel can get them too, and where every user's server gets the same (the "
+        "shared-Secret mode, one pod role) read and delete every user's snapshots. Unsafe "
+        "for multi-user hubs.",
         fix="Run the product's hub service (python -m jupyter_ext.hubservice) and set "
-        "SnapshotExtensionApp.hub_service_url; remove the credentials from the servers "
-        "(deploy/z2jh/config.yaml, docs/jupyterhub.md).",
+        "SnapshotExtensionApp.hub_service_url; remove the credentials and roles from the "
+        "servers (deploy/z2jh/config.yaml, docs/jupyterhub.md).",
         required=False,
     )
 
@@ -475,14 +590,24 @@ def run_checks(
     runtime_dir: Path | None = None,
     extra: list[Callable[[], Check]] | None = None,
     private_dirs: list[Path] | None = None,
-    encryption: Check | None = None,
+    store_checks: tuple[Check, ...] = (),
+    agent_socket: Path | None = None,
 ) -> list[Check]:
-    """Every check, in the order a person fixing the machine would go through them."""
-    checks = [check_privileges()]
-    criu_check, criu = check_criu(criu_path)
-    checks += [criu_check, check_criu_capabilities(criu), *check_confinement()]
-    checks.append(check_criu_works(criu))
-    checks.append(check_lazy_pages(criu))
+    """Every check, in the order a person fixing the machine would go through them.
+    ``agent_socket`` (agent mode, ``$JUPYTER_SNAPSHOT_AGENT_SOCKET``): the node agent
+    runs CRIU, so it is checked instead of CRIU in this process's confinement."""
+    agent_mode = agent_socket is not None
+    checks = [check_privileges(agent_mode=agent_mode)]
+    criu: Criu | None
+    if agent_socket is not None:
+        agent_check, criu = check_node_agent(agent_socket)
+        confinement = Confinement.read()
+        checks += [agent_check, AGENT_RUNS_CRIU, check_agent_yama(confinement.yama_scope)]
+    else:
+        criu_check, criu = check_criu(criu_path)
+        checks += [criu_check, check_criu_capabilities(criu), *check_confinement()]
+        checks.append(check_criu_works(criu))
+    checks.append(check_lazy_pages(criu, agent_mode=agent_mode))
     checks += [
         check_pid_namespaces(),
         _namespace_check("time", "clocks continue across machines", False)
@@ -497,16 +622,14 @@ def run_checks(
         ),
         check_tools(),
         check_sock_diag(),
-        check_tcp_connections(criu),
+        check_tcp_connections(criu, agent_mode=agent_mode),
         check_copies_side_by_side(),
     ]
     if runtime_dir is not None:
         checks.append(check_runtime_dir(runtime_dir))
     if private_dirs:
         checks.append(check_private(private_dirs))
-    checks.append(check_bucket_credentials(os.environ, Path.home()))
-    if encryption is not None:
-        checks.append(encryption)
+    checks += store_checks
     for factory in extra or []:
         checks.append(factory())
     return checks

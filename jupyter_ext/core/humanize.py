@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 
 def human_bytes(n: float) -> str:
@@ -31,8 +31,8 @@ def time_ago(iso: str, now: datetime | None = None) -> str:
     """An ISO timestamp as '3 min ago'."""
     then = datetime.fromisoformat(iso)
     if then.tzinfo is None:
-        then = then.replace(tzinfo=timezone.utc)
-    delta = ((now or datetime.now(timezone.utc)) - then).total_seconds()
+        then = then.replace(tzinfo=UTC)
+    delta = ((now or datetime.now(UTC)) - then).total_seconds()
     if delta < 0:
         return "just now"
     for size, unit in ((86400, "day"), (3600, "h"), (60, "min")):

@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -83,12 +83,15 @@ TRIGGERS = (
     "long-cell",
     "idle-suspend",
     "cull",
+    "admin-shutdown",
     "before-shutdown",
     "before-restore",
 )
 """What took a snapshot; "before-restore" saves a kernel a restore in place replaces;
-"long-cell" follows a cell that ran longer than the server's threshold; "cull" is
-jupyter_server's kernel culler (the kernel suspended instead of shut down)."""
+"long-cell" follows a cell that ran longer than the server's threshold; "cull" and
+"admin-shutdown" are shutdowns the user did not ask for, jupyter_server's kernel culler's
+and (with admin_shutdown_action) another's, an admin's: the kernel suspended instead, or
+snapshotted first."""
 
 
 def new_snapshot_id() -> str:
@@ -204,9 +207,11 @@ class Manifest:
     """``/dev/shm`` files the tree mapped or held open (semaphores, shared memory), copied
     into the snapshot while it was frozen; a restore makes them again (core/carried/shmfiles.py)."""
     appended_files: list[dict[str, Any]] = field(default_factory=list)
-    """Files the tree held open for appending (logs): their content up to their size at
-    the snapshot (copied while it was frozen); a restore puts them back as they were
-    (core/carried/appended.py). Their ``needed_files`` entries are marked ``appended``."""
+    """Files the tree held open for appending (logs): ``path``, ``size`` (at the snapshot:
+    recorded while it was frozen), ``mode``, ``content`` (the bytes up to that size, copied
+    once it ran again; None for a file too large to carry) and ``size_checked`` (CRIU
+    checks its size: a restore makes it that size); a restore puts them back as
+    core/carried/appended.py says. Their ``needed_files`` entries are marked ``appended``."""
     unix_socket_dirs: list[str] = field(default_factory=list)
     """Directories of the file-system unix sockets the tree had bound (a multiprocessing
     manager's ``/tmp/pymp-*``): a restore makes those that are missing."""
@@ -235,8 +240,8 @@ class Manifest:
     frozen_seconds: float = 0.0
     """How long the kernel's processes were frozen (CRIU's log, seize to unfreeze)."""
     shm_copy_seconds: float = 0.0
-    """Of ``frozen_seconds``, how long copying the ``/dev/shm`` files and the appended
-    files took."""
+    """Of ``frozen_seconds``, how long copying the ``/dev/shm`` files (and the appended
+    files the tree also writes in place; the others are copied after) took."""
     pause_seconds: float = 0.0
     """How long requests to the kernel were held: disconnect, dump and reconnect."""
     total_bytes: int = 0
@@ -538,4 +543,4 @@ def remove_tree(path: Path) -> None:
 
 
 def utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.now(UTC).isoformat(timespec="milliseconds")

@@ -8,6 +8,7 @@ import os
 import signal
 import stat
 from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -152,14 +153,24 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
     An open file that one of the processes appends to (``O_APPEND``, for writing: a log)
     is marked ``appended``, with an ``opener`` (``/proc/PID/fd/N``) to read it through
     during the dump: the snapshot carries it as it was (core/carried/appended.py), instead of
-    needing it unchanged.
+    needing it unchanged; and with ``size_checked`` (CRIU records its size: a descriptor
+    reads it, or it is mapped) and ``rewritten`` (a descriptor writes it without
+    ``O_APPEND``, so that its start may change).
     """
     seen: dict[str, dict[str, object]] = {}
+    flags: dict[str, list[int]] = {}  # path -> the flags of each descriptor open on it
 
     def add(path: str, kind: str, opener: str = "") -> None:
-        if path in seen or not path.startswith("/") or path.endswith(" (deleted)"):
-            if path in seen and opener and _appends(opener) and not seen[path].get("appended"):
-                seen[path].update(appended=True, opener=opener)
+        if path in seen:
+            held = flags.setdefault(path, [])
+            if opener:
+                held.append(_flags(opener))
+                if _appends(held[-1]) and not seen[path].get("opener"):
+                    seen[path]["opener"] = opener
+            elif kind == "mapped":
+                held.append(os.O_RDONLY)  # CRIU checks a mapped file's size
+            return
+        if not path.startswith("/") or path.endswith(DELETED):
             return
         try:
             st = os.stat(path)
@@ -171,8 +182,9 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
             # The mode too: CRIU checks it, and a restore may make an empty file again.
             mode = stat.S_IMODE(st.st_mode)
             seen[path] = {"path": path, "kind": kind, "size": st.st_size, "mode": mode}
-            if opener and _appends(opener):
-                seen[path].update(appended=True, opener=opener)
+            flags[path] = [_flags(opener) if opener else os.O_RDONLY]
+            if opener and _appends(flags[path][0]):
+                seen[path]["opener"] = opener
 
     for pid in pids:
         with contextlib.suppress(OSError):
@@ -194,40 +206,92 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
             parts = line.split(None, 5)
             if len(parts) == 6 and parts[5].startswith("/"):
                 add(parts[5], "mapped")
+    for path, entry in seen.items():
+        if entry.get("opener"):
+            held = flags[path]
+            entry.update(
+                appended=True,
+                # CRIU records no size for a file open write-only with O_APPEND only.
+                size_checked=any(
+                    f & os.O_ACCMODE != os.O_WRONLY or not f & os.O_APPEND for f in held
+                ),
+                rewritten=any(
+                    f & os.O_ACCMODE != os.O_RDONLY and not f & os.O_APPEND for f in held
+                ),
+            )
     return sorted(seen.values(), key=lambda entry: str(entry["path"]))
 
 
-def largest_deleted_file(pids: list[int]) -> int:
-    """The size of the largest deleted regular file these processes hold open or map (at
-    least as far as a mapping reaches): CRIU saves such "ghost" files in the images, up to
-    its ``--ghost-limit`` (Ray's object store is one, in /dev/shm)."""
-    largest = 0
+#: How /proc marks the path of a file that has no name any more.
+DELETED = " (deleted)"
+
+
+@dataclass(frozen=True)
+class DeletedFile:
+    """A deleted regular file that a process holds open, maps or runs: CRIU saves such
+    "ghost" files in the images whole, up to its ``--ghost-limit`` (Ray's object store is
+    one, in /dev/shm; so is a ``tempfile.TemporaryFile``)."""
+
+    path: str
+    """As /proc shows it (``... (deleted)``)."""
+    size: int
+    exact: bool = True
+    """False for a file that is only mapped and whose size cannot be read (without root a
+    mapping's ``map_files`` entry cannot be opened): ``size`` is then a bound, the size of
+    its file system, at least as far as a mapping reaches."""
+
+
+def deleted_files(pids: list[int]) -> list[DeletedFile]:
+    """The deleted regular files these processes hold open, map or run (their sizes as
+    CRIU will see them: the whole file's, not a mapping's)."""
+    found: list[DeletedFile] = []
     for pid in pids:
         with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
+            links = [f"/proc/{pid}/fd/{fd}" for fd in os.listdir(f"/proc/{pid}/fd")]
+            for link in [*links, f"/proc/{pid}/exe"]:
                 with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{pid}/fd/{fd}").endswith(" (deleted)"):
-                        st = os.stat(f"/proc/{pid}/fd/{fd}")
+                    target = os.readlink(link)
+                    if target.endswith(DELETED):
+                        st = os.stat(link)
                         if stat.S_ISREG(st.st_mode):
-                            largest = max(largest, st.st_size)
+                            found.append(DeletedFile(target, st.st_size))
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
                 parts = line.split(None, 5)
-                if len(parts) == 6 and parts[5].endswith(" (deleted)"):
-                    start, end = (int(x, 16) for x in parts[0].split("-"))
-                    largest = max(largest, int(parts[2], 16) + end - start)
-    return largest
+                if len(parts) == 6 and parts[5].endswith(DELETED):
+                    found.append(_mapped_deleted(pid, parts[0], int(parts[2], 16), parts[5]))
+    return found
 
 
-def _appends(opener: str) -> bool:
-    """Whether the fd ``/proc/PID/fd/N`` is open for appending (``O_APPEND``, writable)."""
+def _mapped_deleted(pid: int, span: str, offset: int, path: str) -> DeletedFile:
+    """The deleted file mapped at ``span`` (``START-END``) of ``pid``, by its own size where
+    it can be read, else by a bound: its file system's size, at least the mapping's reach."""
+    try:
+        return DeletedFile(path, os.stat(f"/proc/{pid}/map_files/{span}").st_size)
+    except OSError:  # without CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE
+        pass
+    start, end = (int(x, 16) for x in span.split("-"))
+    bound = offset + end - start
+    with contextlib.suppress(OSError):
+        directory = os.path.dirname(path.removesuffix(DELETED))
+        fs = os.statvfs(f"/proc/{pid}/root{directory}")
+        bound = max(bound, fs.f_blocks * fs.f_frsize)
+    return DeletedFile(path, bound, exact=False)
+
+
+def _flags(opener: str) -> int:
+    """The open flags of the fd ``/proc/PID/fd/N`` (read-only where they cannot be read)."""
     fdinfo = opener.replace("/fd/", "/fdinfo/")
     with contextlib.suppress(OSError, ValueError):
         for line in Path(fdinfo).read_text().splitlines():
             if line.startswith("flags:"):
-                flags = int(line.split()[1], 8)
-                return bool(flags & os.O_APPEND) and flags & os.O_ACCMODE != os.O_RDONLY
-    return False
+                return int(line.split()[1], 8)
+    return os.O_RDONLY
+
+
+def _appends(flags: int) -> bool:
+    """Whether a descriptor with these flags appends (``O_APPEND``, writable)."""
+    return bool(flags & os.O_APPEND) and flags & os.O_ACCMODE != os.O_RDONLY
 
 
 def empty_open_file_in(entry: dict[str, object], directory: str) -> bool:

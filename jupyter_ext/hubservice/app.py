@@ -131,9 +131,15 @@ class KeyHandler(_Handler):
             raise web.HTTPError(
                 503, "The hub service has no key secret: its admin sets --key-secrets-file."
             )
-        keys = [derive_user_key(secret, user) for secret in self.service.secrets]
-        encoded = [{"id": kid, "key": base64.b64encode(key).decode()} for kid, key in keys]
-        self.answer({"current": encoded[0], "previous": encoded[1:]})
+        self.answer(key_answer(self.service.secrets, user))
+
+
+def key_answer(secrets: list[bytes], user: str) -> dict[str, Any]:
+    """``GET key``'s answer: the user's key under each secret, the first one's as current
+    (read by :class:`~jupyter_ext.core.store.hubclient.HubKeySource`)."""
+    keys = [derive_user_key(secret, user) for secret in secrets]
+    encoded = [{"id": kid, "key": base64.b64encode(key).decode()} for kid, key in keys]
+    return {"current": encoded[0], "previous": encoded[1:]}
 
 
 def read_secrets(path: Path) -> list[bytes]:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import memory
 from ..core.errors import SnapshotBusyError, SnapshotError, SnapshotNotFoundError
 from ..core.protocol import Phase, ProgressCallback, ProgressEvent
 from .shared import EmitEvent
@@ -107,6 +108,8 @@ class Jobs:
                 if kernel_id is not None and self._kernel_jobs.get(kernel_id) is job:
                     del self._kernel_jobs[kernel_id]
                 self._forget_old()
+                if not any(j.status == "running" for j in self.jobs.values()):
+                    self.spawn(asyncio.to_thread(memory.give_back))
 
         self.spawn(run())
         return job

@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from ..core import private
-from ..core.errors import SnapshotError, SnapshotNotFoundError
+from ..core.errors import SnapshotError, SnapshotNotFoundError, WrapperUnavailableError
 from ..core.leftovers import DumpLock, after_failed_dump
 from ..core.manifest import Manifest
 from ..core.protocol import (
     ENV_AWAIT_RESTORE,
+    KernelStatus,
     ProgressCallback,
     RestoreRequest,
+    StatusArgs,
     WrapperClient,
     WrapperInfo,
 )
@@ -71,6 +73,14 @@ class Kernels:
         if info.inner_pid:
             self.reaper.watch(info.inner_pid)
         return WrapperClient(info.control)
+
+    async def status(self, kernel_id: str, *, gpu: bool = False) -> KernelStatus | None:
+        """The kernel's status as its wrapper answers it (with its GPU accounting if
+        ``gpu``); None if it is not a snapshot kernel, or went away since it was listed."""
+        try:
+            return await self.wrapper(kernel_id).status(StatusArgs(gpu=gpu))
+        except (WrapperUnavailableError, SnapshotNotFoundError):
+            return None
 
     async def alive(self, kernel_id: str) -> bool:
         """Whether the kernel is still this server's and its process runs."""

@@ -1,5 +1,5 @@
 """Retention: which stored snapshots go after a new one (the choice is
-:func:`~..core.retention.plan_retention`'s), never one a lazy restore still reads."""
+:func:`~..core.policies.retention.plan_retention`'s), never one a lazy restore still reads."""
 
 from __future__ import annotations
 

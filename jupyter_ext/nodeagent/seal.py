@@ -4,10 +4,13 @@ A restore runs CRIU as root: the images say which credentials, capabilities and 
 filter the restored processes get, so an image a pod made up would be a way to root on
 the node. The agent therefore seals what it dumps with an HMAC-SHA256, under a key that
 only the agents hold (a Secret mounted into the DaemonSet, never into user pods), over
-the owner's name and every image file's name, size and sha256. A pod keeps its images
-(in its store, on S3), and gives them back for a restore; the agent copies them into its
-own directory first, hashes its copy, and runs CRIU on it only if the seal matches the
-calling pod's owner: another user's images, or altered ones, are refused.
+the pod's name (KubeSpawner's, unique per user and server, and the same for the next pod
+of that server) and every image file's name, size and sha256. A pod keeps its images (in
+its store, on S3), and gives them back for a restore, each with its size; the agent
+copies them into its own directory first (regular files only, no byte past the size
+given, the sizes' sum within the agent's budget), hashes its copy, and runs CRIU on it
+only if the seal matches the calling pod's name: another pod's images, or altered ones,
+are refused.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import hashlib
 import hmac
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,23 +60,23 @@ class Sealer:
                 os.close(fd)
             return cls(path.read_bytes())
 
-    def seal(self, owner: str, files: list[ImageFile]) -> str:
+    def seal(self, pod_name: str, files: list[ImageFile]) -> str:
         record = {
-            "v": 1,
-            "owner": owner,
+            "v": 2,
+            "pod": pod_name,
             "files": [[f.name, f.size, f.sha256] for f in sorted(files, key=lambda f: f.name)],
         }
         message = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
         return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
-    def check(self, owner: str, files: list[ImageFile], seal: str) -> None:
-        if not hmac.compare_digest(self.seal(owner, files), seal):
+    def check(self, pod_name: str, files: list[ImageFile], seal: str) -> None:
+        if not hmac.compare_digest(self.seal(pod_name, files), seal):
             raise AgentRequestError(
-                "The node agent refused the restore: these images are not sealed for "
-                f"{owner!r} by the agents of this cluster (another user's snapshot, or "
-                "altered images).",
-                hint="Restore a snapshot this user took; a snapshot taken with in-pod "
-                "CRIU cannot be restored through the agent.",
+                "The node agent refused the restore: these images are not sealed for the "
+                f"pod {pod_name!r} by the agents of this cluster (another user's or another "
+                "server's snapshot, altered images, or a snapshot of an older agent).",
+                hint="Restore a snapshot this user's server took; a snapshot taken with "
+                "in-pod CRIU cannot be restored through the agent.",
             )
 
 
@@ -86,26 +90,60 @@ def hash_file(path: Path) -> ImageFile:
     return ImageFile(path.name, size, digest.hexdigest())
 
 
-def copy_in(fd: int, dest: Path, owner: tuple[int, int]) -> ImageFile:
-    """Copy what the caller's ``fd`` holds into the new file ``dest`` (of ``owner``, uid
-    and gid: CRIU reads it as the caller's user), hashing the copy's bytes as written
-    (the caller may change its file meanwhile; what is checked and restored is this
-    copy)."""
+def copy_in(fd: int, size: int, dest: Path, owner: tuple[int, int]) -> ImageFile:
+    """Copy the ``size`` bytes the caller's ``fd`` holds into the new file ``dest`` (of
+    ``owner``, uid and gid: CRIU reads it as the caller's user), hashing the copy's bytes
+    as written (the caller may change its file meanwhile; what is checked and restored is
+    this copy). Only a regular file of that very size is taken: a pipe, a device or a
+    socket could be read forever, and not a byte more than declared is written."""
+    name = dest.name
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise _bad_image(f"the image {name} was not given as a regular file")
+    if info.st_size != size:
+        raise _bad_image(f"the image {name} has {info.st_size} bytes, not the {size} declared")
     digest = hashlib.sha256()
-    size = 0
+    copied = 0
     out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.fchown(out, *owner)
-        os.lseek(fd, 0, os.SEEK_SET)
-        while block := os.read(fd, BLOCK):
+        while copied < size:
+            block = _read(fd, min(BLOCK, size - copied), copied, name)
+            if not block:
+                raise _bad_image(f"the image {name} ended after {copied} of {size} bytes")
             digest.update(block)
-            os.write(out, block)
-            size += len(block)
-    except OSError as exc:
-        raise AgentRequestError(
-            f"The node agent could not read the image {dest.name}: {exc.strerror}.",
-            hint="Give the images as regular files opened for reading.",
-        ) from exc
+            _write_all(out, block, dest)
+            copied += len(block)
+        if _read(fd, 1, size, name):
+            raise _bad_image(f"the image {name} grew past the {size} bytes declared")
     finally:
         os.close(out)
-    return ImageFile(dest.name, size, digest.hexdigest())
+    return ImageFile(name, size, digest.hexdigest())
+
+
+def _read(fd: int, count: int, offset: int, name: str) -> bytes:
+    try:
+        return os.pread(fd, count, offset)
+    except OSError as exc:
+        raise _bad_image(f"the image {name} could not be read ({exc.strerror})") from exc
+
+
+def _write_all(fd: int, data: bytes, dest: Path) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except OSError as exc:
+            raise AgentRequestError(
+                f"The node agent could not write {dest} ({exc.strerror}).",
+                hint="Free space on the node's disk of the agent's state directory, or "
+                "lower the agent's --max-request-bytes.",
+            ) from exc
+
+
+def _bad_image(what: str) -> AgentRequestError:
+    return AgentRequestError(
+        f"The node agent refused the restore: {what}.",
+        hint="Give the images as regular files opened for reading, each with its size, "
+        "and do not change them during the restore.",
+    )

@@ -1,15 +1,19 @@
-"""The node agent's server: one connection, one request, one reply.
+"""The node agent's server: one connection, one request, one reply (a dump's caller may be
+asked once between them, when its tree is frozen: core/agent/protocol.py).
 
-Each connection's caller is identified by the kernel first (core/agent/peers.py); its request
-is parsed and checked (core/agent/protocol.py); only then is anything done, and only to the
-caller's own processes (``dump``) or with images sealed for the caller's owner
-(``restore``, nodeagent/seal.py). Every refusal is answered with an error that names why
-and is logged with the pod it came from.
+Each connection's caller is identified by the kernel first (core/agent/peers.py), and
+counted against the agent's limits (:class:`Limits`: connections in all and per pod, a
+time to send the request in); its request is parsed and checked
+(core/agent/protocol.py); only then is anything done, and only to the caller's own
+processes (``dump``) or with images sealed for the caller's pod (``restore``,
+nodeagent/seal.py), within the agent's disk budget. Every refusal is answered with an
+error that names why and is logged with the pod it came from.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -17,6 +21,7 @@ import shutil
 import signal
 import socket
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,19 +29,24 @@ from typing import Any
 from jupyter_ext.core import proctree
 from jupyter_ext.core.agent import peers
 from jupyter_ext.core.agent.protocol import (
+    FROZEN_COPY_SECONDS,
     SOCKET_NAME,
     VERSION,
     AgentRequestError,
     DumpRequest,
+    Hello,
     HelloRequest,
     RestoreRequest,
+    parse_copied,
     parse_request,
     receive,
     receive_more,
     send,
 )
+from jupyter_ext.core.carried.restorable import fix_for_restore
 from jupyter_ext.core.criu import DEFAULT_GHOST_LIMIT, TCP_DUMP_OPTIONS, Criu
 from jupyter_ext.core.criu.log import explain_failure, frozen_seconds, log_excerpt
+from jupyter_ext.core.criu.options import TCP_KEEP_DUMP_OPTIONS, TCP_KEEP_RESTORE_OPTIONS
 from jupyter_ext.core.errors import (
     DumpError,
     IncompatibleSnapshotError,
@@ -44,27 +54,112 @@ from jupyter_ext.core.errors import (
     SnapshotError,
 )
 
-from .podcriu import PodCriu, cgroup_procs_files
+from . import criurpc
+from .podcriu import RUN_SECONDS, PodCriu, cgroup_procs_files, finish
+from .privileges import check_restored
 from .seal import Sealer, copy_in, hash_file
 
 log = logging.getLogger("jupyter_ext.nodeagent")
 
-#: What a restored process must share with the pod that asked for it (/proc/PID/status):
-#: its credentials, capabilities, no_new_privs and seccomp filter (CRIU restores them from
-#: the images; a mismatch means images of another kind of pod).
-MATCHING_STATUS = (
-    "Uid",
-    "Gid",
-    "Groups",
-    "CapInh",
-    "CapPrm",
-    "CapEff",
-    "CapBnd",
-    "CapAmb",
-    "NoNewPrivs",
-    "Seccomp",
-    "Seccomp_filters",
-)
+#: What the agent keeps free on its state directory's file system by default: a restore
+#: whose images would take more of it is refused (``--max-request-bytes``).
+KEEP_FREE_FRACTION = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one caller may take of the agent (``jupyter-snapshot-agent --help``)."""
+
+    max_connections: int = 64
+    """Connections served at once, from all pods (one thread each)."""
+    max_connections_per_pod: int = 8
+    """Connections served at once for one pod (a wrapper asks one at a time per kernel)."""
+    receive_timeout: float = 30.0
+    """Seconds a caller has to send its request (and its descriptors) once connected."""
+    max_request_bytes: int = -1
+    """The most image bytes one restore may bring; below 0: what the state directory's
+    file system has free beyond :data:`KEEP_FREE_FRACTION` of its size. Either way never
+    more than it has free, less what restores under way hold."""
+
+
+class _Slots:
+    """Connections served now, in all and per pod."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.lock = threading.Lock()
+        self.pods: Counter[str] = Counter()
+
+    def take(self, pod: str) -> None:
+        with self.lock:
+            if sum(self.pods.values()) >= self.limits.max_connections:
+                raise AgentRequestError(
+                    "The node agent is serving as many connections as it takes "
+                    f"({self.limits.max_connections}, --max-connections).",
+                    hint="Retry in a moment.",
+                )
+            if self.pods[pod] >= self.limits.max_connections_per_pod:
+                raise AgentRequestError(
+                    "The node agent is serving as many connections from this pod as it "
+                    f"takes ({self.limits.max_connections_per_pod}, "
+                    "--max-connections-per-pod).",
+                    hint="Retry once this pod's other snapshots or restores are done.",
+                )
+            self.pods[pod] += 1
+
+    def give(self, pod: str) -> None:
+        with self.lock:
+            self.pods[pod] -= 1
+            if self.pods[pod] <= 0:
+                del self.pods[pod]
+
+
+class _DiskBudget:
+    """The bytes restores may copy into ``state_dir`` (:attr:`Limits.max_request_bytes`)."""
+
+    def __init__(self, state_dir: Path, max_request_bytes: int) -> None:
+        self.state_dir = state_dir
+        self.max_request_bytes = max_request_bytes
+        self.lock = threading.Lock()
+        self.held = 0
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        """Reserve ``nbytes`` for one restore's images, or AgentRequestError naming the
+        limit that refuses them."""
+        with self.lock:
+            usage = shutil.disk_usage(self.state_dir)
+            free = usage.free - self.held
+            if self.max_request_bytes < 0:
+                limit = free - int(usage.total * KEEP_FREE_FRACTION)
+                source = (
+                    f"what its disk has free beyond {KEEP_FREE_FRACTION:.0%} of its size "
+                    "(the default of --max-request-bytes)"
+                )
+            else:
+                limit = min(self.max_request_bytes, free)
+                source = f"--max-request-bytes {self.max_request_bytes} (or its disk's free space)"
+            if nbytes > limit:
+                raise AgentRequestError(
+                    f"The node agent refused the restore: its images take {nbytes} bytes, "
+                    f"more than the {max(limit, 0)} it takes now: {source}.",
+                    hint="Restore a smaller snapshot, free space on the node, or raise the "
+                    "agent's --max-request-bytes.",
+                )
+            self.held += nbytes
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.held -= nbytes
+
+
+@dataclasses.dataclass
+class _Reply:
+    result: dict[str, Any]
+    fds: list[int] = dataclasses.field(default_factory=list)
+    stopped: list[peers.CallerTask] = dataclasses.field(default_factory=list)
+    """A tree left stopped for the caller to end: resumed if the reply cannot be sent."""
 
 
 class Agent:
@@ -78,17 +173,22 @@ class Agent:
         sealer: Sealer,
         criu: Criu,
         owner_pattern: str = peers.DEFAULT_OWNER_PATTERN,
+        limits: Limits | None = None,
     ) -> None:
         self.socket_path = socket_dir / SOCKET_NAME
         self.state_dir = state_dir
         self.sealer = sealer
         self.criu = criu
-        self.pod_criu = PodCriu(criu.path, state_dir / "bin")
         self.owner_pattern = owner_pattern
+        self.limits = limits or Limits()
+        self.slots = _Slots(self.limits)
+        self.budget = _DiskBudget(state_dir, self.limits.max_request_bytes)
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(state_dir, 0o700)
+        self.pod_criu = PodCriu(criu.path, state_dir / "bin")
         for leftover in state_dir.glob("*-*"):
-            # What an agent that was killed during a request left (its caller got an error).
+            # What an agent that was killed during a request left (its caller got an error;
+            # the kernel of a dump runs on: CRIU always leaves it running).
             shutil.rmtree(leftover, ignore_errors=True)
         socket_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(socket_dir, 0o755)
@@ -105,28 +205,58 @@ class Agent:
         log.info("node agent listening on %s (protocol %d)", self.socket_path, VERSION)
         while True:
             conn, _ = self.sock.accept()
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            # Identified and counted here, in the order callers connected: /proc only.
+            try:
+                caller = peers.identify(conn)
+            except SnapshotError as exc:
+                _refuse_now(conn, exc, "unidentified caller")
+                continue
+            try:
+                self.slots.take(caller.pod)
+            except SnapshotError as exc:
+                _refuse_now(conn, exc, caller.describe())
+                caller.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn, caller), daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        caller: peers.Caller | None = None
+    def _serve(self, conn: socket.socket, caller: peers.Caller) -> None:
         fds: list[int] = []
+        pod = caller.pod
         try:
+            conn.settimeout(self.limits.receive_timeout)
             # Read before answering anything: a reply to a caller whose request is unread
             # would be lost to a reset connection.
             data, fds = receive(conn)
-            caller = peers.identify(conn, self.owner_pattern)
+            if not data:
+                return  # closed without a request
+            caller.ensure_alive()
+            caller = peers.named(caller, self.owner_pattern)
             request = parse_request(data, len(fds))
             fds += receive_more(conn, request.expected_fds() - len(fds))
-            result, out_fds = self._dispatch(caller, request, fds)
+            reply = self._dispatch(caller, request, fds, conn)
             try:
-                send(conn, {"ok": True, "result": result}, out_fds)
+                send(conn, {"ok": True, "result": reply.result}, reply.fds)
+            except BaseException:
+                _resume(reply.stopped)
+                raise
             finally:
-                for fd in out_fds:
+                for fd in reply.fds:
                     os.close(fd)
+                for task in reply.stopped:
+                    task.close()
             log.info("%s: %s done", caller.describe(), request.op)
+        except TimeoutError:
+            waited = self.limits.receive_timeout
+            log.warning("%s: no request within %g s", caller.describe(), waited)
+            with contextlib.suppress(OSError):
+                late = AgentRequestError(
+                    "The node agent closed the connection: no whole request came within "
+                    f"{waited:g} s (--receive-timeout).",
+                    hint="Send the request, with its descriptors, at once after connecting.",
+                )
+                send(conn, {"ok": False, "error": late.to_dict()})
         except SnapshotError as exc:
-            who = caller.describe() if caller else "unidentified caller"
-            log.warning("%s: %s", who, exc.message)
+            log.warning("%s: %s", caller.describe(), exc.message)
             with contextlib.suppress(OSError):
                 send(conn, {"ok": False, "error": exc.to_dict()})
         except Exception:
@@ -140,31 +270,33 @@ class Agent:
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            if caller is not None:
-                caller.close()
+            self.slots.give(pod)
+            caller.close()
             conn.close()
 
     def _dispatch(
-        self, caller: peers.Caller, request: Any, fds: list[int]
-    ) -> tuple[dict[str, Any], list[int]]:
+        self, caller: peers.Caller, request: Any, fds: list[int], conn: socket.socket
+    ) -> _Reply:
         if isinstance(request, HelloRequest):
-            return self.hello(caller), []
+            return _Reply(self.hello(caller))
         if isinstance(request, DumpRequest):
-            return self.dump(caller, request)
+            return self.dump(caller, request, conn)
         if isinstance(request, RestoreRequest):
-            return self.restore(caller, request, fds), []
+            return _Reply(self.restore(caller, request, fds))
         raise AgentRequestError(f"The node agent refused the request: no {request.op}.")
 
     # ------------------------------------------------------------------ operations
 
     def hello(self, caller: peers.Caller) -> dict[str, Any]:
-        return {
-            "version": VERSION,
-            "criu_version": self.criu.version_text,
-            "owner": caller.owner,
-            "pod": caller.pod,
-            "container": caller.container,
-        }
+        hello = Hello(
+            version=VERSION,
+            criu_version=self.criu.version_text,
+            owner=caller.owner,
+            pod_name=caller.pod_name,
+            pod=caller.pod,
+            container=caller.container,
+        )
+        return dataclasses.asdict(hello)
 
     @contextlib.contextmanager
     def _private_dir(self, kind: str, caller: peers.Caller) -> Iterator[tuple[Path, int, int]]:
@@ -186,60 +318,121 @@ class Agent:
             os.close(work)
             shutil.rmtree(top, ignore_errors=True)
 
-    def dump(self, caller: peers.Caller, request: DumpRequest) -> tuple[dict[str, Any], list[int]]:
-        """Dump the caller's process ``request.pid``; the images are handed back as
-        descriptors with their seal, and nothing of them stays here."""
-        peers.in_caller_namespace(caller, request.pid)
-        with self._private_dir("dump", caller) as (top, images, work):
-            args = ["dump", "-t", str(request.pid), "-D", _fd_path(images)]
-            args += ["-W", _fd_path(work), "-o", "dump.log", "-v4", "--file-locks"]
-            args += [*TCP_DUMP_OPTIONS]
-            args += ["--ghost-limit", str(max(request.ghost_limit, DEFAULT_GHOST_LIMIT))]
-            for key in request.externals:
-                args += ["--external", key]
-            if request.leave_running:
-                args.append("--leave-running")
-            procs = cgroup_procs_files(caller.cgroup)
-            rc, output = self.pod_criu.run(
-                caller.pid, (caller.uid, caller.gid), procs, args, [images, work]
-            )
-            dump_log = top / "work" / "dump.log"
-            if rc != 0:
-                excerpt = log_excerpt(dump_log, output)
-                message, hint = explain_failure(excerpt, restoring=False)
-                raise DumpError(message, hint=hint, log_excerpt=excerpt)
-            files = [hash_file(path) for path in sorted((top / "images").iterdir())]
-            seal = self.sealer.seal(caller.owner, files)
-            out_fds = [os.open(top / "images" / f.name, os.O_RDONLY) for f in files]
-            return {
-                "files": [f.name for f in files],
-                "seal": seal,
-                "frozen_seconds": frozen_seconds(dump_log),
-                "criu_version": self.criu.version_text,
-            }, out_fds
+    def dump(self, caller: peers.Caller, request: DumpRequest, conn: socket.socket) -> _Reply:
+        """Dump the caller's process ``request.pid`` through CRIU's RPC, which asks at the
+        freeze (nodeagent/criurpc.py): then the caller copies if it asked to, and a
+        suspend's tree (``leave_running`` false) is stopped. The images, fixed for a
+        restore, are handed back as descriptors with their seal, and nothing of them
+        stays here. The kernel is never ended here: CRIU leaves it running (an agent
+        killed during the dump loses nothing), and a suspend's tree stays stopped for the
+        caller to end once it holds the images."""
+        task = peers.in_caller_namespace(caller, request.pid)
+        stopped: list[peers.CallerTask] = []
+
+        def at_freeze() -> bool:
+            """At CRIU's post-dump step (the tree dumped, still frozen): whether the dump
+            may go on. A suspend's tree is stopped now, so that it never runs after the
+            state its images hold (it stays stopped when CRIU lets go of it)."""
+            if not task.alive() or not caller.alive():
+                log.warning("%s: the kernel or the caller ended during the dump", caller.describe())
+                return False
+            if request.frozen_copy and not _frozen_copy(conn, caller):
+                return False
+            if not request.leave_running:
+                try:
+                    stopped.extend(_stop_tree(task))
+                except AgentRequestError as exc:
+                    log.warning("%s: %s", caller.describe(), exc.message)
+                    return False
+            return True
+
+        try:
+            with self._private_dir("dump", caller) as (top, images, work):
+                tcp = TCP_KEEP_DUMP_OPTIONS if request.keep_tcp else TCP_DUMP_OPTIONS
+                args = ["-W", _fd_path(work), "--file-locks", *tcp, "--leave-running"]
+                args += ["--ghost-limit", str(max(request.ghost_limit, DEFAULT_GHOST_LIMIT))]
+                for key in request.externals:
+                    args += ["--external", key]
+                procs = cgroup_procs_files(caller.cgroup)
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                with ours:
+                    with theirs, caller.namespaces() as namespaces:
+                        process = self.pod_criu.start(
+                            namespaces,
+                            (caller.uid, caller.gid),
+                            procs,
+                            [*args, "swrk", str(theirs.fileno())],
+                            [images, work, theirs.fileno()],
+                        )
+                    try:
+                        ours.settimeout(RUN_SECONDS)
+                        error = criurpc.converse(
+                            ours,
+                            criurpc.dump_request(request.pid, _fd_path(images), "dump.log"),
+                            at_freeze,
+                        )
+                    finally:
+                        # Closed first: a CRIU still waiting for an answer fails the dump,
+                        # and the tree it froze runs on.
+                        ours.close()
+                        rc, output = finish(process)
+                dump_log = top / "work" / "dump.log"
+                if error is not None or rc != 0:
+                    excerpt = log_excerpt(dump_log, output + (error or ""))
+                    message, hint = explain_failure(excerpt, restoring=False)
+                    raise DumpError(message, hint=hint, log_excerpt=excerpt)
+                caller.ensure_alive()
+                task.ensure_alive()
+                fix_for_restore(top / "images", request.open_by_fd, request.keep_tcp)
+                files = [hash_file(path) for path in sorted((top / "images").iterdir())]
+                seal = self.sealer.seal(caller.pod_name, files)
+                out_fds = [os.open(top / "images" / f.name, os.O_RDONLY) for f in files]
+                frozen = frozen_seconds(dump_log)
+        except BaseException:
+            _resume(stopped)
+            raise
+        finally:
+            task.close()
+        result = {
+            "files": [f.name for f in files],
+            "seal": seal,
+            "frozen_seconds": frozen,
+            "criu_version": self.criu.version_text,
+            "stopped": bool(stopped),
+        }
+        return _Reply(result, out_fds, stopped)
 
     def restore(
         self, caller: peers.Caller, request: RestoreRequest, fds: list[int]
     ) -> dict[str, Any]:
-        """Restore images sealed for the caller's owner into the caller's pod; the restored
-        process must match the caller's credentials and seccomp filter."""
+        """Restore images sealed for the caller's pod into the caller's pod; every restored
+        task must hold no more than the caller (nodeagent/privileges.py)."""
         files_fds, inherit_fds = fds[: len(request.files)], fds[len(request.files) :]
-        with self._private_dir("restore", caller) as (top, images, work):
+        budget = self.budget.hold(sum(request.sizes))
+        with budget, self._private_dir("restore", caller) as (top, images, work):
             copied = [
-                copy_in(fd, top / "images" / name, (caller.uid, caller.gid))
-                for fd, name in zip(files_fds, request.files, strict=True)
+                copy_in(fd, size, top / "images" / name, (caller.uid, caller.gid))
+                for fd, size, name in zip(files_fds, request.sizes, request.files, strict=True)
             ]
-            self.sealer.check(caller.owner, copied, request.seal)
+            self.sealer.check(caller.pod_name, copied, request.seal)
+            tcp = TCP_KEEP_RESTORE_OPTIONS if request.keep_tcp else ("--tcp-close",)
             args = ["restore", "-D", _fd_path(images), "-W", _fd_path(work)]
             args += ["-o", "restore.log", "-v4", "--file-locks", "--restore-detached"]
-            args += ["--tcp-close", "--restore-sibling", "--manage-cgroups=ignore"]
-            args += ["--pidfile", f"{_fd_path(work)}/restored.pid"]
+            args += [*tcp, "--restore-sibling", "--manage-cgroups=ignore"]
+            # Stopped until every task is checked (check_restored resumes them).
+            args += ["--leave-stopped", "--pidfile", f"{_fd_path(work)}/restored.pid"]
             for fd, resource in zip(inherit_fds, request.inherit, strict=True):
                 args += ["--inherit-fd", f"fd[{fd}]:{resource}"]
             procs = cgroup_procs_files(caller.cgroup)
-            rc, output = self.pod_criu.run(
-                caller.pid, (caller.uid, caller.gid), procs, args, [images, work, *inherit_fds]
-            )
+            with caller.namespaces() as namespaces:
+                process = self.pod_criu.start(
+                    namespaces,
+                    (caller.uid, caller.gid),
+                    procs,
+                    args,
+                    [images, work, *inherit_fds],
+                )
+            rc, output = finish(process)
             if rc != 0:
                 excerpt = log_excerpt(top / "work" / "restore.log", output)
                 message, hint = explain_failure(excerpt, restoring=True)
@@ -251,25 +444,17 @@ class Agent:
                 )
             pid = int((top / "work" / "restored.pid").read_text().strip())
         try:
-            host_pid = peers.in_caller_namespace(caller, pid)
-            self._check_matches(caller, host_pid)
+            caller.ensure_alive()
+            root = peers.in_caller_namespace(caller, pid)
+            try:
+                check_restored(caller, root.pid)
+            finally:
+                root.close()
         except BaseException:
             _kill_restored(caller, pid)
             raise
-        self._adopt(host_pid)
+        self._adopt(root.pid)
         return {"pid": pid}
-
-    @staticmethod
-    def _check_matches(caller: peers.Caller, host_pid: int) -> None:
-        mine = peers.status_fields(caller.pid)
-        theirs = peers.status_fields(host_pid)
-        for key in MATCHING_STATUS:
-            if mine.get(key) != theirs.get(key):
-                raise AgentRequestError(
-                    f"The node agent undid the restore: the restored kernel's {key} "
-                    f"({theirs.get(key)}) is not its pod's ({mine.get(key)}).",
-                    hint="Restore snapshots into pods configured as the one that took them.",
-                )
 
     @staticmethod
     def _adopt(host_pid: int) -> None:
@@ -285,9 +470,78 @@ class Agent:
         threading.Thread(target=reap, name=f"reap-{host_pid}", daemon=True).start()
 
 
+def _frozen_copy(conn: socket.socket, caller: peers.Caller) -> bool:
+    """At CRIU's post-dump step (the tree dumped and frozen): the caller copies its files
+    now (core/agent/protocol.py, ``frozen_copy``); whether it did, within
+    FROZEN_COPY_SECONDS (not the connection's --receive-timeout: a large /dev/shm file
+    takes longer). A caller that does not answer, answers anything else, or whose process
+    ended meanwhile fails the dump: its tree runs on."""
+    timeout = conn.gettimeout()
+    try:
+        send(conn, {"frozen": True})
+        conn.settimeout(FROZEN_COPY_SECONDS)
+        data, fds = receive(conn)
+    except (OSError, AgentRequestError) as exc:
+        log.warning("%s: no answer at the freeze: %s", caller.describe(), exc)
+        return False
+    finally:
+        conn.settimeout(timeout)
+    for fd in fds:
+        os.close(fd)
+    if not data:
+        return False
+    try:
+        copied = parse_copied(data)
+    except AgentRequestError as exc:
+        log.warning("%s: %s", caller.describe(), exc.message)
+        return False
+    if not caller.alive():
+        log.warning("%s: %s", caller.describe(), peers.ENDED)
+        return False
+    return copied
+
+
 def _fd_path(fd: int) -> str:
     """A descriptor of the agent's as CRIU, inside the pod, reaches it."""
     return f"/proc/self/fd/{fd}"
+
+
+def _stop_tree(task: peers.CallerTask) -> list[peers.CallerTask]:
+    """At CRIU's post-dump step, while CRIU holds every process of the tree under
+    ``task`` (none can start another): SIGSTOP each, through a pidfd. The signal waits
+    until CRIU lets go of them, and they stop instead of running on (as CRIU keeps a task
+    itself keeps stopped a task it found stopped); the pinned processes."""
+    stopped = [peers.CallerTask(task.pid, task.shown)]
+    try:
+        stopped += [peers.CallerTask(pid, pid) for pid in proctree.descendants(task.pid)[1:]]
+        for pinned in stopped:
+            pinned.signal(signal.SIGSTOP)
+    except BaseException:
+        _resume(stopped)
+        raise
+    return stopped
+
+
+def _resume(tasks: list[peers.CallerTask]) -> None:
+    """SIGCONT and let go of processes :func:`_stop_tree` stopped."""
+    for task in tasks:
+        task.signal(signal.SIGCONT)
+        task.close()
+    tasks.clear()
+
+
+def _refuse_now(conn: socket.socket, exc: SnapshotError, who: str) -> None:
+    """Refuse a connection at once (the accept loop must not wait for it): what it sent
+    already is read first, so that the refusal reaches it."""
+    log.warning("%s: %s", who, exc.message)
+    conn.setblocking(False)
+    with contextlib.suppress(OSError, SnapshotError):
+        _, fds = receive(conn)
+        for fd in fds:
+            os.close(fd)
+    with contextlib.suppress(OSError):
+        send(conn, {"ok": False, "error": exc.to_dict()})
+    conn.close()
 
 
 def _kill_restored(caller: peers.Caller, pid: int) -> None:

@@ -105,6 +105,7 @@ const TRIGGERS: { [key: string]: string } = {
   'long-cell': 'after a long cell',
   'idle-suspend': 'idle suspend',
   cull: 'idle cull',
+  'admin-shutdown': 'shut down by an admin',
   'before-shutdown': 'before shutdown',
   'before-restore': 'before a restore'
 };

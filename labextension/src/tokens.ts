@@ -47,6 +47,7 @@ export type Trigger =
   | 'long-cell'
   | 'idle-suspend'
   | 'cull'
+  | 'admin-shutdown'
   | 'before-shutdown'
   | 'before-restore';
 

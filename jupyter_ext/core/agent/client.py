@@ -5,31 +5,48 @@ The wrapper's dumps and restores call :class:`AgentCriu` exactly as they call
 A dump's images come back as descriptors of the agent's files and are copied into the
 snapshot's images directory, with the agent's seal beside them (:data:`SEAL_FILE`); a
 restore hands the agent those files and the seal, and the descriptors the restored
-kernel inherits (its output pipe, its runtime directory). What the agent cannot do for
-a pod (lazy restore, a network namespace of its own, connections kept with TCP repair,
-/dev/shm files copied while frozen) is refused here, saying so, before anything starts.
+kernel inherits (its output pipe, its runtime directory, its /dev/shm files). Copies
+made while the tree is frozen (its /dev/shm files, its logs) are made here, when the
+agent says the tree is frozen. What the agent does not do for a pod (lazy restore, a
+network or mount namespace of its own: docs/agent.md) is refused here, saying so, before
+anything starts.
+
+The agent never ends a kernel: a suspend's dump (``leave_running`` false) leaves it
+stopped (from the freeze on), and it is ended here once its images are held (resumed if
+they are not), so an agent that dies during a dump loses nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import errno
 import json
 import os
+import select
+import signal
 import socket
+import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..criu import Criu, LazyTransfer, parse_version
+from .. import proctree
+from ..criu import Criu, FrozenCopy, LazyTransfer, parse_version
 from ..errors import DumpError, RestoreError, SnapshotError
-from ..lazypages import PageSource
 from .protocol import (
+    DEFAULT_SOCKET_DIR,
+    ENV_AGENT_SOCKET,
+    AgentIncompatibleError,
     AgentUnavailableError,
     DumpRequest,
+    Hello,
     HelloRequest,
     RestoreRequest,
     _Request,
+    check_reply_version,
     encode_request,
     receive,
     receive_more,
@@ -41,6 +58,8 @@ if TYPE_CHECKING:
 
 #: In a snapshot's images directory: the agent's seal and the files it covers.
 SEAL_FILE = "agent-seal.json"
+#: How often an ended kernel's processes are looked at until their parents reaped them.
+REAP_POLL = 0.005
 #: How long one request to the agent may take (a dump of a large kernel, its copy).
 REQUEST_TIMEOUT = 1800.0
 
@@ -53,23 +72,31 @@ def _not_through_agent(what: str, error: type[SnapshotError]) -> SnapshotError:
     )
 
 
-def call(socket_path: Path, request: _Request, fds: Sequence[int] = ()) -> tuple[Any, list[int]]:
-    """One request to the agent: its result and the descriptors that came with it."""
+def call(
+    socket_path: Path,
+    request: _Request,
+    fds: Sequence[int] = (),
+    on_frozen: Callable[[], bool] | None = None,
+) -> tuple[Any, list[int]]:
+    """One request to the agent: its result and the descriptors that came with it.
+    ``on_frozen`` copies while the agent holds a dumped tree frozen (a dump's
+    ``frozen_copy``): whether it succeeded."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.settimeout(REQUEST_TIMEOUT)
     try:
         try:
             sock.connect(str(socket_path))
         except OSError as exc:
-            raise AgentUnavailableError(
-                f"The node agent's socket {socket_path} does not answer ({exc.strerror}).",
-                hint="Check that the agent's DaemonSet runs on this node and the pod mounts "
-                "its CSI volume (docs/agent.md).",
-            ) from exc
+            raise unreachable(socket_path, exc) from exc
         message = json.loads(encode_request(request))
         message.pop("v")
-        send(sock, message, fds)
+        with contextlib.suppress(BrokenPipeError):
+            send(sock, message, fds)  # refused at once: the refusal waits to be read
         data, received = receive(sock)
+        while on_frozen is not None and data and json.loads(data).get("frozen") is True:
+            send(sock, {"copied": on_frozen()})
+            on_frozen = None  # once per dump
+            data, received = receive(sock)
         if not data:
             raise AgentUnavailableError(
                 "The node agent closed the connection without an answer (it was stopped or "
@@ -81,6 +108,12 @@ def call(socket_path: Path, request: _Request, fds: Sequence[int] = ()) -> tuple
             for fd in received:
                 os.close(fd)
             raise SnapshotError.from_dict(reply.get("error", {}))
+        try:
+            check_reply_version(reply)
+        except AgentIncompatibleError:
+            for fd in received:
+                os.close(fd)
+            raise
         result = reply.get("result", {})
         count = len(result.get("files", [])) if isinstance(result, dict) else 0
         if isinstance(request, DumpRequest):
@@ -95,18 +128,63 @@ def call(socket_path: Path, request: _Request, fds: Sequence[int] = ()) -> tuple
         sock.close()
 
 
+#: What to do when a pod cannot reach its node's agent.
+AGENT_HINT = (
+    "Check that the node agent's DaemonSet (deploy/agent/agent.yaml) runs on this node: "
+    "'kubectl -n kernel-snapshots-agent get pods -o wide', and its log: 'kubectl -n "
+    "kernel-snapshots-agent logs POD -c agent' (it restarts by itself after a crash); and "
+    "that the user pod mounts the agent's CSI volume (driver "
+    f"agent.kernel-snapshots.jupyter.org) at {DEFAULT_SOCKET_DIR}, as "
+    "deploy/z2jh/config.yaml does (docs/agent.md)."
+)
+
+
+def unreachable(socket_path: Path, exc: OSError) -> AgentUnavailableError:
+    """Why ``socket_path`` did not take a connection, in the pod's terms."""
+    if exc.errno == errno.ECONNREFUSED:
+        why = (
+            "nothing listens on it (connection refused): the node agent on this node is not "
+            "running (stopped, crashed or restarting)"
+        )
+    elif exc.errno == errno.ENOENT and not socket_path.parent.is_dir():
+        why = (
+            f"{socket_path.parent} does not exist: the pod does not mount the node agent's "
+            "socket volume"
+        )
+    elif exc.errno == errno.ENOENT:
+        why = (
+            "it does not exist: the agent's socket volume is mounted, but no node agent has "
+            "started on this node"
+        )
+    else:
+        why = f"{exc.strerror or exc}"
+    return AgentUnavailableError(
+        f"The node agent's socket {socket_path} (${ENV_AGENT_SOCKET}) does not answer: {why}.",
+        hint=AGENT_HINT,
+    )
+
+
+@dataclass(frozen=True)
 class AgentCriu(Criu):
     """CRIU as the node agent on ``path`` (its socket) runs it."""
 
+    hello: Hello
+    """What the agent answered when connected: its versions, the caller's pod name."""
+
     @classmethod
     def connect(cls, socket_path: Path) -> AgentCriu:
-        """The agent on ``socket_path``, once it answered (its CRIU's version)."""
-        hello, _ = call(socket_path, HelloRequest())
-        version = parse_version(f"Version: {hello['criu_version']}") or (0,)
-        return cls(socket_path, version, f"node agent (owner {hello['owner']})")
+        """The agent on ``socket_path``, once it answered a hello in this protocol version
+        (its CRIU's version, who it takes the caller for)."""
+        result, _ = call(socket_path, HelloRequest())
+        hello = Hello.parse(result)
+        version = parse_version(f"Version: {hello.criu_version}") or (0,)
+        return cls(socket_path, version, f"node agent (owner {hello.owner})", hello)
+
+    def keeps_tcp(self) -> bool:
+        return True  # the agent's CRIU has CAP_NET_ADMIN for a dump that keeps them
 
     def supports_lazy_pages(self) -> tuple[bool, str]:
-        return False, "lazy restore does not go through the node agent"
+        return False, "lazy restore does not go through the node agent (docs/agent.md)"
 
     async def dump(
         self,
@@ -118,24 +196,38 @@ class AgentCriu(Criu):
         externals: Sequence[str] = (),
         keep_tcp: bool = False,
         ghost_limit: int = 0,
-        action_script: str | None = None,
+        open_by_fd: Sequence[str] = (),
+        frozen: FrozenCopy | None = None,
         netns: OwnNetwork | None = None,
     ) -> float:
-        if keep_tcp or netns is not None:
-            raise _not_through_agent("connections kept with their state", DumpError)
-        if action_script is not None:
-            raise _not_through_agent("its /dev/shm files or logs copied while frozen", DumpError)
+        if netns is not None:
+            raise _not_through_agent("a network namespace of its own", DumpError)
         request = DumpRequest(
-            pid=pid, leave_running=leave_running, externals=list(externals), ghost_limit=ghost_limit
+            pid=pid,
+            leave_running=leave_running,
+            externals=list(externals),
+            ghost_limit=ghost_limit,
+            open_by_fd=list(open_by_fd),
+            frozen_copy=frozen is not None,
+            keep_tcp=keep_tcp,
         )
-        result, fds = await asyncio.to_thread(call, self.path, request)
+        on_frozen = frozen.run if frozen is not None else None
         try:
-            await asyncio.to_thread(_copy_out, fds, result["files"], images_dir)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        seal = {"seal": result["seal"], "files": result["files"]}
-        (images_dir / SEAL_FILE).write_text(json.dumps(seal))
+            result, fds = await asyncio.to_thread(call, self.path, request, (), on_frozen)
+            try:
+                await asyncio.to_thread(_copy_out, fds, result["files"], images_dir)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            seal = {"seal": result["seal"], "files": result["files"]}
+            (images_dir / SEAL_FILE).write_text(json.dumps(seal))
+        except BaseException:
+            if not leave_running:
+                # The agent may have stopped the tree before it went away: it runs on.
+                _signal_tree(pid, signal.SIGCONT)
+            raise
+        if not leave_running:
+            await asyncio.to_thread(_end_tree, pid)
         return float(result["frozen_seconds"])
 
     async def restore(
@@ -149,8 +241,8 @@ class AgentCriu(Criu):
         mount_sources: Mapping[str, str] | None = None,
         netns: OwnNetwork | None = None,
     ) -> int:
-        if keep_tcp or netns is not None:
-            raise _not_through_agent("connections kept with their state", RestoreError)
+        if netns is not None:
+            raise _not_through_agent("a network namespace of its own", RestoreError)
         if mounts:
             raise _not_through_agent("a mount namespace of its own", RestoreError)
         try:
@@ -163,12 +255,17 @@ class AgentCriu(Criu):
             ) from exc
         files: list[str] = seal["files"]
         request = RestoreRequest(
-            files=files, seal=seal["seal"], inherit=[resource for _, resource in inherit_fds]
+            files=files,
+            sizes=[],
+            seal=seal["seal"],
+            inherit=[resource for _, resource in inherit_fds],
+            keep_tcp=keep_tcp,
         )
         fds: list[int] = []
         try:
             for name in files:
                 fds.append(os.open(images_dir / name, os.O_RDONLY | os.O_NOFOLLOW))
+            request = dataclasses.replace(request, sizes=[os.fstat(fd).st_size for fd in fds])
             result, _ = await asyncio.to_thread(
                 call, self.path, request, [*fds, *(fd for fd, _ in inherit_fds)]
             )
@@ -177,20 +274,8 @@ class AgentCriu(Criu):
                 os.close(fd)
         return int(result["pid"])
 
-    async def restore_lazy(
-        self,
-        images_dir: Path,
-        work_dir: Path,
-        source: PageSource,
-        *,
-        write_through: bool,
-        kill_tree: Callable[[int], None],
-        inherit_fds: Sequence[tuple[int, str]] = (),
-        keep_tcp: bool = False,
-        mounts: Sequence[str] = (),
-        mount_sources: Mapping[str, str] | None = None,
-        netns: OwnNetwork | None = None,
-    ) -> tuple[int, LazyTransfer]:
+    async def restore_lazy(self, *args: Any, **kwargs: Any) -> tuple[int, LazyTransfer]:
+        """Refused whatever it is asked (:meth:`Criu.restore_lazy` has the arguments)."""
         raise _not_through_agent("a lazy restore", RestoreError)
 
 
@@ -217,3 +302,41 @@ def _copy_out(fds: Sequence[int], names: Sequence[str], images_dir: Path) -> Non
             os.close(out)
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _signal_tree(pid: int, signum: int) -> list[int]:
+    """Send ``signum`` to every process of the tree under ``pid`` (stopped by the agent:
+    it starts none meanwhile); pidfds of those signalled."""
+    pidfds: list[int] = []
+    for task in proctree.descendants(pid):
+        try:
+            pidfd = os.pidfd_open(task)
+        except OSError:
+            continue
+        pidfds.append(pidfd)
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signum)
+    if signum != signal.SIGKILL:
+        for pidfd in pidfds:
+            os.close(pidfd)
+        return []
+    return pidfds
+
+
+def _end_tree(pid: int, timeout: float = 30.0) -> None:
+    """End the tree under ``pid`` once its images are held, as CRIU ends a tree it dumped
+    without ``--leave-running``, and wait until its parents have reaped each process (at
+    most ``timeout``): a restore right after needs their ids free."""
+    pidfds = _signal_tree(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    try:
+        for pidfd in pidfds:
+            while time.monotonic() < deadline:
+                try:
+                    signal.pidfd_send_signal(pidfd, 0)
+                except ProcessLookupError:
+                    break  # reaped
+                select.select([], [], [], REAP_POLL)
+    finally:
+        for pidfd in pidfds:
+            os.close(pidfd)

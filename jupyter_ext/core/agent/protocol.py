@@ -10,13 +10,21 @@ checked (type, range, pattern, count), and anything else is refused with an
 One message is one datagram: a JSON object, at most :data:`MAX_MESSAGE` bytes, with file
 descriptors attached (SCM_RIGHTS) where an operation needs them::
 
-    -> {"v": 1, "op": "dump", "args": {"pid": 4123, "leave_running": true, "externals": []}}
-    <- {"v": 1, "ok": true, "result": {"files": [...], "seal": "...", ...}}  + one fd a file
-    <- {"v": 1, "ok": false, "error": {"code": ..., "message": ..., "hint": ...}}
+    -> {"v": 2, "op": "dump", "args": {"pid": 4123, "leave_running": true, "externals": []}}
+    <- {"v": 2, "ok": true, "result": {"files": [...], "seal": "...", ...}}  + one fd a file
+    <- {"v": 2, "ok": false, "error": {"code": ..., "message": ..., "hint": ...}}
 
 A datagram carries at most :data:`MAX_FDS` descriptors; a request or reply with more (the
-images of a large tree) sends the rest in further ``{"v": 1, "more": N}`` datagrams, so
+images of a large tree) sends the rest in further ``{"v": 2, "more": N}`` datagrams, so
 its names and the descriptors received pair up in order.
+
+A dump with ``frozen_copy`` has one exchange before its reply: when CRIU has dumped the
+tree and holds it frozen, the agent sends ``{"v": 2, "frozen": true}`` and waits for the
+caller's ``{"v": 2, "copied": true}`` (its /dev/shm files and logs copied; ``false``: the
+dump fails and the tree runs on) for at most :data:`FROZEN_COPY_SECONDS`.
+
+Fields that only some requests need (a dump's ``open_by_fd``, ``frozen_copy`` and
+``keep_tcp``, a restore's ``keep_tcp``) have defaults and are not sent at them.
 """
 
 from __future__ import annotations
@@ -28,13 +36,16 @@ import os
 import re
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, ClassVar, Self
 
+from ..criu.options import GHOST_LIMIT_MAX
 from ..errors import SnapshotError
 
-#: The protocol version: a request of another version is refused, naming both.
-VERSION = 1
+#: The protocol version: a request of another version is refused, naming both. 2: a
+#: restore gives each image's size; a dump never ends the kernel (``leave_running``); a
+#: dump may keep connections and have its caller copy while frozen (``frozen_copy``).
+VERSION = 2
 #: Where the agent listens in its own mount namespace, and where user pods see the socket
 #: (the CSI volume's mount path, deploy/z2jh/config.yaml).
 SOCKET_NAME = "agent.sock"
@@ -52,14 +63,18 @@ MAX_FILES = 4096
 MAX_EXTERNALS = 64
 #: Process ids: 1 .. pid_max's ceiling (kernel/pid.c, PID_MAX_LIMIT).
 PID_MAX = 4 * 1024 * 1024
-#: The largest deleted file a dump may save (CRIU's ``--ghost-limit``): 1 TiB.
-GHOST_LIMIT_MAX = 1 << 40
+#: The largest image file a restore may give: 1 TiB (the agent's --max-request-bytes caps
+#: their sum).
+IMAGE_SIZE_MAX = 1 << 40
+#: How long the agent holds a tree frozen for its caller's copies (a dump's frozen_copy).
+FROZEN_COPY_SECONDS = 600.0
 
 _EXTERNAL = re.compile(r"file\[[0-9a-f]{1,16}:[0-9a-f]{1,16}\]")
 _INHERITED = re.compile(r"pipe:\[[0-9]{1,20}\]|file\[[0-9a-f]{1,16}:[0-9a-f]{1,16}\]")
 #: CRIU's image names (``core-4123.img``, ``pages-1.img``, ``stats-dump``...): no path.
 _IMAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _SEAL = re.compile(r"[0-9a-f]{64}")
+_CRIU_VERSION = re.compile(r"[0-9]{1,4}(\.[0-9]{1,4}){0,3}")
 
 
 class AgentRequestError(SnapshotError):
@@ -73,6 +88,21 @@ class AgentUnavailableError(SnapshotError):
     """The node agent cannot be reached, or went away during a request."""
 
     code = "agent-unavailable"
+
+
+class AgentIncompatibleError(SnapshotError):
+    """The node agent answered in another protocol version, or with a reply this version
+    cannot read: the user image and the agent's image are of different releases."""
+
+    code = "agent-incompatible"
+
+
+#: What to do when the user pod and the agent speak different protocol versions.
+SAME_RELEASE_HINT = (
+    "Run the same jupyter-kernel-snapshots release in the user pods' image "
+    "(singleuser.image) and the node agent's (deploy/agent/agent.yaml): upgrade the "
+    "DaemonSet together with the hub's image."
+)
 
 
 def _refuse(message: str) -> AgentRequestError:
@@ -99,7 +129,10 @@ class _Request:
         unknown = sorted(set(args) - names)
         if unknown:
             raise _refuse(f"{cls.op}: unknown field {unknown[0]!r}")
-        missing = sorted(names - set(args))
+        required = {
+            f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+        }
+        missing = sorted(required - set(args))
         if missing:
             raise _refuse(f"{cls.op}: missing field {missing[0]!r}")
         request = cls(**args)
@@ -110,10 +143,20 @@ class _Request:
         """Raise AgentRequestError naming the first bad field."""
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every field, except those at their defaults (an agent of before they existed
+        serves such a request)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if not _at_default(self, f)}
 
     def expected_fds(self) -> int:
         return 0
+
+
+def _at_default(request: _Request, f: Field[Any]) -> bool:
+    if f.default is not MISSING:
+        return bool(getattr(request, f.name) == f.default)
+    if f.default_factory is not MISSING:
+        return bool(getattr(request, f.name) == f.default_factory())
+    return False
 
 
 def _check_pid(op: str, name: str, value: object) -> None:
@@ -148,17 +191,79 @@ class HelloRequest(_Request):
 
 
 @dataclass(frozen=True)
+class Hello:
+    """The agent's answer to a hello: its protocol version and CRIU, and who it takes the
+    caller for (the pod name is the caller's identity for seals; the owner is read from
+    it, for messages)."""
+
+    version: int
+    criu_version: str
+    owner: str
+    pod_name: str
+    pod: str
+    """The caller's pod cgroup."""
+    container: str
+    """The caller's container id."""
+
+    @classmethod
+    def parse(cls, result: Any) -> Hello:
+        """The hello reply's ``result``, every field checked; AgentIncompatibleError
+        names the first that is missing or not what this version sends."""
+        names = [f.name for f in fields(cls)]
+        if not isinstance(result, dict) or sorted(result) != sorted(names):
+            shown = sorted(result) if isinstance(result, dict) else type(result).__name__
+            raise _incompatible(f"its hello has {shown}, not the fields {names}")
+        for name in names:
+            kind = int if name == "version" else str
+            if type(result[name]) is not kind:
+                shown = type(result[name]).__name__
+                raise _incompatible(f"its hello's {name} is of type {shown}, not {kind.__name__}")
+        if result["version"] != VERSION:
+            raise _incompatible(f"it speaks protocol version {result['version']}")
+        if not _CRIU_VERSION.fullmatch(result["criu_version"]):
+            raise _incompatible(f"its hello's criu_version {result['criu_version'][:40]!r}")
+        return cls(**result)
+
+
+def _incompatible(what: str) -> AgentIncompatibleError:
+    return AgentIncompatibleError(
+        f"The node agent's answer is not of protocol version {VERSION}, which this server "
+        f"speaks: {what}.",
+        hint=SAME_RELEASE_HINT,
+    )
+
+
+def check_reply_version(message: Any) -> None:
+    """Every reply of the agent carries ``v``: one of another version is not read."""
+    version = message.get("v") if isinstance(message, dict) else None
+    if type(version) is not int or version != VERSION:
+        raise _incompatible(f"it answered in protocol version {version!r}")
+
+
+@dataclass(frozen=True)
 class DumpRequest(_Request):
     """Dump the process tree of ``pid`` (a process id in the caller's own PID namespace)."""
 
     op: ClassVar[str] = "dump"
     pid: int
     leave_running: bool
+    """False (a suspend): the tree is left stopped (SIGSTOP) after the dump, for the caller
+    to end once it holds the images. The agent itself never ends a kernel: CRIU always
+    dumps with ``--leave-running``, so an agent that dies during a dump loses nothing."""
     externals: list[str]
     """CRIU external keys (``file[MNT:INODE]``): resources a restore hands over."""
     ghost_limit: int
     """The largest deleted file the tree holds, in bytes (CRIU saves those in the images:
     Ray's object store is one)."""
+    open_by_fd: list[str] = field(default_factory=list)
+    """Of ``externals``, the files a restore reopens through the descriptor it hands over
+    (the tree's /dev/shm files: core/criu/images.py fixes their entries before sealing)."""
+    frozen_copy: bool = False
+    """The caller copies files while the tree is frozen (its /dev/shm files, appended
+    logs): the agent asks it then (the module's docstring)."""
+    keep_tcp: bool = False
+    """Connections inside the tree keep their state (TCP repair); the others are saved
+    closed."""
 
     def check(self) -> None:
         _check_pid(self.op, "pid", self.pid)
@@ -166,28 +271,48 @@ class DumpRequest(_Request):
         _check_strings(self.op, "externals", self.externals, _EXTERNAL, MAX_EXTERNALS)
         if type(self.ghost_limit) is not int or not 0 <= self.ghost_limit <= GHOST_LIMIT_MAX:
             raise _refuse(f"dump: ghost_limit must be an integer 0..{GHOST_LIMIT_MAX}")
+        _check_strings(self.op, "open_by_fd", self.open_by_fd, _EXTERNAL, MAX_EXTERNALS)
+        if not set(self.open_by_fd) <= set(self.externals):
+            raise _refuse("dump: open_by_fd names a file that is not among externals")
+        _check_bool(self.op, "frozen_copy", self.frozen_copy)
+        _check_bool(self.op, "keep_tcp", self.keep_tcp)
 
 
 @dataclass(frozen=True)
 class RestoreRequest(_Request):
     """Restore the images given as descriptors (one per name in ``files``, in order),
-    sealed by this node's agents for the caller's owner, into the caller's pod. Then
+    sealed by this cluster's agents for the caller's pod name, into the caller's pod. Then
     one descriptor per entry of ``inherit``: what the restored tree gets in place of that
     resource (CRIU's ``--inherit-fd``)."""
 
     op: ClassVar[str] = "restore"
     files: list[str]
+    sizes: list[int]
+    """Each file's size in bytes: the agent copies no more, and refuses a file of another
+    size, or sizes past its budget, before it copies anything."""
     seal: str
     """The HMAC the dump's reply gave (hex)."""
     inherit: list[str]
+    keep_tcp: bool = False
+    """The images keep connections with their state (a dump with ``keep_tcp``)."""
 
     def check(self) -> None:
         _check_strings(self.op, "files", self.files, _IMAGE_NAME, MAX_FILES)
         if not self.files:
             raise _refuse("restore: files is empty")
+        if (
+            not isinstance(self.sizes, list)
+            or len(self.sizes) != len(self.files)
+            or any(type(n) is not int or not 0 <= n <= IMAGE_SIZE_MAX for n in self.sizes)
+        ):
+            raise _refuse(
+                f"restore: sizes must be a list of {len(self.files)} integers "
+                f"0..{IMAGE_SIZE_MAX}, one per file"
+            )
         if not isinstance(self.seal, str) or not _SEAL.fullmatch(self.seal):
             raise _refuse("restore: seal must be 64 hex digits")
         _check_strings(self.op, "inherit", self.inherit, _INHERITED, MAX_EXTERNALS)
+        _check_bool(self.op, "keep_tcp", self.keep_tcp)
 
     def expected_fds(self) -> int:
         return len(self.files) + len(self.inherit)
@@ -214,7 +339,11 @@ def parse_request(data: bytes, nfds: int) -> _Request:
         raise _refuse(f"unknown field {unknown[0]!r}")
     version = message.get("v")
     if type(version) is not int or version != VERSION:
-        raise _refuse(f"protocol version {version!r}; this agent speaks version {VERSION}")
+        raise AgentRequestError(
+            f"The node agent refused the request: protocol version {version!r}; this agent "
+            f"speaks version {VERSION}.",
+            hint=SAME_RELEASE_HINT,
+        )
     op = message.get("op")
     cls = REQUESTS.get(op) if isinstance(op, str) else None
     if cls is None:
@@ -224,6 +353,27 @@ def parse_request(data: bytes, nfds: int) -> _Request:
     if nfds != min(request.expected_fds(), MAX_FDS):
         raise _refuse(f"{op}: {nfds} descriptors sent, {request.expected_fds()} expected")
     return request
+
+
+def parse_copied(data: bytes) -> bool:
+    """The caller's answer to ``frozen`` (a dump's ``frozen_copy``): whether its copies
+    succeeded; anything but ``{"v": VERSION, "copied": true|false}`` is refused."""
+    try:
+        message = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        message = None
+    if (
+        not isinstance(message, dict)
+        or set(message) != {"v", "copied"}
+        or type(message["v"]) is not int
+        or message["v"] != VERSION
+        or type(message["copied"]) is not bool
+    ):
+        raise _refuse(
+            f'dump: the answer to "frozen" must be {{"v": {VERSION}, "copied": true|false}}'
+        )
+    copied: bool = message["copied"]
+    return copied
 
 
 def encode_request(request: _Request) -> bytes:

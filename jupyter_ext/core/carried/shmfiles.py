@@ -10,15 +10,15 @@ itself, in a file no other node has.
 
 So every ``/dev/shm`` file that has a name and that the tree maps or holds open is a CRIU
 *external* file (unlinked ones CRIU saves itself, as before: a fork context's semaphores,
-PyTorch's shared tensors, up to CRIU's ghost-file limit): the dump
-does not look at its path, and :class:`FrozenCopy` copies its bytes into the snapshot
-while CRIU holds the tree frozen (a post-dump action script asks the wrapper and waits),
-so the copy matches the memory image (a lock held is held, counts are kept). A restore
-recreates each file (:func:`recreate`), under its name when that is free, else (another
-restored copy of the snapshot runs here) as a private unlinked file that nothing else
-sees, and hands it to ``criu restore --inherit-fd``. Such a private file lies on the
-server's ``/dev/shm`` mount, which a kernel with a mount namespace of its own does not
-have: its next dump takes it over too, like a named file (CRIU could not save it).
+PyTorch's shared tensors, up to CRIU's ghost-file limit): the dump does not look at its
+path, and :class:`ShmCopy` copies its bytes into the snapshot while CRIU holds the tree
+frozen (core/criu/frozen.py), so the copy matches the memory image (a lock held is held,
+counts are kept). A restore recreates each file (:func:`recreate`), under its name when
+that is free, else (another restored copy of the snapshot runs here) as a private
+unlinked file that nothing else sees, and hands it to ``criu restore --inherit-fd``. Such
+a private file lies on the server's ``/dev/shm`` mount, which a kernel with a mount
+namespace of its own does not have: its next dump takes it over too, like a named file
+(CRIU could not save it).
 """
 
 from __future__ import annotations
@@ -28,12 +28,10 @@ import logging
 import os
 import secrets
 import stat
-import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from .. import proctree
 from ..criu import external_file_key
@@ -179,21 +177,6 @@ def _fd_mount_id(fd: int) -> int | None:
     return None
 
 
-_SCRIPT = """\
-#!/bin/sh
-[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0
-echo go > '{request}'
-read answer < '{answer}'
-[ "$answer" = ok ]
-"""
-
-
-class FrozenStep(Protocol):
-    """Something copied while CRIU holds the tree frozen (:class:`FrozenCopy`)."""
-
-    def copy(self) -> None: ...
-
-
 class ShmCopy:
     """The held ``/dev/shm`` files, copied into ``dest``; :attr:`records` for the manifest."""
 
@@ -211,61 +194,6 @@ class ShmCopy:
             with open(target, "wb") as out:
                 copy_fd(held.fd, out.fileno(), size)
             self.records.append(held.record(rel))
-
-
-class FrozenCopy:
-    """Runs the ``steps`` (copies into the snapshot) while CRIU keeps the tree frozen.
-
-    CRIU runs :attr:`action_script` (``--action-script``) at each step; at ``post-dump``,
-    the last step before the tree runs again, it writes to a FIFO and waits for the
-    answer, while a thread here copies. A failed copy answers "fail": CRIU then fails the
-    dump and the tree runs on, unharmed.
-    """
-
-    def __init__(self, steps: list[FrozenStep], work_dir: Path) -> None:
-        self.steps = steps
-        self.error: OSError | None = None
-        self.copied = False
-        self.seconds = 0.0
-        """How long the copy held the frozen tree (from the script's request to the answer)."""
-        self._request = work_dir / "frozen-copy.request"
-        self._answer = work_dir / "frozen-copy.answer"
-        os.mkfifo(self._request, 0o600)
-        os.mkfifo(self._answer, 0o600)
-        script = work_dir / "frozen-copy.sh"
-        script.write_text(_SCRIPT.format(request=self._request, answer=self._answer))
-        script.chmod(0o700)  # CRIU executes it directly
-        self.action_script = str(script)
-        self._thread = threading.Thread(target=self._serve, name="frozen-copy", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        with open(self._request, "rb") as request:
-            if request.read().strip() != b"go":
-                return  # the dump ended before its post-dump step
-        started = time.monotonic()
-        answer = b"ok\n"
-        try:
-            for step in self.steps:
-                step.copy()
-            self.copied = True
-        except OSError as exc:
-            self.error = exc
-            answer = b"fail\n"
-        with contextlib.suppress(OSError), open(self._answer, "wb") as out:
-            out.write(answer)  # fails only if the script is gone (CRIU killed)
-        self.seconds = time.monotonic() - started
-
-    def finish(self) -> None:
-        """After CRIU ended: release a thread still waiting for a script that never ran."""
-        if self._thread.is_alive():
-            with contextlib.suppress(OSError):
-                fd = os.open(self._request, os.O_WRONLY | os.O_NONBLOCK)
-                os.write(fd, b"cancel\n")
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.close(os.open(self._answer, os.O_RDONLY | os.O_NONBLOCK))
-            self._thread.join(timeout=5)
 
 
 def copy_fd(src: int, dst: int, size: int) -> None:
@@ -436,11 +364,19 @@ def _holds_open(pid: int, dev: int, inode: int) -> bool:
 def remove_names(records: list[dict[str, Any]], held: HeldFiles, directory: Path = SHM_DIR) -> None:
     """After a dump that ended the tree (a suspend, a kernel saved before a restore in
     place): remove the names of its files, now carried in the snapshot, if they still name
-    the same files, so that the restore that follows gets them back under those names."""
+    the same files, so that the restore that follows gets them back under those names.
+    A name whose file a live process outside the tree holds too stays: it is that
+    process's (the restore then gives the kernel a private copy, and says so)."""
     inodes = {os.fstat(h.fd).st_ino for h in held.files}
     for record in records:
         for name in record.get("names", []):
             path = directory / str(name)
             with contextlib.suppress(OSError):
-                if path.stat().st_ino in inodes:
-                    path.unlink()
+                st = path.stat()
+                if st.st_ino not in inodes:
+                    continue
+                others = [p for p in holders(st.st_dev, st.st_ino) if p != os.getpid()]
+                if others:
+                    log.info("kept %s: process(es) %s hold it too", path, others)
+                    continue
+                path.unlink()

@@ -1,4 +1,4 @@
-"""The TIME_WAIT entries of a kernel's own ended connections, cleared before a restore.
+"""The TIME_WAIT entries on a kernel's listening ports, cleared before a restore.
 
 A killed kernel's TCP connections end, and the side that closed first keeps a TIME_WAIT
 entry for 60 s: no socket, no process, but its local port stays bound. When that side is a
@@ -9,22 +9,25 @@ restores a listening socket and puts the kernel's value back after, which is not
 for a child's server that did not set it (measured: docs/network.md). A restore right
 after a kill would fail in about one run of two (whichever side closed first).
 
-So before ``criu restore`` the entries that are the kernel's own (their two ends those of a
-connection the snapshot recorded, or of the kernel the restore replaces) are destroyed
-(``SOCK_DESTROY``, by the entry's cookie: needs CAP_NET_ADMIN, so root), or, without root,
-waited for until they expire. Entries of other connections on the kernel's ports are not
-the kernel's to remove: where they hold the port (a bind with ``SO_REUSEADDR``, as CRIU's,
-fails) the restore is refused, saying so and when they end, which is another error than
-that of a port a live process holds (core/carried/netports.py names it); where they do not (their
-socket had ``SO_REUSEADDR`` too), the restore goes on.
+A TIME_WAIT entry has no owner: only a live socket is a real conflict, and the check
+before the restore refuses a port a live process holds, naming it
+(core/carried/netports.py). So every entry on a port the snapshot's kernel listened on
+counts as the kernel's, whichever connection it ended (one the snapshot recorded, one the
+kernel opened after the snapshot and lost in the kill, or another process's), and is
+cleared before ``criu restore``: destroyed (``SOCK_DESTROY``, by the entry's cookie: needs
+CAP_NET_ADMIN, so root), or, without root, ended from its other side (:func:`end_from_peer`)
+and, where that cannot be done, waited for until it expires. As root the kernel's own
+entries on other ports (a kept connection's ends, which CRIU rebuilds) are destroyed too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import socket
+import struct
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -52,30 +55,26 @@ def _describe(entry: sockdiag.TimeWaitEntry) -> str:
     return f"{endpoint_text(*entry.local)} <-> {endpoint_text(*entry.remote)}"
 
 
+def _local(entry: sockdiag.TimeWaitEntry) -> BoundPort:
+    return BoundPort("tcp", entry.local[0], entry.local[1])
+
+
 @dataclass
 class Blocking:
-    """The TIME_WAIT entries on a snapshot's listening ports, the kernel's own or not."""
+    """The TIME_WAIT entries a restore clears."""
 
-    own: list[sockdiag.TimeWaitEntry]
-    foreign: list[sockdiag.TimeWaitEntry]
+    on_ports: list[sockdiag.TimeWaitEntry]
+    """Those on the snapshot's listening ports, whichever connection they ended."""
     also_own: list[sockdiag.TimeWaitEntry]
     """The kernel's own entries on other ports (a kept connection's, which CRIU rebuilds
     with the same ends): destroyed too where that can be done."""
 
-    def foreign_text(self) -> str:
-        seconds = max(e.expires_ms for e in self.foreign) / 1000
-        return (
-            ", ".join(_describe(e) for e in self.foreign[:5])
-            + f" (TIME_WAIT entries of ended connections that are not the kernel's, the "
-            f"last gone in {seconds:.0f} s)"
-        )
-
 
 @dataclass(frozen=True)
 class Own:
-    """What makes a TIME_WAIT entry the kernel's: its ends are those of a connection of the
-    kernel (``pairs``), or its local port one the kernel listens on (``ports``: those of
-    the running kernel a restore replaces, whose accepted connections end with it)."""
+    """What makes an entry on another port the kernel's: its ends are those of a connection
+    of the kernel (``pairs``), or its local port one the kernel listens on (``ports``: those
+    of the running kernel a restore replaces, whose accepted connections end with it)."""
 
     pairs: Pairs
     ports: tuple[BoundPort, ...] = ()
@@ -84,7 +83,7 @@ class Own:
         return Own(self.pairs | other.pairs, self.ports + other.ports)
 
     def holds(self, entry: sockdiag.TimeWaitEntry) -> bool:
-        local = BoundPort("tcp", entry.local[0], entry.local[1])
+        local = _local(entry)
         return _pair(entry) in self.pairs or any(p.collides_with(local) for p in self.ports)
 
 
@@ -104,58 +103,88 @@ def binds_with_reuse(port: BoundPort) -> bool:
 
 
 def blocking(ports: Iterable[BoundPort], own: Own) -> Blocking:
-    """The TIME_WAIT entries here that hold one of the listening TCP ``ports`` (split by
-    whether they are the kernel's; another's only where it really holds the port: see
-    :func:`binds_with_reuse`), and the kernel's other entries."""
+    """The TIME_WAIT entries here on the listening TCP ``ports``, and the kernel's own
+    entries on other ports."""
     listening = [p for p in ports if p.proto == "tcp"]
-    found = Blocking([], [], [])
-    held: dict[BoundPort, bool] = {}
+    found = Blocking([], [])
     for entry in sockdiag.tcp_time_waits():
-        local = BoundPort("tcp", entry.local[0], entry.local[1])
-        mine = own.holds(entry)
-        port = next((p for p in listening if p.collides_with(local)), None)
-        if port is None:
-            if mine:
-                found.also_own.append(entry)
-        elif mine:
-            found.own.append(entry)
-        else:
-            if port not in held:
-                held[port] = not binds_with_reuse(port)
-            if held[port]:
-                found.foreign.append(entry)
+        if any(p.collides_with(_local(entry)) for p in listening):
+            found.on_ports.append(entry)
+        elif own.holds(entry):
+            found.also_own.append(entry)
     return found
+
+
+#: Linux's socket options (linux/in.h) to leave the port to connect() and choose it there.
+IP_BIND_ADDRESS_NO_PORT = 24
+IP_LOCAL_PORT_RANGE = 51
+
+
+def end_from_peer(entry: sockdiag.TimeWaitEntry) -> None:
+    """End a TIME_WAIT entry without privileges, from its other end: a socket from the
+    entry's remote address and port connects to its local one. The entry answers the SYN
+    with an ACK of its own sequence, which the connecting socket refuses with a RST in the
+    entry's window, and Linux drops an entry on such a RST (RFC 1337's "TIME-WAIT
+    assassination"; not with ``net.ipv4.tcp_rfc1337`` set). The next SYN finds no listener
+    and is refused. The port is chosen by connect() from a range of one port (Linux 6.3),
+    not bound: a bind fails where another ended connection of that port (to another peer)
+    is in TIME_WAIT, a connect does not. Nothing happens where that end cannot be had
+    (another host's address, a port in use)."""
+    address, port = entry.remote
+    with socket.socket(entry.family, socket.SOCK_STREAM) as peer:
+        peer.settimeout(3)
+        with contextlib.suppress(OSError):
+            try:
+                only = struct.pack("=I", port | port << 16)
+                peer.setsockopt(socket.IPPROTO_IP, IP_LOCAL_PORT_RANGE, only)
+                peer.setsockopt(socket.IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, 1)
+                peer.bind((address, 0))
+            except OSError as exc:  # an older kernel: bound, which another entry may refuse
+                if exc.errno != errno.ENOPROTOOPT:
+                    raise
+                peer.bind((address, port))
+            peer.connect(entry.local)  # refused once the entry is gone (no one listens)
 
 
 #: How often a restore without root looks whether the entries it waits for expired.
 POLL_SECONDS = 0.2
 
 
-async def clear_own(ports: Iterable[BoundPort], own: Own) -> int:
-    """Free the listening ``ports`` of the kernel's own TIME_WAIT entries before a restore:
-    destroy them, or, without CAP_NET_ADMIN, wait until they expire (60 s at most).
-    Returns how many entries held a port. Foreign entries are left alone (the check
-    before the restore refused them)."""
-    ports = list(ports)
+async def clear(ports: Iterable[BoundPort], own: Own) -> int:
+    """Free the listening ``ports`` of TIME_WAIT entries before a restore (a live socket on
+    them was refused before): destroy them, or, without CAP_NET_ADMIN, end those that hold
+    a port from their other end and wait for any left until they expire (60 s at most).
+    Returns how many entries were on the ports."""
+    ports = [p for p in ports if p.proto == "tcp"]
     found = blocking(ports, own)
     try:
-        for entry in found.own + found.also_own:
+        for entry in found.on_ports + found.also_own:
             sockdiag.destroy(entry)
     except PermissionError:
-        pass  # without CAP_NET_ADMIN: wait for those that hold a port
+        pass  # without CAP_NET_ADMIN
     else:
-        if found.own:
-            log.info(
-                "destroyed %d TIME_WAIT entries of the kernel's own connections", len(found.own)
-            )
-        return len(found.own)
-    deadline = time.monotonic() + max([e.expires_ms for e in found.own], default=0) / 1000 + 2
-    if found.own:
+        if found.on_ports:
+            log.info("destroyed %d TIME_WAIT entries on the kernel's ports", len(found.on_ports))
+        return len(found.on_ports)
+    held = [p for p in ports if not binds_with_reuse(p)]
+
+    def holding() -> list[sockdiag.TimeWaitEntry]:
+        return [
+            e for e in sockdiag.tcp_time_waits() if any(p.collides_with(_local(e)) for p in held)
+        ]
+
+    left = holding() if held else []
+    for entry in left:
+        await asyncio.to_thread(end_from_peer, entry)
+    left = holding() if left else []
+    deadline = time.monotonic() + max([e.expires_ms for e in left], default=0) / 1000 + 2
+    if left:
         log.info(
-            "waiting %.0f s for TIME_WAIT entries of the kernel's own connections to expire: %s",
+            "waiting %.0f s for TIME_WAIT entries on the kernel's ports to expire: %s",
             deadline - time.monotonic(),
-            ", ".join(_describe(e) for e in found.own[:5]),
+            ", ".join(_describe(e) for e in left[:5]),
         )
-    while blocking(ports, own).own and time.monotonic() < deadline:
+    while left and time.monotonic() < deadline:
         await asyncio.sleep(POLL_SECONDS)
-    return len(found.own)
+        left = holding()
+    return len(found.on_ports)

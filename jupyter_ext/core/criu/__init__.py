@@ -1,13 +1,14 @@
 """CRIU, by concern: finding and running it (:mod:`.engine`), the options of a dump and a
-restore (:mod:`.options`), a lazy restore's page transfer (:mod:`.lazy`), the dumped
-tree's working directories (:mod:`.workdirs`), its images (:mod:`.images`) and what its
-logs say (:mod:`.log`).
+restore (:mod:`.options`), copies made while the tree is frozen (:mod:`.frozen`), a lazy
+restore's page transfer (:mod:`.lazy`), the dumped tree's working directories
+(:mod:`.workdirs`), its images (:mod:`.images`) and what its logs say (:mod:`.log`).
 
 The names the rest of the product uses are handed on here, as ``gpu/`` and
 ``lazypages/`` do; the parts import each other directly.
 """
 
 from .engine import REQUIRED_FEATURES, Criu, parse_version, unprivileged
+from .frozen import FrozenCopy, FrozenStep
 from .lazy import LazyTransfer
 from .log import UNPRIVILEGED_CAPS, frozen_seconds
 from .options import DEFAULT_GHOST_LIMIT, TCP_DUMP_OPTIONS, external_file_key
@@ -18,6 +19,8 @@ __all__ = [
     "TCP_DUMP_OPTIONS",
     "UNPRIVILEGED_CAPS",
     "Criu",
+    "FrozenCopy",
+    "FrozenStep",
     "LazyTransfer",
     "external_file_key",
     "frozen_seconds",

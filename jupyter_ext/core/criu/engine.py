@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import proctree
+from ..carried.restorable import fix_for_restore
 from ..errors import (
     CriuError,
     CriuNotFoundError,
@@ -35,6 +36,7 @@ from ..errors import (
 from ..isolation import mountns
 from ..isolation.confinement import Confinement
 from ..protocol import ENV_CRIU, ENV_CRIU_PREFIX
+from .frozen import FrozenCopy
 from .lazy import LazyTransfer
 from .log import explain_failure, frozen_seconds, log_excerpt
 from .options import (
@@ -193,19 +195,23 @@ class Criu:
         externals: Sequence[str] = (),
         keep_tcp: bool = False,
         ghost_limit: int = 0,
-        action_script: str | None = None,
+        open_by_fd: Sequence[str] = (),
+        frozen: FrozenCopy | None = None,
         netns: OwnNetwork | None = None,
     ) -> float:
-        """Dump the process tree rooted at ``pid`` into ``images_dir``.
+        """Dump the process tree rooted at ``pid`` into ``images_dir``, fixed for a
+        restore elsewhere (:func:`..carried.restorable.fix_for_restore`).
 
         ``externals`` are CRIU external-resource keys (``file[MNT:INODE]``) that the
-        restore will hand over with ``--inherit-fd`` instead of reopening them.
-        ``keep_tcp`` saves TCP connections with their state (:data:`TCP_KEEP_DUMP_OPTIONS`);
+        restore will hand over with ``--inherit-fd`` instead of reopening them; of them,
+        ``open_by_fd`` are files the restore reopens through that descriptor (/dev/shm).
+        ``keep_tcp`` saves the connections inside the tree with their state
+        (:data:`TCP_KEEP_DUMP_OPTIONS`), the others closed;
         ``ghost_limit``: the largest deleted file the tree holds (CRIU saves those in the
         images; its default limit is 1 MiB, Ray's object store is one of them).
-        ``action_script`` runs at CRIU's steps (post-dump: still frozen). Returns how long
-        the tree was frozen (see :func:`frozen_seconds`). ``netns``: the tree's own network
-        namespace, where CRIU then runs (core/isolation/netns.py: not dumped itself).
+        ``frozen`` copies while CRIU holds the tree frozen (:mod:`.frozen`). Returns how
+        long the tree was frozen (see :func:`frozen_seconds`). ``netns``: the tree's own
+        network namespace, where CRIU then runs (core/isolation/netns.py: not dumped itself).
         """
         tcp = TCP_KEEP_DUMP_OPTIONS if keep_tcp else TCP_DUMP_OPTIONS
         args = ["dump", "-t", str(pid), "-D", str(images_dir), "-W", str(work_dir)]
@@ -213,23 +219,28 @@ class Criu:
         args += ["--ghost-limit", str(max(ghost_limit, DEFAULT_GHOST_LIMIT))]
         for key in externals:
             args += ["--external", key]
-        if action_script is not None:
-            args += ["--action-script", action_script]
+        if frozen is not None:
+            args += ["--action-script", frozen.action_script(work_dir)]
         if leave_running:
             args.append("--leave-running")
-        for attempt in range(KERNDAT_ATTEMPTS):
-            async with working_directories_locked(pid):
-                rc, output = await self._run(args, netns=netns)
-            if rc == 0 or not _kerndat_failed(work_dir / "dump.log", output):
-                break
-            # CRIU failed in its start-up probes, before it touched the kernel: without a
-            # kerndat cache (no tmpfs /run) every CRIU probes, and dumps started at the
-            # same moment raced in its TCP-repair probe ("Connection refused"). Again.
-            await asyncio.sleep(0.05 + random.random() * 0.2 * (attempt + 1))
+        try:
+            for attempt in range(KERNDAT_ATTEMPTS):
+                async with working_directories_locked(pid):
+                    rc, output = await self._run(args, netns=netns)
+                if rc == 0 or not _kerndat_failed(work_dir / "dump.log", output):
+                    break
+                # CRIU failed in its start-up probes, before it touched the kernel: without
+                # a kerndat cache (no tmpfs /run) every CRIU probes, and dumps started at
+                # the same moment raced in its TCP-repair probe ("Connection refused").
+                await asyncio.sleep(0.05 + random.random() * 0.2 * (attempt + 1))
+        finally:
+            if frozen is not None:
+                frozen.finish()
         if rc != 0:
             excerpt = log_excerpt(work_dir / "dump.log", output)
             message, hint = explain_failure(excerpt, restoring=False, unprivileged=unprivileged())
             raise DumpError(message, hint=hint, log_excerpt=excerpt)
+        await asyncio.to_thread(fix_for_restore, images_dir, open_by_fd, keep_tcp)
         return frozen_seconds(work_dir / "dump.log")
 
     async def restore(
@@ -415,6 +426,11 @@ class Criu:
             raise error_cls(message, hint=hint.removeprefix("incompatible:"), log_excerpt=excerpt)
         return int(pidfile.read_text().strip())
 
+    def keeps_tcp(self) -> bool:
+        """Whether a dump can keep connections with their state (TCP repair needs
+        CAP_NET_ADMIN: root)."""
+        return not unprivileged()
+
     def supports_lazy_pages(self) -> tuple[bool, str]:
         """Whether this kernel and CRIU can restore with lazy pages (userfaultfd with
         fork and remove events), and what ``criu check`` said."""
@@ -452,6 +468,11 @@ class Criu:
                 stderr=asyncio.subprocess.STDOUT,
                 pass_fds=pass_fds,
                 preexec_fn=prepare,
+                # A process group of its own: jupyter_client signals the kernel's whole
+                # group (SIGINT to interrupt, SIGTERM to end a kernel slow to shut down),
+                # which would kill a dump, a restore or the lazy-pages daemon serving a
+                # running kernel its memory. The wrapper ends CRIU itself.
+                process_group=0,
             )
         except OSError as exc:
             raise CriuError(f"Could not start {self.path}: {exc}", hint=INSTALL_HINT) from exc

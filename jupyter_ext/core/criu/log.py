@@ -68,6 +68,15 @@ _KNOWN_FAILURES: list[tuple[str, str, str]] = [
         "take snapshots of kernels that do not keep growing files open.",
     ),
     (
+        r"Can't stat mountpoint",
+        "A mount of the kernel's mount namespace could not be made again here: the "
+        "kernel's namespace is a copy of the server's as the kernel started, and a mount "
+        "in it (a container's root or shared memory, a drive) changed while the restore "
+        "ran.",
+        "Retry the restore once no container starts or stops on this machine; the CRIU "
+        "log lines below name the mount.",
+    ),
+    (
         r"Can't open (?:file|vma|mapping|fd).*No such file|No such file or directory",
         "A file the kernel had open at the snapshot is missing on this machine.",
         "incompatible:Make the file named in the log available at the same path, then restore.",

@@ -32,6 +32,10 @@ TCP_KEEP_RESTORE_OPTIONS = ("--tcp-established", "--network-lock", "skip")
 #: CRIU's own ghost-file limit, the least a dump passes.
 DEFAULT_GHOST_LIMIT = 1 << 20
 
+#: The largest deleted file a dump may save (CRIU's ``--ghost-limit``): 1 TiB. A kernel
+#: holding a larger one is refused before CRIU runs, naming the file (kernel_wrapper/dumptree.py).
+GHOST_LIMIT_MAX = 1 << 40
+
 
 def external_file_key(fd: int) -> str:
     """CRIU's key for the file open at ``fd`` of this process: ``file[MNT_ID:INODE]``."""

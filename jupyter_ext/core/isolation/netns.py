@@ -116,6 +116,9 @@ class OwnNetwork:
                 stderr=subprocess.DEVNULL,
                 pass_fds=(fd, exit_r, ready_w),
                 preexec_fn=proctree.die_with_parent,
+                # Not in the kernel's process group, which jupyter_client signals (an
+                # interrupt would end the copy's network): it ends with its exit pipe.
+                process_group=0,
             )
         except BaseException:
             for each in (fd, exit_w):

@@ -1,10 +1,12 @@
-"""When the server snapshots a kernel by itself: the decisions of one policy tick.
+"""When the server snapshots a kernel by itself: the decisions of one policy tick, and
+what becomes of a kernel shutdown its user did not ask for.
 
 Every ``policy_tick`` seconds the server reads each kernel's status once (its wrapper's
 :class:`~..protocol.KernelStatus`; jupyter_ext/autosnap.py) and hands what it read to
 :func:`decide`: a pure function of those statuses, the settings, what the policies
 remember between ticks (:class:`PolicyMemory`) and the time, so that every decision is
-tested without kernels or sleeps (tests/test_policies.py).
+tested without kernels or sleeps (tests/test_policy_decisions.py; one tick against real
+kernels and the policies end to end: tests/test_policies.py).
 
 The policies, asked in this order for each kernel (the first that applies wins: one job
 per kernel at a time, and none while one of this server's jobs runs on it):
@@ -21,9 +23,13 @@ per kernel at a time, and none while one of this server's jobs runs on it):
 
 The panel's per-kernel switch (:attr:`Kernel.automatic`) turns the first two off for a
 kernel. A new policy is one function of a :class:`Kernel` here and one line in
-:func:`decide` (and its trigger in manifest.TRIGGERS): the places waiting for one are a
-snapshot of a kernel the culler stops ("culled") and, next, whether a snapshot may be
-incremental.
+:func:`decide` (and its trigger in manifest.TRIGGERS); the next one waiting is whether a
+snapshot may be incremental.
+
+A kernel shutdown the user did not ask for (jupyter_server's culler, with ``cull_action``
+"suspend"; a shutdown asked by someone other than the server's owner, with
+``admin_shutdown_action`` "suspend") is decided by :func:`culled` on the kernel's status,
+read once when the shutdown comes (jupyter_ext/culling.py carries it out).
 """
 
 from __future__ import annotations
@@ -36,6 +42,21 @@ from ..protocol import KernelStatus
 
 Trigger = Literal["periodic", "long-cell", "idle-suspend"]
 """What a policy starts; the manifest's trigger of the snapshot it takes."""
+
+EndedBy = Literal["culler", "other"]
+"""Who ends a kernel without its user asking: jupyter_server's culler, or a request by
+someone other than the server's owner (a hub admin, a service)."""
+
+EndAction = Literal["leave", "suspend", "snapshot", "shutdown"]
+"""What such a shutdown becomes (:func:`culled`): "leave": nothing, the kernel stays as
+it is; "suspend": the kernel is suspended instead (if that fails: "snapshot");
+"snapshot": snapshotted, then shut down (a busy kernel cannot be suspended); "shutdown":
+shut down as asked (not a snapshot kernel, or nothing in it to keep)."""
+
+LEFT_ALONE = ("suspended", "snapshotting", "restoring", "starting")
+"""Wrapper states in which the culler leaves a snapshot kernel alone: suspended (saved and
+freed already: culling it would only lose it), or a snapshot, restore or start under way
+(idle only to the culler)."""
 
 
 @dataclass(frozen=True)
@@ -197,9 +218,31 @@ def decide(
             trigger = "long-cell"
         elif idle_suspend_due(kernel, settings, wall_now):
             trigger = "idle-suspend"
-        # The next policies go here, each one more branch: "culled" (a kernel the
-        # culler stops is snapshotted first) and, next, whether a snapshot may be
+        # The next policy goes here, one more branch: whether a snapshot may be
         # incremental (a field of Decision that the dump reads).
         if trigger is not None:
             decisions.append(Decision(kernel.kernel_id, trigger))
     return Plan(decisions, is_round)
+
+
+def culled(kernel: Kernel, by: EndedBy = "culler") -> EndAction:
+    """What a shutdown of the kernel that its user did not ask for becomes, when it is to
+    keep the kernel's state (``cull_action`` or ``admin_shutdown_action`` "suspend").
+
+    The culler (which comes back every ``cull_interval``) leaves a kernel alone while one
+    of this server's jobs or its wrapper works on it, and once it is suspended. Someone
+    else's shutdown leaves a suspended kernel as it is (saved and freed already) and
+    suspends one a job works on once the job is done; a kernel starting or restoring has
+    nothing to keep yet that its snapshot does not hold: it is shut down."""
+    status = kernel.status
+    if by == "culler" and (
+        kernel.has_job or (status is not None and status["state"] in LEFT_ALONE)
+    ):
+        return "leave"
+    if status is None:
+        return "shutdown"  # not a snapshot kernel, or its wrapper is gone
+    if status["state"] == "suspended":
+        return "leave"
+    if status["state"] not in ("running", "snapshotting"):
+        return "shutdown"
+    return "snapshot" if status["execution_state"] == "busy" else "suspend"

@@ -3,7 +3,8 @@
 The store is a repository over a backend, as restic's is (docs/storage.md has the
 picture)::
 
-    stores.py      LocalStore, S3Store: a Repository over that backend, with its policies
+    stores.py      LocalStore, S3Store: a Repository over that backend, with its policies;
+                   STORE_KINDS, StoreSpec.from_settings and open_store: a store from settings
     repository.py  put, snapshots, get, fetch, open_images, delete, stats, sweep
       put.py         the upload pipeline (Upload, Packer), image adoption
       fetch.py       Reader, the download pipeline; images.py: SnapshotImages
@@ -13,8 +14,9 @@ picture)::
       sealing.py     AES-256-GCM pieces bound to what they are
       index.py       records and trailers read so far, Catalog (one owner: the repository)
       record.py      the record format;  pack.py: the pack format, range coalescing
-    backend/       base.py (the protocol), layout.py (the one path layout), local.py, s3.py,
-                   memory.py (a new one: one file, one line in stores.STORE_KINDS)
+    backend/       base.py (the protocols), layout.py (the one path layout), local.py, s3.py,
+                   memory.py: each a backend and its Options (its settings, how it is
+                   opened); a new one is one file and one line in stores.STORE_KINDS
     api.py         public types and error shapes
 
 Images are cut with page-aligned content-defined chunking (``chunking.py``), so successive
@@ -31,7 +33,7 @@ from .backend.s3 import S3Encryption
 from .images import SnapshotImages
 from .keys import KEY_SOURCES, EnvKeySource, FileKeySource, KeySettings, KeySource
 from .repository import DEFAULT_GRACE_SECONDS, REPACK_BELOW, Repository
-from .stores import STORE_KINDS, LocalStore, S3Store, StoreSpec, open_store
+from .stores import STORE_KINDS, LocalStore, S3Store, StoreKind, StoreSpec, open_store, store_kind
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS",
@@ -50,9 +52,11 @@ __all__ = [
     "SnapshotImages",
     "SnapshotStore",
     "StoreError",
+    "StoreKind",
     "StoreSpec",
     "StoreStats",
     "StoredImages",
     "StoredSnapshot",
     "open_store",
+    "store_kind",
 ]

@@ -179,8 +179,9 @@ class Reader:
     def read(
         self, group: list[ChunkRef], check: bool = True
     ) -> Iterator[tuple[ChunkRef, bytes | memoryview]]:
-        """Each chunk of a planned read with its bytes, decoded; checked against its sha256
-        unless ``check`` is false (a fetch checks whole files instead)."""
+        """Each chunk of a planned read with its bytes, decoded; checked (by its tag if
+        sealed, else its sha256) unless ``check`` is false (a fetch checks whole files
+        instead)."""
         obj = group[0].where.obj
         start = min(r.where.offset for r in group)
         end = max(r.where.offset + r.where.length for r in group)
@@ -200,7 +201,7 @@ class Reader:
     ) -> Iterator[tuple[ChunkRef, bytes | memoryview]]:
         with self._lock:
             if self._catalog is None or group[0].where.obj in self._catalog.objects:
-                self._catalog = self.index.locate_all(also=self.record)
+                self._catalog = self.index.locate_all(also=self.record.summary())
             catalog = self._catalog
         moved = []
         for ref in group:
@@ -213,9 +214,8 @@ class Reader:
 
     def _decoded(self, ref: ChunkRef, blob: memoryview, check: bool) -> bytes | memoryview:
         try:
-            data = pack.decode(blob, ref.where.codec, ref.size, ref.hash, self.sealer)
-            if check:
-                pack.check_chunk(data, ref.size, ref.hash)
+            decoder = pack.decode_checked if check else pack.decode
+            data = decoder(blob, ref.where.codec, ref.size, ref.hash, self.sealer)
         except ValueError as exc:
             raise self.damaged(ref, str(exc)) from exc
         return data

@@ -16,6 +16,9 @@ from urllib.parse import parse_qsl, urlsplit
 from .api import StoreError
 from .scope import EMPTY_SHA256
 
+TOKEN_ENV = "JUPYTERHUB_API_TOKEN"
+"""The server's own hub token, which JupyterHub sets in its environment."""
+
 _HINT = (
     "Check that the hub service {url} runs (c.JupyterHub.services, docs/jupyterhub.md) and "
     "that this server's token may use it (the hub's server role needs "
@@ -159,13 +162,8 @@ class HubKeySource:
     def _fetch(self) -> tuple[tuple[str, bytes], list[tuple[str, bytes]]]:
         with self._lock:
             if self._keys is None or time.monotonic() - self._keys[0] > self.max_age:
-                answer = self.client.call("GET", "key")
-
-                def decode(entry: dict[str, str]) -> tuple[str, bytes]:
-                    return entry["id"], base64.b64decode(entry["key"])
-
-                current = decode(answer["current"])
-                self._keys = (time.monotonic(), current, [decode(e) for e in answer["previous"]])
+                current, previous = keys_of(self.client.call("GET", "key"))
+                self._keys = (time.monotonic(), current, previous)
             return self._keys[1], self._keys[2]
 
     def current(self) -> tuple[str, bytes]:
@@ -173,3 +171,12 @@ class HubKeySource:
 
     def previous(self) -> list[tuple[str, bytes]]:
         return self._fetch()[1]
+
+
+def keys_of(answer: dict[str, Any]) -> tuple[tuple[str, bytes], list[tuple[str, bytes]]]:
+    """The current and previous keys of the service's ``GET key`` answer."""
+
+    def decode(entry: dict[str, str]) -> tuple[str, bytes]:
+        return entry["id"], base64.b64decode(entry["key"])
+
+    return decode(answer["current"]), [decode(e) for e in answer["previous"]]

@@ -20,6 +20,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,6 +30,7 @@ from ..errors import SnapshotCorruptError
 from ..private import Exposed
 from .api import StoreError
 from .backend import Backend, Handle, Kind, ObjectStat, layout
+from .hubclient import TOKEN_ENV, HubClient, HubKeySource
 from .pack import Parts
 from .sealing import KEY_BYTES, Sealer, is_sealed_file
 
@@ -182,8 +184,7 @@ class KeySettings:
     """What a key source may be made from."""
 
     key_file: Path
-    owner: str
-    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ), repr=False)
     """The server's environment: $JUPYTER_SNAPSHOT_KEY ("env"), $JUPYTERHUB_API_TOKEN
     ("hub", and the hub service's signatures of S3 requests)."""
     hub_service_url: str = ""
@@ -191,13 +192,11 @@ class KeySettings:
 
     @property
     def hub_token(self) -> str:
-        return self.environ.get("JUPYTERHUB_API_TOKEN", "")
+        return self.environ.get(TOKEN_ENV, "")
 
 
 def _hub_key_source(settings: KeySettings) -> KeySource:
     """The user's KEK from the hub service, asked with the server's own hub token."""
-    from .hubclient import HubClient, HubKeySource
-
     if not settings.hub_service_url:
         raise StoreError(
             "The snapshot store's key source is 'hub', but no hub service is configured.",
@@ -228,42 +227,28 @@ def make_key_source(name: str, settings: KeySettings) -> KeySource | None:
     return KEY_SOURCES[name](settings)
 
 
-@dataclass
-class _Payload:
-    master: bytes
-    plaintext_records: dict[str, str]
-    """Records stored before encryption began (id -> sha256 of the record): still read,
-    any other unencrypted record is refused as forged."""
+def _payload(master: bytes) -> bytes:
+    """What a key object wraps: the master key (a key object of the first encrypted
+    version also listed records it let through unencrypted; that list is ignored)."""
+    return json.dumps({"master": base64.b64encode(master).decode()}).encode()
 
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "master": base64.b64encode(self.master).decode(),
-                "plaintext_records": self.plaintext_records,
-            },
-            sort_keys=True,
-        ).encode()
 
-    @classmethod
-    def parse(cls, data: bytes) -> _Payload:
-        doc = json.loads(data)
-        master = base64.b64decode(doc["master"])
-        records = {str(k): str(v) for k, v in dict(doc["plaintext_records"]).items()}
-        if len(master) != KEY_BYTES:
-            raise ValueError("the master key has the wrong size")
-        return cls(master, records)
+def _parse_payload(data: bytes) -> bytes:
+    master = base64.b64decode(json.loads(data)["master"])
+    if len(master) != KEY_BYTES:
+        raise ValueError("the master key has the wrong size")
+    return master
 
 
 class Keyring:
     """The master key of one store, unwrapped on first use (not at start: a store may be
-    unreachable then), and created with the first put into a store that has none."""
+    unreachable then), and created with the first use of a store that has none."""
 
     def __init__(self, backend: Backend, source: KeySource) -> None:
         self.backend = backend
         self.source = source
         self._lock = threading.Lock()
         self._sealer: Sealer | None = None
-        self._payload: _Payload | None = None
         self._kek_id = ""
 
     def describe(self) -> str:
@@ -272,31 +257,13 @@ class Keyring:
     def sealer(self) -> Sealer:
         with self._lock:
             if self._sealer is None:
-                self._payload = self._open()
-                self._sealer = Sealer(self._payload.master)
+                self._sealer = Sealer(self._open())
             return self._sealer
 
     @property
     def kek_id(self) -> str:
         self.sealer()
         return self._kek_id
-
-    def plaintext_allowed(self, snapshot_id: str, data: bytes) -> bool:
-        """Whether an unencrypted record is one the store held when encryption began."""
-        self.sealer()
-        assert self._payload is not None
-        expected = self._payload.plaintext_records.get(snapshot_id)
-        return expected is not None and hashlib.sha256(data).hexdigest() == expected
-
-    def forget_plaintext(self, snapshot_ids: set[str]) -> None:
-        """After a migration: unencrypted records of these ids are refused from now on."""
-        self.sealer()
-        with self._lock:
-            assert self._payload is not None
-            for snapshot_id in snapshot_ids:
-                self._payload.plaintext_records.pop(snapshot_id, None)
-            kek_id, kek = self._current()
-            self.backend.save(layout.key(kek_id), self._wrap(kek_id, kek, self._payload))
 
     def _current(self) -> tuple[str, bytes]:
         kek_id, kek = self.source.current()
@@ -307,7 +274,7 @@ class Keyring:
             )
         return kek_id, kek
 
-    def _open(self) -> _Payload:
+    def _open(self) -> bytes:
         kek_id, kek = self._current()
         names = set(self.backend.names(Kind.KEY))
         if kek_id in names:
@@ -315,13 +282,13 @@ class Keyring:
             return self._unwrap(kek_id, kek)
         for old_id, old in self.source.previous():
             if old_id in names:
-                payload = self._unwrap(old_id, old)
-                self.backend.save(layout.key(kek_id), self._wrap(kek_id, kek, payload))
+                master = self._unwrap(old_id, old)
+                self.backend.save(layout.key(kek_id), self._wrap(kek_id, kek, master))
                 for name in names - {kek_id}:
                     self.backend.remove(layout.key(name))
                 logger.info("Snapshot store key rewrapped: %s -> %s", old_id, kek_id)
                 self._kek_id = kek_id
-                return payload
+                return master
         if names:
             where = self.backend.location(layout.key(sorted(names)[0]))
             raise StoreError(
@@ -335,14 +302,13 @@ class Keyring:
         self._kek_id = kek_id
         return self._unwrap(kek_id, kek) if created is None else created  # None: raced
 
-    def _create(self, kek_id: str, kek: bytes) -> _Payload | None:
-        """A new master key; the records already there (unencrypted) stay readable."""
-        plaintext = {}
+    def _create(self, kek_id: str, kek: bytes) -> bytes | None:
+        """A new master key. Unencrypted records already in the store are not let through
+        (whoever could write the store before could have put them there): a user who
+        trusts them encrypts them with ``jupyter snapshot store encrypt``."""
         for snapshot_id in self.backend.names(Kind.RECORD):
             data = self.backend.load(layout.record(snapshot_id))
-            if data is None:
-                continue
-            if is_sealed_file(data):
+            if data is not None and is_sealed_file(data):
                 raise StoreError(
                     f"The snapshot store has encrypted snapshots but no key object under "
                     f"{self.backend.location(layout.key(kek_id)).rsplit('/', 1)[0]}: they "
@@ -350,20 +316,19 @@ class Keyring:
                     hint="Restore the store's keys/ objects from a backup; without them the "
                     "encrypted snapshots are lost.",
                 )
-            plaintext[snapshot_id] = hashlib.sha256(bytes(data)).hexdigest()
-        payload = _Payload(os.urandom(KEY_BYTES), plaintext)
-        if not self.backend.save_if_absent(layout.key(kek_id), self._wrap(kek_id, kek, payload)):
+        master = os.urandom(KEY_BYTES)
+        if not self.backend.save_if_absent(layout.key(kek_id), self._wrap(kek_id, kek, master)):
             return None
         logger.info("Snapshot store encrypted from now on; key: %s", self.describe())
-        return payload
+        return master
 
-    def _wrap(self, kek_id: str, kek: bytes, payload: _Payload) -> bytes:
-        sealed = Sealer(kek).seal(payload.to_json(), _key_context(kek_id))
+    def _wrap(self, kek_id: str, kek: bytes, master: bytes) -> bytes:
+        sealed = Sealer(kek).seal(_payload(master), _key_context(kek_id))
         return json.dumps(
             {"format": KEY_FORMAT, "kek": kek_id, "sealed": base64.b64encode(sealed).decode()}
         ).encode()
 
-    def _unwrap(self, kek_id: str, kek: bytes) -> _Payload:
+    def _unwrap(self, kek_id: str, kek: bytes) -> bytes:
         handle = layout.key(kek_id)
         data = self.backend.load(handle)
         try:
@@ -373,7 +338,7 @@ class Keyring:
             if doc.get("format") != KEY_FORMAT or doc.get("kek") != kek_id:
                 raise ValueError("it is not a key object of this version")
             sealed = base64.b64decode(doc["sealed"])
-            return _Payload.parse(Sealer(kek).open(sealed, _key_context(kek_id)))
+            return _parse_payload(Sealer(kek).open(sealed, _key_context(kek_id)))
         except (ValueError, KeyError, TypeError) as exc:
             raise StoreError(
                 f"The snapshot store's key {self.backend.location(handle)} cannot be "
@@ -381,6 +346,19 @@ class Keyring:
                 hint="Put back the key this store was made with, or the store's keys/ "
                 "objects from a backup.",
             ) from exc
+
+
+def unencrypted_record(where: str, snapshot_id: str) -> SnapshotCorruptError:
+    store = where.rsplit("/snapshots/", 1)[0]
+    return SnapshotCorruptError(
+        f"The record {where} is not encrypted, though this store is: it is not read, since "
+        "anyone who could write the store could have put it there (a snapshot that runs "
+        "code when restored).",
+        hint=f"If it is yours, from before {store} was encrypted, store it again encrypted: "
+        "`jupyter snapshot store encrypt` with that store (--store-dir DIR, or --s3-bucket B "
+        f"--s3-prefix P), which reads every unencrypted record there as yours; if it is not, "
+        f"delete it: `jupyter snapshot rm {snapshot_id}`.",
+    )
 
 
 def _key_context(kek_id: str) -> bytes:
@@ -394,11 +372,25 @@ class SealedBackend:
     """A backend whose records and claims are sealed with the master key on the way in and
     opened on the way out (each bound to its path: a record moved to another name does
     not open). Packs pass through: their chunks are sealed one by one (pack.py). Without a
-    keyring, everything passes through, and a sealed file is refused with the reason."""
+    keyring, everything passes through, and a sealed file is refused with the reason.
+
+    With a keyring an unencrypted record is refused (anyone who could write the store
+    could have put it there), except the ones a migration the user runs was told to
+    trust (:meth:`trusting`, ``jupyter snapshot store encrypt``)."""
 
     def __init__(self, inner: Backend, keyring: Keyring | None) -> None:
         self.inner = inner
         self.keyring = keyring
+        self._trusted: frozenset[str] = frozenset()
+
+    @contextmanager
+    def trusting(self, snapshot_ids: set[str]) -> Iterator[None]:
+        """Let these snapshots' unencrypted records through while a migration reads them."""
+        self._trusted = frozenset(snapshot_ids)
+        try:
+            yield
+        finally:
+            self._trusted = frozenset()
 
     def _seal(self, handle: Handle, data: bytes) -> bytes:
         if self.keyring is None or handle.kind not in SEALED_KINDS:
@@ -429,14 +421,9 @@ class SealedBackend:
             if (
                 self.keyring is not None
                 and handle.kind is Kind.RECORD
-                and not self.keyring.plaintext_allowed(handle.name, data)
+                and handle.name not in self._trusted
             ):
-                raise SnapshotCorruptError(
-                    f"The record {where} is not encrypted, though this store is, and was not "
-                    "in the store when its encryption began: it was not written by this "
-                    "product (tampered with?).",
-                    hint="Delete this snapshot; pick another one.",
-                )
+                raise unencrypted_record(where, handle.name)
             return data
         if self.keyring is None:
             raise StoreError(

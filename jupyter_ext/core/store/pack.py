@@ -163,6 +163,24 @@ def decode(
         raise ValueError(f"it cannot be decompressed ({exc})") from exc
 
 
+def decode_checked(
+    blob: bytes | memoryview,
+    codec: Codec,
+    size: int,
+    digest: str,
+    sealer: Sealer | None = None,
+) -> bytes | memoryview:
+    """A chunk's bytes from its blob, checked to be the chunk ``digest`` (ValueError if
+    not): a sealed one by its tag, whose associated data holds the digest and size (only
+    the key's holder can seal bytes for a digest, so hashing them again adds nothing but
+    a pass over the bytes: 0.17 s per 256 MiB, more than opening them), another by its
+    sha256."""
+    data = decode(blob, codec, size, digest, sealer)
+    if codec not in SEALED_CODECS:
+        check_chunk(data, size, digest)
+    return data
+
+
 def check_chunk(data: bytes | memoryview, size: int, digest: str) -> None:
     if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
         raise ValueError("it has the wrong sha256")

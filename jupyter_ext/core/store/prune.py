@@ -11,18 +11,12 @@ import time
 from dataclasses import dataclass, field
 
 from . import pack
-from .api import StoreError
 from .backend import ObjectStat
 from .claims import Claims, Lease
-from .index import Catalog, Index
-from .pack import Location
-from .record import Record
+from .index import Catalog, Index, Needs
 from .repack import Repack
 
 logger = logging.getLogger(__name__)
-
-Needed = dict[str, dict[str, tuple[int, Location]]]
-"""pack -> sha256 -> (size, where) of every chunk a record needs, where it is now."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +38,8 @@ class Survey:
     marker: str
     puts: list[PutFile]
     objects: dict[str, ObjectStat]
-    records: dict[str, Record]
     catalog: Catalog
+    """Of every record."""
 
 
 @dataclass
@@ -56,7 +50,7 @@ class CleanupPlan:
     """The candidates (of failed or killed puts) among them."""
     repack: list[str]
     """Old packs mostly unneeded, to rewrite (only when no other clean-up runs)."""
-    needed: Needed
+    needed: Needs
     finished: list[str] = field(default_factory=list)
     """Claims and markers to remove at the end (failed puts', killed ones')."""
 
@@ -81,7 +75,7 @@ def survey(claims: Claims, index: Index, marker: str, own: set[str]) -> Survey:
             puts.append(PutFile(name, stale, frozenset(claims.claimed_objects(name, stale))))
     objects = index.objects()
     records = index.records(strict=True)
-    return Survey(marker, puts, objects, records, index.catalog(records.values(), objects))
+    return Survey(marker, puts, objects, index.catalog(records.values(), objects))
 
 
 def plan_cleanup(
@@ -113,43 +107,26 @@ def plan_cleanup(
             finished.append(put.name)
         else:
             live |= put.objects
-    needed = _needed(found.records, found.catalog)
+    needed = found.catalog.needs()
     objects = found.objects
-    doomed = sorted((candidates & objects.keys()) - needed.keys() - live)
+    doomed = sorted((candidates & objects.keys()) - needed.bytes.keys() - live)
     old = {
         name
         for name, stat in objects.items()
-        if sweep and name not in needed and name not in live and stat.mtime <= cutoff
+        if sweep and name not in needed.bytes and name not in live and stat.mtime <= cutoff
     }
     worn = []
     if sweep and alone:
         worn = [
             name
             for name, stat in sorted(objects.items())
-            if name in needed
+            if name in needed.bytes
             and name not in live
             and pack.is_pack_name(name)
             and stat.mtime <= cutoff
-            and sum(w.length for _, w in needed[name].values()) < repack_below * stat.size
+            and needed.bytes[name] < repack_below * stat.size
         ]
     return CleanupPlan(sorted(set(doomed) | old), doomed, worn, needed, finished)
-
-
-def _needed(records: dict[str, Record], catalog: Catalog) -> Needed:
-    needed: Needed = {}
-    for record in records.values():
-        for ref in record.distinct().values():
-            where = catalog.resolve(ref)
-            if where is None:
-                # Deleting by a wrong picture of the store could lose more.
-                raise StoreError(
-                    f"Snapshot {record.manifest.id} needs chunk {ref.hash[:12]}…, "
-                    "which is in no pack of the store, so nothing is removed now.",
-                    hint="Delete that snapshot (it cannot be restored), then "
-                    "the clean-up runs again.",
-                )
-            needed.setdefault(where.obj, {})[ref.hash] = (ref.size, where)
-    return needed
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from ..protocol import ProgressCallback
 from . import pack
 from .api import ChunkRef, StoreError, corrupt, os_hint, report
 from .backend import Handle, Kind
-from .index import Index
+from .index import Catalog, Index
 from .pack import Location
 from .sealing import Sealer
 from .workers import Bounded, MappedFile, sha256_hex
@@ -84,8 +84,8 @@ class Upload:
         """Where each distinct chunk is: in a pack of this put, or one it reuses."""
         self.sources: dict[str, tuple[str, int, int]] = {}
         """Where each distinct chunk is in the snapshot: file, offset, size."""
-        self.known: dict[str, Location] = {}
-        """The chunks the store has (listed at the start)."""
+        self.catalog: Catalog | None = None
+        """Where the chunks the store has are (listed at the start)."""
         self.sealer: Sealer | None = None
         """The store's master key (None: not encrypted), from the start of the put."""
         self.lock = threading.Lock()
@@ -105,6 +105,15 @@ class Upload:
         self.stamps: manifest_mod.Stamps = {}
         """Each file's stamp as this put found it (after its own link, if it adopted it):
         it must still have it when the record is written."""
+
+    def known(self, digest: str) -> Location | None:
+        """Where the store has the chunk, if this put may reuse it: an encrypted put reuses
+        only sealed chunks (an unencrypted one, of a store from before its encryption,
+        would stay readable to whoever reads the store)."""
+        where = None if self.catalog is None else self.catalog.find(digest)
+        if where is None or (where.codec in pack.SEALED_CODECS) != (self.sealer is not None):
+            return None
+        return where
 
     def relied_on(self) -> set[str]:
         """Every pack this put has written, is writing, or reuses chunks of."""
@@ -134,13 +143,7 @@ class Upload:
         report(self.progress, "uploading", 0, total)
         keyring = self.index.keyring
         self.sealer = None if keyring is None else keyring.sealer()
-        # An encrypted put reuses only sealed chunks (an unencrypted one, of a store from
-        # before its encryption, would stay readable to whoever reads the store).
-        self.known = {
-            digest: where
-            for digest, where in self.index.locate_all().located.items()
-            if (where.codec in pack.SEALED_CODECS) == (self.sealer is not None)
-        }
+        self.catalog = self.index.locate_all()
         self.sealed = manifest_mod.sealed_stamps(self.root)
         try:
             with Packer(self) as packer, ThreadPoolExecutor(self.settings.max_workers) as pool:
@@ -181,7 +184,7 @@ class Upload:
             digest = hashlib.sha256(data).hexdigest()
             if expected is not None and digest != expected:
                 raise corrupt(self.manifest.id, "a chunk differs from its manifest entry")
-        if digest in self.known:
+        if self.known(digest) is not None:
             return digest, len(data), None, "raw"
         blob, codec = pack.encode(data, compressibility.worth_trying(), self.sealer, digest)
         compressibility.saw(codec)
@@ -199,7 +202,8 @@ class Upload:
         if digest not in self.locations:
             self.sources[digest] = (path, self.file_offset, size)
             if blob is None:
-                where = self.known[digest]
+                where = self.known(digest)
+                assert where is not None  # known when it was prepared
                 with self.lock:
                     self._relied.add(where.obj)
             else:
@@ -284,7 +288,7 @@ class Upload:
         firsts: dict[str, int] = {}
         for digest, size in entry.chunks:
             firsts.setdefault(digest, size)
-        new = sum(n for d, n in firsts.items() if d not in self.known and d not in self.locations)
+        new = sum(n for d, n in firsts.items() if d not in self.locations and not self.known(d))
         if new < ADOPT_NEW_SHARE * entry.size or self._saving(entry) >= ADOPT_MAX_SAVING:
             return False
         path = self._path(entry.path)
@@ -298,7 +302,7 @@ class Upload:
         for digest, size in entry.chunks:
             if digest not in self.locations:
                 self.sources[digest] = (entry.path, offset, size)
-                where = self.known.get(digest)
+                where = self.known(digest)
                 if where is None:
                     where = Location(name, offset, size, "raw")
                     self.new_bytes += size
@@ -359,13 +363,14 @@ class Upload:
         gone = [digest for digest, where in self.locations.items() if where.obj not in objects]
         if not gone:
             return []
-        located = self.index.locate_all(objects, gone).located
+        catalog = self.index.locate_all(objects, gone)
         lost = []
         for digest in gone:
-            if digest in located:
-                self.locations[digest] = located[digest]
+            where = catalog.find(digest)
+            if where is not None:
+                self.locations[digest] = where
                 with self.lock:
-                    self._relied.add(located[digest].obj)
+                    self._relied.add(where.obj)
             else:
                 lost.append(digest)
         return lost

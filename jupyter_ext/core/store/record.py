@@ -5,14 +5,20 @@ checked."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from array import array
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from .. import manifest as manifest_mod
 from ..errors import SnapshotCorruptError
-from ..manifest import Manifest
+from ..manifest import FileEntry, Manifest
 from . import pack, sealing
 from .api import ChunkRef
 from .pack import Location
@@ -43,6 +49,21 @@ class Record:
             for ref in refs:
                 found.setdefault(ref.hash, ref)
         return found
+
+    @property
+    def chunk_count(self) -> int:
+        return len(self.distinct())
+
+    def summary(self) -> Summary:
+        """What the index keeps of this record between reads."""
+        files = [FileEntry(e.path, e.size, e.sha256) for e in self.manifest.files]
+        return Summary(
+            dataclasses.replace(self.manifest, files=files),
+            self.stored_bytes,
+            self.new_bytes,
+            self.chunk_kib,
+            ChunkTable(self.distinct().values()),
+        )
 
     def to_json(self) -> bytes:
         objects = sorted(self.objects())
@@ -112,6 +133,83 @@ class Record:
                 f"The store's record of snapshot {snapshot_id} is damaged: {exc}",
                 hint="Delete this snapshot and pick another one.",
             ) from exc
+
+
+DIGEST = np.dtype((np.void, 32))
+"""A sha256 digest as one numpy value (compared and sorted bytewise)."""
+
+
+class ChunkTable:
+    """Chunks and where each is stored, as numpy columns: sha256 digests, the index of
+    their object in ``objects``, numbers. About 60 bytes a chunk where ChunkRefs took ~400
+    (a hex digest, a Location, its ints and codec name as objects of their own), and a
+    catalog of many tables is made without an object per chunk (index.Catalog)."""
+
+    __slots__ = ("codecs", "digests", "lengths", "objects", "offsets", "sizes", "where")
+
+    def __init__(self, refs: Iterable[ChunkRef]) -> None:
+        objects: dict[str, int] = {}
+        digests = bytearray()
+        sizes, offsets, lengths = array("Q"), array("Q"), array("Q")
+        where, codecs = array("I"), array("B")
+        for ref in refs:
+            digests += bytes.fromhex(ref.hash)
+            sizes.append(ref.size)
+            where.append(objects.setdefault(ref.where.obj, len(objects)))
+            offsets.append(ref.where.offset)
+            lengths.append(ref.where.length)
+            codecs.append(pack.CODECS.index(ref.where.codec))
+        self.objects = tuple(objects)
+        self.digests: npt.NDArray[np.void] = np.frombuffer(bytes(digests), dtype=DIGEST)
+        self.sizes: npt.NDArray[np.uint64] = np.frombuffer(sizes, dtype=np.uint64)
+        self.where: npt.NDArray[np.uint32] = np.frombuffer(where, dtype=np.uint32)
+        """Each chunk's object, as its index in ``objects``."""
+        self.offsets: npt.NDArray[np.uint64] = np.frombuffer(offsets, dtype=np.uint64)
+        self.lengths: npt.NDArray[np.uint64] = np.frombuffer(lengths, dtype=np.uint64)
+        self.codecs: npt.NDArray[np.uint8] = np.frombuffer(codecs, dtype=np.uint8)
+        """Each chunk's codec, as its index in pack.CODECS."""
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __iter__(self) -> Iterator[ChunkRef]:
+        """The chunks as ChunkRefs, made as they are asked for."""
+        hexes = self.digests.tobytes().hex()
+        objects, codecs = self.objects, pack.CODECS
+        columns = (self.sizes, self.where, self.offsets, self.lengths, self.codecs)
+        rows = zip(range(0, len(hexes), 64), *(c.tolist() for c in columns), strict=True)
+        for at, size, obj, offset, length, codec in rows:
+            where = Location(objects[obj], offset, length, codecs[codec])
+            yield ChunkRef(hexes[at : at + 64], size, where)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A record as the store's index keeps it between reads: what listing snapshots, the
+    catalog of where chunks are and clean-ups need. A parsed :class:`Record` holds its
+    manifest twice and every chunk three times as objects (~700 bytes a chunk, ~11 MB
+    for a 256 MiB kernel's snapshot); a server keeps every retained snapshot's, so it grew by
+    tens of MiB under load and kept them (bench/RESULTS.md). A whole record is parsed
+    afresh where one is read for itself (a restore, a fetch)."""
+
+    manifest: Manifest
+    """Its file entries without their chunk lists (``chunks`` None)."""
+    stored_bytes: int
+    new_bytes: int
+    chunk_kib: int | None
+    chunks: ChunkTable
+    """The first ref of each distinct chunk, in file order."""
+
+    def objects(self) -> set[str]:
+        return set(self.chunks.objects)
+
+    def distinct(self) -> dict[str, ChunkRef]:
+        """hash -> the first ref of each distinct chunk."""
+        return {ref.hash: ref for ref in self.chunks}
+
+    @property
+    def chunk_count(self) -> int:
+        return len(self.chunks)
 
 
 def _parse_chunks(doc: dict[str, Any]) -> dict[str, list[ChunkRef]]:

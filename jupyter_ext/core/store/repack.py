@@ -14,7 +14,7 @@ from ..humanize import human_bytes
 from . import pack
 from .backend import Handle, Kind, layout
 from .claims import Claims, Lease
-from .index import Index
+from .index import Index, Needs
 from .pack import Location
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class Repack:
         keyring = index.keyring
         self.sealer = None if keyring is None else keyring.sealer()
 
-    def run(self, worn: list[str], needed: dict[str, dict[str, tuple[int, Location]]]) -> None:
+    def run(self, worn: list[str], needed: Needs) -> None:
         """Copy the needed chunks of ``worn`` packs into new packs, then delete them.
 
         Every chunk is checked before it is copied; a pack with a damaged chunk is left
@@ -59,14 +59,14 @@ class Repack:
         try:
             for name in worn:
                 self.lease.check()
-                copied = self._checked_chunks(name, needed[name])
+                copied = self._checked_chunks(name, needed.chunks(name))
                 if copied is None:
                     continue
                 for digest, size, blob, codec in copied:
                     builder = builder or pack.PackBuilder(self.sealer)
                     builder.add(digest, size, blob, codec)
                 done.append(name)
-                kept += sum(w.length for _, w in needed[name].values())
+                kept += needed.bytes[name]
                 if builder is not None and builder.size >= self.pack_bytes:
                     flush()
             flush()
@@ -99,8 +99,7 @@ class Repack:
                 for digest, where in group:
                     blob = data[where.offset - start : where.offset - start + where.length]
                     size = chunks[digest][0]
-                    plain = pack.decode(blob, where.codec, size, digest, self.sealer)
-                    pack.check_chunk(plain, size, digest)
+                    pack.decode_checked(blob, where.codec, size, digest, self.sealer)
                     copied.append((digest, size, blob, where.codec))
         except ValueError as exc:
             logger.warning("Pack %s is not repacked: a chunk %s", name, exc)

@@ -10,7 +10,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self, TypedDict, Unpack
 
 from .. import manifest as manifest_mod
 from ..chunking import ChunkParams, auto_chunk_kib
@@ -25,10 +25,10 @@ from .claims import Claims, Heartbeat
 from .fetch import Reader, fetch_into
 from .images import SnapshotImages
 from .index import Index
-from .keys import Keyring, KeySource, SealedBackend
+from .keys import KEY_SOURCES, Keyring, KeySource, SealedBackend
 from .prune import Cleaner
 from .put import PutSettings, Upload
-from .record import Record
+from .record import Record, Summary
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +40,29 @@ REUPLOAD_ROUNDS = 3
 """A put uploads again the chunks a concurrent clean-up removed, this many times at most."""
 
 
+class Tuning(TypedDict, total=False):
+    """The repository's settings a store passes on (:class:`Repository` has the defaults)."""
+
+    grace_seconds: float
+    chunking: ChunkParams | None
+    pack_bytes: int
+    repack_below: float
+    keys: KeySource | None
+
+
 class Repository:
     """Snapshots in one store. Subclasses choose the backend and their policies: whether
     images are adopted, what a failed put's error says, what a sweep also removes."""
 
     adopts_images = False
+
+    @classmethod
+    def over(cls, backend: Backend, *, max_workers: int, **tuning: Unpack[Tuning]) -> Self:
+        """This class's store over ``backend`` as it was opened (how ``stores.open_store``
+        makes each; a subclass's own constructor opens its backend from arguments)."""
+        store = cls.__new__(cls)
+        Repository.__init__(store, backend, max_workers=max_workers, **tuning)
+        return store
 
     def __init__(
         self,
@@ -70,9 +88,9 @@ class Repository:
         """The store's master key (None: not encrypted)."""
         if self.keyring is not None:
             self.adopts_images = False  # an image pack is the snapshot's file as it is
-        sealed = SealedBackend(backend, self.keyring)
-        self.index = Index(sealed, max_workers, self.keyring)
-        self.claims = Claims(sealed)
+        self.sealed = SealedBackend(backend, self.keyring)
+        self.index = Index(self.sealed, max_workers, self.keyring)
+        self.claims = Claims(self.sealed)
         self._leftovers: dict[str, set[str]] = {}
         """Failed puts whose clean-up failed too (store unreachable): claim token -> the
         objects to remove; tried again after the next put and by every delete."""
@@ -207,8 +225,8 @@ class Repository:
             return self.chunking
         previous = None
         if manifest.parent_id and manifest_mod.SNAPSHOT_ID_RE.match(manifest.parent_id):
-            parent = self.index.try_load(manifest.parent_id)
-            if isinstance(parent, Record):
+            parent = self.index.try_summary(manifest.parent_id)
+            if isinstance(parent, Summary):
                 previous = parent.chunk_kib
         return ChunkParams.of_kib(auto_chunk_kib(manifest.total_bytes, previous))
 
@@ -239,9 +257,10 @@ class Repository:
         """Remove the record, then sweep and repack what nothing needs any more.
 
         ``missing_ok``: a snapshot already gone (another retention pass, another server
-        deleted it) is not an error: retention deletes what it planned, once."""
+        deleted it) is not an error: retention deletes what it planned, once. A record
+        that cannot be read (damaged, or unencrypted in an encrypted store) is deleted too."""
         manifest_mod.check_snapshot_id(snapshot_id)
-        if self.index.load(snapshot_id) is None:
+        if self.index.try_summary(snapshot_id) is None:
             if missing_ok:
                 return
             self._require(snapshot_id)
@@ -274,14 +293,17 @@ class Repository:
     def encrypt_unencrypted(
         self, work_dir: Path, said: Callable[[str], None] | None = None
     ) -> list[str]:
-        """Store every unencrypted snapshot (of a store from before its encryption) again,
-        encrypted: each is fetched and verified into ``work_dir``, its record removed and
-        the snapshot put again under its id (a failed put writes the old record back).
-        Then the unencrypted packs no record needs are removed at once. The ids done."""
+        """Store every unencrypted snapshot again, encrypted: the user's explicit migration
+        of a store from before its encryption, the only way an unencrypted record is read
+        by an encrypted store (whoever could write the store could have put one there).
+        Each is fetched and verified into ``work_dir``, its record removed and the snapshot
+        put again under its id (a failed put writes the old record back). Then the
+        unencrypted packs no record needs are removed at once. The ids done."""
         if self.keyring is None:
             raise StoreError(
-                "This store has no encryption key source.",
-                hint="Choose a key source (file or env) to encrypt it.",
+                "This store has no encryption key source (encryption_key_source 'none').",
+                hint=f"Choose one: {', '.join(KEY_SOURCES)} (--key-source; the server's "
+                "encryption_key_source by default).",
             )
         self.keyring.sealer()
         unencrypted: dict[str, bytes] = {}
@@ -290,25 +312,24 @@ class Repository:
             if data is not None and not sealing.is_sealed_file(data):
                 unencrypted[snapshot_id] = bytes(data)
         done = []
-        for snapshot_id, data in unencrypted.items():
-            self._require(snapshot_id)  # refuses a plaintext record that is not the store's
-            staging = Path(work_dir) / f"encrypting-{snapshot_id}"
-            manifest_mod.remove_tree(staging)
-            self.fetch(snapshot_id, staging)
-            try:
-                self.backend.remove(layout.record(snapshot_id))
-                self.index.forget(snapshot_id)
-                try:
-                    self.put(staging)
-                except BaseException:
-                    self.backend.save_if_absent(layout.record(snapshot_id), data)
-                    raise
-            finally:
+        with self.sealed.trusting(set(unencrypted)):
+            for snapshot_id, data in unencrypted.items():
+                staging = Path(work_dir) / f"encrypting-{snapshot_id}"
                 manifest_mod.remove_tree(staging)
-            done.append(snapshot_id)
-            if said is not None:
-                said(snapshot_id)
-        self.keyring.forget_plaintext(set(unencrypted))
+                self.fetch(snapshot_id, staging)
+                try:
+                    self.backend.remove(layout.record(snapshot_id))
+                    self.index.forget(snapshot_id)
+                    try:
+                        self.put(staging)
+                    except BaseException:
+                        self.backend.save_if_absent(layout.record(snapshot_id), data)
+                        raise
+                finally:
+                    manifest_mod.remove_tree(staging)
+                done.append(snapshot_id)
+                if said is not None:
+                    said(snapshot_id)
         self._remove_unencrypted_packs()
         return done
 
@@ -381,11 +402,11 @@ class Repository:
             )
         return self._stored(record)
 
-    def _stored(self, record: Record) -> StoredSnapshot:
+    def _stored(self, record: Record | Summary) -> StoredSnapshot:
         return StoredSnapshot(
             manifest=record.manifest,
             stored_bytes=record.stored_bytes,
             new_bytes=record.new_bytes,
-            chunk_count=len(record.distinct()),
+            chunk_count=record.chunk_count,
             location=self.backend.location(layout.record(record.manifest.id)),
         )

@@ -69,10 +69,40 @@ _OBJECT_IDS = {
 }
 
 
+SAFE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""User names that are their own part of a store's path: letters, digits, ``.``, ``_``,
+``-``, beginning with a letter or digit (so never ``.``, ``..`` or a name that begins with
+the escape marker ``_``)."""
+MAX_NAME_CHARS = 100
+"""The longest part a user's name becomes (well under a file name's 255 bytes)."""
+_KEPT = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")
+
+
+def user_part(username: str) -> str:
+    """A user's own name in the store: one path segment, different for every name.
+
+    A safe name (:data:`SAFE_NAME_RE`, at most :data:`MAX_NAME_CHARS`) is itself. Any
+    other name is ``_`` followed by its UTF-8 bytes, every byte but letters, digits, ``.``
+    and ``-`` written ``_xx`` (hex): ``a@b.c`` is ``_a_40b.c``, ``a_b`` stays ``a_b``, the
+    empty name is ``_``. Safe names never begin with ``_`` and the escapes decode one way
+    only, so no two names meet. Where that form would be longer than MAX_NAME_CHARS, the
+    name's sha256 (hex), ``_`` and the escaped form, cut to MAX_NAME_CHARS + 1 characters:
+    the only forms of that length, and two of them meet only if sha256 does."""
+    if len(username) <= MAX_NAME_CHARS and SAFE_NAME_RE.fullmatch(username):
+        return username
+    escaped = "_" + "".join(
+        chr(b) if b in _KEPT else f"_{b:02x}" for b in username.encode("utf-8", "surrogatepass")
+    )
+    if len(escaped) <= MAX_NAME_CHARS:
+        return escaped
+    digest = hashlib.sha256(username.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{digest}_{escaped}"[: MAX_NAME_CHARS + 1]
+
+
 def user_prefix(username: str) -> str:
-    """The store prefix of a user: from the server's identity, safe as a path and S3 key."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", username) or "anonymous"
-    return f"users/{safe}"
+    """The store prefix of a user (``users/<part>``, :func:`user_part`): from the server's
+    identity, safe as a path and an S3 key, and never another user's."""
+    return f"users/{user_part(username)}"
 
 
 @dataclass(frozen=True)

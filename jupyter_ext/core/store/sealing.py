@@ -16,6 +16,7 @@ guessed page against, and no keyed id is needed for that.
 from __future__ import annotations
 
 import os
+import threading
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -27,19 +28,44 @@ OVERHEAD = NONCE_BYTES + TAG_BYTES
 """What sealing adds to each piece: 28 bytes (0.2 % of a 16 KiB chunk)."""
 FILE_MAGIC = b"JKSSEAL1"
 """How a sealed whole file begins (a plaintext record or claim begins with '{')."""
+NONCES_AT_ONCE = 256
+"""Nonces drawn from the OS in one call (see :class:`_Nonces`)."""
+
+
+class _Nonces(threading.local):
+    """Random nonces, drawn NONCES_AT_ONCE at a time: ``os.urandom`` releases the GIL, and
+    taking it back behind the put's other threads cost more than the cipher (16,384 calls
+    per 256 MiB of 16 KiB chunks: 0.5 s beside one busy thread, against 2 ms drawn in
+    bulk). Each thread has its own; a forked child draws anew (``fork`` copies the unused
+    ones, and a nonce used twice with one key breaks AES-GCM)."""
+
+    def __init__(self) -> None:
+        self.pool = b""
+        self.at = 0
+        self.pid = 0
+
+    def next(self) -> bytes:
+        if self.at >= len(self.pool) or self.pid != os.getpid():
+            self.pool = os.urandom(NONCE_BYTES * NONCES_AT_ONCE)
+            self.at = 0
+            self.pid = os.getpid()
+        nonce = self.pool[self.at : self.at + NONCE_BYTES]
+        self.at += NONCE_BYTES
+        return nonce
 
 
 class Sealer:
     """Seals and opens pieces with one master key. Thread-safe (AESGCM keeps no state
-    between calls)."""
+    between calls; each thread draws its own nonces)."""
 
     def __init__(self, key: bytes) -> None:
         if len(key) != KEY_BYTES:
             raise ValueError(f"a master key has {KEY_BYTES} bytes, not {len(key)}")
         self._aead = AESGCM(key)
+        self._nonces = _Nonces()
 
     def seal(self, data: bytes | memoryview, associated: bytes) -> bytes:
-        nonce = os.urandom(NONCE_BYTES)
+        nonce = self._nonces.next()
         return nonce + self._aead.encrypt(nonce, data, associated)
 
     def open(self, blob: bytes | memoryview, associated: bytes) -> bytes:

@@ -1,37 +1,28 @@
-"""The stores: a repository over a local directory, one over an S3 bucket, one in memory. The
-policies that depend on where the bytes are live here, not in the backends: a local
-store adopts images, says how full its disk is, and sweeps its backend's temporaries."""
+"""The stores, and how one is opened from settings: a repository over a local directory,
+one over an S3 bucket, one in memory. The policies that depend on where the bytes are
+live here, not in the backends: a local store adopts images, says how full its disk is,
+and sweeps its backend's temporaries."""
 
 from __future__ import annotations
 
 import errno
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict, Unpack
+from typing import Any, Unpack
 
 from ..chunking import ChunkParams
 from ..humanize import human_bytes
 from ..manifest import Manifest
-from ..private import GROUP_SHARED, PRIVATE, Modes
+from ..private import PRIVATE, Modes
 from .api import StoreError
-from .backend.local import LocalBackend
-from .backend.memory import MemoryBackend
-from .backend.s3 import S3Backend, S3Encryption, connect
-from .hubclient import signing_client
-from .keys import KeySettings, KeySource, make_key_source
-from .repository import Repository
-
-
-class Tuning(TypedDict, total=False):
-    """The repository's settings a store passes on (:class:`Repository` has the defaults)."""
-
-    grace_seconds: float
-    chunking: ChunkParams | None
-    pack_bytes: int
-    repack_below: float
-    keys: KeySource | None
+from .backend import Options, Settings
+from .backend.local import LocalBackend, LocalOptions
+from .backend.memory import MemoryOptions
+from .backend.s3 import S3Backend, S3Encryption, S3Options
+from .keys import KeySettings, make_key_source
+from .repository import Repository, Tuning
+from .scope import user_prefix
 
 
 class LocalStore(Repository):
@@ -116,10 +107,10 @@ class S3Store(Repository):
         encryption: S3Encryption | None = None,
         **tuning: Unpack[Tuning],
     ) -> None:
-        if client is None:
-            client = connect(endpoint_url, region, max_workers)
-        backend = S3Backend(bucket, prefix, client, max_workers, encryption or S3Encryption())
-        super().__init__(backend, max_workers=max_workers, **tuning)
+        options = S3Options(
+            bucket, prefix, endpoint_url or "", region or "", encryption or S3Encryption()
+        )
+        super().__init__(options.open(max_workers, {}, client), max_workers=max_workers, **tuning)
 
     @property
     def client(self) -> Any:
@@ -127,103 +118,82 @@ class S3Store(Repository):
 
 
 @dataclass(frozen=True)
+class StoreKind:
+    """A kind of store: its backend's options (how it is opened from settings) and the
+    repository class over it (its policies; :class:`Repository`: none of its own)."""
+
+    options: type[Options]
+    store: type[Repository] = Repository
+
+
+STORE_KINDS: dict[str, StoreKind] = {
+    "local": StoreKind(LocalOptions, LocalStore),
+    "s3": StoreKind(S3Options, S3Store),
+    "memory": StoreKind(MemoryOptions),
+}
+"""Every kind of store, by the ``store`` option: a new backend is one file under backend/
+and one line here (docs/storage.md, "Adding a backend")."""
+
+
+def store_kind(name: str) -> StoreKind:
+    """The kind ``name`` names (the ``store`` option), else a StoreError naming the kinds."""
+    kind = STORE_KINDS.get(name)
+    if kind is None:
+        raise StoreError(
+            f"Unknown store kind {name!r}; the known kinds are {', '.join(sorted(STORE_KINDS))}.",
+            hint="Set the store to one of those (SnapshotExtensionApp.store).",
+        )
+    return kind
+
+
+@dataclass(frozen=True)
 class StoreSpec:
-    """Everything a store is made from: the server's options and the CLI's both become
-    one of these, and :func:`open_store` makes the store, so a store is configured once."""
+    """Everything a store is made from. The server and the CLI both make it from the
+    server's settings (:meth:`from_settings`; the CLI overrides what its command line
+    names), and :func:`open_store` makes the store, so a store is configured once."""
 
     kind: str
     """A name in :data:`STORE_KINDS`."""
+    options: Options
+    """That kind's backend options."""
     key_source: str
     """A name in keys.KEY_SOURCES, or "none" (no encryption)."""
     keys: KeySettings
-    local_dir: Path | None = None
-    """The user's own store directory (local)."""
-    group_access: bool = False
-    s3_bucket: str = ""
-    s3_prefix: str = ""
-    """The user's own prefix in the bucket, whole."""
-    s3_endpoint_url: str = ""
-    s3_region: str = ""
-    s3_encryption: S3Encryption = field(default_factory=S3Encryption)
     chunk_kib: int = 0
     """0: automatic."""
     pack_mib: int = 16
 
-    def location(self) -> str:
-        if self.kind == "s3":
-            return f"s3://{self.s3_bucket}/{self.s3_prefix}"
-        return str(self.local_dir)
-
-
-Opener = Callable[[StoreSpec, Tuning], Repository]
-"""Makes the store of a spec from the repository's settings (nothing read or written)."""
-
-
-def open_store(spec: StoreSpec) -> Repository:
-    """The store ``spec`` describes (nothing is read or written yet), by its kind's opener
-    in :data:`STORE_KINDS`."""
-    opener = STORE_KINDS.get(spec.kind)
-    if opener is None:
-        raise StoreError(
-            f"Unknown store kind {spec.kind!r}; the known kinds are "
-            f"{', '.join(sorted(STORE_KINDS))}.",
-            hint="Set the store to one of those (SnapshotExtensionApp.store).",
+    @classmethod
+    def from_settings(cls, settings: Settings, place: str | None = None) -> StoreSpec:
+        """The store ``settings`` describe (by SnapshotExtensionApp's option names).
+        ``place``: the user's own part of the configured place; by default
+        ``users/<owner>``, from the server's identity, never from a request."""
+        kind = str(settings["store"])
+        if place is None:
+            place = user_prefix(settings["owner"])
+        return cls(
+            kind,
+            store_kind(kind).options.from_settings(settings, place),
+            key_source=settings["encryption_key_source"],
+            keys=KeySettings(
+                Path(settings["encryption_key_file"]),
+                hub_service_url=settings["hub_service_url"],
+            ),
+            chunk_kib=settings["chunk_kib"],
+            pack_mib=settings["pack_mib"],
         )
+
+    def location(self) -> str:
+        return self.options.location()
+
+
+def open_store(spec: StoreSpec, max_workers: int = 8) -> Repository:
+    """The store ``spec`` describes (nothing is read or written yet): its kind's backend
+    opened from its options, under its kind's repository class."""
     tuning: Tuning = {
         "chunking": ChunkParams.of_kib(spec.chunk_kib) if spec.chunk_kib else None,
         "pack_bytes": spec.pack_mib << 20,
         "keys": make_key_source(spec.key_source, spec.keys),
     }
-    return opener(spec, tuning)
-
-
-def open_s3(spec: StoreSpec, tuning: Tuning) -> S3Store:
-    if not spec.s3_bucket:
-        raise StoreError("The s3 store needs a bucket.", hint="Set SnapshotExtensionApp.s3_bucket.")
-    client = None
-    if spec.keys.hub_service_url:
-        client = signing_client(
-            spec.keys.hub_service_url,
-            spec.keys.hub_token,
-            spec.s3_endpoint_url or None,
-            spec.s3_region or None,
-            max_workers=8,
-        )
-    return S3Store(
-        spec.s3_bucket,
-        spec.s3_prefix,
-        endpoint_url=spec.s3_endpoint_url or None,
-        region=spec.s3_region or None,
-        client=client,
-        encryption=spec.s3_encryption,
-        **tuning,
-    )
-
-
-def open_local(spec: StoreSpec, tuning: Tuning) -> LocalStore:
-    if spec.local_dir is None:
-        raise StoreError("The local store needs a directory.", hint="Set local_store_dir.")
-    key_file = spec.keys.key_file.resolve()
-    if spec.key_source == "file" and key_file.is_relative_to(spec.local_dir.resolve()):
-        raise StoreError(
-            f"The encryption key file {key_file} is inside the store {spec.local_dir}: "
-            "whoever reads the store would read the key.",
-            hint="Set encryption_key_file to a path outside the store.",
-        )
-    return LocalStore(
-        spec.local_dir, modes=GROUP_SHARED if spec.group_access else PRIVATE, **tuning
-    )
-
-
-def open_memory(spec: StoreSpec, tuning: Tuning) -> Repository:
-    """In this process alone, gone with it (tests; the contract's reference backend)."""
-    return Repository(MemoryBackend(), max_workers=8, **tuning)
-
-
-STORE_KINDS: dict[str, Opener] = {
-    "local": open_local,
-    "s3": open_s3,
-    "memory": open_memory,
-}
-"""Every kind of store, by ``StoreSpec.kind``: a new backend is one file under backend/
-and one line here (docs/storage.md, "Adding a backend")."""
+    backend = spec.options.open(max_workers, spec.keys.environ)
+    return store_kind(spec.kind).store.over(backend, max_workers=max_workers, **tuning)

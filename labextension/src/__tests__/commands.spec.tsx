@@ -169,12 +169,14 @@ describe('the panel on the current notebook', () => {
     await React.act(async () => widget.dispose());
   });
 
-  it('executes the commands and is enabled by them', async () => {
+  /** The view on notebook a.ipynb, whose kernel k1 has this status. */
+  const render = async (
+    status: Partial<IKernelStatus>,
+    commands = new CommandRegistry()
+  ): Promise<SnapshotsModel> => {
     const server = new StubServer();
     server.on('GET', 'kernels', {
-      body: {
-        kernels: [{ kernel_id: 'k1', snapshots: true, state: 'running' }]
-      }
+      body: { kernels: [{ kernel_id: 'k1', ...status }] }
     });
     server.routes.push(request =>
       request.method === 'GET' ? { body: { snapshots: [] } } : undefined
@@ -187,18 +189,6 @@ describe('the panel on the current notebook', () => {
     await model.refresh();
     const panel = notebook();
     model.target = notebookTarget(panel, services);
-    // The real registry, with commands that say when they ran.
-    const executed: string[] = [];
-    const commands = new CommandRegistry();
-    const enabled = new Set([CommandIDs.snapshot, CommandIDs.resume]);
-    for (const id of [CommandIDs.snapshot, CommandIDs.suspend]) {
-      commands.addCommand(id, {
-        execute: () => {
-          executed.push(id);
-        },
-        isEnabled: () => enabled.has(id)
-      });
-    }
     const actions: IActionContext = {
       model,
       services,
@@ -216,6 +206,57 @@ describe('the panel on the current notebook', () => {
       Widget.attach(widget, document.body);
       await widget.renderPromise;
     });
+    return model;
+  };
+
+  it('says which /dev/shm names another process holds after a restore', async () => {
+    const model = await render({
+      snapshots: true,
+      state: 'running',
+      private_shm: [
+        { name: 'psm_1', held_by: [{ pid: 42, process: 'python' }] },
+        {
+          name: 'psm_2',
+          held_by: [
+            { pid: 7, process: 'worker' },
+            { pid: 8, process: 'worker' }
+          ]
+        }
+      ]
+    });
+    const text = widget.node.textContent ?? '';
+    expect(text).toContain('Shared memory not shared');
+    expect(text).toContain(
+      'psm_1 (held by python pid 42); psm_2 (held by worker pid 7, worker pid 8)'
+    );
+    expect(text).toContain("reaches that process's memory, not the kernel's");
+    model.dispose();
+  });
+
+  it('says nothing of shared memory when no name is held', async () => {
+    const model = await render({
+      snapshots: true,
+      state: 'running',
+      private_shm: []
+    });
+    expect(widget.node.textContent).not.toContain('Shared memory');
+    model.dispose();
+  });
+
+  it('executes the commands and is enabled by them', async () => {
+    // The real registry, with commands that say when they ran.
+    const executed: string[] = [];
+    const commands = new CommandRegistry();
+    const enabled = new Set([CommandIDs.snapshot, CommandIDs.resume]);
+    for (const id of [CommandIDs.snapshot, CommandIDs.suspend]) {
+      commands.addCommand(id, {
+        execute: () => {
+          executed.push(id);
+        },
+        isEnabled: () => enabled.has(id)
+      });
+    }
+    const model = await render({ snapshots: true, state: 'running' }, commands);
     const button = (name: string) =>
       Array.from(widget.node.querySelectorAll('button')).find(b =>
         b.textContent?.includes(name)

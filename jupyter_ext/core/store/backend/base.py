@@ -5,9 +5,9 @@ the repository above it does."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, Self
 
 from ...private import Exposed
 from ..api import StoreError
@@ -124,3 +124,31 @@ def beyond_end(where: str, offset: int, size: int | None = None) -> StoreError:
         hint="The store's record and its packs disagree: check the store (or pick another "
         "snapshot).",
     )
+
+
+Settings = Mapping[str, Any]
+"""The store's settings by the names of SnapshotExtensionApp's options (``store``,
+``local_store_dir``, ``s3_bucket``, ...): the server's, or the CLI's (the server's from its
+config files, with what its command line names instead). Each backend reads its own."""
+
+
+class Options(Protocol):
+    """A backend's own settings, and how it is opened: each backend module has one (a
+    frozen dataclass, so that equal settings make equal options), named in
+    ``stores.STORE_KINDS``."""
+
+    @classmethod
+    def from_settings(cls, settings: Settings, place: str) -> Self:
+        """The options ``settings`` give, refused with a StoreError naming the option to
+        set. ``place``: the user's own part of the configured place (``users/<owner>``),
+        or "" where the settings name the user's place whole (the CLI's --store-dir)."""
+        ...
+
+    def location(self) -> str:
+        """Where the store is, for messages."""
+        ...
+
+    def open(self, max_workers: int, environ: Mapping[str, str]) -> Backend:
+        """The backend (nothing read or written yet). ``environ``: the server's
+        environment, where a backend finds a token it authenticates with."""
+        ...

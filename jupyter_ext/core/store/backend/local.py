@@ -11,18 +11,50 @@ import os
 import shutil
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from ... import private
 from ...fileio import fsync_dir
 from ...growinghash import start_writeback
-from ...private import PRIVATE, Exposed, Modes
+from ...private import GROUP_SHARED, PRIVATE, Exposed, Modes
 from .. import pack
 from ..api import StoreError, os_hint
 from . import layout
-from .base import Handle, Kind, ObjectStat, beyond_end
+from .base import Handle, Kind, ObjectStat, Settings, beyond_end
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    """``local_store_dir`` (the user's own directory under it) and
+    ``local_store_group_access``."""
+
+    root: Path
+    modes: Modes = PRIVATE
+
+    @classmethod
+    def from_settings(cls, settings: Settings, place: str) -> LocalOptions:
+        """Refuses an encryption key file inside the store: whoever reads the store would
+        read the key."""
+        if not settings["local_store_dir"]:
+            raise StoreError("The local store needs a directory.", hint="Set local_store_dir.")
+        root = Path(settings["local_store_dir"]) / place
+        key_file = Path(settings["encryption_key_file"]).resolve()
+        if settings["encryption_key_source"] == "file" and key_file.is_relative_to(root.resolve()):
+            raise StoreError(
+                f"The encryption key file {key_file} is inside the store {root}: "
+                "whoever reads the store would read the key.",
+                hint="Set encryption_key_file to a path outside the store.",
+            )
+        return cls(root, GROUP_SHARED if settings["local_store_group_access"] else PRIVATE)
+
+    def location(self) -> str:
+        return str(self.root)
+
+    def open(self, max_workers: int, environ: Mapping[str, str]) -> LocalBackend:
+        return LocalBackend(self.root, max_workers=max_workers, modes=self.modes)
 
 
 class LocalBackend:

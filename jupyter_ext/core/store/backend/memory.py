@@ -6,13 +6,29 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...private import Exposed
 from .. import pack
 from . import layout
-from .base import Handle, Kind, ObjectStat, beyond_end
+from .base import Handle, Kind, ObjectStat, Settings, beyond_end
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """No settings: each store opened is a new one, in this process alone (tests)."""
+
+    @classmethod
+    def from_settings(cls, settings: Settings, place: str) -> MemoryOptions:
+        return cls()
+
+    def location(self) -> str:
+        return "memory:"
+
+    def open(self, max_workers: int, environ: Mapping[str, str]) -> MemoryBackend:
+        return MemoryBackend()
 
 
 class MemoryBackend:

@@ -4,16 +4,18 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
 from ...private import Exposed
 from .. import pack
 from ..api import StoreError
+from ..hubclient import TOKEN_ENV, signing_client
 from . import layout
-from .base import Handle, Kind, ObjectStat, beyond_end
+from .base import Handle, Kind, ObjectStat, Settings, beyond_end
 
 _NETWORK_HINT = "Check that {endpoint} is reachable from this machine, then retry."
 _CREDENTIALS_HINT = (
@@ -55,6 +57,49 @@ class S3Encryption(NamedTuple):
         if self.kms_key_id:
             args["SSEKMSKeyId"] = self.kms_key_id
         return args
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """The ``s3_*`` options (the user's own prefix whole) and ``hub_service_url``."""
+
+    bucket: str
+    prefix: str = ""
+    endpoint_url: str = ""
+    region: str = ""
+    encryption: S3Encryption = field(default_factory=S3Encryption)
+    hub_service_url: str = ""
+    """The product's hub service, which then signs each request: the server holds no
+    bucket credentials (core/store/hubclient.py)."""
+
+    @classmethod
+    def from_settings(cls, settings: Settings, place: str) -> S3Options:
+        if not settings["s3_bucket"]:
+            raise StoreError(
+                "The s3 store needs a bucket.", hint="Set SnapshotExtensionApp.s3_bucket."
+            )
+        return cls(
+            settings["s3_bucket"],
+            f"{settings['s3_prefix'].strip('/')}/{place}".strip("/"),
+            settings["s3_endpoint_url"],
+            settings["s3_region"],
+            S3Encryption(settings["s3_server_side_encryption"], settings["s3_sse_kms_key_id"]),
+            settings["hub_service_url"],
+        )
+
+    def location(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def open(self, max_workers: int, environ: Mapping[str, str], client: Any = None) -> S3Backend:
+        """``client``: an S3 client of its own (else one from the hub service, with the
+        server's hub token from ``environ``, or from boto3's standard chain)."""
+        endpoint_url, region = self.endpoint_url or None, self.region or None
+        if client is None and self.hub_service_url:
+            token = environ.get(TOKEN_ENV, "")
+            client = signing_client(self.hub_service_url, token, endpoint_url, region, max_workers)
+        if client is None:
+            client = connect(endpoint_url, region, max_workers)
+        return S3Backend(self.bucket, self.prefix, client, max_workers, self.encryption)
 
 
 def connect(endpoint_url: str | None, region: str | None, max_workers: int) -> Any:

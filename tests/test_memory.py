@@ -1,0 +1,61 @@
+"""The server process's malloc tuning (jupyter_ext/memory.py), each in a fresh Python: what
+glibc gives back to the system after a burst of chunk-sized buffers (the soak benchmark,
+bench/bench_soak.py, measures the whole server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jupyter_ext.memory import ENV_TUNING
+
+BURST = """
+import json
+from pathlib import Path
+from jupyter_ext import memory
+
+def rss():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+
+memory.tune()
+# 160 MiB of 64 KiB buffers (sealed chunks, below the mmap threshold) with small buffers
+# that outlive them in between (a record's, a job's): their heap cannot shrink from the top.
+burst, kept = [], []
+for _ in range(2560):
+    burst.append(bytearray(65536))
+    kept.append(bytearray(600))
+loaded = rss()
+del burst
+freed = rss()
+memory.give_back()
+print(json.dumps({"loaded": loaded, "freed": freed, "given_back": rss()}))
+"""
+
+MIB = 1 << 20
+
+
+def burst(tuning: str | None) -> dict[str, int]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    if tuning is not None:
+        env[ENV_TUNING] = tuning
+    done = subprocess.run(
+        [sys.executable, "-c", BURST], env=env, capture_output=True, text=True, check=True
+    )
+    return dict(json.loads(done.stdout))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_the_free_space_a_burst_leaves_in_the_heap_goes_back_to_the_system() -> None:
+    """Freed, the burst's buffers stay in the heap (RSS counts them) until ``give_back``
+    returns their pages; with the tuning off (the soak benchmark's baseline) they stay."""
+    ours = burst(None)
+    assert ours["freed"] > ours["loaded"] - 20 * MIB  # glibc alone keeps them
+    assert ours["given_back"] < ours["freed"] - 120 * MIB
+    baseline = burst("0")
+    assert baseline["given_back"] > baseline["freed"] - 20 * MIB
