@@ -41,8 +41,9 @@ from jupyter_ext.core import proctree
 from jupyter_ext.core.agent import peers
 from jupyter_ext.core.agent import protocol as agentproto
 from jupyter_ext.core.agent.protocol import AgentRequestError, parse_request
+from jupyter_ext.core.criu import Criu
 from jupyter_ext.nodeagent import privileges
-from jupyter_ext.nodeagent.podcriu import cgroup_procs_files
+from jupyter_ext.nodeagent.podcriu import NO_PROGRAMS, RESTORE_CAPS, PodCriu, cgroup_procs_files
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the node agent runs as root")
 
@@ -1152,3 +1153,71 @@ def test_agent_undoes_a_restore_that_holds_more_than_its_pod(
     for host_pid in second.host_pids():  # nothing restored is left (SIGKILLed at once)
         with contextlib.suppress(OSError):
             assert program not in Path(f"/proc/{host_pid}/cmdline").read_bytes().decode()
+
+
+#: userfaultfd(2)'s system call number, by machine.
+USERFAULTFD_CALL = {"x86_64": 323, "aarch64": 282}
+#: Opens a userfaultfd as the user it runs as; prints the descriptor, or -errno.
+OPEN_USERFAULTFD = (
+    "import ctypes, sys\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "fd = libc.syscall(int(sys.argv[1]), 0)\n"
+    "print(fd if fd >= 0 else -ctypes.get_errno())\n"
+)
+
+
+@needs_root
+def test_criu_as_the_agent_runs_it_has_no_lazy_pages(criu: Criu, tmp_path: Path) -> None:
+    """Why restores through the agent copy every page first (docs/agent.md, 'Lazy
+    restore'). The agent's own CRIU copy, run as the pod's user (nobody here) with the
+    agent's restore capabilities, says it has no userfaultfd. The same user with the same
+    capabilities opens one, and root's CRIU has lazy pages on this kernel, so CRIU's
+    unprivileged mode is the cause. Fails once a CRIU has unprivileged lazy pages: lazy
+    restores through the agent can then be built."""
+    call = USERFAULTFD_CALL.get(os.uname().machine)
+    if call is None:
+        pytest.skip(f"no userfaultfd call number known for {os.uname().machine}")
+    if not criu.supports_lazy_pages()[0]:
+        pytest.skip(
+            "this kernel has no userfaultfd with fork and remove events: nothing to compare"
+        )
+    pod_criu = PodCriu(criu.path, tmp_path / "bin")
+    nobody = (65534, 65534)
+    said = subprocess.run(
+        pod_criu.argv(nobody, RESTORE_CAPS, ["check", "--feature", "uffd-noncoop"]),
+        pass_fds=[pod_criu.bin_fd],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": NO_PROGRAMS},
+        check=False,
+    )
+    output = said.stdout + said.stderr
+    changed = (
+        "CRIU as the node agent runs it may have lazy pages now: build lazy restores "
+        f"through the agent (docs/agent.md) and drop UNPRIVILEGED_NO_LAZY.\n{output}"
+    )
+    assert said.returncode != 0, changed
+    assert "UFFD is not supported" in output, changed
+    keep = ",".join(f"+cap_{cap}" for cap in RESTORE_CAPS)
+    opened = subprocess.run(
+        [
+            *pod_criu.program("setpriv"),
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            f"--inh-caps={keep}",
+            f"--ambient-caps={keep}",
+            "--",
+            os.path.realpath(sys.executable),
+            "-c",
+            OPEN_USERFAULTFD,
+            str(call),
+        ],
+        pass_fds=[pod_criu.bin_fd],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert int(opened.stdout) >= 0, f"userfaultfd as nobody with {keep}: {opened.stdout}"

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import proctree
-from ..criu import Criu, FrozenCopy, LazyTransfer, parse_version
+from ..criu import UNPRIVILEGED_NO_LAZY, Criu, FrozenCopy, LazyTransfer, parse_version
 from ..errors import DumpError, RestoreError, SnapshotError
 from .protocol import (
     DEFAULT_SOCKET_DIR,
@@ -184,7 +184,10 @@ class AgentCriu(Criu):
         return True  # the agent's CRIU has CAP_NET_ADMIN for a dump that keeps them
 
     def supports_lazy_pages(self) -> tuple[bool, str]:
-        return False, "lazy restore does not go through the node agent (docs/agent.md)"
+        return False, (
+            "the node agent runs CRIU as this pod's user, and "
+            f"{UNPRIVILEGED_NO_LAZY} (docs/agent.md)"
+        )
 
     async def dump(
         self,

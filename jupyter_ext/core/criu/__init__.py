@@ -9,7 +9,7 @@ The names the rest of the product uses are handed on here, as ``gpu/`` and
 
 from .engine import REQUIRED_FEATURES, Criu, parse_version, unprivileged
 from .frozen import FrozenCopy, FrozenStep
-from .lazy import LazyTransfer
+from .lazy import UNPRIVILEGED_NO_LAZY, LazyTransfer
 from .log import UNPRIVILEGED_CAPS, frozen_seconds
 from .options import DEFAULT_GHOST_LIMIT, TCP_DUMP_OPTIONS, external_file_key
 
@@ -18,6 +18,7 @@ __all__ = [
     "REQUIRED_FEATURES",
     "TCP_DUMP_OPTIONS",
     "UNPRIVILEGED_CAPS",
+    "UNPRIVILEGED_NO_LAZY",
     "Criu",
     "FrozenCopy",
     "FrozenStep",

@@ -37,7 +37,7 @@ from ..isolation import mountns
 from ..isolation.confinement import Confinement
 from ..protocol import ENV_CRIU, ENV_CRIU_PREFIX
 from .frozen import FrozenCopy
-from .lazy import LazyTransfer
+from .lazy import UNPRIVILEGED_NO_LAZY, LazyTransfer
 from .log import explain_failure, frozen_seconds, log_excerpt
 from .options import (
     DEFAULT_GHOST_LIMIT,
@@ -435,9 +435,7 @@ class Criu:
         """Whether this kernel and CRIU can restore with lazy pages (userfaultfd with
         fork and remove events), and what ``criu check`` said."""
         if os.geteuid() != 0:
-            # The restored kernel makes its own userfaultfd: without root that needs
-            # vm.unprivileged_userfaultfd = 1 and CRIU's --unprivileged lazy mode, untested.
-            return False, "lazy pages need root"
+            return False, f"lazy pages need root: {UNPRIVILEGED_NO_LAZY}"
         try:
             out = subprocess.run(
                 [str(self.path), "check", "--feature", "uffd-noncoop"],

@@ -19,6 +19,15 @@ if TYPE_CHECKING:
 
 #: How long CRIU's lazy-pages daemon may take to listen before a lazy restore gives up.
 LAZY_DAEMON_START_SECONDS = 10.0
+#: Why CRIU run as an ordinary user restores in full (in-pod mode without root, and the node
+#: agent, which runs CRIU as the pod's user): its ``--unprivileged`` mode never probes
+#: userfaultfd, so ``criu lazy-pages`` exits and ``criu check --feature uffd-noncoop``
+#: fails, even with the ``CAP_SYS_PTRACE`` that lets the user open one (CRIU 4.2 and its
+#: development branch of November 2025; tests/test_agent.py fails once a CRIU differs).
+UNPRIVILEGED_NO_LAZY = (
+    "CRIU has no lazy pages when it runs as an ordinary user (--unprivileged: it never "
+    "probes userfaultfd, criu/kerndat.c kerndat_uffd)"
+)
 
 
 class LazyTransfer:
