@@ -118,13 +118,14 @@ class SnapshotExtensionApp(SnapshotSettings):
             chunk_kib=self.chunk_kib or None,
         )
         self._tighten()
-        CullingPolicy(
+        self.culling = CullingPolicy(
             self.server,
             self.manager,
             cull_action=self.cull_action,
             admin_shutdown_action=self.admin_shutdown_action,
             owner=self.owner,
-        ).install()
+        )
+        self.culling.install()
         # Kernel wrappers are started by the kernel manager with this process's environment.
         os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"
         os.environ[ENV_LAZY_RESTORE_MIN_BYTES] = str(self.lazy_restore_min_bytes)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +95,11 @@ class CullingPolicy:
         self.admin_shutdown_action = admin_shutdown_action
         self.owner = owner
         self.names_users = type(server.identity_provider) not in ANONYMOUS_LOGINS
+        #: Kernels whose shutdown (or restart) runs now: the culler leaves them alone.
+        #: Its status read fails while the wrapper ends, which would decide "shutdown",
+        #: and a second shutdown beside the first makes jupyter_client take the kernel
+        #: for gone before its wrapper has ended (and released its suspended dump).
+        self.ending_now: Counter[str] = Counter()
         if admin_shutdown_action == "suspend" and not self.names_users:
             log.warning(
                 "kernel snapshots: admin_shutdown_action 'suspend' has no effect: this "
@@ -115,6 +121,8 @@ class CullingPolicy:
         delete_session: Callable[[str], Awaitable[None]] = sm.delete_session
 
         async def cull_kernel_if_idle(kernel_id: str) -> None:
+            if kernel_id in self.ending_now:
+                return
             if self.cull_action != "suspend":
                 await cull(kernel_id)
                 return
@@ -129,21 +137,27 @@ class CullingPolicy:
 
         async def shutdown_kernel(kernel_id: str, now: bool = False, restart: bool = False) -> None:
             ending = _ENDING.get()
+            if ending is not None and ending.trigger == "cull" and kernel_id in self.ending_now:
+                return  # shut down meanwhile, while the culler read its status
             requester = None if restart or ending is not None else self._other_requester()
             if requester is not None:
                 ending = await self._decide(kernel_id, requester)
             if ending is not None and not restart and await self._kept(kernel_id, ending):
                 return
+            self.ending_now[kernel_id] += 1
             try:
                 await shutdown(kernel_id, now=now, restart=restart)
             finally:
+                self.ending_now -= Counter([kernel_id])
                 await self.manager.remove_released_suspends()
 
         async def restart_kernel(kernel_id: str, now: bool = False) -> Any:
             # The old wrapper ends (a suspended one let go of its dump), a new one starts.
+            self.ending_now[kernel_id] += 1
             try:
                 return await restart(kernel_id, now=now)
             finally:
+                self.ending_now -= Counter([kernel_id])
                 await self.manager.remove_released_suspends()
 
         async def shutdown_all_kernels(now: bool = False) -> None:

@@ -392,6 +392,34 @@ class TestTabClosed:
         assert await listed(jp_fetch, "sessions") == []
         assert leftovers(tmp_path) == []
 
+    async def test_the_culler_leaves_a_kernel_whose_shutdown_runs(
+        self,
+        jp_fetch: Fetch,
+        jp_serverapp: Any,
+        tmp_path: Path,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        """A DELETE's shutdown under way: the culler, which cannot read the status of a
+        wrapper that is ending (it would decide "shutdown"), does not shut the kernel down
+        a second time beside it. Two at once made jupyter_client take the kernel for gone
+        before its wrapper had ended, and the suspended dump the wrapper held stayed."""
+        session = await open_notebook(jp_fetch, "ending.ipynb")
+        kernel_id = session["kernel"]["id"]
+        culling = jp_serverapp.extension_manager.extension_points["jupyter_ext"].app.culling
+        caplog.set_level(logging.INFO)
+        deleting = asyncio.ensure_future(jp_fetch("api", "kernels", kernel_id, method="DELETE"))
+
+        async def ending() -> bool:
+            return kernel_id in culling.ending_now
+
+        await until(ending, timeout=60)
+        cull_soon(jp_serverapp, seconds=0)  # idle long enough for the culler now
+        await jp_serverapp.kernel_manager.cull_kernel_if_idle(kernel_id)  # the culler's turn
+        await deleting
+        shutdowns = [r for r in caplog.records if r.getMessage() == f"Kernel shutdown: {kernel_id}"]
+        assert len(shutdowns) == 1
+        assert leftovers(tmp_path) == []
+
     async def test_a_dump_no_kernel_holds_goes_when_the_server_starts(
         self, jp_fetch: Fetch, jp_ws_fetch: Any, jp_serverapp: Any, tmp_path: Path
     ) -> None:
