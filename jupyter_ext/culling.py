@@ -95,7 +95,8 @@ class CullingPolicy:
         self.admin_shutdown_action = admin_shutdown_action
         self.owner = owner
         self.names_users = type(server.identity_provider) not in ANONYMOUS_LOGINS
-        #: Kernels whose shutdown (or restart) runs now: the culler leaves them alone.
+        #: Kernels whose shutdown (or restart) runs now, until the dumps it released are
+        #: removed: the culler leaves them alone.
         #: Its status read fails while the wrapper ends, which would decide "shutdown",
         #: and a second shutdown beside the first makes jupyter_client take the kernel
         #: for gone before its wrapper has ended (and released its suspended dump).
@@ -148,8 +149,10 @@ class CullingPolicy:
             try:
                 await shutdown(kernel_id, now=now, restart=restart)
             finally:
-                self.ending_now -= Counter([kernel_id])
-                await self.manager.remove_released_suspends()
+                try:
+                    await self.manager.remove_released_suspends()
+                finally:
+                    self.ending_now -= Counter([kernel_id])
 
         async def restart_kernel(kernel_id: str, now: bool = False) -> Any:
             # The old wrapper ends (a suspended one let go of its dump), a new one starts.
@@ -157,8 +160,10 @@ class CullingPolicy:
             try:
                 return await restart(kernel_id, now=now)
             finally:
-                self.ending_now -= Counter([kernel_id])
-                await self.manager.remove_released_suspends()
+                try:
+                    await self.manager.remove_released_suspends()
+                finally:
+                    self.ending_now -= Counter([kernel_id])
 
         async def shutdown_all_kernels(now: bool = False) -> None:
             try:

@@ -117,12 +117,14 @@ async def suspend(jp_fetch: Fetch, kernel_id: str) -> dict[str, Any]:
 
 
 async def culled_away(jp_serverapp: Any, kernel_id: str) -> None:
-    """Let the culler take kernels now, and wait until it has shut this one down."""
+    """Let the culler take kernels now, and wait until it has shut this one down and
+    removed the dump it may have released (the kernel leaves jupyter_client's list first)."""
     km = jp_serverapp.kernel_manager
+    culling = jp_serverapp.extension_manager.extension_points["jupyter_ext"].app.culling
     cull_soon(jp_serverapp)
 
     async def gone() -> bool:
-        return kernel_id not in km
+        return kernel_id not in km and kernel_id not in culling.ending_now
 
     await until(gone, timeout=120)
 
