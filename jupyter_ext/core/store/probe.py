@@ -41,7 +41,8 @@ class Signer(Protocol):
     """Signs a request for the probe: with credentials here (``local``: any request,
     extra headers, a time in the past), or through the hub service (what it signs)."""
 
-    local: bool
+    @property
+    def local(self) -> bool: ...
 
     def __call__(
         self,
@@ -272,9 +273,10 @@ class Probe:
                 "PUT", self.url(self.scratch + "x"), {}, hashlib.sha256(b"").hexdigest()
             )
             guards_back = set(LAX_SERVER_GUARDS) <= {k.lower() for k in self.signer(probe)}
-        copy = self._copy("copy", source, original, {})
-        extract = self._extract("extracted", {})
-        copy_guarded = extract_guarded = None
+        copy: Outcome | None = self._copy("copy", source, original, {})
+        extract: Outcome | None = self._extract("extracted", {})
+        copy_guarded: Outcome | None = None
+        extract_guarded: Outcome | None = None
         if guards_back:
             copy, copy_guarded, extract, extract_guarded = None, copy, None, extract
         elif self.signer.local and "performed" in (copy, extract):

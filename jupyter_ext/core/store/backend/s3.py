@@ -318,7 +318,7 @@ class S3Backend:
             self._call("delete_object", key)
         return second is None
 
-    def _create_locked(self, key: str, locks: str, data: bytes, extra: dict[str, str]) -> bool:
+    def _create_locked(self, key: str, locks: str, data: bytes, extra: dict[str, Any]) -> bool:
         """Create ``key`` unless it exists, without conditional writes: put a lock object of
         one's own under ``locks/``, list the locks, and only alone (no other lock younger
         than LOCK_STALE_SECONDS by the server's clock) check that ``key`` is absent and
