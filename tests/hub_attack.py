@@ -131,8 +131,8 @@ def attack(bucket: str, bob_keys: list[str]) -> dict[str, Any]:
         for what, call in tries(client).items():
             results[f"{name}: {what}"] = attempt(call)
 
-    def ask(path: str, body: dict[str, Any] | None = None) -> str:
-        """The service itself, with her token."""
+    def ask(path: str, body: dict[str, Any] | None = None, say: bool = False) -> str:
+        """The service itself, with her token (``say``: a refusal's message too)."""
         request = urllib.request.Request(
             service + path,
             data=json.dumps(body).encode() if body else None,
@@ -143,7 +143,9 @@ def attack(bucket: str, bob_keys: list[str]) -> dict[str, Any]:
             with urllib.request.urlopen(request) as answer:
                 return "allowed: " + answer.read().decode()
         except urllib.error.HTTPError as exc:
-            return f"refused: {exc.code}"
+            with exc:
+                message = json.loads(exc.read())["message"] if say else ""
+            return f"refused: {exc.code}" + (f": {message}" if say else "")
 
     if service:
         results.update(red_team(endpoint, bucket, service, token, bob_keys))
@@ -151,6 +153,10 @@ def attack(bucket: str, bob_keys: list[str]) -> dict[str, Any]:
         for extra in ({}, {"user": "bob"}):
             ask_bob = {"method": "GET", "url": url, "headers": {}, "payload_sha256": EMPTY_SHA256}
             results[f"sign {extra}"] = ask("sign", {**ask_bob, **extra})
+        odd = {"method": "GET", "url": f"{endpoint}/{bucket}/{quote(BOB + 'a b%25')}"}
+        results["a refusal's message"] = ask(
+            "sign", {**odd, "headers": {}, "payload_sha256": EMPTY_SHA256}, say=True
+        )
         results["key"] = ask("key")
         results["key ?user=bob"] = ask("key?user=bob")
     return {"token": bool(token), "keys": len(keys), "results": results}

@@ -460,9 +460,7 @@ def test_alice_cannot_reach_bobs_snapshots(
     bucket, secrets = "two-users", [os.urandom(32).hex(), os.urandom(32).hex()]
     # The gateway implements no server-side encryption (the recipe asks for AES256).
     options = NO_CACHE if server == "moto" else {**NO_CACHE, "s3_server_side_encryption": ""}
-    with start_hub(
-        tmp_path, s3, bucket, key_secrets=tuple(secrets), server_options=options
-    ) as hub:
+    with start_hub(tmp_path, s3, bucket, key_secrets=tuple(secrets), server_options=options) as hub:
         bob, snapshot, secret = bob_with_a_secret(hub)
         before = s3.keys(bucket, f"{PREFIX}/users/bob/")
         assert len(before) >= 3  # his pack(s), his record and his wrapped master key
@@ -524,6 +522,14 @@ def test_alice_cannot_reach_bobs_snapshots(
         allowed = {what: r for what, r in results.items() if not r.startswith("refused: ")}
         assert not allowed
         assert results["sign {}"] == results["sign {'user': 'bob'}"] == "refused: 403"
+        # The refused key once, decoded, its % not doubled (issue 45 item 4).
+        message = results.pop("a refusal's message")
+        assert message.startswith(
+            f"refused: 403: Refused to sign GET s3://{bucket}/{PREFIX}/users/bob/a b%25 for "
+            "alice: that key is outside the user's prefix.\nWhat to do: "
+        )
+        assert message.count("users/bob") == 1
+        assert "%%" not in message
         # Two clients (unsigned, the service) x 9 attempts, less the two above, 2 signings.
         assert len(results) == 2 * 9 - 2 + 2, results
         # Nothing of bob's changed, and his snapshot comes back.

@@ -153,3 +153,31 @@ def test_retention_passes_and_a_put_at_once_lose_nothing_kept(
     for snapshot_id, directory in [*zip(ids[3:], dirs[3:], strict=True), (new_id, newest)]:
         assert fetched(reader, snapshot_id, tmp_path) == tree(directory)
     assert reader.backend.names(Kind.PUT) == []
+
+
+@pytest.mark.parametrize(("server", "said"), [("moto", "honours"), ("juicefs", "ignores")])
+def test_doctor_says_whether_the_store_s_server_honours_if_none_match(
+    server: str, said: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`jupyter snapshot doctor`'s "store server" check of a server's own S3 store (no
+    hub): its probe, in a scratch prefix it removes after."""
+    from jupyter_ext.core.doctor import check_store_server
+    from jupyter_ext.settings import SnapshotSettings
+
+    s3: MotoServer | JuicefsGateway = request.getfixturevalue(server)
+    settings = {
+        **SnapshotSettings().option_values(),
+        "store": "s3",
+        "s3_bucket": s3.ensure_bucket("doctor"),
+        "s3_endpoint_url": s3.url,
+        "owner": "dora",
+    }
+    check = check_store_server(settings, {})
+
+    assert check.ok, check
+    assert f"{said} If-None-Match" in check.detail
+    store = S3Store("doctor", "", endpoint_url=s3.url)
+    try:
+        assert store.client.list_objects_v2(Bucket="doctor").get("Contents", []) == []
+    finally:
+        store.close()
