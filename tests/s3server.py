@@ -25,11 +25,24 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from jupyter_ext.testing import free_port
+from jupyter_ext.testing import end_process, free_port
 
 JUICEFS_KEY = ("testing", "testing-secret")
 """The gateway's root user (MinIO wants a secret of 8 characters or more): the tests' own
 boto3 credentials (conftest.py's ``aws_test_env``), which moto takes as any other."""
+
+
+def s3_client(url: str, key: tuple[str, str]) -> Any:
+    """A boto3 S3 client of ``url`` with the access key ``key``."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=url,
+        region_name="us-east-1",
+        aws_access_key_id=key[0],
+        aws_secret_access_key=key[1],
+    )
 
 
 class JuicefsGateway:
@@ -90,15 +103,7 @@ class JuicefsGateway:
             return False
 
     def client(self) -> Any:
-        import boto3
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.url,
-            region_name="us-east-1",
-            aws_access_key_id=self.access_key[0],
-            aws_secret_access_key=self.access_key[1],
-        )
+        return s3_client(self.url, self.access_key)
 
     def ensure_bucket(self, name: str) -> str:
         """Create the bucket ``name`` unless it exists; returns the name."""
@@ -112,13 +117,7 @@ class JuicefsGateway:
         return name
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        end_process(self.process)
         self._log.close()
 
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 
 from jupyter_ext.core.errors import SnapshotNotFoundError
@@ -27,7 +26,7 @@ from jupyter_ext.testing import Endpoint, MotoServer, free_port
 
 from .hub import ROOT, Hub
 from .pods import chart_values
-from .s3server import JuicefsGateway
+from .s3server import JuicefsGateway, s3_client
 from .servers import follow, ws_execute
 
 pytestmark = pytest.mark.usefixtures("criu")
@@ -69,13 +68,7 @@ class Bucket:
         return self.server.url
 
     def client(self) -> Any:
-        return boto3.client(
-            "s3",
-            endpoint_url=self.url,
-            region_name="us-east-1",
-            aws_access_key_id=self.access_key[0],
-            aws_secret_access_key=self.access_key[1],
-        )
+        return s3_client(self.url, self.access_key)
 
     def keys(self, bucket: str, prefix: str = PREFIX) -> dict[str, bytes]:
         """Every object under ``prefix``, with its bytes."""

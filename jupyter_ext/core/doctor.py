@@ -542,7 +542,7 @@ def check_store_server(settings: Mapping[str, Any], environ: Mapping[str, str]) 
 
     from .store.backend.s3 import S3Options
     from .store.hubclient import TOKEN_ENV, HubClient
-    from .store.probe import LocalSigner, ServiceSigner, Signer, probe_server
+    from .store.probe import Signer, probe_server
     from .store.stores import StoreSpec
 
     name = "store server"
@@ -553,10 +553,11 @@ def check_store_server(settings: Mapping[str, Any], environ: Mapping[str, str]) 
     if not isinstance(options, S3Options):
         return Check(name, True, "not an S3 store: nothing to probe", required=False)
     region = options.region or boto3.session.Session().region_name or "us-east-1"
-    signer: Signer
+
     try:
         if options.hub_service_url:
-            signer = ServiceSigner(HubClient(options.hub_service_url, environ.get(TOKEN_ENV, "")))
+            service = HubClient(options.hub_service_url, environ.get(TOKEN_ENV, ""))
+            signer = Signer(service=service)
         else:
             credentials = boto3.session.Session().get_credentials()
             if credentials is None:
@@ -566,7 +567,7 @@ def check_store_server(settings: Mapping[str, Any], environ: Mapping[str, str]) 
                     "no credentials for the bucket (boto3's chain found none)",
                     fix="Give the server the bucket's credentials, or set hub_service_url.",
                 )
-            signer = LocalSigner(credentials.get_frozen_credentials(), region)
+            signer = Signer(credentials.get_frozen_credentials(), region)
         checks = probe_server(options.endpoint_url, region, options.bucket, options.prefix, signer)
     except StoreError as exc:
         return Check(name, False, f"could not probe it: {exc.message}", fix=exc.hint)

@@ -44,7 +44,7 @@ from tornado import web
 from tornado.ioloop import IOLoop
 
 from ..core.store.api import StoreError
-from ..core.store.probe import LocalSigner, ServerChecks, probe_server
+from ..core.store.probe import ServerChecks, Signer, probe_server
 from ..core.store.scope import LAX_SERVER_GUARDS, SignRequest, UserScope, sign
 from ..core.store.userkey import derive_user_key, parse_secret
 
@@ -95,7 +95,7 @@ class Service:
             if self.checks is not None or time.monotonic() - self._probed_at < PROBE_RETRY_SECONDS:
                 return
             self._probed_at = time.monotonic()
-            signer = LocalSigner(self.credentials(), self.region)
+            signer = Signer(self.credentials(), self.region)
             try:
                 checks = probe_server(
                     self.endpoint_url, self.region, self.bucket, self.base, signer

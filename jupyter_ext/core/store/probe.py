@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 from urllib.parse import quote
 
 from .api import StoreError
@@ -37,29 +37,20 @@ header were not there, or did what the header asks."""
 EXTRACT_HEADER = "X-Amz-Meta-Snowball-Auto-Extract"
 
 
-class Signer(Protocol):
-    """Signs a request for the probe: with credentials here (``local``: any request,
-    extra headers, a time in the past), or through the hub service (what it signs)."""
+@dataclass(frozen=True)
+class Signer:
+    """Signs the probe's requests: with ``credentials`` here (botocore's, frozen: the hub
+    service's own, or a server's without the service), which sign anything (extra headers,
+    a time in the past, an unsigned payload); or through ``service`` (a HubClient: the hub
+    service's ``POST sign``, with the server's hub token), which signs what it signs."""
+
+    credentials: Any = None
+    region: str = "us-east-1"
+    service: Any = None
 
     @property
-    def local(self) -> bool: ...
-
-    def __call__(
-        self,
-        request: SignRequest,
-        extra: Mapping[str, str] | None = None,
-        when: datetime | None = None,
-    ) -> dict[str, str]: ...
-
-
-@dataclass(frozen=True)
-class LocalSigner:
-    """Credentials in this process (botocore's, frozen): the hub service's own, or those
-    of a server without the hub service."""
-
-    credentials: Any
-    region: str
-    local: bool = True
+    def local(self) -> bool:
+        return self.service is None
 
     def __call__(
         self,
@@ -67,24 +58,12 @@ class LocalSigner:
         extra: Mapping[str, str] | None = None,
         when: datetime | None = None,
     ) -> dict[str, str]:
+        if self.service is not None:
+            headers: dict[str, str] = self.service.call("POST", "sign", request.to_dict())[
+                "headers"
+            ]
+            return headers
         return sign(request, self.credentials, self.region, extra=extra, when=when)
-
-
-@dataclass(frozen=True)
-class ServiceSigner:
-    """The hub service's ``POST sign``, with the server's hub token (a HubClient)."""
-
-    client: Any
-    local: bool = False
-
-    def __call__(
-        self,
-        request: SignRequest,
-        extra: Mapping[str, str] | None = None,
-        when: datetime | None = None,
-    ) -> dict[str, str]:
-        headers: dict[str, str] = self.client.call("POST", "sign", request.to_dict())["headers"]
-        return headers
 
 
 @dataclass(frozen=True)

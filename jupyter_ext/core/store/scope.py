@@ -265,10 +265,13 @@ def sign(
         def payload(self, request: AWSRequest) -> str:
             return str(request.context["payload_sha256"])
 
-        def _modify_request_before_signing(self, request: AWSRequest) -> None:
+        def canonical_request(self, request: AWSRequest) -> str:
+            """A signature made at ``when``: its date set before anything is hashed."""
             if when is not None:
                 request.context["timestamp"] = when.strftime(SIGV4_TIMESTAMP)
-            super()._modify_request_before_signing(request)
+                del request.headers["X-Amz-Date"]
+                request.headers["X-Amz-Date"] = request.context["timestamp"]
+            return str(super().canonical_request(request))
 
     signed = _SIGNED_HEADERS - {"x-amz-content-sha256"}
     headers = {k: v for k, v in request.headers.items() if k.lower() in signed}
