@@ -27,7 +27,12 @@ from .core.contents import (
     describe_contents,
     short_contents,
 )
-from .core.doctor import check_bucket_credentials, check_encryption, run_checks
+from .core.doctor import (
+    check_bucket_credentials,
+    check_encryption,
+    check_store_server,
+    run_checks,
+)
 from .core.errors import SnapshotError
 from .core.humanize import human_bytes, human_seconds, time_ago
 from .core.manifest import check_snapshot_id
@@ -133,6 +138,7 @@ class DoctorApp(_ServerKey):
                     server_settings().hub_service_url,
                 ),
                 check_encryption(self.key_source, Path(self.key_file), os.environ),
+                check_store_server(server_settings().option_values(), os.environ),
             ),
             agent_socket=Path(agent) if (agent := os.environ.get(ENV_AGENT_SOCKET)) else None,
         )

@@ -353,14 +353,19 @@ class MotoServer:
             return False
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        end_process(self.process)
         self._log.close()
+
+
+def end_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 10 s (a test server that did not stop)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):

@@ -11,7 +11,7 @@ from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import CriuNotFoundError
 from jupyter_ext.testing import KernelProcess, MotoServer
 
-from .s3server import CuttableProxy
+from .s3server import JUICEFS_KEY, CuttableProxy, JuicefsGateway
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -64,14 +64,13 @@ pytest_plugins = ["pytest_jupyter.jupyter_server", "tests.jupyter_api"]
 
 
 @pytest.fixture(scope="session")
-def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
-    """moto's standalone server on 127.0.0.1, with test credentials in boto3's standard
-    chain (and nothing from this machine's AWS configuration). Tests make their buckets
-    with ``moto.ensure_bucket``."""
+def aws_test_env() -> Iterator[None]:
+    """Test credentials in boto3's standard chain (and nothing from this machine's AWS
+    configuration): any key for moto, the juicefs gateway's root user for it."""
     patch = pytest.MonkeyPatch()
     for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ACCESS_KEY_ID": JUICEFS_KEY[0],
+        "AWS_SECRET_ACCESS_KEY": JUICEFS_KEY[1],
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_CONFIG_FILE": "/nonexistent",
         "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
@@ -80,12 +79,33 @@ def moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoServer]:
         patch.setenv(name, value)
     patch.delenv("AWS_SESSION_TOKEN", raising=False)
     patch.delenv("AWS_PROFILE", raising=False)
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="session")
+def moto(tmp_path_factory: pytest.TempPathFactory, aws_test_env: None) -> Iterator[MotoServer]:
+    """moto's standalone server on 127.0.0.1, the credentials of ``aws_test_env`` in
+    boto3's chain. Tests make their buckets with ``moto.ensure_bucket``."""
     server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
     try:
         yield server
     finally:
         server.stop()
-        patch.undo()
+
+
+@pytest.fixture(scope="session")
+def juicefs(
+    tmp_path_factory: pytest.TempPathFactory, aws_test_env: None
+) -> Iterator[JuicefsGateway]:
+    """The juicefs gateway on 127.0.0.1 (tests/s3server.py), its root user in boto3's
+    chain: a second real S3 server, which checks signatures as MinIO does and ignores
+    If-None-Match. Tests make their buckets with ``juicefs.ensure_bucket``."""
+    server = JuicefsGateway(tmp_path_factory.mktemp("juicefs"))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -2,19 +2,26 @@
 her server holds against bob's objects: every credential in its environment and files (and
 boto3's own chain), unsigned requests, and the hub service with her server's token.
 ``attack`` says what each attempt got: "allowed" (with the bytes of a small read) or
-"refused: <why>"."""
+"refused: <why>". ``red_team`` (issue 45): requests the service signed for her, changed
+after signing as an S3 server that checks less than AWS would let them through (a
+DeleteObjects body swapped, DTD entities, an element inside a key, unsigned headers that
+copy or extract, a replayed signature)."""
 
 from __future__ import annotations
 
 import base64
 import configparser
+import hashlib
+import io
 import json
 import os
 import pathlib
+import tarfile
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 import boto3
 import botocore
@@ -124,8 +131,8 @@ def attack(bucket: str, bob_keys: list[str]) -> dict[str, Any]:
         for what, call in tries(client).items():
             results[f"{name}: {what}"] = attempt(call)
 
-    def ask(path: str, body: dict[str, Any] | None = None) -> str:
-        """The service itself, with her token."""
+    def ask(path: str, body: dict[str, Any] | None = None, say: bool = False) -> str:
+        """The service itself, with her token (``say``: a refusal's message too)."""
         request = urllib.request.Request(
             service + path,
             data=json.dumps(body).encode() if body else None,
@@ -136,13 +143,130 @@ def attack(bucket: str, bob_keys: list[str]) -> dict[str, Any]:
             with urllib.request.urlopen(request) as answer:
                 return "allowed: " + answer.read().decode()
         except urllib.error.HTTPError as exc:
-            return f"refused: {exc.code}"
+            with exc:
+                message = json.loads(exc.read())["message"] if say else ""
+            return f"refused: {exc.code}" + (f": {message}" if say else "")
 
     if service:
+        results.update(red_team(endpoint, bucket, service, token, bob_keys))
         url = f"{endpoint}/{bucket}/{record}"
         for extra in ({}, {"user": "bob"}):
             ask_bob = {"method": "GET", "url": url, "headers": {}, "payload_sha256": EMPTY_SHA256}
             results[f"sign {extra}"] = ask("sign", {**ask_bob, **extra})
+        odd = {"method": "GET", "url": f"{endpoint}/{bucket}/{quote(BOB + 'a b%25')}"}
+        results["a refusal's message"] = ask(
+            "sign", {**odd, "headers": {}, "payload_sha256": EMPTY_SHA256}, say=True
+        )
         results["key"] = ask("key")
         results["key ?user=bob"] = ask("key?user=bob")
     return {"token": bool(token), "keys": len(keys), "results": results}
+
+
+def delete_xml(*keys: str, doctype: str = "") -> bytes:
+    objects = "".join(f"<Object><Key>{key}</Key></Object>" for key in keys)
+    xmlns = "http://s3.amazonaws.com/doc/2006-03-01/"
+    return f'{doctype}<Delete xmlns="{xmlns}">{objects}</Delete>'.encode()
+
+
+def red_team(
+    endpoint: str, bucket: str, service: str, token: str, bob_keys: list[str]
+) -> dict[str, str]:
+    """Signatures alice gets from the service for her own prefix, sent changed."""
+    import urllib3
+
+    http = urllib3.PoolManager(retries=False)
+    record = next(k for k in bob_keys if "/snapshots/" in k)
+
+    def signature(method: str, url: str, headers: dict[str, str], payload: str) -> Any:
+        ask = {"method": method, "url": url, "headers": headers, "payload_sha256": payload}
+        request = urllib.request.Request(
+            service + "sign",
+            data=json.dumps(ask).encode(),
+            headers={"Authorization": f"token {token}"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request) as answer:
+            return json.loads(answer.read())["headers"]
+
+    def send(
+        method: str,
+        url: str,
+        body: bytes = b"",
+        *,
+        signed: dict[str, str] | None = None,
+        unsigned: dict[str, str] | None = None,
+        sent: bytes | None = None,
+        payload: str = "",
+        to: str = "",
+    ) -> tuple[int, bytes]:
+        """Sign (method, url, signed headers, body's hash), then send to ``to`` (else
+        ``url``) with ``unsigned`` headers added and ``sent`` as the body."""
+        headers = urllib3.HTTPHeaderDict(signed or {})
+        got = signature(method, url, signed or {}, payload or hashlib.sha256(body).hexdigest())
+        for name, value in got.items():
+            headers[name] = value
+        for name, value in (unsigned or {}).items():
+            headers.add(name, value)
+        answer = http.request(
+            method, to or url, body=body if sent is None else sent, headers=headers
+        )
+        return answer.status, answer.data
+
+    def attempt(call: Callable[[], tuple[int, bytes]]) -> str:
+        try:
+            status, _ = call()
+        except urllib.error.HTTPError as exc:
+            return f"refused: {exc.code} by the service"
+        return f"sent: {status}"
+
+    def key_url(key: str) -> str:
+        return f"{endpoint}/{bucket}/{quote(key)}"
+
+    own = ALICE + "own"
+    send("PUT", key_url(own), b"alice's own")
+    delete = f"{endpoint}/{bucket}?delete"
+    md5 = base64.b64encode(hashlib.md5(delete_xml(own)).digest()).decode()
+    entity = '<!DOCTYPE Delete [<!ENTITY a "alice/">]>'
+    results = {
+        "DeleteObjects, the body swapped for bob's keys": lambda: send(
+            "POST", delete, delete_xml(own), signed={"Content-MD5": md5}, sent=delete_xml(*bob_keys)
+        ),
+        "DeleteObjects with a DTD entity": lambda: send(
+            "POST", delete, delete_xml(record.replace("users/", "users/&a;"), doctype=entity)
+        ),
+        "DeleteObjects, an element inside a key": lambda: send(
+            "POST", delete, delete_xml(f"{own}<i/>{record}")
+        ),
+        "a PUT of an unsigned payload": lambda: send(
+            "PUT", key_url(own), payload="UNSIGNED-PAYLOAD", sent=b"anything"
+        ),
+        "a signature replayed to bob's record": lambda: send(
+            "GET", key_url(own), to=key_url(record)
+        ),
+        "a PUT turned into a copy of bob's record by an unsigned header": lambda: send(
+            "PUT", key_url(ALICE + "copied"), unsigned={"x-amz-copy-source": f"/{bucket}/{record}"}
+        ),
+        "a tar extracted over bob's record by an unsigned header": lambda: send(
+            "PUT",
+            key_url(ALICE + "planted.tar"),
+            planted_tar([record, BOB + "planted"]),
+            unsigned={"X-Amz-Meta-Snowball-Auto-Extract": "true"},
+        ),
+    }
+    said = {f"red team: {what}": attempt(call) for what, call in results.items()}
+    status, copied = send("GET", key_url(ALICE + "copied"))
+    said["red team: what the copy holds"] = base64.b64encode(
+        copied if status == 200 else b""
+    ).decode()
+    return said
+
+
+def planted_tar(keys: list[str]) -> bytes:
+    """A tar whose entries are named by these keys (extracted relative to the bucket)."""
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w") as tar:
+        for key in keys:
+            info = tarfile.TarInfo(key)
+            info.size = 7
+            tar.addfile(info, io.BytesIO(b"planted"))
+    return archive.getvalue()

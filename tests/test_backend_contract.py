@@ -1,7 +1,9 @@
 """The backend contract (core/store/backend/base.py), run alike over every backend: a local
-directory, S3 (the real moto server) and memory (as restic's internal/backend/test). Each
-is opened as the server opens it, from settings through its kind in ``STORE_KINDS``. A new
-backend joins ``BACKENDS`` (with the settings it needs) and must pass all of it."""
+directory, S3 on two real servers (moto, and the juicefs gateway: MinIO's code, which
+ignores If-None-Match, so its ``save_if_absent`` goes through lock objects) and memory (as
+restic's internal/backend/test). Each is opened as the server opens it, from settings
+through its kind in ``STORE_KINDS``. A new backend joins ``BACKENDS`` (with the settings
+it needs) and must pass all of it."""
 
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ from jupyter_ext.core.store.pack import Blob
 from jupyter_ext.settings import SnapshotSettings
 from jupyter_ext.testing import MotoServer
 
+from .s3server import JuicefsGateway
 from .test_store import make_snapshot, random_pages, tree
 
-BACKENDS = ["local", "s3", "memory"]
+BACKENDS = ["local", "s3", "s3-juicefs", "memory"]
 BUCKET = "contract"
 
 MakeBackend = Callable[[], Backend]
@@ -41,16 +44,19 @@ def settings(kind: str, **values: Any) -> dict[str, Any]:
 def make_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeBackend]:
     """Backends of one kind; each call gets a place (directory, prefix) of its own."""
     made: list[Backend] = []
-    values = settings(request.param, local_store_dir=str(tmp_path))
-    if request.param == "s3":
-        server: MotoServer = request.getfixturevalue("moto")
+    kind = request.param.split("-")[0]
+    values = settings(kind, local_store_dir=str(tmp_path))
+    if kind == "s3":
+        server: MotoServer | JuicefsGateway = request.getfixturevalue(
+            "juicefs" if request.param == "s3-juicefs" else "moto"
+        )
         values |= {
             "s3_bucket": server.ensure_bucket(BUCKET),
             "s3_prefix": "",
             "s3_endpoint_url": server.url,
             "s3_region": "us-east-1",
         }
-    options = STORE_KINDS[request.param].options
+    options = STORE_KINDS[kind].options
 
     def make() -> Backend:
         backend = options.from_settings(values, f"users/{uuid.uuid4().hex[:8]}").open(8, {})
@@ -386,3 +392,31 @@ def test_an_unknown_store_kind_names_the_known_ones() -> None:
     assert {"local", "s3", "memory"} <= set(STORE_KINDS)
     with pytest.raises(TraitError, match='store must be one of "local", "s3", "memory"'):
         SnapshotSettings(store="ftp")
+
+
+@pytest.mark.parametrize(("server", "honours"), [("moto", True), ("juicefs", False)])
+def test_whether_an_s3_server_honours_if_none_match_is_found_out(
+    server: str, honours: bool, request: pytest.FixtureRequest
+) -> None:
+    """Probed once (a scratch object under ``locks/`` written twice, the second time with
+    If-None-Match: *, then removed): moto answers 412, the juicefs gateway overwrites, and
+    its stores then create records and keys under lock objects (the contract above)."""
+    s3: MotoServer | JuicefsGateway = request.getfixturevalue(server)
+    values = settings(
+        "s3",
+        s3_bucket=s3.ensure_bucket("probed"),
+        s3_prefix="",
+        s3_endpoint_url=s3.url,
+        s3_region="us-east-1",
+    )
+    backend = STORE_KINDS["s3"].options.from_settings(values, "users/probe").open(2, {})
+    try:
+        assert backend.conditional_writes() is honours  # type: ignore[attr-defined]
+        assert backend.save_if_absent(layout.record("7" * 32), b"first")
+        assert not backend.save_if_absent(layout.record("7" * 32), b"second")
+        assert loaded(backend, layout.record("7" * 32)) == b"first"
+        client = backend.client  # type: ignore[attr-defined]
+        left = client.list_objects_v2(Bucket="probed", Prefix="users/probe/").get("Contents", [])
+        assert [o["Key"] for o in left] == ["users/probe/snapshots/" + "7" * 32 + ".json"]
+    finally:
+        backend.close()

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 
 from jupyter_ext.core.errors import SnapshotNotFoundError
@@ -27,6 +26,7 @@ from jupyter_ext.testing import Endpoint, MotoServer, free_port
 
 from .hub import ROOT, Hub
 from .pods import chart_values
+from .s3server import JuicefsGateway, s3_client
 from .servers import follow, ws_execute
 
 pytestmark = pytest.mark.usefixtures("criu")
@@ -55,21 +55,20 @@ def z2jh_server_config() -> dict[str, Any]:
 @dataclass
 class Bucket:
     """An S3 server that enforces credentials (moto's IAM enforcement: the tests' own
-    boto3 defaults, any unsigned request, any unknown key are refused), its buckets, and
-    the key of the one IAM user allowed every S3 action: the store's admin (the hub
-    service's, or in the shared-Secret mode every server's)."""
+    boto3 defaults, any unsigned request, any unknown key are refused; or the juicefs
+    gateway, which checks signatures as MinIO does), its buckets, and the key of the one
+    user allowed every S3 action: the store's admin (the hub service's, or in the
+    shared-Secret mode every server's)."""
 
-    moto: MotoServer
+    server: MotoServer | JuicefsGateway
     access_key: tuple[str, str]
 
+    @property
+    def url(self) -> str:
+        return self.server.url
+
     def client(self) -> Any:
-        return boto3.client(
-            "s3",
-            endpoint_url=self.moto.url,
-            region_name="us-east-1",
-            aws_access_key_id=self.access_key[0],
-            aws_secret_access_key=self.access_key[1],
-        )
+        return s3_client(self.url, self.access_key)
 
     def keys(self, bucket: str, prefix: str = PREFIX) -> dict[str, bytes]:
         """Every object under ``prefix``, with its bytes."""
@@ -99,6 +98,19 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bucket]:
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def juicefs_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bucket]:
+    """The juicefs gateway, its root user as the store's admin (unsigned requests and
+    other keys are refused)."""
+    server = JuicefsGateway(tmp_path_factory.mktemp("juicefs-hub"))
+    try:
+        bucket = Bucket(server, server.access_key)
+        server.ensure_bucket("two-users")
+        yield bucket
+    finally:
+        server.stop()
+
+
 def hub_service(home: Path, s3: Bucket, bucket: str, key_secrets: list[str]) -> dict[str, Any]:
     """The z2jh recipe's hub service (hub.services.kernel-snapshots) on a free local port,
     its placeholders filled in, its Secret's two files written under ``home``."""
@@ -111,7 +123,7 @@ def hub_service(home: Path, s3: Bucket, bucket: str, key_secrets: list[str]) -> 
     (secrets / "key-secrets").write_text("\n".join(key_secrets) + "\n")
     filled = {
         "<bucket>": bucket,
-        "<https://s3.example.org>": s3.moto.url,
+        "<https://s3.example.org>": s3.url,
         "<region, e.g. us-east-1>": "us-east-1",
         "0.0.0.0": "127.0.0.1",
         "/etc/kernel-snapshots": str(secrets),
@@ -157,7 +169,7 @@ def start_hub(
     config = z2jh_server_config()
     config["SnapshotExtensionApp"].update(
         s3_bucket=bucket,
-        s3_endpoint_url=s3.moto.url,
+        s3_endpoint_url=s3.url,
         # moto stores objects one by one, slowly: 1 MiB chunks (about 40 per snapshot, not
         # 2000) keep every request well within the culler's timeout. Chunking is not what
         # these tests are about.
@@ -367,10 +379,10 @@ def command_in(server: Endpoint, *args: str) -> dict[str, Any]:
 
 
 def doctor_says(hub: Hub, server: Endpoint) -> dict[str, Any]:
-    """`jupyter snapshot doctor`'s checks of the bucket credentials and of the store's
-    encryption, by name, run in a kernel of the server."""
+    """`jupyter snapshot doctor`'s checks of the bucket credentials, of the store's
+    encryption and of its S3 server, by name, run in a kernel of the server."""
     checks = json.loads(command_in(server, "doctor", "--json")["stdout"])
-    names = ("bucket credentials", "store encryption")
+    names = ("bucket credentials", "store encryption", "store server")
     return {c["name"]: c for c in checks if c["name"] in names}
 
 
@@ -383,7 +395,7 @@ def bob_with_a_secret(hub: Hub) -> tuple[Endpoint, dict[str, Any], str]:
     ws_execute(bob, kernel, f"secret = {secret!r}")
     job = bob.client.call("POST", "", body={"kernel_id": kernel})["job"]
     snapshot: dict[str, Any] = follow(bob, job)["result"]
-    assert snapshot["status"] == "complete"
+    assert snapshot["status"] == "complete", {k: v for k, v in snapshot.items() if "error" in k}
     return bob, snapshot, secret
 
 
@@ -414,16 +426,34 @@ def plaintext_hits(objects: dict[str, bytes], needle: bytes) -> list[str]:
     return hits
 
 
-def test_alice_cannot_reach_bobs_snapshots(tmp_path: Path, s3: Bucket) -> None:
+REFUSED_BY_THE_SERVICE = (
+    "DeleteObjects, the body swapped for bob's keys",
+    "DeleteObjects with a DTD entity",
+    "DeleteObjects, an element inside a key",
+    "a PUT of an unsigned payload",
+)
+COPY = "a PUT turned into a copy of bob's record by an unsigned header"
+EXTRACT = "a tar extracted over bob's record by an unsigned header"
+
+
+@pytest.mark.parametrize("server", ["moto", "juicefs"])
+def test_alice_cannot_reach_bobs_snapshots(
+    tmp_path: Path, server: str, request: pytest.FixtureRequest
+) -> None:
     """The recipe's hub service: alice's kernel, holding all her server holds, cannot list,
     read, copy, overwrite or delete bob's objects, nor get them signed, nor get bob's key;
-    bob's snapshot restores afterwards."""
+    bob's snapshot restores afterwards. On two S3 servers (moto with IAM enforcement, the
+    juicefs gateway), with the red team's requests (hub_attack.red_team): signed for her,
+    changed after. Where the server still lets one through (moto copies on an unsigned
+    x-amz-copy-source, whatever is signed), doctor says plainly that this store cannot
+    keep users apart, and the copy holds only ciphertext."""
     from jupyter_ext.core.store.userkey import derive_user_key
 
+    s3: Bucket = request.getfixturevalue("s3" if server == "moto" else "juicefs_s3")
     bucket, secrets = "two-users", [os.urandom(32).hex(), os.urandom(32).hex()]
-    with start_hub(
-        tmp_path, s3, bucket, key_secrets=tuple(secrets), server_options=NO_CACHE
-    ) as hub:
+    # The gateway implements no server-side encryption (the recipe asks for AES256).
+    options = NO_CACHE if server == "moto" else {**NO_CACHE, "s3_server_side_encryption": ""}
+    with start_hub(tmp_path, s3, bucket, key_secrets=tuple(secrets), server_options=options) as hub:
         bob, snapshot, secret = bob_with_a_secret(hub)
         before = s3.keys(bucket, f"{PREFIX}/users/bob/")
         assert len(before) >= 3  # his pack(s), his record and his wrapped master key
@@ -454,9 +484,45 @@ def test_alice_cannot_reach_bobs_snapshots(tmp_path: Path, s3: Bucket) -> None:
         # the names of his key objects).
         bobs = [derive_user_key(bytes.fromhex(s), "bob")[1] for s in secrets]
         assert not [k for k in bobs if base64.b64encode(k).decode() in said or k.hex() in said]
+        # The red team: what depends on a body, the service no longer signs; a signature
+        # serves only its own request.
+        for what in REFUSED_BY_THE_SERVICE:
+            assert results.pop(f"red team: {what}") == "refused: 403 by the service", what
+        assert results.pop("red team: a signature replayed to bob's record") == "sent: 403"
+        copy, extract = results.pop(f"red team: {COPY}"), results.pop(f"red team: {EXTRACT}")
+        copied = base64.b64decode(results.pop("red team: what the copy holds"))
+        record = next(k for k in before if "/snapshots/" in k)
+        server_said = doctor["store server"]
+        if server == "juicefs":
+            # MinIO's code acts on unsigned x-amz-* headers: the guards the service signs
+            # into every PUT stop both (a copy condition no ETag meets; a second value of
+            # a signed header), and doctor says what the server does.
+            assert copy == "sent: 412"
+            assert extract == "sent: 403"
+            assert copied == b""
+            assert "the service's guards hold" in server_said["detail"]
+            assert "ignores If-None-Match" in server_said["detail"]
+        else:
+            # moto copies whatever is signed (the guard's copy condition it ignores); the
+            # extraction header, a second value of a signed one, breaks the signature.
+            # Said plainly, and only ciphertext moved.
+            assert copy == "sent: 200"
+            assert extract == "sent: 403"
+            assert copied == before[record]
+            assert "CANNOT keep a hub's users apart" in server_said["detail"]
+            assert plaintext_hits({"copied": copied}, secret.encode()) == []
+        assert server_said["ok"] is False
         allowed = {what: r for what, r in results.items() if not r.startswith("refused: ")}
         assert not allowed
         assert results["sign {}"] == results["sign {'user': 'bob'}"] == "refused: 403"
+        # The refused key once, decoded, its % not doubled (issue 45 item 4).
+        message = results.pop("a refusal's message")
+        assert message.startswith(
+            f"refused: 403: Refused to sign GET s3://{bucket}/{PREFIX}/users/bob/a b%25 for "
+            "alice: that key is outside the user's prefix.\nWhat to do: "
+        )
+        assert message.count("users/bob") == 1
+        assert "%%" not in message
         # Two clients (unsigned, the service) x 9 attempts, less the two above, 2 signings.
         assert len(results) == 2 * 9 - 2 + 2, results
         # Nothing of bob's changed, and his snapshot comes back.

@@ -1,6 +1,7 @@
 """Restore on another node: two servers, each in its own network and PID namespace (a pod:
-process ids from 1, its own /proc), sharing only an S3 server (moto, real HTTP) and the
-notebooks' directory (a user's home moving with them).
+process ids from 1, its own /proc), sharing only an S3 server (moto, real HTTP; the
+node-loss round trip also on the juicefs gateway) and the notebooks' directory (a user's
+home moving with them).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jupyter_ext.core.isolation.pidspace import PID_FLOOR
 from jupyter_ext.core.store.keys import ENV_KEY
 from jupyter_ext.testing import RUN_KEY, ServerProcess, free_port
 
+from .s3server import JUICEFS_KEY, JuicefsGateway
 from .servers import HOST_ADDRESS, Network, follow, ws_execute
 
 pytestmark = [
@@ -68,6 +70,16 @@ def s3_url(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     log.close()
 
 
+@pytest.fixture(scope="module")
+def juicefs_url(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The juicefs gateway on the bridge: a second real S3 server (it ignores
+    If-None-Match; its stores create records and keys under lock objects)."""
+    server = JuicefsGateway(tmp_path_factory.mktemp("juicefs"), host=HOST_ADDRESS)
+    server.ensure_bucket(BUCKET)
+    yield server.url
+    server.stop()
+
+
 CREDENTIALS = {
     "aws_access_key_id": "testing",
     "aws_secret_access_key": "testing",
@@ -88,6 +100,7 @@ def node_server(
     notebooks: Path,
     s3_url: str,
     owner: str,
+    env: dict[str, str] = S3_ENV,
 ) -> ServerProcess:
     netns, address = network.add_node(index)
     config: dict[str, Any] = {
@@ -106,18 +119,26 @@ def node_server(
         config,
         netns=netns,
         address=address,
-        env=S3_ENV,
+        env=env,
         user=NODE_USER,
         pod=True,
     )
 
 
+@pytest.mark.parametrize("server", ["moto", "juicefs"])
 def test_restore_on_another_node_after_node_loss(
-    network: Network, s3_url: str, tmp_path: Path
+    network: Network, server: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     notebooks = tmp_path / "home" / "notebooks"
     (notebooks / "work").mkdir(parents=True)
-    node_a = node_server(network, 1, tmp_path / "node-a", notebooks, s3_url, "alice")
+    s3_url: str = request.getfixturevalue("s3_url" if server == "moto" else "juicefs_url")
+    env = S3_ENV if server == "moto" else {**S3_ENV, "AWS_SECRET_ACCESS_KEY": JUICEFS_KEY[1]}
+    owner = "alice"
+
+    def node(index: int, name: str, user: str) -> ServerProcess:
+        return node_server(network, index, tmp_path / name, notebooks, s3_url, user, env)
+
+    node_a = node(1 if server == "moto" else 7, "node-a", owner)
     session = node_a.api(
         "POST",
         "api/sessions",
@@ -141,7 +162,7 @@ def test_restore_on_another_node_after_node_loss(
     for leftover in ("data", "runtime", "kernels"):
         shutil.rmtree(tmp_path / "node-a" / leftover, ignore_errors=True)
 
-    node_b = node_server(network, 2, tmp_path / "node-b", notebooks, s3_url, "alice")
+    node_b = node(2 if server == "moto" else 8, "node-b", owner)
     listed = node_b.client.call("GET", "", path="work/n.ipynb")["snapshots"]
     assert [s["id"] for s in listed] == [snapshot["id"]]
     assert listed[0]["status"] == "complete"
@@ -163,7 +184,7 @@ def test_restore_on_another_node_after_node_loss(
     assert pid >= PID_FLOOR if NODE_USER else pid < PID_FLOOR
 
     # Another user's server on the same bucket sees none of it.
-    node_c = node_server(network, 3, tmp_path / "node-c", notebooks, s3_url, "bob")
+    node_c = node(3 if server == "moto" else 9, "node-c", "bob")
     assert node_c.client.call("GET", "")["snapshots"] == []
     node_c.stop()
     node_b.stop()

@@ -157,6 +157,7 @@ STORE_LAYERS = {
     "scope": 2,
     "userkey": 2,
     "hubclient": 3,  # the hub service's signed S3 requests: a transport of the s3 backend
+    "probe": 3,  # what an S3 server checks of a signed request (doctor, the hub service)
     "backend": 4,  # base, layout, local, s3, memory: one layer (files share it)
     "record": 5,
     "keys": 5,

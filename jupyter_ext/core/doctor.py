@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from .agent.client import AgentCriu
 from .agent.protocol import ENV_AGENT_SOCKET
@@ -16,6 +17,7 @@ from .errors import CriuNotFoundError, SnapshotError
 from .isolation.confinement import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, Confinement, seccomp_blocker
 from .private import exposed, others_can_replace
 from .protocol import ENV_RUNTIME_DIR
+from .store.api import StoreError
 from .store.keys import ENV_KEY, LOST_KEY
 
 VFS_CAP_FLAGS_EFFECTIVE = 0x1
@@ -527,6 +529,59 @@ def check_bucket_credentials(
         fix="Run the product's hub service (python -m jupyter_ext.hubservice) and set "
         "SnapshotExtensionApp.hub_service_url; remove the credentials and roles from the "
         "servers (deploy/z2jh/config.yaml, docs/jupyterhub.md).",
+        required=False,
+    )
+
+
+def check_store_server(settings: Mapping[str, Any], environ: Mapping[str, str]) -> Check:
+    """Probe the S3 server of the store ``settings`` (the server's options) describe, with
+    harmless requests in a scratch prefix of the user's (core/store/probe.py), through the
+    hub service where there is one: whether it honours conditional writes, and under a hub
+    whether it keeps users apart (issue 45)."""
+    import boto3
+
+    from .store.backend.s3 import S3Options
+    from .store.hubclient import TOKEN_ENV, HubClient
+    from .store.probe import Signer, probe_server
+    from .store.stores import StoreSpec
+
+    name = "store server"
+    try:
+        options = StoreSpec.from_settings(settings).options
+    except StoreError as exc:
+        return Check(name, False, exc.message, fix=exc.hint, required=False)
+    if not isinstance(options, S3Options):
+        return Check(name, True, "not an S3 store: nothing to probe", required=False)
+    region = options.region or boto3.session.Session().region_name or "us-east-1"
+
+    try:
+        if options.hub_service_url:
+            service = HubClient(options.hub_service_url, environ.get(TOKEN_ENV, ""))
+            signer = Signer(service=service)
+        else:
+            credentials = boto3.session.Session().get_credentials()
+            if credentials is None:
+                return Check(
+                    name,
+                    False,
+                    "no credentials for the bucket (boto3's chain found none)",
+                    fix="Give the server the bucket's credentials, or set hub_service_url.",
+                )
+            signer = Signer(credentials.get_frozen_credentials(), region)
+        checks = probe_server(options.endpoint_url, region, options.bucket, options.prefix, signer)
+    except StoreError as exc:
+        return Check(name, False, f"could not probe it: {exc.message}", fix=exc.hint)
+    found = f"{checks.endpoint} {'; '.join(checks.findings())}"
+    if not (environ.get("JUPYTERHUB_API_TOKEN") or environ.get("JUPYTERHUB_USER")):
+        return Check(name, True, found, required=False)
+    if not options.hub_service_url or (checks.keeps_users_apart and not checks.lax):
+        return Check(name, True, f"{checks.verdict()} It {found}", required=False)
+    return Check(
+        name,
+        False,
+        f"{checks.verdict()} It {found}",
+        fix="Move the hub's store to an S3 server that refuses x-amz-* headers a request's "
+        "signature does not cover (docs/jupyterhub.md, 'What is protected from whom').",
         required=False,
     )
 

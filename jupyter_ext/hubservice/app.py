@@ -14,21 +14,28 @@ older ones after it, still handed out to unwrap until everything is rewrapped.
 
 Endpoints, under the service's prefix (``/services/<name>/``):
 
-- ``POST sign``: ``{"method", "url", "headers", "payload_sha256", "body_base64"?}`` ->
-  ``{"headers": {...}}`` to add to that request; 403 with the reason if it leaves the
-  caller's prefix.
+- ``POST sign``: ``{"method", "url", "headers", "payload_sha256"}`` ->
+  ``{"headers": {...}}`` to add to that request (with the guards of a lax S3 server for a
+  PUT); 403 with the reason if it leaves the caller's prefix.
 - ``GET key``: ``{"current": {"id", "key"}, "previous": [{"id", "key"}, ...]}``, keys in
   base64: the caller's own key-encryption key.
+
+At start it probes the bucket's S3 server (core/store/probe.py, in ``<prefix>/.probe/``)
+and logs plainly what it checks and whether it can keep the users apart; where the server
+acts on unsigned ``x-amz-*`` headers, every PUT it signs carries the guards
+(``scope.LAX_SERVER_GUARDS``). A probe that could not reach the server is tried again at
+the next signing, at most once a minute.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
-import binascii
 import json
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,10 +44,12 @@ from tornado import web
 from tornado.ioloop import IOLoop
 
 from ..core.store.api import StoreError
-from ..core.store.scope import SignRequest, UserScope, sign
+from ..core.store.probe import ServerChecks, Signer, probe_server
+from ..core.store.scope import LAX_SERVER_GUARDS, SignRequest, UserScope, sign
 from ..core.store.userkey import derive_user_key, parse_secret
 
 TOKEN_CACHE_SECONDS = 60
+PROBE_RETRY_SECONDS = 60
 log = logging.getLogger("jupyter_ext.hubservice")
 
 
@@ -67,6 +76,10 @@ class Service:
         self.secrets: list[bytes] = []
         if options.key_secrets_file:
             self.secrets = read_secrets(Path(options.key_secrets_file))
+        self.checks: ServerChecks | None = None
+        """What the bucket's server checks (None: not probed yet, or it did not answer)."""
+        self._probed_at = -float("inf")
+        self._probe_lock = threading.Lock()
 
     def scope(self, user: str) -> UserScope:
         return UserScope(self.bucket, self.base, user, self.endpoint_url, self.region)
@@ -74,6 +87,36 @@ class Service:
     def credentials(self) -> Any:
         """The bucket's credentials now (refreshed by botocore if they are temporary)."""
         return self.session.get_credentials().get_frozen_credentials()
+
+    def probe(self) -> None:
+        """Probe the bucket's server (unless done, or tried within PROBE_RETRY_SECONDS) and
+        log plainly what it found: an error where the store cannot keep users apart."""
+        with self._probe_lock:
+            if self.checks is not None or time.monotonic() - self._probed_at < PROBE_RETRY_SECONDS:
+                return
+            self._probed_at = time.monotonic()
+            signer = Signer(self.credentials(), self.region)
+            try:
+                checks = probe_server(
+                    self.endpoint_url, self.region, self.bucket, self.base, signer
+                )
+            except StoreError as exc:
+                log.warning("Could not probe the bucket's S3 server (tried again later): %s", exc)
+                return
+            self.checks = checks
+        log.info("The bucket's S3 server %s", "; ".join(checks.findings()))
+        if not checks.keeps_users_apart:
+            log.error("%s", checks.verdict())
+        elif checks.lax:
+            log.warning("%s", checks.verdict())
+        else:
+            log.info("%s", checks.verdict())
+
+    def guards(self, request: SignRequest) -> dict[str, str]:
+        """What the service signs into ``request`` besides what was asked: the guards,
+        into a PUT, where the server acts on unsigned x-amz-* headers."""
+        lax = self.checks is not None and self.checks.lax
+        return dict(LAX_SERVER_GUARDS) if lax and request.method == "PUT" else {}
 
 
 class _Handler(web.RequestHandler):
@@ -102,7 +145,10 @@ class _Handler(web.RequestHandler):
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         exc = kwargs.get("exc_info", (None, None))[1]
-        message = exc.log_message if isinstance(exc, web.HTTPError) else self._reason
+        message = self._reason
+        if isinstance(exc, web.HTTPError) and exc.log_message:
+            # tornado doubles each % of a message given without arguments
+            message = exc.log_message % exc.args
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps({"message": message or self._reason}))
 
@@ -112,16 +158,19 @@ class SignHandler(_Handler):
         user = await self.caller()
         try:
             data = json.loads(self.request.body)
-            body = base64.b64decode(data.get("body_base64", ""), validate=True)
-            request = SignRequest.from_dict(data, body)
+            request = SignRequest.from_dict(data)
             scope = self.service.scope(user)
             scope.check(request)
-        except (ValueError, binascii.Error, AttributeError) as exc:
+        except (ValueError, AttributeError) as exc:
             raise web.HTTPError(400, f"A malformed signing request: {exc}") from exc
         except StoreError as exc:
             log.warning("refused for %s: %s", user, exc.message)
             raise web.HTTPError(403, str(exc)) from exc
-        self.answer({"headers": sign(request, self.service.credentials(), scope.region)})
+        if self.service.checks is None:
+            await IOLoop.current().run_in_executor(None, self.service.probe)
+        extra = self.service.guards(request)
+        credentials = self.service.credentials()
+        self.answer({"headers": sign(request, credentials, scope.region, extra=extra)})
 
 
 class KeyHandler(_Handler):
@@ -210,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     if not url.port:
         raise SystemExit("JUPYTERHUB_SERVICE_URL with a port is required (set by the hub).")
     service = Service(options)
+    service.probe()
     app = make_app(service, os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/"))
     app.listen(url.port, options.ip or url.hostname or "127.0.0.1")
     log.info("signing for s3://%s/%s/users/<user>/ on %s", service.bucket, service.base, url.port)

@@ -11,7 +11,6 @@ import json
 import threading
 import time
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
 
 from .api import StoreError
 from .scope import EMPTY_SHA256
@@ -95,8 +94,6 @@ class HubSigner:
 
     def __call__(self, request: Any, **_: Any) -> None:
         body = _body_bytes(request.body)
-        url = urlsplit(request.url)
-        params = dict(parse_qsl(url.query, keep_blank_values=True))
         ask: dict[str, Any] = {
             "method": request.method,
             "url": request.url,
@@ -105,8 +102,6 @@ class HubSigner:
             },
             "payload_sha256": hashlib.sha256(body).hexdigest() if body else EMPTY_SHA256,
         }
-        if request.method == "POST" and "delete" in params:
-            ask["body_base64"] = base64.b64encode(body).decode()
         signed = self.client.call("POST", "sign", ask)["headers"]
         for name, value in signed.items():
             if name in request.headers:

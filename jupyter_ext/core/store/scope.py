@@ -4,22 +4,29 @@ Under a hub no user's server holds bucket credentials: the product's hub service
 (``jupyter_ext.hubservice``) holds them and signs (AWS SigV4, header form) each S3 request
 a server sends it, after :meth:`UserScope.check` found that the request reaches only that
 user's prefix. The signature covers the method, host, path, query, every header that
-matters and the payload's hash, so a signed request cannot be turned into another one;
-S3 refuses it after about 15 minutes (its clock-skew window).
+matters and the payload's hash, so a signed request cannot be turned into another one
+where the S3 server checks all of that; S3 refuses it after about 15 minutes (its
+clock-skew window).
 
 Only what the store does is signed: reading, writing (optionally ``If-None-Match``),
-deleting one object, listing under the prefix, deleting many (whose body the service
-reads). Copying (``x-amz-copy-source``), ACLs, multipart uploads, versions and every
-bucket-level request are refused, so is any ``x-amz-*`` header not on the list.
+deleting one object (the key in the signed path), listing under the prefix. Nothing whose
+effect depends on a body is signed (DeleteObjects names its keys in a body, which some S3
+servers do not hash against the signature: tests/test_hub_redteam.py), and every body is
+bound by its SHA-256 (no ``UNSIGNED-PAYLOAD``). Copying (``x-amz-copy-source``), ACLs,
+multipart uploads, versions and every bucket-level request are refused, so is any
+``x-amz-*`` header not on the list. Where the S3 server acts on ``x-amz-*`` headers added
+*unsigned* beside a signed request (found by the service's probe, core/store/probe.py),
+every PUT is signed with :data:`LAX_SERVER_GUARDS`, which turn the known cross-user uses of
+such headers into refusals.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-import xml.etree.ElementTree as ElementTree
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -27,8 +34,16 @@ from .api import StoreError
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
-MAX_DELETE_BODY = 1 << 20
-"""A DeleteObjects body of 1000 keys (S3's most) is well under 1 MiB."""
+LAX_SERVER_GUARDS = {
+    "x-amz-copy-source-if-match": '"jks-guard-matches-no-object"',
+    "x-amz-meta-snowball-auto-extract": "false",
+}
+"""Signed into every PUT where the S3 server acts on unsigned ``x-amz-*`` headers: an
+``x-amz-copy-source`` added unsigned (a PUT into the user's prefix turned into a copy of
+another user's object) meets a copy condition no object's ETag matches, and a
+``X-Amz-Meta-Snowball-Auto-Extract: true`` added unsigned (MinIO's tar extraction, which
+writes the archive's entries anywhere in the bucket) makes a second value of a signed
+header, which breaks the signature. Whether they hold is probed (core/store/probe.py)."""
 
 _SIGNED_HEADERS = {
     "content-type",
@@ -113,11 +128,9 @@ class SignRequest:
     url: str
     headers: dict[str, str]
     payload_sha256: str
-    body: bytes = b""
-    """Only for DeleteObjects, whose keys are in the body."""
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], body: bytes = b"") -> SignRequest:
+    def from_dict(cls, data: Mapping[str, Any]) -> SignRequest:
         try:
             method, url = str(data["method"]).upper(), str(data["url"])
             headers = {str(k): str(v) for k, v in dict(data["headers"]).items()}
@@ -128,7 +141,16 @@ class SignRequest:
                 hint="Send method, url, headers and payload_sha256 (the hub service's client "
                 "in jupyter_ext.core.store.hubclient does).",
             ) from exc
-        return cls(method, url, headers, payload, body)
+        return cls(method, url, headers, payload)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What :meth:`from_dict` reads (the service's ``POST sign`` body)."""
+        return {
+            "method": self.method,
+            "url": self.url,
+            "headers": self.headers,
+            "payload_sha256": self.payload_sha256,
+        }
 
 
 @dataclass(frozen=True)
@@ -153,9 +175,11 @@ class UserScope:
             path_hosts = {"s3.amazonaws.com", f"s3.{self.region}.amazonaws.com"}
         return path_hosts, {f"{self.bucket}.{host}".lower() for host in path_hosts}
 
-    def _refuse(self, request: SignRequest, why: str) -> StoreError:
+    def _refuse(self, request: SignRequest, why: str, target: str = "") -> StoreError:
+        """The refusal, naming what was asked once: ``target`` (``s3://bucket/key``, the
+        key decoded) where the URL was read that far, else the URL as sent."""
         return StoreError(
-            f"Refused to sign {request.method} {request.url} for {self.user}: {why}.",
+            f"Refused to sign {request.method} {target or request.url} for {self.user}: {why}.",
             hint=f"A server of {self.user} may only reach s3://{self.bucket}/{self.prefix}.",
         )
 
@@ -172,80 +196,90 @@ class UserScope:
             bucket, raw_key = self.bucket, raw_path.lstrip("/")
         else:
             raise self._refuse(request, f"the host {url.netloc} is not the store's endpoint")
+        key = unquote(raw_key)
+        target = f"s3://{bucket}/{key}" + (f"?{unquote(url.query)}" if url.query else "")
         if bucket != self.bucket:
-            raise self._refuse(request, f"bucket {bucket!r} is not the store's")
+            raise self._refuse(request, "that bucket is not the store's", target)
         query = parse_qsl(url.query, keep_blank_values=True)
         names = [name for name, _ in query]
         if len(set(names)) != len(names):
-            raise self._refuse(request, "a query parameter is repeated")
+            raise self._refuse(request, "a query parameter is repeated", target)
         params = dict(query)
         for name in request.headers:
             lower = name.lower()
             if lower.startswith("x-amz-") and lower not in _SIGNED_HEADERS | _REPLACED_HEADERS:
-                raise self._refuse(request, f"the header {name} is not one the store sends")
-        payload = request.payload_sha256
-        if payload != UNSIGNED_PAYLOAD and not re.fullmatch(r"[0-9a-f]{64}", payload):
-            raise self._refuse(request, "payload_sha256 is not a SHA-256 hex digest")
-        key = unquote(raw_key)
+                raise self._refuse(request, f"the header {name} is not one the store sends", target)
+        if not re.fullmatch(r"[0-9a-f]{64}", request.payload_sha256):
+            raise self._refuse(
+                request,
+                "payload_sha256 is not a SHA-256 hex digest (the body is always bound by its "
+                "hash, never UNSIGNED-PAYLOAD)",
+                target,
+            )
         if request.method == "GET" and not raw_key and params.get("list-type") == "2":
             if unknown := sorted(set(params) - _LIST_QUERY):
-                raise self._refuse(request, f"listing parameters {unknown}")
+                raise self._refuse(request, f"listing parameters {unknown}", target)
             if not params.get("prefix", "").startswith(self.prefix):
-                raise self._refuse(request, "a listing outside the user's prefix")
+                raise self._refuse(request, "a listing outside the user's prefix", target)
             return
-        if request.method == "POST" and not raw_key and set(params) == {"delete"}:
-            self._check_delete(request)
-            return
+        if request.method == "POST" and not raw_key and "delete" in params:
+            raise self._refuse(
+                request,
+                "DeleteObjects names its keys in the body, which not every S3 server checks "
+                "against the signature; the store deletes one object at a time",
+                target,
+            )
         if request.method not in _OBJECT_IDS:
-            raise self._refuse(request, f"the method {request.method}")
+            raise self._refuse(request, f"the method {request.method}", target)
         if (
             set(params) - {"x-id"}
             or params.get("x-id", _OBJECT_IDS[request.method]) != (_OBJECT_IDS[request.method])
         ):
-            raise self._refuse(request, f"query parameters {sorted(params)}")
-        self._check_key(request, key)
-
-    def _check_key(self, request: SignRequest, key: str) -> None:
+            raise self._refuse(request, f"query parameters {sorted(params)}", target)
         if not key.startswith(self.prefix) or len(key) == len(self.prefix):
-            raise self._refuse(request, f"the key {key!r} is outside the user's prefix")
+            raise self._refuse(request, "that key is outside the user's prefix", target)
         parts = key.split("/")
         if any(part in ("", ".", "..") for part in parts) or any(ord(c) < 32 for c in key):
-            raise self._refuse(request, f"the key {key!r} is not a plain path")
-
-    def _check_delete(self, request: SignRequest) -> None:
-        if len(request.body) > MAX_DELETE_BODY:
-            raise self._refuse(request, "a DeleteObjects body over 1 MiB")
-        if hashlib.sha256(request.body).hexdigest() != request.payload_sha256:
-            raise self._refuse(request, "the DeleteObjects body does not match its hash")
-        try:
-            root = ElementTree.fromstring(request.body)
-        except ElementTree.ParseError as exc:
-            raise self._refuse(request, f"the DeleteObjects body is not XML ({exc})") from exc
-        keys = [e.text or "" for e in root.iter() if e.tag.rsplit("}", 1)[-1] == "Key"]
-        if not keys:
-            raise self._refuse(request, "a DeleteObjects body without keys")
-        for key in keys:
-            self._check_key(request, key)
+            raise self._refuse(request, "that key is not a plain path", target)
 
 
-def sign(request: SignRequest, credentials: Any, region: str) -> dict[str, str]:
+def sign(
+    request: SignRequest,
+    credentials: Any,
+    region: str,
+    *,
+    extra: Mapping[str, str] | None = None,
+    when: datetime | None = None,
+) -> dict[str, str]:
     """The headers that make ``request`` a signed S3 request (SigV4, header form):
-    Authorization, X-Amz-Date, X-Amz-Content-SHA256 and, with temporary credentials,
-    X-Amz-Security-Token. ``credentials`` are botocore's (frozen) credentials."""
-    from botocore.auth import S3SigV4Auth
+    Authorization, X-Amz-Date, X-Amz-Content-SHA256, with temporary credentials
+    X-Amz-Security-Token, and ``extra`` (headers the service adds and signs: the guards of
+    a lax server). ``credentials`` are botocore's (frozen) credentials; ``when``: the
+    signature's time (now; the probe signs one in the past to see if the server takes it)."""
+    from botocore.auth import SIGV4_TIMESTAMP, S3SigV4Auth
     from botocore.awsrequest import AWSRequest
 
     class ClientPayload(S3SigV4Auth):  # type: ignore[misc]  # botocore has no types
-        """Signs the payload hash the client computed (the service never sees bodies but
-        DeleteObjects', whose hash :meth:`UserScope.check` compared)."""
+        """Signs the payload hash the client computed (the service never sees a body)."""
 
         def payload(self, request: AWSRequest) -> str:
             return str(request.context["payload_sha256"])
 
+        def canonical_request(self, request: AWSRequest) -> str:
+            """A signature made at ``when``: its date set before anything is hashed."""
+            if when is not None:
+                request.context["timestamp"] = when.strftime(SIGV4_TIMESTAMP)
+                del request.headers["X-Amz-Date"]
+                request.headers["X-Amz-Date"] = request.context["timestamp"]
+            return str(super().canonical_request(request))
+
     signed = _SIGNED_HEADERS - {"x-amz-content-sha256"}
     headers = {k: v for k, v in request.headers.items() if k.lower() in signed}
+    headers.update(extra or {})
     aws = AWSRequest(method=request.method, url=request.url, headers=headers)
     aws.context["payload_sha256"] = request.payload_sha256
     ClientPayload(credentials, "s3", region).add_auth(aws)
-    wanted = ("Authorization", "X-Amz-Date", "X-Amz-Content-SHA256", "X-Amz-Security-Token")
-    return {name: str(aws.headers[name]) for name in wanted if name in aws.headers}
+    wanted = ["Authorization", "X-Amz-Date", "X-Amz-Content-SHA256", "X-Amz-Security-Token"]
+    return {
+        name: str(aws.headers[name]) for name in [*wanted, *(extra or {})] if name in aws.headers
+    }

@@ -6,6 +6,8 @@
     puts/<token>.cleaning   a clean-up in progress
     keys/<key id>           the master key, wrapped by the key-encryption key of that id
     chunks/<hh>/<sha256>    record format 1 only (one object per chunk): still read
+    locks/<path>/<token>    an S3 backend's lock to create <path> once, where the server
+                            ignores If-None-Match (backend/s3.py); never a kind's file
 
 A pack's name is its path (records name packs so); a record is named by its snapshot id,
 a claim or marker by its file name. :func:`path` refuses a name that would leave its
@@ -21,6 +23,7 @@ PUTS_DIR = "puts"
 KEYS_DIR = "keys"
 RECORDS_DIR = "snapshots"
 RECORD_SUFFIX = ".json"
+LOCKS_DIR = "locks"
 
 
 def path(handle: Handle) -> str:

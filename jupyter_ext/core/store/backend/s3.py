@@ -1,9 +1,15 @@
 """A backend in an S3 bucket: one PUT a file, ranged GETs, conditional writes
-(``If-None-Match: *``) for what must never be replaced."""
+(``If-None-Match: *``) for what must never be replaced, where the server honours them,
+else a lock of objects (:meth:`S3Backend.save_if_absent`)."""
 
 from __future__ import annotations
 
+import logging
+import random
 import re
+import threading
+import time
+import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -16,6 +22,16 @@ from ..api import StoreError
 from ..hubclient import TOKEN_ENV, signing_client
 from . import layout
 from .base import Handle, Kind, ObjectStat, Settings, beyond_end
+
+logger = logging.getLogger(__name__)
+
+LOCK_STALE_SECONDS = 60.0
+"""A lock object older than this (by the server's clock) belongs to a writer that died: a
+creation under a lock is one small PUT."""
+_CONDITIONAL_WRITES: dict[tuple[str, str], bool] = {}
+"""Whether the S3 server at (endpoint, bucket) honours ``If-None-Match: *``: probed once a
+process (:meth:`S3Backend.conditional_writes`)."""
+_CONDITIONAL_LOCK = threading.Lock()
 
 _NETWORK_HINT = "Check that {endpoint} is reachable from this machine, then retry."
 _CREDENTIALS_HINT = (
@@ -263,11 +279,82 @@ class S3Backend:
         self._put(self.key(layout.path(handle)), body)
 
     def save_if_absent(self, handle: Handle, data: bytes) -> bool:
+        """``If-None-Match: *`` where the server honours it; else under a lock of objects
+        (:meth:`_create_locked`): many S3-compatible servers ignore the header and
+        overwrite (the juicefs gateway, tests/test_backend_contract.py)."""
         extra = {"ContentType": "application/json"} if handle.kind is Kind.RECORD else {}
-        response = self._put(
-            self.key(layout.path(handle)), data, exists_ok=True, IfNoneMatch="*", **extra
+        key = self.key(layout.path(handle))
+        if self.conditional_writes():
+            return self._put(key, data, exists_ok=True, IfNoneMatch="*", **extra) is not None
+        return self._create_locked(key, f"{layout.LOCKS_DIR}/{layout.path(handle)}", data, extra)
+
+    def conditional_writes(self) -> bool:
+        """Whether this bucket's server honours ``If-None-Match: *`` (a second PUT of a
+        scratch object with it answers 412), probed at the first need, once a process."""
+        where = (str(self.client.meta.endpoint_url), self.bucket)
+        with _CONDITIONAL_LOCK:
+            if where not in _CONDITIONAL_WRITES:
+                honoured = self._probe_conditional_writes()
+                if not honoured:
+                    logger.warning(
+                        "The S3 server %s ignores If-None-Match (conditional writes) in bucket "
+                        "%s: records and keys are created under lock objects instead "
+                        "(docs/storage.md)",
+                        where[0],
+                        self.bucket,
+                    )
+                _CONDITIONAL_WRITES[where] = honoured
+            return _CONDITIONAL_WRITES[where]
+
+    def _probe_conditional_writes(self) -> bool:
+        key = self.key(layout.LOCKS_DIR, f"probe-{uuid.uuid4().hex}")
+        self._put(key, b"first")
+        try:
+            second = self._put(key, b"second", exists_ok=True, IfNoneMatch="*")
+        except StoreError as exc:  # a server that refuses the header (501) has none either
+            logger.info("A conditional write was refused: %s", exc)
+            second = True
+        finally:
+            self._call("delete_object", key)
+        return second is None
+
+    def _create_locked(self, key: str, locks: str, data: bytes, extra: dict[str, Any]) -> bool:
+        """Create ``key`` unless it exists, without conditional writes: put a lock object of
+        one's own under ``locks/``, list the locks, and only alone (no other lock younger
+        than LOCK_STALE_SECONDS by the server's clock) check that ``key`` is absent and
+        write it; else remove one's lock and try again after a random pause. On a server
+        with read-after-write and listing consistency (S3, MinIO, the juicefs gateway) two
+        writers are never alone at once: the later one to list sees the other's lock, or
+        (the other done) the key. A writer whose lock grew old before its write re-reads."""
+        rng = random.Random()
+        deadline = time.monotonic() + 2 * LOCK_STALE_SECONDS
+        attempt = 0
+        while time.monotonic() < deadline:
+            if self._call("head_object", key, missing_ok=True) is not None:
+                return False
+            mine = self.key(locks, uuid.uuid4().hex)
+            started = time.monotonic()
+            self._put(mine, b"")
+            try:
+                ages = {o["Key"]: o["LastModified"].timestamp() for o in self._list(locks)}
+                now = ages.get(mine, time.time())
+                if not [k for k, t in ages.items() if k != mine and t > now - LOCK_STALE_SECONDS]:
+                    if self._call("head_object", key, missing_ok=True) is not None:
+                        return False
+                    if time.monotonic() - started < LOCK_STALE_SECONDS / 2:
+                        self._put(key, data, **extra)
+                        if time.monotonic() - started < LOCK_STALE_SECONDS / 2:
+                            return True
+                        return self._read(key) == data
+            finally:
+                self._call("delete_object", mine)
+            attempt += 1
+            time.sleep(rng.uniform(0.01, 0.05) * min(2**attempt, 16))
+        raise StoreError(
+            f"Could not create s3://{self.bucket}/{key}: other writers kept it locked "
+            f"(s3://{self.bucket}/{self.key(locks)}/) for {2 * LOCK_STALE_SECONDS:.0f} s.",
+            hint="Retry; if it keeps failing, remove that lock prefix's objects.",
         )
-        return response is not None
 
     def adopt(self, handle: Handle, source: Path) -> bool:
         """S3 has no links: the file is copied into packs instead."""
@@ -303,26 +390,16 @@ class S3Backend:
         self._call("delete_object", self.key(layout.path(handle)))
 
     def remove_all(self, names: list[str]) -> None:
-        """DeleteObjects, 1000 keys a request (S3's most)."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        for start in range(0, len(names), 1000):
-            keys = [{"Key": self.key(name)} for name in names[start : start + 1000]]
-            try:
-                response = self.client.delete_objects(
-                    Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True}
-                )
-            except (BotoCoreError, ClientError) as exc:
-                self._raise("delete_objects", self.key("packs"), exc)
-            errors = response.get("Errors") or []
-            if errors:
-                first = errors[0]
-                raise StoreError(
-                    f"S3 delete_objects in s3://{self.bucket}/{self.key()} failed for "
-                    f"{len(errors)} objects, e.g. {first.get('Key')}: {first.get('Code')} "
-                    f"{first.get('Message')}",
-                    hint=_CREDENTIALS_HINT.format(bucket=self.bucket, prefix=self.prefix),
-                )
+        """One DeleteObject a name, ``max_workers`` at a time: the key in the signed path,
+        never in a DeleteObjects body (which not every S3 server checks against the
+        signature: the hub service signs no such request, core/store/scope.py)."""
+        keys = [self.key(name) for name in names]
+        if len(keys) <= 1:
+            for key in keys:
+                self._call("delete_object", key)
+            return
+        with ThreadPoolExecutor(max_workers=self.max_workers) as pool:
+            list(pool.map(lambda key: self._call("delete_object", key), keys))
 
     def sync(self) -> None:
         """Nothing to do: S3 acknowledges a PUT only once the object is durable."""
