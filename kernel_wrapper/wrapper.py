@@ -291,6 +291,7 @@ class KernelWrapper:
             "resumed_request": tracker.resumed_request,
             "running_request": tracker.running_request(),
             "lazy_restore": snapshotter.lazy.status,
+            "memory": snapshotter.kernel.memory.status(),
             "closed_on_restore": snapshotter.restorer.closed_on_restore,
             # A copy restored beside another kernel of its snapshot: its own network
             # namespace, reached out of through slirp4netns (core/isolation/netns.py).

@@ -35,8 +35,9 @@ def cached_ids(manager: SnapshotManager) -> list[str]:
 
 
 def pages_file(entry: Path) -> Path:
-    """The largest image of an entry: the kernel's memory."""
-    return max((entry / "images").iterdir(), key=lambda p: p.stat().st_size)
+    """The largest image of an entry: the kernel's memory (a first snapshot copies it
+    while the kernel runs: its level is under images/parent, core/criu/chain.py)."""
+    return max((entry / "images").rglob("pages-*.img"), key=lambda p: p.stat().st_size)
 
 
 async def unused(manager: SnapshotManager, snapshot_id: str, timeout: float = 120) -> bool:
