@@ -27,8 +27,6 @@ from jupyter_ext.core.errors import DumpError
 from jupyter_ext.core.memtrack import plan as memplan
 from jupyter_ext.testing import KernelProcess
 
-pytestmark = pytest.mark.needs_root("the kernels run in PID namespaces of their own")
-
 Factory = Callable[..., KernelProcess]
 
 #: Run in the kernel: buffers of every kind, filled, and the writer thread started.
