@@ -140,6 +140,8 @@ class _Dumped:
     """How the memory was copied (None: untracked, as before the plan existed)."""
     levels: list[Level] = dataclasses.field(default_factory=list)
     """The pre-copy rounds' levels, oldest first."""
+    precopy_stopped: str = ""
+    """Why the pre-copy rounds stopped (plan.precopy_stop)."""
     frozen_bytes: int = 0
     """The memory CRIU copied while the kernel was frozen."""
     chain_entries: dict[str, FileEntry] = dataclasses.field(default_factory=dict)
@@ -242,7 +244,7 @@ class Dumper:
         mounts = mountns.external_mounts(inner_pid)
         contents = await self._contents()
         chunk_kib = self._chunk_kib(args, proctree.descendants(inner_pid))
-        plan, prev, levels = await self._copy_ahead(
+        plan, prev, levels, stopped = await self._copy_ahead(
             criu, inner_pid, staging, work_dir, parent, args, progress
         )
         self.kernel.lifecycle.enter(State.SNAPSHOTTING)
@@ -266,6 +268,7 @@ class Dumper:
                 disconnect_seconds=disconnect_seconds,
                 plan=plan,
                 levels=levels,
+                precopy_stopped=stopped,
             )
             hasher = await self._criu_dump(criu, staging, work_dir, args, dumped, prev)
         except BaseException as exc:
@@ -322,7 +325,7 @@ class Dumper:
         parent: Parent | None,
         args: SnapshotArgs,
         progress: ProgressCallback,
-    ) -> tuple[DumpPlan, Path | None, list[Level]]:
+    ) -> tuple[DumpPlan, Path | None, list[Level], str]:
         """Step 0, the kernel running and connected: the memory's plan, the parent's stub
         for CRIU, and the pre-copy rounds. Returns the plan, the images the dump builds on
         (the last round's, or the parent's stub) and the rounds' levels. A tracked CRIU run
@@ -340,11 +343,12 @@ class Dumper:
             prev = work_dir / "parent-stub"
             await asyncio.to_thread(make_stub, parent.directory / IMAGES_DIR, prev)
         if not plan.track:
-            return plan, None, []
+            return plan, None, [], ""
         self.kernel.memory.invalidate("its previous snapshot failed")
         levels: list[Level] = []
+        stopped = ""
         if plan.precopy:
-            levels = await self.kernel.memory.copy_ahead(
+            levels, stopped = await self.kernel.memory.copy_ahead(
                 criu,
                 inner_pid,
                 staging,
@@ -354,7 +358,7 @@ class Dumper:
                 progress,
             )
         self.kernel.memory.register()
-        return plan, (levels[-1].directory if levels else prev), levels
+        return plan, (levels[-1].directory if levels else prev), levels, stopped
 
     async def _gpu_checkpoint(
         self, inner_pid: int, args: SnapshotArgs, progress: ProgressCallback
@@ -491,6 +495,7 @@ class Dumper:
             "tracked": plan.track,
             "parent": plan.parent_id,
             "precopy": [level.record() for level in dumped.levels],
+            "precopy_stopped": dumped.precopy_stopped,
             "frozen_bytes": dumped.frozen_bytes,
             "copied_bytes": dumped.frozen_bytes + sum(own),
             "frozen_total_seconds": round(

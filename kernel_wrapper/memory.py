@@ -37,8 +37,8 @@ from jupyter_ext.core.memtrack.plan import (
     TRACKER_LOST,
     DumpPlan,
     Situation,
-    another_round,
     plan_dump,
+    precopy_stop,
 )
 from jupyter_ext.core.memtrack.tracker import pinned_bytes
 from jupyter_ext.core.protocol import ProgressCallback
@@ -203,18 +203,22 @@ class KernelMemory:
         prev: Path | None,
         params: ChunkParams,
         progress: ProgressCallback,
-    ) -> list[Level]:
-        """Pre-copy rounds while the kernel runs (plan.another_round decides): each a
+    ) -> tuple[list[Level], str]:
+        """Pre-copy rounds while the kernel runs (plan.precopy_stop decides): each a
         ``criu pre-dump`` into a new level under ``staging``, on ``prev`` (the last
-        round's, or the parent's stub). The levels, oldest first; their files are synced
-        before the freeze that follows, so that the freeze writes only what is left."""
+        round's, or the parent's stub). The levels, oldest first (their files are synced
+        before the freeze that follows, so that the freeze writes only what is left), and
+        why the rounds stopped."""
         levels: list[Level] = []
         previous: int | None = None
         while True:
             self.register()
             pending = self.pending_bytes(inner_pid)
-            if pending is None or not another_round(len(levels), pending, previous):
-                break
+            if pending is None:
+                return levels, "what is left to copy cannot be counted here"
+            stop = precopy_stop(len(levels), pending, previous)
+            if stop:
+                return levels, stop
             previous = pending
             level_dir = staging / f"precopy-{len(levels) + 1}"
             level_dir.mkdir(mode=0o700)
@@ -240,7 +244,6 @@ class KernelMemory:
                 )
             )
             prev = level_dir
-        return levels
 
     # ------------------------------------------------------------------ after a dump
 

@@ -240,3 +240,11 @@ def test_encode_pagemap_merges_neighbours_of_the_same_kind() -> None:
         (v + 3 * PAGE_SIZE, 1, False),
         (v + 9 * PAGE_SIZE, 1, False),
     ]
+
+
+def test_precopy_says_why_it_stopped() -> None:
+    big = 10 * plan.PRECOPY_MIN_BYTES
+    assert plan.precopy_stop(0, big, None) == ""
+    assert "left to copy while frozen" in plan.precopy_stop(1, MIB, big)
+    assert "writes faster than 3 rounds copy" in plan.precopy_stop(3, big // 8, big // 4)
+    assert "about as fast as a round copies" in plan.precopy_stop(1, big, big)

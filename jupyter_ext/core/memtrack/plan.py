@@ -128,6 +128,23 @@ def plan_dump(s: Situation) -> DumpPlan:
 def another_round(done: int, pending: int, previous: int | None) -> bool:
     """Whether to pre-copy once more: ``done`` rounds made, ``pending`` bytes to copy now,
     ``previous`` what the last round started from (None before the first)."""
-    if done >= MAX_PRECOPY_ROUNDS or pending <= PRECOPY_MIN_BYTES:
-        return False
-    return previous is None or pending <= previous // 2
+    return not precopy_stop(done, pending, previous)
+
+
+def precopy_stop(done: int, pending: int, previous: int | None) -> str:
+    """Why pre-copy stops here ("" while it goes on), for the snapshot's record: little
+    is left, or the kernel writes faster than the rounds copy (it is then frozen for what
+    is left)."""
+    if pending <= PRECOPY_MIN_BYTES:
+        return f"{human_bytes(pending)} left to copy while frozen"
+    if done >= MAX_PRECOPY_ROUNDS:
+        return (
+            f"the kernel writes faster than {MAX_PRECOPY_ROUNDS} rounds copy: "
+            f"{human_bytes(pending)} left to copy while frozen"
+        )
+    if previous is not None and pending > previous // 2:
+        return (
+            f"the kernel writes about as fast as a round copies: {human_bytes(pending)} "
+            "left to copy while frozen"
+        )
+    return ""
