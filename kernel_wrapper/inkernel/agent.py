@@ -29,6 +29,7 @@ must never find it open (CRIU cannot save a userfaultfd).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -46,6 +47,27 @@ log = logging.getLogger(__name__)
 
 #: How long the kernel keeps a tracker's descriptor for the wrapper to take.
 TRACKER_HANDOVER_SECONDS = 10.0
+
+
+MADV_COLLAPSE = 25
+#: The most blocks one "collapse" request names (2 GiB of 2 MiB blocks).
+MAX_COLLAPSE = 1024
+
+
+def collapse(request: dict[str, Any]) -> dict[str, Any]:
+    """Make the 2 MiB blocks the wrapper unprotected huge pages again
+    (``MADV_COLLAPSE``; jupyter_ext/core/memtrack/tracker.py, ``heal``). Blocks that cannot
+    be (no memory for a huge page, a mapping's edge) are left as they are."""
+    blocks = request.get("blocks")
+    if not isinstance(blocks, list) or len(blocks) > MAX_COLLAPSE:
+        return {"error": f"blocks must be a list of at most {MAX_COLLAPSE} addresses"}
+    libc = ctypes.CDLL(None, use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    done = sum(
+        1 for block in blocks if type(block) is int and madvise(block, 2 << 20, MADV_COLLAPSE) == 0
+    )
+    return {"collapsed": done}
 
 
 class TrackerHandover:
@@ -153,6 +175,7 @@ class SnapshotAgent(threading.Thread):
             "summary": self.summary,
             "open_tracker": self.trackers.open,
             "close_tracker": self.trackers.close,
+            "collapse": collapse,
         }
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
