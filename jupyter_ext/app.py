@@ -116,6 +116,7 @@ class SnapshotExtensionApp(SnapshotSettings):
             lazy_restore=self.lazy_restore,
             lazy_restore_from_store=self.lazy_restore_from_store,
             chunk_kib=self.chunk_kib or None,
+            track_memory=self.track_memory,
         )
         self._tighten()
         self.culling = CullingPolicy(

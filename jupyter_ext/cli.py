@@ -285,6 +285,21 @@ class ServerClient:
         return job
 
 
+def memory_copy(memory: dict[str, Any]) -> str:
+    """How a snapshot copied the kernel's memory, in words ("" for older snapshots)."""
+    if not memory.get("mode"):
+        return ""
+    copied = human_bytes(memory.get("copied_bytes") or 0)
+    frozen = human_seconds(memory.get("frozen_total_seconds") or 0)
+    if memory["mode"] == "incremental":
+        return (
+            f"Only what changed since its previous snapshot: {copied} copied, kernel frozen "
+            f"{frozen}."
+        )
+    reason = memory.get("reason") or "no reason given"
+    return f"A full copy ({reason}): {copied}, kernel frozen {frozen}."
+
+
 def print_snapshots(snapshots: list[dict[str, Any]]) -> None:
     if not snapshots:
         print("No snapshots.")
@@ -494,6 +509,8 @@ class ShowApp(_SnapshotCommand):
             f"{time_ago(snap['created'])} ({snap['trigger']}), "
             f"{human_bytes(snap.get('total_bytes') or 0)}"
         )
+        if line := memory_copy(snap.get("memory") or {}):
+            print(line)
         print("\n".join(describe_contents(snap.get("contents") or {})))
 
 
@@ -545,6 +562,8 @@ class CreateApp(_SnapshotCommand):
             f"kernel frozen {human_seconds(snap.get('frozen_seconds', 0))}, "
             f"done in {human_seconds(time.monotonic() - started)} ({snap['status']})."
         )
+        if line := memory_copy(snap.get("memory") or {}):
+            print(line)
 
 
 class RestoreApp(_SnapshotCommand):

@@ -211,6 +211,19 @@ class SnapshotSettings(ExtensionApp):
         must fail them before the running kernel is touched). Default: True; False
         downloads everything first.""",
     )
+    track_memory = Bool(
+        True,
+        config=True,
+        help="""Track each kernel's memory between its snapshots, so that a snapshot copies
+        only what the kernel wrote since its previous one (still on this machine, in the
+        image cache) and freezes the kernel only for that; a kernel's first snapshot (and
+        one after a restore) copies its memory while it runs first, then freezes it for
+        what changed meanwhile. Uses the kernel's soft-dirty bits, or where the Linux kernel
+        has none (arm64; these VMs) an asynchronous userfaultfd the kernel process opens
+        (Linux >= 6.7, the CRIU that scripts/install-criu.sh builds). Each snapshot still
+        restores on its own (docs/storage.md, "Snapshots cost what changed"). Default:
+        True; False copies the whole memory, frozen, every time.""",
+    )
     periodic_interval = Float(
         0.0,
         config=True,

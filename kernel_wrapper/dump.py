@@ -2,17 +2,21 @@
 
 A dump goes like this:
 
+0. decide how the kernel's memory is copied (kernel_wrapper/memory.py): only what it
+   wrote since its previous snapshot where that was tracked, and first, while it runs,
+   pre-copy rounds (``criu pre-dump``) where much is to be copied;
 1. stop forwarding requests from the server (they wait in the server-facing sockets);
 2. drop every connection to the kernel without losing a message (``Relay.disconnect``);
    the kernel never stops running;
 3. checkpoint its CUDA state, if any, into host memory;
 4. ``criu dump --leave-running`` (the kernel is frozen only while CRIU seizes it and
-   copies its memory), its memory hashed as CRIU writes it;
+   copies its memory: what the pre-copy left), its memory hashed as CRIU writes it;
 5. bind the inner channels again: the kernel reconnects and delivers what it queued;
-6. write the manifest, while the kernel runs.
+6. link the chain of memory levels (core/criu/chain.py) and write the manifest, while the
+   kernel runs.
 
 In :meth:`Dumper.dump` these are the steps *prepare* (the checks), *freeze and dump*
-(1-5), *manifest* and *seal* (6). The images are written into a staging directory beside
+(0-5), *manifest* and *seal* (6). The images are written into a staging directory beside
 the snapshot's, which sealing renames into place; a dump that fails at any step removes it
 (:func:`_staging`, the one place that does), so a snapshot is complete or absent.
 """
@@ -34,23 +38,38 @@ from jupyter_ext.core import proctree
 from jupyter_ext.core.carried import appended, shmfiles
 from jupyter_ext.core.chunking import ChunkParams, auto_chunk_kib
 from jupyter_ext.core.criu import Criu, FrozenCopy, FrozenStep, external_file_key
+from jupyter_ext.core.criu.chain import (
+    PARENT,
+    ChainStats,
+    attach,
+    chain_stats_of,
+    keep_level_files,
+    level_files_of,
+    link_parent,
+    make_stub,
+    parent_entries,
+)
+from jupyter_ext.core.criu.log import copied_bytes
 from jupyter_ext.core.errors import KernelNotRunningError, SnapshotError
 from jupyter_ext.core.gpu import GpuCheckpoint
 from jupyter_ext.core.growinghash import GrowingFileChunker
 from jupyter_ext.core.isolation import mountns, privatetmp
 from jupyter_ext.core.manifest import (
     IMAGES_DIR,
+    FileEntry,
     Manifest,
     new_snapshot_id,
     remove_tree,
     seal,
     utc_now,
 )
+from jupyter_ext.core.memtrack.plan import DumpPlan
 from jupyter_ext.core.protocol import ProgressCallback, SnapshotArgs
 
 from .channels import InnerChannels
 from .dumptree import KernelTree
 from .lifecycle import State
+from .memory import Level, Parent
 from .parts import KernelParts
 from .runtime import RuntimeDir
 
@@ -117,6 +136,17 @@ class _Dumped:
     frozen_seconds: float = 0.0
     shm_copy_seconds: float = 0.0
     pause_seconds: float = 0.0
+    plan: DumpPlan | None = None
+    """How the memory was copied (None: untracked, as before the plan existed)."""
+    levels: list[Level] = dataclasses.field(default_factory=list)
+    """The pre-copy rounds' levels, oldest first."""
+    precopy_stopped: str = ""
+    """Why the pre-copy rounds stopped (plan.precopy_stop)."""
+    frozen_bytes: int = 0
+    """The memory CRIU copied while the kernel was frozen."""
+    chain_entries: dict[str, FileEntry] = dataclasses.field(default_factory=dict)
+    """Entries of the chain's files hashed before the seal (levels and parent), by path."""
+    chain: ChainStats | None = None
 
 
 class Dumper:
@@ -131,16 +161,26 @@ class Dumper:
         dest = Path(args.dest)
         await self._prepare(dest)
         criu = self.kernel.criu()
+        inner_pid = self.kernel.process.pid
+        assert inner_pid is not None  # checked by _prepare
+        parent = Parent.read(args.parent)
         with _staging(dest) as staging:
             with _work_dir(self.kernel.runtime) as work_dir:
                 dumped, hasher = await self._freeze_and_dump(
-                    criu, staging, work_dir, args, progress
+                    criu, staging, work_dir, args, progress, parent
                 )
             await self._copy_appended(dumped, hasher)
+            await asyncio.to_thread(self._link_chain, staging, dumped, parent)
             manifest = self._manifest(criu, dumped, args)
             progress({"phase": "hashing"})
-            manifest = await self._seal(staging, manifest, dest, hasher)
+            manifest = await self._seal(staging, manifest, dest, hasher, dumped.chain_entries)
         self.kernel.record.dumped(manifest)
+        self.kernel.memory.dumped(
+            manifest.id,
+            inner_pid,
+            tracked=dumped.plan is not None and dumped.plan.track,
+            ended=not args.leave_running,
+        )
         self.kernel.tracker.snapshot_taken()
         progress({"phase": "done", "bytes": manifest.total_bytes})
         return manifest
@@ -192,15 +232,21 @@ class Dumper:
         work_dir: Path,
         args: SnapshotArgs,
         progress: ProgressCallback,
+        parent: Parent | None,
     ) -> tuple[_Dumped, GrowingFileChunker]:
-        """Steps 1-5: the kernel's CUDA state checkpointed, its connections dropped, its
-        tree dumped into ``staging``, its connections back (if it keeps running). Returns
-        what the manifest needs, and the hasher of the memory images."""
+        """Steps 0-5: the memory's plan and pre-copy, the kernel's CUDA state
+        checkpointed, its connections dropped, its tree dumped into ``staging``, its
+        connections back (if it keeps running). Returns what the manifest needs, and the
+        hasher of the memory images."""
         inner_pid = self.kernel.process.pid
         assert inner_pid is not None  # checked by _prepare
         runtime_dir_key = external_file_key(self.kernel.runtime.fd)
         mounts = mountns.external_mounts(inner_pid)
         contents = await self._contents()
+        chunk_kib = self._chunk_kib(args, proctree.descendants(inner_pid))
+        plan, prev, levels, stopped = await self._copy_ahead(
+            criu, inner_pid, staging, work_dir, parent, args, progress
+        )
         self.kernel.lifecycle.enter(State.SNAPSHOTTING)
         await asyncio.sleep(0)  # let the cancelled pumps let go of their sockets
         gpu_info, checkpoint = await self._gpu_checkpoint(inner_pid, args, progress)
@@ -217,11 +263,14 @@ class Dumper:
                 runtime_dir_key=runtime_dir_key,
                 mounts=mounts,
                 tree=tree,
-                chunk_kib=self._chunk_kib(args, tree),
+                chunk_kib=chunk_kib,
                 gpu=gpu_info,
                 disconnect_seconds=disconnect_seconds,
+                plan=plan,
+                levels=levels,
+                precopy_stopped=stopped,
             )
-            hasher = await self._criu_dump(criu, staging, work_dir, args, dumped)
+            hasher = await self._criu_dump(criu, staging, work_dir, args, dumped, prev)
         except BaseException as exc:
             if tree is not None:
                 tree.held.close()
@@ -259,13 +308,57 @@ class Dumper:
             if dumped.appended is not None:
                 dumped.appended.close()
 
-    def _chunk_kib(self, args: SnapshotArgs, tree: KernelTree) -> int:
+    def _chunk_kib(self, args: SnapshotArgs, pids: list[int]) -> int:
         """The chunk size asked for, else one for the kernel's memory (the previous
         snapshot's if it still fits: chunking.auto_chunk_kib)."""
         if args.chunk_kib is not None:
             return args.chunk_kib
-        memory = proctree.private_memory_bytes(tree.pids)
+        memory = proctree.private_memory_bytes(pids)
         return auto_chunk_kib(memory, self.kernel.record.chunk_kib)
+
+    async def _copy_ahead(
+        self,
+        criu: Criu,
+        inner_pid: int,
+        staging: Path,
+        work_dir: Path,
+        parent: Parent | None,
+        args: SnapshotArgs,
+        progress: ProgressCallback,
+    ) -> tuple[DumpPlan, Path | None, list[Level], str]:
+        """Step 0, the kernel running and connected: the memory's plan, the parent's stub
+        for CRIU, and the pre-copy rounds. Returns the plan, the images the dump builds on
+        (the last round's, or the parent's stub) and the rounds' levels. A tracked CRIU run
+        protects what it copied: from the first one on, the kernel's memory counts as
+        untracked until this dump is sealed (what it wrote would be in no image else)."""
+        plan = await self.kernel.memory.plan(
+            criu,
+            inner_pid,
+            parent,
+            enabled=args.track_memory,
+            keeps_running=args.leave_running,
+        )
+        prev: Path | None = None
+        if plan.parent_id and parent is not None:
+            prev = work_dir / "parent-stub"
+            await asyncio.to_thread(make_stub, parent.directory / IMAGES_DIR, prev)
+        if not plan.track:
+            return plan, None, [], ""
+        self.kernel.memory.invalidate("its previous snapshot failed")
+        levels: list[Level] = []
+        stopped = ""
+        if plan.precopy:
+            levels, stopped = await self.kernel.memory.copy_ahead(
+                criu,
+                inner_pid,
+                staging,
+                work_dir,
+                prev,
+                ChunkParams.of_kib(self._chunk_kib(args, proctree.descendants(inner_pid))),
+                progress,
+            )
+        self.kernel.memory.register()
+        return plan, (levels[-1].directory if levels else prev), levels, stopped
 
     async def _gpu_checkpoint(
         self, inner_pid: int, args: SnapshotArgs, progress: ProgressCallback
@@ -285,6 +378,7 @@ class Dumper:
         work_dir: Path,
         args: SnapshotArgs,
         dumped: _Dumped,
+        prev: Path | None,
     ) -> GrowingFileChunker:
         """Step 4: ``criu dump`` of the disconnected tree, the /dev/shm files it holds
         copied while it is frozen, the memory cut and hashed as CRIU writes it (the only
@@ -322,6 +416,8 @@ class Dumper:
                     open_by_fd=tree.held.keys,
                     frozen=copier,
                     netns=self.kernel.process.network,
+                    track_mem=dumped.plan is not None and dumped.plan.track,
+                    prev_images=prev,
                 )
             except BaseException as exc:
                 hasher.cancel()
@@ -334,6 +430,7 @@ class Dumper:
                     ) from exc
                 raise
             dumped.dump_seconds = time.monotonic() - dump_started
+            dumped.frozen_bytes = copied_bytes(work_dir / "dump.log")
             if copier is not None:
                 dumped.shm_files = shm.records
                 dumped.appended_files = logs.records
@@ -350,6 +447,74 @@ class Dumper:
                 self.kernel.relay.inner or InnerChannels(self.kernel.runtime.path)
             )
             self.kernel.lifecycle.enter(State.RUNNING)
+
+    # ------------------------------------------------------------------ the chain
+
+    @staticmethod
+    def _link_chain(staging: Path, dumped: _Dumped, parent: Parent | None) -> None:
+        """Step 6, the kernel running: make the dump's images self-contained. The
+        pre-copy levels go under ``images/parent`` (the newest first), the parent
+        snapshot's level files are hard-linked below them (core/criu/chain.py), and the
+        entries of every file hashed already are noted for the seal."""
+        plan = dumped.plan
+        if plan is None or not plan.track:
+            return
+        images = staging / IMAGES_DIR
+        entries: dict[str, FileEntry] = {}
+        depth = len(dumped.levels)
+        if plan.parent_id and parent is not None:
+            bottom = dumped.levels[0].directory if dumped.levels else images
+            link_parent(bottom, parent.directory / IMAGES_DIR, level_files_of(parent.manifest))
+            under = "/".join([IMAGES_DIR, *[PARENT] * (depth + 1)])
+            entries.update(parent_entries(parent.manifest, under))
+        for index, level in enumerate(dumped.levels):
+            keep_level_files(level.directory)
+            if index:
+                attach(level.directory, dumped.levels[index - 1].directory)
+            here = "/".join([IMAGES_DIR, *[PARENT] * (depth - index)])
+            for rel, entry in level.entries.items():
+                name = rel.rsplit("/", 1)[-1]
+                path = f"{here}/{name}"
+                entries[path] = FileEntry(path, entry.size, entry.sha256, entry.chunks)
+        if dumped.levels:
+            attach(images, dumped.levels[-1].directory)
+        dumped.chain_entries = entries
+        dumped.chain = chain_stats_of(staging)
+
+    @staticmethod
+    def _memory_record(dumped: _Dumped) -> dict[str, Any]:
+        """How the kernel's memory was copied, for the manifest's ``memory``."""
+        plan = dumped.plan
+        if plan is None:
+            return {}
+        own = [lvl.copied_bytes for lvl in dumped.levels]
+        return {
+            "chain": dataclasses.asdict(dumped.chain) if dumped.chain else None,
+            "mode": plan.mode,
+            "reason": plan.reason,
+            "tracked": plan.track,
+            "parent": plan.parent_id,
+            "precopy": [level.record() for level in dumped.levels],
+            "precopy_stopped": dumped.precopy_stopped,
+            "frozen_bytes": dumped.frozen_bytes,
+            "copied_bytes": dumped.frozen_bytes + sum(own),
+            "frozen_total_seconds": round(
+                dumped.frozen_seconds + sum(lvl.frozen_seconds for lvl in dumped.levels), 4
+            ),
+            # The kernel's children are copied whole every time: only the kernel's own
+            # process holds a tracker (a fork does not inherit its registration).
+            "untracked_processes": [
+                {
+                    "pid": proctree.ns_pid(pid),
+                    "name": proctree.process_name(pid),
+                    "bytes": proctree.private_memory_bytes([pid]),
+                }
+                for pid in dumped.tree.pids
+                if pid != dumped.tree.root
+            ]
+            if plan.track
+            else [],
+        }
 
     # ------------------------------------------------------------------ manifest and seal
 
@@ -391,13 +556,20 @@ class Dumper:
             pause_seconds=round(dumped.pause_seconds, 4),
             chunk_kib=dumped.chunk_kib,
             contents=dumped.contents,
+            memory=self._memory_record(dumped),
         )
 
     @staticmethod
     async def _seal(
-        staging: Path, manifest: Manifest, dest: Path, hasher: GrowingFileChunker
+        staging: Path,
+        manifest: Manifest,
+        dest: Path,
+        hasher: GrowingFileChunker,
+        chain: dict[str, FileEntry],
     ) -> Manifest:
-        """Step 6: the files hashed (the memory images as CRIU wrote them), the manifest
+        """Step 6: the files hashed (the memory images as CRIU wrote them; the chain's
+        levels as their pre-copies did, the parent's by its own manifest), the manifest
         written last and the staging directory renamed to ``dest``."""
-        hashed = await asyncio.to_thread(hasher.finish)
-        return await asyncio.to_thread(seal, staging, manifest, dest, hashed)
+        hashed = {**chain, **await asyncio.to_thread(hasher.finish)}
+        manifest = await asyncio.to_thread(seal, staging, manifest, dest, hashed)
+        return manifest

@@ -10,6 +10,7 @@ from jupyter_ext.core.criu import Criu
 from .gpusteps import GpuSteps
 from .lazyrestore import LazyRestore
 from .lifecycle import Lifecycle
+from .memory import KernelMemory
 from .record import KernelRecord
 from .relay import Relay
 from .runtime import RuntimeDir
@@ -21,8 +22,9 @@ from .tracker import KernelTracker
 class KernelParts:
     """One kernel as a dump or a restore sees it: its state (``lifecycle``), its
     messages (``relay``, and what they tell: ``tracker``), its ``process``, its
-    ``runtime`` directory, its CUDA steps (``gpu``), its lazy restores (``lazy``) and the
-    ``record`` of its snapshots; ``criu`` gives the CRIU binary (located on first use)."""
+    ``runtime`` directory, its CUDA steps (``gpu``), its lazy restores (``lazy``), the
+    ``record`` of its snapshots and the tracking of its ``memory`` between them; ``criu``
+    gives the CRIU binary (located on first use)."""
 
     lifecycle: Lifecycle
     relay: Relay
@@ -31,6 +33,7 @@ class KernelParts:
     gpu: GpuSteps
     lazy: LazyRestore
     record: KernelRecord
+    memory: KernelMemory
     criu: Callable[[], Criu]
 
     @property

@@ -50,6 +50,7 @@ from jupyter_ext.core.errors import IncompatibleSnapshotError, RestoreError
 from jupyter_ext.core.isolation import netns, privatetmp
 from jupyter_ext.core.isolation.privatetmp import PrivateTemp
 from jupyter_ext.core.lazypages import DirectoryPages, PageSource, page_source, stage_pages_files
+from jupyter_ext.core.lazypages.chain import flatten, is_chain
 from jupyter_ext.core.manifest import IMAGES_DIR, Manifest, verify
 from jupyter_ext.core.protocol import ProgressCallback
 from kernel_snapshots import write_restore_info
@@ -325,7 +326,14 @@ class Restorer:
             )
             mount_sources = own.mount_sources()
             images = source / IMAGES_DIR
-            pages, kept_here = await _pages(images, pages_from, lazy)
+            if lazy and is_chain(images) and pages_from and not _has_pages(images):
+                # A chain whose memory is all elsewhere: staged whole here, as the level
+                # files the images must end with, then restored as it is.
+                lazy = False
+            if lazy and is_chain(images):  # CRIU reads a chain's parents eagerly: flattened
+                images, pages, kept_here = await _flat(images, pages_from, work_dir)
+            else:
+                pages, kept_here = await _pages(images, pages_from, lazy)
             if network is None:  # the ports it binds are this namespace's
                 await timewait.clear(
                     [netports.BoundPort.from_dict(p) for p in manifest.bound_ports],
@@ -460,6 +468,29 @@ async def _pages(images: Path, pages_from: str | None, lazy: bool) -> tuple[Page
         # What criu restore reads from the files itself (not lazy: every page).
         await _stage(images, pages, lazy)
     return pages, kept_here
+
+
+def _has_pages(images: Path) -> bool:
+    return any(images.rglob("pages-*.img"))
+
+
+async def _flat(
+    images: Path, pages_from: str | None, work_dir: Path
+) -> tuple[Path, PageSource, bool]:
+    """For a lazy restore of a chained snapshot: the flat images CRIU restores from
+    (core/lazypages/chain.py), in ``work_dir``, with what CRIU reads itself staged, and
+    the source of their pages (every level of the chain, read where it is)."""
+    chain = page_source(pages_from) if pages_from else DirectoryPages(images)
+    flat = work_dir / "flat-images"
+    try:
+        pages = await asyncio.to_thread(flatten, images, flat, chain)
+    except OSError as exc:
+        raise RestoreError(
+            f"The snapshot's memory chain could not be laid out in {flat}: {exc}.",
+            hint="Free space on that disk, then restore again.",
+        ) from exc
+    await _stage(flat, pages, lazy=True)
+    return flat, pages, False
 
 
 async def _stage(images: Path, pages: PageSource, lazy: bool) -> None:

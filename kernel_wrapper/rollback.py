@@ -45,7 +45,9 @@ class Rollback:
         self.dumper = dumper
         self.restorer = restorer
 
-    async def save(self, directory: Path, progress: ProgressCallback) -> SavedKernel:
+    async def save(
+        self, directory: Path, progress: ProgressCallback, parent: Path | None = None
+    ) -> SavedKernel:
         """Dump the running kernel into the new ``directory`` and end it (a suspend), so
         that a failed restore can bring it back. A kernel that cannot be dumped keeps
         running; the restore is refused."""
@@ -61,6 +63,7 @@ class Rollback:
             trigger="before-restore",
             leave_running=False,
             sequence=self.kernel.record.sequence,
+            parent=str(parent) if parent else None,
         )
         try:
             await self.dumper.dump(args, lambda _: None)

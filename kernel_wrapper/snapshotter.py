@@ -32,6 +32,7 @@ from jupyter_ext.core.criu import Criu, LazyTransfer
 from jupyter_ext.core.errors import KernelNotRunningError, SnapshotBusyError, SnapshotError
 from jupyter_ext.core.lazypages import LAZY_MIN_BYTES, UNIX_PREFIX
 from jupyter_ext.core.manifest import Manifest, new_snapshot_id, remove_tree
+from jupyter_ext.core.memtrack.plan import AFTER_RESTORE
 from jupyter_ext.core.protocol import (
     ProgressCallback,
     Restored,
@@ -45,6 +46,7 @@ from .dump import Dumper
 from .gpusteps import GpuSteps
 from .lazyrestore import LazyRestore
 from .lifecycle import Lifecycle, State
+from .memory import KernelMemory
 from .parts import KernelParts
 from .record import KernelRecord
 from .relay import Relay
@@ -86,6 +88,7 @@ class Snapshotter:
             gpu=GpuSteps(relay),
             lazy=LazyRestore(lazy_restore, lazy_min_bytes),
             record=KernelRecord(),
+            memory=KernelMemory(relay),
             criu=self._criu_binary,
         )
         self.record = self.kernel.record
@@ -185,7 +188,7 @@ class Snapshotter:
             saved: SavedKernel | None = None
             if self.lifecycle.is_(State.RUNNING) and self.process.pid is not None:
                 directory = args.save_to or source.parent / new_snapshot_id()
-                saved = await self.rollback.save(directory, progress)
+                saved = await self.rollback.save(directory, progress, args.save_parent)
             progress({"phase": "restoring"})
             try:
                 await self.restorer.restore(
@@ -195,6 +198,9 @@ class Snapshotter:
                 if saved is None:
                     raise
                 await self.rollback.put_back(saved, exc, criu)
+            finally:
+                # Whatever runs now is a process restored from images: untracked.
+                self.kernel.memory.forget(AFTER_RESTORE)
             if self.lazy.transfer is not None:
                 self.lazy.follow(self._complete_lazy(self.lazy.transfer, saved, criu))
             elif saved is not None:

@@ -36,6 +36,7 @@ from typing import Any
 from jupyter_client.session import Session
 
 from jupyter_ext.core import proctree
+from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.gpu import kernel_gpu_status
 from jupyter_ext.core.isolation.pidspace import PID_FLOOR
 from jupyter_ext.core.lazypages import LAZY_MIN_BYTES
@@ -56,6 +57,7 @@ from jupyter_ext.core.protocol import (
 from .channels import InnerChannels, ServerChannels
 from .control import ControlServer
 from .lifecycle import Lifecycle, State
+from .memory import HEAL_SECONDS
 from .relay import Relay
 from .runtime import RuntimeDir
 from .snapshotter import Snapshotter
@@ -167,6 +169,7 @@ class KernelWrapper:
         self._announced = True
         self._announce()
         self._background(self.relay.forward_subscriptions())
+        self._background(self._heal_huge_pages())
         self._watch_parent()
         try:
             if self.await_restore:
@@ -197,6 +200,18 @@ class KernelWrapper:
         argv = [sys.executable, "-m", "kernel_wrapper.inkernel.inner", "-f", str(connection_file)]
         await self.process.launch([*argv, *self.kernel_args], env, pass_fds=(self.runtime.fd,))
         self.lifecycle.enter(State.RUNNING)
+
+    async def _heal_huge_pages(self) -> None:
+        """While the kernel runs between snapshots, give it back the huge pages its
+        writes made Linux split (kernel_wrapper/memory.py, ``heal``)."""
+        memory = self.snapshotter.kernel.memory
+        while not self.lifecycle.done.is_set():
+            await asyncio.sleep(HEAL_SECONDS)
+            if self.lifecycle.is_(State.RUNNING) and not self.snapshotter.busy:
+                try:
+                    await memory.heal()
+                except (SnapshotError, OSError) as exc:  # a kernel going away: again later
+                    log.debug("healing huge pages: %s", exc)
 
     def _no_restore_came(self) -> None:
         """A wrapper started for a restore that never came (its server went away)."""
@@ -291,6 +306,7 @@ class KernelWrapper:
             "resumed_request": tracker.resumed_request,
             "running_request": tracker.running_request(),
             "lazy_restore": snapshotter.lazy.status,
+            "memory": snapshotter.kernel.memory.status(),
             "closed_on_restore": snapshotter.restorer.closed_on_restore,
             # A copy restored beside another kernel of its snapshot: its own network
             # namespace, reached out of through slirp4netns (core/isolation/netns.py).

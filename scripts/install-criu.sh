@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
-# Install a working CRIU >= 4.2 for jupyter-kernel-snapshots.
+# Install the CRIU that jupyter-kernel-snapshots runs: CRIU 4.2.1 built from its upstream
+# source with the project's patches (scripts/criu-patches/), in a private prefix.
 #
-# Where the distribution packages CRIU >= 4.2, that package is installed with apt.
-# Otherwise (Debian 12, whose criu 3.17 cannot run on recent kernels) Debian sid's
-# criu and the libraries it links are downloaded with a *private* apt configuration
-# and unpacked into PREFIX; the binary is patched (patchelf) to use that prefix's
-# glibc and libraries. The system's apt sources, lists and libraries stay untouched.
+# Why a build of our own: Debian 12's criu (3.17) cannot run on recent kernels, and no
+# packaged CRIU tracks memory on kernels built without soft-dirty bits (arm64, and the VM
+# kernels of this project's machines). The patch 0001 lets CRIU take dirty bits from the
+# write-protect bits of asynchronous userfaultfds (Linux >= 6.7), which is what makes a
+# kernel's second snapshot cost what changed (docs/storage.md, "Snapshots cost what
+# changed"). The patch is small and written to go upstream.
+#
+# Steps (idempotent; nothing is done when PREFIX already holds this build):
+#   - Debian's build dependencies with apt (bookworm's; the binary links them);
+#   - the upstream tarball of CRIU 4.2.1 as Debian ships it (checked against its sha256);
+#   - the patches applied, `make criu`, the binary installed as PREFIX/bin/criu with
+#     PREFIX/BUILD_ID naming the version and patches.
+# The system's apt sources, packages and libraries are otherwise left alone.
 #
 # Usage: scripts/install-criu.sh [PREFIX]   (default /opt/jupyter-kernel-snapshots/criu)
 # Afterwards PREFIX/bin/criu is what `jupyter snapshot doctor` finds.
@@ -19,23 +28,34 @@
 set -euo pipefail
 
 PREFIX="${1:-${JUPYTER_SNAPSHOT_CRIU_PREFIX:-/opt/jupyter-kernel-snapshots/criu}}"
-MIN_VERSION="4.2"
-SID_PACKAGES=(criu libcompel1 libbsd0 libc6 libgnutls30t64 libnet9 libnftables1 libnl-3-200
-  libprotobuf-c1 libuuid1 libmd0 libffi8 libgcc-s1 libgmp10 libhogweed6t64 libidn2-0
-  libjansson4 libmnl0 libnettle8t64 libnftnl11 libp11-kit0 libtasn1-6 libunistring5 libxtables12)
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PATCH_DIR="$HERE/criu-patches"
+CRIU_VERSION=4.2.1
+CRIU_TARBALL="criu_${CRIU_VERSION}.orig.tar.xz"
+CRIU_TARBALL_SHA256=29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9
+CRIU_TARBALL_URL="${JKS_CRIU_TARBALL_URL:-http://deb.debian.org/debian/pool/main/c/criu/$CRIU_TARBALL}"
+# What `make criu` needs on Debian/Ubuntu (the runtime libraries come with the -dev ones).
+BUILD_DEPS=(build-essential pkg-config curl xz-utils patch libprotobuf-dev libprotobuf-c-dev
+  protobuf-c-compiler protobuf-compiler python3-protobuf libnl-3-dev libnl-route-3-dev
+  libcap-dev libnet1-dev libbsd-dev libaio-dev libgnutls28-dev libnftables-dev uuid-dev)
 
 log() { printf 'install-criu: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "run as root (apt-get and CRIU itself need it)"
 command -v apt-get >/dev/null || die "this script supports Debian/Ubuntu (apt-get not found)"
+[ -d "$PATCH_DIR" ] || die "no patches at $PATCH_DIR (run the script from the source tree)"
+
+# BUILD_ID: the version and the patches; a prefix holding another build is rebuilt.
+build_id() {
+  { echo "$CRIU_VERSION"; cat "$PATCH_DIR"/*.patch; } | sha256sum | cut -c1-12
+}
+BUILD_ID="jks-$(build_id)"
 
 # grant_user_caps: let JKS_CRIU_GROUP's members run PREFIX/bin/criu as non-root.
 grant_user_caps() {
   local criu="$PREFIX/bin/criu" group="${JKS_CRIU_GROUP:-jupyter-snapshots}"
   [ "${JKS_CRIU_CAPS:-1}" = 0 ] && return 0
-  # An older install linked the system's criu: capabilities go on a copy of our own.
-  if [ -L "$criu" ]; then cp --remove-destination "$(readlink -f "$criu")" "$criu"; fi
   if ! command -v setcap >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libcap2-bin >/dev/null
@@ -54,64 +74,48 @@ grant_user_caps() {
   log "file capabilities $(getcap "$criu" | cut -d' ' -f2-) on $criu (run by: ${group/#-/everyone})"
 }
 
-version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
-
-criu_version() { "$1" --version 2>/dev/null | sed -n 's/^Version: *//p' | head -n1; }
-
-if [ -x "$PREFIX/bin/criu" ] && v=$(criu_version "$PREFIX/bin/criu") && [ -n "$v" ] \
-    && version_ge "$v" "$MIN_VERSION"; then
-  log "CRIU $v already installed at $PREFIX/bin/criu"
+if [ -x "$PREFIX/bin/criu" ] && [ "$(cat "$PREFIX/BUILD_ID" 2>/dev/null)" = "$BUILD_ID" ] \
+    && "$PREFIX/bin/criu" --version >/dev/null 2>&1; then
+  log "CRIU $CRIU_VERSION ($BUILD_ID) already installed at $PREFIX/bin/criu"
   grant_user_caps
   exit 0
 fi
 
 export DEBIAN_FRONTEND=noninteractive
-# patchelf and iproute2 are needed either way (iproute2 for network namespaces in tests).
-need=()
-for tool in patchelf; do command -v "$tool" >/dev/null || need+=("$tool"); done
-if [ ${#need[@]} -gt 0 ] || ! apt-cache policy criu >/dev/null 2>&1; then
+missing=()
+for pkg in "${BUILD_DEPS[@]}"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "build dependencies: ${missing[*]}"
   apt-get update -qq
-fi
-[ ${#need[@]} -eq 0 ] || apt-get install -y -qq "${need[@]}" >/dev/null
-
-candidate=$(apt-cache policy criu 2>/dev/null | sed -n 's/^ *Candidate: *//p' | sed 's/^[0-9]*://; s/[-+~].*//')
-if [ -n "$candidate" ] && [ "$candidate" != "(none)" ] && version_ge "$candidate" "$MIN_VERSION"; then
-  log "installing the distribution's criu $candidate"
-  apt-get install -y -qq criu >/dev/null
-  mkdir -p "$PREFIX/bin"
-  # A copy, not a link: the capabilities below go on the product's copy only.
-  cp "$(command -v criu)" "$PREFIX/bin/criu.new"
-  mv -f "$PREFIX/bin/criu.new" "$PREFIX/bin/criu"
-  grant_user_caps
-  exit 0
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-log "the distribution's criu (${candidate:-none}) is older than $MIN_VERSION: using Debian sid's in $PREFIX"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/lists/partial" "$work/cache/archives/partial" "$work/debs"
-echo "deb [trusted=yes] http://deb.debian.org/debian sid main" >"$work/sources.list"
-apt_opts=(-o "Dir::Etc::SourceList=$work/sources.list" -o "Dir::Etc::SourceParts=-"
-  -o "Dir::State::Lists=$work/lists" -o "Dir::Cache=$work/cache"
-  -o "Acquire::Check-Valid-Until=false" -o "APT::Architecture=amd64"
-  -o "APT::Sandbox::User=root" -o "Debug::NoLocking=1")
-apt-get "${apt_opts[@]}" update -qq
-(cd "$work/debs" && apt-get "${apt_opts[@]}" download "${SID_PACKAGES[@]}" >/dev/null)
+log "downloading $CRIU_TARBALL_URL"
+curl -sSfL --retry 3 -o "$work/$CRIU_TARBALL" "$CRIU_TARBALL_URL" \
+  || die "could not download $CRIU_TARBALL_URL (set JKS_CRIU_TARBALL_URL to a copy)"
+echo "$CRIU_TARBALL_SHA256  $work/$CRIU_TARBALL" | sha256sum -c --quiet - \
+  || die "$CRIU_TARBALL does not have the expected sha256 $CRIU_TARBALL_SHA256"
+tar -xJf "$work/$CRIU_TARBALL" -C "$work"
+src="$work/criu-$CRIU_VERSION"
+for p in "$PATCH_DIR"/*.patch; do
+  log "applying $(basename "$p")"
+  patch -d "$src" -p1 --quiet --forward <"$p" || die "$(basename "$p") does not apply"
+done
+log "building CRIU $CRIU_VERSION ($BUILD_ID)"
+make -C "$src" -j"$(nproc)" criu GITID="$BUILD_ID" >"$work/build.log" 2>&1 \
+  || { tail -30 "$work/build.log" >&2; die "the build failed (log above)"; }
 
 stage="$PREFIX.new"
 rm -rf "$stage"
-mkdir -p "$stage/root" "$stage/bin"
-for deb in "$work"/debs/*.deb; do dpkg -x "$deb" "$stage/root"; done
-libdir="$PREFIX/root/usr/lib/x86_64-linux-gnu"
-cp "$stage/root/usr/sbin/criu" "$stage/bin/criu"
-patchelf --set-interpreter "$libdir/ld-linux-x86-64.so.2" --force-rpath --set-rpath "$libdir" \
-  "$stage/bin/criu"
+mkdir -p "$stage/bin"
+cp "$src/criu/criu" "$stage/bin/criu"
+echo "$BUILD_ID" >"$stage/BUILD_ID"
+"$stage/bin/criu" --version >/dev/null || die "the built criu does not start"
 rm -rf "$PREFIX"
 mv "$stage" "$PREFIX"
-
-v=$(criu_version "$PREFIX/bin/criu") || die "the installed criu does not start; run $PREFIX/bin/criu --version"
-version_ge "$v" "$MIN_VERSION" || die "installed criu $v is older than $MIN_VERSION"
-log "CRIU $v installed at $PREFIX/bin/criu"
+log "CRIU $CRIU_VERSION ($BUILD_ID) installed at $PREFIX/bin/criu"
 grant_user_caps
 "$PREFIX/bin/criu" check >/dev/null 2>&1 && log "criu check: looks good" \
   || log "warning: 'criu check' reports problems; run '$PREFIX/bin/criu check' to see them"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -54,8 +55,11 @@ def middle_chunk(manager: SnapshotManager, snapshot_id: str, prefix: str) -> tup
     namespace.)"""
     record = manager.store.index.load(snapshot_id)
     assert record is not None
+    # The memory of a snapshot copied while the kernel ran is in the levels of its chain
+    # (images/parent/...: core/criu/chain.py), named as the top level's.
+    levels = re.compile(re.escape(prefix).replace("images/", r"images/(?:parent/)*", 1))
     path = max(
-        (p for p in record.chunks if p.startswith(prefix)),
+        (p for p in record.chunks if levels.match(p)),
         key=lambda p: sum(ref.size for ref in record.chunks[p]),
     )
     refs = record.chunks[path]

@@ -35,8 +35,9 @@ def cached_ids(manager: SnapshotManager) -> list[str]:
 
 
 def pages_file(entry: Path) -> Path:
-    """The largest image of an entry: the kernel's memory."""
-    return max((entry / "images").iterdir(), key=lambda p: p.stat().st_size)
+    """The largest image of an entry: the kernel's memory (a first snapshot copies it
+    while the kernel runs: its level is under images/parent, core/criu/chain.py)."""
+    return max((entry / "images").rglob("pages-*.img"), key=lambda p: p.stat().st_size)
 
 
 async def unused(manager: SnapshotManager, snapshot_id: str, timeout: float = 120) -> bool:
@@ -224,6 +225,37 @@ async def test_newest_per_kernel_stays_oldest_goes_past_the_budget_not_one_in_us
     result = await restore(jp_fetch, newer)
     assert result["source"] == "store"
     assert await run_in(start_kernel, result["kernel_id"], CHECK) == "True 1000000"
+
+
+async def test_an_incremental_snapshot_links_its_parents_memory_and_stays_fresh(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any
+) -> None:
+    """A kernel's second snapshot builds on its first, cached here: its chain hard-links
+    the first's memory (no copy), the first's entry goes once the second is admitted,
+    and the entry left is still fresh (the links that came and went changed ctimes only):
+    a restore reads it at once, hashing nothing. The cache counts shared files once."""
+    manager = manager_of(jp_serverapp)
+    kernel = await start_kernel()
+    await kernel.run(STATE.format(n=4_000_000))
+    first = (await snapshot(jp_fetch, kernel.id))["result"]
+    big = pages_file(manager.image_cache_dir / first["id"])
+    inode = big.stat().st_ino
+    await kernel.run("st[:1000] = 1; st_sum = int(st.sum())")
+    second = (await snapshot(jp_fetch, kernel.id))["result"]
+    assert second["memory"]["mode"] == "incremental", second["memory"]
+    assert cached_ids(manager) == [second["id"]]
+    entry = manager.image_cache_dir / second["id"]
+    linked = [p for p in (entry / "images" / "parent").rglob("*") if p.stat().st_ino == inode]
+    assert linked, "the first snapshot's memory is linked, not copied"
+    lease = manager.image_cache.lease(second["id"])
+    assert lease is not None
+    assert lease.fresh, "unlinking the first's entry changed only ctimes: stamped anew"
+    lease.release()
+    on_disk = {p.stat().st_ino: p.stat().st_size for p in entry.rglob("*") if p.is_file()}
+    assert manager.image_cache.total_bytes() <= sum(on_disk.values())
+    result = await restore(jp_fetch, second["id"])
+    assert result["source"] == "cache"
+    assert await run_in(start_kernel, result["kernel_id"], CHECK) == "True 4000000"
 
 
 async def test_a_budget_of_zero_turns_the_cache_off(

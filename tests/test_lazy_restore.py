@@ -1,7 +1,12 @@
 """Lazy restore (issue 16.4): the restored kernel runs while its memory is served page by
 page by the product's page server (jupyter_ext/core/lazypages/) to CRIU's lazy-pages
 daemon; real CRIU, real kernels. A page that cannot be read kills the half-restored
-kernel and puts the one it replaced back."""
+kernel and puts the one it replaced back.
+
+The snapshots here are taken with ``track_memory=False``: one level of images, whose
+files these tests copy, cut and compare; a chain of levels (an incremental snapshot, or
+one copied while the kernel ran) is restored lazily through its flat form, tested in
+tests/test_tracking.py."""
 
 from __future__ import annotations
 
@@ -91,10 +96,11 @@ def only_the_kernel_left(kernel: KernelProcess) -> None:
 
 def test_pagemap_decodes_to_the_pages_file(kernel_factory: Factory, tmp_path: Path) -> None:
     """The hand decoder agrees with CRIU: the present pages of every pagemap add up to
-    its pages file, in order and apart; the heap is lazy, the stack is not."""
+    its pages file, in order and apart; the heap is lazy, the stack is not. (One level:
+    without tracking nothing is copied ahead; chains are tests/test_tracking.py's.)"""
     kernel = kernel_factory()
     kernel.execute(STATE)
-    kernel.snapshot(tmp_path / "snap")
+    kernel.snapshot(tmp_path / "snap", track_memory=False)
     images = tmp_path / "snap" / IMAGES_DIR
     pagemaps = read_pagemaps(images)
     assert pagemaps
@@ -123,7 +129,7 @@ def test_lazy_restore_in_place_keeps_the_kernel_state(
 ) -> None:
     kernel = kernel_factory()
     kernel.execute(STATE)
-    kernel.snapshot(tmp_path / "snap")
+    kernel.snapshot(tmp_path / "snap", track_memory=False)
     kernel.execute("lazy_a[:] = 0")
     restore(kernel, tmp_path / "snap")
     assert kernel.execute(CHECK).strip() == "True 67108864"
@@ -146,7 +152,7 @@ def test_pages_from_elsewhere_complete_the_local_images(
     the restore ends with complete images (the snapshot verifies again)."""
     kernel = kernel_factory()
     kernel.execute(STATE)
-    kernel.snapshot(tmp_path / "snap")
+    kernel.snapshot(tmp_path / "snap", track_memory=False)
     local = tmp_path / "local"
     shutil.copytree(tmp_path / "snap", local, ignore=shutil.ignore_patterns("pages-*.img"))
     assert not list((local / IMAGES_DIR).glob("pages-*.img"))
@@ -168,7 +174,7 @@ def test_a_disk_too_full_for_the_pages_gives_up_the_local_copy_not_the_kernel(
     and the status says why (so the server does not cache it)."""
     kernel = kernel_factory()
     kernel.execute(STATE)
-    kernel.snapshot(tmp_path / "snap")
+    kernel.snapshot(tmp_path / "snap", track_memory=False)
     with small_disk(tmp_path / "small", "16m") as disk:
         local = disk / "local"
         shutil.copytree(tmp_path / "snap", local, ignore=shutil.ignore_patterns("pages-*.img"))
@@ -193,7 +199,7 @@ def test_restore_straight_from_the_store(kernel_factory: Factory, tmp_path: Path
     images end up complete and intact."""
     kernel = kernel_factory()
     kernel.execute(STATE)
-    kernel.snapshot(tmp_path / "snap")
+    kernel.snapshot(tmp_path / "snap", track_memory=False)
     store = LocalStore(tmp_path / "store")
     stored = store.put(tmp_path / "snap")
     local = tmp_path / "local"
@@ -223,7 +229,7 @@ def test_store_gone_mid_restore_puts_the_kernel_back(
     running is back, its state intact, the error saying what happened."""
     kernel = kernel_factory()
     kernel.execute(STATE)
-    kernel.snapshot(tmp_path / "snap")
+    kernel.snapshot(tmp_path / "snap", track_memory=False)
     kernel.execute("before_restore = 42")
     before = kernel.status()
     original = tmp_path / "snap" / IMAGES_DIR
@@ -348,7 +354,7 @@ def test_store_gone_while_the_kernel_runs_puts_the_kernel_back(
     kernel = kernel_factory()
     kernel.execute(STATE)
     address = int(kernel.execute("print(lazy_a.__array_interface__['data'][0])"))
-    kernel.snapshot(tmp_path / "snap")
+    kernel.snapshot(tmp_path / "snap", track_memory=False)
     kernel.execute("before_restore = 43")
     before = kernel.status()
     local = tmp_path / "local"
@@ -385,7 +391,7 @@ def test_small_kernels_restore_in_full(kernel_factory: Factory, tmp_path: Path) 
     than lazy pages); one from a server lending the store is lazy whatever its size."""
     kernel = kernel_factory(env={ENV_LAZY_RESTORE_MIN_BYTES: str(LAZY_MIN_BYTES)})
     kernel.execute(STATE)
-    kernel.snapshot(tmp_path / "snap")
+    kernel.snapshot(tmp_path / "snap", track_memory=False)
     restore(kernel, tmp_path / "snap")
     assert lazy_state(kernel) == {}
     assert kernel.execute(CHECK).strip() == "True 67108864"
@@ -410,7 +416,7 @@ def test_small_kernels_restore_in_full(kernel_factory: Factory, tmp_path: Path) 
 def test_lazy_restore_can_be_turned_off(kernel_factory: Factory, tmp_path: Path) -> None:
     kernel = kernel_factory(env={ENV_LAZY_RESTORE: "0"})
     kernel.execute(STATE)
-    kernel.snapshot(tmp_path / "snap")
+    kernel.snapshot(tmp_path / "snap", track_memory=False)
     restore(kernel, tmp_path / "snap")
     assert lazy_state(kernel) == {}
     assert kernel.execute(CHECK).strip() == "True 67108864"

@@ -190,6 +190,40 @@ def test_restore_on_another_node_after_node_loss(
     node_b.stop()
 
 
+def test_an_incremental_snapshot_restores_on_another_node(
+    network: Network, s3_url: str, tmp_path: Path
+) -> None:
+    """A kernel's second snapshot copies only what changed (its chain's lower levels are
+    the first snapshot's, stored by the same chunks); node A is lost with every local
+    copy; node B restores the second from S3, lazily, to exactly its state."""
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    node_a = node_server(network, 7, tmp_path / "node-a", notebooks, s3_url, "erin")
+    kernel_a = node_a.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+    ws_execute(
+        node_a,
+        kernel_a,
+        "import numpy as np, hashlib\na = np.random.default_rng(4).random(24 << 20)",
+    )
+    first = follow(node_a, node_a.client.call("POST", "", body={"kernel_id": kernel_a})["job"])
+    ws_execute(node_a, kernel_a, "a[:1 << 19] = 0.5\nb = 'after the first'")
+    second = follow(node_a, node_a.client.call("POST", "", body={"kernel_id": kernel_a})["job"])
+    result = second["result"]
+    assert result["memory"]["mode"] == "incremental", result["memory"]
+    assert result["memory"]["parent"] == first["result"]["id"]
+    assert result["new_bytes"] < first["result"]["new_bytes"] // 4
+    expected = ws_execute(node_a, kernel_a, "print(hashlib.sha256(a.tobytes()).hexdigest(), b)")
+    node_a.kill_node()
+    shutil.rmtree(tmp_path / "node-a", ignore_errors=True)
+
+    node_b = node_server(network, 8, tmp_path / "node-b", notebooks, s3_url, "erin")
+    answer = node_b.client.call("POST", f"{result['id']}/restore", body={})
+    kernel_b = follow(node_b, answer["job"])["result"]["kernel_id"]
+    code = "print(hashlib.sha256(a.tobytes()).hexdigest(), b)"
+    assert ws_execute(node_b, kernel_b, code) == expected
+    node_b.stop()
+
+
 def test_cli_lists_a_store_directly(network: Network, s3_url: str, tmp_path: Path) -> None:
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()

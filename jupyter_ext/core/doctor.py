@@ -15,6 +15,7 @@ from .agent.protocol import ENV_AGENT_SOCKET
 from .criu import REQUIRED_FEATURES, UNPRIVILEGED_CAPS, Criu, unprivileged
 from .errors import CriuNotFoundError, SnapshotError
 from .isolation.confinement import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, Confinement, seccomp_blocker
+from .memtrack import TrackingUnavailable, open_tracking_fd
 from .private import exposed, others_can_replace
 from .protocol import ENV_RUNTIME_DIR
 from .store.api import StoreError
@@ -288,6 +289,30 @@ def check_lazy_pages(criu: Criu | None, *, agent_mode: bool = False) -> Check:
         f"not possible here, restores copy every page first: {said}",
         fix=f"Lazy restores need {where}; set SnapshotExtensionApp.lazy_restore = False to "
         "silence this.",
+        required=False,
+    )
+
+
+def check_memory_tracking(criu: Criu | None, *, agent_mode: bool = False) -> Check:
+    """Memory tracking between snapshots: a kernel's later snapshots copy only what it
+    wrote since its previous one (docs/storage.md, "Snapshots cost what changed")."""
+    name = "memory tracking"
+    if criu is None:
+        return skipped(name, agent_mode)
+    kind, said = criu.dirty_tracking()
+    if kind == "userfaultfd":
+        try:
+            os.close(open_tracking_fd())
+        except TrackingUnavailable as exc:
+            kind, said = None, f"this process cannot open a userfaultfd ({exc.strerror})"
+    if kind is not None:
+        return Check(name, True, f"later snapshots copy what changed ({said})", required=False)
+    return Check(
+        name,
+        False,
+        f"every snapshot copies the whole memory, frozen: {said}",
+        fix="Use the CRIU that scripts/install-criu.sh builds, on Linux >= 6.7 (or a kernel "
+        "with CONFIG_MEM_SOFT_DIRTY), without a seccomp filter that blocks userfaultfd.",
         required=False,
     )
 
@@ -663,6 +688,7 @@ def run_checks(
         checks += [criu_check, check_criu_capabilities(criu), *check_confinement()]
         checks.append(check_criu_works(criu))
     checks.append(check_lazy_pages(criu, agent_mode=agent_mode))
+    checks.append(check_memory_tracking(criu, agent_mode=agent_mode))
     checks += [
         check_pid_namespaces(),
         _namespace_check("time", "clocks continue across machines", False)

@@ -180,6 +180,16 @@ class Entry:
         tmp.rename(directory / RECORD_NAME)
 
 
+def _unique_bytes(entries: list[Entry]) -> int:
+    """The bytes the entries take on disk: a file two entries share (hard links of a
+    chain, core/criu/chain.py) counts once."""
+    sizes: dict[int, int] = {}
+    for entry in entries:
+        for value in entry.stamps.values():
+            sizes[value[0]] = value[1]
+    return sum(sizes.values())
+
+
 class Lease:
     """A cache entry a restore reads: held (shared flock) until :meth:`release`, so that
     nothing removes it meanwhile. ``fresh`` says its stamps matched; a stale one must be
@@ -211,6 +221,13 @@ class Lease:
         self.entry.write(self.path)
         self.fresh = True
         return True
+
+    def restamp_links(self) -> None:
+        """After this process hard-linked the entry's files elsewhere (a dump added a
+        level to it: core/criu/chain.py): stamp anew the files whose inode, size and mtime
+        are as recorded (a link changes only the ctime). A fresh entry stays fresh."""
+        if self.fresh:
+            self.cache.restamp(self.entry)
 
     def drop(self) -> None:
         """Remove the entry (it failed its check); other leases on it keep it until done."""
@@ -268,7 +285,7 @@ class ImageCache:
         return sorted(found, key=lambda e: e.order)
 
     def total_bytes(self) -> int:
-        return sum(e.bytes for e in self.entries())
+        return _unique_bytes(self.entries())
 
     def _remove(self, path: Path, wait: bool = True) -> bool:
         """Remove an entry unless a restore holds it: renamed away first, so a look-up
@@ -361,6 +378,51 @@ class ImageCache:
             self._sweep(newest=entry, wait=False)  # not while the snapshot's job waits
             return held
 
+    def lease_newest(self, kernel_id: str) -> Lease | None:
+        """The newest cached snapshot of the (jupyter) kernel ``kernel_id``, held, or
+        None."""
+        if not self.enabled:
+            return None
+        ours = [e for e in self.entries() if e.group.endswith(f"/{kernel_id}")]
+        return self.lease(ours[-1].snapshot_id) if ours else None
+
+    @contextlib.contextmanager
+    def hold_parent(self, kernel_id: str) -> Iterator[Lease | None]:
+        """The kernel's newest entry, held for a dump that may add a level to it
+        (kernel_wrapper/memory.py decides), if it is there unchanged (its stamps match, so
+        its files need no hashing); else None. The dump hard-links its files, which
+        changes only their ctime: the entry is stamped anew afterwards."""
+        lease = self.lease_newest(kernel_id)
+        if lease is not None and not lease.fresh:
+            lease.release()
+            lease = None
+        try:
+            yield lease
+        finally:
+            if lease is not None:
+                lease.restamp_links()
+                lease.release()
+
+    def restamp(self, entry: Entry) -> None:
+        """Stamp anew ``entry``'s files whose inode, size and mtime are as recorded: only
+        after this process linked or unlinked them (which changes ctimes alone)."""
+        with self._locked():
+            self._restamp_unlocked(entry)
+
+    @staticmethod
+    def _restamp_unlocked(entry: Entry) -> None:
+        changed = False
+        for rel, old in entry.stamps.items():
+            try:
+                new = stamp(entry.path / rel)
+            except OSError:
+                continue
+            if new[:3] == old[:3] and new != old:
+                entry.stamps[rel] = new
+                changed = True
+        if changed:
+            entry.write(entry.path)
+
     def lease(self, snapshot_id: str) -> Lease | None:
         """The cached entry of a snapshot, held for a restore, or None when there is none
         (or it is broken: then it is removed). See :attr:`Lease.fresh`."""
@@ -402,7 +464,7 @@ class ImageCache:
             ):
                 best[e.group] = e
         for e in entries:
-            if best[e.group] is not e and self._remove(e.path, wait):
+            if best[e.group] is not e and self._remove_entry(e, entries, wait):
                 removed.append(e.snapshot_id)
         entries = [e for e in entries if e.snapshot_id not in removed]
         budget = self.budget()
@@ -411,18 +473,38 @@ class ImageCache:
             min(int(usage.total * RESERVE_FRACTION), RESERVE_CAP_BYTES),
             newest.bytes if newest else 0,
         )
-        total = sum(e.bytes for e in entries)
+        total = _unique_bytes(entries)
         free = usage.free
-        for e in entries:  # oldest first
+        for e in list(entries):  # oldest first
             if total <= budget and free >= reserve:
                 break
-            if self._remove(e.path, wait):
+            if self._remove_entry(e, entries, wait):
                 removed.append(e.snapshot_id)
-                total -= e.bytes
-                free += e.bytes
+                entries.remove(e)
+                freed = total - _unique_bytes(entries)
+                total -= freed
+                free += freed
         for snapshot_id in removed:
             log.info("image cache: removed snapshot %s", snapshot_id)
         return removed
+
+    def _remove_entry(self, entry: Entry, entries: list[Entry], wait: bool) -> bool:
+        """Remove ``entry`` (see :meth:`_remove`). Another entry whose chain shares files
+        with it (hard links: core/criu/chain.py) sees their ctimes change: if it was
+        fresh, it is stamped anew once the links are gone (waited for)."""
+        inodes = {value[0] for value in entry.stamps.values()}
+        sharing = [
+            e
+            for e in entries
+            if e is not entry
+            and inodes & {value[0] for value in e.stamps.values()}
+            and _same_stamps(e.path, e.stamps)
+        ]
+        if not self._remove(entry.path, wait or bool(sharing)):
+            return False
+        for other in sharing:
+            self._restamp_unlocked(other)
+        return True
 
     def sweep(self) -> list[str]:
         with self._locked():

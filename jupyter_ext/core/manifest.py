@@ -44,7 +44,11 @@ from .errors import BadIdError, SnapshotCorruptError
 FORMAT_VERSION = 3
 """3: memory files list their chunks; 2: the manifest carries its own checksum. Formats 1
 (no checksum) and 2 are still read."""
-READABLE_FORMATS = (1, 2, 3)
+CHAIN_FORMAT_VERSION = 4
+"""4: the memory is a chain of levels under ``images/parent/`` (incremental dumps:
+core/criu/chain.py); given to such snapshots only, so that an older version refuses them
+plainly instead of misreading them."""
+READABLE_FORMATS = (1, 2, 3, 4)
 MANIFEST_NAME = "manifest.json"
 SEAL_STAMPS_NAME = "sealed.json"
 """Each file's stamp when it was sealed: what a put on this machine trusts the chunks by."""
@@ -254,6 +258,12 @@ class Manifest:
     (kernel_wrapper.inkernel.contents): "cells" run since the previous snapshot, the largest
     "variables" and their totals, "partial" with a reason. Empty in snapshots taken before
     it existed (read as they are: an added field with a default needs no new format)."""
+    memory: dict[str, Any] = field(default_factory=dict)
+    """How the kernel's memory was copied (kernel_wrapper/memory.py): "mode" ("full" or
+    "incremental"), "reason" (why full), "parent" (the snapshot an incremental one adds a
+    level to), "precopy" (each round copied while the kernel ran), "frozen_bytes" (copied
+    while it was frozen), "copied_bytes", "frozen_total_seconds" and "chain" (levels and
+    their bytes). Empty in snapshots taken before it existed."""
     format_version: int = FORMAT_VERSION
     checksum: str = ""
     """sha256 of every other field (:func:`manifest_checksum`), set when it is sealed: a
@@ -465,7 +475,8 @@ def seal(
     rest = [p for p in files if p.relative_to(staging).as_posix() not in done]
     manifest.files = sorted(known + hash_files(staging, rest), key=lambda e: e.path)
     manifest.total_bytes = sum(entry.size for entry in manifest.files)
-    manifest.format_version = FORMAT_VERSION
+    chained = any(entry.path.startswith(f"{IMAGES_DIR}/parent/") for entry in manifest.files)
+    manifest.format_version = CHAIN_FORMAT_VERSION if chained else FORMAT_VERSION
     manifest.checksum = manifest_checksum(manifest.to_dict())
     write_sealed_stamps(staging, stamp_files(staging, [entry.path for entry in manifest.files]))
     _write_durably(staging / MANIFEST_NAME, manifest.to_json())

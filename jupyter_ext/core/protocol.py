@@ -207,6 +207,12 @@ class SnapshotArgs(_Args):
     write_back: bool = False
     """Start writing the memory images to disk as they are hashed (the store adopts them:
     SnapshotStore.adopts_images)."""
+    track_memory: bool = True
+    """Track the kernel's memory (the server's track_memory; kernel_wrapper/memory.py)."""
+    parent: str | None = None
+    """The kernel's previous snapshot's directory on this machine, held unchanged by the
+    server for the request (its image cache entry): the dump copies only what changed
+    since, where the kernel's memory was tracked since then (kernel_wrapper/memory.py)."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +226,8 @@ class SuspendArgs(_Args):
     release_gpu_caches: bool = True
     chunk_kib: int | None = None
     write_back: bool = False
+    track_memory: bool = True
+    parent: str | None = None
 
     def snapshot_args(self) -> SnapshotArgs:
         """The snapshot a suspend takes: every field the two share, the kernel not left
@@ -252,6 +260,8 @@ class KernelStatus(TypedDict):
     running_request: dict[str, Any] | None
     """The execute_request the kernel got and has not answered yet (the oldest), if any."""
     lazy_restore: dict[str, Any]
+    memory: dict[str, Any]
+    """Since which snapshot the kernel's memory is tracked (kernel_wrapper/memory.py)."""
     closed_on_restore: list[dict[str, Any]]
     """Connections to outside peers the last restore gave back closed (pid, process,
     local, remote)."""
@@ -297,6 +307,9 @@ class RestoreRequest:
 
     save_to: Path | None = None
     """A restore in place first saves the running kernel here (put back on failure)."""
+    save_parent: Path | None = None
+    """The running kernel's previous snapshot on this machine: the save copies only what
+    changed since (as :attr:`SnapshotArgs.parent`)."""
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"source": str(self.source), "verified": self.verified}
@@ -304,11 +317,13 @@ class RestoreRequest:
             data["pages_from"] = self.pages_from
         if self.save_to:
             data["save_to"] = str(self.save_to)
+        if self.save_parent:
+            data["save_parent"] = str(self.save_parent)
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RestoreRequest:
-        unknown = set(data) - {"source", "verified", "pages_from", "save_to"}
+        unknown = set(data) - {"source", "verified", "pages_from", "save_to", "save_parent"}
         if unknown or not isinstance(data.get("source"), str):
             raise TypeError(f"a restore needs a source and takes no {sorted(unknown)}")
         return cls(
@@ -316,6 +331,7 @@ class RestoreRequest:
             bool(data.get("verified")),
             data.get("pages_from") or None,
             Path(data["save_to"]) if data.get("save_to") else None,
+            Path(data["save_parent"]) if data.get("save_parent") else None,
         )
 
 

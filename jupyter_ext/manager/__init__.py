@@ -106,6 +106,7 @@ class SnapshotManager:
     lazy_restore = _Setting[bool]()
     lazy_from_store = _Setting[bool]()
     chunk_kib = _Setting[int | None]()
+    track_memory = _Setting[bool]()
 
     def __init__(
         self,
@@ -125,6 +126,7 @@ class SnapshotManager:
         lazy_restore: bool = True,
         lazy_restore_from_store: bool = True,
         chunk_kib: int | None = None,
+        track_memory: bool = True,
     ) -> None:
         """The settings are SnapshotExtensionApp's traits of the same names (there
         documented); ``max_bytes`` is its ``max_store_bytes``."""
@@ -138,6 +140,7 @@ class SnapshotManager:
             lazy_restore=lazy_restore,
             lazy_from_store=lazy_restore_from_store,
             chunk_kib=chunk_kib,
+            track_memory=track_memory,
         )
         self.kernel_manager = kernel_manager
         self.session_manager = session_manager
@@ -171,7 +174,7 @@ class SnapshotManager:
             emit=emit,
         )
         self.restores = Restores(**common, image_cache=cache, lending=lending)
-        self.dumps = dumps = Dumps(**common)
+        self.dumps = dumps = Dumps(**common, image_cache=cache)
         self.schedules = Schedules(kernels, jobs, lending, dumps, emit)
 
     @property

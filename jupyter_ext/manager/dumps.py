@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 from typing import Any
 
 from ..core import private
+from ..core.imagecache import ImageCache, Lease
 from ..core.manifest import new_snapshot_id
 from ..core.protocol import SnapshotArgs, SuspendArgs
 from ..core.store import SnapshotStore
@@ -34,8 +36,10 @@ class Dumps:
         snapshots: StoredSnapshots,
         uploads: Uploads,
         emit: EmitEvent,
+        image_cache: ImageCache,
     ) -> None:
         self.settings = settings
+        self.image_cache = image_cache
         self.workspace = workspace
         self.store = store
         self.jobs = jobs
@@ -60,16 +64,19 @@ class Dumps:
         dest = self.workspace.staging_dir / new_snapshot_id()
         self.emit("started", {"kernel_id": kernel_id, "trigger": trigger, "job_id": job.id})
 
-        args = SnapshotArgs(
-            str(dest),
-            trigger=trigger,
-            leave_running=leave_running,
-            **self._dump_settings(km, kernel_id, path),
-        )
-        # A killed wrapper leaves its partial dump (the kernel's size): removed then.
-        dumped = await self.kernels.guarded_dump(
-            kernel_id, dest, lambda wrapper: wrapper.snapshot(args, self.jobs.wrapper_progress(job))
-        )
+        with self._parent(kernel_id) as parent:
+            args = SnapshotArgs(
+                str(dest),
+                trigger=trigger,
+                leave_running=leave_running,
+                **self._dump_settings(km, kernel_id, path, parent),
+            )
+            # A killed wrapper leaves its partial dump (the kernel's size): removed then.
+            dumped = await self.kernels.guarded_dump(
+                kernel_id,
+                dest,
+                lambda wrapper: wrapper.snapshot(args, self.jobs.wrapper_progress(job)),
+            )
         manifest = dumped.manifest
         stored = await self.uploads.upload(job, manifest, dest)
         result = stored if stored is not None else await self.snapshots.get(manifest.id)
@@ -85,9 +92,11 @@ class Dumps:
         )
         return result
 
-    def _dump_settings(self, km: Any, kernel_id: str, path: str | None) -> dict[str, Any]:
+    def _dump_settings(
+        self, km: Any, kernel_id: str, path: str | None, parent: Lease | None
+    ) -> dict[str, Any]:
         """What a snapshot and a suspend request both carry: the manifest fields this
-        server knows and its dump settings."""
+        server knows, its dump settings, and the kernel's previous snapshot here."""
         return {
             "metadata": {
                 "kernel_spec": {"name": km.kernel_name, "kernel_id": kernel_id},
@@ -96,7 +105,15 @@ class Dumps:
             "release_gpu_caches": self.settings.release_gpu_caches,
             "chunk_kib": self.settings.chunk_kib,
             "write_back": self.store.adopts_images,
+            "track_memory": self.settings.track_memory,
+            "parent": str(parent.path) if parent is not None else None,
         }
+
+    def _parent(self, kernel_id: str) -> contextlib.AbstractContextManager[Lease | None]:
+        """The kernel's previous snapshot in the image cache, held for the dump."""
+        if not self.settings.track_memory:
+            return contextlib.nullcontext()
+        return self.image_cache.hold_parent(kernel_id)
 
     def suspend(self, kernel_id: str, trigger: str = "idle-suspend") -> Job:
         """Snapshot the kernel and end its process (its GPU memory is freed)."""
@@ -111,11 +128,16 @@ class Dumps:
         private.make_dirs(self.workspace.suspended_dir)
         dest = self.workspace.suspended_dir / new_snapshot_id()
         self.jobs.progress(job, "dumping")
-        args = SuspendArgs(str(dest), trigger=trigger, **self._dump_settings(km, kernel_id, path))
-        # Sealed before the wrapper died: the kernel's only copy, kept and stored.
-        dumped = await self.kernels.guarded_dump(
-            kernel_id, dest, lambda wrapper: wrapper.suspend(args, self.jobs.wrapper_progress(job))
-        )
+        with self._parent(kernel_id) as parent:
+            args = SuspendArgs(
+                str(dest), trigger=trigger, **self._dump_settings(km, kernel_id, path, parent)
+            )
+            # Sealed before the wrapper died: the kernel's only copy, kept and stored.
+            dumped = await self.kernels.guarded_dump(
+                kernel_id,
+                dest,
+                lambda wrapper: wrapper.suspend(args, self.jobs.wrapper_progress(job)),
+            )
         manifest = dumped.manifest
         wrapper_gone = dumped.sealed is not None
         self.emit("suspended", {"kernel_id": kernel_id, "snapshot_id": manifest.id})

@@ -304,14 +304,25 @@ class Restores:
         what it saved is stored like any snapshot when it was sealed (the kernel's state,
         restorable), and removed at once when it was not."""
         save_to = self.workspace.staging_dir / new_snapshot_id()
-        request = RestoreRequest(directory, verified=True, save_to=save_to)
-        dumped = await self.kernels.guarded_dump(
-            kernel_id,
-            save_to,
-            lambda wrapper: wrapper.restore(request, self.jobs.wrapper_progress(job)),
-            catch=WrapperUnavailableError,
-            keep_error=True,
+        holding = (
+            self.image_cache.hold_parent(kernel_id)
+            if self.settings.track_memory
+            else contextlib.nullcontext()
         )
+        with holding as parent:
+            request = RestoreRequest(
+                directory,
+                verified=True,
+                save_to=save_to,
+                save_parent=parent.path if parent is not None else None,
+            )
+            dumped = await self.kernels.guarded_dump(
+                kernel_id,
+                save_to,
+                lambda wrapper: wrapper.restore(request, self.jobs.wrapper_progress(job)),
+                catch=WrapperUnavailableError,
+                keep_error=True,
+            )
         if dumped.error is not None:  # the kernel as saved, sealed before the wrapper died
             log.warning("the kernel saved before a restore (%s) is stored", dumped.manifest.id)
             await self.uploads.upload(None, dumped.manifest, save_to)

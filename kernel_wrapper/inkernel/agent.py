@@ -18,11 +18,20 @@ Every kernel runs one (it costs a thread blocked on a socket): before each dump 
 wrapper asks it what the snapshot holds (``{"op": "summary", "since": N}``): the cells
 run since the previous snapshot and the largest variables (kernel_wrapper.inkernel.contents),
 recorded in the manifest.
+
+Before a kernel's first tracked dump the wrapper asks it for a memory tracker
+(``{"op": "open_tracker"}``): a userfaultfd only this process can open for its own
+memory (jupyter_ext/core/memtrack/). The wrapper takes a copy of the descriptor
+(``pidfd_getfd``) and says so (``{"op": "close_tracker", "fd": N}``); the kernel's own
+copy is closed then, or after :data:`TRACKER_HANDOVER_SECONDS` whatever happens: a dump
+must never find it open (CRIU cannot save a userfaultfd).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -30,9 +39,69 @@ from typing import Any
 
 import zmq
 
+from jupyter_ext.core.memtrack import TrackingUnavailable, open_tracking_fd
+
 from .contents import CellLog, summarize_namespace
 
 log = logging.getLogger(__name__)
+
+#: How long the kernel keeps a tracker's descriptor for the wrapper to take.
+TRACKER_HANDOVER_SECONDS = 10.0
+
+
+MADV_COLLAPSE = 25
+#: The most blocks one "collapse" request names (2 GiB of 2 MiB blocks).
+MAX_COLLAPSE = 1024
+
+
+def collapse(request: dict[str, Any]) -> dict[str, Any]:
+    """Make the 2 MiB blocks the wrapper unprotected huge pages again
+    (``MADV_COLLAPSE``; jupyter_ext/core/memtrack/tracker.py, ``heal``). Blocks that cannot
+    be (no memory for a huge page, a mapping's edge) are left as they are."""
+    blocks = request.get("blocks")
+    if not isinstance(blocks, list) or len(blocks) > MAX_COLLAPSE:
+        return {"error": f"blocks must be a list of at most {MAX_COLLAPSE} addresses"}
+    libc = ctypes.CDLL(None, use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    done = sum(
+        1 for block in blocks if type(block) is int and madvise(block, 2 << 20, MADV_COLLAPSE) == 0
+    )
+    return {"collapsed": done}
+
+
+class TrackerHandover:
+    """The tracking descriptors opened for the wrapper and not yet closed here."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[int, threading.Timer] = {}
+
+    def open(self, _request: dict[str, Any]) -> dict[str, Any]:
+        try:
+            fd = open_tracking_fd()
+        except TrackingUnavailable as exc:
+            return {"error": f"no userfaultfd for memory tracking here: {exc.strerror}"}
+        timer = threading.Timer(TRACKER_HANDOVER_SECONDS, self._close, (fd,))
+        timer.daemon = True
+        with self._lock:
+            self._open[fd] = timer
+        timer.start()
+        return {"fd": fd}
+
+    def close(self, request: dict[str, Any]) -> dict[str, Any]:
+        fd = request.get("fd")
+        closed = type(fd) is int and self._close(fd)
+        return {"closed": closed}
+
+    def _close(self, fd: int) -> bool:
+        with self._lock:
+            timer = self._open.pop(fd, None)
+        if timer is None:
+            return False
+        timer.cancel()
+        os.close(fd)
+        return True
 
 
 def _torch_reserved(torch: Any) -> int:
@@ -100,9 +169,13 @@ class SnapshotAgent(threading.Thread):
         super().__init__(name="snapshot-agent", daemon=True)
         self.shell = shell
         self.cells = cells or CellLog()
+        self.trackers = TrackerHandover()
         self.operations: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             "release_gpu_caches": lambda _request: release_gpu_caches(),
             "summary": self.summary,
+            "open_tracker": self.trackers.open,
+            "close_tracker": self.trackers.close,
+            "collapse": collapse,
         }
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)

@@ -128,6 +128,19 @@ export interface ISnapshot {
   python_version?: string;
   /** What it holds (empty for snapshots from before this was recorded). */
   contents?: IContents;
+  /** How the kernel's memory was copied (docs/storage.md, "Snapshots cost what changed"). */
+  memory?: IMemoryCopy;
+}
+
+/** How a snapshot copied the kernel's memory: only what changed since its parent
+ * ("incremental"), or all of it ("full", with the reason). */
+export interface IMemoryCopy {
+  mode?: 'full' | 'incremental';
+  reason?: string;
+  parent?: string | null;
+  frozen_bytes?: number;
+  copied_bytes?: number;
+  frozen_total_seconds?: number;
 }
 
 export type JobKind =

@@ -183,6 +183,9 @@ class AgentCriu(Criu):
     def keeps_tcp(self) -> bool:
         return True  # the agent's CRIU has CAP_NET_ADMIN for a dump that keeps them
 
+    def dirty_tracking(self) -> tuple[str | None, str]:
+        return None, "snapshots through the node agent copy the whole memory (docs/agent.md)"
+
     def supports_lazy_pages(self) -> tuple[bool, str]:
         return False, (
             "the node agent runs CRIU as this pod's user, and "
@@ -202,9 +205,13 @@ class AgentCriu(Criu):
         open_by_fd: Sequence[str] = (),
         frozen: FrozenCopy | None = None,
         netns: OwnNetwork | None = None,
+        track_mem: bool = False,
+        prev_images: Path | None = None,
     ) -> float:
         if netns is not None:
             raise _not_through_agent("a network namespace of its own", DumpError)
+        if track_mem or prev_images is not None:
+            raise _not_through_agent("memory tracking", DumpError)
         request = DumpRequest(
             pid=pid,
             leave_running=leave_running,

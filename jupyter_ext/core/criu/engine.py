@@ -198,9 +198,16 @@ class Criu:
         open_by_fd: Sequence[str] = (),
         frozen: FrozenCopy | None = None,
         netns: OwnNetwork | None = None,
+        track_mem: bool = False,
+        prev_images: Path | None = None,
     ) -> float:
         """Dump the process tree rooted at ``pid`` into ``images_dir``, fixed for a
         restore elsewhere (:func:`..carried.restorable.fix_for_restore`).
+
+        ``track_mem``: protect the pages copied, so that a later dump can copy only those
+        written since (:meth:`dirty_tracking`); ``prev_images``: the images (or a stub of
+        them, :func:`.chain.make_stub`) of the tree's previous tracked dump or pre-dump:
+        the pages not written since are left to them (``images_dir/parent``).
 
         ``externals`` are CRIU external-resource keys (``file[MNT:INODE]``) that the
         restore will hand over with ``--inherit-fd`` instead of reopening them; of them,
@@ -223,6 +230,7 @@ class Criu:
             args += ["--action-script", frozen.action_script(work_dir)]
         if leave_running:
             args.append("--leave-running")
+        args += _tracking_args(track_mem, prev_images)
         try:
             for attempt in range(KERNDAT_ATTEMPTS):
                 async with working_directories_locked(pid):
@@ -242,6 +250,68 @@ class Criu:
             raise DumpError(message, hint=hint, log_excerpt=excerpt)
         await asyncio.to_thread(fix_for_restore, images_dir, open_by_fd, keep_tcp)
         return frozen_seconds(work_dir / "dump.log")
+
+    async def pre_dump(
+        self,
+        pid: int,
+        images_dir: Path,
+        work_dir: Path,
+        *,
+        prev_images: Path | None = None,
+        netns: OwnNetwork | None = None,
+    ) -> float:
+        """Copy the tree's memory into ``images_dir`` while it runs (``criu pre-dump
+        --pre-dump-mode read``): frozen only to read its page tables and protect its
+        pages, which CRIU then reads with ``process_vm_readv``; a later dump with
+        ``prev_images=images_dir`` copies what was written meanwhile. ``prev_images`` as
+        for :meth:`dump`. Returns how long the tree was frozen."""
+        args = ["pre-dump", "-t", str(pid), "-D", str(images_dir), "-W", str(work_dir)]
+        args += ["-o", "dump.log", "-v4", "--pre-dump-mode", "read", *mode_args()]
+        args += _tracking_args(True, prev_images)
+        for attempt in range(KERNDAT_ATTEMPTS):
+            async with working_directories_locked(pid):
+                rc, output = await self._run(args, netns=netns)
+            if rc == 0 or not _kerndat_failed(work_dir / "dump.log", output):
+                break
+            await asyncio.sleep(0.05 + random.random() * 0.2 * (attempt + 1))
+        if rc != 0:
+            excerpt = log_excerpt(work_dir / "dump.log", output)
+            message, hint = explain_failure(excerpt, restoring=False, unprivileged=unprivileged())
+            raise DumpError(message, hint=hint, log_excerpt=excerpt)
+        return frozen_seconds(work_dir / "dump.log")
+
+    def dirty_tracking(self) -> tuple[str | None, str]:
+        """How this CRIU tracks a process's memory between dumps on this machine:
+        "soft-dirty" (the kernel's soft-dirty bits), "userfaultfd" (write-protect bits of
+        an asynchronous userfaultfd the kernel process opens: the project's patch of CRIU,
+        Linux >= 6.7), or None; and what ``criu check`` said."""
+        key = str(self.path)
+        if key not in _TRACKING:
+            _TRACKING[key] = self._check_dirty_tracking()
+        return _TRACKING[key]
+
+    def _check_dirty_tracking(self) -> tuple[str | None, str]:
+        try:
+            out = subprocess.run(
+                [str(self.path), "check", "-v4", "--feature", "mem_dirty_track", *mode_args()],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                # Asked by a wrapper before a dump: it must not outlive a killed wrapper.
+                preexec_fn=proctree.die_with_parent,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return None, str(exc)
+        text = out.stdout + out.stderr
+        if out.returncode != 0 or "is supported" not in text:
+            return None, (
+                "this CRIU cannot track memory here (no soft-dirty bits in the kernel, and "
+                "no userfaultfd write-protection: Linux >= 6.7 and the CRIU that "
+                "scripts/install-criu.sh builds are needed)"
+            )
+        if "write-protect bits" in text:
+            return "userfaultfd", "write-protect bits of an asynchronous userfaultfd"
+        return "soft-dirty", "the kernel's soft-dirty bits"
 
     async def restore(
         self,
@@ -485,6 +555,15 @@ class Criu:
 
 #: Tries of a dump whose CRIU failed in its own start-up probes (see :meth:`Criu.dump`).
 KERNDAT_ATTEMPTS = 3
+#: :meth:`Criu.dirty_tracking` by CRIU binary (it asks the kernel once).
+_TRACKING: dict[str, tuple[str | None, str]] = {}
+
+
+def _tracking_args(track_mem: bool, prev_images: Path | None) -> list[str]:
+    args = ["--track-mem"] if track_mem or prev_images is not None else []
+    if prev_images is not None:
+        args += ["--prev-images-dir", str(prev_images)]
+    return args
 
 
 def _kerndat_failed(log: Path, output: str) -> bool:

@@ -33,7 +33,7 @@ def varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _put_varint(value: int) -> bytes:
+def put_varint(value: int) -> bytes:
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -69,13 +69,13 @@ def decode(data: bytes) -> list[Field]:
 def encode(fields: list[Field]) -> bytes:
     out = bytearray()
     for number, wire, value in fields:
-        out += _put_varint(number << 3 | wire)
+        out += put_varint(number << 3 | wire)
         if wire == 0:
             assert isinstance(value, int)
-            out += _put_varint(value)
+            out += put_varint(value)
         elif wire == 2:
             assert isinstance(value, bytes)
-            out += _put_varint(len(value)) + value
+            out += put_varint(len(value)) + value
         else:
             assert isinstance(value, bytes)
             out += value

@@ -17,6 +17,7 @@ from ..isolation.confinement import explain_denied
 UNPRIVILEGED_CAPS = "cap_checkpoint_restore,cap_setpcap+ep"
 
 _LOG_LINE = re.compile(rb"^\((\d+\.\d+)\) (.*)$")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 def frozen_seconds(dump_log: Path) -> float:
@@ -39,6 +40,26 @@ def frozen_seconds(dump_log: Path) -> float:
     except OSError:
         pass
     return 0.0
+
+
+_PAGEMAP_GENERATED = re.compile(rb"Pagemap generated: (\d+) pages")
+
+
+def copied_bytes(dump_log: Path) -> int:
+    """The bytes of memory a dump (or pre-dump) copied: the pages its pagemaps list as
+    present in its own images ("Pagemap generated: N pages"), every process together. For
+    a dump these were copied while the tree was frozen; a read-mode pre-dump copies them
+    after."""
+    total = 0
+    try:
+        with dump_log.open("rb") as log:
+            for line in log:
+                match = _PAGEMAP_GENERATED.search(line)
+                if match is not None:
+                    total += int(match[1]) * PAGE_SIZE
+    except OSError:
+        return 0
+    return total
 
 
 def log_excerpt(log_file: Path, output: str, limit: int = 20) -> str:

@@ -55,6 +55,12 @@ class Pagemap:
         """The size of the pages file this pagemap describes."""
         return sum(e.nr_pages for e in self.entries if e.offset >= 0) * PAGE_SIZE
 
+    @property
+    def in_parent(self) -> bool:
+        """Whether some runs are left to a parent level (an incremental dump's: a lazy
+        restore flattens the chain first, core/lazypages/chain.py)."""
+        return any(e.flags & PE_PARENT for e in self.entries)
+
     def locate(self, vaddr: int, nr_pages: int) -> tuple[int, int]:
         """(offset in the pages file, pages available there) for a run starting at
         ``vaddr``: at most ``nr_pages``, never past the entry it starts in."""
@@ -101,11 +107,7 @@ def parse_pagemap(data: bytes, name: str = "pagemap") -> Pagemap:
             f = _fields(message)
             nr_pages = f.get(5, f.get(2, 0))
             flags = f.get(4, PE_PARENT if f.get(3) else PE_PRESENT)
-            if flags & PE_PARENT:
-                raise ValueError(
-                    "pages kept in a parent image (incremental dumps) are not supported"
-                )
-            present = bool(flags & PE_PRESENT)
+            present = bool(flags & PE_PRESENT) and not flags & PE_PARENT
             pagemap.entries.append(
                 PagemapEntry(f.get(1, 0), nr_pages, flags, offset if present else -1)
             )
@@ -126,6 +128,29 @@ def read_pagemaps(images_dir: Path) -> dict[int, Pagemap]:
         suffix = path.name[len("pagemap-") : -len(".img")]
         if suffix.isdigit():
             maps[int(suffix)] = parse_pagemap(path.read_bytes(), path.name)
+    return maps
+
+
+def chain_levels(images_dir: Path) -> list[tuple[str, Path]]:
+    """The levels of an images directory (one, unless it is a chain: core/criu/chain.py),
+    newest first: each its path prefix relative to ``images_dir`` and its directory."""
+    levels = [("", images_dir)]
+    while (levels[-1][1] / "parent").is_dir():
+        prefix, here = levels[-1]
+        levels.append((f"{prefix}parent/", here / "parent"))
+    return levels
+
+
+def read_flat_pagemaps(images_dir: Path) -> dict[int, Pagemap]:
+    """:func:`read_pagemaps` of a directory whose pages are all its own: refused, naming
+    the cause, for a level of a chain (those are flattened first)."""
+    maps = read_pagemaps(images_dir)
+    if any(p.in_parent for p in maps.values()):
+        raise SnapshotCorruptError(
+            f"{images_dir} leaves pages to a parent level: it must be flattened "
+            "(core/lazypages/chain.py) before its pages are served.",
+            hint="This is a bug of jupyter-kernel-snapshots; restore without lazy_restore.",
+        )
     return maps
 
 

@@ -10,7 +10,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..manifest import IMAGES_DIR, FileEntry
-from .pagemap import PAGE_SIZE, read_pagemaps
+from .chain import resolve
+from .pagemap import PAGE_SIZE
 from .sources import Range
 
 FAULT_QUIET = 0.05
@@ -41,8 +42,9 @@ class Faults:
             stood += FAULT_QUIET / 2
 
 
-PAGES_FILE_RE = re.compile(rf"{IMAGES_DIR}/pages-\d+\.img")
-"""A snapshot file that holds the kernel's memory (relative to the snapshot directory)."""
+PAGES_FILE_RE = re.compile(rf"{IMAGES_DIR}/(?:parent/)*pages-\d+\.img")
+"""A snapshot file that holds the kernel's memory (relative to the snapshot directory),
+of any level of its chain (core/criu/chain.py)."""
 LAZY_MIN_BYTES = 768 << 20
 """Below this much memory a kernel restored from local images (the image cache, the work
 directory, a suspended kernel) is restored in full: reading its pages files from the page
@@ -69,13 +71,11 @@ def restore_order(images_dir: Path) -> tuple[list[Range], list[Range]]:
     heap and stacks, which the first cell touches, before the big arrays)."""
     now: list[Range] = []
     lazy: list[tuple[int, Range]] = []
-    for pagemap in read_pagemaps(images_dir).values():
-        for entry in pagemap.entries:
-            if entry.offset < 0:
-                continue
-            span = (pagemap.pages_file, entry.offset, entry.nr_pages * PAGE_SIZE)
-            if entry.lazy:
-                lazy.append((entry.nr_pages, span))
+    for pieces in resolve(images_dir).values():  # the level holding each run, in a chain
+        for piece in pieces:
+            span = (piece.file, piece.offset, piece.nr_pages * PAGE_SIZE)
+            if piece.lazy:
+                lazy.append((piece.nr_pages, span))
             else:
                 now.append(span)
     lazy.sort(key=lambda item: item[0])

@@ -17,7 +17,15 @@ from pathlib import Path
 
 from ..errors import SnapshotCorruptError, SnapshotError
 from ..fileio import pwrite_all
-from .pagemap import PAGE_SIZE, PE_PRESENT, lazy_ranges, read_pagemaps
+from .pagemap import (
+    PAGE_SIZE,
+    PE_PRESENT,
+    Pagemap,
+    chain_levels,
+    lazy_ranges,
+    read_flat_pagemaps,
+    read_pagemaps,
+)
 from .policy import Faults
 from .rangeipc import recv_exact
 from .sources import DirectoryPages, PageFetchError, PageSource
@@ -52,28 +60,41 @@ def stage_pages_files(images_dir: Path, source: PageSource, *, lazy_too: bool = 
     """Make each ``pages-N.img`` in ``images_dir`` a sparse file of its full size holding
     only the pages ``criu restore`` reads itself (not lazy: stacks, shared or file
     memory); the lazy ones arrive through :class:`PageServer`. With ``lazy_too`` (a
-    restore that cannot be lazy) every page is read here. Returns the bytes read."""
+    restore that cannot be lazy) every page is read here, of every level of a chain
+    (core/criu/chain.py: a chain is restored lazily only once flattened). Returns the
+    bytes read."""
     read = 0
-    for pagemap in read_pagemaps(images_dir).values():
-        # Never truncated: a source that keeps these files (the server's download) may
-        # be writing them already.
-        fd = os.open(images_dir / pagemap.pages_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        with open(fd, "r+b") as fh:
-            fh.truncate(pagemap.size)
-            for entry in pagemap.entries:
-                if entry.offset < 0 or (entry.lazy and not lazy_too):
-                    continue
-                end = entry.offset + entry.nr_pages * PAGE_SIZE
-                for offset in range(entry.offset, end, FILL_CHUNK):
-                    length = min(FILL_CHUNK, end - offset)
-                    data = source.read(pagemap.pages_file, offset, length)
-                    if len(data) != length:
-                        raise SnapshotCorruptError(
-                            f"{pagemap.pages_file} ends before offset {offset + length}.",
-                            hint="The snapshot is damaged; pick another one.",
-                        )
-                    pwrite_all(fh.fileno(), data, offset)
-                    read += length
+    for prefix, level in chain_levels(images_dir):
+        pagemaps = read_pagemaps(level) if lazy_too else read_flat_pagemaps(level)
+        for pagemap in pagemaps.values():
+            read += _stage_file(level, prefix + pagemap.pages_file, pagemap, source, lazy_too)
+    return read
+
+
+def _stage_file(
+    level: Path, name: str, pagemap: Pagemap, source: PageSource, lazy_too: bool
+) -> int:
+    # Never truncated: a source that keeps these files (the server's download) may be
+    # writing them already.
+    read = 0
+    path = level / pagemap.pages_file
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    with open(fd, "r+b") as fh:
+        fh.truncate(pagemap.size)
+        for entry in pagemap.entries:
+            if entry.offset < 0 or (entry.lazy and not lazy_too):
+                continue
+            end = entry.offset + entry.nr_pages * PAGE_SIZE
+            for offset in range(entry.offset, end, FILL_CHUNK):
+                length = min(FILL_CHUNK, end - offset)
+                data = source.read(name, offset, length)
+                if len(data) != length:
+                    raise SnapshotCorruptError(
+                        f"{name} ends before offset {offset + length}.",
+                        hint="The snapshot is damaged; pick another one.",
+                    )
+                pwrite_all(fh.fileno(), data, offset)
+                read += length
     return read
 
 
@@ -126,7 +147,7 @@ class PageServer:
     ) -> None:
         self.images_dir = images_dir
         self.source = source
-        self.pagemaps = read_pagemaps(images_dir)
+        self.pagemaps = read_flat_pagemaps(images_dir)
         self.attempts = attempts
         self.retry_delay = retry_delay
         self.error: SnapshotError | None = None

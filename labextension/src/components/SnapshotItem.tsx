@@ -42,6 +42,37 @@ export interface ISnapshotItemProps {
   ) => void;
 }
 
+/** Whether the snapshot copied only what changed since its parent, or all of the
+ * kernel's memory (and why). */
+function MemoryCopy(props: { snapshot: ISnapshot }): JSX.Element | null {
+  const memory = props.snapshot.memory;
+  if (!memory?.mode) {
+    return null;
+  }
+  const copied = formatBytes(memory.copied_bytes ?? 0);
+  const frozen = memory.frozen_total_seconds
+    ? `, kernel frozen ${formatDuration(memory.frozen_total_seconds)}`
+    : '';
+  if (memory.mode === 'incremental') {
+    return (
+      <span
+        className="jp-KernelSnapshots-memoryCopy jp-mod-incremental"
+        title={`Only the memory the kernel wrote since its previous snapshot was copied${frozen}; this snapshot still restores on its own`}
+      >
+        changes only: {copied}
+      </span>
+    );
+  }
+  return (
+    <span
+      className="jp-KernelSnapshots-memoryCopy jp-mod-full"
+      title={`All of the kernel's memory was copied (${memory.reason || 'no reason given'})${frozen}`}
+    >
+      full copy: {memory.reason || copied}
+    </span>
+  );
+}
+
 /** One snapshot: when, why, how big, where, its status, and Restore/Delete. */
 export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
   const { snapshot, now, showPath, newest, current, disabled } = props;
@@ -190,6 +221,7 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
             dumped in {formatDuration(snapshot.dump_seconds)}
           </span>
         ) : null}
+        <MemoryCopy snapshot={snapshot} />
       </div>
       {status === 'upload-failed' && (
         <div className="jp-KernelSnapshots-itemError" role="alert">

@@ -1,0 +1,150 @@
+"""How a kernel's next dump copies its memory: only what changed since its previous
+snapshot, or everything (and why), and whether it is copied while the kernel runs first.
+
+Pure decisions on what the wrapper knows (:class:`Situation`), unit-tested without
+processes; kernel_wrapper/memory.py gathers the facts and carries the plan out.
+
+- **Incremental**: the kernel's memory has been tracked since its previous snapshot,
+  which is still on this machine (its chain is linked, core/criu/chain.py): CRIU copies
+  the pages written since.
+- **Full**: everything is copied, for one of the reasons of :data:`REASONS`; it starts a
+  new chain, tracked from then on where tracking works.
+- **Pre-copy** (either way, where tracking works): while more than
+  :data:`PRECOPY_MIN_BYTES` would be copied, ``criu pre-dump`` copies it while the
+  kernel runs (frozen only to read and protect its page tables), at most
+  :data:`MAX_PRECOPY_ROUNDS` times and only while each round leaves at most half as much;
+  then the dump copies, frozen, only what was written meanwhile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..criu.chain import ChainStats
+from ..humanize import human_bytes
+
+#: Below this many bytes to copy, a freeze copies them at once (about 30 ms here).
+PRECOPY_MIN_BYTES = 64 << 20
+#: Rounds of pre-copy at most; a kernel that writes faster than they copy is then frozen
+#: for what is left (the snapshot's ``memory`` record says so).
+MAX_PRECOPY_ROUNDS = 3
+#: A chain longer than this starts anew (each level is a file a restore reads).
+MAX_CHAIN_LEVELS = 16
+#: A chain whose levels hold more than this many times the kernel's memory (pages later
+#: levels replaced) starts anew: a restore from a store downloads every level.
+MAX_CHAIN_GROWTH = 2.0
+
+OFF = "memory tracking is off (track_memory = False)"
+"""Reasons a dump copies everything (shown in the job's result and the panel's card)."""
+FIRST = "the kernel's first snapshot"
+AFTER_RESTORE = "the first snapshot since the kernel was restored (a new process)"
+TRACKER_LOST = "its memory tracker was lost (the kernel's agent did not answer)"
+PARENT_GONE = "its previous snapshot is no longer on this machine"
+GPU = (
+    "the kernel uses the GPU: the device may write its host memory without the "
+    "processor's page tables knowing (and GPU memory is copied whole anyway)"
+)
+PINNED = (
+    "{pinned} of the kernel's memory is pinned for a device or io_uring, which may write "
+    "it without the processor's page tables knowing"
+)
+
+
+@dataclass(frozen=True)
+class Situation:
+    """What the wrapper knows before a dump."""
+
+    tracking: str | None
+    """"userfaultfd" or "soft-dirty" when the kernel's memory can be tracked, else None."""
+    unavailable: str = ""
+    """Why it cannot be (when ``tracking`` is None)."""
+    untracked_reason: str = ""
+    """Why the kernel's memory was not tracked since a snapshot (FIRST, AFTER_RESTORE,
+    TRACKER_LOST), when :attr:`tracked_since` is None."""
+    tracked_since: str | None = None
+    """The kernel's last snapshot since which its memory has been tracked, if any."""
+    parent_id: str | None = None
+    """The kernel's previous snapshot as found on this machine (offered by the server)."""
+    parent_chain: ChainStats | None = None
+    memory_bytes: int = 0
+    """The kernel's private memory now."""
+    gpu: bool = False
+    pinned_bytes: int = 0
+    keeps_running: bool = True
+    """The kernel runs on after the dump (not a suspend): only then is a pre-copy worth
+    its second pass, and tracking worth keeping."""
+
+
+@dataclass(frozen=True)
+class DumpPlan:
+    parent_id: str | None
+    """The snapshot this dump adds a level to; None: a full copy."""
+    reason: str
+    """Why the copy is full ("" when incremental)."""
+    track: bool
+    """Dump with tracking (protect what was copied: the next dump can be incremental)."""
+    precopy: bool
+    """Copy while the kernel runs before the freeze (:data:`PRECOPY_MIN_BYTES`)."""
+
+    @property
+    def mode(self) -> str:
+        return "incremental" if self.parent_id else "full"
+
+
+def plan_dump(s: Situation) -> DumpPlan:
+    """The plan for the next dump (see the module's docstring)."""
+    if s.tracking is None:
+        return DumpPlan(None, s.unavailable, track=False, precopy=False)
+    if s.gpu:
+        return DumpPlan(None, GPU, track=False, precopy=False)
+    if s.pinned_bytes:
+        return DumpPlan(
+            None, PINNED.format(pinned=human_bytes(s.pinned_bytes)), track=False, precopy=False
+        )
+    ahead = s.keeps_running
+    if s.tracked_since is None:
+        return DumpPlan(None, s.untracked_reason or FIRST, track=ahead, precopy=ahead)
+    if s.parent_id != s.tracked_since or s.parent_chain is None:
+        return DumpPlan(None, PARENT_GONE, track=ahead, precopy=ahead)
+    chain = s.parent_chain
+    if chain.levels >= MAX_CHAIN_LEVELS:
+        return DumpPlan(
+            None,
+            f"its chain of {chain.levels} levels starts anew (at most {MAX_CHAIN_LEVELS})",
+            track=ahead,
+            precopy=ahead,
+        )
+    if s.memory_bytes and chain.pages_bytes > MAX_CHAIN_GROWTH * s.memory_bytes:
+        return DumpPlan(
+            None,
+            f"its chain holds {human_bytes(chain.pages_bytes)} for "
+            f"{human_bytes(s.memory_bytes)} of memory: it starts anew",
+            track=ahead,
+            precopy=ahead,
+        )
+    return DumpPlan(s.parent_id, "", track=True, precopy=ahead)
+
+
+def another_round(done: int, pending: int, previous: int | None) -> bool:
+    """Whether to pre-copy once more: ``done`` rounds made, ``pending`` bytes to copy now,
+    ``previous`` what the last round started from (None before the first)."""
+    return not precopy_stop(done, pending, previous)
+
+
+def precopy_stop(done: int, pending: int, previous: int | None) -> str:
+    """Why pre-copy stops here ("" while it goes on), for the snapshot's record: little
+    is left, or the kernel writes faster than the rounds copy (it is then frozen for what
+    is left)."""
+    if pending <= PRECOPY_MIN_BYTES:
+        return f"{human_bytes(pending)} left to copy while frozen"
+    if done >= MAX_PRECOPY_ROUNDS:
+        return (
+            f"the kernel writes faster than {MAX_PRECOPY_ROUNDS} rounds copy: "
+            f"{human_bytes(pending)} left to copy while frozen"
+        )
+    if previous is not None and pending > previous // 2:
+        return (
+            f"the kernel writes about as fast as a round copies: {human_bytes(pending)} "
+            "left to copy while frozen"
+        )
+    return ""

@@ -1,0 +1,172 @@
+"""The Linux interfaces of memory tracking: asynchronous write-protect userfaultfds and
+``PAGEMAP_SCAN`` (Linux >= 6.7), through ctypes.
+
+A userfaultfd acts on the memory of the process that opened it, whoever holds it later:
+the kernel process opens one (:func:`open_tracking_fd`, no privilege needed with
+``UFFD_USER_MODE_ONLY``), the wrapper takes it (:func:`take_fd`, ``pidfd_getfd``) and
+registers the kernel's anonymous memory through it (:func:`register`). A write to a
+protected page then only clears the page's write-protect bit (``UFFD_FEATURE_WP_ASYNC``:
+no fault reaches anyone), which ``PAGEMAP_SCAN`` reports as ``PAGE_IS_WRITTEN``, and
+CRIU (with the project's patch, scripts/criu-patches/) dumps only those pages and
+protects them again. The registration lives as long as some process holds the
+descriptor; when the last copy closes, the kernel forgets it (nothing in the tracked
+process changes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+NR_USERFAULTFD = 323
+NR_PIDFD_OPEN = 434
+NR_PIDFD_GETFD = 438
+UFFD_USER_MODE_ONLY = 1
+UFFD_API = 0xAA
+UFFDIO_API = 0xC018AA3F
+UFFDIO_REGISTER = 0xC020AA00
+UFFDIO_WRITEPROTECT = 0xC018AA06
+UFFDIO_REGISTER_MODE_WP = 1 << 1
+UFFD_FEATURE_WP_UNPOPULATED = 1 << 13
+UFFD_FEATURE_WP_ASYNC = 1 << 15
+#: What a tracking descriptor asks for: writes resolved by the kernel itself, and
+#: protection of unpopulated ranges (PAGEMAP_SCAN write-protects only where it is on).
+TRACKING_FEATURES = UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED
+
+PAGEMAP_SCAN = 0xC0606610
+PM_SCAN_WP_MATCHING = 1 << 0
+PAGE_IS_WRITTEN = 1 << 1
+PAGE_IS_FILE = 1 << 2
+PAGE_IS_PRESENT = 1 << 3
+PAGE_IS_SWAPPED = 1 << 4
+PAGE_IS_PFNZERO = 1 << 5
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+#: The top of a 64-bit x86/arm64 process's user address space (scans stop there; memory
+#: above it exists only where a process asked for it on 5-level page tables).
+TASK_SIZE = (1 << 47) - PAGE_SIZE
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class TrackingUnavailable(OSError):
+    """The kernel (or a seccomp filter) refuses what tracking needs."""
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        code = ctypes.get_errno()
+        raise TrackingUnavailable(code, f"{what}: {os.strerror(code)}")
+    return result
+
+
+def _ioctl(
+    fd: int, request: int, arg: ctypes.Array[ctypes.c_uint64] | ctypes._Pointer[ScanArg]
+) -> int:
+    return _check(_libc.ioctl(fd, ctypes.c_ulong(request), arg), f"ioctl {request:#x}")
+
+
+def open_tracking_fd() -> int:
+    """In the process to be tracked: a new asynchronous write-protect userfaultfd for its
+    own memory (close-on-exec, non-blocking). Raises TrackingUnavailable where the kernel
+    is older than 6.7 or a seccomp filter blocks ``userfaultfd``."""
+    fd = _check(
+        _libc.syscall(NR_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK | UFFD_USER_MODE_ONLY),
+        "userfaultfd",
+    )
+    api = (ctypes.c_uint64 * 3)(UFFD_API, TRACKING_FEATURES, 0)
+    try:
+        _ioctl(fd, UFFDIO_API, api)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def take_fd(pid: int, target_fd: int) -> int:
+    """A copy of descriptor ``target_fd`` of process ``pid`` (``pidfd_getfd``: the caller
+    may ptrace ``pid``, as the wrapper may its kernel)."""
+    pidfd = _check(_libc.syscall(NR_PIDFD_OPEN, pid, 0), "pidfd_open")
+    try:
+        return _check(_libc.syscall(NR_PIDFD_GETFD, pidfd, target_fd, 0), "pidfd_getfd")
+    finally:
+        os.close(pidfd)
+
+
+def register(fd: int, start: int, length: int) -> bool:
+    """Register a range for write-protect tracking; False where the kernel refuses that
+    kind of mapping (device memory, a range another userfaultfd holds): it then stays
+    untracked, so always reported written."""
+    reg = (ctypes.c_uint64 * 4)(start, length, UFFDIO_REGISTER_MODE_WP, 0)
+    try:
+        _ioctl(fd, UFFDIO_REGISTER, reg)
+    except TrackingUnavailable as exc:
+        if exc.errno in (errno.EINVAL, errno.EBUSY, errno.EPERM, errno.ENOMEM):
+            return False
+        raise
+    return True
+
+
+def unprotect(fd: int, start: int, length: int) -> None:
+    """Drop the write-protection of a range: its pages then count as written until CRIU
+    protects them again (always safe: it only makes a dump copy more)."""
+    wp = (ctypes.c_uint64 * 3)(start, length, 0)
+    _ioctl(fd, UFFDIO_WRITEPROTECT, wp)
+
+
+class ScanArg(ctypes.Structure):
+    """struct pm_scan_arg (include/uapi/linux/fs.h)."""
+
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in [
+            "size",
+            "flags",
+            "start",
+            "end",
+            "walk_end",
+            "vec",
+            "vec_len",
+            "max_pages",
+            "category_inverted",
+            "category_mask",
+            "category_anyof_mask",
+            "return_mask",
+        ]
+    ]
+
+
+def written_ranges(pid: int, start: int = 0, end: int = TASK_SIZE) -> list[tuple[int, int]]:
+    """The (start, end) ranges of ``pid``'s private memory, present or swapped, that a
+    tracked dump would copy now: written since they were last protected, or not tracked
+    at all (zero pages and file pages that were never written are left out, as CRIU does).
+    Protects nothing. Raises TrackingUnavailable without PAGEMAP_SCAN."""
+    slots = 1024
+    vec = (ctypes.c_uint64 * (3 * slots))()
+    found: list[tuple[int, int]] = []
+    fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        while start < end:
+            arg = ScanArg(
+                ctypes.sizeof(ScanArg),
+                0,
+                start,
+                end,
+                0,
+                ctypes.addressof(vec),
+                slots,
+                0,
+                PAGE_IS_PFNZERO | PAGE_IS_FILE,
+                PAGE_IS_PFNZERO | PAGE_IS_FILE | PAGE_IS_WRITTEN,
+                PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+                PAGE_IS_WRITTEN,
+            )
+            count = _ioctl(fd, PAGEMAP_SCAN, ctypes.pointer(arg))
+            found.extend((vec[3 * i], vec[3 * i + 1]) for i in range(count))
+            if arg.walk_end <= start:
+                break
+            start = arg.walk_end
+    finally:
+        os.close(fd)
+    return found

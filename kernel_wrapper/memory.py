@@ -1,0 +1,322 @@
+"""The kernel's memory between snapshots: tracked, so that a dump copies only what the
+kernel wrote since its previous snapshot, and copied while it runs before the freeze.
+
+This part holds the kernel process's tracker (jupyter_ext/core/memtrack/: the kernel's
+userfaultfd, opened by its agent on request and held here, outside the dumped tree),
+knows since which snapshot the memory has been tracked, gathers what the plan
+(core/memtrack/plan.py) decides on, and runs the pre-copy rounds. The dump
+(kernel_wrapper/dump.py) then freezes the kernel for what is left and assembles the
+chain of levels (core/criu/chain.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jupyter_ext.core import proctree
+from jupyter_ext.core.chunking import ChunkParams
+from jupyter_ext.core.criu import Criu
+from jupyter_ext.core.criu.chain import ChainStats, chain_stats
+from jupyter_ext.core.criu.log import copied_bytes
+from jupyter_ext.core.errors import SnapshotError
+from jupyter_ext.core.gpu import find_cuda_processes
+from jupyter_ext.core.growinghash import GrowingFileChunker
+from jupyter_ext.core.manifest import FileEntry, Manifest
+from jupyter_ext.core.memtrack import MemoryTracker, TrackingUnavailable, start_time
+from jupyter_ext.core.memtrack.plan import (
+    AFTER_RESTORE,
+    FIRST,
+    OFF,
+    TRACKER_LOST,
+    DumpPlan,
+    Situation,
+    plan_dump,
+    precopy_stop,
+)
+from jupyter_ext.core.memtrack.tracker import pinned_bytes
+from jupyter_ext.core.protocol import ProgressCallback
+
+from .relay import Relay
+
+log = logging.getLogger("kernel_wrapper")
+
+#: How long the kernel's agent gets to open a tracker (a syscall and an ioctl).
+AGENT_TIMEOUT = 2.0
+#: Blocks one "collapse" request names, and how long the agent gets for them (copying
+#: 512 pages into a huge page: ~0.2 ms a block here).
+COLLAPSE_BATCH = 256
+COLLAPSE_TIMEOUT = 10.0
+#: How often a running kernel's split huge pages are healed (MemoryTracker.heal).
+HEAL_SECONDS = 1.0
+
+
+@dataclass
+class Parent:
+    """The kernel's previous snapshot, as the server found it on this machine."""
+
+    directory: Path
+    manifest: Manifest
+    chain: ChainStats
+
+    @classmethod
+    def read(cls, directory: str | None) -> Parent | None:
+        if directory is None:
+            return None
+        try:
+            manifest = Manifest.read(Path(directory))
+        except (OSError, SnapshotError) as exc:
+            log.warning("the previous snapshot at %s cannot be used: %s", directory, exc)
+            return None
+        return cls(Path(directory), manifest, chain_stats(manifest))
+
+
+@dataclass
+class Level:
+    """A pre-copy round's images: a level of the chain below the dump's own."""
+
+    directory: Path
+    entries: dict[str, FileEntry]
+    """Its pages files' entries (cut and hashed as CRIU wrote them), by path relative to
+    the staging directory at the time."""
+    frozen_seconds: float
+    copied_bytes: int
+    seconds: float
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "frozen_seconds": round(self.frozen_seconds, 4),
+            "copied_bytes": self.copied_bytes,
+            "seconds": round(self.seconds, 4),
+        }
+
+
+@dataclass
+class _Tracked:
+    """Since which snapshot the kernel process's memory has been tracked."""
+
+    pid: int
+    started: int
+    snapshot_id: str
+
+
+@dataclass
+class KernelMemory:
+    """The memory tracking of the kernel that ``relay`` connects (see the module)."""
+
+    relay: Relay
+    tracker: MemoryTracker | None = None
+    untracked_reason: str = FIRST
+    _tracked: _Tracked | None = field(default=None, repr=False)
+
+    # ------------------------------------------------------------------ planning
+
+    async def plan(
+        self,
+        criu: Criu,
+        inner_pid: int,
+        parent: Parent | None,
+        *,
+        enabled: bool,
+        keeps_running: bool,
+    ) -> DumpPlan:
+        """What the next dump of ``inner_pid`` copies (core/memtrack/plan.py), with the
+        tracker it needs ready; ``enabled``: the server's track_memory; ``keeps_running``:
+        not a suspend."""
+        if enabled:
+            kind, why = await asyncio.to_thread(criu.dirty_tracking)
+        else:
+            kind, why = None, OFF
+        if kind == "userfaultfd":
+            why = await self._ensure_tracker(inner_pid)
+            if why:
+                kind = None
+        pids = proctree.descendants(inner_pid)
+        cuda = await asyncio.to_thread(find_cuda_processes, pids)
+        tracked = self._tracked if self._same_process(inner_pid) else None
+        situation = Situation(
+            tracking=kind,
+            unavailable=why,
+            untracked_reason=self.untracked_reason,
+            tracked_since=tracked.snapshot_id if tracked else None,
+            parent_id=parent.manifest.id if parent else None,
+            parent_chain=parent.chain if parent else None,
+            memory_bytes=proctree.private_memory_bytes(pids),
+            gpu=bool(cuda),
+            pinned_bytes=sum(pinned_bytes(pid) for pid in pids),
+            keeps_running=keeps_running,
+        )
+        return plan_dump(situation)
+
+    def _same_process(self, pid: int) -> bool:
+        tracked = self._tracked
+        if tracked is None or tracked.pid != pid:
+            return False
+        try:
+            return start_time(pid) == tracked.started
+        except (OSError, ValueError, IndexError):
+            return False
+
+    async def _ensure_tracker(self, inner_pid: int) -> str:
+        """A tracker of ``inner_pid`` held here (asked of its agent if there is none);
+        why there can be none, or ""."""
+        tracker = self.tracker
+        if tracker is not None and tracker.pid == inner_pid and tracker.same_process():
+            return ""
+        self._drop_tracker()
+        if self.relay.inner is None:
+            return "the kernel is not connected"
+        answer = await self.relay.inner.ask_agent("open_tracker", AGENT_TIMEOUT)
+        fd = answer.get("fd")
+        if type(fd) is not int:
+            return str(answer.get("error") or "the kernel's agent opened no memory tracker")
+        try:
+            self.tracker = await asyncio.to_thread(MemoryTracker.take, inner_pid, fd)
+        except (TrackingUnavailable, OSError) as exc:
+            return f"the wrapper cannot take the kernel's memory tracker: {exc}"
+        finally:
+            await self.relay.inner.ask_agent("close_tracker", AGENT_TIMEOUT, fd=fd)
+        return ""
+
+    def register(self) -> None:
+        """Before each tracked dump or pre-copy: the kernel's new mappings are tracked
+        from now on (with soft-dirty bits, CRIU tracks everything itself)."""
+        if self.tracker is not None:
+            self.tracker.register_new()
+            self.tracker.dumped()  # the run protects healed blocks again
+
+    def pending_bytes(self, inner_pid: int) -> int | None:
+        """What a tracked dump would copy now (None where the count cannot be had: CRIU
+        then copies whatever it finds, and there is no pre-copy round)."""
+        with contextlib.suppress(TrackingUnavailable, OSError):
+            if self.tracker is not None:
+                return self.tracker.pending_bytes()
+        return None
+
+    # ------------------------------------------------------------------ pre-copy
+
+    async def copy_ahead(
+        self,
+        criu: Criu,
+        inner_pid: int,
+        staging: Path,
+        work_dir: Path,
+        prev: Path | None,
+        params: ChunkParams,
+        progress: ProgressCallback,
+    ) -> tuple[list[Level], str]:
+        """Pre-copy rounds while the kernel runs (plan.precopy_stop decides): each a
+        ``criu pre-dump`` into a new level under ``staging``, on ``prev`` (the last
+        round's, or the parent's stub). The levels, oldest first (their files are synced
+        before the freeze that follows, so that the freeze writes only what is left), and
+        why the rounds stopped."""
+        levels: list[Level] = []
+        previous: int | None = None
+        while True:
+            self.register()
+            pending = self.pending_bytes(inner_pid)
+            if pending is None:
+                return levels, "what is left to copy cannot be counted here"
+            stop = precopy_stop(len(levels), pending, previous)
+            if stop:
+                return levels, stop
+            previous = pending
+            level_dir = staging / f"precopy-{len(levels) + 1}"
+            level_dir.mkdir(mode=0o700)
+            round_work = work_dir / level_dir.name
+            round_work.mkdir(mode=0o700)
+            progress({"phase": "dumping", "total_bytes": pending})
+            hasher = GrowingFileChunker(staging, level_dir, params)
+            started = time.monotonic()
+            try:
+                frozen = await criu.pre_dump(inner_pid, level_dir, round_work, prev_images=prev)
+            except BaseException:
+                hasher.cancel()
+                raise
+            entries = await asyncio.to_thread(hasher.finish)
+            await asyncio.to_thread(_sync_files, level_dir)
+            levels.append(
+                Level(
+                    level_dir,
+                    entries,
+                    frozen,
+                    copied_bytes(round_work / "dump.log"),
+                    time.monotonic() - started,
+                )
+            )
+            prev = level_dir
+
+    async def heal(self) -> int:
+        """Between snapshots: give back to the kernel the huge pages its writes made
+        Linux split (MemoryTracker.heal), collapsed again by its agent. Returns how many
+        2 MiB blocks were healed."""
+        tracker = self.tracker
+        if tracker is None or self.relay.inner is None or not tracker.same_process():
+            return 0
+        try:
+            blocks = await asyncio.to_thread(tracker.heal)
+        except (TrackingUnavailable, OSError) as exc:
+            log.debug("healing the kernel's huge pages: %s", exc)
+            return 0
+        for start in range(0, len(blocks), COLLAPSE_BATCH):
+            await self.relay.inner.ask_agent(
+                "collapse", COLLAPSE_TIMEOUT, blocks=blocks[start : start + COLLAPSE_BATCH]
+            )
+        return len(blocks)
+
+    # ------------------------------------------------------------------ after a dump
+
+    def dumped(self, snapshot_id: str, inner_pid: int, *, tracked: bool, ended: bool) -> None:
+        """A dump of ``inner_pid`` was sealed as ``snapshot_id``: with ``tracked``, the
+        kernel's memory is tracked since then (unless its process ``ended``)."""
+        if ended or not tracked:
+            self.forget(AFTER_RESTORE if ended else FIRST)
+            return
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            self._tracked = _Tracked(inner_pid, start_time(inner_pid), snapshot_id)
+
+    def invalidate(self, reason: str) -> None:
+        """What the kernel wrote is no longer known since any snapshot on this machine (a
+        tracked CRIU run protected pages whose dump may not be sealed): its next dump
+        copies everything, for ``reason``. The tracker stays."""
+        self._tracked = None
+        self.untracked_reason = reason
+
+    def forget(self, reason: str) -> None:
+        """The kernel process is gone or replaced (restored, resumed, ended): as
+        :meth:`invalidate`, and its tracker is let go."""
+        self.invalidate(reason)
+        self._drop_tracker()
+
+    def lost(self) -> None:
+        self.forget(TRACKER_LOST)
+
+    def _drop_tracker(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
+
+    def status(self) -> dict[str, Any]:
+        """For the kernel's status: whether its next snapshot can be incremental."""
+        return {
+            "tracked_since": self._tracked.snapshot_id if self._tracked else None,
+            "untracked_reason": "" if self._tracked else self.untracked_reason,
+        }
+
+
+def _sync_files(directory: Path) -> None:
+    """Write a level's files to disk before the freeze: the dump that follows then finds
+    no backlog of dirty pages to wait behind (the kernel's dirty limit)."""
+    for path in directory.iterdir():
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)

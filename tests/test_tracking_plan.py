@@ -1,0 +1,250 @@
+"""The decisions of memory tracking (jupyter_ext/core/memtrack/plan.py) and the chain's
+bookkeeping (core/criu/chain.py, core/lazypages/chain.py), without processes."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from jupyter_ext.core.criu.chain import ChainStats, chain_stats, level_files_of, parent_entries
+from jupyter_ext.core.errors import SnapshotCorruptError
+from jupyter_ext.core.lazypages.chain import ChainPages, Piece, encode_pagemap, flatten, resolve
+from jupyter_ext.core.lazypages.pagemap import (
+    IMG_COMMON_MAGIC,
+    PAGE_SIZE,
+    PAGEMAP_MAGIC,
+    PE_LAZY,
+    PE_PARENT,
+    PE_PRESENT,
+    parse_pagemap,
+)
+from jupyter_ext.core.lazypages.sources import DirectoryPages
+from jupyter_ext.core.manifest import FileEntry, Manifest
+from jupyter_ext.core.memtrack import plan
+from jupyter_ext.core.memtrack.plan import Situation, another_round, plan_dump
+
+MIB = 1 << 20
+CHAIN = ChainStats(levels=3, pages_bytes=300 * MIB, top_bytes=10 * MIB)
+TRACKED = Situation(
+    tracking="userfaultfd",
+    tracked_since="a" * 32,
+    parent_id="a" * 32,
+    parent_chain=CHAIN,
+    memory_bytes=290 * MIB,
+)
+
+
+def test_a_tracked_kernel_with_its_parent_here_is_incremental() -> None:
+    got = plan_dump(TRACKED)
+    assert (got.mode, got.parent_id, got.reason, got.track, got.precopy) == (
+        "incremental",
+        "a" * 32,
+        "",
+        True,
+        True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "reason", "track"),
+    [
+        ({"tracking": None, "unavailable": "no way here"}, "no way here", False),
+        ({"gpu": True}, plan.GPU, False),
+        ({"pinned_bytes": 4096}, "4.0 KiB of the kernel's memory is pinned", False),
+        ({"tracked_since": None}, plan.FIRST, True),
+        ({"tracked_since": None, "untracked_reason": plan.AFTER_RESTORE}, plan.AFTER_RESTORE, True),
+        ({"parent_id": "b" * 32}, plan.PARENT_GONE, True),
+        ({"parent_id": None, "parent_chain": None}, plan.PARENT_GONE, True),
+        ({"parent_chain": ChainStats(16, 10 * MIB, MIB)}, "its chain of 16 levels", True),
+        ({"parent_chain": ChainStats(3, 600 * MIB, MIB)}, "its chain holds 600.0 MiB", True),
+    ],
+)
+def test_each_full_copy_has_its_reason(change: dict[str, object], reason: str, track: bool) -> None:
+    fields = {**TRACKED.__dict__, **change}
+    got = plan_dump(Situation(**fields))  # type: ignore[arg-type]
+    assert got.mode == "full"
+    assert got.reason.startswith(reason)
+    assert got.track is track
+    assert got.precopy is track
+
+
+def test_a_suspend_copies_no_ahead_and_keeps_no_tracking_it_does_not_need() -> None:
+    suspend = Situation(**{**TRACKED.__dict__, "keeps_running": False})
+    assert (plan_dump(suspend).mode, plan_dump(suspend).precopy) == ("incremental", False)
+    first = Situation(**{**TRACKED.__dict__, "keeps_running": False, "tracked_since": None})
+    assert (plan_dump(first).track, plan_dump(first).precopy) == (False, False)
+
+
+def test_precopy_rounds_stop_when_little_is_left_or_they_do_not_converge() -> None:
+    big = 10 * plan.PRECOPY_MIN_BYTES
+    assert another_round(0, big, None)
+    assert not another_round(0, plan.PRECOPY_MIN_BYTES, None)
+    assert another_round(1, big // 2, big)
+    assert not another_round(1, big // 2 + 1, big)  # writes faster than it copies
+    assert not another_round(plan.MAX_PRECOPY_ROUNDS, big, big * 4)
+
+
+def entry(path: str, size: int, chunks: bool = True) -> FileEntry:
+    listed = [("0" * 64, size)] if chunks else None
+    return FileEntry(path, size, "f" * 64, listed)
+
+
+def manifest_with(*files: FileEntry) -> Manifest:
+    return Manifest(
+        id="c" * 32,
+        lineage="l",
+        sequence=1,
+        created="",
+        trigger="manual",
+        runtime_dir="",
+        runtime_dir_key="",
+        stdio_pipe="",
+        files=list(files),
+    )
+
+
+def test_a_childs_chain_lists_the_parents_level_files_with_their_chunks() -> None:
+    parent = manifest_with(
+        entry("images/core-1.img", 10, chunks=False),
+        entry("images/inventory.img", 5, chunks=False),
+        entry("images/pagemap-1.img", 20, chunks=False),
+        entry("images/pages-1.img", 4096),
+        entry("images/parent/pages-1.img", 8192),
+        entry("images/parent/pagemap-1.img", 20, chunks=False),
+        entry("manifest-extra.json", 1, chunks=False),
+    )
+    assert sorted(level_files_of(parent)) == [
+        "inventory.img",
+        "pagemap-1.img",
+        "pages-1.img",
+        "parent/pagemap-1.img",
+        "parent/pages-1.img",
+    ]
+    listed = parent_entries(parent, "images/parent/parent")
+    assert listed["images/parent/parent/parent/pages-1.img"].chunks == [("0" * 64, 8192)]
+    assert "images/parent/parent/core-1.img" not in listed
+    stats = chain_stats(parent)
+    assert stats == ChainStats(levels=2, pages_bytes=4096 + 8192, top_bytes=4096)
+
+
+def pagemap_image(pages_id: int, entries: list[tuple[int, int, int]]) -> bytes:
+    """A pagemap image of (vaddr, pages, flags) entries, as CRIU writes them."""
+    from jupyter_ext.core.criu.images import put_varint
+
+    def message(fields: list[tuple[int, int]]) -> bytes:
+        body = b"".join(put_varint(n << 3) + put_varint(v) for n, v in fields)
+        return struct.pack("<I", len(body)) + body
+
+    out = struct.pack("<II", IMG_COMMON_MAGIC, PAGEMAP_MAGIC) + message([(1, pages_id)])
+    for vaddr, pages, flags in entries:
+        out += message([(1, vaddr), (2, pages), (4, flags), (5, pages)])
+    return out
+
+
+def level(directory: Path, entries: list[tuple[int, int, int]], fill: int) -> None:
+    """A level: its pagemap, and its pages file (each present page: the byte ``fill``
+    then its address's page number)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "pagemap-1.img").write_bytes(pagemap_image(1, entries))
+    data = b""
+    for vaddr, pages, flags in entries:
+        if flags & PE_PRESENT:
+            for n in range(pages):
+                page = vaddr // PAGE_SIZE + n
+                data += (bytes([fill]) + page.to_bytes(4, "little")).ljust(PAGE_SIZE, b"\0")
+    (directory / "pages-1.img").write_bytes(data)
+
+
+def test_a_chain_resolves_and_flattens_to_the_newest_level_of_each_page(tmp_path: Path) -> None:
+    """Three levels: each page comes from the newest level that has it, a run the top
+    leaves to its parent may span levels, and the flat pagemap and pages file say the
+    same as the chain."""
+    images = tmp_path / "images"
+    v = 0x10000 * PAGE_SIZE
+    level(images / "parent" / "parent", [(v, 8, PE_PRESENT | PE_LAZY)], fill=1)
+    level(
+        images / "parent",
+        [
+            (v, 2, PE_PARENT),
+            (v + 2 * PAGE_SIZE, 2, PE_PRESENT | PE_LAZY),
+            (v + 4 * PAGE_SIZE, 4, PE_PARENT),
+        ],
+        fill=2,
+    )
+    level(
+        images,
+        [(v, 3, PE_PARENT), (v + 3 * PAGE_SIZE, 1, PE_PRESENT), (v + 4 * PAGE_SIZE, 4, PE_PARENT)],
+        fill=3,
+    )
+    (images / "core-1.img").write_bytes(b"core")
+    pieces = resolve(images)[1]
+    assert [(p.vaddr - v) // PAGE_SIZE for p in pieces] == [0, 2, 3, 4]
+    assert [p.file for p in pieces] == [
+        "parent/parent/pages-1.img",
+        "parent/pages-1.img",
+        "pages-1.img",
+        "parent/parent/pages-1.img",
+    ]
+    flat = tmp_path / "flat"
+    pages = flatten(images, flat, DirectoryPages(images))
+    assert (flat / "core-1.img").read_bytes() == b"core"
+    merged = parse_pagemap((flat / "pagemap-1.img").read_bytes())
+    assert merged.size == 8 * PAGE_SIZE == (flat / "pages-1.img").stat().st_size
+    data = pages.read("pages-1.img", 0, 8 * PAGE_SIZE)
+    fills = [data[n * PAGE_SIZE] for n in range(8)]
+    numbers = [
+        int.from_bytes(data[n * PAGE_SIZE + 1 : n * PAGE_SIZE + 5], "little") for n in range(8)
+    ]
+    assert fills == [1, 1, 2, 3, 1, 1, 1, 1]
+    assert numbers == [v // PAGE_SIZE + n for n in range(8)]
+    lazy = [e.lazy for e in merged.entries for _ in range(e.nr_pages)]
+    assert lazy == [True, True, True, False, True, True, True, True]
+
+
+def test_a_chain_missing_a_parent_page_is_refused_as_damaged(tmp_path: Path) -> None:
+    images = tmp_path / "images"
+    v = 0x20000 * PAGE_SIZE
+    level(images / "parent", [(v, 2, PE_PRESENT)], fill=1)
+    level(images, [(v, 4, PE_PARENT)], fill=2)
+    with pytest.raises(SnapshotCorruptError, match="lacks the pages at"):
+        resolve(images)
+
+
+def test_flat_pages_read_across_runs_and_refuse_what_is_not_there(tmp_path: Path) -> None:
+    (tmp_path / "a").write_bytes(b"A" * 10)
+    (tmp_path / "b").write_bytes(b"B" * 10)
+    from jupyter_ext.core.lazypages.chain import _Run
+
+    pages = ChainPages(DirectoryPages(tmp_path), {"p": [_Run(0, 4, "a", 2), _Run(4, 6, "b", 0)]})
+    assert pages.read("p", 2, 6) == b"AABBBB"
+    with pytest.raises(OSError, match="nothing in the chain"):
+        pages.read("p", 8, 4)
+    with pytest.raises(OSError, match="not a pages file"):
+        pages.read("q", 0, 1)
+
+
+def test_encode_pagemap_merges_neighbours_of_the_same_kind() -> None:
+    v = 0x30000 * PAGE_SIZE
+    pieces = [
+        Piece(v, 1, True, "x", 0),
+        Piece(v + PAGE_SIZE, 2, True, "y", 0),
+        Piece(v + 3 * PAGE_SIZE, 1, False, "y", 0),
+        Piece(v + 9 * PAGE_SIZE, 1, False, "x", 0),
+    ]
+    decoded = parse_pagemap(encode_pagemap(7, pieces))
+    assert decoded.pages_id == 7
+    assert [(e.vaddr, e.nr_pages, e.lazy) for e in decoded.entries] == [
+        (v, 3, True),
+        (v + 3 * PAGE_SIZE, 1, False),
+        (v + 9 * PAGE_SIZE, 1, False),
+    ]
+
+
+def test_precopy_says_why_it_stopped() -> None:
+    big = 10 * plan.PRECOPY_MIN_BYTES
+    assert plan.precopy_stop(0, big, None) == ""
+    assert "left to copy while frozen" in plan.precopy_stop(1, MIB, big)
+    assert "writes faster than 3 rounds copy" in plan.precopy_stop(3, big // 8, big // 4)
+    assert "about as fast as a round copies" in plan.precopy_stop(1, big, big)
