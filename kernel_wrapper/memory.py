@@ -34,7 +34,6 @@ from jupyter_ext.core.memtrack.plan import (
     AFTER_RESTORE,
     FIRST,
     OFF,
-    TRACKER_LOST,
     DumpPlan,
     Situation,
     plan_dump,
@@ -293,9 +292,6 @@ class KernelMemory:
         :meth:`invalidate`, and its tracker is let go."""
         self.invalidate(reason)
         self._drop_tracker()
-
-    def lost(self) -> None:
-        self.forget(TRACKER_LOST)
 
     def _drop_tracker(self) -> None:
         if self.tracker is not None:

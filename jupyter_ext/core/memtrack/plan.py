@@ -36,9 +36,8 @@ MAX_CHAIN_GROWTH = 2.0
 
 OFF = "memory tracking is off (track_memory = False)"
 """Reasons a dump copies everything (shown in the job's result and the panel's card)."""
-FIRST = "the kernel's first snapshot"
+FIRST = "the kernel's first snapshot (a new kernel process, or one started again)"
 AFTER_RESTORE = "the first snapshot since the kernel was restored (a new process)"
-TRACKER_LOST = "its memory tracker was lost (the kernel's agent did not answer)"
 PARENT_GONE = "its previous snapshot is no longer on this machine"
 GPU = (
     "the kernel uses the GPU: the device may write its host memory without the "
@@ -59,8 +58,8 @@ class Situation:
     unavailable: str = ""
     """Why it cannot be (when ``tracking`` is None)."""
     untracked_reason: str = ""
-    """Why the kernel's memory was not tracked since a snapshot (FIRST, AFTER_RESTORE,
-    TRACKER_LOST), when :attr:`tracked_since` is None."""
+    """Why the kernel's memory was not tracked since a snapshot (FIRST, AFTER_RESTORE, a
+    failed snapshot), when :attr:`tracked_since` is None."""
     tracked_since: str | None = None
     """The kernel's last snapshot since which its memory has been tracked, if any."""
     parent_id: str | None = None
