@@ -111,6 +111,7 @@ def snapshot(server: Server, kernel: str) -> dict[str, Any]:
         "new_bytes": run.result.get("new_bytes"),
         "mode": memory.get("mode"),
         "precopy_rounds": len(memory.get("precopy") or []),
+        "phases": run.phases,
         "id": run.result["id"],
     }
 
@@ -203,6 +204,28 @@ def bare(mib: int, work: Path, criu: Criu) -> dict[str, float]:
             p.unlink(missing_ok=True)
 
 
+def raw_puts(s3: MotoServer, runs: list[dict[str, Any]], changes: list[int]) -> dict[int, float]:
+    """The ceiling of a later snapshot's S3 durable time: one raw PUT of as many random
+    bytes as it copied (what changed), to the same S3 server, beside its job's time."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3.url)
+    out = {}
+    for change in changes:
+        later = [r["later"][change] for r in runs]
+        size = int(median_of(later, "copied_bytes"))
+        data = os.urandom(size)
+        started = time.monotonic()
+        client.put_object(Bucket="bench-tracked", Key=f"raw-{change}", Body=data)
+        out[change] = time.monotonic() - started
+        job = median_of(later, "job_seconds")
+        print(
+            f"  S3, {change} % changed: durable in {job:.2f} s, a raw PUT of the "
+            f"{human_bytes(size)} copied {out[change]:.2f} s: {job / out[change]:.2f}x"
+        )
+    return out
+
+
 def ms(runs: list[dict[str, Any]], key: str = "kernel_frozen") -> str:
     """Each run's freeze, in milliseconds."""
     return ", ".join(f"{r[key] * 1000:.0f}" for r in runs)
@@ -232,6 +255,9 @@ def main() -> None:
         "store": "s3 (moto, 127.0.0.1)" if args.s3 else "local",
         "sizes": {},
     }
+    if args.s3:  # the servers' credentials, and this process's (its raw PUT)
+        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench")
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     s3 = MotoServer(Path(tempfile.mkdtemp()) / "moto.log") if args.s3 else None
     try:
         for mib in (int(s) for s in args.sizes.split(",")):
@@ -254,6 +280,8 @@ def main() -> None:
                             costs[key].append(cell_cost(mib, Path(tmp), tracked))
             report["sizes"][mib] = {"ours": runs, "bare": bares, "cost": costs}
             print_size(mib, runs, bares, costs, changes)
+            if s3 is not None:
+                report["sizes"][mib]["raw_put"] = raw_puts(s3, runs, changes)
     finally:
         if s3 is not None:
             s3.stop()
