@@ -231,6 +231,13 @@ class KernelProcess:
                 self.process.wait(10)
         self.close()
 
+    def end(self) -> None:
+        """After a test: kill -9 what still runs, let go of the rest."""
+        if self.process.poll() is None:
+            self.kill_all()
+        else:
+            self.close()
+
     def close(self) -> None:
         """Let go of the client and the log (safe to call more than once)."""
         self.client.stop_channels()

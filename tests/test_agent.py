@@ -20,6 +20,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,12 +41,13 @@ from jupyter_ext.agentpods import (
 from jupyter_ext.core import proctree
 from jupyter_ext.core.agent import peers
 from jupyter_ext.core.agent import protocol as agentproto
+from jupyter_ext.core.agent.client import AgentCriu
 from jupyter_ext.core.agent.protocol import ENV_AGENT_SOCKET, AgentRequestError, parse_request
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.criu.chain import SEAL_FILE
 from jupyter_ext.core.memtrack import uffd
 from jupyter_ext.nodeagent import privileges
-from jupyter_ext.nodeagent.podcriu import NO_PROGRAMS, RESTORE_CAPS, PodCriu, cgroup_procs_files
+from jupyter_ext.nodeagent.podcriu import RESTORE_CAPS, PodCriu, cgroup_procs_files
 from jupyter_ext.testing import KernelProcess
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the node agent runs as root")
@@ -1271,22 +1273,12 @@ def test_criu_as_the_agent_runs_it_has_no_lazy_pages(criu: Criu, tmp_path: Path)
             "this kernel has no userfaultfd with fork and remove events: nothing to compare"
         )
     pod_criu = PodCriu(criu.path, tmp_path / "bin")
-    nobody = (65534, 65534)
-    said = subprocess.run(
-        pod_criu.argv(nobody, RESTORE_CAPS, ["check", "--feature", "uffd-noncoop"]),
-        pass_fds=[pod_criu.bin_fd],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": NO_PROGRAMS},
-        check=False,
-    )
-    output = said.stdout + said.stderr
+    returncode, output = pod_criu.check(RESTORE_CAPS, "uffd-noncoop")
     changed = (
         "CRIU as the node agent runs it may have lazy pages now: build lazy restores "
         f"through the agent (docs/agent.md) and drop UNPRIVILEGED_NO_LAZY.\n{output}"
     )
-    assert said.returncode != 0, changed
+    assert returncode != 0, changed
     assert "UFFD is not supported" in output, changed
     keep = ",".join(f"+cap_{cap}" for cap in RESTORE_CAPS)
     opened = subprocess.run(
@@ -1342,10 +1334,7 @@ def pod_kernels(agent: RunningAgent) -> Iterator[Callable[..., KernelProcess]]:
 
     yield start
     for kernel in started:
-        if kernel.process.poll() is None:
-            kernel.kill_all()
-        else:
-            kernel.close()
+        kernel.end()
 
 
 def _pod_copy(images: Path, dest: Path) -> Path:
@@ -1431,7 +1420,7 @@ def agent_hello(pod: FakePod, agent: RunningAgent) -> dict[str, Any]:
     return result
 
 
-_HELLO = json.dumps({"v": agentproto.VERSION, "op": "hello", "args": {}})
+_HELLO = json.dumps({"v": agentproto.VERSION, "op": "hello", "args": {"tracking": True}})
 
 
 #: In a pod: doctor's memory-tracking check in agent mode, as a JSON line.
@@ -1469,3 +1458,47 @@ def test_agent_under_runtime_default_says_why_every_snapshot_is_full(
     said = f"this process cannot open a userfaultfd: {uffd.SECCOMP_REFUSES}"
     assert check["detail"] == f"every snapshot copies the whole memory, frozen: {said}"
     assert "seccomp profile that allows userfaultfd" in str(check["fix"])
+
+
+@needs_root
+def test_agent_hello_says_how_it_tracks_only_when_asked(
+    agent: RunningAgent, make_pod: Callable[[str], FakePod]
+) -> None:
+    """A caller of before memory tracking, which asks a plain hello and reads every field
+    of it, gets the fields it knows; one that asks gets dirty_tracking too."""
+    pod = make_pod("jupyter-alice")
+    plain = pod.client(str(agent.socket), "raw", json.dumps({"v": 2, "op": "hello", "args": {}}))
+    assert sorted(plain["result"]) == sorted(HELLO)  # type: ignore[call-overload]
+    assert agent_hello(pod, agent)["dirty_tracking"] in ("userfaultfd", "soft-dirty")
+
+
+def test_agent_client_of_an_agent_before_tracking_copies_whole(tmp_path: Path) -> None:
+    """An agent of before memory tracking refuses a hello that asks for it (an unknown
+    field): the client asks again without, and its snapshots are full copies, saying why."""
+    path = tmp_path / "agent.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(str(path))
+    server.listen(2)
+    asked: list[dict[str, Any]] = []
+
+    def old_agent() -> None:
+        for _ in range(2):
+            conn, _ = server.accept()
+            with conn:
+                asked.append(json.loads(conn.recv(agentproto.MAX_MESSAGE))["args"])
+                if asked[-1]:
+                    field = sorted(asked[-1])[0]
+                    refused = AgentRequestError(f"hello: unknown field {field!r}")
+                    agentproto.send(conn, {"ok": False, "error": refused.to_dict()})
+                else:
+                    agentproto.send(conn, {"ok": True, "result": HELLO})
+
+    thread = threading.Thread(target=old_agent, daemon=True)
+    thread.start()
+    criu = AgentCriu.connect(path)
+    thread.join(10)
+    server.close()
+    assert asked == [{"tracking": True}, {}]
+    kind, why = criu.dirty_tracking()
+    assert kind is None
+    assert "the node agent is of an older release" in why

@@ -200,13 +200,13 @@ class PodCriu:
             *args,
         ]
 
-    def dirty_tracking(self) -> tuple[str | None, str]:
-        """How this CRIU, run as a pod's user with :data:`DUMP_CAPS` (``--unprivileged``),
-        tracks memory between dumps on this node (:meth:`Criu.dirty_tracking`): asked as
-        the user nobody, outside any pod (CRIU asks the kernel, the same for every pod)."""
+    def check(self, caps: Sequence[int], feature: str) -> tuple[int, str]:
+        """``criu check --feature FEATURE`` as a pod's user with ``caps``: its exit status
+        and output. Asked as the user nobody, outside any pod: CRIU asks the kernel, whose
+        answer is the same for every pod."""
         try:
             out = subprocess.run(
-                self.argv(NOBODY, DUMP_CAPS, ["check", "-v4", "--feature", "mem_dirty_track"]),
+                self.argv(NOBODY, caps, ["check", "-v4", "--feature", feature]),
                 pass_fds=[self.bin_fd],
                 capture_output=True,
                 text=True,
@@ -215,8 +215,13 @@ class PodCriu:
                 check=False,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
-            return None, str(exc)
-        return dirty_tracking_said(out.returncode, out.stdout + out.stderr)
+            return -1, str(exc)
+        return out.returncode, out.stdout + out.stderr
+
+    def dirty_tracking(self) -> tuple[str | None, str]:
+        """How this CRIU, run for pods (:data:`DUMP_CAPS`, ``--unprivileged``), tracks
+        memory between dumps on this node (:meth:`Criu.dirty_tracking`)."""
+        return dirty_tracking_said(*self.check(DUMP_CAPS, "mem_dirty_track"))
 
     def start(
         self,

@@ -283,7 +283,7 @@ class Agent:
         self, caller: peers.Caller, request: Any, fds: list[int], conn: socket.socket
     ) -> _Reply:
         if isinstance(request, HelloRequest):
-            return _Reply(self.hello(caller))
+            return _Reply(self.hello(caller, request))
         if isinstance(request, DumpRequest):
             return self.dump(caller, request, fds, conn)
         if isinstance(request, PreDumpRequest):
@@ -294,7 +294,7 @@ class Agent:
 
     # ------------------------------------------------------------------ operations
 
-    def hello(self, caller: peers.Caller) -> dict[str, Any]:
+    def hello(self, caller: peers.Caller, request: HelloRequest) -> dict[str, Any]:
         hello = Hello(
             version=VERSION,
             criu_version=self.criu.version_text,
@@ -302,9 +302,9 @@ class Agent:
             pod_name=caller.pod_name,
             pod=caller.pod,
             container=caller.container,
-            dirty_tracking=self.dirty_tracking,
+            dirty_tracking=self.dirty_tracking if request.tracking else None,
         )
-        return dataclasses.asdict(hello)
+        return {k: v for k, v in dataclasses.asdict(hello).items() if v is not None}
 
     @contextlib.contextmanager
     def _private_dir(self, kind: str, caller: peers.Caller) -> Iterator[tuple[Path, int, int]]:

@@ -49,6 +49,7 @@ from .protocol import (
     ENV_AGENT_SOCKET,
     MAX_LEVELS,
     AgentIncompatibleError,
+    AgentRequestError,
     AgentUnavailableError,
     DumpRequest,
     Hello,
@@ -183,8 +184,11 @@ class AgentCriu(Criu):
     @classmethod
     def connect(cls, socket_path: Path) -> AgentCriu:
         """The agent on ``socket_path``, once it answered a hello in this protocol version
-        (its CRIU's version, who it takes the caller for)."""
-        result, _ = call(socket_path, HelloRequest())
+        (its CRIU's version, who it takes the caller for, how it tracks memory)."""
+        try:
+            result, _ = call(socket_path, HelloRequest(tracking=True))
+        except AgentRequestError:  # of before memory tracking, or refusing this pod
+            result, _ = call(socket_path, HelloRequest())
         hello = Hello.parse(result)
         version = parse_version(f"Version: {hello.criu_version}") or (0,)
         return cls(socket_path, version, f"node agent (owner {hello.owner})", hello)

@@ -26,8 +26,10 @@ dump fails and the tree runs on) for at most :data:`FROZEN_COPY_SECONDS`.
 Fields that only some requests need (a dump's ``open_by_fd``, ``frozen_copy``,
 ``keep_tcp``, ``track_mem`` and ``prev*``, a restore's ``keep_tcp`` and ``level_seals``)
 have defaults and are not sent at them: an agent of before they existed serves the
-requests that do not use them. So does a hello: an agent of before memory tracking
-answers without ``dirty_tracking``, and the caller then neither tracks nor sends chains.
+requests that do not use them. A hello asks for the agent's ``dirty_tracking`` in such
+a field (``tracking``); refused by an agent of before memory tracking, it is asked again
+without, and the caller then neither tracks nor sends chains. A caller of before it gets
+the hello it knows.
 
 **Chains of memory levels** (core/criu/chain.py). A tracked dump copies only the pages
 written since the tree's previous dump or pre-dump (``pre_dump``: copied while the tree
@@ -245,6 +247,13 @@ class HelloRequest(_Request):
     """Who the agent takes the caller for, and its versions (doctor, tests)."""
 
     op: ClassVar[str] = "hello"
+    tracking: bool = False
+    """Ask also how the agent's CRIU tracks memory (:attr:`Hello.dirty_tracking`). An
+    agent of before memory tracking refuses the field (the caller asks again without it);
+    a caller of before it does not ask, and gets the hello it knows."""
+
+    def check(self) -> None:
+        _check_bool(self.op, "tracking", self.tracking)
 
 
 @dataclass(frozen=True)
@@ -263,8 +272,8 @@ class Hello:
     """The caller's container id."""
     dirty_tracking: str | None = None
     """How the agent's CRIU tracks memory between dumps on this node, as it runs for pods
-    (one of :data:`DIRTY_TRACKING`, "" where it cannot); None: an agent of before memory
-    tracking (it sends no such field)."""
+    (one of :data:`DIRTY_TRACKING`, "" where it cannot), sent when asked
+    (:attr:`HelloRequest.tracking`); None: an agent of before memory tracking."""
 
     @classmethod
     def parse(cls, result: Any) -> Hello:
