@@ -294,6 +294,7 @@ def _tracked(args: bytes, prev: bytes = b'["inventory.img"]') -> bytes:
             "unknown field 'leave_running'",
         ),
         (_restore(b'"files": ["parent/../core-1.img"], "sizes": [1]'), "files has"),
+        (_restore(b'"files": ["parent"], "sizes": [1]'), "files names 'parent'"),
         (_restore(b'"files": ["parent/core-1.img"], "sizes": [1]'), "files has"),
         (_restore(b'"files": ["/parent/pages-1.img"], "sizes": [1]'), "files has"),
         (

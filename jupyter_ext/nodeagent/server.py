@@ -368,9 +368,9 @@ class Agent:
                 self.budget.hold(sum(request.prev_sizes)),
                 self._private_dir("dump", caller) as dirs,
             ):
-                top, images, _ = dirs
+                top, images, work = dirs
                 tcp = TCP_KEEP_DUMP_OPTIONS if request.keep_tcp else TCP_DUMP_OPTIONS
-                args = ["-W", _fd_path(dirs[2]), "--file-locks", *tcp, "--leave-running"]
+                args = ["-W", _fd_path(work), "--file-locks", *tcp, "--leave-running"]
                 args += ["--ghost-limit", str(max(request.ghost_limit, DEFAULT_GHOST_LIMIT))]
                 for key in request.externals:
                     args += ["--external", key]
@@ -513,7 +513,7 @@ class Agent:
             for fd, size, name in zip(files_fds, request.sizes, request.files, strict=True):
                 _make_levels(top / "images", name, owner)
                 copied[name] = copy_in(fd, size, top / "images" / name, owner)
-            own = [copied[name] for name in request.files if name not in request.levels()]
+            own = [copied[name] for name in request.files if "/" not in name]
             self.sealer.check(caller.pod_name, own, request.seal)
             levels = zip(request.levels(), request.level_seals, strict=True)
             self.sealer.check_files(caller.pod_name, [(n, copied[n], s) for n, s in levels])

@@ -393,10 +393,8 @@ class _Stub:
         seals = _seals_of(images, DumpError)
         try:
             for path in sorted(images.iterdir()):
-                if not is_level_file(path.name) or path.name.startswith("pages-"):
-                    continue
-                if path.name == SEAL_FILE:
-                    continue
+                if not is_level_file(path.name) or path.name.startswith(("pages-", SEAL_FILE)):
+                    continue  # CRIU reads only the inventory and pagemaps of a dump's parent
                 if path.name not in seals:
                     raise _unsealed(path, DumpError)
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -415,6 +413,13 @@ class _Stub:
         self.fds.clear()
 
 
+#: What to do when images a dump builds on, or a level of a snapshot, have no seal.
+_UNSEALED_HINTS: dict[type[SnapshotError], str] = {
+    DumpError: "Take a new snapshot: the kernel's next one copies its whole memory.",
+    RestoreError: "Restore another snapshot of the kernel, or this one in in-pod mode.",
+}
+
+
 def _seals_of(level: Path, error: type[SnapshotError]) -> dict[str, str]:
     """The agent's seal of each file of ``level`` (its :data:`SEAL_FILE`)."""
     try:
@@ -426,15 +431,14 @@ def _seals_of(level: Path, error: type[SnapshotError]) -> dict[str, str]:
             f"The memory images in {level} have no seals of the node agent's: a snapshot "
             "builds through the agent only on images the agent sealed file by file (an "
             "agent of an older release did not).",
-            hint="Take a new snapshot: the kernel's next one copies its whole memory.",
+            hint=_UNSEALED_HINTS[error],
         ) from exc
     return {str(name): str(seal) for name, seal in seals.items()}
 
 
 def _unsealed(path: Path, error: type[SnapshotError]) -> SnapshotError:
     return error(
-        f"The memory image {path} has no seal of the node agent's.",
-        hint="Take a new snapshot: the kernel's next one copies its whole memory.",
+        f"The memory image {path} has no seal of the node agent's.", hint=_UNSEALED_HINTS[error]
     )
 
 

@@ -414,6 +414,8 @@ class RestoreRequest(_Request):
         _check_strings(self.op, "files", self.files, _RESTORED_FILE, MAX_FILES)
         if not self.files:
             raise _refuse("restore: files is empty")
+        if PARENT in self.files:
+            raise _refuse(f"restore: files names {PARENT!r}, the directory of a chain's levels")
         _check_sizes(self.op, "sizes", self.sizes, len(self.files))
         if not isinstance(self.seal, str) or not _SEAL.fullmatch(self.seal):
             raise _refuse("restore: seal must be 64 hex digits")
