@@ -22,7 +22,7 @@ container's process with RuntimeDefault)::
     python -m jupyter_ext.agentpods client SOCKET raw JSON   (a request as given, for refusals)
     python -m jupyter_ext.agentpods client SOCKET odd IMAGES_DIR (restores, odd descriptors)
     python -m jupyter_ext.agentpods client SOCKET crowd N   (N silent connections, then hello)
-    python -m jupyter_ext.agentpods seccomp [--other] COMMAND...
+    python -m jupyter_ext.agentpods seccomp [--other|--no-userfaultfd] COMMAND...
 
 ``--carry`` dumps as the kernel wrapper does (kernel_wrapper/dump.py): the tree's /dev/shm
 files and the logs it appends to copied while the agent holds it frozen, into
@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import secrets
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from jupyter_ext.core.agent import protocol as agentproto
 from jupyter_ext.core.errors import SnapshotError
+from jupyter_ext.core.memtrack.uffd import NR_USERFAULTFD
 
 if TYPE_CHECKING:
     from jupyter_ext.core.agent.client import AgentCriu
@@ -81,8 +83,8 @@ class FakePod:
 
     def __init__(self, name: str, group: Path, seccomp: bool | str = False) -> None:
         """``seccomp``: every process of the pod under no_new_privs and a seccomp filter,
-        as RuntimeDefault runs a container (:func:`under_seccomp`; "other": another filter
-        program)."""
+        as RuntimeDefault runs a container (:func:`under_seccomp`; a name: that program
+        of :data:`PROGRAMS`)."""
         self.name = name
         self.seccomp = seccomp
         self.container = secrets.token_hex(32)
@@ -126,7 +128,8 @@ class FakePod:
         enter = ["nsenter", f"--target={self.init_pid}", "--uts", "--pid", "--mount", "--"]
         user = [a for a in NOBODY if a != "--clear-groups"]
         user.append(f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups")
-        filtered = [*HERE, "seccomp", *(["--other"] if self.seccomp == "other" else [])]
+        program = [f"--{self.seccomp}"] if isinstance(self.seccomp, str) else []
+        filtered = [*HERE, "seccomp", *program]
         return [*enter, *user, "--", *(filtered if self.seccomp else []), *command]
 
     def start(self, command: Sequence[str]) -> int:
@@ -417,7 +420,7 @@ def _ask(path: str, data: bytes | None, fds: list[int]) -> dict[str, Any]:
 def odd_restores(path: str, images: Path) -> dict[str, Any]:
     """Restore requests for the sealed ``images`` with odd descriptors, counts and sizes;
     each case's answer, then whether the agent still answers a hello."""
-    from jupyter_ext.core.agent.client import SEAL_FILE
+    from jupyter_ext.core.criu.chain import SEAL_FILE
 
     seal = json.loads((images / SEAL_FILE).read_text())
     names: list[str] = seal["files"]
@@ -506,13 +509,26 @@ def _hello(path: str) -> dict[str, Any]:
 PR_SET_SECCOMP = 22
 PR_SET_NO_NEW_PRIVS = 38
 SECCOMP_MODE_FILTER = 2
-ALLOW = (0x06, 0x7FFF0000)
+ALLOW = (0x06, 0, 0, 0x7FFF0000)
 """BPF_RET | BPF_K, SECCOMP_RET_ALLOW: a filter that allows every call (the kernel treats
 every filter alike)."""
-LOAD_NR = (0x20, 0)
-"""BPF_LD | BPF_W | BPF_ABS of offset 0 (the call's number): before ALLOW, another program
-that also allows every call, as another profile would be (the node agent compares the
-programs)."""
+LOAD_NR = (0x20, 0, 0, 0)
+"""BPF_LD | BPF_W | BPF_ABS of offset 0 (the call's number)."""
+#: The filter programs a pod's processes may run under (``FakePod(seccomp=NAME)``), as
+#: (code, jt, jf, k): "" allows every call; "other" too, as another profile would (the
+#: node agent compares the programs); "no-userfaultfd" refuses ``userfaultfd`` with EPERM,
+#: as the RuntimeDefault profiles of container runtimes do (docs/agent.md), and allows the
+#: rest.
+PROGRAMS: dict[str, list[tuple[int, int, int, int]]] = {
+    "": [ALLOW],
+    "other": [LOAD_NR, ALLOW],
+    "no-userfaultfd": [
+        LOAD_NR,
+        (0x15, 0, 1, NR_USERFAULTFD),  # BPF_JMP | BPF_JEQ | BPF_K
+        (0x06, 0, 0, 0x00050000 | errno.EPERM),  # SECCOMP_RET_ERRNO
+        ALLOW,
+    ],
+}
 
 
 class Insn(ctypes.Structure):
@@ -528,25 +544,23 @@ class Prog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Insn))]
 
 
-def install_filter(other: bool = False) -> None:
-    """no_new_privs and a filter that allows every call (``other``: the two-instruction
-    one) on this thread."""
+def install_filter(program: str = "") -> None:
+    """no_new_privs and the filter :data:`PROGRAMS` names ``program`` on this thread."""
     libc = ctypes.CDLL(None, use_errno=True)
-    program = [LOAD_NR, ALLOW] if other else [ALLOW]
-    insns = (Insn * len(program))(*(Insn(code, 0, 0, k) for code, k in program))
+    insns = (Insn * len(PROGRAMS[program]))(*(Insn(*insn) for insn in PROGRAMS[program]))
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
-    prog = Prog(len(program), insns)
+    prog = Prog(len(insns), insns)
     if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "PR_SET_SECCOMP")
 
 
 def under_seccomp(argv: list[str]) -> None:
-    """Exec ``argv`` under no_new_privs and a seccomp filter (``--other`` first: the
-    other program)."""
-    other = argv[:1] == ["--other"]
-    install_filter(other)
-    command = argv[1:] if other else argv
+    """Exec ``argv`` under no_new_privs and a seccomp filter (``--NAME`` first: the
+    program :data:`PROGRAMS` names so)."""
+    program = argv[0][2:] if argv[0].startswith("--") else ""
+    install_filter(program)
+    command = argv[1:] if program else argv
     os.execvp(command[0], command)
 
 

@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,9 +59,14 @@ class KernelProcess:
         on_inner_death: str = "wait",
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
+        prefix: Sequence[str] = (),
+        preexec_fn: Callable[[], None] | None = None,
     ) -> None:
+        """``prefix``, ``preexec_fn``: how the wrapper is started elsewhere (in a stand-in
+        pod: :meth:`jupyter_ext.agentpods.FakePod.argv`)."""
         workdir.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "kernel_wrapper", "--on-inner-death", on_inner_death]
+        self._preexec_fn = preexec_fn
+        argv = [*prefix, sys.executable, "-m", "kernel_wrapper", "--on-inner-death", on_inner_death]
         argv += extra_args or []
         for attempt in range(PORT_ATTEMPTS):
             try:
@@ -99,6 +104,7 @@ class KernelProcess:
             stderr=subprocess.STDOUT,
             env=environ,
             cwd=workdir,
+            preexec_fn=self._preexec_fn,
         )
         if restore_from is not None:
             try:
@@ -224,6 +230,13 @@ class KernelProcess:
                 self.process.kill()
                 self.process.wait(10)
         self.close()
+
+    def end(self) -> None:
+        """After a test: kill -9 what still runs, let go of the rest."""
+        if self.process.poll() is None:
+            self.kill_all()
+        else:
+            self.close()
 
     def close(self) -> None:
         """Let go of the client and the log (safe to call more than once)."""

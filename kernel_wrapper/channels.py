@@ -17,6 +17,9 @@ import zmq.asyncio
 
 from jupyter_ext.core.protocol import AGENT_PORT, INNER_PORTS
 
+#: How long a request to the kernel's snapshot agent waits for it to connect (again): it
+#: reconnects at most 200 ms after its endpoint is bound again (its RECONNECT_IVL_MAX).
+AGENT_RECONNECT = 0.5
 #: The routing id of the wrapper's sockets toward the inner kernel, the same forever,
 #: so replies the kernel routes after a restore still reach us.
 INNER_ROUTING_ID = b"kernel-snapshot-wrapper"
@@ -184,6 +187,11 @@ class InnerChannels:
         self._agent_requests += 1
         request_id = self._agent_requests
         try:
+            # Right after a dump it is connecting again (inkernel/agent.py: within 200 ms).
+            writable = zmq.asyncio.Poller()
+            writable.register(self.agent, zmq.POLLOUT)
+            if not await writable.poll(min(timeout, AGENT_RECONNECT) * 1000):
+                raise zmq.Again()
             await self.agent.send_json({**args, "id": request_id, "op": op}, zmq.NOBLOCK)
         except zmq.Again:
             return {"error": "the kernel has no snapshot agent connected"}

@@ -49,7 +49,6 @@ from jupyter_ext.core.criu.chain import (
     make_stub,
     parent_entries,
 )
-from jupyter_ext.core.criu.log import copied_bytes
 from jupyter_ext.core.errors import KernelNotRunningError, SnapshotError
 from jupyter_ext.core.gpu import GpuCheckpoint
 from jupyter_ext.core.growinghash import GrowingFileChunker
@@ -430,7 +429,7 @@ class Dumper:
                     ) from exc
                 raise
             dumped.dump_seconds = time.monotonic() - dump_started
-            dumped.frozen_bytes = copied_bytes(work_dir / "dump.log")
+            dumped.frozen_bytes = criu.copied_bytes(work_dir)
             if copier is not None:
                 dumped.shm_files = shm.records
                 dumped.appended_files = logs.records

@@ -24,7 +24,6 @@ from jupyter_ext.core import proctree
 from jupyter_ext.core.chunking import ChunkParams
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.criu.chain import ChainStats, chain_stats
-from jupyter_ext.core.criu.log import copied_bytes
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.gpu import find_cuda_processes
 from jupyter_ext.core.growinghash import GrowingFileChunker
@@ -245,7 +244,7 @@ class KernelMemory:
                     level_dir,
                     entries,
                     frozen,
-                    copied_bytes(round_work / "dump.log"),
+                    criu.copied_bytes(round_work),
                     time.monotonic() - started,
                 )
             )

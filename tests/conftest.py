@@ -54,10 +54,7 @@ def kernel_factory(tmp_path: Path, criu: Criu) -> Iterator[Callable[..., KernelP
 
     yield start
     for kernel in started:
-        if kernel.process.poll() is None:
-            kernel.kill_all()
-        else:
-            kernel.close()
+        kernel.end()
 
 
 pytest_plugins = ["pytest_jupyter.jupyter_server", "tests.jupyter_api"]

@@ -15,7 +15,7 @@ from .agent.protocol import ENV_AGENT_SOCKET
 from .criu import REQUIRED_FEATURES, UNPRIVILEGED_CAPS, Criu, unprivileged
 from .errors import CriuNotFoundError, SnapshotError
 from .isolation.confinement import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, Confinement, seccomp_blocker
-from .memtrack import TrackingUnavailable, open_tracking_fd
+from .memtrack import TrackingUnavailable, open_tracking_fd, why_unavailable
 from .private import exposed, others_can_replace
 from .protocol import ENV_RUNTIME_DIR
 from .store.api import StoreError
@@ -304,15 +304,21 @@ def check_memory_tracking(criu: Criu | None, *, agent_mode: bool = False) -> Che
         try:
             os.close(open_tracking_fd())
         except TrackingUnavailable as exc:
-            kind, said = None, f"this process cannot open a userfaultfd ({exc.strerror})"
+            kind, said = None, f"this process cannot open a userfaultfd: {why_unavailable(exc)}"
     if kind is not None:
         return Check(name, True, f"later snapshots copy what changed ({said})", required=False)
+    where = (
+        "Give the user pods a seccomp profile that allows userfaultfd (docs/agent.md, "
+        "'Memory tracking'), or accept that every snapshot is a full copy."
+        if agent_mode
+        else "Use the CRIU that scripts/install-criu.sh builds, on Linux >= 6.7 (or a kernel "
+        "with CONFIG_MEM_SOFT_DIRTY), without a seccomp filter that blocks userfaultfd."
+    )
     return Check(
         name,
         False,
         f"every snapshot copies the whole memory, frozen: {said}",
-        fix="Use the CRIU that scripts/install-criu.sh builds, on Linux >= 6.7 (or a kernel "
-        "with CONFIG_MEM_SOFT_DIRTY), without a seccomp filter that blocks userfaultfd.",
+        fix=where,
         required=False,
     )
 

@@ -9,8 +9,10 @@ CRIU asks its client instead (``notify_scripts``): a NOTIFY message at each of i
 steps, answered before it goes on; at ``post-dump`` the tree is dumped and still frozen.
 
 The options are the command line of a CLI dump, given before ``swrk`` (CRIU parses them
-first; ``--ghost-limit`` has no 32-bit ceiling there); the request adds what only RPC
-carries: the pid, the images directory, the log's level and name, and the notifications.
+first; ``--ghost-limit`` has no 32-bit ceiling there; a tracked dump's ``--track-mem``
+and ``--prev-images-dir``, a pre-dump's ``--pre-dump-mode read``); the request adds what
+only RPC carries: the pid, the images directory, the log's level and name, and the
+notifications. A pre-copy round is a SINGLE_PRE_DUMP request of the same kind.
 Messages are CRIU's protobufs (images/rpc.proto: criu_req, criu_opts, criu_resp), one per
 datagram on a SOCK_SEQPACKET pair, written and read with the codec of
 core/criu/images.py (only the fields used here).
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from jupyter_ext.core.criu.images import Field, decode, encode, ints, sub_message
 
 #: criu_req_type (rpc.proto).
-REQ_DUMP, REQ_NOTIFY = 1, 6
+REQ_DUMP, REQ_NOTIFY, REQ_SINGLE_PRE_DUMP = 1, 6, 13
 #: criu_req's fields.
 _REQ_TYPE, _REQ_OPTS, _REQ_NOTIFY_SUCCESS = 1, 2, 3
 #: criu_opts' fields.
@@ -43,18 +45,20 @@ def _varint_field(number: int, value: int) -> Field:
     return (number, 0, value & (1 << 64) - 1)  # int32 -1: ten bytes, as protobuf writes it
 
 
-def dump_request(pid: int, images_dir: str, log_file: str) -> bytes:
+def dump_request(pid: int, images_dir: str, log_file: str, *, pre_dump: bool = False) -> bytes:
     """criu_req DUMP of ``pid`` into ``images_dir`` (a path CRIU opens itself), logging
-    at level 4 into ``log_file`` in its work directory, asking at each step."""
+    at level 4 into ``log_file`` in its work directory, asking at each step; with
+    ``pre_dump``, SINGLE_PRE_DUMP (one ``criu pre-dump``, which asks nothing)."""
     opts: list[Field] = [
         _varint_field(_OPT_IMAGES_DIR_FD, -1),  # required; -1: images_dir names it
         _varint_field(_OPT_PID, pid),
         _varint_field(_OPT_LOG_LEVEL, 4),
         (_OPT_LOG_FILE, 2, log_file.encode()),
-        _varint_field(_OPT_NOTIFY_SCRIPTS, 1),
+        *([] if pre_dump else [_varint_field(_OPT_NOTIFY_SCRIPTS, 1)]),
         (_OPT_IMAGES_DIR, 2, images_dir.encode()),
     ]
-    return encode([_varint_field(_REQ_TYPE, REQ_DUMP), (_REQ_OPTS, 2, encode(opts))])
+    kind = REQ_SINGLE_PRE_DUMP if pre_dump else REQ_DUMP
+    return encode([_varint_field(_REQ_TYPE, kind), (_REQ_OPTS, 2, encode(opts))])
 
 
 def notify_answer(success: bool) -> bytes:

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from jupyter_ext.core.agent.peers import nsenter_options
 from jupyter_ext.core.agent.protocol import AgentRequestError
+from jupyter_ext.core.criu.engine import dirty_tracking_said
 
 PT_INTERP = 3
 #: The name of a program's ELF interpreter in its directory under ``bin``.
@@ -124,6 +125,8 @@ def install_program(binary: Path, directory: Path) -> None:
 #: then checks.
 DUMP_CAPS = (8, 19, 21, 40)
 RESTORE_CAPS = (6, 8, 19, 21, 40)
+#: The user CRIU runs as to ask the kernel what it can do (no pod's: any will do).
+NOBODY = (65534, 65534)
 #: NET_ADMIN (12), for a dump or restore that keeps the tree's own connections with TCP
 #: repair (``--tcp-established``). CRIU then sets their state on sockets of the pod's
 #: network namespace; it holds SYS_ADMIN already, a superset of what this adds.
@@ -196,6 +199,29 @@ class PodCriu:
             f"/proc/self/fd/{self.bin_fd}/plugins",
             *args,
         ]
+
+    def check(self, caps: Sequence[int], feature: str) -> tuple[int, str]:
+        """``criu check --feature FEATURE`` as a pod's user with ``caps``: its exit status
+        and output. Asked as the user nobody, outside any pod: CRIU asks the kernel, whose
+        answer is the same for every pod."""
+        try:
+            out = subprocess.run(
+                self.argv(NOBODY, caps, ["check", "-v4", "--feature", feature]),
+                pass_fds=[self.bin_fd],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={"PATH": NO_PROGRAMS},
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return -1, str(exc)
+        return out.returncode, out.stdout + out.stderr
+
+    def dirty_tracking(self) -> tuple[str | None, str]:
+        """How this CRIU, run for pods (:data:`DUMP_CAPS`, ``--unprivileged``), tracks
+        memory between dumps on this node (:meth:`Criu.dirty_tracking`)."""
+        return dirty_tracking_said(*self.check(DUMP_CAPS, "mem_dirty_track"))
 
     def start(
         self,

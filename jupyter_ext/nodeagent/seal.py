@@ -11,6 +11,12 @@ copies them into its own directory first (regular files only, no byte past the s
 given, the sizes' sum within the agent's budget), hashes its copy, and runs CRIU on it
 only if the seal matches the calling pod's name: another pod's images, or altered ones,
 are refused.
+
+Each file is also sealed on its own (:meth:`Sealer.seal_file`: the pod's name and the
+file's name, size and sha256). A tracked dump builds on the images of an earlier dump or
+pre-dump, and a restore of it needs the memory levels of several dumps (core/criu/chain.py),
+of which the pod keeps only some files: each such file is checked against its own seal,
+so that every byte CRIU reads is still one the agent wrote for that pod.
 """
 
 from __future__ import annotations
@@ -69,15 +75,30 @@ class Sealer:
         message = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
         return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
+    def seal_file(self, pod_name: str, file: ImageFile) -> str:
+        record = {"v": 3, "pod": pod_name, "file": [file.name, file.size, file.sha256]}
+        message = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
+
     def check(self, pod_name: str, files: list[ImageFile], seal: str) -> None:
         if not hmac.compare_digest(self.seal(pod_name, files), seal):
-            raise AgentRequestError(
-                "The node agent refused the restore: these images are not sealed for the "
-                f"pod {pod_name!r} by the agents of this cluster (another user's or another "
-                "server's snapshot, altered images, or a snapshot of an older agent).",
-                hint="Restore a snapshot this user's server took; a snapshot taken with "
-                "in-pod CRIU cannot be restored through the agent.",
-            )
+            raise _not_sealed(pod_name, "these images are")
+
+    def check_files(self, pod_name: str, files: list[tuple[str, ImageFile, str]]) -> None:
+        """Each file (its path in the request, its copy, its seal) sealed on its own."""
+        for path, file, seal in files:
+            if not hmac.compare_digest(self.seal_file(pod_name, file), seal):
+                raise _not_sealed(pod_name, f"the image {path} is")
+
+
+def _not_sealed(pod_name: str, what: str) -> AgentRequestError:
+    return AgentRequestError(
+        f"The node agent refused the request: {what} not sealed for the pod {pod_name!r} by "
+        "the agents of this cluster (another user's or another server's snapshot, altered "
+        "images, or a snapshot of an older agent).",
+        hint="Restore a snapshot this user's server took; a snapshot taken with in-pod CRIU "
+        "cannot be restored through the agent.",
+    )
 
 
 def hash_file(path: Path) -> ImageFile:

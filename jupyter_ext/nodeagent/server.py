@@ -5,9 +5,10 @@ Each connection's caller is identified by the kernel first (core/agent/peers.py)
 counted against the agent's limits (:class:`Limits`: connections in all and per pod, a
 time to send the request in); its request is parsed and checked
 (core/agent/protocol.py); only then is anything done, and only to the caller's own
-processes (``dump``) or with images sealed for the caller's pod (``restore``,
-nodeagent/seal.py), within the agent's disk budget. Every refusal is answered with an
-error that names why and is logged with the pod it came from.
+processes (``dump``, ``pre_dump``) or with images sealed for the caller's pod
+(``restore``, and the images a tracked dump builds on: nodeagent/seal.py), within the
+agent's disk budget. Every refusal is answered with an error that names why and is
+logged with the pod it came from.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import signal
 import socket
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from jupyter_ext.core.agent.protocol import (
     DumpRequest,
     Hello,
     HelloRequest,
+    PreDumpRequest,
     RestoreRequest,
     parse_copied,
     parse_request,
@@ -45,7 +47,8 @@ from jupyter_ext.core.agent.protocol import (
 )
 from jupyter_ext.core.carried.restorable import fix_for_restore
 from jupyter_ext.core.criu import DEFAULT_GHOST_LIMIT, TCP_DUMP_OPTIONS, Criu
-from jupyter_ext.core.criu.log import explain_failure, frozen_seconds, log_excerpt
+from jupyter_ext.core.criu.chain import PARENT
+from jupyter_ext.core.criu.log import copied_bytes, explain_failure, frozen_seconds, log_excerpt
 from jupyter_ext.core.criu.options import TCP_KEEP_DUMP_OPTIONS, TCP_KEEP_RESTORE_OPTIONS
 from jupyter_ext.core.errors import (
     DumpError,
@@ -53,11 +56,12 @@ from jupyter_ext.core.errors import (
     RestoreError,
     SnapshotError,
 )
+from jupyter_ext.core.lazypages.pagemap import parse_pagemap
 
 from . import criurpc
 from .podcriu import RUN_SECONDS, PodCriu, cgroup_procs_files, finish
 from .privileges import check_restored
-from .seal import Sealer, copy_in, hash_file
+from .seal import ImageFile, Sealer, copy_in, hash_file
 
 log = logging.getLogger("jupyter_ext.nodeagent")
 
@@ -186,6 +190,7 @@ class Agent:
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(state_dir, 0o700)
         self.pod_criu = PodCriu(criu.path, state_dir / "bin")
+        self.dirty_tracking = self.pod_criu.dirty_tracking()[0] or ""
         for leftover in state_dir.glob("*-*"):
             # What an agent that was killed during a request left (its caller got an error;
             # the kernel of a dump runs on: CRIU always leaves it running).
@@ -278,16 +283,18 @@ class Agent:
         self, caller: peers.Caller, request: Any, fds: list[int], conn: socket.socket
     ) -> _Reply:
         if isinstance(request, HelloRequest):
-            return _Reply(self.hello(caller))
+            return _Reply(self.hello(caller, request))
         if isinstance(request, DumpRequest):
-            return self.dump(caller, request, conn)
+            return self.dump(caller, request, fds, conn)
+        if isinstance(request, PreDumpRequest):
+            return self.pre_dump(caller, request, fds)
         if isinstance(request, RestoreRequest):
             return _Reply(self.restore(caller, request, fds))
         raise AgentRequestError(f"The node agent refused the request: no {request.op}.")
 
     # ------------------------------------------------------------------ operations
 
-    def hello(self, caller: peers.Caller) -> dict[str, Any]:
+    def hello(self, caller: peers.Caller, request: HelloRequest) -> dict[str, Any]:
         hello = Hello(
             version=VERSION,
             criu_version=self.criu.version_text,
@@ -295,8 +302,9 @@ class Agent:
             pod_name=caller.pod_name,
             pod=caller.pod,
             container=caller.container,
+            dirty_tracking=self.dirty_tracking if request.tracking else None,
         )
-        return dataclasses.asdict(hello)
+        return {k: v for k, v in dataclasses.asdict(hello).items() if v is not None}
 
     @contextlib.contextmanager
     def _private_dir(self, kind: str, caller: peers.Caller) -> Iterator[tuple[Path, int, int]]:
@@ -305,7 +313,9 @@ class Agent:
         user's, inside the agent's directory, which no pod can reach); removed
         afterwards."""
         top = self.state_dir / f"{kind}-{secrets.token_hex(8)}"
-        (top / "images").mkdir(parents=True, mode=0o700)
+        top.mkdir(mode=0o711)
+        os.chmod(top, 0o711)  # CRIU, as the caller, goes from images to a dump's ../prev
+        (top / "images").mkdir(mode=0o700)
         (top / "work").mkdir(mode=0o700)
         for sub in ("images", "work"):
             os.chown(top / sub, caller.uid, caller.gid)
@@ -318,14 +328,21 @@ class Agent:
             os.close(work)
             shutil.rmtree(top, ignore_errors=True)
 
-    def dump(self, caller: peers.Caller, request: DumpRequest, conn: socket.socket) -> _Reply:
+    def dump(
+        self,
+        caller: peers.Caller,
+        request: DumpRequest,
+        fds: list[int],
+        conn: socket.socket,
+    ) -> _Reply:
         """Dump the caller's process ``request.pid`` through CRIU's RPC, which asks at the
         freeze (nodeagent/criurpc.py): then the caller copies if it asked to, and a
         suspend's tree (``leave_running`` false) is stopped. The images, fixed for a
-        restore, are handed back as descriptors with their seal, and nothing of them
+        restore, are handed back as descriptors with their seals, and nothing of them
         stays here. The kernel is never ended here: CRIU leaves it running (an agent
         killed during the dump loses nothing), and a suspend's tree stays stopped for the
-        caller to end once it holds the images."""
+        caller to end once it holds the images. A tracked dump builds on the stub of
+        earlier images it was given (``fds``), each file checked against its seal first."""
         task = peers.in_caller_namespace(caller, request.pid)
         stopped: list[peers.CallerTask] = []
 
@@ -347,60 +364,141 @@ class Agent:
             return True
 
         try:
-            with self._private_dir("dump", caller) as (top, images, work):
+            with (
+                self.budget.hold(sum(request.prev_sizes)),
+                self._private_dir("dump", caller) as dirs,
+            ):
+                top, images, work = dirs
                 tcp = TCP_KEEP_DUMP_OPTIONS if request.keep_tcp else TCP_DUMP_OPTIONS
                 args = ["-W", _fd_path(work), "--file-locks", *tcp, "--leave-running"]
                 args += ["--ghost-limit", str(max(request.ghost_limit, DEFAULT_GHOST_LIMIT))]
                 for key in request.externals:
                     args += ["--external", key]
-                procs = cgroup_procs_files(caller.cgroup)
-                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                with ours:
-                    with theirs, caller.namespaces() as namespaces:
-                        process = self.pod_criu.start(
-                            namespaces,
-                            (caller.uid, caller.gid),
-                            procs,
-                            [*args, "swrk", str(theirs.fileno())],
-                            [images, work, theirs.fileno()],
-                        )
-                    try:
-                        ours.settimeout(RUN_SECONDS)
-                        error = criurpc.converse(
-                            ours,
-                            criurpc.dump_request(request.pid, _fd_path(images), "dump.log"),
-                            at_freeze,
-                        )
-                    finally:
-                        # Closed first: a CRIU still waiting for an answer fails the dump,
-                        # and the tree it froze runs on.
-                        ours.close()
-                        rc, output = finish(process)
-                dump_log = top / "work" / "dump.log"
-                if error is not None or rc != 0:
-                    excerpt = log_excerpt(dump_log, output + (error or ""))
-                    message, hint = explain_failure(excerpt, restoring=False)
-                    raise DumpError(message, hint=hint, log_excerpt=excerpt)
+                args += ["--track-mem"] if request.track_mem else []
+                args += self._prev(caller, request, fds, top)
+                rpc = criurpc.dump_request(request.pid, _fd_path(images), "dump.log")
+                self._run_criu(caller, dirs, args, rpc, at_freeze)
                 caller.ensure_alive()
                 task.ensure_alive()
                 fix_for_restore(top / "images", request.open_by_fd, request.keep_tcp)
-                files = [hash_file(path) for path in sorted((top / "images").iterdir())]
-                seal = self.sealer.seal(caller.pod_name, files)
-                out_fds = [os.open(top / "images" / f.name, os.O_RDONLY) for f in files]
-                frozen = frozen_seconds(dump_log)
+                result, out_fds = self._hand_back(caller, top)
         except BaseException:
             _resume(stopped)
             raise
         finally:
             task.close()
+        result["stopped"] = bool(stopped)
+        return _Reply(result, out_fds, stopped)
+
+    def pre_dump(self, caller: peers.Caller, request: PreDumpRequest, fds: list[int]) -> _Reply:
+        """Copy the memory of the caller's process ``request.pid`` while it runs (CRIU's
+        SINGLE_PRE_DUMP, read mode, tracked), on the stub of earlier images given as for
+        a dump; the images handed back with their seals, as a dump's."""
+        task = peers.in_caller_namespace(caller, request.pid)
+        try:
+            with (
+                self.budget.hold(sum(request.prev_sizes)),
+                self._private_dir("pre-dump", caller) as dirs,
+            ):
+                top, images, work = dirs
+                args = ["-W", _fd_path(work), "--track-mem", "--pre-dump-mode", "read"]
+                args += self._prev(caller, request, fds, top)
+                rpc = criurpc.dump_request(request.pid, _fd_path(images), "dump.log", pre_dump=True)
+                self._run_criu(caller, dirs, args, rpc, lambda: True)
+                caller.ensure_alive()
+                task.ensure_alive()
+                result, out_fds = self._hand_back(caller, top)
+        finally:
+            task.close()
+        return _Reply(result, out_fds)
+
+    def _prev(
+        self,
+        caller: peers.Caller,
+        request: DumpRequest | PreDumpRequest,
+        fds: list[int],
+        top: Path,
+    ) -> list[str]:
+        """The stub of the images a tracked dump builds on, copied beside its images as
+        ``prev`` (each file checked against its own seal; the empty pages files its
+        pagemaps name made here), and CRIU's options for it; none without a stub."""
+        if not request.prev:
+            return []
+        owner = (caller.uid, caller.gid)
+        prev = top / "prev"
+        prev.mkdir(mode=0o700)
+        os.chown(prev, *owner)
+        copied = [
+            (name, copy_in(fd, size, prev / name, owner), seal)
+            for fd, size, name, seal in zip(
+                fds, request.prev_sizes, request.prev, request.prev_seals, strict=True
+            )
+        ]
+        self.sealer.check_files(caller.pod_name, copied)
+        for name in request.prev:
+            if name.startswith("pagemap-"):
+                pages = prev / parse_pagemap((prev / name).read_bytes(), name).pages_file
+                os.close(os.open(pages, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+                os.chown(pages, *owner)
+        # Relative: CRIU resolves it from the images directory's real place, and keeps it
+        # as the images' "parent" link (not handed back: only regular files are).
+        return ["--prev-images-dir", "../prev"]
+
+    def _run_criu(
+        self,
+        caller: peers.Caller,
+        dirs: tuple[Path, int, int],
+        args: list[str],
+        rpc: bytes,
+        at_freeze: Callable[[], bool],
+    ) -> None:
+        """``criu ARGS swrk`` in the caller's pod for the RPC request ``rpc``
+        (nodeagent/criurpc.py) on ``dirs`` (:meth:`_private_dir`), answering its
+        post-dump step with ``at_freeze``; DumpError with CRIU's words if it failed."""
+        top, images, work = dirs
+        procs = cgroup_procs_files(caller.cgroup)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with ours:
+            with theirs, caller.namespaces() as namespaces:
+                process = self.pod_criu.start(
+                    namespaces,
+                    (caller.uid, caller.gid),
+                    procs,
+                    [*args, "swrk", str(theirs.fileno())],
+                    [images, work, theirs.fileno()],
+                )
+            try:
+                ours.settimeout(RUN_SECONDS)
+                error = criurpc.converse(ours, rpc, at_freeze)
+            finally:
+                # Closed first: a CRIU still waiting for an answer fails the dump, and the
+                # tree it froze runs on.
+                ours.close()
+                rc, output = finish(process)
+        if error is not None or rc != 0:
+            excerpt = log_excerpt(top / "work" / "dump.log", output + (error or ""))
+            message, hint = explain_failure(excerpt, restoring=False)
+            raise DumpError(message, hint=hint, log_excerpt=excerpt)
+
+    def _hand_back(self, caller: peers.Caller, top: Path) -> tuple[dict[str, Any], list[int]]:
+        """The images of a dump or pre-dump, hashed and sealed (the set, and each file on
+        its own), opened for the caller; what its CRIU run copied, from its log."""
+        files = [
+            hash_file(path)
+            for path in sorted((top / "images").iterdir())
+            if path.is_file() and not path.is_symlink()
+        ]
+        pod = caller.pod_name
+        dump_log = top / "work" / "dump.log"
         result = {
             "files": [f.name for f in files],
-            "seal": seal,
-            "frozen_seconds": frozen,
+            "seal": self.sealer.seal(pod, files),
+            "seals": [self.sealer.seal_file(pod, f) for f in files],
+            "frozen_seconds": frozen_seconds(dump_log),
+            "copied_bytes": copied_bytes(dump_log),
             "criu_version": self.criu.version_text,
-            "stopped": bool(stopped),
         }
-        return _Reply(result, out_fds, stopped)
+        return result, [os.open(top / "images" / f.name, os.O_RDONLY) for f in files]
 
     def restore(
         self, caller: peers.Caller, request: RestoreRequest, fds: list[int]
@@ -410,11 +508,15 @@ class Agent:
         files_fds, inherit_fds = fds[: len(request.files)], fds[len(request.files) :]
         budget = self.budget.hold(sum(request.sizes))
         with budget, self._private_dir("restore", caller) as (top, images, work):
-            copied = [
-                copy_in(fd, size, top / "images" / name, (caller.uid, caller.gid))
-                for fd, size, name in zip(files_fds, request.sizes, request.files, strict=True)
-            ]
-            self.sealer.check(caller.pod_name, copied, request.seal)
+            owner = (caller.uid, caller.gid)
+            copied: dict[str, ImageFile] = {}
+            for fd, size, name in zip(files_fds, request.sizes, request.files, strict=True):
+                _make_levels(top / "images", name, owner)
+                copied[name] = copy_in(fd, size, top / "images" / name, owner)
+            own = [copied[name] for name in request.files if "/" not in name]
+            self.sealer.check(caller.pod_name, own, request.seal)
+            levels = zip(request.levels(), request.level_seals, strict=True)
+            self.sealer.check_files(caller.pod_name, [(n, copied[n], s) for n, s in levels])
             tcp = TCP_KEEP_RESTORE_OPTIONS if request.keep_tcp else ("--tcp-close",)
             args = ["restore", "-D", _fd_path(images), "-W", _fd_path(work)]
             args += ["-o", "restore.log", "-v4", "--file-locks", "--restore-detached"]
@@ -499,6 +601,17 @@ def _frozen_copy(conn: socket.socket, caller: peers.Caller) -> bool:
         log.warning("%s: %s", caller.describe(), peers.ENDED)
         return False
     return copied
+
+
+def _make_levels(images: Path, name: str, owner: tuple[int, int]) -> None:
+    """The directories of the chain's levels that ``name`` (``parent/.../pages-1.img``,
+    checked by the protocol) is in, below ``images``, as the caller's (CRIU reads them)."""
+    level = images
+    for _ in range(name.count("/")):
+        level = level / PARENT
+        if not level.is_dir():
+            level.mkdir(mode=0o700)
+            os.chown(level, *owner)
 
 
 def _fd_path(fd: int) -> str:

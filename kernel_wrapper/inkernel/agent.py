@@ -39,7 +39,7 @@ from typing import Any
 
 import zmq
 
-from jupyter_ext.core.memtrack import TrackingUnavailable, open_tracking_fd
+from jupyter_ext.core.memtrack import TrackingUnavailable, open_tracking_fd, why_unavailable
 
 from .contents import CellLog, summarize_namespace
 
@@ -81,7 +81,7 @@ class TrackerHandover:
         try:
             fd = open_tracking_fd()
         except TrackingUnavailable as exc:
-            return {"error": f"no userfaultfd for memory tracking here: {exc.strerror}"}
+            return {"error": f"the kernel cannot open a userfaultfd: {why_unavailable(exc)}"}
         timer = threading.Timer(TRACKER_HANDOVER_SECONDS, self._close, (fd,))
         timer.daemon = True
         with self._lock:

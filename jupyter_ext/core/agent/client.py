@@ -3,9 +3,16 @@
 The wrapper's dumps and restores call :class:`AgentCriu` exactly as they call
 :class:`~jupyter_ext.core.criu.Criu`; it asks the node agent instead of running CRIU.
 A dump's images come back as descriptors of the agent's files and are copied into the
-snapshot's images directory, with the agent's seal beside them (:data:`SEAL_FILE`); a
-restore hands the agent those files and the seal, and the descriptors the restored
-kernel inherits (its output pipe, its runtime directory, its /dev/shm files). Copies
+snapshot's images directory, with the agent's seals beside them (:data:`SEAL_FILE`: the
+seal of the whole set, and each file's own); a restore hands the agent those files and
+the seal, and the descriptors the restored kernel inherits (its output pipe, its runtime
+directory, its /dev/shm files).
+
+Memory tracking goes through the agent too (core/agent/protocol.py, "Chains"): a tracked
+dump or a pre-copy round (``pre_dump``) sends the stub of the images it builds on, each
+file with its own seal (the seals file travels with a level: core/criu/chain.py), and a
+restore of a chain sends every level's files by their paths below the images, each with
+its seal. The kernel's tracker is the wrapper's (kernel_wrapper/memory.py), as in-pod. Copies
 made while the tree is frozen (its /dev/shm files, its logs) are made here, when the
 agent says the tree is frozen. What the agent does not do for a pod (lazy restore, a
 network or mount namespace of its own: docs/agent.md) is refused here, saying so, before
@@ -35,15 +42,19 @@ from typing import TYPE_CHECKING, Any
 
 from .. import proctree
 from ..criu import UNPRIVILEGED_NO_LAZY, Criu, FrozenCopy, LazyTransfer, parse_version
+from ..criu.chain import PARENT, SEAL_FILE, is_level_file
 from ..errors import DumpError, RestoreError, SnapshotError
 from .protocol import (
     DEFAULT_SOCKET_DIR,
     ENV_AGENT_SOCKET,
+    MAX_LEVELS,
     AgentIncompatibleError,
+    AgentRequestError,
     AgentUnavailableError,
     DumpRequest,
     Hello,
     HelloRequest,
+    PreDumpRequest,
     RestoreRequest,
     _Request,
     check_reply_version,
@@ -56,8 +67,8 @@ from .protocol import (
 if TYPE_CHECKING:
     from ..isolation.netns import OwnNetwork
 
-#: In a snapshot's images directory: the agent's seal and the files it covers.
-SEAL_FILE = "agent-seal.json"
+#: In a dump's work directory: what the agent said of its CRIU run (it ran elsewhere).
+RUN_FILE = "agent-run.json"
 #: How often an ended kernel's processes are looked at until their parents reaped them.
 REAP_POLL = 0.005
 #: How long one request to the agent may take (a dump of a large kernel, its copy).
@@ -116,8 +127,7 @@ def call(
             raise
         result = reply.get("result", {})
         count = len(result.get("files", [])) if isinstance(result, dict) else 0
-        if isinstance(request, DumpRequest):
-            received += receive_more(sock, count - len(received))
+        received += receive_more(sock, count - len(received))
         return result, received
     except (TimeoutError, ConnectionError) as exc:
         raise AgentUnavailableError(
@@ -174,8 +184,11 @@ class AgentCriu(Criu):
     @classmethod
     def connect(cls, socket_path: Path) -> AgentCriu:
         """The agent on ``socket_path``, once it answered a hello in this protocol version
-        (its CRIU's version, who it takes the caller for)."""
-        result, _ = call(socket_path, HelloRequest())
+        (its CRIU's version, who it takes the caller for, how it tracks memory)."""
+        try:
+            result, _ = call(socket_path, HelloRequest(tracking=True))
+        except AgentRequestError:  # of before memory tracking, or refusing this pod
+            result, _ = call(socket_path, HelloRequest())
         hello = Hello.parse(result)
         version = parse_version(f"Version: {hello.criu_version}") or (0,)
         return cls(socket_path, version, f"node agent (owner {hello.owner})", hello)
@@ -184,7 +197,25 @@ class AgentCriu(Criu):
         return True  # the agent's CRIU has CAP_NET_ADMIN for a dump that keeps them
 
     def dirty_tracking(self) -> tuple[str | None, str]:
-        return None, "snapshots through the node agent copy the whole memory (docs/agent.md)"
+        kind = self.hello.dirty_tracking
+        if kind is None:
+            return None, (
+                "the node agent is of an older release, which copies the whole memory at "
+                "every snapshot (upgrade its DaemonSet, deploy/agent/agent.yaml)"
+            )
+        if not kind:
+            return None, (
+                "the node agent's CRIU cannot track memory on this node (no soft-dirty bits, "
+                "no userfaultfd write-protection: Linux >= 6.7 and the CRIU of the agent's "
+                "image are needed)"
+            )
+        return kind, f"the node agent's CRIU, with the {kind} bits of the kernel's memory"
+
+    def copied_bytes(self, work_dir: Path) -> int:
+        try:
+            return int(json.loads((work_dir / RUN_FILE).read_text())["copied_bytes"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
 
     def supports_lazy_pages(self) -> tuple[bool, str]:
         return False, (
@@ -210,8 +241,7 @@ class AgentCriu(Criu):
     ) -> float:
         if netns is not None:
             raise _not_through_agent("a network namespace of its own", DumpError)
-        if track_mem or prev_images is not None:
-            raise _not_through_agent("memory tracking", DumpError)
+        prev = _Stub.of(prev_images)
         request = DumpRequest(
             pid=pid,
             leave_running=leave_running,
@@ -220,17 +250,14 @@ class AgentCriu(Criu):
             open_by_fd=list(open_by_fd),
             frozen_copy=frozen is not None,
             keep_tcp=keep_tcp,
+            track_mem=track_mem or prev_images is not None,
+            prev=prev.names,
+            prev_sizes=prev.sizes,
+            prev_seals=prev.seals,
         )
         on_frozen = frozen.run if frozen is not None else None
         try:
-            result, fds = await asyncio.to_thread(call, self.path, request, (), on_frozen)
-            try:
-                await asyncio.to_thread(_copy_out, fds, result["files"], images_dir)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            seal = {"seal": result["seal"], "files": result["files"]}
-            (images_dir / SEAL_FILE).write_text(json.dumps(seal))
+            result = await self._dumped(request, prev, images_dir, work_dir, on_frozen)
         except BaseException:
             if not leave_running:
                 # The agent may have stopped the tree before it went away: it runs on.
@@ -239,6 +266,54 @@ class AgentCriu(Criu):
         if not leave_running:
             await asyncio.to_thread(_end_tree, pid)
         return float(result["frozen_seconds"])
+
+    async def pre_dump(
+        self,
+        pid: int,
+        images_dir: Path,
+        work_dir: Path,
+        *,
+        prev_images: Path | None = None,
+        netns: OwnNetwork | None = None,
+    ) -> float:
+        if netns is not None:
+            raise _not_through_agent("a network namespace of its own", DumpError)
+        prev = _Stub.of(prev_images)
+        request = PreDumpRequest(
+            pid=pid, prev=prev.names, prev_sizes=prev.sizes, prev_seals=prev.seals
+        )
+        result = await self._dumped(request, prev, images_dir, work_dir, None)
+        return float(result["frozen_seconds"])
+
+    async def _dumped(
+        self,
+        request: DumpRequest | PreDumpRequest,
+        prev: _Stub,
+        images_dir: Path,
+        work_dir: Path,
+        on_frozen: Callable[[], bool] | None,
+    ) -> dict[str, Any]:
+        """Ask the agent for ``request``, its images copied into ``images_dir`` with their
+        seals, what it said of its CRIU run into ``work_dir``; the agent's result."""
+        try:
+            result, fds = await asyncio.to_thread(call, self.path, request, prev.fds, on_frozen)
+        finally:
+            prev.close()
+        try:
+            await asyncio.to_thread(_copy_out, fds, result["files"], images_dir)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        seals = result.get("seals") or []
+        record = {
+            "seal": result["seal"],
+            "files": result["files"],
+            "seals": dict(zip(result["files"], seals, strict=True)) if seals else {},
+        }
+        (images_dir / SEAL_FILE).write_text(json.dumps(record))
+        run = {"copied_bytes": int(result.get("copied_bytes", 0))}
+        (work_dir / RUN_FILE).write_text(json.dumps(run))
+        return dict(result)
 
     async def restore(
         self,
@@ -264,16 +339,25 @@ class AgentCriu(Criu):
                 hint="Restore it in a pod in in-pod mode (deploy/z2jh/inpod.yaml).",
             ) from exc
         files: list[str] = seal["files"]
+        levels = _sealed_levels(images_dir)
+        if levels and self.hello.dirty_tracking is None:
+            raise RestoreError(
+                "This snapshot builds on earlier ones (a chain of memory levels), which the "
+                "node agent, of an older release, cannot restore.",
+                hint="Upgrade the node agent's DaemonSet (deploy/agent/agent.yaml) to this "
+                "release, or restore the snapshot in in-pod mode.",
+            )
         request = RestoreRequest(
-            files=files,
+            files=[*files, *(path for path, _ in levels)],
             sizes=[],
             seal=seal["seal"],
             inherit=[resource for _, resource in inherit_fds],
             keep_tcp=keep_tcp,
+            level_seals=[level_seal for _, level_seal in levels],
         )
         fds: list[int] = []
         try:
-            for name in files:
+            for name in request.files:
                 fds.append(os.open(images_dir / name, os.O_RDONLY | os.O_NOFOLLOW))
             request = dataclasses.replace(request, sizes=[os.fstat(fd).st_size for fd in fds])
             result, _ = await asyncio.to_thread(
@@ -287,6 +371,100 @@ class AgentCriu(Criu):
     async def restore_lazy(self, *args: Any, **kwargs: Any) -> tuple[int, LazyTransfer]:
         """Refused whatever it is asked (:meth:`Criu.restore_lazy` has the arguments)."""
         raise _not_through_agent("a lazy restore", RestoreError)
+
+
+@dataclass
+class _Stub:
+    """What a tracked dump sends of the images it builds on (``prev``): their inventory
+    and pagemaps, opened, each with its size and the agent's seal of it."""
+
+    names: list[str] = dataclasses.field(default_factory=list)
+    sizes: list[int] = dataclasses.field(default_factory=list)
+    seals: list[str] = dataclasses.field(default_factory=list)
+    fds: list[int] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, images: Path | None) -> _Stub:
+        """The stub of ``images`` (a dump's or pre-dump's directory, or a stub of one,
+        core/criu/chain.py: with the agent's seals), or an empty one for None."""
+        stub = cls()
+        if images is None:
+            return stub
+        seals = _seals_of(images, DumpError)
+        try:
+            for path in sorted(images.iterdir()):
+                if not is_level_file(path.name) or path.name.startswith(("pages-", SEAL_FILE)):
+                    continue  # CRIU reads only the inventory and pagemaps of a dump's parent
+                if path.name not in seals:
+                    raise _unsealed(path, DumpError)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                stub.fds.append(fd)
+                stub.names.append(path.name)
+                stub.sizes.append(os.fstat(fd).st_size)
+                stub.seals.append(seals[path.name])
+        except BaseException:
+            stub.close()
+            raise
+        return stub
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
+
+
+#: What to do when images a dump builds on, or a level of a snapshot, have no seal.
+_UNSEALED_HINTS: dict[type[SnapshotError], str] = {
+    DumpError: "Take a new snapshot: the kernel's next one copies its whole memory.",
+    RestoreError: "Restore another snapshot of the kernel, or this one in in-pod mode.",
+}
+
+
+def _seals_of(level: Path, error: type[SnapshotError]) -> dict[str, str]:
+    """The agent's seal of each file of ``level`` (its :data:`SEAL_FILE`)."""
+    try:
+        seals = json.loads((level / SEAL_FILE).read_text())["seals"]
+        if not isinstance(seals, dict):
+            raise TypeError(type(seals).__name__)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise error(
+            f"The memory images in {level} have no seals of the node agent's: a snapshot "
+            "builds through the agent only on images the agent sealed file by file (an "
+            "agent of an older release did not).",
+            hint=_UNSEALED_HINTS[error],
+        ) from exc
+    return {str(name): str(seal) for name, seal in seals.items()}
+
+
+def _unsealed(path: Path, error: type[SnapshotError]) -> SnapshotError:
+    return error(
+        f"The memory image {path} has no seal of the node agent's.", hint=_UNSEALED_HINTS[error]
+    )
+
+
+def _sealed_levels(images_dir: Path) -> list[tuple[str, str]]:
+    """The files of the levels below ``images_dir`` (``parent/...``, the kernel's earlier
+    dumps: core/criu/chain.py) that a restore reads, by path, each with its seal."""
+    found: list[tuple[str, str]] = []
+    level, rel = images_dir / PARENT, PARENT
+    depth = 0
+    while level.is_dir():
+        depth += 1
+        if depth > MAX_LEVELS:
+            raise RestoreError(
+                f"This snapshot's chain of memory levels is deeper than {MAX_LEVELS}, the "
+                "most the node agent restores.",
+                hint="Take a new snapshot of the kernel and restore that one.",
+            )
+        seals = _seals_of(level, RestoreError)
+        for path in sorted(level.iterdir()):
+            if path.name == SEAL_FILE or not is_level_file(path.name) or path.is_symlink():
+                continue
+            if path.name not in seals:
+                raise _unsealed(path, RestoreError)
+            found.append((f"{rel}/{path.name}", seals[path.name]))
+        level, rel = level / PARENT, f"{rel}/{PARENT}"
+    return found
 
 
 def _copy_out(fds: Sequence[int], names: Sequence[str], images_dir: Path) -> None:

@@ -23,8 +23,22 @@ tree and holds it frozen, the agent sends ``{"v": 2, "frozen": true}`` and waits
 caller's ``{"v": 2, "copied": true}`` (its /dev/shm files and logs copied; ``false``: the
 dump fails and the tree runs on) for at most :data:`FROZEN_COPY_SECONDS`.
 
-Fields that only some requests need (a dump's ``open_by_fd``, ``frozen_copy`` and
-``keep_tcp``, a restore's ``keep_tcp``) have defaults and are not sent at them.
+Fields that only some requests need (a dump's ``open_by_fd``, ``frozen_copy``,
+``keep_tcp``, ``track_mem`` and ``prev*``, a restore's ``keep_tcp`` and ``level_seals``)
+have defaults and are not sent at them: an agent of before they existed serves the
+requests that do not use them. A hello asks for the agent's ``dirty_tracking`` in such
+a field (``tracking``); refused by an agent of before memory tracking, it is asked again
+without, and the caller then neither tracks nor sends chains. A caller of before it gets
+the hello it knows.
+
+**Chains of memory levels** (core/criu/chain.py). A tracked dump copies only the pages
+written since the tree's previous dump or pre-dump (``pre_dump``: copied while the tree
+runs), whose images it is given as a *stub*: that dump's ``inventory.img`` and
+``pagemap-N.img`` as descriptors (``prev``), each with its size and the seal the agent
+gave it; the agent makes their empty ``pages-N.img`` itself. A restore of such a snapshot
+gives the files of every level below its own images by their paths
+(``parent/pages-1.img``, ``parent/parent/...``), each with its own seal
+(``level_seals``): the levels come from several dumps.
 """
 
 from __future__ import annotations
@@ -39,12 +53,15 @@ from collections.abc import Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, ClassVar, Self
 
+from ..criu.chain import PARENT
 from ..criu.options import GHOST_LIMIT_MAX
 from ..errors import SnapshotError
 
 #: The protocol version: a request of another version is refused, naming both. 2: a
 #: restore gives each image's size; a dump never ends the kernel (``leave_running``); a
-#: dump may keep connections and have its caller copy while frozen (``frozen_copy``).
+#: dump may keep connections and have its caller copy while frozen (``frozen_copy``);
+#: memory tracking (``pre_dump``, a dump's ``track_mem`` and ``prev``, a restore's
+#: ``level_seals``, the hello's ``dirty_tracking``) came later, in optional fields.
 VERSION = 2
 #: Where the agent listens in its own mount namespace, and where user pods see the socket
 #: (the CSI volume's mount path, deploy/z2jh/config.yaml).
@@ -69,11 +86,23 @@ IMAGE_SIZE_MAX = 1 << 40
 #: How long the agent holds a tree frozen for its caller's copies (a dump's frozen_copy).
 FROZEN_COPY_SECONDS = 600.0
 
+#: The deepest chain of memory levels below a snapshot's own images (core/memtrack/plan.py
+#: starts a new chain at 16 levels; a snapshot's pre-copy rounds add up to 3).
+MAX_LEVELS = 32
+#: How the agent's CRIU may track memory between dumps (``Criu.dirty_tracking``; "":
+#: it cannot on this node).
+DIRTY_TRACKING = ("", "userfaultfd", "soft-dirty")
+
 _EXTERNAL = re.compile(r"file\[[0-9a-f]{1,16}:[0-9a-f]{1,16}\]")
 _INHERITED = re.compile(r"pipe:\[[0-9]{1,20}\]|file\[[0-9a-f]{1,16}:[0-9a-f]{1,16}\]")
 #: CRIU's image names (``core-4123.img``, ``pages-1.img``, ``stats-dump``...): no path.
 _IMAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _SEAL = re.compile(r"[0-9a-f]{64}")
+#: What a level of a chain holds (core/criu/chain.py), and of it what a dump's stub sends.
+_LEVEL_NAME = r"(inventory\.img|pagemap-[0-9]{1,10}\.img|pages-[0-9]{1,10}\.img)"
+_PREV_FILE = re.compile(r"inventory\.img|pagemap-[0-9]{1,10}\.img")
+#: A restore's files: its own images, and its levels' files by their paths below them.
+_RESTORED_FILE = re.compile(rf"{_IMAGE_NAME.pattern}|({PARENT}/){{1,{MAX_LEVELS}}}{_LEVEL_NAME}")
 _CRIU_VERSION = re.compile(r"[0-9]{1,4}(\.[0-9]{1,4}){0,3}")
 
 
@@ -183,11 +212,48 @@ def _check_strings(
     return value
 
 
+def _check_sizes(op: str, name: str, value: object, count: int) -> None:
+    if (
+        not isinstance(value, list)
+        or len(value) != count
+        or any(type(n) is not int or not 0 <= n <= IMAGE_SIZE_MAX for n in value)
+    ):
+        raise _refuse(
+            f"{op}: {name} must be a list of {count} integers 0..{IMAGE_SIZE_MAX}, one per file"
+        )
+
+
+def _check_seals(op: str, name: str, value: object, count: int) -> None:
+    if (
+        not isinstance(value, list)
+        or len(value) != count
+        or any(not isinstance(s, str) or not _SEAL.fullmatch(s) for s in value)
+    ):
+        raise _refuse(f"{op}: {name} must be a list of {count} seals (64 hex digits), one per file")
+
+
+def _check_prev(op: str, prev: object, sizes: object, seals: object) -> None:
+    """A stub of the images a tracked dump builds on: an inventory and pagemaps, each with
+    its size and seal (the module's docstring)."""
+    names = _check_strings(op, "prev", prev, _PREV_FILE, MAX_FILES)
+    if names and "inventory.img" not in names:
+        raise _refuse(f"{op}: prev has no inventory.img")
+    _check_sizes(op, "prev_sizes", sizes, len(names))
+    _check_seals(op, "prev_seals", seals, len(names))
+
+
 @dataclass(frozen=True)
 class HelloRequest(_Request):
     """Who the agent takes the caller for, and its versions (doctor, tests)."""
 
     op: ClassVar[str] = "hello"
+    tracking: bool = False
+    """Ask also how the agent's CRIU tracks memory (:attr:`Hello.dirty_tracking`). An
+    agent of before memory tracking refuses the field (the caller asks again without it);
+    a caller of before it does not ask, and gets the hello it knows."""
+
+    def check(self) -> None:
+        _check_bool(self.op, "tracking", self.tracking)
 
 
 @dataclass(frozen=True)
@@ -204,16 +270,21 @@ class Hello:
     """The caller's pod cgroup."""
     container: str
     """The caller's container id."""
+    dirty_tracking: str | None = None
+    """How the agent's CRIU tracks memory between dumps on this node, as it runs for pods
+    (one of :data:`DIRTY_TRACKING`, "" where it cannot), sent when asked
+    (:attr:`HelloRequest.tracking`); None: an agent of before memory tracking."""
 
     @classmethod
     def parse(cls, result: Any) -> Hello:
         """The hello reply's ``result``, every field checked; AgentIncompatibleError
         names the first that is missing or not what this version sends."""
         names = [f.name for f in fields(cls)]
-        if not isinstance(result, dict) or sorted(result) != sorted(names):
+        required = [f.name for f in fields(cls) if f.default is MISSING]
+        if not isinstance(result, dict) or not set(required) <= set(result) <= set(names):
             shown = sorted(result) if isinstance(result, dict) else type(result).__name__
             raise _incompatible(f"its hello has {shown}, not the fields {names}")
-        for name in names:
+        for name in result:
             kind = int if name == "version" else str
             if type(result[name]) is not kind:
                 shown = type(result[name]).__name__
@@ -222,6 +293,8 @@ class Hello:
             raise _incompatible(f"it speaks protocol version {result['version']}")
         if not _CRIU_VERSION.fullmatch(result["criu_version"]):
             raise _incompatible(f"its hello's criu_version {result['criu_version'][:40]!r}")
+        if result.get("dirty_tracking", "") not in DIRTY_TRACKING:
+            raise _incompatible(f"its hello's dirty_tracking {result['dirty_tracking'][:40]!r}")
         return cls(**result)
 
 
@@ -264,6 +337,15 @@ class DumpRequest(_Request):
     keep_tcp: bool = False
     """Connections inside the tree keep their state (TCP repair); the others are saved
     closed."""
+    track_mem: bool = False
+    """Protect the pages copied, so that a later dump can copy only those written since
+    (CRIU's ``--track-mem``; the caller holds the kernel's tracker, docs/agent.md)."""
+    prev: list[str] = field(default_factory=list)
+    """The stub of the images this dump builds on (the module's docstring): only pages
+    written since them are copied. Needs ``track_mem``."""
+    prev_sizes: list[int] = field(default_factory=list)
+    prev_seals: list[str] = field(default_factory=list)
+    """Each file of ``prev``'s seal, as the agent's reply gave it (``seals``)."""
 
     def check(self) -> None:
         _check_pid(self.op, "pid", self.pid)
@@ -276,6 +358,34 @@ class DumpRequest(_Request):
             raise _refuse("dump: open_by_fd names a file that is not among externals")
         _check_bool(self.op, "frozen_copy", self.frozen_copy)
         _check_bool(self.op, "keep_tcp", self.keep_tcp)
+        _check_bool(self.op, "track_mem", self.track_mem)
+        _check_prev(self.op, self.prev, self.prev_sizes, self.prev_seals)
+        if self.prev and not self.track_mem:
+            raise _refuse("dump: prev needs track_mem")
+
+    def expected_fds(self) -> int:
+        return len(self.prev)
+
+
+@dataclass(frozen=True)
+class PreDumpRequest(_Request):
+    """Copy the memory of the process tree of ``pid`` while it runs (``criu pre-dump
+    --pre-dump-mode read --track-mem``): frozen only to read and protect its page tables.
+    A later dump or pre-dump given these images as ``prev`` copies what was written
+    since. ``prev``: as a dump's (without it, every page is copied)."""
+
+    op: ClassVar[str] = "pre_dump"
+    pid: int
+    prev: list[str] = field(default_factory=list)
+    prev_sizes: list[int] = field(default_factory=list)
+    prev_seals: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        _check_pid(self.op, "pid", self.pid)
+        _check_prev(self.op, self.prev, self.prev_sizes, self.prev_seals)
+
+    def expected_fds(self) -> int:
+        return len(self.prev)
 
 
 @dataclass(frozen=True)
@@ -283,7 +393,8 @@ class RestoreRequest(_Request):
     """Restore the images given as descriptors (one per name in ``files``, in order),
     sealed by this cluster's agents for the caller's pod name, into the caller's pod. Then
     one descriptor per entry of ``inherit``: what the restored tree gets in place of that
-    resource (CRIU's ``--inherit-fd``)."""
+    resource (CRIU's ``--inherit-fd``). ``files`` may name the files of a chain's levels by
+    their paths (``parent/pages-1.img``), each with its seal in ``level_seals``."""
 
     op: ClassVar[str] = "restore"
     files: list[str]
@@ -295,24 +406,26 @@ class RestoreRequest(_Request):
     inherit: list[str]
     keep_tcp: bool = False
     """The images keep connections with their state (a dump with ``keep_tcp``)."""
+    level_seals: list[str] = field(default_factory=list)
+    """The seal of each file of ``files`` below the images' own (``parent/...``), in
+    their order: each level is another dump's, whose files the agent sealed one by one."""
 
     def check(self) -> None:
-        _check_strings(self.op, "files", self.files, _IMAGE_NAME, MAX_FILES)
+        _check_strings(self.op, "files", self.files, _RESTORED_FILE, MAX_FILES)
         if not self.files:
             raise _refuse("restore: files is empty")
-        if (
-            not isinstance(self.sizes, list)
-            or len(self.sizes) != len(self.files)
-            or any(type(n) is not int or not 0 <= n <= IMAGE_SIZE_MAX for n in self.sizes)
-        ):
-            raise _refuse(
-                f"restore: sizes must be a list of {len(self.files)} integers "
-                f"0..{IMAGE_SIZE_MAX}, one per file"
-            )
+        if PARENT in self.files:
+            raise _refuse(f"restore: files names {PARENT!r}, the directory of a chain's levels")
+        _check_sizes(self.op, "sizes", self.sizes, len(self.files))
         if not isinstance(self.seal, str) or not _SEAL.fullmatch(self.seal):
             raise _refuse("restore: seal must be 64 hex digits")
         _check_strings(self.op, "inherit", self.inherit, _INHERITED, MAX_EXTERNALS)
         _check_bool(self.op, "keep_tcp", self.keep_tcp)
+        _check_seals(self.op, "level_seals", self.level_seals, len(self.levels()))
+
+    def levels(self) -> list[str]:
+        """The files of ``files`` that are in levels below the images' own."""
+        return [name for name in self.files if "/" in name]
 
     def expected_fds(self) -> int:
         return len(self.files) + len(self.inherit)
@@ -320,7 +433,7 @@ class RestoreRequest(_Request):
 
 #: Every operation by name.
 REQUESTS: dict[str, type[_Request]] = {
-    cls.op: cls for cls in (HelloRequest, DumpRequest, RestoreRequest)
+    cls.op: cls for cls in (HelloRequest, DumpRequest, PreDumpRequest, RestoreRequest)
 }
 
 

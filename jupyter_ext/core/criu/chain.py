@@ -16,9 +16,10 @@ so a store that keeps the parent keeps them by the same chunks: unchanged memory
 read, hashed or stored again.
 
 Only what a restore reads of a parent level is kept there: its inventory, pagemaps and
-pages files. A chain grows by one level per snapshot (two when it was pre-copied, see
-kernel_wrapper/memory.py); :func:`chain_stats` tells how much of it later levels replaced,
-which decides when the next snapshot starts a new chain (core/memtrack/plan.py).
+pages files (and the node agent's seals of them, :data:`SEAL_FILE`). A chain grows by one
+level per snapshot (two when it was pre-copied, see kernel_wrapper/memory.py);
+:func:`chain_stats` tells how much of it later levels replaced, which decides when the
+next snapshot starts a new chain (core/memtrack/plan.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ from ..manifest import IMAGES_DIR, FileEntry, Manifest
 
 PARENT = "parent"
 """CRIU's name for the parent images of an images directory."""
-_LEVEL_FILE = re.compile(r"^(inventory\.img|pagemap-\d+\.img|pages-\d+\.img)$")
+SEAL_FILE = "agent-seal.json"
+"""In an images directory dumped through the node agent: the agent's seals of its files
+(core/agent/client.py). A level keeps it: a restore through the agent checks each of
+the level's files against it."""
+_LEVEL_FILE = re.compile(r"^(inventory\.img|pagemap-\d+\.img|pages-\d+\.img|agent-seal\.json)$")
 
 
 def is_level_file(name: str) -> bool:

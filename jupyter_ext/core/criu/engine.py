@@ -38,7 +38,7 @@ from ..isolation.confinement import Confinement
 from ..protocol import ENV_CRIU, ENV_CRIU_PREFIX
 from .frozen import FrozenCopy
 from .lazy import UNPRIVILEGED_NO_LAZY, LazyTransfer
-from .log import explain_failure, frozen_seconds, log_excerpt
+from .log import copied_bytes, explain_failure, frozen_seconds, log_excerpt
 from .options import (
     DEFAULT_GHOST_LIMIT,
     TCP_DUMP_OPTIONS,
@@ -302,16 +302,12 @@ class Criu:
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             return None, str(exc)
-        text = out.stdout + out.stderr
-        if out.returncode != 0 or "is supported" not in text:
-            return None, (
-                "this CRIU cannot track memory here (no soft-dirty bits in the kernel, and "
-                "no userfaultfd write-protection: Linux >= 6.7 and the CRIU that "
-                "scripts/install-criu.sh builds are needed)"
-            )
-        if "write-protect bits" in text:
-            return "userfaultfd", "write-protect bits of an asynchronous userfaultfd"
-        return "soft-dirty", "the kernel's soft-dirty bits"
+        return dirty_tracking_said(out.returncode, out.stdout + out.stderr)
+
+    def copied_bytes(self, work_dir: Path) -> int:
+        """The memory the dump or pre-dump whose work directory is ``work_dir`` copied
+        (:func:`.log.copied_bytes` of its log)."""
+        return copied_bytes(work_dir / "dump.log")
 
     async def restore(
         self,
@@ -557,6 +553,19 @@ class Criu:
 KERNDAT_ATTEMPTS = 3
 #: :meth:`Criu.dirty_tracking` by CRIU binary (it asks the kernel once).
 _TRACKING: dict[str, tuple[str | None, str]] = {}
+
+
+def dirty_tracking_said(returncode: int, output: str) -> tuple[str | None, str]:
+    """What ``criu check --feature mem_dirty_track`` said (:meth:`Criu.dirty_tracking`)."""
+    if returncode != 0 or "is supported" not in output:
+        return None, (
+            "this CRIU cannot track memory here (no soft-dirty bits in the kernel, and "
+            "no userfaultfd write-protection: Linux >= 6.7 and the CRIU that "
+            "scripts/install-criu.sh builds are needed)"
+        )
+    if "write-protect bits" in output:
+        return "userfaultfd", "write-protect bits of an asynchronous userfaultfd"
+    return "soft-dirty", "the kernel's soft-dirty bits"
 
 
 def _tracking_args(track_mem: bool, prev_images: Path | None) -> list[str]:

@@ -15,7 +15,7 @@ How a kernel's dumps use it, and when they copy everything instead (and say why)
 """
 
 from .tracker import MemoryTracker, read_maps, start_time
-from .uffd import TrackingUnavailable, open_tracking_fd
+from .uffd import TrackingUnavailable, open_tracking_fd, why_unavailable
 
 __all__ = [
     "MemoryTracker",
@@ -23,4 +23,5 @@ __all__ = [
     "open_tracking_fd",
     "read_maps",
     "start_time",
+    "why_unavailable",
 ]

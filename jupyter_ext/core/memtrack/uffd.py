@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from pathlib import Path
 
 NR_USERFAULTFD = 323
 NR_PIDFD_OPEN = 434
@@ -82,6 +83,34 @@ def open_tracking_fd() -> int:
         os.close(fd)
         raise
     return fd
+
+
+#: Why a process under a seccomp filter gets no userfaultfd (docs/agent.md).
+SECCOMP_REFUSES = (
+    "a seccomp filter refuses the userfaultfd call here (the RuntimeDefault profiles of "
+    "containerd, CRI-O, podman and Docker refuse it to every container)"
+)
+
+
+def why_unavailable(exc: TrackingUnavailable) -> str:
+    """Why :func:`open_tracking_fd` failed in this process, in words."""
+    opening = str(exc.strerror).startswith("userfaultfd")
+    if opening and exc.errno in (errno.EPERM, errno.EACCES, errno.ENOSYS) and _filtered():
+        return SECCOMP_REFUSES
+    if opening and exc.errno == errno.ENOSYS:
+        return "this Linux kernel has no userfaultfd (CONFIG_USERFAULTFD)"
+    if not opening and exc.errno == errno.EINVAL:
+        return "this Linux kernel's userfaultfd has no asynchronous write-protection (< 6.7)"
+    return str(exc.strerror)
+
+
+def _filtered() -> bool:
+    """Whether this process runs under a seccomp filter."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    return any(line.split() == ["Seccomp:", "2"] for line in status.splitlines())
 
 
 def take_fd(pid: int, target_fd: int) -> int:
