@@ -39,15 +39,7 @@ from jupyter_ext.core.carried import appended, shmfiles
 from jupyter_ext.core.chunking import ChunkParams, auto_chunk_kib
 from jupyter_ext.core.criu import Criu, FrozenCopy, FrozenStep, external_file_key
 from jupyter_ext.core.criu.chain import (
-    PARENT,
-    ChainStats,
-    attach,
-    chain_stats_of,
-    keep_level_files,
-    level_files_of,
-    link_parent,
     make_stub,
-    parent_entries,
 )
 from jupyter_ext.core.errors import KernelNotRunningError, SnapshotError
 from jupyter_ext.core.gpu import GpuCheckpoint
@@ -68,7 +60,7 @@ from jupyter_ext.core.protocol import ProgressCallback, SnapshotArgs
 from .channels import InnerChannels
 from .dumptree import KernelTree
 from .lifecycle import State
-from .memory import Level, Parent
+from .memory import Level, MemoryCopy, Parent
 from .parts import KernelParts
 from .runtime import RuntimeDir
 
@@ -135,17 +127,8 @@ class _Dumped:
     frozen_seconds: float = 0.0
     shm_copy_seconds: float = 0.0
     pause_seconds: float = 0.0
-    plan: DumpPlan | None = None
-    """How the memory was copied (None: untracked, as before the plan existed)."""
-    levels: list[Level] = dataclasses.field(default_factory=list)
-    """The pre-copy rounds' levels, oldest first."""
-    precopy_stopped: str = ""
-    """Why the pre-copy rounds stopped (plan.precopy_stop)."""
-    frozen_bytes: int = 0
-    """The memory CRIU copied while the kernel was frozen."""
-    chain_entries: dict[str, FileEntry] = dataclasses.field(default_factory=dict)
-    """Entries of the chain's files hashed before the seal (levels and parent), by path."""
-    chain: ChainStats | None = None
+    copy: MemoryCopy | None = None
+    """How the memory was copied: plan, pre-copy levels, the chain (kernel_wrapper/memory.py)."""
 
 
 class Dumper:
@@ -169,15 +152,17 @@ class Dumper:
                     criu, staging, work_dir, args, progress, parent
                 )
             await self._copy_appended(dumped, hasher)
-            await asyncio.to_thread(self._link_chain, staging, dumped, parent)
+            if dumped.copy is not None:
+                await asyncio.to_thread(dumped.copy.link_chain, staging, parent)
             manifest = self._manifest(criu, dumped, args)
             progress({"phase": "hashing"})
-            manifest = await self._seal(staging, manifest, dest, hasher, dumped.chain_entries)
+            chain = dumped.copy.entries if dumped.copy else {}
+            manifest = await self._seal(staging, manifest, dest, hasher, chain)
         self.kernel.record.dumped(manifest)
         self.kernel.memory.dumped(
             manifest.id,
             inner_pid,
-            tracked=dumped.plan is not None and dumped.plan.track,
+            tracked=dumped.copy is not None and dumped.copy.plan.track,
             ended=not args.leave_running,
         )
         self.kernel.tracker.snapshot_taken()
@@ -265,9 +250,7 @@ class Dumper:
                 chunk_kib=chunk_kib,
                 gpu=gpu_info,
                 disconnect_seconds=disconnect_seconds,
-                plan=plan,
-                levels=levels,
-                precopy_stopped=stopped,
+                copy=MemoryCopy(plan, levels, stopped),
             )
             hasher = await self._criu_dump(criu, staging, work_dir, args, dumped, prev)
         except BaseException as exc:
@@ -415,7 +398,7 @@ class Dumper:
                     open_by_fd=tree.held.keys,
                     frozen=copier,
                     netns=self.kernel.process.network,
-                    track_mem=dumped.plan is not None and dumped.plan.track,
+                    track_mem=dumped.copy is not None and dumped.copy.plan.track,
                     prev_images=prev,
                 )
             except BaseException as exc:
@@ -429,7 +412,8 @@ class Dumper:
                     ) from exc
                 raise
             dumped.dump_seconds = time.monotonic() - dump_started
-            dumped.frozen_bytes = criu.copied_bytes(work_dir)
+            if dumped.copy is not None:
+                dumped.copy.frozen_bytes = criu.copied_bytes(work_dir)
             if copier is not None:
                 dumped.shm_files = shm.records
                 dumped.appended_files = logs.records
@@ -446,74 +430,6 @@ class Dumper:
                 self.kernel.relay.inner or InnerChannels(self.kernel.runtime.path)
             )
             self.kernel.lifecycle.enter(State.RUNNING)
-
-    # ------------------------------------------------------------------ the chain
-
-    @staticmethod
-    def _link_chain(staging: Path, dumped: _Dumped, parent: Parent | None) -> None:
-        """Step 6, the kernel running: make the dump's images self-contained. The
-        pre-copy levels go under ``images/parent`` (the newest first), the parent
-        snapshot's level files are hard-linked below them (core/criu/chain.py), and the
-        entries of every file hashed already are noted for the seal."""
-        plan = dumped.plan
-        if plan is None or not plan.track:
-            return
-        images = staging / IMAGES_DIR
-        entries: dict[str, FileEntry] = {}
-        depth = len(dumped.levels)
-        if plan.parent_id and parent is not None:
-            bottom = dumped.levels[0].directory if dumped.levels else images
-            link_parent(bottom, parent.directory / IMAGES_DIR, level_files_of(parent.manifest))
-            under = "/".join([IMAGES_DIR, *[PARENT] * (depth + 1)])
-            entries.update(parent_entries(parent.manifest, under))
-        for index, level in enumerate(dumped.levels):
-            keep_level_files(level.directory)
-            if index:
-                attach(level.directory, dumped.levels[index - 1].directory)
-            here = "/".join([IMAGES_DIR, *[PARENT] * (depth - index)])
-            for rel, entry in level.entries.items():
-                name = rel.rsplit("/", 1)[-1]
-                path = f"{here}/{name}"
-                entries[path] = FileEntry(path, entry.size, entry.sha256, entry.chunks)
-        if dumped.levels:
-            attach(images, dumped.levels[-1].directory)
-        dumped.chain_entries = entries
-        dumped.chain = chain_stats_of(staging)
-
-    @staticmethod
-    def _memory_record(dumped: _Dumped) -> dict[str, Any]:
-        """How the kernel's memory was copied, for the manifest's ``memory``."""
-        plan = dumped.plan
-        if plan is None:
-            return {}
-        own = [lvl.copied_bytes for lvl in dumped.levels]
-        return {
-            "chain": dataclasses.asdict(dumped.chain) if dumped.chain else None,
-            "mode": plan.mode,
-            "reason": plan.reason,
-            "tracked": plan.track,
-            "parent": plan.parent_id,
-            "precopy": [level.record() for level in dumped.levels],
-            "precopy_stopped": dumped.precopy_stopped,
-            "frozen_bytes": dumped.frozen_bytes,
-            "copied_bytes": dumped.frozen_bytes + sum(own),
-            "frozen_total_seconds": round(
-                dumped.frozen_seconds + sum(lvl.frozen_seconds for lvl in dumped.levels), 4
-            ),
-            # The kernel's children are copied whole every time: only the kernel's own
-            # process holds a tracker (a fork does not inherit its registration).
-            "untracked_processes": [
-                {
-                    "pid": proctree.ns_pid(pid),
-                    "name": proctree.process_name(pid),
-                    "bytes": proctree.private_memory_bytes([pid]),
-                }
-                for pid in dumped.tree.pids
-                if pid != dumped.tree.root
-            ]
-            if plan.track
-            else [],
-        }
 
     # ------------------------------------------------------------------ manifest and seal
 
@@ -555,7 +471,7 @@ class Dumper:
             pause_seconds=round(dumped.pause_seconds, 4),
             chunk_kib=dumped.chunk_kib,
             contents=dumped.contents,
-            memory=self._memory_record(dumped),
+            memory=dumped.copy.record(dumped.frozen_seconds, tree) if dumped.copy else {},
         )
 
     @staticmethod

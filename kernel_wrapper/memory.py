@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -23,11 +24,21 @@ from typing import Any
 from jupyter_ext.core import proctree
 from jupyter_ext.core.chunking import ChunkParams
 from jupyter_ext.core.criu import Criu
-from jupyter_ext.core.criu.chain import ChainStats, chain_stats
+from jupyter_ext.core.criu.chain import (
+    PARENT,
+    ChainStats,
+    attach,
+    chain_stats,
+    chain_stats_of,
+    keep_level_files,
+    level_files_of,
+    link_parent,
+    parent_entries,
+)
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.gpu import find_cuda_processes
 from jupyter_ext.core.growinghash import GrowingFileChunker
-from jupyter_ext.core.manifest import FileEntry, Manifest
+from jupyter_ext.core.manifest import IMAGES_DIR, FileEntry, Manifest
 from jupyter_ext.core.memtrack import MemoryTracker, TrackingUnavailable, start_time
 from jupyter_ext.core.memtrack.plan import (
     AFTER_RESTORE,
@@ -41,6 +52,7 @@ from jupyter_ext.core.memtrack.plan import (
 from jupyter_ext.core.memtrack.tracker import pinned_bytes
 from jupyter_ext.core.protocol import ProgressCallback
 
+from .dumptree import KernelTree
 from .relay import Relay
 
 log = logging.getLogger("kernel_wrapper")
@@ -92,6 +104,79 @@ class Level:
             "frozen_seconds": round(self.frozen_seconds, 4),
             "copied_bytes": self.copied_bytes,
             "seconds": round(self.seconds, 4),
+        }
+
+
+@dataclass
+class MemoryCopy:
+    """How one dump copied the kernel's memory: its plan, its pre-copy levels (oldest
+    first) and why they stopped; once the dump is over, its chain (:meth:`link_chain`)
+    and the manifest's record of it (:meth:`record`)."""
+
+    plan: DumpPlan
+    levels: list[Level]
+    precopy_stopped: str = ""
+    frozen_bytes: int = 0
+    """The memory CRIU copied while the kernel was frozen."""
+    entries: dict[str, FileEntry] = field(default_factory=dict)
+    """Entries of the chain's files hashed before the seal (levels and parent), by path."""
+    chain: ChainStats | None = None
+
+    def link_chain(self, staging: Path, parent: Parent | None) -> None:
+        """The kernel running again: make the dump's images self-contained. The pre-copy
+        levels go under ``images/parent`` (the newest first), the parent snapshot's level
+        files are hard-linked below them (core/criu/chain.py), and the entries of every
+        file hashed already are noted for the seal."""
+        if not self.plan.track:
+            return
+        images = staging / IMAGES_DIR
+        depth = len(self.levels)
+        if self.plan.parent_id and parent is not None:
+            bottom = self.levels[0].directory if self.levels else images
+            link_parent(bottom, parent.directory / IMAGES_DIR, level_files_of(parent.manifest))
+            under = "/".join([IMAGES_DIR, *[PARENT] * (depth + 1)])
+            self.entries.update(parent_entries(parent.manifest, under))
+        for index, level in enumerate(self.levels):
+            keep_level_files(level.directory)
+            if index:
+                attach(level.directory, self.levels[index - 1].directory)
+            here = "/".join([IMAGES_DIR, *[PARENT] * (depth - index)])
+            for rel, entry in level.entries.items():
+                path = f"{here}/{rel.rsplit('/', 1)[-1]}"
+                self.entries[path] = FileEntry(path, entry.size, entry.sha256, entry.chunks)
+        if self.levels:
+            attach(images, self.levels[-1].directory)
+        self.chain = chain_stats_of(staging)
+
+    def record(self, frozen_seconds: float, tree: KernelTree) -> dict[str, Any]:
+        """The manifest's ``memory`` (the dump itself froze the kernel ``frozen_seconds``)."""
+        plan = self.plan
+        return {
+            "chain": dataclasses.asdict(self.chain) if self.chain else None,
+            "mode": plan.mode,
+            "reason": plan.reason,
+            "tracked": plan.track,
+            "parent": plan.parent_id,
+            "precopy": [level.record() for level in self.levels],
+            "precopy_stopped": self.precopy_stopped,
+            "frozen_bytes": self.frozen_bytes,
+            "copied_bytes": self.frozen_bytes + sum(lvl.copied_bytes for lvl in self.levels),
+            "frozen_total_seconds": round(
+                frozen_seconds + sum(lvl.frozen_seconds for lvl in self.levels), 4
+            ),
+            # The kernel's children are copied whole every time: only the kernel's own
+            # process holds a tracker (a fork does not inherit its registration).
+            "untracked_processes": [
+                {
+                    "pid": proctree.ns_pid(pid),
+                    "name": proctree.process_name(pid),
+                    "bytes": proctree.private_memory_bytes([pid]),
+                }
+                for pid in tree.pids
+                if pid != tree.root
+            ]
+            if plan.track
+            else [],
         }
 
 

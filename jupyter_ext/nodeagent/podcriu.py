@@ -46,7 +46,7 @@ from pathlib import Path
 
 from jupyter_ext.core.agent.peers import nsenter_options
 from jupyter_ext.core.agent.protocol import AgentRequestError
-from jupyter_ext.core.criu.engine import dirty_tracking_said
+from jupyter_ext.core.criu.tracking import dirty_tracking_said
 
 PT_INTERP = 3
 #: The name of a program's ELF interpreter in its directory under ``bin``.

@@ -375,7 +375,7 @@ class Agent:
                 for key in request.externals:
                     args += ["--external", key]
                 args += ["--track-mem"] if request.track_mem else []
-                args += self._prev(caller, request, fds, top)
+                args += _copy_prev(self.sealer, caller, request, fds, top)
                 rpc = criurpc.dump_request(request.pid, _fd_path(images), "dump.log")
                 self._run_criu(caller, dirs, args, rpc, at_freeze)
                 caller.ensure_alive()
@@ -402,7 +402,7 @@ class Agent:
             ):
                 top, images, work = dirs
                 args = ["-W", _fd_path(work), "--track-mem", "--pre-dump-mode", "read"]
-                args += self._prev(caller, request, fds, top)
+                args += _copy_prev(self.sealer, caller, request, fds, top)
                 rpc = criurpc.dump_request(request.pid, _fd_path(images), "dump.log", pre_dump=True)
                 self._run_criu(caller, dirs, args, rpc, lambda: True)
                 caller.ensure_alive()
@@ -411,38 +411,6 @@ class Agent:
         finally:
             task.close()
         return _Reply(result, out_fds)
-
-    def _prev(
-        self,
-        caller: peers.Caller,
-        request: DumpRequest | PreDumpRequest,
-        fds: list[int],
-        top: Path,
-    ) -> list[str]:
-        """The stub of the images a tracked dump builds on, copied beside its images as
-        ``prev`` (each file checked against its own seal; the empty pages files its
-        pagemaps name made here), and CRIU's options for it; none without a stub."""
-        if not request.prev:
-            return []
-        owner = (caller.uid, caller.gid)
-        prev = top / "prev"
-        prev.mkdir(mode=0o700)
-        os.chown(prev, *owner)
-        copied = [
-            (name, copy_in(fd, size, prev / name, owner), seal)
-            for fd, size, name, seal in zip(
-                fds, request.prev_sizes, request.prev, request.prev_seals, strict=True
-            )
-        ]
-        self.sealer.check_files(caller.pod_name, copied)
-        for name in request.prev:
-            if name.startswith("pagemap-"):
-                pages = prev / parse_pagemap((prev / name).read_bytes(), name).pages_file
-                os.close(os.open(pages, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
-                os.chown(pages, *owner)
-        # Relative: CRIU resolves it from the images directory's real place, and keeps it
-        # as the images' "parent" link (not handed back: only regular files are).
-        return ["--prev-images-dir", "../prev"]
 
     def _run_criu(
         self,
@@ -570,6 +538,39 @@ class Agent:
                 os.waitpid(host_pid, 0)
 
         threading.Thread(target=reap, name=f"reap-{host_pid}", daemon=True).start()
+
+
+def _copy_prev(
+    sealer: Sealer,
+    caller: peers.Caller,
+    request: DumpRequest | PreDumpRequest,
+    fds: list[int],
+    top: Path,
+) -> list[str]:
+    """The stub of the images a tracked dump builds on, copied beside its images as
+    ``prev`` (each file checked against its own seal; the empty pages files its
+    pagemaps name made here), and CRIU's options for it; none without a stub."""
+    if not request.prev:
+        return []
+    owner = (caller.uid, caller.gid)
+    prev = top / "prev"
+    prev.mkdir(mode=0o700)
+    os.chown(prev, *owner)
+    copied = [
+        (name, copy_in(fd, size, prev / name, owner), seal)
+        for fd, size, name, seal in zip(
+            fds, request.prev_sizes, request.prev, request.prev_seals, strict=True
+        )
+    ]
+    sealer.check_files(caller.pod_name, copied)
+    for name in request.prev:
+        if name.startswith("pagemap-"):
+            pages = prev / parse_pagemap((prev / name).read_bytes(), name).pages_file
+            os.close(os.open(pages, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+            os.chown(pages, *owner)
+    # Relative: CRIU resolves it from the images directory's real place, and keeps it
+    # as the images' "parent" link (not handed back: only regular files are).
+    return ["--prev-images-dir", "../prev"]
 
 
 def _frozen_copy(conn: socket.socket, caller: peers.Caller) -> bool:

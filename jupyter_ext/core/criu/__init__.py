@@ -7,11 +7,11 @@ The names the rest of the product uses are handed on here, as ``gpu/`` and
 ``lazypages/`` do; the parts import each other directly.
 """
 
-from .engine import REQUIRED_FEATURES, Criu, parse_version, unprivileged
+from .engine import REQUIRED_FEATURES, Criu, parse_version
 from .frozen import FrozenCopy, FrozenStep
 from .lazy import UNPRIVILEGED_NO_LAZY, LazyTransfer
 from .log import UNPRIVILEGED_CAPS, frozen_seconds
-from .options import DEFAULT_GHOST_LIMIT, TCP_DUMP_OPTIONS, external_file_key
+from .options import DEFAULT_GHOST_LIMIT, TCP_DUMP_OPTIONS, external_file_key, unprivileged
 
 __all__ = [
     "DEFAULT_GHOST_LIMIT",

@@ -44,7 +44,10 @@ from .options import (
     TCP_DUMP_OPTIONS,
     TCP_KEEP_DUMP_OPTIONS,
     TCP_KEEP_RESTORE_OPTIONS,
+    mode_args,
+    unprivileged,
 )
+from .tracking import dirty_tracking, tracking_args
 from .workdirs import working_directories_locked
 
 if TYPE_CHECKING:
@@ -85,18 +88,6 @@ def criu_candidates(configured: str | os.PathLike[str] | None = None) -> list[tu
     return found
 
 
-def unprivileged() -> bool:
-    """Whether CRIU runs without root: then with ``--unprivileged`` on its file
-    capabilities, and kernels have no PID or time namespace of their own (CRIU 4.2 cannot
-    dump a task in another PID namespace without CAP_SYS_ADMIN; docs/nonroot.md)."""
-    return os.geteuid() != 0
-
-
-def mode_args() -> list[str]:
-    """CRIU options for this process's privileges."""
-    return ["--unprivileged"] if unprivileged() else []
-
-
 #: The kernel features a kernel's dump and restore use (``criu check --feature``):
 #: mount ids of open files, epoll targets (kcmp), file locks (``--file-locks``), and
 #: process ids restored with ``clone3(set_tid)`` (containers mount /proc/sys read-only, so
@@ -119,43 +110,7 @@ class Criu:
     @classmethod
     def locate(cls, configured: str | os.PathLike[str] | None = None) -> Criu:
         """The first usable CRIU >= 4.2; raises CriuNotFoundError naming what was tried."""
-        tried: list[str] = []
-        for source, path in criu_candidates(configured):
-            if not os.access(path, os.X_OK):
-                tried.append(f"{path} ({source}): not found")
-                if source in ("configuration", f"${ENV_CRIU}"):
-                    break
-                continue
-            try:
-                out = subprocess.run(
-                    [str(path), "--version"], capture_output=True, text=True, timeout=10
-                )
-            except PermissionError as exc:
-                blockers = Confinement.read().blockers(unprivileged=unprivileged())
-                if blockers and os.access(path, os.X_OK):
-                    # execve refused a binary we may run: its file capabilities cannot be
-                    # had here (a container's bounding set, no_new_privs), not a bad install.
-                    raise CriuNotPermittedError(
-                        f"{path} does not start ({exc}): {blockers[0].message}",
-                        hint=blockers[0].fix,
-                    ) from exc
-                tried.append(f"{path} ({source}): does not start: {exc}")
-                continue
-            except OSError as exc:
-                tried.append(f"{path} ({source}): does not start: {exc}")
-                continue
-            version = parse_version(out.stdout)
-            if out.returncode != 0 or version is None:
-                tried.append(f"{path} ({source}): does not start: {out.stderr.strip()[:200]}")
-                continue
-            if version < MIN_VERSION:
-                tried.append(f"{path} ({source}): version {'.'.join(map(str, version))} < 4.2")
-                continue
-            return cls(path, version, source)
-        raise CriuNotFoundError(
-            "No usable CRIU >= 4.2 was found (tried: " + "; ".join(tried) + ").",
-            hint=INSTALL_HINT,
-        )
+        return cls(*_locate(configured))
 
     def check_features(self) -> list[tuple[str, bool, str]]:
         """``criu check --feature`` for each of :data:`REQUIRED_FEATURES`: name, whether
@@ -230,24 +185,12 @@ class Criu:
             args += ["--action-script", frozen.action_script(work_dir)]
         if leave_running:
             args.append("--leave-running")
-        args += _tracking_args(track_mem, prev_images)
+        args += tracking_args(track_mem, prev_images)
         try:
-            for attempt in range(KERNDAT_ATTEMPTS):
-                async with working_directories_locked(pid):
-                    rc, output = await self._run(args, netns=netns)
-                if rc == 0 or not _kerndat_failed(work_dir / "dump.log", output):
-                    break
-                # CRIU failed in its start-up probes, before it touched the kernel: without
-                # a kerndat cache (no tmpfs /run) every CRIU probes, and dumps started at
-                # the same moment raced in its TCP-repair probe ("Connection refused").
-                await asyncio.sleep(0.05 + random.random() * 0.2 * (attempt + 1))
+            await self._dump_run(pid, args, work_dir, netns)
         finally:
             if frozen is not None:
                 frozen.finish()
-        if rc != 0:
-            excerpt = log_excerpt(work_dir / "dump.log", output)
-            message, hint = explain_failure(excerpt, restoring=False, unprivileged=unprivileged())
-            raise DumpError(message, hint=hint, log_excerpt=excerpt)
         await asyncio.to_thread(fix_for_restore, images_dir, open_by_fd, keep_tcp)
         return frozen_seconds(work_dir / "dump.log")
 
@@ -267,42 +210,32 @@ class Criu:
         for :meth:`dump`. Returns how long the tree was frozen."""
         args = ["pre-dump", "-t", str(pid), "-D", str(images_dir), "-W", str(work_dir)]
         args += ["-o", "dump.log", "-v4", "--pre-dump-mode", "read", *mode_args()]
-        args += _tracking_args(True, prev_images)
+        args += tracking_args(True, prev_images)
+        await self._dump_run(pid, args, work_dir, netns)
+        return frozen_seconds(work_dir / "dump.log")
+
+    async def _dump_run(
+        self, pid: int, args: list[str], work_dir: Path, netns: OwnNetwork | None
+    ) -> None:
+        """Run a dump or pre-dump of ``pid`` (its log in ``work_dir``); DumpError with
+        CRIU's words if it failed."""
         for attempt in range(KERNDAT_ATTEMPTS):
             async with working_directories_locked(pid):
                 rc, output = await self._run(args, netns=netns)
             if rc == 0 or not _kerndat_failed(work_dir / "dump.log", output):
                 break
+            # CRIU failed in its start-up probes, before it touched the kernel: without a
+            # kerndat cache (no tmpfs /run) every CRIU probes, and dumps started at the
+            # same moment raced in its TCP-repair probe ("Connection refused").
             await asyncio.sleep(0.05 + random.random() * 0.2 * (attempt + 1))
         if rc != 0:
             excerpt = log_excerpt(work_dir / "dump.log", output)
             message, hint = explain_failure(excerpt, restoring=False, unprivileged=unprivileged())
             raise DumpError(message, hint=hint, log_excerpt=excerpt)
-        return frozen_seconds(work_dir / "dump.log")
 
     def dirty_tracking(self) -> tuple[str | None, str]:
-        """How this CRIU tracks a process's memory between dumps on this machine:
-        "soft-dirty" (the kernel's soft-dirty bits), "userfaultfd" (write-protect bits of
-        an asynchronous userfaultfd the kernel process opens: the project's patch of CRIU,
-        Linux >= 6.7), or None; and what ``criu check`` said."""
-        key = str(self.path)
-        if key not in _TRACKING:
-            _TRACKING[key] = self._check_dirty_tracking()
-        return _TRACKING[key]
-
-    def _check_dirty_tracking(self) -> tuple[str | None, str]:
-        try:
-            out = subprocess.run(
-                [str(self.path), "check", "-v4", "--feature", "mem_dirty_track", *mode_args()],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                # Asked by a wrapper before a dump: it must not outlive a killed wrapper.
-                preexec_fn=proctree.die_with_parent,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return None, str(exc)
-        return dirty_tracking_said(out.returncode, out.stdout + out.stderr)
+        """How this CRIU tracks a process's memory between dumps here (.tracking)."""
+        return dirty_tracking(self.path)
 
     def copied_bytes(self, work_dir: Path) -> int:
         """The memory the dump or pre-dump whose work directory is ``work_dir`` copied
@@ -549,30 +482,49 @@ class Criu:
         return proc.returncode or 0, out.decode(errors="replace")
 
 
+def _locate(configured: str | os.PathLike[str] | None) -> tuple[Path, tuple[int, ...], str]:
+    """Where :meth:`Criu.locate` finds CRIU: path, version and where the idea came from."""
+    tried: list[str] = []
+    for source, path in criu_candidates(configured):
+        if not os.access(path, os.X_OK):
+            tried.append(f"{path} ({source}): not found")
+            if source in ("configuration", f"${ENV_CRIU}"):
+                break
+            continue
+        try:
+            out = subprocess.run(
+                [str(path), "--version"], capture_output=True, text=True, timeout=10
+            )
+        except PermissionError as exc:
+            blockers = Confinement.read().blockers(unprivileged=unprivileged())
+            if blockers and os.access(path, os.X_OK):
+                # execve refused a binary we may run: its file capabilities cannot be
+                # had here (a container's bounding set, no_new_privs), not a bad install.
+                raise CriuNotPermittedError(
+                    f"{path} does not start ({exc}): {blockers[0].message}",
+                    hint=blockers[0].fix,
+                ) from exc
+            tried.append(f"{path} ({source}): does not start: {exc}")
+            continue
+        except OSError as exc:
+            tried.append(f"{path} ({source}): does not start: {exc}")
+            continue
+        version = parse_version(out.stdout)
+        if out.returncode != 0 or version is None:
+            tried.append(f"{path} ({source}): does not start: {out.stderr.strip()[:200]}")
+            continue
+        if version < MIN_VERSION:
+            tried.append(f"{path} ({source}): version {'.'.join(map(str, version))} < 4.2")
+            continue
+        return path, version, source
+    raise CriuNotFoundError(
+        "No usable CRIU >= 4.2 was found (tried: " + "; ".join(tried) + ").",
+        hint=INSTALL_HINT,
+    )
+
+
 #: Tries of a dump whose CRIU failed in its own start-up probes (see :meth:`Criu.dump`).
 KERNDAT_ATTEMPTS = 3
-#: :meth:`Criu.dirty_tracking` by CRIU binary (it asks the kernel once).
-_TRACKING: dict[str, tuple[str | None, str]] = {}
-
-
-def dirty_tracking_said(returncode: int, output: str) -> tuple[str | None, str]:
-    """What ``criu check --feature mem_dirty_track`` said (:meth:`Criu.dirty_tracking`)."""
-    if returncode != 0 or "is supported" not in output:
-        return None, (
-            "this CRIU cannot track memory here (no soft-dirty bits in the kernel, and "
-            "no userfaultfd write-protection: Linux >= 6.7 and the CRIU that "
-            "scripts/install-criu.sh builds are needed)"
-        )
-    if "write-protect bits" in output:
-        return "userfaultfd", "write-protect bits of an asynchronous userfaultfd"
-    return "soft-dirty", "the kernel's soft-dirty bits"
-
-
-def _tracking_args(track_mem: bool, prev_images: Path | None) -> list[str]:
-    args = ["--track-mem"] if track_mem or prev_images is not None else []
-    if prev_images is not None:
-        args += ["--prev-images-dir", str(prev_images)]
-    return args
 
 
 def _kerndat_failed(log: Path, output: str) -> bool:

@@ -6,6 +6,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+
+def unprivileged() -> bool:
+    """Whether CRIU runs without root: then with ``--unprivileged`` on its file
+    capabilities, and kernels have no PID or time namespace of their own (CRIU 4.2 cannot
+    dump a task in another PID namespace without CAP_SYS_ADMIN; docs/nonroot.md)."""
+    return os.geteuid() != 0
+
+
+def mode_args() -> list[str]:
+    """CRIU options for this process's privileges."""
+    return ["--unprivileged"] if unprivileged() else []
+
+
 #: How a dump treats the kernel's TCP connections. ``--tcp-close`` records them without
 #: their state and leaves them alone: no repair mode, no network lock (so neither iptables
 #: nor nftables nor CAP_NET_ADMIN), no packet dropped, the running kernel's connections

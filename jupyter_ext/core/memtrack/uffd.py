@@ -19,6 +19,7 @@ import ctypes
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 NR_USERFAULTFD = 323
 NR_PIDFD_OPEN = 434
@@ -62,9 +63,8 @@ def _check(result: int, what: str) -> int:
     return result
 
 
-def _ioctl(
-    fd: int, request: int, arg: ctypes.Array[ctypes.c_uint64] | ctypes._Pointer[ScanArg]
-) -> int:
+def _ioctl(fd: int, request: int, arg: Any) -> int:
+    """``ioctl(fd, request, arg)``, ``arg`` a ctypes array or pointer."""
     return _check(_libc.ioctl(fd, ctypes.c_ulong(request), arg), f"ioctl {request:#x}")
 
 
