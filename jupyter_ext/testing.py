@@ -59,8 +59,12 @@ class KernelProcess:
         on_inner_death: str = "wait",
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
+        kernel_argv: list[str] | None = None,
     ) -> None:
+        """``kernel_argv``: another kernel's kernelspec argv (``{connection_file}`` in it),
+        run behind the wrapper's bridge instead of its ipykernel."""
         workdir.mkdir(parents=True, exist_ok=True)
+        self.kernel_argv = kernel_argv or []
         argv = [sys.executable, "-m", "kernel_wrapper", "--on-inner-death", on_inner_death]
         argv += extra_args or []
         for attempt in range(PORT_ATTEMPTS):
@@ -93,8 +97,11 @@ class KernelProcess:
         if restore_from is not None:  # as the server restores into a new kernel
             marker.touch()
             environ[ENV_AWAIT_RESTORE] = str(marker)
+        inner = [
+            arg.replace("{connection_file}", str(self.connection_file)) for arg in self.kernel_argv
+        ]
         self.process = subprocess.Popen(
-            [*argv, "-f", str(self.connection_file)],
+            [*argv, "-f", str(self.connection_file), *(["--", *inner] if inner else [])],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=environ,
