@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from jupyter_ext.core.criu import Criu
 
+from .agents import KernelAgent
 from .gpusteps import GpuSteps
 from .lazyrestore import LazyRestore
 from .lifecycle import Lifecycle
@@ -21,8 +22,9 @@ from .tracker import KernelTracker
 class KernelParts:
     """One kernel as a dump or a restore sees it: its state (``lifecycle``), its
     messages (``relay``, and what they tell: ``tracker``), its ``process``, its
-    ``runtime`` directory, its CUDA steps (``gpu``), its lazy restores (``lazy``) and the
-    ``record`` of its snapshots; ``criu`` gives the CRIU binary (located on first use)."""
+    ``runtime`` directory, its CUDA steps (``gpu``), its lazy restores (``lazy``), the
+    ``record`` of its snapshots and its own code (``agent``: what a snapshot holds);
+    ``criu`` gives the CRIU binary (located on first use)."""
 
     lifecycle: Lifecycle
     relay: Relay
@@ -31,6 +33,7 @@ class KernelParts:
     gpu: GpuSteps
     lazy: LazyRestore
     record: KernelRecord
+    agent: KernelAgent
     criu: Callable[[], Criu]
 
     @property

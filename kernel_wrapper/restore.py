@@ -205,6 +205,7 @@ class Restorer:
 
         def restored() -> None:
             self.kernel.record.restored(manifest)
+            self.kernel.agent.restored(self.kernel.record.cells_through)
             self.kernel.tracker.snapshot_taken()
 
         await self.replace_inner(source, manifest, criu, restored, lazy=lazy, pages_from=pages_from)

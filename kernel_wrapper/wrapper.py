@@ -55,6 +55,7 @@ from jupyter_ext.core.protocol import (
     info_path,
 )
 
+from .agents import BridgedAgent, IPythonAgent
 from .channels import InnerChannels, ServerChannels
 from .control import ControlServer
 from .lifecycle import Lifecycle, State
@@ -160,6 +161,7 @@ class KernelWrapper:
             runtime=self.runtime,
             criu_path=self._criu_path,
             lazy_restore=os.environ.get(ENV_LAZY_RESTORE, "1") != "0",
+            agent=BridgedAgent(self.relay) if self.kernel_argv else IPythonAgent(self.relay),
             lazy_min_bytes=int(os.environ.get(ENV_LAZY_RESTORE_MIN_BYTES) or LAZY_MIN_BYTES),
         )
 

@@ -30,7 +30,9 @@ from typing import Any
 
 import zmq
 
-from .contents import CellLog, summarize_namespace
+from jupyter_ext.core.contents import CellLog
+
+from .contents import summarize_namespace
 
 log = logging.getLogger(__name__)
 

@@ -35,12 +35,12 @@ from ipykernel.iostream import IOPubThread
 from ipykernel.kernelapp import IPKernelApp
 
 import kernel_snapshots
+from jupyter_ext.core.contents import CellLog
 from jupyter_ext.core.isolation import mountns, privatetmp
 from jupyter_ext.core.protocol import AGENT_PORT, ENV_INNER_DIR, ENV_OWN_PROC
 
 from . import lifeline
 from .agent import SnapshotAgent
-from .contents import CellLog
 
 #: ZMQ reconnect interval (ms) toward the wrapper: short, so a restored kernel is back fast.
 RECONNECT_IVL_MS = 10
