@@ -117,7 +117,7 @@ class BridgedAgent:
         label = self._label()
         record["take_unavailable"] = (
             f"Taking variables back is not available for {label} kernels: it pickles them "
-            "with Python in a copy of the snapshot's kernel. Restore the snapshot instead."
+            "with Python in a copy of the snapshot's kernel."
         )
         if label.lower() != "r":
             record["variables"] = []

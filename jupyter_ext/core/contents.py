@@ -16,6 +16,9 @@ from .humanize import human_bytes
 
 #: Variables a listing shows per snapshot (the full record has up to 50).
 SHORT_VARIABLES = 5
+#: What a record says a kernel's language cannot give (kernel_wrapper/agents.py): why its
+#: variables are not listed, why they cannot be taken back.
+UNAVAILABLE = ("variables_unavailable", "take_unavailable")
 #: Cells kept for the next snapshot, and characters of code kept per cell.
 MAX_CELLS = 200
 MAX_CODE_CHARS = 2000
@@ -52,8 +55,9 @@ def short_contents(contents: dict[str, Any]) -> dict[str, Any]:
         "variables_bytes": contents.get("variables_bytes", 0),
         "partial": bool(contents.get("partial", False)),
     }
-    if contents.get("partial_reason"):
-        short["partial_reason"] = contents["partial_reason"]
+    for key in ("partial_reason", *UNAVAILABLE):
+        if contents.get(key):
+            short[key] = contents[key]
     return short
 
 
@@ -112,8 +116,12 @@ def describe_contents(contents: dict[str, Any]) -> list[str]:
         lines.append(f"  [{count if count is not None else ' '}] {state:>9}  {text}")
     variables = contents.get("variables", [])
     total = human_bytes(int(contents.get("variables_bytes", 0)))
-    lines.append(f"Variables: {contents.get('variable_count', len(variables))} ({total}); largest:")
-    lines.extend(_variable_line(v) for v in variables)
+    if contents.get("variables_unavailable"):
+        lines.append(f"Variables: {contents['variables_unavailable']}")
+    else:
+        count = contents.get("variable_count", len(variables))
+        lines.append(f"Variables: {count} ({total}); largest:")
+        lines.extend(_variable_line(v) for v in variables)
     if contents.get("partial"):
         lines.append(f"Partial: {contents.get('partial_reason', 'not all was summarised')}.")
     return lines

@@ -87,6 +87,10 @@ export interface IContents {
   variables_bytes?: number;
   partial?: boolean;
   partial_reason?: string;
+  /** Why the kernel's language gives no variables (e.g. xeus-python). */
+  variables_unavailable?: string;
+  /** Why its variables cannot be taken back (every kernel but ipykernel, e.g. R). */
+  take_unavailable?: string;
 }
 
 export type SnapshotStatus = 'complete' | 'uploading' | 'upload-failed';
