@@ -35,6 +35,7 @@ die() { printf 'ui-tests: error: %s\n' "$*" >&2; echo "0 passed, 1 failed"; exit
 # --- system packages, CRIU and the Python environment -----------------------------------
 setup_machine dev
 apt_install chromium
+apt_install_lean "${R_KERNEL_PACKAGES[@]}"  # ui-tests/tests/kernels.spec.ts
 CHROMIUM_PATH="${CHROMIUM_PATH:-/usr/bin/chromium}"
 [ -x "$CHROMIUM_PATH" ] || die "no Chromium at $CHROMIUM_PATH"
 export CHROMIUM_PATH
