@@ -10,106 +10,20 @@ import pwd
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import boto3
 import pytest
 
 from jupyter_ext.core.isolation.pidspace import PID_FLOOR
 from jupyter_ext.core.store.keys import ENV_KEY
-from jupyter_ext.testing import RUN_KEY, ServerProcess, free_port
+from jupyter_ext.testing import RUN_KEY, ServerProcess
 
-from .servers import HOST_ADDRESS, Network, follow, ws_execute
+from .servers import BUCKET, NODE_USER, S3_ENV, Network, follow, node_server, ws_execute
 
 pytestmark = [
     pytest.mark.usefixtures("criu"),
     pytest.mark.needs_root("network namespaces as nodes; JKS_NODE_USER runs the nodes as a user"),
 ]
-BUCKET = "kernel-snapshots-nodes"
-#: Run the nodes' servers (their kernels and CRIU) as this ordinary user: the other-node test
-#: of non-root mode (scripts/nonroot-tests.sh sets it; the network still needs root).
-NODE_USER = os.environ.get("JKS_NODE_USER") or None
-
-
-@pytest.fixture(scope="module")
-def network() -> Iterator[Network]:
-    net = Network()
-    yield net
-    net.close()
-
-
-@pytest.fixture(scope="module")
-def s3_url(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """moto's standalone server on the bridge, reachable from every node."""
-    port = free_port()
-    log = (tmp_path_factory.mktemp("moto") / "moto.log").open("wb")
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("moto_server")), "-H", HOST_ADDRESS, "-p", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://{HOST_ADDRESS}:{port}"
-    client = boto3.client("s3", endpoint_url=url, **CREDENTIALS)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            client.create_bucket(Bucket=BUCKET)
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-    yield url
-    server.terminate()
-    server.wait(10)
-    log.close()
-
-
-CREDENTIALS = {
-    "aws_access_key_id": "testing",
-    "aws_secret_access_key": "testing",
-    "region_name": "us-east-1",
-}
-S3_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
-
-
-def node_server(
-    network: Network,
-    index: int,
-    home: Path,
-    notebooks: Path,
-    s3_url: str,
-    owner: str,
-) -> ServerProcess:
-    netns, address = network.add_node(index)
-    config: dict[str, Any] = {
-        "SnapshotExtensionApp": {
-            "store": "s3",
-            "s3_bucket": BUCKET,
-            "s3_endpoint_url": s3_url,
-            "owner": owner,
-            "idle_suspend_after": 0,
-            "snapshot_before_shutdown": False,
-        }
-    }
-    return ServerProcess(
-        home,
-        notebooks,
-        config,
-        netns=netns,
-        address=address,
-        env=S3_ENV,
-        user=NODE_USER,
-        pod=True,
-    )
 
 
 def test_restore_on_another_node_after_node_loss(
