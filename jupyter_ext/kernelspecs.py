@@ -13,6 +13,7 @@ debug adapter listens on a TCP port that the image would carry).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -75,13 +76,21 @@ def wrapped_spec(original: dict[str, Any], wrapped_name: str) -> dict[str, Any]:
 
 
 def runs_our_ipykernel(argv: list[str]) -> bool:
-    """Whether ``argv`` starts ipykernel in this Python (then our own ipykernel, with its
-    snapshot agent, runs in its place)."""
-    if len(argv) < 3 or argv[1] != "-m" or argv[2] not in IPYKERNEL_MODULES:
+    """Whether ``argv`` starts ipykernel in this Python environment (``python [-X...] -m
+    ipykernel_launcher ...``, with this interpreter, one of its environment's bin
+    directory, or a bare ``python3`` that jupyter_client makes this one): then our own
+    ipykernel, with its snapshot agent, runs in its place."""
+    if "-m" not in argv[1:]:
         return False
-    program = shutil.which(argv[0]) or argv[0]
+    at = argv.index("-m", 1)
+    if at + 1 >= len(argv) or argv[at + 1] not in IPYKERNEL_MODULES:
+        return False
+    if not all(option.startswith("-") for option in argv[1:at]):
+        return False
     names = {"python", f"python{sys.version_info[0]}", "python{}.{}".format(*sys.version_info)}
-    return argv[0] in names or Path(program).resolve() == Path(sys.executable).resolve()
+    program = shutil.which(argv[0]) or argv[0]
+    ours = Path(os.path.abspath(sys.executable)).parent
+    return argv[0] in names or Path(os.path.abspath(program)).parent == ours
 
 
 def wrap_kernelspec(
@@ -109,6 +118,7 @@ def wrap_kernelspec(
         spec: dict[str, Any] = json.loads((KERNELSPEC_DIR / "kernel.json").read_text())
         spec["argv"][0] = sys.executable
         spec["display_name"] = display_name or f"{found.display_name} (snapshots)"
+        spec["metadata"]["kernel_snapshots"]["wraps"] = wrapped
         if original.get("env"):
             spec["env"] = original["env"]
         return _install(
