@@ -163,9 +163,9 @@ cat(sum(df$sq), readLines(con, n = 1), unlist(mclapply(1:3, function(i) -i, mc.c
 PSOCK
 """
 R_PSOCK_CHECK = 'cat(identical(unlist(clusterCall(psock, Sys.getpid)), psock_pids), "\\n")'
-#: Prints a step every 0.25 s: it runs when the snapshot is taken and goes on after. (With
+#: Prints a step every 0.1 s: it runs when the snapshot is taken and goes on after. (With
 #: message(): IRkernel sends what cat() prints once the whole top-level expression ends.)
-R_LOOP = 'for (i in 0:59) { message("step ", i); Sys.sleep(0.25) }'
+R_LOOP = 'for (i in 0:59) { message("step ", i); Sys.sleep(0.1) }'
 
 
 async def start_loop(server: ServerProcess, kernel_id: str, code: str) -> str:
