@@ -3,8 +3,8 @@
 # (scripts/dev.sh test or setup). Run as root: it creates the user, checks that the user
 # can reach the clone, the virtualenv and the product's CRIU copy, then runs as that user
 # the kernel, server, restore-in-place, policy (idle suspend, snapshot before shutdown),
-# JupyterHub and other kernels' (R, xeus-python) tests, and, as root (network namespaces need it), the other-node test with
-# the nodes' servers running as that user.
+# JupyterHub and other kernels' (R, xeus-python) tests, and, as root (network namespaces
+# need it), the other-node test with the nodes' servers running as that user.
 #
 #   sudo scripts/nonroot-tests.sh [PYTEST ARGS...]   user: JKS_TEST_USER (jks-tester)
 set -euo pipefail
