@@ -89,6 +89,10 @@ export UI_TESTS_PORT UI_TESTS_HUB_PORT
 UI_TESTS_TMP=$(mktemp -d -t kernel-snapshots-ui-XXXXXX)
 trap 'rm -rf "$UI_TESTS_TMP"' EXIT
 export UI_TESTS_TMP
+# "R (snapshots)" (IRkernel's ir wrapped) for ui-tests/tests/kernels.spec.ts, in a Jupyter
+# path of this run's own: the servers the tests start find it, the venv stays as it was.
+export JUPYTER_PATH="$UI_TESTS_TMP/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}"
+"$VENV/bin/jupyter" snapshot install-kernelspec --wrap ir --prefix "$UI_TESTS_TMP" >/dev/null
 
 log "Playwright tests (Chromium $("$CHROMIUM_PATH" --version 2>/dev/null | head -n1 | awk '{print $2}'))"
 report="$ROOT/ui-tests/test-results.json"
