@@ -115,6 +115,9 @@ class BridgedAgent:
         running = tracker.running_request()
         record = self.cells.since(since, running.get("execution_count") if running else None)
         label = self._label()
+        language = (tracker.kernel_info.get("language_info") or {}).get("name")
+        if isinstance(language, str) and language:
+            record["language"] = language  # the panel shows its types unshortened
         record["take_unavailable"] = (
             f"Taking variables back is not available for {label} kernels: it pickles them "
             "with Python in a copy of the snapshot's kernel."

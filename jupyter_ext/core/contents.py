@@ -55,7 +55,7 @@ def short_contents(contents: dict[str, Any]) -> dict[str, Any]:
         "variables_bytes": contents.get("variables_bytes", 0),
         "partial": bool(contents.get("partial", False)),
     }
-    for key in ("partial_reason", *UNAVAILABLE):
+    for key in ("partial_reason", "language", *UNAVAILABLE):
         if contents.get(key):
             short[key] = contents[key]
     return short

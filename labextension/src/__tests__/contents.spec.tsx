@@ -55,9 +55,15 @@ const df = { name: 'df', type: 'data.frame', size: 12848, shape: [1000, 2] };
 
 describe('contents of a snapshot of another kernel than ipykernel', () => {
   it('lists an R kernel’s variables and says why they cannot be taken back', async () => {
-    const node = (await details({ variables: [df], take_unavailable: R_TAKE }))
-      .node;
+    const node = (
+      await details({
+        language: 'R',
+        variables: [df],
+        take_unavailable: R_TAKE
+      })
+    ).node;
     expect(node.textContent).toContain('df');
+    expect(node.textContent).toContain('data.frame'); // an R class, not shortened
     expect(node.textContent).toContain(R_TAKE);
     expect(node.querySelector('input[aria-label="Take df"]')).toBeNull();
     expect(node.querySelector('.jp-KernelSnapshots-takeVariables')).toBeNull();

@@ -46,7 +46,7 @@ export function ContentsSummary(props: {
             <li key={v.name} title={`${v.type}: ${describeVariable(v)}`}>
               <strong>{v.name}</strong>{' '}
               <span className="jp-KernelSnapshots-dim">
-                {shortType(v.type)} {formatBytes(v.size)}
+                {shortType(v.type, contents.language)} {formatBytes(v.size)}
               </span>
             </li>
           ))}
@@ -180,7 +180,7 @@ export function ContentsDetails(props: {
                 <td>
                   <strong>{v.name}</strong>
                 </td>
-                <td title={v.type}>{shortType(v.type)}</td>
+                <td title={v.type}>{shortType(v.type, contents.language)}</td>
                 <td>{describeVariable(v)}</td>
               </tr>
               {chosen.has(v.name) && (
@@ -268,6 +268,7 @@ export function Comparison(props: {
       older.snapshot.contents ?? {},
       newer.snapshot.contents ?? {}
     );
+    const language = newer.snapshot.contents?.language;
     body = (
       <>
         <div className="jp-KernelSnapshots-detailsTitle">
@@ -276,7 +277,7 @@ export function Comparison(props: {
         <ul aria-label="Added">
           {diff.added.map(v => (
             <li key={v.name}>
-              <strong>{v.name}</strong> {shortType(v.type)}{' '}
+              <strong>{v.name}</strong> {shortType(v.type, language)}{' '}
               {describeVariable(v)}
             </li>
           ))}
@@ -287,7 +288,7 @@ export function Comparison(props: {
         <ul aria-label="Removed">
           {diff.removed.map(v => (
             <li key={v.name}>
-              <strong>{v.name}</strong> {shortType(v.type)}{' '}
+              <strong>{v.name}</strong> {shortType(v.type, language)}{' '}
               {describeVariable(v)}
             </li>
           ))}
@@ -300,7 +301,7 @@ export function Comparison(props: {
             <li key={change.name}>
               <strong>{change.name}</strong>{' '}
               {change.fields.includes('type')
-                ? `${shortType(change.before.type)} → ${shortType(change.after.type)}`
+                ? `${shortType(change.before.type, language)} → ${shortType(change.after.type, language)}`
                 : `${describeVariable(change.before)} → ${describeVariable(change.after)}`}
             </li>
           ))}
