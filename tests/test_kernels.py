@@ -14,6 +14,7 @@ taken, which goes on in the restored kernel.
 from __future__ import annotations
 
 import asyncio
+import getpass
 import json
 import os
 import signal
@@ -28,11 +29,14 @@ from typing import Any
 import pytest
 
 from jupyter_ext.core.errors import SnapshotError
+from jupyter_ext.core.store import LocalStore
 from jupyter_ext.testing import (
     KernelProcess,
     ServerProcess,
     execute_request,
     kernel_message,
+    run_keys,
+    wait_until,
     ws_close,
     ws_connect,
 )
@@ -398,3 +402,56 @@ def test_an_r_notebook_through_the_server(tmp_path: Path) -> None:
                 assert b"plain-to-find" not in path.read_bytes(), path
     finally:
         server.stop()
+
+
+def test_an_r_kernel_is_snapshotted_by_the_servers_policies(tmp_path: Path) -> None:
+    """The server's policies know nothing of a kernel's language: a cell of an R kernel
+    that ran long is snapshotted (long_cell_seconds), jupyter_server's culler suspends the
+    idle kernel and its next cell brings it back with its state, and a stopping server
+    snapshots it (snapshot_before_shutdown)."""
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    home = tmp_path / "home"
+    home.mkdir()
+    name = install_wrapped(home, "ir")
+    config = server_config(
+        tmp_path, long_cell_seconds=1, long_cell_min_interval=0, snapshot_before_shutdown=True
+    )
+    config["MappingKernelManager"] = {
+        "cull_idle_timeout": 6,
+        "cull_interval": 1,
+        "cull_connected": True,
+    }
+    server = ServerProcess(home, notebooks, config)
+    try:
+        session = server.api(
+            "POST",
+            "api/sessions",
+            {"path": "r.ipynb", "type": "notebook", "kernel": {"name": name}},
+        )
+        kernel = session["kernel"]["id"]
+        ws_execute(server, kernel, "x <- 41; Sys.sleep(1.5)")
+
+        def triggers() -> list[str]:
+            listed = server.client.call("GET", "", path="r.ipynb")["snapshots"]
+            return sorted(s["trigger"] for s in listed if s["status"] == "complete")
+
+        wait_until(lambda: "long-cell" in triggers(), timeout=120, what="long-cell snapshot")
+
+        def suspended() -> bool:
+            # ... and its upload done: a resume during it removes the suspended dump, a link
+            # of the files the upload reads, whose ctime then changes ("changed while it
+            # was stored": a race of its own, not the kernel's language).
+            status = server.client.call("GET", f"kernels/{kernel}")
+            return bool(status["state"] == "suspended" and status["job"] is None)
+
+        wait_until(suspended, timeout=120, what="the culler's suspend")
+        assert ws_execute(server, kernel, "cat(x + 1)") == "42"
+    finally:
+        assert server.stop(signal.SIGTERM) == 0
+    stored = LocalStore(tmp_path / "store" / "users" / getpass.getuser(), keys=run_keys())
+    assert {s.manifest.trigger for s in stored.snapshots()} >= {
+        "long-cell",
+        "cull",
+        "before-shutdown",
+    }
