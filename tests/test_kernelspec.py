@@ -13,7 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from jupyter_client.kernelspec import KernelSpecManager
+
+from jupyter_ext.core.errors import SnapshotError
+from jupyter_ext.kernelspecs import wrap_kernelspec
 
 
 def test_python3_becomes_the_snapshot_kernel(tmp_path: Path) -> None:
@@ -37,7 +41,9 @@ def _spec(kernels: Path, name: str) -> dict[str, object]:
     return data
 
 
-def test_wrap_makes_any_kernelspec_a_snapshot_kernel(tmp_path: Path) -> None:
+def test_wrap_makes_any_kernelspec_a_snapshot_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``--wrap NAME`` keeps what the original says (argv as it is after ``--``, env,
     interrupt mode, language, metadata, its other files) with the debugger off; ``--name``
     may be the original's own (every notebook naming it then starts the snapshot kernel)."""
@@ -78,16 +84,14 @@ def test_wrap_makes_any_kernelspec_a_snapshot_kernel(tmp_path: Path) -> None:
     }
     assert (kernels / "mylang-snapshot" / "logo-64x64.png").read_bytes() == b"png"
 
-    subprocess.run([*cli, "--wrap", "mylang", "--name", "mylang"], check=True, env=env)
+    monkeypatch.setenv("JUPYTER_PATH", env["JUPYTER_PATH"])
+    wrap_kernelspec("mylang", "mylang", prefix=str(prefix))  # what --name mylang does
     assert _spec(kernels, "mylang")["argv"] == wrapped["argv"]
-    again = subprocess.run(
-        [*cli, "--wrap", "mylang"], capture_output=True, text=True, env=env, check=False
-    )
-    assert again.returncode == 1
-    assert "is a snapshot kernel already" in again.stderr
+    with pytest.raises(SnapshotError, match="is a snapshot kernel already"):
+        wrap_kernelspec("mylang", prefix=str(prefix))
 
 
-def test_wrap_refuses_what_it_cannot_run(tmp_path: Path) -> None:
+def test_wrap_refuses_what_it_cannot_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernelspec that does not pass its connection file, and one that is not there,
     are refused with the reason; ipykernel of this Python becomes our own ipykernel."""
     prefix = tmp_path / "env"
@@ -96,20 +100,14 @@ def test_wrap_refuses_what_it_cannot_run(tmp_path: Path) -> None:
     (kernels / "noconn" / "kernel.json").write_text(
         json.dumps({"argv": ["somekernel", "--port", "5555"], "display_name": "X", "language": "x"})
     )
-    cli = [sys.executable, "-m", "jupyter_ext.cli", "install-kernelspec", "--prefix", str(prefix)]
-    env = {**os.environ, "JUPYTER_PATH": str(prefix / "share" / "jupyter")}
-    refused = subprocess.run(
-        [*cli, "--wrap", "noconn"], capture_output=True, text=True, env=env, check=False
-    )
-    assert refused.returncode == 1
-    assert "does not pass {connection_file}" in refused.stderr
-    missing = subprocess.run(
-        [*cli, "--wrap", "nothing-here"], capture_output=True, text=True, env=env, check=False
-    )
-    assert "No kernelspec named 'nothing-here'" in missing.stderr
+    monkeypatch.setenv("JUPYTER_PATH", str(prefix / "share" / "jupyter"))
+    with pytest.raises(SnapshotError, match=r"does not pass \{connection_file\}"):
+        wrap_kernelspec("noconn", prefix=str(prefix))
+    with pytest.raises(SnapshotError, match="No kernelspec named 'nothing-here'"):
+        wrap_kernelspec("nothing-here", prefix=str(prefix))
     plain = [sys.executable, "-m", "ipykernel", "install", "--prefix", str(prefix)]
     subprocess.run([*plain, "--name", "py"], check=True, capture_output=True)
-    subprocess.run([*cli, "--wrap", "py"], check=True, capture_output=True, env=env)
+    wrap_kernelspec("py", prefix=str(prefix))
     ours = _spec(kernels, "py-snapshot")
     assert ours["argv"] == [sys.executable, "-m", "kernel_wrapper", "-f", "{connection_file}"]
     assert ours["metadata"]["kernel_snapshots"] == {"format": 1, "wraps": "py"}  # type: ignore[index]
