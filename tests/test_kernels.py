@@ -20,7 +20,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -107,23 +106,37 @@ def test_an_r_kernels_variables_are_read_without_a_trace(
     assert reply["content"]["execution_count"] == 3
 
 
-def test_a_kernel_without_the_ipc_transport_says_why(kernel_factory: Factory) -> None:
-    """A kernel that ignores its connection file's transport (it listens on TCP) cannot be
-    a snapshot kernel: every cell says so, naming the port it listens on."""
-    tcp_only = textwrap.dedent(
-        """
-        import socket, sys, time
-        server = socket.create_server(("127.0.0.1", 0))
-        print("listening", server.getsockname()[1], file=sys.stderr, flush=True)
-        time.sleep(600)
-        """
-    )
-    kernel = kernel_factory(kernel_argv=[sys.executable, "-c", tcp_only, "{connection_file}"])
+#: Kernels that cannot take the ipc transport: one listening on TCP instead, one that exits.
+TCP_ONLY = """
+import socket, sys, time
+server = socket.create_server(("127.0.0.1", 0))
+time.sleep(600)
+"""
+EXITS = "import sys; print('cannot use', sys.argv[1], file=sys.stderr); sys.exit(3)"
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        (
+            TCP_ONLY,
+            "does not take the ipc transport that its connection file names: it "
+            "listens on TCP port 127.0.0.1:",
+        ),
+        (EXITS, "The kernel exited (status 3) before it bound the ipc endpoints"),
+    ],
+    ids=["listens-on-tcp", "exits"],
+)
+def test_a_kernel_without_the_ipc_transport_says_why(
+    kernel_factory: Factory, code: str, reason: str
+) -> None:
+    """A kernel that ignores its connection file's transport cannot be a snapshot kernel:
+    every cell says why (the port it listens on), instead of the server restarting it in
+    vain."""
+    kernel = kernel_factory(kernel_argv=[sys.executable, "-c", code, "{connection_file}"])
     reply = kernel.client.execute_interactive("1", timeout=60)
     assert reply["content"]["status"] == "error"
-    reason = reply["content"]["evalue"]
-    assert "does not take the ipc transport" in reason
-    assert "listens on TCP port 127.0.0.1:" in reason
+    assert reason in reply["content"]["evalue"]
     assert kernel.status()["state"] == "dead"
 
 

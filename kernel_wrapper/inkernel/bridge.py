@@ -23,10 +23,11 @@ the kernel's tree, as its root (PID 1 of its namespace with root), and:
   (its exit status), and ends the kernel when the wrapper is gone (:mod:`.lifeline`).
 
 A kernel that does not bind the ``ipc`` endpoints its connection file names (one that
-only knows TCP, listening on ports instead) cannot run this way: the bridge says so,
-naming what it does listen on, in :data:`REFUSED_FILE` of the runtime directory and on
-stderr, and exits with :data:`EXIT_REFUSED`; the wrapper then answers every cell with
-that reason (docs/kernels.md).
+only knows TCP, listening on ports instead, or one that exits at start) cannot run this
+way: the bridge says so, naming what it does listen on, in :data:`REFUSED_FILE` of the
+runtime directory and on stderr, and exits with :data:`EXIT_REFUSED`; the wrapper then
+answers every cell with that reason instead of having the server restart it in vain
+(docs/kernels.md).
 
 Run by the wrapper as ``python -m kernel_wrapper.inkernel.bridge CONNECTION_FILE -- ARGV``.
 """
@@ -74,6 +75,10 @@ RECONNECT_IVL_MAX_MS = 200
 BIND_TIMEOUT = 120.0
 #: How often the bridge looks whether the kernel has bound its endpoints.
 BIND_POLL = 0.01
+#: How long a kernel may listen on TCP, none of its endpoints bound, before the bridge
+#: takes it for one that ignores the ipc transport (a kernel may open a port of its own
+#: before it binds its channels).
+TCP_GRACE = 3.0
 #: The bridge's exit status when the kernel cannot take the endpoints it needs.
 EXIT_REFUSED = 78
 DELIM = b"<IDS|MSG>"
@@ -106,24 +111,33 @@ def _listening_elsewhere(pid: int) -> list[str]:
 
 def wait_for_endpoints(
     kernel: subprocess.Popen[bytes], connection: dict[str, Any], timeout: float = BIND_TIMEOUT
-) -> dict[str, str] | None:
+) -> dict[str, str]:
     """The paths of the kernel's endpoints once it has bound all of them (and its
-    heartbeat's, removed with them); None if the kernel ended first. Raises
-    :class:`Refused` when it listens on TCP instead, or binds nothing in ``timeout``."""
+    heartbeat's, removed with them). Raises :class:`Refused` when it ends first, when it
+    listens on TCP for :data:`TCP_GRACE` seconds without binding any of them, or when it
+    binds nothing in ``timeout``."""
     names = [*CHANNELS, "hb"]
     deadline = time.monotonic() + timeout
     next_look = 0.0
+    tcp_since: float | None = None
     while True:
         found = {name: endpoint_path(connection, name) for name in names}
         if all(found.values()):
             return {name: str(path) for name, path in found.items()}
-        if kernel.poll() is not None:
-            return None
+        code = kernel.poll()
+        if code is not None:
+            raise Refused(
+                f"The kernel exited (status {code}) before it bound the ipc endpoints its "
+                f"connection file names ({connection['ip']}-N): it does not take the ipc "
+                "transport a snapshot kernel needs, or it failed to start. Its own output, in "
+                "the server's log just before this, says which."
+            )
         now = time.monotonic()
-        if now >= next_look:
+        if now >= next_look and not any(found.values()):
             next_look = now + 0.5
             tcp = _listening_elsewhere(kernel.pid)
-            if tcp:
+            tcp_since = (tcp_since or now) if tcp else None
+            if tcp and now - (tcp_since or now) >= TCP_GRACE:
                 raise Refused(
                     "This kernel does not take the ipc transport that its connection file "
                     f"names: it listens on {', '.join(tcp)} instead. A snapshot kernel needs "
@@ -289,14 +303,13 @@ def run(connection_file: Path, argv: list[str]) -> int:
     lifeline.start(runtime_dir)
     try:
         endpoints = wait_for_endpoints(kernel, connection)
-        if endpoints is not None:
-            bridge = Bridge(endpoints, str(runtime_dir), connection["key"].encode(), kernel)
+        bridge = Bridge(endpoints, str(runtime_dir), connection["key"].encode(), kernel)
     except Refused as exc:
         kernel.kill()
         kernel.wait()
         return refuse(runtime_dir, str(exc))
-    if endpoints is None or kernel.poll() is not None:
-        return kernel.wait()  # it ended before it was bridged: its own output says why
+    if kernel.poll() is not None:
+        return kernel.wait()  # it ended as it was bridged: its own output says why
     for path in endpoints.values():
         os.unlink(path)
     os.rmdir(os.path.dirname(connection["ip"]))
