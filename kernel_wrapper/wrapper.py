@@ -232,10 +232,11 @@ class KernelWrapper:
             ]
             return [*argv, *self.kernel_args]
         kernel_file = str(self.runtime.kernel_connection_file(self.connection))
-        named = {str(self._named_connection_file), str(self.connection_file)}
+        # The longer name first: a relative one may be the end of the absolute one.
+        named = sorted({str(self._named_connection_file), str(self.connection_file)}, key=len)
         argv = []
         for arg in self.kernel_argv:
-            for path in named:
+            for path in reversed(named):
                 arg = arg.replace(path, kernel_file)
             argv.append(arg)
         return [sys.executable, "-m", "kernel_wrapper.inkernel.bridge", kernel_file, "--", *argv]
