@@ -4,6 +4,7 @@ that starts when a killed one could not."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -80,7 +81,11 @@ class RuntimeDir:
         xeus-python (0.19) fails to start ("RuntimeError: Invalid argument") with an ipc
         ``ip`` longer than 23 characters, and one every machine has, where CRIU binds the
         sockets again (and removes them) on restore."""
-        endpoints = Path(tempfile.mkdtemp(prefix="jks-", dir=KERNEL_ENDPOINTS_ROOT))
+        endpoints = kernel_endpoints_dir(self.path.name)
+        try:
+            endpoints.mkdir(mode=0o700)
+        except FileExistsError:  # another wrapper's name begins alike: one of our own
+            endpoints = Path(tempfile.mkdtemp(prefix="jks-", dir=KERNEL_ENDPOINTS_ROOT))
         self._kernel_dirs.append(endpoints)
         path = self.path / "kernel.json"
         info = {
@@ -152,4 +157,16 @@ def remove_stale_runtime_dirs(root: Path) -> list[Path]:
             mountns.detach_below(directory)  # a private view's tmpfs (core/isolation/privatetmp.py)
             shutil.rmtree(directory, ignore_errors=True)
             removed.append(directory)
+            # Its kernel's endpoints, if it died before the kernel had bound them all.
+            endpoints = kernel_endpoints_dir(directory.name)
+            with contextlib.suppress(OSError):
+                if endpoints.lstat().st_uid == os.geteuid() and endpoints.is_dir():
+                    shutil.rmtree(endpoints, ignore_errors=True)
     return removed
+
+
+def kernel_endpoints_dir(runtime_name: str) -> Path:
+    """Where the kernel of the runtime directory ``runtime_name`` (behind the bridge)
+    binds its endpoints: named after it, so that what a killed wrapper left there goes
+    with its runtime directory."""
+    return Path(KERNEL_ENDPOINTS_ROOT) / f"jks-{runtime_name[:8]}"
