@@ -173,6 +173,26 @@ def test_an_r_kernel_restored_into_a_new_wrapper(kernel_factory: Factory, tmp_pa
     assert after == [before[0], "line", "3", "-1", "-2", "-3"]
 
 
+def test_a_snapshot_of_another_kind_of_kernel_does_not_take_a_kernels_place(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """An R snapshot restored in place of a running Python kernel is refused before the
+    kernel is touched (the notebook would change language): it says how to restore it."""
+    r = kernel_factory(kernel_argv=IR)
+    r.execute("x <- 1")
+    r.snapshot(tmp_path / "r")
+    python = kernel_factory()
+    python.execute("y = 2")
+    with pytest.raises(
+        SnapshotError,
+        match=r"of a R \(IRkernel\) kernel and this kernel runs "
+        r"python \(ipython\)",
+    ) as refused:
+        python.restore(tmp_path / "r")
+    assert "Restore it into a new kernel" in (refused.value.hint or "")
+    assert python.execute("print(y)").strip() == "2"
+
+
 # -------------------------------------------------------------------- on another node
 
 #: R: a data.frame, a file read line by line, fork workers (mclapply), and with root a
