@@ -5,9 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -40,9 +38,8 @@ from .core.protocol import DEFAULT_RUNTIME_ROOT
 from .core.store import Repository, SnapshotStore, StoreSpec, open_store
 from .core.store.keys import LOST_KEY, FileKeySource
 from .core.store.scope import user_prefix
+from .kernelspecs import install_kernelspec, wrap_kernelspec
 from .settings import SnapshotSettings
-
-KERNELSPEC_DIR = Path(__file__).resolve().parent / "kernelspec"
 
 
 class _ServerConfigFiles(JupyterApp):
@@ -164,50 +161,54 @@ class InstallKernelSpecApp(JupyterApp):
     description = (
         "Install the 'Python 3 (snapshots)' kernel for this Python environment. With "
         "--name python3 it replaces ipykernel's kernelspec: the Launcher's Python tile and "
-        "every notebook whose metadata say python3 then start a snapshot kernel."
+        "every notebook whose metadata say python3 then start a snapshot kernel. With "
+        "--wrap NAME it makes the installed kernelspec NAME (IRkernel's ir, xeus-python's "
+        "xpython, any Jupyter kernel) a snapshot kernel, 'NAME-snapshot' unless --name "
+        "says otherwise (--wrap ir --name ir: every R notebook starts it); docs/kernels.md."
     )
-    kernel_name = Unicode("python3-snapshot", config=True, help="Kernel name.")
-    display_name = Unicode("Python 3 (snapshots)", config=True, help="Name shown in Jupyter.")
+    kernel_name = Unicode(
+        "", config=True, help="Kernel name (default: python3-snapshot, or NAME-snapshot)."
+    )
+    display_name = Unicode(
+        "",
+        config=True,
+        help="Name shown in Jupyter (default: 'Python 3 (snapshots)', or the wrapped "
+        "kernel's followed by '(snapshots)').",
+    )
+    wrap = Unicode(
+        "",
+        config=True,
+        help="Make this installed kernelspec a snapshot kernel (its argv, env, interrupt "
+        "mode and metadata kept).",
+    )
     user = Bool(False, config=True, help="Install for the current user only.")
     prefix = Unicode("", config=True, help="Install under this prefix (default: sys.prefix).")
     aliases = {
         "name": "InstallKernelSpecApp.kernel_name",
         "display-name": "InstallKernelSpecApp.display_name",
         "prefix": "InstallKernelSpecApp.prefix",
+        "wrap": "InstallKernelSpecApp.wrap",
     }
     flags = {"user": ({"InstallKernelSpecApp": {"user": True}}, "Install for this user only.")}
 
     def start(self) -> None:
+        prefix = None if self.user else (self.prefix or sys.prefix)
+        if self.wrap:
+            name = self.kernel_name or f"{self.wrap}-snapshot"
+            try:
+                path = wrap_kernelspec(
+                    self.wrap, name, self.display_name, user=self.user, prefix=prefix
+                )
+            except SnapshotError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                self.exit(1)
+            print(f"Installed kernelspec {name} (snapshots of {self.wrap}) in {path}")
+            return
+        name = self.kernel_name or "python3-snapshot"
         path = install_kernelspec(
-            self.kernel_name,
-            self.display_name,
-            user=self.user,
-            prefix=None if self.user else (self.prefix or sys.prefix),
+            name, self.display_name or "Python 3 (snapshots)", user=self.user, prefix=prefix
         )
-        print(f"Installed kernelspec {self.kernel_name} in {path}")
-
-
-def install_kernelspec(
-    name: str = "python3-snapshot",
-    display_name: str = "Python 3 (snapshots)",
-    *,
-    user: bool = False,
-    prefix: str | None = None,
-) -> str:
-    """Install the snapshot kernelspec, pointing at this Python interpreter."""
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    spec: dict[str, Any] = json.loads((KERNELSPEC_DIR / "kernel.json").read_text())
-    spec["argv"][0] = sys.executable
-    spec["display_name"] = display_name
-    with tempfile.TemporaryDirectory() as tmp:
-        staging = Path(tmp) / name
-        shutil.copytree(KERNELSPEC_DIR, staging)
-        (staging / "kernel.json").write_text(json.dumps(spec, indent=1))
-        path: str = KernelSpecManager().install_kernel_spec(
-            str(staging), name, user=user, prefix=prefix
-        )
-    return path
+        print(f"Installed kernelspec {name} in {path}")
 
 
 class ServerClient:

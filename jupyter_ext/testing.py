@@ -61,11 +61,15 @@ class KernelProcess:
         env: dict[str, str] | None = None,
         prefix: Sequence[str] = (),
         preexec_fn: Callable[[], None] | None = None,
+        kernel_argv: list[str] | None = None,
     ) -> None:
         """``prefix``, ``preexec_fn``: how the wrapper is started elsewhere (in a stand-in
-        pod: :meth:`jupyter_ext.agentpods.FakePod.argv`)."""
+        pod: :meth:`jupyter_ext.agentpods.FakePod.argv`). ``kernel_argv``: another kernel's
+        kernelspec argv (``{connection_file}`` in it), run behind the wrapper's bridge
+        instead of its ipykernel."""
         workdir.mkdir(parents=True, exist_ok=True)
         self._preexec_fn = preexec_fn
+        self.kernel_argv = kernel_argv or []
         argv = [*prefix, sys.executable, "-m", "kernel_wrapper", "--on-inner-death", on_inner_death]
         argv += extra_args or []
         for attempt in range(PORT_ATTEMPTS):
@@ -98,8 +102,11 @@ class KernelProcess:
         if restore_from is not None:  # as the server restores into a new kernel
             marker.touch()
             environ[ENV_AWAIT_RESTORE] = str(marker)
+        inner = [
+            arg.replace("{connection_file}", str(self.connection_file)) for arg in self.kernel_argv
+        ]
         self.process = subprocess.Popen(
-            [*argv, "-f", str(self.connection_file)],
+            [*argv, "-f", str(self.connection_file), *(["--", *inner] if inner else [])],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=environ,

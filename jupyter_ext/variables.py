@@ -182,6 +182,11 @@ async def start(
             hint="Wait until the cell finishes, or interrupt it, then try again.",
         )
     manager.jobs.check_not_busy(kernel_id)
+    refused = (await manager.snapshots.manifest(snapshot_id)).contents.get("take_unavailable")
+    if refused:
+        raise VariableTransferError(
+            str(refused), hint="Restore the snapshot instead: the whole kernel comes back."
+        )
 
     async def work(job: Job) -> dict[str, Any]:
         return await _take(manager, job, snapshot_id, kernel_id, mapping)

@@ -64,10 +64,6 @@ from .memory import Level, MemoryCopy, Parent
 from .parts import KernelParts
 from .runtime import RuntimeDir
 
-#: How long the kernel's agent gets to say what the snapshot holds (it takes ~50 ms at
-#: most; more only while the kernel's code holds the interpreter lock in C).
-SUMMARY_TIMEOUT = 1.0
-
 
 def with_fate(exc: SnapshotError, inner_pid: int) -> SnapshotError:
     """A failed dump's error, saying what became of the kernel: only what is true."""
@@ -191,21 +187,9 @@ class Dumper:
             )
 
     async def _contents(self) -> dict[str, Any]:
-        """What the kernel's agent says the snapshot holds (kernel_wrapper.inkernel.contents), while
+        """What the kernel's own code says the snapshot holds (kernel_wrapper.agents), while
         the kernel still runs; without an answer the snapshot goes on, its record partial."""
-        if self.kernel.relay.inner is None:
-            return {"partial": True, "partial_reason": "the kernel is not connected"}
-        answer = await self.kernel.relay.inner.ask_agent(
-            "summary", SUMMARY_TIMEOUT, since=self.kernel.record.cells_through
-        )
-        answer.pop("id", None)
-        if answer.get("error"):
-            return {"partial": True, "partial_reason": str(answer["error"])}
-        cells = answer.get("cells")
-        running = self.kernel.tracker.running_request()
-        if cells and isinstance(cells[-1], dict) and cells[-1].get("running") and running:
-            cells[-1]["execution_count"] = running.get("execution_count")
-        return answer
+        return await self.kernel.agent.summary(self.kernel.record.cells_through)
 
     # ------------------------------------------------------------------ freeze and dump
 

@@ -28,20 +28,17 @@ from jupyter_ext.core.gpu import (
 from jupyter_ext.core.manifest import Manifest
 from jupyter_ext.core.protocol import ProgressCallback
 
-from .relay import Relay
+from .agents import KernelAgent
 
 log = logging.getLogger("kernel_wrapper")
 
-#: How long the kernel's snapshot agent gets to release GPU caches before a checkpoint.
-AGENT_TIMEOUT = 10.0
-
 
 class GpuSteps:
-    """The CUDA steps for the kernel that ``relay`` connects (its snapshot agent is asked
-    to release the GPU caches of its frameworks)."""
+    """The CUDA steps for the kernel whose own code ``agent`` reaches (asked to release
+    the GPU caches of its frameworks)."""
 
-    def __init__(self, relay: Relay) -> None:
-        self.relay = relay
+    def __init__(self, agent: KernelAgent) -> None:
+        self.agent = agent
         self._checkpointer: GpuCheckpointer | None = None
 
     def _gpu(self) -> GpuCheckpointer:
@@ -75,11 +72,8 @@ class GpuSteps:
 
     async def _release_caches(self, progress: ProgressCallback) -> dict[str, Any]:
         """Ask the kernel's agent to release its frameworks' GPU caches; what it says."""
-        if self.relay.inner is None:
-            return {}
         progress({"phase": "releasing-gpu-caches"})
-        released = await self.relay.inner.ask_agent("release_gpu_caches", AGENT_TIMEOUT)
-        released.pop("id", None)
+        released = await self.agent.release_gpu_caches()
         if released.get("error") or released.get("errors"):
             log.warning("releasing GPU caches: %s", released)
         return released

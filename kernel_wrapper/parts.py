@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from jupyter_ext.core.criu import Criu
 
+from .agents import KernelAgent
 from .gpusteps import GpuSteps
 from .lazyrestore import LazyRestore
 from .lifecycle import Lifecycle
@@ -23,8 +24,9 @@ class KernelParts:
     """One kernel as a dump or a restore sees it: its state (``lifecycle``), its
     messages (``relay``, and what they tell: ``tracker``), its ``process``, its
     ``runtime`` directory, its CUDA steps (``gpu``), its lazy restores (``lazy``), the
-    ``record`` of its snapshots and the tracking of its ``memory`` between them; ``criu``
-    gives the CRIU binary (located on first use)."""
+    ``record`` of its snapshots, the tracking of its ``memory`` between them and its own
+    code (``agent``: what a snapshot holds); ``criu`` gives the CRIU binary (located on
+    first use)."""
 
     lifecycle: Lifecycle
     relay: Relay
@@ -34,6 +36,7 @@ class KernelParts:
     lazy: LazyRestore
     record: KernelRecord
     memory: KernelMemory
+    agent: KernelAgent
     criu: Callable[[], Criu]
 
     @property

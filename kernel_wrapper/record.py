@@ -23,7 +23,7 @@ class KernelRecord:
     chunk_kib: int | None = None
     """The chunk size of the kernel's last snapshot: the next keeps it if it can."""
     cells_through: int = 0
-    """The kernel's last cell (kernel_wrapper.inkernel.contents.CellLog seq) that a snapshot
+    """The kernel's last cell (jupyter_ext.core.contents.CellLog seq) that a snapshot
     recorded: the next one lists the cells after it."""
     suspended_snapshot: Path | None = None
     """The snapshot a suspended kernel comes back from."""

@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import time
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -38,6 +39,7 @@ from .channels import (
     sync_socket,
     take_all,
 )
+from .ownrequests import OwnRequests
 from .tracker import KernelTracker
 
 log = logging.getLogger("kernel_wrapper")
@@ -58,6 +60,8 @@ class Relay:
         self.server = server
         self.inner: InnerChannels | None = None
         self.tracker = KernelTracker(session, self.send)
+        self.own = OwnRequests(session)
+        """The wrapper's own requests to the kernel, whose answers are not passed on."""
         self._open = False
         """Whether requests go to the kernel now (else they wait in the backlog)."""
         self._pumps: list[asyncio.Task[None]] = []
@@ -123,7 +127,7 @@ class Relay:
                     if name == "fork_pipe":
                         frames = frames[1:]  # the kernel's pipe uuid
                     checked = self.sign(frames) if outward else self.unsign(name, frames)
-                    if checked is None:
+                    if checked is None or (outward and self.own.take(checked)):
                         continue
                     if outward:
                         self.tracker.kernel_sent(name, checked)
@@ -191,6 +195,14 @@ class Relay:
                         self.tracker.announce_resumed()
                         for replay in self.tracker.replays():
                             self.send(("server", "iopub"), self.sign(replay))
+
+    async def execute_own(self, code: str, timeout: float) -> list[dict[str, Any]] | None:
+        """Run ``code`` silently in the kernel for the wrapper itself
+        (:mod:`kernel_wrapper.ownrequests`): what the kernel sent for it, None without
+        an answer within ``timeout``."""
+        msg_id, frames = self.own.execute_request(code)
+        self.send(("inner", "shell"), frames)
+        return await self.own.answers(msg_id, timeout)
 
     def describe(self) -> str:
         """What each part of the relay holds now, for a log line when messages seem stuck
@@ -299,6 +311,8 @@ class Relay:
                 if name == "fork_pipe":
                     frames = frames[1:]
                 frames = self.sign(frames)
+                if self.own.take(frames):
+                    continue
                 self.tracker.observe(name, frames, reply=True)
                 self.send(("server", "iopub" if name == "fork_pipe" else name), frames)
         await self.close_inner()

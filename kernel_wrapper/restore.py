@@ -92,10 +92,27 @@ class Restorer:
         else:
             manifest = await asyncio.to_thread(verify, source)
         check_compatible(manifest)
+        self._check_same_kernel(manifest)
         _check_appended(manifest, source)
         self._check_ports_free(manifest)
         self._check_locks_free(manifest, source)
         return manifest
+
+    def _check_same_kernel(self, manifest: Manifest) -> None:
+        """Refuse to put a snapshot of another kind of kernel (R, xeus-python, ipykernel:
+        language and implementation of its kernel_info) in place of the one this wrapper
+        runs: the notebook would change language under its user, and the wrapper's
+        agent (kernel_wrapper.agents) would not fit it. A wrapper without a kernel yet
+        (a restore into a new kernel, started from the snapshot's kernelspec) takes any."""
+        ours, theirs = self.kernel.tracker.kernel_info, manifest.kernel_info
+        if not ours or not theirs:
+            return
+        if kernel_kind(ours) != kernel_kind(theirs):
+            raise IncompatibleSnapshotError(
+                f"The snapshot is of a {kernel_kind(theirs)} kernel and this kernel runs "
+                f"{kernel_kind(ours)}: it cannot take its place.",
+                hint="Restore it into a new kernel (it starts the snapshot's own kernelspec).",
+            )
 
     def _check_locks_free(self, manifest: Manifest, source: Path) -> None:
         """Refuse a snapshot whose file locks another process holds here (core/carried/filelocks.py:
@@ -206,6 +223,7 @@ class Restorer:
 
         def restored() -> None:
             self.kernel.record.restored(manifest)
+            self.kernel.agent.restored(self.kernel.record.cells_through)
             self.kernel.tracker.snapshot_taken()
 
         await self.replace_inner(source, manifest, criu, restored, lazy=lazy, pages_from=pages_from)
@@ -419,6 +437,12 @@ def _check_appended(manifest: Manifest, source: Path) -> None:
             "Files the kernel appended to are missing or changed here: " + "; ".join(problems[:5]),
             hint="Put those files back (or move the ones there aside), then restore again.",
         )
+
+
+def kernel_kind(kernel_info: dict[str, Any]) -> str:
+    """A kernel's language and implementation, from its kernel_info ("R (IRkernel)")."""
+    language = str((kernel_info.get("language_info") or {}).get("name") or "?")
+    return f"{language} ({kernel_info.get('implementation') or '?'})"
 
 
 def _locked_elsewhere(

@@ -4,20 +4,24 @@ that starts when a killed one could not."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from jupyter_ext.core.isolation import mountns
-from jupyter_ext.core.protocol import INNER_PORTS
+from jupyter_ext.core.protocol import INNER_PORTS, KERNEL_PORTS
 
 log = logging.getLogger("kernel_wrapper")
 
+#: Where kernels other than ipykernel bind their endpoints (see kernel_connection_file).
+KERNEL_ENDPOINTS_ROOT = "/tmp"
 #: A runtime directory without ``wrapper.pid`` this old (seconds) was left by a wrapper
 #: that died while making it; a younger one is being made right now.
 STALE_UNNAMED_SECONDS = 3600.0
@@ -38,6 +42,7 @@ class RuntimeDir:
         root.mkdir(mode=0o711, parents=True, exist_ok=True)
         self.path.mkdir(mode=0o700)
         self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        self._kernel_dirs: list[Path] = []
         tmp = self.path / "wrapper.pid.tmp"
         tmp.write_text(f"{os.getpid()} {self.fd}\n")
         os.replace(tmp, self.path / "wrapper.pid")
@@ -68,9 +73,39 @@ class RuntimeDir:
             json.dump(info, fh)
         return path
 
+    def kernel_connection_file(self, connection: dict[str, Any]) -> Path:
+        """The connection file of a kernel other than ipykernel, which binds what it names
+        (kernel_wrapper.inkernel.bridge), and a key of its own, which only the kernel and
+        the bridge in its tree hold. Its ipc endpoints are in a new private directory
+        under /tmp (0700; the bridge removes them once connected): a short path, since
+        xeus-python (0.19) fails to start ("RuntimeError: Invalid argument") with an ipc
+        ``ip`` longer than 23 characters, and one every machine has, where CRIU binds the
+        sockets again (and removes them) on restore."""
+        endpoints = kernel_endpoints_dir(self.path.name)
+        try:
+            endpoints.mkdir(mode=0o700)
+        except FileExistsError:  # another wrapper's name begins alike: one of our own
+            endpoints = Path(tempfile.mkdtemp(prefix="jks-", dir=KERNEL_ENDPOINTS_ROOT))
+        self._kernel_dirs.append(endpoints)
+        path = self.path / "kernel.json"
+        info = {
+            "transport": "ipc",
+            "ip": str(endpoints / "k"),
+            "key": secrets.token_hex(32),
+            "signature_scheme": "hmac-sha256",
+            "kernel_name": connection.get("kernel_name", ""),
+        }
+        info.update({f"{name}_port": port for name, port in KERNEL_PORTS.items()})
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(info, fh)
+        return path
+
     def remove(self) -> None:
         os.close(self.fd)
         shutil.rmtree(self.path, ignore_errors=True)
+        for endpoints in self._kernel_dirs:  # a kernel that never bound them all
+            shutil.rmtree(endpoints, ignore_errors=True)
 
 
 def runtime_dir_in_use(directory: Path) -> bool:
@@ -122,4 +157,16 @@ def remove_stale_runtime_dirs(root: Path) -> list[Path]:
             mountns.detach_below(directory)  # a private view's tmpfs (core/isolation/privatetmp.py)
             shutil.rmtree(directory, ignore_errors=True)
             removed.append(directory)
+            # Its kernel's endpoints, if it died before the kernel had bound them all.
+            endpoints = kernel_endpoints_dir(directory.name)
+            with contextlib.suppress(OSError):
+                if endpoints.lstat().st_uid == os.geteuid() and endpoints.is_dir():
+                    shutil.rmtree(endpoints, ignore_errors=True)
     return removed
+
+
+def kernel_endpoints_dir(runtime_name: str) -> Path:
+    """Where the kernel of the runtime directory ``runtime_name`` (behind the bridge)
+    binds its endpoints: named after it, so that what a killed wrapper left there goes
+    with its runtime directory."""
+    return Path(KERNEL_ENDPOINTS_ROOT) / f"jks-{runtime_name[:8]}"

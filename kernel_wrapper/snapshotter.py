@@ -42,6 +42,7 @@ from jupyter_ext.core.protocol import (
     SuspendArgs,
 )
 
+from .agents import KernelAgent
 from .dump import Dumper
 from .gpusteps import GpuSteps
 from .lazyrestore import LazyRestore
@@ -72,6 +73,7 @@ class Snapshotter:
         runtime: RuntimeDir,
         criu_path: str | None,
         lazy_restore: bool,
+        agent: KernelAgent,
         lazy_min_bytes: int = LAZY_MIN_BYTES,
     ) -> None:
         self.lifecycle = lifecycle
@@ -85,10 +87,11 @@ class Snapshotter:
             relay=relay,
             process=process,
             runtime=runtime,
-            gpu=GpuSteps(relay),
+            gpu=GpuSteps(agent),
             lazy=LazyRestore(lazy_restore, lazy_min_bytes),
             record=KernelRecord(),
             memory=KernelMemory(relay),
+            agent=agent,
             criu=self._criu_binary,
         )
         self.record = self.kernel.record

@@ -66,6 +66,8 @@ class StandIn:
         self._wake = wake
         self._shutdown = shutdown
         self.suspended = False
+        self.dead_text = DEAD_TEXT
+        """What a dead kernel answers every cell (a kernel the bridge refused says why)."""
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self, suspended: bool) -> None:
@@ -119,12 +121,12 @@ class StandIn:
         else:
             if msg_type == "execute_request":
                 self.session.send(
-                    iopub, "stream", {"name": "stderr", "text": DEAD_TEXT + "\n"}, parent=msg
+                    iopub, "stream", {"name": "stderr", "text": self.dead_text + "\n"}, parent=msg
                 )
             content = {
                 "status": "error",
                 "ename": "KernelDied",
-                "evalue": DEAD_TEXT,
+                "evalue": self.dead_text,
                 "traceback": [],
                 "execution_count": 0,
             }

@@ -21,6 +21,8 @@ from typing import Any
 
 from jupyter_client.session import DELIM, Session
 
+from jupyter_ext.core.contents import CellLog
+
 from .channels import Route
 
 Send = Callable[[Route, list[bytes]], None]
@@ -54,6 +56,9 @@ class KernelTracker:
         self.longest_cell_since_snapshot = 0.0
         """Seconds of the longest cell that finished since the last snapshot: the server's
         long-cell policy snapshots after one past its threshold."""
+        self.cells: CellLog | None = None
+        """The cells a kernel without a snapshot agent ran (one behind the bridge), for
+        the next snapshot's record; None for ipykernel, whose agent keeps its own."""
         self.shutdown_requested = False
         """Whether a shutdown_request went to the kernel: its end is then on purpose (a
         lazy restore it cuts short has not failed)."""
@@ -70,6 +75,10 @@ class KernelTracker:
             collections.OrderedDict()
         )
         """Routing ids of recent shell clients, newest last."""
+        self._cell_code: dict[str, str] = {}
+        """With ``cells``: the code of cells (not silent execute_requests) that have not
+        begun; ``_cell_running``: the one that has."""
+        self._cell_running: str | None = None
 
     # ------------------------------------------------------------------ what passes
 
@@ -84,10 +93,10 @@ class KernelTracker:
             self.last_activity = time.time()
             self.executions_since_snapshot += 1
             with contextlib.suppress(*_MALFORMED):
-                self._track_execute(frames[at + 2], frames[at + 4])
+                self._track_execute(frames[at + 2], frames[at + 4], frames[at + 5])
         elif name == "shell" and reply and b'"execute_reply"' in header:
             with contextlib.suppress(*_MALFORMED):
-                self._finished(json.loads(frames[at + 3])["msg_id"])
+                self._finished(json.loads(frames[at + 3])["msg_id"], frames[at + 5])
         elif name == "iopub" and b'"execute_input"' in header:
             with contextlib.suppress(*_MALFORMED):
                 self._started(json.loads(frames[at + 3])["msg_id"], frames[at + 5])
@@ -102,7 +111,7 @@ class KernelTracker:
             with contextlib.suppress(ValueError, IndexError):
                 self.kernel_info = json.loads(frames[at + 5])
 
-    def _track_execute(self, header: bytes, metadata: bytes) -> None:
+    def _track_execute(self, header: bytes, metadata: bytes, content: bytes) -> None:
         """Remember an execute_request the kernel got, for the snapshot's record of the
         running cell (and the cell a restored kernel resumes)."""
         parsed = json.loads(header)
@@ -112,17 +121,22 @@ class KernelTracker:
             "cell_id": cell_id if isinstance(cell_id, str) else None,
             "execution_count": None,
         }
+        request = json.loads(content) if self.cells is not None else {}
+        if self.cells is not None and not request.get("silent"):  # a variable inspector's
+            self._cell_code[parsed["msg_id"]] = str(request.get("code", ""))
         while len(self._executing) > self.MAX_EXECUTING:
-            self._executing.popitem(last=False)
+            self._cell_code.pop(self._executing.popitem(last=False)[0], None)
 
     def _started(self, msg_id: str, content: bytes) -> None:
         """The kernel began the request ``msg_id`` (its execute_input)."""
         running = self._executing.get(msg_id)
         if running is not None:
-            running["execution_count"] = json.loads(content).get("execution_count")
+            parsed = json.loads(content)
+            running["execution_count"] = parsed.get("execution_count")
             running["started"] = time.monotonic()  # queued cells wait before it
+            self._cell_started(msg_id)
 
-    def _finished(self, msg_id: str) -> None:
+    def _finished(self, msg_id: str, content: bytes) -> None:
         """The kernel answered the request ``msg_id`` (its execute_reply)."""
         finished = self._executing.pop(msg_id, None)
         if finished is not None and "started" in finished:
@@ -131,6 +145,18 @@ class KernelTracker:
         if self.resumed_request and self.resumed_request["header"]["msg_id"] == msg_id:
             self.resumed_request = None
             self._resumed_output.clear()
+        self._cell_started(msg_id)  # its execute_input may come after the reply
+        if self.cells is not None and self._cell_running == msg_id:
+            parsed = json.loads(content)
+            self.cells.finished(parsed.get("execution_count"), parsed.get("status") == "ok")
+            self._cell_running = None
+
+    def _cell_started(self, msg_id: str) -> None:
+        """Log the cell ``msg_id`` as begun, once (with ``cells``)."""
+        code = self._cell_code.pop(msg_id, None)
+        if self.cells is not None and code is not None:
+            self.cells.started(code)
+            self._cell_running = msg_id
 
     def running_request(self) -> dict[str, Any] | None:
         """The execute_request the kernel is running (the oldest without a reply)."""
@@ -157,6 +183,7 @@ class KernelTracker:
         kernel_info itself and announces "busy" for it to every new subscriber.
         """
         self._executing.clear()
+        self._cell_code.clear()
         self._resumed_output.clear()
         self.resumed_request = running
         if running is not None:

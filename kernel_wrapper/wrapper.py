@@ -47,6 +47,7 @@ from jupyter_ext.core.protocol import (
     ENV_LAZY_RESTORE,
     ENV_LAZY_RESTORE_MIN_BYTES,
     ENV_PID_FLOOR,
+    REFUSED_FILE,
     KernelStatus,
     ProgressCallback,
     StatusArgs,
@@ -54,6 +55,7 @@ from jupyter_ext.core.protocol import (
     info_path,
 )
 
+from .agents import BridgedAgent, IPythonAgent
 from .channels import InnerChannels, ServerChannels
 from .control import ControlServer
 from .lifecycle import Lifecycle, State
@@ -78,7 +80,10 @@ class KernelWrapper:
     ``on_inner_death``: "exit" like ipykernel (the server restarts the kernel), or "wait"
     for a restore, the stand-in answering meanwhile. ``await_restore``: start without a
     kernel and wait for a ``restore`` operation (a restore into a new kernel) instead of
-    launching a fresh one. ``kernel_args`` go to the inner kernel.
+    launching a fresh one. ``kernel_args`` go to the inner ipykernel; ``kernel_argv``, if
+    given, is another kernel's command line (its kernelspec's argv, the connection file
+    in it as jupyter_client put it there), run behind a bridge instead
+    (:mod:`kernel_wrapper.inkernel.bridge`).
     """
 
     #: How often the wrapper looks whether the server that started it is still there.
@@ -93,6 +98,7 @@ class KernelWrapper:
         criu_path: str | None = None,
         await_restore: bool = False,
         kernel_args: list[str] | None = None,
+        kernel_argv: list[str] | None = None,
         kernel_umask: int | None = None,
     ) -> None:
         """``kernel_umask``: the user's umask, for the kernel (the wrapper's own files,
@@ -106,6 +112,20 @@ class KernelWrapper:
         self.on_inner_death = on_inner_death
         self.await_restore = await_restore
         self.kernel_args = kernel_args or []
+        self.kernel_argv = kernel_argv or []
+        if self.kernel_argv and not any(
+            str(named) in arg
+            for arg in self.kernel_argv
+            for named in (connection_file, self.connection_file)
+        ):
+            raise SnapshotError(
+                f"The kernel's command line ({' '.join(self.kernel_argv)}) does not name its "
+                "connection file, so the kernel could not be given the endpoints it needs.",
+                hint="Its kernelspec's argv must hold {connection_file}, as every Jupyter "
+                "kernel's does; install it again with 'jupyter snapshot install-kernelspec "
+                "--wrap NAME'.",
+            )
+        self._named_connection_file = connection_file
         self.runtime = RuntimeDir(runtime_root)
         self._control_path = self.runtime.path / "control"
         self._announced = False
@@ -142,6 +162,7 @@ class KernelWrapper:
             runtime=self.runtime,
             criu_path=self._criu_path,
             lazy_restore=os.environ.get(ENV_LAZY_RESTORE, "1") != "0",
+            agent=BridgedAgent(self.relay) if self.kernel_argv else IPythonAgent(self.relay),
             lazy_min_bytes=int(os.environ.get(ENV_LAZY_RESTORE_MIN_BYTES) or LAZY_MIN_BYTES),
         )
 
@@ -196,9 +217,7 @@ class KernelWrapper:
         env = dict(os.environ)
         env.pop("JPY_PARENT_PID", None)  # ipykernel would exit when its parent changes
         env[ENV_INNER_DIR] = self.runtime.inner_path
-        connection_file = self.runtime.inner_connection_file(self.connection)
-        argv = [sys.executable, "-m", "kernel_wrapper.inkernel.inner", "-f", str(connection_file)]
-        await self.process.launch([*argv, *self.kernel_args], env, pass_fds=(self.runtime.fd,))
+        await self.process.launch(self._inner_argv(), env, pass_fds=(self.runtime.fd,))
         self.lifecycle.enter(State.RUNNING)
 
     async def _heal_huge_pages(self) -> None:
@@ -213,6 +232,29 @@ class KernelWrapper:
                 except (SnapshotError, OSError) as exc:  # a kernel going away: again later
                     log.debug("healing huge pages: %s", exc)
 
+    def _inner_argv(self) -> list[str]:
+        """Our ipykernel, or the bridge with another kernel behind it, whose command line
+        names its own connection file where it named the server's."""
+        if not self.kernel_argv:
+            connection_file = self.runtime.inner_connection_file(self.connection)
+            argv = [
+                sys.executable,
+                "-m",
+                "kernel_wrapper.inkernel.inner",
+                "-f",
+                str(connection_file),
+            ]
+            return [*argv, *self.kernel_args]
+        kernel_file = str(self.runtime.kernel_connection_file(self.connection))
+        # The longer name first: a relative one may be the end of the absolute one.
+        named = sorted({str(self._named_connection_file), str(self.connection_file)}, key=len)
+        argv = []
+        for arg in self.kernel_argv:
+            for path in reversed(named):
+                arg = arg.replace(path, kernel_file)
+            argv.append(arg)
+        return [sys.executable, "-m", "kernel_wrapper.inkernel.bridge", kernel_file, "--", *argv]
+
     def _no_restore_came(self) -> None:
         """A wrapper started for a restore that never came (its server went away)."""
         if self.lifecycle.is_(State.STARTING) and not self.snapshotter.busy:
@@ -221,6 +263,16 @@ class KernelWrapper:
 
     def _on_inner_death(self, code: int) -> None:
         """The kernel process ended without the wrapper ending it."""
+        refused = self.runtime.path / REFUSED_FILE
+        if refused.exists():
+            # A kernel that cannot run as a snapshot kernel: every cell says why (a
+            # restart by the server would only fail again).
+            reason = refused.read_text(errors="replace")
+            refused.unlink()
+            log.error("the kernel cannot run as a snapshot kernel: %s", reason)
+            self.lifecycle.stand_in.dead_text = reason
+            self.lifecycle.enter(State.DEAD)
+            return
         if code == 0 or self.lifecycle.is_(State.STOPPING) or self.on_inner_death == "exit":
             log.info("inner kernel exited with %s; the wrapper exits too", code)
             self.lifecycle.end(0 if code == 0 else 1)

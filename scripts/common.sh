@@ -39,6 +39,24 @@ apt_install() {
   fi
 }
 
+# apt_install_lean PKG...: the same without recommended packages (R's r-base-core would
+# bring a compiler tool chain, TeX fonts and more that nothing here uses).
+apt_install_lean() {
+  local missing=()
+  for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "apt-get install --no-install-recommends ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${missing[@]}" >/dev/null
+  fi
+}
+
+# The kernels other than ipykernel that the tests run behind the wrapper's bridge
+# (tests/test_kernels.py, ui-tests/tests/kernels.spec.ts; docs/kernels.md): IRkernel on
+# Debian's R (31 packages, 65 MB installed); xeus-python comes from PyPI (the test extra).
+R_KERNEL_PACKAGES=(r-base-core r-cran-irkernel)
+
 # setup_machine EXTRAS [PKG...]: as root on Debian/Ubuntu, system packages (and PKG...),
 # Node.js >= 18, CRIU >= 4.2 (scripts/install-criu.sh), and .venv with this package
 # installed editable with EXTRAS (which builds the JupyterLab extension); with the "test"
@@ -79,6 +97,7 @@ setup_machine() {
   if [[ ",$extras," == *",test,"* ]]; then extras="$extras,bench"; fi
   "$VENV/bin/pip" install -q -e ".[$extras]"
   if [[ ",$extras," == *",test,"* ]]; then
+    apt_install_lean "${R_KERNEL_PACKAGES[@]}"
     log "configurable-http-proxy for the JupyterHub tests (npm ci in tests/chp)"
     npm ci --prefix "$ROOT/tests/chp" --no-audit --no-fund --loglevel=error
   fi

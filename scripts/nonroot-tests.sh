@@ -3,8 +3,8 @@
 # (scripts/dev.sh test or setup). Run as root: it creates the user, checks that the user
 # can reach the clone, the virtualenv and the product's CRIU copy, then runs as that user
 # the kernel, server, restore-in-place, policy (idle suspend, snapshot before shutdown),
-# memory tracking and JupyterHub tests, and, as root (network namespaces need it), the other-node test with
-# the nodes' servers running as that user.
+# memory tracking and JupyterHub tests and an R kernel's restore, and, as root (network
+# namespaces need it), the other-node test with the nodes' servers running as that user.
 #
 #   sudo scripts/nonroot-tests.sh [PYTEST ARGS...]   user: JKS_TEST_USER (jks-tester)
 set -euo pipefail
@@ -16,7 +16,8 @@ TEST_USER="${JKS_TEST_USER:-jks-tester}"
 GROUP=jupyter-snapshots
 FILES=(tests/test_nonroot.py tests/test_private.py tests/test_confinement.py
   tests/test_kernel_snapshots.py tests/test_server_extension.py tests/test_restore_in_place.py
-  tests/test_policies.py tests/test_jupyterhub.py tests/test_parallel.py tests/test_tracking.py)
+  tests/test_policies.py tests/test_jupyterhub.py tests/test_parallel.py tests/test_tracking.py
+  tests/test_kernels.py::test_an_r_kernel_restored_into_a_new_wrapper)
 
 die() { echo "nonroot-tests: $*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || die "run as root (it creates the test user): sudo $0"

@@ -35,6 +35,7 @@ die() { printf 'ui-tests: error: %s\n' "$*" >&2; echo "0 passed, 1 failed"; exit
 # --- system packages, CRIU and the Python environment -----------------------------------
 setup_machine dev
 apt_install chromium
+apt_install_lean "${R_KERNEL_PACKAGES[@]}"  # ui-tests/tests/kernels.spec.ts
 CHROMIUM_PATH="${CHROMIUM_PATH:-/usr/bin/chromium}"
 [ -x "$CHROMIUM_PATH" ] || die "no Chromium at $CHROMIUM_PATH"
 export CHROMIUM_PATH
@@ -88,6 +89,10 @@ export UI_TESTS_PORT UI_TESTS_HUB_PORT
 UI_TESTS_TMP=$(mktemp -d -t kernel-snapshots-ui-XXXXXX)
 trap 'rm -rf "$UI_TESTS_TMP"' EXIT
 export UI_TESTS_TMP
+# "R (snapshots)" (IRkernel's ir wrapped) for ui-tests/tests/kernels.spec.ts, in a Jupyter
+# path of this run's own: the servers the tests start find it, the venv stays as it was.
+export JUPYTER_PATH="$UI_TESTS_TMP/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}"
+"$VENV/bin/jupyter" snapshot install-kernelspec --wrap ir --prefix "$UI_TESTS_TMP" >/dev/null
 
 log "Playwright tests (Chromium $("$CHROMIUM_PATH" --version 2>/dev/null | head -n1 | awk '{print $2}'))"
 report="$ROOT/ui-tests/test-results.json"

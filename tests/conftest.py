@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -9,9 +12,10 @@ import pytest
 
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import CriuNotFoundError
-from jupyter_ext.testing import KernelProcess, MotoServer
+from jupyter_ext.testing import KernelProcess, MotoServer, free_port
 
 from .s3server import JUICEFS_KEY, CuttableProxy, JuicefsGateway
+from .servers import BUCKET, CREDENTIALS, HOST_ADDRESS, Network
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -111,3 +115,50 @@ def proxy(moto: MotoServer) -> Iterator[CuttableProxy]:
     forwarder = CuttableProxy(moto.port)
     yield forwarder
     forwarder.close()
+
+
+@pytest.fixture(scope="module")
+def network() -> Iterator[Network]:
+    """A bridge to plug nodes into (tests/servers.py: Network, node_server)."""
+    net = Network()
+    yield net
+    net.close()
+
+
+@pytest.fixture(scope="module")
+def juicefs_url(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The juicefs gateway on the bridge: a second real S3 server for the nodes (it
+    ignores If-None-Match; its stores create records and keys under lock objects)."""
+    server = JuicefsGateway(tmp_path_factory.mktemp("juicefs"), host=HOST_ADDRESS)
+    server.ensure_bucket(BUCKET)
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3_url(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """moto's standalone server on the bridge, reachable from every node."""
+    import boto3
+
+    port = free_port()
+    log = (tmp_path_factory.mktemp("moto") / "moto.log").open("wb")
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", HOST_ADDRESS, "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://{HOST_ADDRESS}:{port}"
+    client = boto3.client("s3", endpoint_url=url, **CREDENTIALS)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.create_bucket(Bucket=BUCKET)
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    yield url
+    server.terminate()
+    server.wait(10)
+    log.close()

@@ -14,8 +14,8 @@ import pytest
 from jupyter_client.asynchronous import AsyncKernelClient
 from tornado.httpclient import HTTPClientError
 
-from jupyter_ext.cli import install_kernelspec
 from jupyter_ext.core.store import LocalStore
+from jupyter_ext.kernelspecs import install_kernelspec
 from jupyter_ext.manager import SnapshotManager
 
 Fetch = Callable[..., Awaitable[Any]]

@@ -9,12 +9,14 @@ like an S3 server or the notebooks' directory). Traffic stays on addresses we cr
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jupyter_ext.testing import Endpoint, execute_request, ws_close, ws_connect
+from jupyter_ext.testing import Endpoint, ServerProcess, execute_request, ws_close, ws_connect
 
 if TYPE_CHECKING:
     from tornado.websocket import WebSocketClientConnection
@@ -22,6 +24,22 @@ if TYPE_CHECKING:
 BRIDGE = "jksbr0"
 SUBNET = "10.213.7"
 HOST_ADDRESS = f"{SUBNET}.1"
+#: The bucket of the nodes' S3 server (the ``s3_url`` fixture, tests/conftest.py).
+BUCKET = "kernel-snapshots-nodes"
+#: Run the nodes' servers (their kernels and CRIU) as this ordinary user: the other-node test
+#: of non-root mode (scripts/nonroot-tests.sh sets it; the network still needs root).
+NODE_USER = os.environ.get("JKS_NODE_USER") or None
+CREDENTIALS = {
+    "aws_access_key_id": "testing",
+    "aws_secret_access_key": "testing",
+    "region_name": "us-east-1",
+}
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 
 
 def run(*argv: str) -> None:
@@ -59,6 +77,40 @@ class Network:
         for name in self.nodes:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
+
+
+def node_server(
+    network: Network,
+    index: int,
+    home: Path,
+    notebooks: Path,
+    s3_url: str,
+    owner: str,
+    env: dict[str, str] = S3_ENV,
+) -> ServerProcess:
+    """A server on a new node (a pod: its own PID namespace and /proc) with the nodes' S3
+    store (its credentials in ``env``), as ``owner``; as JKS_NODE_USER where that is set."""
+    netns, address = network.add_node(index)
+    config: dict[str, Any] = {
+        "SnapshotExtensionApp": {
+            "store": "s3",
+            "s3_bucket": BUCKET,
+            "s3_endpoint_url": s3_url,
+            "owner": owner,
+            "idle_suspend_after": 0,
+            "snapshot_before_shutdown": False,
+        }
+    }
+    return ServerProcess(
+        home,
+        notebooks,
+        config,
+        netns=netns,
+        address=address,
+        env=env,
+        user=NODE_USER,
+        pod=True,
+    )
 
 
 def follow(server: Endpoint, job: dict[str, Any]) -> dict[str, Any]:

@@ -820,3 +820,44 @@ def test_baseline_spawn_pool_and_shared_memory_move_through_the_agent_to_a_fresh
     check = ws_execute(fresh.server, restored, PARALLEL_CHECK)
     assert check == "25 hello 42 ['before', 'after']\n", check
     assert "jks-ct-shm" in fresh.exec("ls", "/dev/shm").stdout.split()
+
+
+R_NOTEBOOK = "r-analysis.ipynb"
+
+
+def test_baseline_r_notebook_moves_through_the_agent_to_a_fresh_pod(
+    make_pod: MakePod, agent: AgentPod, home: Path
+) -> None:
+    """The image's R (IRkernel, its kernelspec ir wrapped by deploy/Dockerfile:
+    docs/kernels.md): an R notebook (metadata: ir) gets the snapshot kernel "R
+    (snapshots)", its kernel is snapshotted through the node agent with its variables
+    read in R, the pod is deleted, and a fresh pod restores it from S3."""
+    notebook = {
+        "cells": [],
+        "metadata": {"kernelspec": {"name": "ir", "display_name": "R", "language": "R"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    (home / R_NOTEBOOK).write_text(json.dumps(notebook))
+    os.chown(home / R_NOTEBOOK, 1000, 100)
+    pod = make_pod(agent=agent, user="rosa")  # a store (and key) of its own
+    spec = pod.server.api("GET", "api/kernelspecs")["kernelspecs"]["ir"]["spec"]
+    assert spec["display_name"] == "R (snapshots)"
+    assert spec["metadata"]["kernel_snapshots"]["wraps"] == "ir"
+    session = pod.server.api(
+        "POST",
+        "api/sessions",
+        {"path": R_NOTEBOOK, "type": "notebook", "name": R_NOTEBOOK, "kernel": {"name": "ir"}},
+    )
+    kernel = session["kernel"]["id"]
+    setup = "x <- 42; df <- data.frame(a = 1:1000); cat(x, sum(df$a))"
+    assert ws_execute(pod.server, kernel, setup) == "42 500500"
+    taken = snapshot(pod, kernel)["result"]
+    assert [v["name"] for v in taken["contents"]["variables"]] == ["df", "x"]
+    assert "not available for R kernels" in taken["contents"]["take_unavailable"]
+    pod.delete()
+
+    fresh = make_pod(agent=agent, user="rosa")
+    job = fresh.server.client.call("POST", f"{taken['id']}/restore", body={})["job"]
+    restored = follow(fresh.server, job)["result"]["kernel_id"]
+    assert ws_execute(fresh.server, restored, "cat(x, sum(df$a))") == "42 500500"

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jupyter_ext.core.contents import compare_contents, short_contents
+from jupyter_ext.core.contents import CellLog, compare_contents, short_contents
 from jupyter_ext.core.manifest import Manifest
-from kernel_wrapper.inkernel.contents import CellLog, summarize_namespace
+from kernel_wrapper.inkernel.contents import summarize_namespace
 
 from .jupyter_api import Fetch, call, manager_of, server_config, snapshot, until
 

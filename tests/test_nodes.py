@@ -11,118 +11,21 @@ import pwd
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import boto3
 import pytest
 
 from jupyter_ext.core.isolation.pidspace import PID_FLOOR
 from jupyter_ext.core.store.keys import ENV_KEY
-from jupyter_ext.testing import RUN_KEY, ServerProcess, free_port
+from jupyter_ext.testing import RUN_KEY, ServerProcess
 
-from .s3server import JUICEFS_KEY, JuicefsGateway
-from .servers import HOST_ADDRESS, Network, follow, ws_execute
+from .s3server import JUICEFS_KEY
+from .servers import BUCKET, NODE_USER, S3_ENV, Network, follow, node_server, ws_execute
 
 pytestmark = [
     pytest.mark.usefixtures("criu"),
     pytest.mark.needs_root("network namespaces as nodes; JKS_NODE_USER runs the nodes as a user"),
 ]
-BUCKET = "kernel-snapshots-nodes"
-#: Run the nodes' servers (their kernels and CRIU) as this ordinary user: the other-node test
-#: of non-root mode (scripts/nonroot-tests.sh sets it; the network still needs root).
-NODE_USER = os.environ.get("JKS_NODE_USER") or None
-
-
-@pytest.fixture(scope="module")
-def network() -> Iterator[Network]:
-    net = Network()
-    yield net
-    net.close()
-
-
-@pytest.fixture(scope="module")
-def s3_url(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """moto's standalone server on the bridge, reachable from every node."""
-    port = free_port()
-    log = (tmp_path_factory.mktemp("moto") / "moto.log").open("wb")
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("moto_server")), "-H", HOST_ADDRESS, "-p", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://{HOST_ADDRESS}:{port}"
-    client = boto3.client("s3", endpoint_url=url, **CREDENTIALS)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            client.create_bucket(Bucket=BUCKET)
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-    yield url
-    server.terminate()
-    server.wait(10)
-    log.close()
-
-
-@pytest.fixture(scope="module")
-def juicefs_url(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The juicefs gateway on the bridge: a second real S3 server (it ignores
-    If-None-Match; its stores create records and keys under lock objects)."""
-    server = JuicefsGateway(tmp_path_factory.mktemp("juicefs"), host=HOST_ADDRESS)
-    server.ensure_bucket(BUCKET)
-    yield server.url
-    server.stop()
-
-
-CREDENTIALS = {
-    "aws_access_key_id": "testing",
-    "aws_secret_access_key": "testing",
-    "region_name": "us-east-1",
-}
-S3_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
-
-
-def node_server(
-    network: Network,
-    index: int,
-    home: Path,
-    notebooks: Path,
-    s3_url: str,
-    owner: str,
-    env: dict[str, str] = S3_ENV,
-) -> ServerProcess:
-    netns, address = network.add_node(index)
-    config: dict[str, Any] = {
-        "SnapshotExtensionApp": {
-            "store": "s3",
-            "s3_bucket": BUCKET,
-            "s3_endpoint_url": s3_url,
-            "owner": owner,
-            "idle_suspend_after": 0,
-            "snapshot_before_shutdown": False,
-        }
-    }
-    return ServerProcess(
-        home,
-        notebooks,
-        config,
-        netns=netns,
-        address=address,
-        env=env,
-        user=NODE_USER,
-        pod=True,
-    )
 
 
 @pytest.mark.parametrize("server", ["moto", "juicefs"])
@@ -198,7 +101,7 @@ def test_an_incremental_snapshot_restores_on_another_node(
     copy; node B restores the second from S3, lazily, to exactly its state."""
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
-    node_a = node_server(network, 7, tmp_path / "node-a", notebooks, s3_url, "erin")
+    node_a = node_server(network, 10, tmp_path / "node-a", notebooks, s3_url, "erin")
     kernel_a = node_a.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
     ws_execute(
         node_a,
@@ -216,7 +119,7 @@ def test_an_incremental_snapshot_restores_on_another_node(
     node_a.kill_node()
     shutil.rmtree(tmp_path / "node-a", ignore_errors=True)
 
-    node_b = node_server(network, 8, tmp_path / "node-b", notebooks, s3_url, "erin")
+    node_b = node_server(network, 11, tmp_path / "node-b", notebooks, s3_url, "erin")
     answer = node_b.client.call("POST", f"{result['id']}/restore", body={})
     kernel_b = follow(node_b, answer["job"])["result"]["kernel_id"]
     code = "print(hashlib.sha256(a.tobytes()).hexdigest(), b)"

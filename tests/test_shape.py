@@ -26,8 +26,10 @@ MAX_CLASS_LINES = 400
 LONG_MODULES: dict[str, str] = {}
 LONG_CLASSES: dict[str, str] = {}
 PRIVATE_REACHED = {
-    "kernel_wrapper/inkernel/inner.py:os._exit": "the standard library's documented exit without "
-    "clean-up (the name only looks private)",
+    "kernel_wrapper/inkernel/lifeline.py:os._exit": "the standard library's documented exit "
+    "without clean-up (the name only looks private)",
+    "kernel_wrapper/inkernel/bridge.py:os._exit": "the same: the bridge ends with its kernel's "
+    "exit status, its sockets already closed",
     "kernel_wrapper/inkernel/inner.py:kernel_snapshots._install": "kernel_snapshots is the module "
     "users import in their kernels; its installer is kept out of their completions and "
     "called by the inner kernel alone",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -10,7 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jupyter_ext.testing import KernelProcess
-from kernel_wrapper.runtime import STALE_UNNAMED_SECONDS, remove_stale_runtime_dirs
+from kernel_wrapper.runtime import (
+    STALE_UNNAMED_SECONDS,
+    kernel_endpoints_dir,
+    remove_stale_runtime_dirs,
+)
 
 
 def _named(root: Path, name: str, pid: int, fd: int) -> Path:
@@ -67,3 +72,26 @@ def test_stale_runtime_dirs_go_live_ones_stay(
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_killed_wrappers_kernel_endpoints_go_with_its_runtime_dir(tmp_path: Path) -> None:
+    """A wrapper killed before its kernel (behind the bridge) had bound its endpoints
+    leaves their directory under /tmp: it goes with the wrapper's runtime directory, and
+    another wrapper's stays."""
+    root = tmp_path / "runtime"
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    dead = _named(root, os.urandom(8).hex(), exited.pid, 3)
+    living = _named(root, os.urandom(8).hex(), os.getpid(), 0)  # not a wrapper: stale too
+    ours = [kernel_endpoints_dir(d.name) for d in (dead, living)]
+    other = kernel_endpoints_dir(os.urandom(8).hex())  # no runtime directory of ours
+    for directory in [*ours, other]:
+        directory.mkdir(mode=0o700)
+        (directory / "k-1").write_text("")
+    try:
+        assert sorted(remove_stale_runtime_dirs(root)) == sorted([dead, living])
+        assert not any(d.exists() for d in ours)
+        assert other.is_dir()
+    finally:
+        for directory in [*ours, other]:
+            shutil.rmtree(directory, ignore_errors=True)

@@ -7,12 +7,21 @@ panel compare two. Records come from manifests of any version: every field is op
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
 from typing import Any
 
 from .humanize import human_bytes
 
 #: Variables a listing shows per snapshot (the full record has up to 50).
 SHORT_VARIABLES = 5
+#: What a record says a kernel's language cannot give (kernel_wrapper/agents.py): why its
+#: variables are not listed, why they cannot be taken back.
+UNAVAILABLE = ("variables_unavailable", "take_unavailable")
+#: Cells kept for the next snapshot, and characters of code kept per cell.
+MAX_CELLS = 200
+MAX_CODE_CHARS = 2000
 
 
 def first_line(code: str) -> str:
@@ -46,8 +55,9 @@ def short_contents(contents: dict[str, Any]) -> dict[str, Any]:
         "variables_bytes": contents.get("variables_bytes", 0),
         "partial": bool(contents.get("partial", False)),
     }
-    if contents.get("partial_reason"):
-        short["partial_reason"] = contents["partial_reason"]
+    for key in ("partial_reason", "language", *UNAVAILABLE):
+        if contents.get(key):
+            short[key] = contents[key]
     return short
 
 
@@ -106,8 +116,12 @@ def describe_contents(contents: dict[str, Any]) -> list[str]:
         lines.append(f"  [{count if count is not None else ' '}] {state:>9}  {text}")
     variables = contents.get("variables", [])
     total = human_bytes(int(contents.get("variables_bytes", 0)))
-    lines.append(f"Variables: {contents.get('variable_count', len(variables))} ({total}); largest:")
-    lines.extend(_variable_line(v) for v in variables)
+    if contents.get("variables_unavailable"):
+        lines.append(f"Variables: {contents['variables_unavailable']}")
+    else:
+        count = contents.get("variable_count", len(variables))
+        lines.append(f"Variables: {count} ({total}); largest:")
+        lines.extend(_variable_line(v) for v in variables)
     if contents.get("partial"):
         lines.append(f"Partial: {contents.get('partial_reason', 'not all was summarised')}.")
     return lines
@@ -135,3 +149,78 @@ def describe_comparison(diff: dict[str, Any]) -> list[str]:
     if diff.get("partial"):
         lines.append("(one of them is partial: variables past its summary are not compared)")
     return lines
+
+
+class CellLog:
+    """The cells a kernel ran, for the next snapshot's record: in ipykernel recorded by
+    IPython's pre/post_run_cell events (silent executions, such as variable inspectors,
+    fire neither; kernel_wrapper.inkernel), for other kernels by the wrapper from the
+    messages it relays (an execute_input, then the execute_reply)."""
+
+    def __init__(self, maxlen: int = MAX_CELLS) -> None:
+        self.cells: collections.deque[dict[str, Any]] = collections.deque(maxlen=maxlen)
+        self.seq = 0
+        self._started = 0.0
+        self._lock = threading.Lock()
+
+    def started(self, code: str) -> None:
+        """A cell with ``code`` begins."""
+        with self._lock:
+            self.seq += 1
+            self._started = time.monotonic()
+            cell: dict[str, Any] = {
+                "seq": self.seq,
+                "code": code[:MAX_CODE_CHARS],
+                "started": time.time(),
+            }
+            if len(code) > MAX_CODE_CHARS:
+                cell["trimmed"] = True
+            self.cells.append(cell)
+
+    def finished(self, execution_count: int | None, success: bool) -> None:
+        """The running cell ended."""
+        with self._lock:
+            if not self.cells or "seconds" in self.cells[-1]:
+                return
+            cell = self.cells[-1]
+            cell["seconds"] = round(time.monotonic() - self._started, 3)
+            cell["execution_count"] = execution_count
+            cell["success"] = success
+
+    def pre_run_cell(self, info: Any) -> None:
+        """IPython's event (ipykernel)."""
+        self.started(str(getattr(info, "raw_cell", "") or ""))
+
+    def post_run_cell(self, result: Any) -> None:
+        """IPython's event (ipykernel)."""
+        self.finished(
+            getattr(result, "execution_count", None), bool(getattr(result, "success", True))
+        )
+
+    def restart_after(self, seq: int) -> None:
+        """Forget every cell and go on counting after ``seq`` (a log the wrapper keeps,
+        after a restore: the kernel's cells are those of its snapshot, recorded through
+        ``seq``)."""
+        with self._lock:
+            self.cells.clear()
+            self.seq = max(self.seq, seq)
+
+    def since(self, seq: int, execution_count: int | None = None) -> dict[str, Any]:
+        """Cells after ``seq`` (finished ones and the running one), and the last finished
+        seq (the next snapshot asks from there: a running cell is listed again, done)."""
+        with self._lock:
+            cells = [dict(cell) for cell in self.cells if cell["seq"] > seq]
+            started = self._started
+        through = seq
+        for cell in cells:
+            if "seconds" in cell:
+                through = cell["seq"]
+            else:
+                cell["running"] = True
+                cell["seconds"] = round(time.monotonic() - started, 3)
+                cell["execution_count"] = execution_count
+        return {
+            "cells": cells,
+            "cells_through": through,
+            "running_cell": any(cell.get("running") for cell in cells),
+        }

@@ -58,6 +58,11 @@ ENV_OWN_PROC = "JUPYTER_SNAPSHOT_OWN_PROC"
 #: the kernel connects); the snapshot agent in the kernel is ``ch-7``.
 INNER_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5, "fork_pipe": 6}
 AGENT_PORT = 7
+#: A kernel other than ipykernel binds its channels as ``kernel-N`` sockets in that
+#: directory, which the bridge in its tree connects to (kernel_wrapper.inkernel.bridge);
+#: one that cannot says why in the file :data:`REFUSED_FILE` there.
+KERNEL_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5}
+REFUSED_FILE = "kernel-refused"
 
 INFO_PREFIX = "snapshot-wrapper-"
 #: Where wrappers make their private directories ($JUPYTER_SNAPSHOT_RUNTIME_DIR overrides).

@@ -39,9 +39,10 @@ from typing import Any
 
 import zmq
 
+from jupyter_ext.core.contents import CellLog
 from jupyter_ext.core.memtrack import TrackingUnavailable, open_tracking_fd, why_unavailable
 
-from .contents import CellLog, summarize_namespace
+from .contents import summarize_namespace
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,11 @@ finished within either is still reported, marked ``partial`` with the reason.
 
 from __future__ import annotations
 
-import collections
 import functools
 import gc
 import heapq
 import itertools
 import sys
-import threading
 import time
 import types
 from collections.abc import Callable
@@ -46,9 +44,6 @@ BUDGET_UNITS = 400_000
 DEADLINE_SECONDS = 0.05
 #: Elements of a list, dict or set whose sizes are sampled to estimate its deep size.
 SAMPLE = 16
-#: Cells kept in the kernel for the next snapshot, and characters of code kept per cell.
-MAX_CELLS = 200
-MAX_CODE_CHARS = 2000
 
 _MRO: Callable[[type], tuple[type, ...]] = type.__dict__["__mro__"].__get__
 _QUALNAME: Callable[[type], str] = type.__dict__["__qualname__"].__get__
@@ -392,57 +387,3 @@ def summarize_namespace(
             else f"the namespace is larger than the summary's budget of {units} units"
         )
     return summary
-
-
-class CellLog:
-    """The cells the kernel ran, recorded by IPython's pre/post_run_cell events (silent
-    executions, such as variable inspectors, fire neither)."""
-
-    def __init__(self, maxlen: int = MAX_CELLS) -> None:
-        self.cells: collections.deque[dict[str, Any]] = collections.deque(maxlen=maxlen)
-        self.seq = 0
-        self._started = 0.0
-        self._lock = threading.Lock()
-
-    def pre_run_cell(self, info: Any) -> None:
-        code = str(getattr(info, "raw_cell", "") or "")
-        with self._lock:
-            self.seq += 1
-            self._started = time.monotonic()
-            cell: dict[str, Any] = {
-                "seq": self.seq,
-                "code": code[:MAX_CODE_CHARS],
-                "started": time.time(),
-            }
-            if len(code) > MAX_CODE_CHARS:
-                cell["trimmed"] = True
-            self.cells.append(cell)
-
-    def post_run_cell(self, result: Any) -> None:
-        with self._lock:
-            if not self.cells or "seconds" in self.cells[-1]:
-                return
-            cell = self.cells[-1]
-            cell["seconds"] = round(time.monotonic() - self._started, 3)
-            cell["execution_count"] = getattr(result, "execution_count", None)
-            cell["success"] = bool(getattr(result, "success", True))
-
-    def since(self, seq: int, execution_count: int | None = None) -> dict[str, Any]:
-        """Cells after ``seq`` (finished ones and the running one), and the last finished
-        seq (the next snapshot asks from there: a running cell is listed again, done)."""
-        with self._lock:
-            cells = [dict(cell) for cell in self.cells if cell["seq"] > seq]
-            started = self._started
-        through = seq
-        for cell in cells:
-            if "seconds" in cell:
-                through = cell["seq"]
-            else:
-                cell["running"] = True
-                cell["seconds"] = round(time.monotonic() - started, 3)
-                cell["execution_count"] = execution_count
-        return {
-            "cells": cells,
-            "cells_through": through,
-            "running_cell": any(cell.get("running") for cell in cells),
-        }

@@ -235,14 +235,20 @@ export async function restoreSnapshot(
   }
 }
 
-/** An open notebook without a kernel: give it a snapshot kernel, restore into it. */
+/**
+ * An open notebook without a kernel: give it the snapshot's kernel (its kernelspec: "R
+ * (snapshots)" for an R snapshot), restore into it.
+ */
 async function restoreIntoNewSnapshotKernel(
   context: IActionContext,
   panel: NotebookPanel,
   snapshot: ISnapshot,
   name: string
 ): Promise<IJob> {
-  await panel.sessionContext.changeKernel({ name: SNAPSHOT_KERNEL_NAME });
+  const spec = snapshot.kernel_spec?.name;
+  await panel.sessionContext.changeKernel({
+    name: typeof spec === 'string' && spec ? spec : SNAPSHOT_KERNEL_NAME
+  });
   const kernelId = panel.sessionContext.session?.kernel?.id;
   if (!kernelId) {
     throw new Error(`No kernel could be started for ${name}.`);

@@ -45,7 +45,11 @@ export function describeVariable(variable: IVariable): string {
 }
 
 /** The type's last dotted part: "pandas.core.frame.DataFrame" -> "DataFrame". */
-export function shortType(type: string): string {
+export function shortType(type: string, language?: string): string {
+  // Only Python's types are module-qualified; an R class keeps its dots (data.frame).
+  if (language && language.toLowerCase() !== 'python') {
+    return type;
+  }
   const parts = type.split('.');
   return parts[parts.length - 1] || type;
 }

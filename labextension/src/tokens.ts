@@ -87,6 +87,12 @@ export interface IContents {
   variables_bytes?: number;
   partial?: boolean;
   partial_reason?: string;
+  /** The kernel's language, for a kernel other than ipykernel ("R"). */
+  language?: string;
+  /** Why the kernel's language gives no variables (e.g. xeus-python). */
+  variables_unavailable?: string;
+  /** Why its variables cannot be taken back (every kernel but ipykernel, e.g. R). */
+  take_unavailable?: string;
 }
 
 export type SnapshotStatus = 'complete' | 'uploading' | 'upload-failed';

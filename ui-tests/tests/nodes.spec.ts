@@ -11,17 +11,8 @@
  * Plain Playwright pages, one browser context per server: Galata's fixtures talk to the
  * token-less JupyterLab at the base URL, while these servers have tokens.
  */
-import {
-  APIRequestContext,
-  Browser,
-  expect,
-  Locator,
-  Page,
-  test
-} from '@playwright/test';
-import { ChildProcessWithoutNullStreams, spawn } from 'child_process';
+import { expect, Locator, Page, test } from '@playwright/test';
 import * as path from 'path';
-import * as readline from 'readline';
 
 import {
   openSnapshotsPanel,
@@ -29,6 +20,7 @@ import {
   waitForToasts,
   snapshotCards
 } from './helpers';
+import { api, Nodes, openNotebook } from './twonodes';
 
 const NOTEBOOK = 'loop.ipynb';
 const CELL_ID = 'training-loop';
@@ -40,123 +32,6 @@ const LOOP = [
   '    time.sleep(0.25)',
   'print("loop done")'
 ].join('\n');
-
-interface INode {
-  url: string;
-  token: string;
-}
-
-/** tests/nodes_for_ui.py: its servers, and a way to send it commands. */
-class Nodes {
-  static async start(): Promise<Nodes> {
-    const child = spawn(
-      'python',
-      ['-m', 'tests.nodes_for_ui', '--log', 'ui-tests/nodes.log'],
-      { cwd: path.resolve(__dirname, '..', '..'), stdio: 'pipe' }
-    );
-    child.stderr.on('data', data => process.stderr.write(data));
-    const lines = readline.createInterface({ input: child.stdout });
-    const nodes = new Nodes(child, lines);
-    const ready = JSON.parse(await nodes.nextLine(180_000));
-    nodes.a = ready.a;
-    nodes.b = ready.b;
-    return nodes;
-  }
-
-  private constructor(
-    private readonly _child: ChildProcessWithoutNullStreams,
-    lines: readline.Interface
-  ) {
-    lines.on('line', line => {
-      const waiter = this._waiters.shift();
-      if (waiter) {
-        waiter(line);
-      } else {
-        this._lines.push(line);
-      }
-    });
-    _child.on('exit', code => {
-      for (const waiter of this._waiters.splice(0)) {
-        waiter(`exited ${code}`);
-      }
-    });
-  }
-
-  a: INode = { url: '', token: '' };
-  b: INode = { url: '', token: '' };
-
-  /** Whether the helper still runs (it says on stderr why it stopped). */
-  get running(): boolean {
-    return this._child.exitCode === null && this._child.signalCode === null;
-  }
-
-  /** The next line the helper prints. */
-  nextLine(timeout: number): Promise<string> {
-    const queued = this._lines.shift();
-    if (queued !== undefined) {
-      return Promise.resolve(queued);
-    }
-    return new Promise((resolve, reject) => {
-      const timer = setTimeout(
-        () => reject(new Error('tests.nodes_for_ui did not answer')),
-        timeout
-      );
-      this._waiters.push(line => {
-        clearTimeout(timer);
-        resolve(line);
-      });
-    });
-  }
-
-  /** kill -9 a server and every process it started, as a node failure would. */
-  async kill(name: 'a' | 'b'): Promise<void> {
-    this._child.stdin.write(`kill ${name}\n`);
-    expect(await this.nextLine(60_000)).toBe(`killed ${name}`);
-  }
-
-  /** Stop the servers and moto (the helper cleans up on end of input). */
-  async stop(): Promise<void> {
-    if (this._child.exitCode !== null) {
-      return;
-    }
-    const exited = new Promise(resolve => this._child.on('exit', resolve));
-    this._child.stdin.end();
-    await exited;
-  }
-
-  private _lines: string[] = [];
-  private _waiters: ((line: string) => void)[] = [];
-}
-
-/** A REST call to a node. */
-async function api(
-  request: APIRequestContext,
-  node: INode,
-  method: 'GET' | 'PUT',
-  endpoint: string,
-  data?: unknown
-): Promise<any> {
-  const response = await request.fetch(`${node.url}${endpoint}`, {
-    method,
-    data,
-    headers: { Authorization: `token ${node.token}` }
-  });
-  expect(response.ok(), await response.text()).toBeTruthy();
-  return response.json();
-}
-
-/** JupyterLab of a node with the notebook open, in a browser context of its own. */
-async function openNotebook(browser: Browser, node: INode): Promise<Page> {
-  const context = await browser.newContext({
-    viewport: { width: 1400, height: 900 }
-  });
-  const page = await context.newPage();
-  await page.goto(`${node.url}lab/tree/${NOTEBOOK}?token=${node.token}`);
-  await expect(page.getByRole('tab', { name: 'Kernel Snapshots' })).toBeVisible(
-    { timeout: 60_000 }
-  );
-  return page;
-}
 
 /** The loop's code cell. */
 function loopCell(page: Page): Locator {
@@ -237,7 +112,7 @@ test.describe('Two nodes', () => {
     });
 
     // Node A: run the loop, save the notebook while it runs, snapshot from the toolbar.
-    const pageA = await openNotebook(browser, a);
+    const pageA = await openNotebook(browser, a, NOTEBOOK);
     await expect(pageA.getByText('Python 3 (snapshots) | Idle')).toBeVisible({
       timeout: 60_000
     });
@@ -280,7 +155,7 @@ test.describe('Two nodes', () => {
     await pageA.context().close();
 
     // Node B: the notebook opens without a kernel and offers the snapshot.
-    const pageB = await openNotebook(browser, b);
+    const pageB = await openNotebook(browser, b, NOTEBOOK);
     const offer = pageB.getByRole('dialog');
     await expect(offer).toContainText('Restore the kernel from its snapshot?', {
       timeout: 60_000

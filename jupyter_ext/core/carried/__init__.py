@@ -9,6 +9,7 @@ needs the product's help to come back, on this machine or another:
 - :mod:`.netports`: the listening and bound ports, checked free before a restore;
 - :mod:`.tcpconns`: connections inside the tree, kept established across restores;
 - :mod:`.timewait`: TIME_WAIT entries of the kernel's own ended connections, cleared;
+- :mod:`.waits`: timed waits a dump interrupted, restarted instead of failing;
 - :mod:`.sockdiag`: the socket facts (sock_diag netlink) the others read;
 - :mod:`.restorable`: a dump's images changed for what the others carry.
 """

@@ -12,6 +12,7 @@ namespace, or of a kernel's (``/proc/PID/net``: a copy in its own namespace).
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import struct
 from collections.abc import Collection, Iterator
@@ -171,7 +172,9 @@ def unix_socket_dirs(pid: int, inodes: set[int]) -> list[str]:
     """The directories of the file-system unix sockets that the sockets with these inodes
     are bound to (``/proc/PID/net/unix``), e.g. the ``/tmp/pymp-*`` of a multiprocessing
     manager: CRIU binds them again on restore, and on another node the directory is
-    missing."""
+    missing. A socket whose file is gone (the endpoints of a kernel behind the bridge,
+    kernel_wrapper.inkernel.bridge) CRIU binds in a directory it makes and removes again
+    itself: its directory, which may be a runtime directory long gone, is not listed."""
     found: set[str] = set()
     try:
         lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
@@ -179,7 +182,12 @@ def unix_socket_dirs(pid: int, inodes: set[int]) -> list[str]:
         return []
     for line in lines:
         fields = line.split(None, 7)
-        if len(fields) == 8 and int(fields[6]) in inodes and fields[7].startswith("/"):
+        if (
+            len(fields) == 8
+            and int(fields[6]) in inodes
+            and fields[7].startswith("/")
+            and os.path.lexists(f"/proc/{pid}/root{fields[7]}")  # as the kernel sees it
+        ):
             found.add(str(Path(fields[7]).parent))
     return sorted(found)
 

@@ -46,11 +46,19 @@ export function ContentsSummary(props: {
             <li key={v.name} title={`${v.type}: ${describeVariable(v)}`}>
               <strong>{v.name}</strong>{' '}
               <span className="jp-KernelSnapshots-dim">
-                {shortType(v.type)} {formatBytes(v.size)}
+                {shortType(v.type, contents.language)} {formatBytes(v.size)}
               </span>
             </li>
           ))}
         </ul>
+      )}
+      {contents.variables_unavailable && (
+        <div
+          className="jp-KernelSnapshots-dim"
+          title={contents.variables_unavailable}
+        >
+          variables not recorded
+        </div>
       )}
       {contents.partial && (
         <div className="jp-KernelSnapshots-dim" title={contents.partial_reason}>
@@ -128,6 +136,8 @@ export function ContentsDetails(props: {
   }
   const contents = snapshot.contents ?? {};
   const variables = contents.variables ?? [];
+  // A kernel other than ipykernel (R, xeus): its variables cannot be taken back.
+  const takeable = !contents.take_unavailable;
   const toggle = (name: string) => {
     const next = new Set(chosen);
     if (next.has(name)) {
@@ -139,30 +149,38 @@ export function ContentsDetails(props: {
   };
   return (
     <div className="jp-KernelSnapshots-details">
-      <div className="jp-KernelSnapshots-detailsTitle">
-        Variables: {contents.variable_count ?? variables.length} (
-        {formatBytes(contents.variables_bytes ?? 0)})
-        {variables.length < (contents.variable_count ?? 0)
-          ? `, the ${variables.length} biggest`
-          : ''}
-      </div>
+      {contents.variables_unavailable ? (
+        <p className="jp-KernelSnapshots-unavailable">
+          {contents.variables_unavailable}
+        </p>
+      ) : (
+        <div className="jp-KernelSnapshots-detailsTitle">
+          Variables: {contents.variable_count ?? variables.length} (
+          {formatBytes(contents.variables_bytes ?? 0)})
+          {variables.length < (contents.variable_count ?? 0)
+            ? `, the ${variables.length} biggest`
+            : ''}
+        </div>
+      )}
       <table className="jp-KernelSnapshots-variables" aria-label="Variables">
         <tbody>
           {variables.map(v => (
             <React.Fragment key={v.name}>
               <tr>
                 <td>
-                  <input
-                    type="checkbox"
-                    aria-label={`Take ${v.name}`}
-                    checked={chosen.has(v.name)}
-                    onChange={() => toggle(v.name)}
-                  />
+                  {takeable && (
+                    <input
+                      type="checkbox"
+                      aria-label={`Take ${v.name}`}
+                      checked={chosen.has(v.name)}
+                      onChange={() => toggle(v.name)}
+                    />
+                  )}
                 </td>
                 <td>
                   <strong>{v.name}</strong>
                 </td>
-                <td title={v.type}>{shortType(v.type)}</td>
+                <td title={v.type}>{shortType(v.type, contents.language)}</td>
                 <td>{describeVariable(v)}</td>
               </tr>
               {chosen.has(v.name) && (
@@ -193,26 +211,32 @@ export function ContentsDetails(props: {
           Partial: {contents.partial_reason}
         </p>
       )}
-      <ActionButton
-        className="jp-KernelSnapshots-takeVariables"
-        disabled={chosen.size === 0 || !!props.takeBlocked}
-        title={
-          props.takeBlocked ||
-          'Copy the chosen variables into the notebook’s kernel (it keeps everything else)'
-        }
-        onClick={() => {
-          const names = [...chosen];
-          const rename: { [name: string]: string } = {};
-          for (const name of names) {
-            if (renamed[name] && renamed[name] !== name) {
-              rename[name] = renamed[name];
-            }
+      {takeable ? (
+        <ActionButton
+          className="jp-KernelSnapshots-takeVariables"
+          disabled={chosen.size === 0 || !!props.takeBlocked}
+          title={
+            props.takeBlocked ||
+            'Copy the chosen variables into the notebook’s kernel (it keeps everything else)'
           }
-          props.onTake(names, rename);
-        }}
-      >
-        Take back {chosen.size > 0 ? [...chosen].join(', ') : 'variables'}
-      </ActionButton>
+          onClick={() => {
+            const names = [...chosen];
+            const rename: { [name: string]: string } = {};
+            for (const name of names) {
+              if (renamed[name] && renamed[name] !== name) {
+                rename[name] = renamed[name];
+              }
+            }
+            props.onTake(names, rename);
+          }}
+        >
+          Take back {chosen.size > 0 ? [...chosen].join(', ') : 'variables'}
+        </ActionButton>
+      ) : (
+        <p className="jp-KernelSnapshots-unavailable">
+          {contents.take_unavailable}
+        </p>
+      )}
       <div className="jp-KernelSnapshots-detailsTitle">
         Cells since the previous snapshot: {contents.cells?.length ?? 0}
       </div>
@@ -244,6 +268,7 @@ export function Comparison(props: {
       older.snapshot.contents ?? {},
       newer.snapshot.contents ?? {}
     );
+    const language = newer.snapshot.contents?.language;
     body = (
       <>
         <div className="jp-KernelSnapshots-detailsTitle">
@@ -252,7 +277,7 @@ export function Comparison(props: {
         <ul aria-label="Added">
           {diff.added.map(v => (
             <li key={v.name}>
-              <strong>{v.name}</strong> {shortType(v.type)}{' '}
+              <strong>{v.name}</strong> {shortType(v.type, language)}{' '}
               {describeVariable(v)}
             </li>
           ))}
@@ -263,7 +288,7 @@ export function Comparison(props: {
         <ul aria-label="Removed">
           {diff.removed.map(v => (
             <li key={v.name}>
-              <strong>{v.name}</strong> {shortType(v.type)}{' '}
+              <strong>{v.name}</strong> {shortType(v.type, language)}{' '}
               {describeVariable(v)}
             </li>
           ))}
@@ -276,7 +301,7 @@ export function Comparison(props: {
             <li key={change.name}>
               <strong>{change.name}</strong>{' '}
               {change.fields.includes('type')
-                ? `${shortType(change.before.type)} → ${shortType(change.after.type)}`
+                ? `${shortType(change.before.type, language)} → ${shortType(change.after.type, language)}`
                 : `${describeVariable(change.before)} → ${describeVariable(change.after)}`}
             </li>
           ))}
