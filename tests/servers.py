@@ -51,14 +51,18 @@ class Network:
 
     def __init__(self) -> None:
         self.nodes: list[str] = []
+        #: The servers started on the nodes: what a failed test left running is killed at close.
+        self.servers: list[ServerProcess] = []
         self._tag = uuid.uuid4().hex[:6]
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
         run("ip", "link", "add", BRIDGE, "type", "bridge")
         run("ip", "addr", "add", f"{HOST_ADDRESS}/24", "dev", BRIDGE)
         run("ip", "link", "set", BRIDGE, "up")
 
-    def add_node(self, index: int) -> tuple[str, str]:
-        """A new node: (namespace name, its address)."""
+    def add_node(self) -> tuple[str, str]:
+        """A new node: (namespace name, its address). Each gets the next number, so tests
+        sharing a network never reuse one."""
+        index = len(self.nodes) + 1
         name = f"jks-{self._tag}-{index}"
         host_end, node_end = f"jksh{self._tag}{index}", f"jksn{self._tag}{index}"
         address = f"{SUBNET}.{10 + index}"
@@ -74,6 +78,9 @@ class Network:
         return name, address
 
     def close(self) -> None:
+        for server in self.servers:
+            if server.process.poll() is None:
+                server.kill_node()
         for name in self.nodes:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
@@ -81,7 +88,6 @@ class Network:
 
 def node_server(
     network: Network,
-    index: int,
     home: Path,
     notebooks: Path,
     s3_url: str,
@@ -90,7 +96,7 @@ def node_server(
 ) -> ServerProcess:
     """A server on a new node (a pod: its own PID namespace and /proc) with the nodes' S3
     store (its credentials in ``env``), as ``owner``; as JKS_NODE_USER where that is set."""
-    netns, address = network.add_node(index)
+    netns, address = network.add_node()
     config: dict[str, Any] = {
         "SnapshotExtensionApp": {
             "store": "s3",
@@ -101,7 +107,7 @@ def node_server(
             "snapshot_before_shutdown": False,
         }
     }
-    return ServerProcess(
+    server = ServerProcess(
         home,
         notebooks,
         config,
@@ -111,6 +117,8 @@ def node_server(
         user=NODE_USER,
         pod=True,
     )
+    network.servers.append(server)
+    return server
 
 
 def follow(server: Endpoint, job: dict[str, Any]) -> dict[str, Any]:

@@ -270,9 +270,8 @@ def lose_node_and_restore(
     wrapped: str,
     setup: str,
     loop: str | None,
-    first_node: int,
 ) -> tuple[ServerProcess, str, dict[str, Any], dict[str, Any] | None]:
-    """A kernel of the kernelspec ``wrapped`` on node A (``first_node``) runs ``setup``
+    """A kernel of the kernelspec ``wrapped`` on node A runs ``setup``
     (and ``loop``, snapshotted mid-run); node A is lost; node B (the next one) restores the
     snapshot from S3. Returns node B, the restored kernel, the snapshot and what a client
     saw of the loop."""
@@ -283,7 +282,7 @@ def lose_node_and_restore(
     for home in homes:
         home.mkdir()
         name = install_wrapped(home, wrapped)
-    node_a = node_server(network, first_node, homes[0], notebooks, s3_url, "rita")
+    node_a = node_server(network, homes[0], notebooks, s3_url, "rita")
     node_b: ServerProcess | None = None
     try:
         session = node_a.api(
@@ -299,7 +298,7 @@ def lose_node_and_restore(
         snapshot["printed_before"] = before
         node_a.kill_node()  # the node is lost: server and every kernel process, kill -9
 
-        node_b = node_server(network, first_node + 1, homes[1], notebooks, s3_url, "rita")
+        node_b = node_server(network, homes[1], notebooks, s3_url, "rita")
         answer = node_b.client.call("POST", f"{snapshot['id']}/restore", body={})
         result = follow(node_b, answer["job"])["result"]
         assert result["session"]["path"] == "work/n.ipynb"
@@ -320,7 +319,7 @@ def test_an_r_kernel_on_another_node_after_node_loss(
     clusters = NODE_USER is None  # their TCP connections come back with root only
     setup = R_STATE.replace("CLUSTERS", R_CLUSTERS if clusters else "")
     node_b, kernel, snapshot, seen = lose_node_and_restore(
-        network, s3_url, tmp_path, "ir", setup, R_LOOP, first_node=1
+        network, s3_url, tmp_path, "ir", setup, R_LOOP
     )
     try:
         printed = snapshot["printed_before"].split()
@@ -354,7 +353,7 @@ def test_a_xeus_python_kernel_on_another_node_after_node_loss(
     dump interrupted, core/carried/waits.py) with a NumPy array."""
     setup = "import numpy as np\na = np.arange(10**6)\nprint(a.sum())"
     node_b, kernel, snapshot, _ = lose_node_and_restore(
-        network, s3_url, tmp_path, "xpython", setup, None, first_node=3
+        network, s3_url, tmp_path, "xpython", setup, None
     )
     try:
         assert snapshot["printed_before"].strip() == "499999500000"

@@ -559,7 +559,7 @@ def test_restore_on_another_node_reconnects(tmp_path: Path, snapshot_kernelspec:
             }
         }
         for index in (1, 2):
-            netns, address = net.add_node(index)
+            netns, address = net.add_node()
             home = tmp_path / f"node-{index}"
             nodes.append(ServerProcess(home, notebooks, config, netns=netns, address=address))
         node_a, node_b = nodes

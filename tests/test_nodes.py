@@ -38,10 +38,10 @@ def test_restore_on_another_node_after_node_loss(
     env = S3_ENV if server == "moto" else {**S3_ENV, "AWS_SECRET_ACCESS_KEY": JUICEFS_KEY[1]}
     owner = "alice"
 
-    def node(index: int, name: str, user: str) -> ServerProcess:
-        return node_server(network, index, tmp_path / name, notebooks, s3_url, user, env)
+    def node(name: str, user: str) -> ServerProcess:
+        return node_server(network, tmp_path / name, notebooks, s3_url, user, env)
 
-    node_a = node(1 if server == "moto" else 7, "node-a", owner)
+    node_a = node("node-a", owner)
     session = node_a.api(
         "POST",
         "api/sessions",
@@ -65,7 +65,7 @@ def test_restore_on_another_node_after_node_loss(
     for leftover in ("data", "runtime", "kernels"):
         shutil.rmtree(tmp_path / "node-a" / leftover, ignore_errors=True)
 
-    node_b = node(2 if server == "moto" else 8, "node-b", owner)
+    node_b = node("node-b", owner)
     listed = node_b.client.call("GET", "", path="work/n.ipynb")["snapshots"]
     assert [s["id"] for s in listed] == [snapshot["id"]]
     assert listed[0]["status"] == "complete"
@@ -87,7 +87,7 @@ def test_restore_on_another_node_after_node_loss(
     assert pid >= PID_FLOOR if NODE_USER else pid < PID_FLOOR
 
     # Another user's server on the same bucket sees none of it.
-    node_c = node(3 if server == "moto" else 9, "node-c", "bob")
+    node_c = node("node-c", "bob")
     assert node_c.client.call("GET", "")["snapshots"] == []
     node_c.stop()
     node_b.stop()
@@ -101,7 +101,7 @@ def test_an_incremental_snapshot_restores_on_another_node(
     copy; node B restores the second from S3, lazily, to exactly its state."""
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
-    node_a = node_server(network, 10, tmp_path / "node-a", notebooks, s3_url, "erin")
+    node_a = node_server(network, tmp_path / "node-a", notebooks, s3_url, "erin")
     kernel_a = node_a.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
     ws_execute(
         node_a,
@@ -119,7 +119,7 @@ def test_an_incremental_snapshot_restores_on_another_node(
     node_a.kill_node()
     shutil.rmtree(tmp_path / "node-a", ignore_errors=True)
 
-    node_b = node_server(network, 11, tmp_path / "node-b", notebooks, s3_url, "erin")
+    node_b = node_server(network, tmp_path / "node-b", notebooks, s3_url, "erin")
     answer = node_b.client.call("POST", f"{result['id']}/restore", body={})
     kernel_b = follow(node_b, answer["job"])["result"]["kernel_id"]
     code = "print(hashlib.sha256(a.tobytes()).hexdigest(), b)"
@@ -130,7 +130,7 @@ def test_an_incremental_snapshot_restores_on_another_node(
 def test_cli_lists_a_store_directly(network: Network, s3_url: str, tmp_path: Path) -> None:
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
-    node = node_server(network, 4, tmp_path / "node", notebooks, s3_url, "carol")
+    node = node_server(network, tmp_path / "node", notebooks, s3_url, "carol")
     kernel = node.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
     ws_execute(node, kernel, "x = 1")
     snapshot = follow(node, node.client.call("POST", "", body={"kernel_id": kernel})["job"])
@@ -222,7 +222,7 @@ def test_parallel_kernel_restored_on_another_node(
     notebooks.mkdir()
     nodes: list[ServerProcess] = []
     try:
-        node_a = node_server(network, 5, tmp_path / "node-a", notebooks, s3_url, "dora")
+        node_a = node_server(network, tmp_path / "node-a", notebooks, s3_url, "dora")
         nodes.append(node_a)
         kernel_a = node_a.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
         code = PARALLEL if NODE_USER else PARALLEL + CLUSTER + PARALLEL_TCP
@@ -242,7 +242,7 @@ def test_parallel_kernel_restored_on_another_node(
             shutil.rmtree(directory)
             Path(directory + ".dirlock").unlink()
 
-        node_b = node_server(network, 6, tmp_path / "node-b", notebooks, s3_url, "dora")
+        node_b = node_server(network, tmp_path / "node-b", notebooks, s3_url, "dora")
         nodes.append(node_b)
         answer = node_b.client.call("POST", f"{snapshot['id']}/restore", body={})
         kernel_b = follow(node_b, answer["job"])["result"]["kernel_id"]
