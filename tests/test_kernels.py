@@ -471,9 +471,7 @@ def test_an_r_kernel_is_snapshotted_by_the_servers_policies(tmp_path: Path) -> N
         wait_until(lambda: "long-cell" in triggers(), timeout=120, what="long-cell snapshot")
 
         def suspended() -> bool:
-            # ... and its upload done: a resume during it removes the suspended dump, a link
-            # of the files the upload reads, whose ctime then changes ("changed while it
-            # was stored": a race of its own, not the kernel's language).
+            # ... and its upload done, so the resume below runs from the stored suspend.
             status = server.client.call("GET", f"kernels/{kernel}")
             return bool(status["state"] == "suspended" and status["job"] is None)
 

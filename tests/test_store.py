@@ -360,6 +360,47 @@ def test_round_trip_is_byte_identical(store: Store, tmp_path: Path) -> None:
     assert 0 < trailers < stats.object_count * (stored.chunk_count * 100 + 100)
 
 
+def test_a_link_made_and_removed_during_a_put_is_not_a_change(store: Store, tmp_path: Path) -> None:
+    """A resumed kernel deletes its suspended dump while the suspend's upload reads it: the
+    files share inodes, so their ctime moves; their bytes are hashed again, not refused."""
+    source = make_snapshot(tmp_path, random_pages(random.Random(2), 512))
+    images = source / manifest_mod.IMAGES_DIR
+    linked = tmp_path / "suspended-dump"
+    linked.mkdir()
+
+    def churn(event: dict[str, Any]) -> None:
+        if event["phase"] == "uploading":
+            for image in images.iterdir():
+                os.link(image, linked / image.name)
+                os.unlink(linked / image.name)
+
+    stored = store.put(source, progress=churn)
+
+    dest = store.fetch(stored.manifest.id, tmp_path / "restored")
+    assert tree(dest) == tree(source)
+
+
+def test_bytes_changed_during_a_put_are_refused_even_with_their_mtime_put_back(
+    store: Store, tmp_path: Path
+) -> None:
+    source = make_snapshot(tmp_path, random_pages(random.Random(3), 512))
+    pages = source / manifest_mod.IMAGES_DIR / "pages-1.img"
+    before = pages.stat()
+
+    def tamper(event: dict[str, Any]) -> None:
+        if event["phase"] == "uploading":
+            pages.chmod(0o600)
+            with pages.open("r+b") as fh:
+                fh.seek(100)
+                fh.write(b"\xff" if fh.read(1) != b"\xff" else b"\x00")
+            pages.chmod(0o400)
+            os.utime(pages, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+    with pytest.raises(SnapshotCorruptError, match=r"damaged: images/pages-1\.img"):
+        store.put(source, progress=tamper)
+    assert store.snapshots() == []
+
+
 def test_put_again_returns_the_stored_snapshot(store: Store, tmp_path: Path) -> None:
     source = make_snapshot(tmp_path, random_pages(random.Random(2), 256))
     first = store.put(source)

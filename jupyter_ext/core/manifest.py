@@ -417,6 +417,19 @@ def first_bad_chunk(path: Path, chunks: Chunks) -> int | None:
     return None
 
 
+def holds(path: Path, entry: FileEntry) -> bool:
+    """Whether the file's bytes are still those ``entry`` lists (its size and sha256, a
+    chunked file chunk by chunk)."""
+    try:
+        if path.stat().st_size != entry.size:
+            return False
+        if entry.chunks is not None:
+            return first_bad_chunk(path, entry.chunks) is None
+        return _sha256(path) == entry.sha256
+    except OSError:
+        return False
+
+
 def stamp(path: Path) -> list[int]:
     """A regular file's [inode, size, mtime_ns, ctime_ns]: any change to its bytes, mode
     or links changes its ctime, which no user can set back."""

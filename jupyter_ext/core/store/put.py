@@ -335,14 +335,24 @@ class Upload:
     def check_unchanged(self) -> None:
         """Before the record is written: every file is still as this put found it (the
         bytes stored are the bytes hashed); those stamps become the seal's (what the image
-        cache admits the directory by)."""
+        cache admits the directory by). A file whose ctime alone moved had a link made or
+        removed meanwhile (a resumed kernel deletes its suspended dump, which shares the
+        inodes): its bytes are hashed again instead."""
+        entries = {entry.path: entry for entry in self.manifest.files}
         changed = []
         for rel, value in self.stamps.items():
+            path = self._path(rel)
             try:
-                if manifest_mod.stamp(self._path(rel)) != value:
-                    changed.append(rel)
+                now = manifest_mod.stamp(path)
             except OSError:
                 changed.append(rel)
+                continue
+            if now == value:
+                continue
+            if now[:3] == value[:3] and rel in entries and manifest_mod.holds(path, entries[rel]):
+                self.stamps[rel] = now
+                continue
+            changed.append(rel)
         if changed:
             raise corrupt(self.manifest.id, f"{sorted(changed)[0]} changed while it was stored")
         try:
