@@ -91,6 +91,7 @@ class SnapshotExtensionApp(SnapshotSettings):
             "cull_action": self.cull_action,
             "admin_shutdown_action": self.admin_shutdown_action,
             "cull_idle_timeout": self.server.kernel_manager.cull_idle_timeout,
+            "restore_on_death": self.restore_on_death,
         }
 
     @property
@@ -116,7 +117,9 @@ class SnapshotExtensionApp(SnapshotSettings):
             lazy_restore=self.lazy_restore,
             lazy_restore_from_store=self.lazy_restore_from_store,
             chunk_kib=self.chunk_kib or None,
+            restore_on_death=self.restore_on_death,
         )
+        self.manager.deaths.install()
         self._tighten()
         self.culling = CullingPolicy(
             self.server,

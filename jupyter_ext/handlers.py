@@ -299,7 +299,8 @@ class KernelHandler(SnapshotHandler):
     @web.authenticated
     @authorized
     async def patch(self, kernel_id: str) -> None:
-        """Per-kernel choices: ``{"periodic": false}`` opts a kernel out of periodic snapshots."""
+        """Per-kernel choices: ``{"periodic": false}`` opts a kernel out of periodic
+        snapshots; ``{"dismiss_death": true}`` ends the offer of a dead kernel's snapshot."""
         body = self.body()
         kernel_id = self._known(kernel_id)
         if "periodic" in body:
@@ -308,6 +309,13 @@ class KernelHandler(SnapshotHandler):
                     "periodic must be true or false.", 'Send {"periodic": false} to opt out.'
                 )
             self.manager.schedules.set_periodic(kernel_id, body["periodic"])
+        if "dismiss_death" in body:
+            if body["dismiss_death"] is not True:
+                raise BadRequest(
+                    "dismiss_death must be true.",
+                    'Send {"dismiss_death": true} once the kernel\'s death has been seen.',
+                )
+            self.manager.deaths.dismiss(kernel_id)
         self.reply(await self.manager.schedules.kernel_status(kernel_id))
 
     def _known(self, kernel_id: str) -> str:

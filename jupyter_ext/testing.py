@@ -440,11 +440,13 @@ class ServerProcess(Endpoint):
         user: str | None = None,
         pod: bool = False,
         umask: int | None = None,
+        cgroup: Path | None = None,
     ) -> None:
         """``user``: run the server (and so its kernels and CRIU) as this ordinary user,
         from a root test run (non-root mode on other nodes, docs/nonroot.md). ``pod``: in
         a PID namespace of its own, with its own /proc, as in a container: process ids
-        start at 1 and everything in it dies with its first process."""
+        start at 1 and everything in it dies with its first process. ``cgroup``: in this
+        cgroup (a memory limit, as a container's), with everything it starts."""
         home.mkdir(parents=True, exist_ok=True)
         self.home = home
         self.port = free_port()
@@ -486,6 +488,8 @@ class ServerProcess(Endpoint):
             argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *argv]
         if netns is not None:
             argv = ["ip", "netns", "exec", netns, *argv]
+        if cgroup is not None:
+            argv = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroup), *argv]
         self.log_path = home / "server.log"
         self._log = self.log_path.open("wb")
         # Not our stdin: the server's children inherit it, and a Node.js one (JupyterLab

@@ -21,7 +21,9 @@ state)::
     stored.py     StoredSnapshots (store, uploads, lending, image cache): list, get, delete
     restore.py    Restores (kernels, sessions, jobs, uploads, stored, lending, ...): restores
     dumps.py      Dumps (kernels, sessions, jobs, uploads, stored): snapshot, suspend, resume
-    schedules.py  Schedules (kernels, jobs, lending, dumps): kernel status, automatic
+    deaths.py     Deaths (kernels, snapshots, jobs; restores' restore): kernels that died,
+                  how, and the snapshot offered back
+    schedules.py  Schedules (kernels, jobs, lending, dumps, deaths): kernel status, automatic
                   snapshots on or off, snapshots of all before a stop
 
 The snapshot policies (periodic, long cells, idle suspend) are decided in core/policies/tick.py
@@ -38,6 +40,7 @@ from ..core import private
 from ..core.imagecache import ImageCache
 from ..core.store import SnapshotStore
 from ..core.store.scope import user_prefix
+from .deaths import Deaths
 from .dumps import Dumps
 from .jobs import PROGRESS_EVENT_INTERVAL, Job, Jobs
 from .kernels import Kernels
@@ -106,6 +109,7 @@ class SnapshotManager:
     lazy_restore = _Setting[bool]()
     lazy_from_store = _Setting[bool]()
     chunk_kib = _Setting[int | None]()
+    restore_on_death = _Setting[bool]()
 
     def __init__(
         self,
@@ -125,6 +129,7 @@ class SnapshotManager:
         lazy_restore: bool = True,
         lazy_restore_from_store: bool = True,
         chunk_kib: int | None = None,
+        restore_on_death: bool = False,
     ) -> None:
         """The settings are SnapshotExtensionApp's traits of the same names (there
         documented); ``max_bytes`` is its ``max_store_bytes``."""
@@ -138,6 +143,7 @@ class SnapshotManager:
             lazy_restore=lazy_restore,
             lazy_from_store=lazy_restore_from_store,
             chunk_kib=chunk_kib,
+            restore_on_death=restore_on_death,
         )
         self.kernel_manager = kernel_manager
         self.session_manager = session_manager
@@ -170,9 +176,21 @@ class SnapshotManager:
             uploads=uploads,
             emit=emit,
         )
-        self.restores = Restores(**common, image_cache=cache, lending=lending)
+        self.restores = restores = Restores(**common, image_cache=cache, lending=lending)
         self.dumps = dumps = Dumps(**common)
-        self.schedules = Schedules(kernels, jobs, lending, dumps, emit)
+        self.deaths = deaths = Deaths(
+            settings=settings,
+            kernel_manager=kernel_manager,
+            kernels=kernels,
+            snapshots=snapshots,
+            jobs=jobs,
+            emit=emit,
+        )
+        deaths.restore = lambda snapshot_id, kernel_id: restores.restore(
+            snapshot_id, kernel_id=kernel_id
+        )
+        restores.on_restored = deaths.restored
+        self.schedules = Schedules(kernels, jobs, lending, dumps, deaths, emit)
 
     @property
     def work_dir(self) -> Path:

@@ -95,6 +95,9 @@ class Restores:
         self.uploads = uploads
         self.lending = lending
         self.emit = emit
+        self.on_restored: Callable[[str, Job], None] = lambda kernel_id, job: None
+        """Called when a restore in place of a kernel succeeded (deaths.py: the offer of a
+        dead kernel's snapshot is taken)."""
 
     def restore(
         self,
@@ -261,6 +264,7 @@ class Restores:
             pages_from = lent.address if lent is not None else None
             if kernel_id is not None:  # never lazily from the store (see above)
                 await self._restore_in_place(job, kernel_id, directory)
+                self.on_restored(kernel_id, job)
             else:
                 request = RestoreRequest(directory, verified=True, pages_from=pages_from)
                 kernel_id = await self.kernels.start_restored(

@@ -35,6 +35,7 @@ class ManagerSettings:
     lazy_restore: bool = True
     lazy_from_store: bool = True
     chunk_kib: int | None = None
+    restore_on_death: bool = False
 
 
 @dataclass(frozen=True)
