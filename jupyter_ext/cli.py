@@ -545,7 +545,8 @@ class RestoreApp(_SnapshotCommand):
     name = "jupyter-snapshot-restore"
     description = (
         "Restore a snapshot: into a running kernel (--kernel-id), or into a new kernel attached "
-        "to a notebook (--path; default: the snapshot's notebook)."
+        "to a notebook (--path; default: the snapshot's notebook where it is now: the session "
+        "of the kernel that took it, if that kernel still runs, else the path it was taken at)."
     )
     kernel_id = Unicode("", config=True, help="Restore in place of this kernel.")
     path = Unicode("", config=True, help="Attach the new kernel to this notebook.")

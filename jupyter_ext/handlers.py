@@ -193,6 +193,7 @@ class SnapshotsHandler(SnapshotHandler):
             )
         listing = await self.manager.snapshots.list_snapshots(
             kernel_id=self.get_query_argument("kernel_id", None),
+            lineage=self.get_query_argument("lineage", None),
             path=validate_notebook_path(path) if path else None,
             trigger=trigger,
         )
@@ -243,7 +244,15 @@ class RestoreHandler(SnapshotHandler):
                 "path must be a string.",
                 'Send {"path": "<notebook path>"} to restore into a new kernel for a notebook.',
             )
-        job = self.manager.restores.restore(snapshot_id, kernel_id=kernel_id, path=path)
+        session_id = body.get("session_id")
+        if session_id is not None and not isinstance(session_id, str):
+            raise BadRequest(
+                "session_id must be a string.",
+                'Send {"path": "<notebook path>", "session_id": "<its session id>"}.',
+            )
+        job = self.manager.restores.restore(
+            snapshot_id, kernel_id=kernel_id, path=path, session_id=session_id
+        )
         # Answered once the snapshot's manifest is checked: a missing snapshot is a 404, an
         # incompatible one a 422; a long download (with progress) and the hash checks
         # are the job's.

@@ -71,7 +71,10 @@ DEFAULT_RUNTIME_ROOT = Path(
     )
 )
 #: Every phase a job goes through, as the wrapper, the store and the manager report it and
-#: the REST API and the panel show it (labextension/src/tokens.ts spells the same list).
+#: the REST API and the panel show it (labextension/src/tokens.ts spells the same list),
+#: in the order a job goes through them: a job's phase only moves forward in this list, and
+#: is "done" once, when the job has ended (jupyter_ext/manager/jobs.py). "uploading" puts
+#: a snapshot into an S3 store, "storing" into a local one.
 Phase = Literal[
     "queued",
     "releasing-gpu-caches",
@@ -79,6 +82,7 @@ Phase = Literal[
     "dumping",
     "hashing",
     "uploading",
+    "storing",
     "committing",
     "checking-cache",
     "downloading",

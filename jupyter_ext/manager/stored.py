@@ -53,7 +53,8 @@ class StoredSnapshots:
         except StoreError as exc:
             entries, store_error = [], str(exc)
         entries.extend(_describe_pending(p) for p in pending.values())
-        for key, field in (("kernel_id", "kernel_id"), ("path", "notebook_path"), ("trigger",) * 2):
+        fields = (("kernel_id",) * 2, ("path", "notebook_path"), ("trigger",) * 2, ("lineage",) * 2)
+        for key, field in fields:
             if wanted := filters.get(key):
                 entries = [e for e in entries if e.get(field) == wanted]
         entries.sort(key=lambda e: (e["created"], e["sequence"]), reverse=True)

@@ -17,6 +17,7 @@ import {
 } from './resume';
 import {
   IJob,
+  IKernelDeath,
   INotebookTarget,
   ISnapshot,
   ISnapshotsModel,
@@ -30,6 +31,8 @@ export interface IActionContext {
   services: ServiceManager.IManager;
   /** The open notebook with that path, if any. */
   findNotebook: (path: string) => NotebookPanel | null;
+  /** The open notebook whose kernel took the snapshot or came from it (its lineage). */
+  findNotebookOf: (snapshot: ISnapshot) => NotebookPanel | null;
   /** Open a notebook (after a restore into a new kernel). */
   openNotebook: (path: string) => void;
 }
@@ -193,9 +196,16 @@ export async function restoreSnapshot(
   snapshot: ISnapshot,
   options: { confirm: boolean; path?: string }
 ): Promise<IJob | null> {
-  const path = options.path ?? snapshot.notebook_path ?? '';
-  const panel = path ? context.findNotebook(path) : null;
+  // The notebook asked from (the panel's), else the open one whose kernel the snapshot is
+  // of, wherever it moved since; else the snapshot's notebook where it was.
+  const panel = options.path
+    ? context.findNotebook(options.path)
+    : (context.findNotebookOf(snapshot) ??
+      (snapshot.notebook_path
+        ? context.findNotebook(snapshot.notebook_path)
+        : null));
   const target = panel ? notebookTarget(panel, context.services) : null;
+  const path = target?.path ?? options.path ?? snapshot.notebook_path ?? '';
   const name = baseName(path) || 'a new kernel';
   const mode: RestoreMode =
     panel && target && !target.kernelId
@@ -218,7 +228,7 @@ export async function restoreSnapshot(
       return await restoreInPlace(
         context,
         panel,
-        snapshot,
+        snapshot.id,
         target.kernelId,
         name
       );
@@ -247,7 +257,7 @@ async function restoreIntoNewSnapshotKernel(
   if (!kernelId) {
     throw new Error(`No kernel could be started for ${name}.`);
   }
-  return restoreInPlace(context, panel, snapshot, kernelId, name);
+  return restoreInPlace(context, panel, snapshot.id, kernelId, name);
 }
 
 /**
@@ -267,9 +277,13 @@ async function restoreIntoNewKernel(
 ): Promise<IJob> {
   const { model, services } = context;
   const { path, panel, oldKernelId, name } = options;
+  // The open notebook's own session follows the restored kernel, whatever its path.
+  const sessionId = panel?.sessionContext.session?.id;
   const tracked = await model.restore(
     snapshot.id,
-    path ? { path } : ({} as { path: string }),
+    path
+      ? { path, ...(sessionId ? { session_id: sessionId } : {}) }
+      : ({} as { path: string }),
     name
   );
   const job = await finishRestore(context, tracked);
@@ -303,7 +317,7 @@ async function restoreIntoNewKernel(
 async function restoreInPlace(
   context: IActionContext,
   panel: NotebookPanel,
-  snapshot: ISnapshot,
+  snapshotId: string,
   kernelId: string,
   name: string
 ): Promise<IJob> {
@@ -312,7 +326,7 @@ async function restoreInPlace(
   try {
     const job = await finishRestore(
       context,
-      await model.restore(snapshot.id, { kernel_id: kernelId }, name)
+      await model.restore(snapshotId, { kernel_id: kernelId }, name)
     );
     if (job.status === 'done') {
       const request = await resumedRequest(model, kernelId, job.result);
@@ -333,6 +347,31 @@ async function finishRestore(
   const job = await context.model.waitFor(tracked.job.id);
   void context.model.refresh();
   return job;
+}
+
+/** The snapshot offered back for a kernel that died, restored into it (its notebook). */
+export async function restoreOffered(
+  context: IActionContext,
+  panel: NotebookPanel,
+  kernelId: string,
+  death: IKernelDeath
+): Promise<IJob | null> {
+  const name = baseName(panel.context.path);
+  if (!death.snapshot_id) {
+    return null;
+  }
+  try {
+    return await restoreInPlace(
+      context,
+      panel,
+      death.snapshot_id,
+      kernelId,
+      name
+    );
+  } catch (error) {
+    notifyError(`Restore of ${name} failed`, error);
+    return null;
+  }
 }
 
 /** Shut a kernel down if no session uses it any more. */

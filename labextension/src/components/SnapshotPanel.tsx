@@ -12,10 +12,11 @@ import {
   deleteSnapshot,
   IActionContext,
   isSnapshotKernel,
+  restoreOffered,
   restoreSnapshot,
   takeVariables
 } from '../actions';
-import { baseName, formatBytes, policyLines } from '../format';
+import { baseName, formatBytes, formatClock, policyLines } from '../format';
 import { snapshotIcon } from '../icons';
 import { describeError } from '../request';
 import {
@@ -32,11 +33,11 @@ import {
   Callout,
   JobProgress,
   ProgressBar,
-  StateBadge,
-  useNow
+  StateBadge
 } from './common';
 import { matchesQuery } from '../contents';
 import { Comparison } from './Contents';
+import { DeathCallout } from './DeathNotice';
 import { SnapshotItem } from './SnapshotItem';
 
 export interface ISnapshotViewProps {
@@ -60,7 +61,14 @@ function TargetSection(
   const panel = props.currentNotebook();
   const jobs = model.jobsFor(target.kernelId);
   const snapshotKernel = isSnapshotKernel(model, target);
-  const state = status?.snapshots ? (status.state ?? 'running') : null;
+  const unreachable = model.unreachableSince;
+  // What the server said last is not what is now while it cannot be reached.
+  const state = unreachable
+    ? null
+    : status?.snapshots
+      ? (status.state ?? 'running')
+      : null;
+  const death = unreachable ? null : (status?.death ?? null);
   const [pending, setPending] = React.useState(false);
 
   /** Execute a command on the current notebook (while it runs, the buttons wait). */
@@ -74,7 +82,30 @@ function TargetSection(
   const disabled = (id: string) => pending || !commands.isEnabled(id);
 
   let notice: JSX.Element | null = null;
-  if (!target.kernelId) {
+  if (unreachable) {
+    notice = (
+      <Callout kind="warning" title="The server cannot be reached">
+        <p>
+          Since {formatClock(unreachable)}: what the kernel does now is not
+          known here. Trying again every few seconds; the kernel's state (and an
+          offer to restore it, if it is gone) comes back with the server.
+        </p>
+      </Callout>
+    );
+  } else if (death && target.kernelId) {
+    const kernelId = target.kernelId;
+    notice = (
+      <DeathCallout
+        death={death}
+        onRestore={
+          panel && death.snapshot_id
+            ? () => restoreOffered(actions, panel, kernelId, death)
+            : null
+        }
+        onDismiss={() => model.dismissDeath(kernelId)}
+      />
+    );
+  } else if (!target.kernelId) {
     notice = (
       <Callout kind="warning" title="No kernel">
         <p>
@@ -179,6 +210,7 @@ function TargetSection(
           </span>
         )}
         {status?.snapshots &&
+          status.snapshot_id &&
           (status.executions_since_snapshot ?? 0) > 0 &&
           state === 'running' && (
             <span
@@ -290,7 +322,6 @@ function PolicyView(props: { policy: IPolicy | null }): JSX.Element | null {
 export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
   const { actions } = props;
   const { model } = actions;
-  const now = useNow();
   const target = model.target;
   const status = model.kernelStatus(target?.kernelId);
   const snapshots = model.snapshots;
@@ -322,11 +353,11 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
   // Older first: the listing is newest first.
   const pair = snapshots.filter(s => compared.includes(s.id)).reverse();
 
+  // Listed for this notebook: restored for it, at its path now (after renames and moves).
   const onRestore = (snapshot: ISnapshot) =>
     void restoreSnapshot(actions, snapshot, {
       confirm: model.settings.confirmRestore,
-      path:
-        !showAll && target && !snapshot.notebook_path ? target.path : undefined
+      path: !showAll && target ? target.path : undefined
     });
   const onDelete = (snapshot: ISnapshot) =>
     void deleteSnapshot(actions, snapshot, {
@@ -393,7 +424,6 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
           <SnapshotItem
             key={snapshot.id}
             snapshot={snapshot}
-            now={now}
             newest={snapshot === snapshots[0] && !showAll}
             current={
               base === snapshot
