@@ -29,6 +29,7 @@ from .core.errors import (
     SnapshotCorruptError,
     SnapshotError,
     SnapshotNotFoundError,
+    VariablesExistError,
     VariableTransferError,
     WrapperUnavailableError,
 )
@@ -42,6 +43,7 @@ from .manager import SnapshotManager, validate_notebook_path
 HTTP_STATUS: dict[type[SnapshotError], int] = {
     BadIdError: 400,
     SnapshotNotFoundError: 404,
+    VariablesExistError: 409,
     VariableTransferError: 422,
     SnapshotBusyError: 409,
     KernelNotRunningError: 409,
@@ -279,7 +281,13 @@ class VariablesHandler(SnapshotHandler):
                 str(exc),
                 'Send {"kernel_id": "<kernel id>", "names": ["df"], "rename": {"df": "df_old"}}.',
             ) from exc
-        job = await variables.start(self.manager, snapshot_id, kernel_id, mapping)
+        overwrite = body.get("overwrite", False)
+        if not isinstance(overwrite, bool):
+            raise BadRequest(
+                "overwrite must be true or false.",
+                'Send {"overwrite": true} to replace variables the kernel has.',
+            )
+        job = await variables.start(self.manager, snapshot_id, kernel_id, mapping, overwrite)
         # As a restore: a missing snapshot is a 404, an incompatible one a 422.
         await self.manager.jobs.wait_checked(job)
         self.reply({"job": job.to_dict()}, status=202)
