@@ -223,6 +223,7 @@ async def start(
         )
     manager.jobs.check_not_busy(kernel_id)
     if not overwrite:
+        await manager.snapshots.manifest(snapshot_id)  # an unknown one is a 404 first
         taken = await existing(manager, kernel_id, list(mapping.values()))
         if taken:
             plural = "s" if len(taken) > 1 else ""
