@@ -120,6 +120,7 @@ class SnapshotExtensionApp(SnapshotSettings):
             restore_on_death=self.restore_on_death,
         )
         self.manager.deaths.install()
+        self.manager.paths.install(self.server.contents_manager)
         self._tighten()
         self.culling = CullingPolicy(
             self.server,

@@ -39,12 +39,12 @@ def test_the_wrapper_tells_how_its_kernel_died(kernel_factory: Any, tmp_path: Pa
     status = kernel.status()
     assert status["state"] == "dead"
     assert status["death"]["cause"] == "signal"
-    assert status["death"]["reason"] == "killed (SIGKILL)"
+    assert status["death"]["reason"] == "killed by SIGKILL"
     assert status["snapshot_id"] == manifest["id"]
     lines = [c["first_line"] for c in status["cells_since_snapshot"]]
     assert lines == ["y = x + 1", "z = [y] * 3  # the third"]
     journal = json.loads(journal_path(kernel.connection_file).read_text())
-    assert journal["death"]["reason"] == "killed (SIGKILL)"
+    assert journal["death"]["reason"] == "killed by SIGKILL"
     assert journal["snapshot_id"] == manifest["id"]
 
 
@@ -217,7 +217,7 @@ async def test_a_killed_kernel_offers_its_snapshot_until_dismissed(
     os.kill(status["inner_pid"], signal.SIGKILL)
 
     death = await _died(jp_fetch, kernel.id)
-    assert death["reason"] == "killed (SIGKILL)"
+    assert death["reason"] == "killed by SIGKILL"
     assert death["wrapper"] is False
     assert death["snapshot_id"] == taken["id"]
     assert death["snapshot_created"] == taken["created"]
@@ -244,7 +244,7 @@ async def test_a_killed_wrapper_is_remembered_and_the_restore_takes_the_offer(
 
     death = await _died(jp_fetch, kernel.id)
     assert death["wrapper"] is True
-    assert death["reason"] == "killed (SIGKILL)"
+    assert death["reason"] == "killed by SIGKILL"
     assert death["snapshot_id"] == taken["id"]
     assert death["cells_since"] == []
     await _running(jp_fetch, kernel.id)

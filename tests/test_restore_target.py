@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from .jupyter_api import Fetch, call, restore, server_config, snapshot
+from .jupyter_api import Fetch, call, manager_of, restore, server_config, snapshot
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
 
@@ -89,3 +89,42 @@ async def test_a_restore_asked_from_a_notebook_takes_its_session_along(
     assert job["status"] == "done", job
     assert job["result"]["session"]["id"] == session["id"]
     assert await _sessions(jp_fetch) == {"work/b.ipynb": job["result"]["kernel_id"]}
+
+
+async def test_a_renamed_and_moved_notebook_keeps_its_snapshots_when_its_kernel_is_gone(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any, jp_root_dir: Path
+) -> None:
+    """Saved first as Untitled.ipynb, renamed to demo.ipynb, its folder moved: its kernel
+    lost meanwhile (a node, a server), the notebook still lists its snapshots, and a
+    restore without a path goes to where it is now."""
+    (jp_root_dir / "Untitled.ipynb").write_text(json.dumps(EMPTY_NOTEBOOK))
+    session = await _session(jp_fetch, "Untitled.ipynb")
+    kernel = await start_kernel(session["kernel"]["id"])
+    await kernel.run("x = 42")
+    taken = (await snapshot(jp_fetch, kernel.id))["result"]
+    await jp_serverapp.kernel_manager.shutdown_kernel(kernel.id, now=True)
+
+    await _move(jp_fetch, "Untitled.ipynb", "demo.ipynb")
+    (jp_root_dir / "work").mkdir()
+    await _move(jp_fetch, "demo.ipynb", "work/demo.ipynb")
+    await _move(jp_fetch, "work", "projects")
+    listed = (await call(jp_fetch, "GET", path="projects/demo.ipynb"))["snapshots"]
+    assert [(s["id"], s["notebook_path"]) for s in listed] == [(taken["id"], "Untitled.ipynb")]
+    assert listed[0]["notebook_path_now"] == "projects/demo.ipynb"
+    assert (await call(jp_fetch, "GET", path="Untitled.ipynb"))["snapshots"] == []
+
+    job = await restore(jp_fetch, taken["id"])
+    assert job["status"] == "done", job
+    assert job["result"]["session"]["path"] == "projects/demo.ipynb"
+
+    # Remembered by the next server on this work directory.
+    renames = json.loads((manager_of(jp_serverapp).work_dir / "notebook-paths.json").read_text())
+    assert renames[-1] == ["work", "projects"]
+
+
+EMPTY_NOTEBOOK = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": []}
+
+
+async def _move(jp_fetch: Fetch, old: str, new: str) -> None:
+    """The file browser's rename or move (PATCH /api/contents)."""
+    await jp_fetch("api", "contents", old, method="PATCH", body=json.dumps({"path": new}))

@@ -13,6 +13,7 @@ state)::
     jobs.py       Jobs: the job registry, progress, background tasks
     reaping.py    Reaper: orphaned kernel processes reaped (without root)
     kernels.py    Kernels (reaper): lookup, wrappers, the guarded dump, kernels to restore into
+    paths.py      NotebookPaths: the renames and moves of notebooks, where one is now
     sessions.py   Sessions: notebook of a kernel, a restored kernel attached to its notebook
     pages.py      LentPages: a stored snapshot's memory lent to a lazy restore
     lazy.py       LazyLending (store, image cache, kernels, jobs): pages lent, given back
@@ -46,6 +47,7 @@ from .jobs import PROGRESS_EVENT_INTERVAL, Job, Jobs
 from .kernels import Kernels
 from .lazy import LazyLending
 from .pages import LentPages
+from .paths import NotebookPaths
 from .reaping import Reaper
 from .restore import LAZY_HOLD_SECONDS, Restores
 from .retention import Retention
@@ -161,10 +163,11 @@ class SnapshotManager:
         self.reaper = Reaper()
         self.server_kernels = kernels = Kernels(kernel_manager, self.reaper, work_dir)
         self.sessions = sessions = Sessions(session_manager, kernel_manager)
+        self.paths = paths = NotebookPaths(ws.work_dir / "notebook-paths.json")
         self.lending = lending = LazyLending(store, cache, kernels, jobs, emit)
         self.retention = Retention(store, settings, lending, cache, emit)
         self.uploads = uploads = Uploads(store, ws, cache, jobs, self.retention.apply)
-        self.snapshots = snapshots = StoredSnapshots(store, uploads, lending, cache, emit)
+        self.snapshots = snapshots = StoredSnapshots(store, uploads, lending, cache, emit, paths)
         common: dict[str, Any] = dict(
             settings=settings,
             workspace=ws,

@@ -122,7 +122,8 @@ class Restores:
         A new kernel is attached to the notebook ``path`` (its session ``session_id``,
         which then takes that path, if given); without one, to the snapshot's notebook
         where it is now: the session of the kernel that took it if that kernel still runs
-        (a renamed notebook's session follows it), else the path it was taken at.
+        (a renamed notebook's session follows it), else the path it was taken at, or
+        where the notebook was renamed or moved to since (paths.py).
         """
         check_snapshot_id(snapshot_id)
         if path is not None:
@@ -327,7 +328,7 @@ class Restores:
             return target.path
         taken_by = manifest.kernel_spec.get("kernel_id")
         now = await self.sessions.notebook_path(taken_by) if taken_by else None
-        return now or manifest.notebook_path
+        return now or self.snapshots.paths.now(manifest.notebook_path)
 
     async def _restore_in_place(self, job: Job, kernel_id: str, directory: Path) -> None:
         """Restore ``directory`` into the running kernel. The wrapper first saves that

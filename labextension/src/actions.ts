@@ -6,9 +6,14 @@ import { Notification } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import type { ServiceManager } from '@jupyterlab/services';
 
-import { confirmDelete, confirmRestore, showErrorDialog } from './dialogs';
+import {
+  confirmDelete,
+  confirmOverwrite,
+  confirmRestore,
+  showErrorDialog
+} from './dialogs';
 import { baseName, formatKind } from './format';
-import { describeError } from './request';
+import { describeError, SnapshotAPIError } from './request';
 import {
   expectResumed,
   IOPubRecorder,
@@ -178,6 +183,11 @@ export async function useSnapshotKernel(panel: NotebookPanel): Promise<void> {
   }
 }
 
+/** Where a snapshot's notebook is now ('' for a snapshot of no notebook). */
+function notebookNow(snapshot: ISnapshot): string {
+  return snapshot.notebook_path_now ?? snapshot.notebook_path ?? '';
+}
+
 /** How a snapshot is restored for its notebook (see `restoreSnapshot`). */
 type RestoreMode = 'in-place' | 'start-kernel' | 'new-kernel';
 
@@ -201,11 +211,11 @@ export async function restoreSnapshot(
   const panel = options.path
     ? context.findNotebook(options.path)
     : (context.findNotebookOf(snapshot) ??
-      (snapshot.notebook_path
-        ? context.findNotebook(snapshot.notebook_path)
+      (notebookNow(snapshot)
+        ? context.findNotebook(notebookNow(snapshot))
         : null));
   const target = panel ? notebookTarget(panel, context.services) : null;
-  const path = target?.path ?? options.path ?? snapshot.notebook_path ?? '';
+  const path = target?.path ?? options.path ?? notebookNow(snapshot);
   const name = baseName(path) || 'a new kernel';
   const mode: RestoreMode =
     panel && target && !target.kernelId
@@ -392,7 +402,10 @@ async function shutdownIfUnused(
   }
 }
 
-/** Copy variables from a snapshot into the notebook's running kernel. */
+/**
+ * Copy variables from a snapshot into the notebook's running kernel. A name the kernel
+ * has already is replaced only once the user says so (the server refuses it otherwise).
+ */
 export async function takeVariables(
   context: IActionContext,
   snapshot: ISnapshot,
@@ -406,20 +419,38 @@ export async function takeVariables(
   const label =
     names.map(n => (rename[n] ? `${n} as ${rename[n]}` : n)).join(', ') +
     ` into ${baseName(target.path)}`;
-  try {
-    const tracked = await context.model.takeVariables(
+  const take = (overwrite: boolean) =>
+    context.model.takeVariables(
       snapshot.id,
-      target.kernelId,
+      target.kernelId as string,
       names,
       rename,
-      label
+      label,
+      overwrite
     );
+  try {
+    let tracked;
+    try {
+      tracked = await take(false);
+    } catch (error) {
+      if (
+        !(error instanceof SnapshotAPIError) ||
+        error.code !== 'variables-exist' ||
+        !(await confirmOverwrite(baseName(target.path), error.message))
+      ) {
+        throw error;
+      }
+      tracked = await take(true);
+    }
     const job = await context.model.waitFor(tracked.job.id);
     if (job.status === 'failed' && job.error) {
       void showErrorDialog('Variables not taken', job.error);
     }
     return job;
   } catch (error) {
+    if (error instanceof SnapshotAPIError && error.code === 'variables-exist') {
+      return null; // The user kept the kernel's own.
+    }
     notifyError(`Taking ${names.join(', ')} failed`, error);
     return null;
   }

@@ -340,18 +340,20 @@ export class SnapshotsModel implements ISnapshotsModel {
 
   /**
    * Copy variables from a snapshot into the running kernel `kernelId` (restored as a side
-   * kernel on the server, pickled there, loaded all-or-none into the kernel).
+   * kernel on the server, pickled there, loaded all-or-none into the kernel). Variables
+   * the kernel has are replaced only with `overwrite` (else 409 variables-exist).
    */
   async takeVariables(
     snapshotId: string,
     kernelId: string,
     names: string[],
     rename: { [name: string]: string } = {},
-    label?: string
+    label?: string,
+    overwrite = false
   ): Promise<ITrackedJob> {
     const { job } = await requestAPI<{ job: IJob }>(
       `${snapshotId}/variables`,
-      jsonBody('POST', { kernel_id: kernelId, names, rename }),
+      jsonBody('POST', { kernel_id: kernelId, names, rename, overwrite }),
       this._serverSettings
     );
     return this.track(job, { notify: true, label });

@@ -14,11 +14,12 @@ import type { ServiceManager } from '@jupyterlab/services';
 import * as React from 'react';
 
 import { notifyError } from './actions';
+import { RelativeTime } from './components/common';
 import {
   baseName,
-  formatAbsolute,
   formatBytes,
-  formatRelative,
+  formatClock,
+  formatSizes,
   formatTrigger,
   parseDate
 } from './format';
@@ -262,7 +263,6 @@ async function askRestore(
   count: number
 ): Promise<'restore' | 'fresh' | 'panel'> {
   const date = parseDate(snapshot.created);
-  const size = snapshot.stored_bytes ?? snapshot.total_bytes;
   const body = React.createElement(
     'div',
     { className: 'jp-KernelSnapshots-offer' },
@@ -270,12 +270,8 @@ async function askRestore(
       'p',
       null,
       `${baseName(path)} has no running kernel, but its kernel was snapshotted `,
-      React.createElement(
-        'time',
-        { title: formatAbsolute(date), dateTime: snapshot.created },
-        formatRelative(date)
-      ),
-      ` (${formatTrigger(snapshot.trigger)}, ${formatBytes(size)}` +
+      React.createElement(RelativeTime, { iso: snapshot.created }),
+      ` (${formatClock(date)}, ${formatTrigger(snapshot.trigger)}, ${formatSizes(snapshot)}` +
         `${snapshot.gpu_bytes ? `, GPU ${formatBytes(snapshot.gpu_bytes)}` : ''}` +
         `${snapshot.host ? `, on ${snapshot.host}` : ''}).`
     ),

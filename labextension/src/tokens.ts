@@ -106,7 +106,10 @@ export interface ISnapshot {
   trigger: Trigger | string;
   status: SnapshotStatus | string;
   error?: string;
+  /** The notebook's path when it was taken ... */
   notebook_path?: string | null;
+  /** ... and where that notebook is now (after renames and moves). */
+  notebook_path_now?: string | null;
   kernel_id?: string | null;
   kernel_spec?: { name?: string; kernel_id?: string; [key: string]: unknown };
   host?: string;
@@ -421,7 +424,8 @@ export interface ISnapshotsModel extends IDisposable {
     kernelId: string,
     names: string[],
     rename?: { [name: string]: string },
-    label?: string
+    label?: string,
+    overwrite?: boolean
   ): Promise<ITrackedJob>;
   snapshotsOf(path: string, lineage?: string | null): Promise<ISnapshot[]>;
   fetchKernelStatus(kernelId: string): Promise<IKernelStatus>;

@@ -73,7 +73,7 @@ class Death:
         if cause == "crash" and sig is not None:
             return f"crashed: {CRASHES[sig]} ({sig})"
         if cause == "signal":
-            return f"killed ({sig})" if sig == "SIGKILL" else f"ended by {sig}"
+            return f"killed by {sig}" if sig == "SIGKILL" else f"ended by {sig}"
         if cause == "exit":
             return (
                 "exited by itself"

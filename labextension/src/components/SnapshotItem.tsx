@@ -53,7 +53,7 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
   const stored = snapshot.stored_bytes;
   const gpuBytes = snapshot.gpu_bytes ?? 0;
   const gpuName = gpuBytes > 0 ? gpuModels(snapshot) : '';
-  const path = snapshot.notebook_path ?? '';
+  const path = snapshot.notebook_path_now ?? snapshot.notebook_path ?? '';
   const name = baseName(path);
   const details = [
     snapshot.total_bytes !== undefined
