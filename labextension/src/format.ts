@@ -95,7 +95,7 @@ export function formatClock(
   return `${day}, ${time}`;
 }
 
-/** The full date and time for a tooltip, in the same format: "Dec 4, 22:13:05". */
+/** The full date and time for a tooltip, in the same format: "Dec 4, 2026, 22:13:05". */
 export function formatAbsolute(date: Date | null, now: number = -1): string {
   // Never "today" alone: a tooltip names the day.
   return formatClock(date, now, true);

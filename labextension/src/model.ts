@@ -119,12 +119,9 @@ export class SnapshotsModel implements ISnapshotsModel {
    * so at once, and try again often until it answers.
    */
   connectionLost(): void {
-    if (this._unreachableSince === null) {
-      this._unreachableSince = new Date();
-      this._poll.frequency = this._frequency();
-      this._changed.emit();
+    if (this._unreachable()) {
+      void this._refreshSoon.invoke();
     }
-    void this._refreshSoon.invoke();
   }
 
   get snapshots(): readonly ISnapshot[] {
@@ -490,7 +487,7 @@ export class SnapshotsModel implements ISnapshotsModel {
           ? error
           : new Error(describeError(error).message);
       if (error instanceof SnapshotAPIError && error.status === 0) {
-        this.connectionLost();
+        this._unreachable(); // the poll tries again soon by itself
       }
       throw error;
     } finally {
@@ -548,6 +545,17 @@ export class SnapshotsModel implements ISnapshotsModel {
       ),
       store_error: lists.map(list => list.store_error).find(Boolean) ?? ''
     };
+  }
+
+  /** The server cannot be reached (from now, if it could): true if that is news. */
+  private _unreachable(): boolean {
+    if (this._unreachableSince !== null) {
+      return false;
+    }
+    this._unreachableSince = new Date();
+    this._poll.frequency = this._frequency();
+    this._changed.emit();
+    return true;
   }
 
   /** The server answered: after it could not be reached, say it is back. */
