@@ -245,7 +245,7 @@ export function describeJob(job: IJob): string {
 }
 
 /**
- * A snapshot's sizes, each named: "image 232 MiB, stored as 202 MiB (3.1 MiB new)". The
+ * A snapshot's sizes, each named: "image 232 MiB, stored as 202 MiB, 3.1 MiB new". The
  * image is the kernel's memory as CRIU wrote it; the store keeps it compressed and
  * shares chunks with other snapshots.
  */
@@ -258,11 +258,10 @@ export function formatSizes(snapshot: {
   if (snapshot.stored_bytes !== undefined) {
     parts.push(`stored as ${formatBytes(snapshot.stored_bytes)}`);
   }
-  const fresh =
-    snapshot.new_bytes !== undefined
-      ? ` (${formatBytes(snapshot.new_bytes)} new)`
-      : '';
-  return parts.join(', ') + fresh;
+  if (snapshot.new_bytes !== undefined) {
+    parts.push(`${formatBytes(snapshot.new_bytes)} new`);
+  }
+  return parts.join(', ');
 }
 
 /** The fraction of the job done, when it reports bytes (null otherwise). */

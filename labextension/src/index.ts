@@ -39,7 +39,11 @@ import {
   nudgeStartingKernels
 } from './notebooks';
 import { connectNotifications } from './notify';
-import { offerRestoreOnLoss, offerRestoreOnOpen } from './recovery';
+import {
+  dropLostSessions,
+  offerRestoreOnLoss,
+  offerRestoreOnOpen
+} from './recovery';
 import { applySettings } from './settings';
 import { CommandIDs, ISnapshotsModel, PLUGIN_ID } from './tokens';
 
@@ -163,11 +167,12 @@ const recoveryPlugin: JupyterFrontEndPlugin<void> = {
   description:
     'When a notebook whose kernel is gone is opened, offer to restore its newest snapshot.',
   autoStart: true,
-  requires: [ISnapshotsModel, INotebookWidgetFactory],
+  requires: [ISnapshotsModel, INotebookWidgetFactory, INotebookTracker],
   activate: (
     app: JupyterFrontEnd,
     model: ISnapshotsModel,
-    factory: NotebookWidgetFactory.IFactory
+    factory: NotebookWidgetFactory.IFactory,
+    tracker: INotebookTracker
   ): void => {
     const options = {
       model,
@@ -180,6 +185,16 @@ const recoveryPlugin: JupyterFrontEndPlugin<void> = {
       offerRestoreOnOpen(panel, options);
       offerRestoreOnLoss(panel, options);
     });
+    // The server is back: the notebooks whose kernels it lost say so now.
+    model.reconnected.connect(
+      () =>
+        void dropLostSessions(tracker, app.serviceManager).catch(error =>
+          console.warn(
+            'kernel snapshots: looking for lost sessions failed',
+            error
+          )
+        )
+    );
   }
 };
 

@@ -9,8 +9,9 @@
  * notebook `path`), so that `initialize()` then simply connects to the restored kernel.
  */
 import { Dialog, showDialog } from '@jupyterlab/apputils';
-import type { NotebookPanel } from '@jupyterlab/notebook';
-import type { ServiceManager } from '@jupyterlab/services';
+import { URLExt } from '@jupyterlab/coreutils';
+import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { ServerConnection, ServiceManager } from '@jupyterlab/services';
 import * as React from 'react';
 
 import { notifyError } from './actions';
@@ -212,6 +213,36 @@ export function offerRestoreOnLoss(
     void afterLoss(panel, options, kernelName, lineage).catch(error =>
       console.warn('kernel snapshots: offer after a lost kernel failed', error)
     );
+  });
+}
+
+/**
+ * After the server could not be reached: the open notebooks whose session it no longer
+ * has (it restarted) let go of it, which offers their snapshot (offerRestoreOnLoss).
+ * JupyterLab's own session poll may stand by while its "Server Connection Error" shows,
+ * and would find out only later.
+ */
+export async function dropLostSessions(
+  tracker: INotebookTracker,
+  services: ServiceManager.IManager
+): Promise<void> {
+  const settings = services.serverSettings;
+  const response = await ServerConnection.makeRequest(
+    URLExt.join(settings.baseUrl, 'api', 'sessions'),
+    {},
+    settings
+  );
+  if (!response.ok) {
+    return;
+  }
+  const alive = new Set(
+    ((await response.json()) as { id: string }[]).map(session => session.id)
+  );
+  tracker.forEach(panel => {
+    const session = panel.sessionContext.session;
+    if (session && !alive.has(session.id)) {
+      session.dispose();
+    }
   });
 }
 

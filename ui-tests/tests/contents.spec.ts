@@ -93,7 +93,9 @@ test('cards show cells and variables; search, compare, take a variable back', as
   // Take labels back from the first snapshot; the kernel keeps metrics.
   const older = items.nth(1);
   await older.getByRole('button', { name: 'Contents' }).click();
-  await expect(older.getByRole('list', { name: 'Variables' })).toContainText(
+  await expect(
+    older.getByRole('list', { name: 'Variables', exact: true })
+  ).toContainText(
     'labels'
   );
   await older.getByRole('checkbox', { name: 'Take labels' }).check();

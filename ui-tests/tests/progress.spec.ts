@@ -204,7 +204,7 @@ test('the panel, the notification and the toolbar tell one story', async ({
   expect(snapshot).toContain('storing');
   // The sizes, named: the image CRIU wrote, what the store keeps, what was new.
   await expect(taken).toContainText(
-    /\(image \d+(\.\d)? MiB, stored as \d+(\.\d)? [KM]iB \(\d+(\.\d)? [KM]iB new\)\)/
+    /\(image \d+(\.\d)? MiB, stored as \d+(\.\d)? [KM]iB, \d+(\.\d)? [KM]iB new\)/
   );
   const card = snapshotCards(panel).first();
   await expect(card).toContainText(/image \d+(\.\d)? MiB/);

@@ -83,14 +83,22 @@ test.describe('A server restarted under an open page', () => {
       path: path.join(SCREENSHOTS, 'panel-server-unreachable.png')
     });
 
-    // Back, at the same URL: the offer comes without a reload.
+    // Back, at the same URL: the panel says so, and the offer comes without a reload,
+    // once JupyterLab's own "Server Connection Error" (shown while the server was away)
+    // is closed: JupyterLab shows one dialog at a time.
     await nodes!.start('a');
-    const offer = page.getByRole('dialog');
-    await expect(offer).toContainText('Restore the kernel from its snapshot?', {
-      timeout: 60_000
-    });
+    await expect(lost).toHaveCount(0, { timeout: 60_000 });
+    const jupyterlabs = page
+      .getByRole('dialog')
+      .filter({ hasText: 'Server Connection Error' });
+    while ((await jupyterlabs.count()) > 0) {
+      await jupyterlabs.first().getByRole('button', { name: 'Close' }).click();
+    }
+    const offer = page
+      .getByRole('dialog')
+      .filter({ hasText: 'Restore the kernel from its snapshot?' });
+    await expect(offer).toBeVisible({ timeout: 60_000 });
     await expect(offer).toContainText(`${NOTEBOOK} has no running kernel`);
-    await expect(lost).toHaveCount(0);
     await offer.screenshot({
       path: path.join(SCREENSHOTS, 'restore-offer-after-server-restart.png')
     });
@@ -124,8 +132,11 @@ function cell(page: Page, index: number) {
     .nth(index);
 }
 
-/** Run a cell with Shift+Enter and wait for its execution count. */
+/** Run a cell with Shift+Enter, once its kernel is idle, and wait for its count. */
 async function runCell(page: Page, index: number): Promise<void> {
+  await expect(page.getByText(/Python 3 \(snapshots\) \| Idle/)).toBeVisible({
+    timeout: 60_000
+  });
   const target = cell(page, index);
   await target.locator('.jp-InputArea-editor').click();
   await page.keyboard.press('Shift+Enter');

@@ -73,7 +73,7 @@ describe('progress and sizes, named', () => {
         stored_bytes: 202 * 1024 ** 2,
         new_bytes: 3 * 1024 ** 2
       })
-    ).toBe('image 232 MiB, stored as 202 MiB (3.0 MiB new)');
+    ).toBe('image 232 MiB, stored as 202 MiB, 3.0 MiB new');
     expect(formatSizes({ total_bytes: 1024 })).toBe('image 1.0 KiB');
   });
 

@@ -120,7 +120,11 @@ export function DeathCallout(props: {
   );
 }
 
-/** The notice at the top of a notebook whose kernel died (its content header). */
+/**
+ * The notice at the top of a notebook whose kernel died (its content header). The header
+ * is a Lumino box: it is as tall as its widgets' minimum height, which follows the notice
+ * as it renders and grows (cells listed, buttons) or goes.
+ */
 export class DeathNotice extends ReactWidget {
   constructor(
     private _context: IActionContext,
@@ -128,37 +132,67 @@ export class DeathNotice extends ReactWidget {
   ) {
     super();
     this.addClass('jp-KernelSnapshots-deathNotice');
+    this._resize = new ResizeObserver(() => this._fitToContent());
+  }
+
+  dispose(): void {
+    this._resize.disconnect();
+    super.dispose();
   }
 
   render(): JSX.Element {
     const { model } = this._context;
     return (
-      <UseSignal signal={model.changed}>
-        {() => {
-          const kernelId = this._panel.sessionContext.session?.kernel?.id;
-          const death = kernelId ? model.kernelStatus(kernelId)?.death : null;
-          if (!kernelId || !death) {
-            return null;
-          }
-          return (
-            <DeathCallout
-              death={death}
-              onRestore={
-                death.snapshot_id
-                  ? () =>
-                      restoreOffered(
-                        this._context,
-                        this._panel,
-                        kernelId,
-                        death
-                      )
-                  : null
-              }
-              onDismiss={() => model.dismissDeath(kernelId)}
-            />
-          );
-        }}
-      </UseSignal>
+      <div
+        className="jp-KernelSnapshots-deathBox"
+        ref={element => this._observe(element)}
+      >
+        <UseSignal signal={model.changed}>
+          {() => {
+            const kernelId = this._panel.sessionContext.session?.kernel?.id;
+            const death = kernelId ? model.kernelStatus(kernelId)?.death : null;
+            if (!kernelId || !death) {
+              return null;
+            }
+            return (
+              <DeathCallout
+                death={death}
+                onRestore={
+                  death.snapshot_id
+                    ? () =>
+                        restoreOffered(
+                          this._context,
+                          this._panel,
+                          kernelId,
+                          death
+                        )
+                    : null
+                }
+                onDismiss={() => model.dismissDeath(kernelId)}
+              />
+            );
+          }}
+        </UseSignal>
+      </div>
     );
   }
+
+  private _observe(element: HTMLElement | null): void {
+    this._resize.disconnect();
+    if (element) {
+      this._resize.observe(element);
+    }
+  }
+
+  /** The box's height is the notice's (0 without one): tell the layout. */
+  private _fitToContent(): void {
+    const box = this.node.firstElementChild as HTMLElement | null;
+    const height = box ? Math.ceil(box.getBoundingClientRect().height) : 0;
+    if (this.node.style.minHeight !== `${height}px`) {
+      this.node.style.minHeight = `${height}px`;
+      this.parent?.fit();
+    }
+  }
+
+  private _resize: ResizeObserver;
 }

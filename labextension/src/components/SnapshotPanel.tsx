@@ -83,15 +83,7 @@ function TargetSection(
 
   let notice: JSX.Element | null = null;
   if (unreachable) {
-    notice = (
-      <Callout kind="warning" title="The server cannot be reached">
-        <p>
-          Since {formatClock(unreachable)}: what the kernel does now is not
-          known here. Trying again every few seconds; the kernel's state (and an
-          offer to restore it, if it is gone) comes back with the server.
-        </p>
-      </Callout>
-    );
+    // Said above the panel's content (SnapshotsView): nothing more of the kernel.
   } else if (death && target.kernelId) {
     const kernelId = target.kernelId;
     notice = (
@@ -259,9 +251,10 @@ function TargetSection(
           )}
         </div>
       )}
-      {jobs.map(tracked => (
-        <JobProgress key={tracked.job.id} job={tracked.job} />
-      ))}
+      {!unreachable &&
+        jobs.map(tracked => (
+          <JobProgress key={tracked.job.id} job={tracked.job} />
+        ))}
       {jobs.length === 0 &&
         (state === 'restoring' || state === 'snapshotting') && (
           <div className="jp-KernelSnapshots-job" role="status">
@@ -445,8 +438,18 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
     );
   }
 
+  const unreachable = model.unreachableSince;
   return (
     <div className="jp-KernelSnapshots-body">
+      {unreachable && (
+        <Callout kind="warning" title="The server cannot be reached">
+          <p>
+            Since {formatClock(unreachable)}: what its kernels do now is not
+            known here. Trying again every few seconds; their state (and an
+            offer to restore a kernel that is gone) comes back with the server.
+          </p>
+        </Callout>
+      )}
       {target && <TargetSection {...props} target={target} status={status} />}
       <div className="jp-KernelSnapshots-listHeader">
         <span className="jp-KernelSnapshots-listTitle">
@@ -465,7 +468,7 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
           <span>Show all</span>
         </label>
       </div>
-      {model.error && model.loaded && (
+      {model.error && model.loaded && !unreachable && (
         <Callout kind="error">
           <p>
             Refresh failed: {describeError(model.error).message} (showing the
