@@ -265,6 +265,7 @@ async def test_a_kernel_without_a_snapshot_says_so(jp_fetch: Fetch, start_kernel
     death = await _died(jp_fetch, kernel.id)
     assert death["snapshot_id"] is None
     assert [c["first_line"] for c in death["cells_since"]] == ["x = 1"]
+    await _running(jp_fetch, kernel.id)  # restarted before the server stops
 
 
 @pytest.mark.usefixtures("snapshot_kernelspec")
