@@ -206,9 +206,10 @@ class Restores:
         kernel_id: str | None,
         target: Target | None,
     ) -> dict[str, Any]:
-        """... into ``kernel_id``, else a new kernel attached to ``target`` (None: to no
-        notebook, a side kernel)."""
-        """What the restore holds is on exit stacks, released when it ends in the reverse
+        """Restore into ``kernel_id``, else a new kernel attached to ``target`` (None: to
+        no notebook, a side kernel).
+
+        What the restore holds is on exit stacks, released when it ends in the reverse
         order of these: a cache lease, the lock on the local copy, the download's folder,
         the pages lent. A lazily restored kernel still reads its pages after the job: what
         it reads from is taken off the stacks (``pop_all``) and handed to

@@ -186,6 +186,11 @@ test('the panel, the notification and the toolbar tell one story', async ({
   await page.notebook.save();
   const panel = await openSnapshotsPanel(page);
   await expect(panel.getByRole('status')).toHaveCount(0);
+  // Before the first snapshot there is no "cells since last snapshot" (a cell has run).
+  const kernel = panel.locator('.jp-KernelSnapshots-kernel');
+  await panel.getByRole('button', { name: 'Refresh the snapshots' }).click();
+  await expect(kernel).toContainText('running');
+  await expect(kernel).not.toContainText('since last snapshot');
 
   // A whole snapshot, from the notebook toolbar.
   await record(page);
@@ -211,6 +216,11 @@ test('the panel, the notification and the toolbar tell one story', async ({
   await expect(card).toContainText(/stored as \d+(\.\d)? [KM]iB/);
   await expect(card).not.toContainText(/upload/i);
   await waitForToasts(page);
+  // After it, a cell run is counted.
+  await page.notebook.addCell('code', 'more = 1');
+  await page.notebook.runCell(1, { inplace: true });
+  await panel.getByRole('button', { name: 'Refresh the snapshots' }).click();
+  await expect(kernel).toContainText('1 cell since last snapshot');
 
   // A whole suspend, from the panel.
   await record(page);
