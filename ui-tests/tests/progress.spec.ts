@@ -145,9 +145,10 @@ function checkStory(
   const told: string[] = [];
   let ended = false;
   for (const frame of frames) {
-    expect(frame.panel + frame.toast, 'a local store never says upload').not.toMatch(
-      /upload/i
-    );
+    expect(
+      [frame.panel, frame.toast, frame.toolbar].join(' '),
+      'a local store never says upload'
+    ).not.toMatch(/upload/i);
     const p = rank(frame.panel, `${kind}: `);
     const t = done.test(frame.toast) ? DONE : rank(frame.toast, toastPrefix);
     expect(p, `the panel never says done: ${frame.panel}`).not.toBe(DONE);
