@@ -91,6 +91,7 @@ class SnapshotExtensionApp(SnapshotSettings):
             "cull_action": self.cull_action,
             "admin_shutdown_action": self.admin_shutdown_action,
             "cull_idle_timeout": self.server.kernel_manager.cull_idle_timeout,
+            "restore_on_death": self.restore_on_death,
         }
 
     @property
@@ -117,7 +118,10 @@ class SnapshotExtensionApp(SnapshotSettings):
             lazy_restore_from_store=self.lazy_restore_from_store,
             chunk_kib=self.chunk_kib or None,
             track_memory=self.track_memory,
+            restore_on_death=self.restore_on_death,
         )
+        self.manager.deaths.install()
+        self.manager.paths.install(self.server.contents_manager)
         self._tighten()
         self.culling = CullingPolicy(
             self.server,

@@ -571,7 +571,8 @@ class RestoreApp(_SnapshotCommand):
     name = "jupyter-snapshot-restore"
     description = (
         "Restore a snapshot: into a running kernel (--kernel-id), or into a new kernel attached "
-        "to a notebook (--path; default: the snapshot's notebook)."
+        "to a notebook (--path; default: the snapshot's notebook where it is now: the session "
+        "of the kernel that took it, if that kernel still runs, else the path it was taken at)."
     )
     kernel_id = Unicode("", config=True, help="Restore in place of this kernel.")
     path = Unicode("", config=True, help="Attach the new kernel to this notebook.")
@@ -622,7 +623,15 @@ class TakeApp(_SnapshotCommand):
         "jupyter snapshot take ID NAME[=NEW_NAME] ... --kernel-id=KERNEL"
     )
     kernel_id = Unicode("", config=True, help="The kernel that gets the variables.")
+    overwrite = Bool(False, config=True, help="Replace variables of the same names the kernel has.")
     aliases = command_aliases("TakeApp", "kernel_id")
+    flags = {
+        **_SnapshotCommand.flags,
+        "overwrite": (
+            {"TakeApp": {"overwrite": True}},
+            "Replace variables of the same names the kernel has (else the command refuses).",
+        ),
+    }
 
     def run(self) -> None:
         if len(self.extra_args) < 2 or not self.kernel_id:
@@ -637,7 +646,12 @@ class TakeApp(_SnapshotCommand):
             if new:
                 rename[name] = new
         server = self.server()
-        body = {"kernel_id": self.kernel_id, "names": names, "rename": rename}
+        body = {
+            "kernel_id": self.kernel_id,
+            "names": names,
+            "rename": rename,
+            "overwrite": self.overwrite,
+        }
         answer = server.call(
             "POST", f"{check_snapshot_id(self.extra_args[0])}/variables", body=body
         )

@@ -29,6 +29,7 @@ from .core.errors import (
     SnapshotCorruptError,
     SnapshotError,
     SnapshotNotFoundError,
+    VariablesExistError,
     VariableTransferError,
     WrapperUnavailableError,
 )
@@ -42,6 +43,7 @@ from .manager import SnapshotManager, validate_notebook_path
 HTTP_STATUS: dict[type[SnapshotError], int] = {
     BadIdError: 400,
     SnapshotNotFoundError: 404,
+    VariablesExistError: 409,
     VariableTransferError: 422,
     SnapshotBusyError: 409,
     KernelNotRunningError: 409,
@@ -193,6 +195,7 @@ class SnapshotsHandler(SnapshotHandler):
             )
         listing = await self.manager.snapshots.list_snapshots(
             kernel_id=self.get_query_argument("kernel_id", None),
+            lineage=self.get_query_argument("lineage", None),
             path=validate_notebook_path(path) if path else None,
             trigger=trigger,
         )
@@ -243,7 +246,15 @@ class RestoreHandler(SnapshotHandler):
                 "path must be a string.",
                 'Send {"path": "<notebook path>"} to restore into a new kernel for a notebook.',
             )
-        job = self.manager.restores.restore(snapshot_id, kernel_id=kernel_id, path=path)
+        session_id = body.get("session_id")
+        if session_id is not None and not isinstance(session_id, str):
+            raise BadRequest(
+                "session_id must be a string.",
+                'Send {"path": "<notebook path>", "session_id": "<its session id>"}.',
+            )
+        job = self.manager.restores.restore(
+            snapshot_id, kernel_id=kernel_id, path=path, session_id=session_id
+        )
         # Answered once the snapshot's manifest is checked: a missing snapshot is a 404, an
         # incompatible one a 422; a long download (with progress) and the hash checks
         # are the job's.
@@ -270,7 +281,13 @@ class VariablesHandler(SnapshotHandler):
                 str(exc),
                 'Send {"kernel_id": "<kernel id>", "names": ["df"], "rename": {"df": "df_old"}}.',
             ) from exc
-        job = await variables.start(self.manager, snapshot_id, kernel_id, mapping)
+        overwrite = body.get("overwrite", False)
+        if not isinstance(overwrite, bool):
+            raise BadRequest(
+                "overwrite must be true or false.",
+                'Send {"overwrite": true} to replace variables the kernel has.',
+            )
+        job = await variables.start(self.manager, snapshot_id, kernel_id, mapping, overwrite)
         # As a restore: a missing snapshot is a 404, an incompatible one a 422.
         await self.manager.jobs.wait_checked(job)
         self.reply({"job": job.to_dict()}, status=202)
@@ -299,7 +316,8 @@ class KernelHandler(SnapshotHandler):
     @web.authenticated
     @authorized
     async def patch(self, kernel_id: str) -> None:
-        """Per-kernel choices: ``{"periodic": false}`` opts a kernel out of periodic snapshots."""
+        """Per-kernel choices: ``{"periodic": false}`` opts a kernel out of periodic
+        snapshots; ``{"dismiss_death": true}`` ends the offer of a dead kernel's snapshot."""
         body = self.body()
         kernel_id = self._known(kernel_id)
         if "periodic" in body:
@@ -308,6 +326,13 @@ class KernelHandler(SnapshotHandler):
                     "periodic must be true or false.", 'Send {"periodic": false} to opt out.'
                 )
             self.manager.schedules.set_periodic(kernel_id, body["periodic"])
+        if "dismiss_death" in body:
+            if body["dismiss_death"] is not True:
+                raise BadRequest(
+                    "dismiss_death must be true.",
+                    'Send {"dismiss_death": true} once the kernel\'s death has been seen.',
+                )
+            self.manager.deaths.dismiss(kernel_id)
         self.reply(await self.manager.schedules.kernel_status(kernel_id))
 
     def _known(self, kernel_id: str) -> str:

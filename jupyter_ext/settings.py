@@ -345,6 +345,18 @@ class SnapshotSettings(ExtensionApp):
         identities that tell users apart (jupyter_server's own token or password login:
         every login is the owner) it has no effect, and the server says so in its log.""",
     )
+    restore_on_death = Bool(
+        False,
+        config=True,
+        help="""When a snapshot kernel dies (its process killed, by the out-of-memory
+        killer or anyone, or crashed; its wrapper too, and jupyter_client starts it again),
+        restore the kernel's last snapshot into it at once, instead of offering it in the
+        notebook ("The kernel died (killed by the out-of-memory killer at 14.2 GiB).
+        Restore its snapshot from 22:13, 3 cells earlier?"). The notebook then says what
+        was restored and which cells run since that snapshot were not. Either way the
+        kernel's status in the REST API (GET /api/snapshots/kernels/ID, "death") says that
+        it died, why, and which snapshot is offered. Default: False (offered).""",
+    )
     release_gpu_caches = Bool(
         True,
         config=True,

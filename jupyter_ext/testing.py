@@ -465,16 +465,21 @@ class ServerProcess(Endpoint):
         user: str | None = None,
         pod: bool = False,
         umask: int | None = None,
+        cgroup: Path | None = None,
+        port: int | None = None,
+        token: str | None = None,
     ) -> None:
         """``user``: run the server (and so its kernels and CRIU) as this ordinary user,
         from a root test run (non-root mode on other nodes, docs/nonroot.md). ``pod``: in
         a PID namespace of its own, with its own /proc, as in a container: process ids
-        start at 1 and everything in it dies with its first process."""
+        start at 1 and everything in it dies with its first process. ``cgroup``: in this
+        cgroup (a memory limit, as a container's), with everything it starts. ``port``,
+        ``token``: those of a server started again in its place (default: new ones)."""
         home.mkdir(parents=True, exist_ok=True)
         self.home = home
-        self.port = free_port()
+        self.port = port or free_port()
         self.address = address
-        super().__init__(f"http://{address}:{self.port}/", uuid.uuid4().hex)
+        super().__init__(f"http://{address}:{self.port}/", token or uuid.uuid4().hex)
         app = config.get("SnapshotExtensionApp", {})
         if "encryption_key_source" not in app:
             config = {**config, "SnapshotExtensionApp": {**app, "encryption_key_source": "env"}}
@@ -511,8 +516,10 @@ class ServerProcess(Endpoint):
             argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *argv]
         if netns is not None:
             argv = ["ip", "netns", "exec", netns, *argv]
+        if cgroup is not None:
+            argv = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroup), *argv]
         self.log_path = home / "server.log"
-        self._log = self.log_path.open("wb")
+        self._log = self.log_path.open("ab")  # a server started again here adds to it
         # Not our stdin: the server's children inherit it, and a Node.js one (JupyterLab
         # runs `npm prefix`) makes it non-blocking, which a helper reading commands from
         # the same stdin (tests/nodes_for_ui.py) took for its end, and stopped.

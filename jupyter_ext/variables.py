@@ -8,6 +8,8 @@ directory, and loaded into the target kernel; the side kernel is then stopped.
 
 The target is touched once, at the very end, by one silent execution that unpickles every
 variable first and assigns them all only if each one loaded: a failure leaves it as it was.
+A name the target has already is replaced only when the request says ``overwrite`` (the
+panel asks first): without it, the request is refused naming those variables.
 A variable that cannot be serialised fails the job before the target is touched at all,
 naming the variable and the reason. GPU tensors come back on the device they were on; a
 target without it fails with the framework's reason and a hint.
@@ -15,13 +17,20 @@ target without it fails with the framework's reason and a hint.
 
 from __future__ import annotations
 
+import ast
 import json
 import keyword
 import logging
 import shutil
 from typing import TYPE_CHECKING, Any
 
-from .core.errors import SnapshotBusyError, VariableTransferError, WrapperUnavailableError
+from .core import private
+from .core.errors import (
+    SnapshotBusyError,
+    VariablesExistError,
+    VariableTransferError,
+    WrapperUnavailableError,
+)
 from .core.manifest import check_snapshot_id
 
 if TYPE_CHECKING:
@@ -39,6 +48,8 @@ MAX_NAMES = 100
 _DUMP = """
 def __kernel_snapshots_dump(names, outdir):
     import json, os, pickle
+    def private(path, flags):  # files 0600 in the 0700 folder, whatever the umask
+        return os.open(path, flags, 0o600)
     report = {}
     namespace = globals()
     for name in names:
@@ -62,16 +73,16 @@ def __kernel_snapshots_dump(names, outdir):
             report[name] = {"error": "; ".join(failures) or "no serialiser could write it"}
             continue
         base = os.path.join(outdir, name)
-        with open(base + ".pickle", "wb") as f:
+        with open(base + ".pickle", "wb", opener=private) as f:
             f.write(data)
         size = len(data)
         for i, buffer in enumerate(buffers):
             raw = buffer.raw()
-            with open(f"{base}.{i}.buffer", "wb") as f:
+            with open(f"{base}.{i}.buffer", "wb", opener=private) as f:
                 f.write(raw)
             size += raw.nbytes
         report[name] = {"how": how, "bytes": size, "buffers": len(buffers)}
-    with open(os.path.join(outdir, "report.json"), "w") as f:
+    with open(os.path.join(outdir, "report.json"), "w", opener=private) as f:
         json.dump(report, f)
 
 try:
@@ -136,14 +147,23 @@ def check_names(names: object, rename: object = None) -> dict[str, str]:
     return mapping
 
 
-async def execute(kernel_manager: Any, kernel_id: str, code: str) -> dict[str, Any]:
-    """Run ``code`` silently (no output, no history) in a kernel; its execute_reply."""
+async def execute(
+    kernel_manager: Any, kernel_id: str, code: str, expressions: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run ``code`` silently (no output, no history) in a kernel, and evaluate
+    ``expressions`` there; its execute_reply."""
     km = kernel_manager.get_kernel(kernel_id)
     client = km.client()
     client.start_channels()
     try:
         await client.wait_for_ready(timeout=60)
-        msg_id = client.execute(code, silent=True, store_history=False, allow_stdin=False)
+        msg_id = client.execute(
+            code,
+            silent=True,
+            store_history=False,
+            allow_stdin=False,
+            user_expressions=expressions or {},
+        )
         while True:
             reply = await client.get_shell_msg(timeout=EXECUTE_TIMEOUT)
             if reply["parent_header"].get("msg_id") == msg_id:
@@ -170,10 +190,30 @@ async def running_a_cell(manager: SnapshotManager, kernel_id: str) -> bool:
     return status["execution_state"] == "busy" and running is not None
 
 
+async def existing(manager: SnapshotManager, kernel_id: str, names: list[str]) -> list[str]:
+    """Which of ``names`` the kernel has as variables now (its globals), asked silently."""
+    probe = f"[n for n in {names!r} if n in globals()]"
+    reply = await execute(manager.kernel_manager, kernel_id, "", {"names": probe})
+    answer = reply.get("user_expressions", {}).get("names", {})
+    try:
+        found = ast.literal_eval(answer["data"]["text/plain"])
+    except (KeyError, ValueError, SyntaxError, TypeError):
+        raise VariableTransferError(
+            f"Kernel {kernel_id} did not say which variables it has: {answer}.",
+            hint="Is it a Python kernel? Variables are taken into Python kernels only.",
+        ) from None
+    return [str(name) for name in found]
+
+
 async def start(
-    manager: SnapshotManager, snapshot_id: str, kernel_id: str, mapping: dict[str, str]
+    manager: SnapshotManager,
+    snapshot_id: str,
+    kernel_id: str,
+    mapping: dict[str, str],
+    overwrite: bool = False,
 ) -> Job:
-    """The job that copies ``mapping``'s variables from the snapshot into ``kernel_id``."""
+    """The job that copies ``mapping``'s variables from the snapshot into ``kernel_id``;
+    one of a name the kernel has is only replaced with ``overwrite``."""
     check_snapshot_id(snapshot_id)
     if await running_a_cell(manager, kernel_id):
         raise SnapshotBusyError(
@@ -183,10 +223,20 @@ async def start(
         )
     manager.jobs.check_not_busy(kernel_id)
     refused = (await manager.snapshots.manifest(snapshot_id)).contents.get("take_unavailable")
-    if refused:
+    if refused:  # (an unknown snapshot is a 404 first)
         raise VariableTransferError(
             str(refused), hint="Restore the snapshot instead: the whole kernel comes back."
         )
+    if not overwrite:
+        taken = await existing(manager, kernel_id, list(mapping.values()))
+        if taken:
+            plural = "s" if len(taken) > 1 else ""
+            raise VariablesExistError(
+                f"The kernel already has {', '.join(taken)}: taking it back would replace "
+                f"the value{plural} it has now.",
+                hint="Take it under a new name, or ask to overwrite (overwrite: true; "
+                "jupyter snapshot take --overwrite).",
+            )
 
     async def work(job: Job) -> dict[str, Any]:
         return await _take(manager, job, snapshot_id, kernel_id, mapping)
@@ -197,8 +247,7 @@ async def start(
 async def _take(
     manager: SnapshotManager, job: Job, snapshot_id: str, target: str, mapping: dict[str, str]
 ) -> dict[str, Any]:
-    outdir = manager.work_dir / "variables" / job.id
-    outdir.mkdir(parents=True, mode=0o700)
+    outdir = private.make_dirs(manager.work_dir / "variables" / job.id)
     side: str | None = None
     try:
         restored = await manager.restores.restore_side_kernel(job, snapshot_id)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jupyter_ext.core import private
 from jupyter_ext.core.isolation import mountns
 from jupyter_ext.core.protocol import INNER_PORTS, KERNEL_PORTS
 
@@ -39,7 +40,7 @@ class RuntimeDir:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.path = root / secrets.token_hex(8)
-        root.mkdir(mode=0o711, parents=True, exist_ok=True)
+        private.make_dirs(root)
         self.path.mkdir(mode=0o700)
         self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
         self._kernel_dirs: list[Path] = []

@@ -1,7 +1,8 @@
 """The inner kernel's process: started, or adopted after a restore, watched, ended.
 
 Its exit is reported once: an end the wrapper caused (a kill, a dump that ends it) is
-expected and silent; any other is a death, handed to ``on_death``.
+expected and silent; any other is a death, told (exit status, the out-of-memory killer:
+:mod:`jupyter_ext.core.death`) and handed to ``on_death``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.criu import unprivileged
+from jupyter_ext.core.death import Death, ExitWatch, Witness
 from jupyter_ext.core.errors import KernelNotRunningError
 from jupyter_ext.core.isolation import pidspace
 from jupyter_ext.core.isolation.netns import OwnNetwork
@@ -36,7 +38,7 @@ UNKNOWN_EXIT = -255
 class Supervisor:
     """One inner kernel process at a time (``pid``: None while none runs).
 
-    ``on_death(code)`` is called when the process ends without the wrapper ending it;
+    ``on_death(death)`` is called when the process ends without the wrapper ending it;
     ``on_pid`` whenever ``pid`` changes. The kernel's stdout and stderr go to a pipe whose
     read end the wrapper copies to its own stderr; the same pipe is handed to a restored
     kernel, so its output arrives the same way.
@@ -44,7 +46,7 @@ class Supervisor:
 
     def __init__(
         self,
-        on_death: Callable[[int], None],
+        on_death: Callable[[Death], None],
         on_pid: Callable[[], None],
         pid_floor: int = pidspace.PID_FLOOR,
         kernel_umask: int | None = None,
@@ -57,6 +59,8 @@ class Supervisor:
         self._launcher: subprocess.Popen[bytes] | None = None
         self._pidfd: int | None = None
         self._expected_exit = False
+        self._exit_watch: ExitWatch | None = None
+        self._witness: Witness | None = None
         self.network: OwnNetwork | None = None
         """The kernel's own network namespace (a copy restored beside another:
         core/isolation/netns.py), None while it runs in the server's; it ends with the
@@ -114,6 +118,7 @@ class Supervisor:
             self._launcher = launcher
             self._set_pid(launcher.pid)
             self._watch(launcher.pid)
+            self._witness = Witness(launcher.pid)
             return
         # A private mount namespace too, where the kernel mounts a /proc of its own PID
         # namespace (core/isolation/mountns.py): psutil finds its processes by their ids there.
@@ -131,7 +136,11 @@ class Supervisor:
             umask=self._kernel_umask,
         )
         self._launcher = launcher
-        self._set_pid(await self._first_child(launcher.pid))
+        kernel = await self._first_child(launcher.pid)
+        # The kernel is unshare's child: how it ended is read through a pidfd of it.
+        self._exit_watch = ExitWatch(kernel)
+        self._witness = Witness(kernel)
+        self._set_pid(kernel)
         self._watch(launcher.pid)
 
     def adopt(
@@ -146,6 +155,8 @@ class Supervisor:
         self._launcher = None
         self.network = network
         self.private_temp = private_temp
+        self._exit_watch = ExitWatch(pid)
+        self._witness = Witness(pid)
         self._set_pid(pid)
         self._watch(pid)
 
@@ -195,13 +206,31 @@ class Supervisor:
             self._pidfd = None
 
     def _exited(self, code: int) -> None:
+        through_unshare = self._launcher is not None and self._exit_watch is not None
+        watch, witness = self._exit_watch, self._witness
+        self._exit_watch = self._witness = None
         self._launcher = None
         self._set_pid(None)
         self.end_own()
+        exit_code = watch.exit_code() if watch is not None else None
+        if watch is not None:
+            watch.close()
         if self._expected_exit:
             self._expected_exit = False
             return
-        self._on_death(code)
+        certain = exit_code is not None
+        if not certain:
+            # The launcher's code: unshare gives its child's exit status, but 1 for a
+            # signal it could not pass on; the node agent's child is not ours to know.
+            certain = code != UNKNOWN_EXIT and not (through_unshare and code == 1)
+            exit_code = None if code == UNKNOWN_EXIT else code
+        death = (
+            witness.death(exit_code, certain=certain)
+            if witness is not None
+            else Death(exit_code if certain else None)
+        )
+        log.warning("the inner kernel %s", death.reason)
+        self._on_death(death)
 
     @contextlib.asynccontextmanager
     async def ending(self) -> AsyncIterator[None]:
@@ -267,4 +296,7 @@ class Supervisor:
 
     def close(self) -> None:
         self._unwatch()
+        if self._exit_watch is not None:
+            self._exit_watch.close()
+            self._exit_watch = None
         self.end_own()

@@ -42,6 +42,10 @@ class KernelTracker:
     MAX_SHELL_PEERS = 64
     #: Messages of a resumed request kept for clients that subscribe later.
     MAX_RESUMED_OUTPUT = 10_000
+    #: Cells remembered since the last snapshot (the newest).
+    MAX_CELLS_SINCE = 50
+    #: Characters of a cell's first line remembered.
+    FIRST_LINE_CHARS = 120
     #: Metadata key of a message published again for a later subscriber: the original
     #: message's id (a replay has its own id, since clients refuse a repeated signature).
     REPLAY_OF = "kernel_snapshots_replay_of"
@@ -59,6 +63,14 @@ class KernelTracker:
         self.cells: CellLog | None = None
         """The cells a kernel without a snapshot agent ran (one behind the bridge), for
         the next snapshot's record; None for ipykernel, whose agent keeps its own."""
+        self.cells_since_snapshot: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=self.MAX_CELLS_SINCE
+        )
+        """The cells the kernel began since the last snapshot (``execution_count``,
+        ``first_line``): what a restore of that snapshot would not bring back."""
+        self.changed: Callable[[], None] = lambda: None
+        """Called when a cell begins and when a snapshot or restore clears the cells (the
+        wrapper keeps its journal with it: jupyter_ext.core.protocol.KernelJournal)."""
         self.shutdown_requested = False
         """Whether a shutdown_request went to the kernel: its end is then on purpose (a
         lazy restore it cuts short has not failed)."""
@@ -113,15 +125,16 @@ class KernelTracker:
 
     def _track_execute(self, header: bytes, metadata: bytes, content: bytes) -> None:
         """Remember an execute_request the kernel got, for the snapshot's record of the
-        running cell (and the cell a restored kernel resumes)."""
+        running cell (and the cell a restored kernel resumes), and its first line."""
         parsed = json.loads(header)
         cell_id = json.loads(metadata).get("cellId") if metadata else None
+        request = json.loads(content)
         self._executing[parsed["msg_id"]] = {
             "header": parsed,
             "cell_id": cell_id if isinstance(cell_id, str) else None,
             "execution_count": None,
+            "first_line": self._first_line(request.get("code")),
         }
-        request = json.loads(content) if self.cells is not None else {}
         if self.cells is not None and not request.get("silent"):  # a variable inspector's
             self._cell_code[parsed["msg_id"]] = str(request.get("code", ""))
         while len(self._executing) > self.MAX_EXECUTING:
@@ -129,12 +142,33 @@ class KernelTracker:
 
     def _started(self, msg_id: str, content: bytes) -> None:
         """The kernel began the request ``msg_id`` (its execute_input)."""
+        parsed = json.loads(content)
         running = self._executing.get(msg_id)
         if running is not None:
-            parsed = json.loads(content)
             running["execution_count"] = parsed.get("execution_count")
             running["started"] = time.monotonic()  # queued cells wait before it
             self._cell_started(msg_id)
+        self.cells_since_snapshot.append(
+            {
+                "execution_count": parsed.get("execution_count"),
+                "first_line": self._first_line(parsed.get("code")),
+            }
+        )
+        self.changed()
+
+    def _first_line(self, code: object) -> str:
+        text = code if isinstance(code, str) else ""
+        first = next((line for line in text.splitlines() if line.strip()), "")
+        return first.rstrip()[: self.FIRST_LINE_CHARS]
+
+    def cells_since(self) -> list[dict[str, Any]]:
+        """The cells begun since the last snapshot, and the one running if the kernel died
+        before its start was heard (its execute_input lost with the kernel)."""
+        cells = list(self.cells_since_snapshot)
+        running = next(iter(self._executing.values()), None)
+        if running is not None and running["execution_count"] is None and "first_line" in running:
+            cells.append({"execution_count": None, "first_line": running["first_line"]})
+        return cells
 
     def _finished(self, msg_id: str, content: bytes) -> None:
         """The kernel answered the request ``msg_id`` (its execute_reply)."""
@@ -164,12 +198,15 @@ class KernelTracker:
             return None
         running = dict(next(iter(self._executing.values())))
         running.pop("started", None)
+        running.pop("first_line", None)
         return running
 
     def snapshot_taken(self) -> None:
         """A snapshot (or a restore) holds everything up to now."""
         self.executions_since_snapshot = 0
         self.longest_cell_since_snapshot = 0.0
+        self.cells_since_snapshot.clear()
+        self.changed()
 
     # ------------------------------------------------------------------ a resumed cell
 

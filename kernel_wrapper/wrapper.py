@@ -36,6 +36,7 @@ from typing import Any
 from jupyter_client.session import Session
 
 from jupyter_ext.core import proctree
+from jupyter_ext.core.death import Death
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.gpu import kernel_gpu_status
 from jupyter_ext.core.isolation.pidspace import PID_FLOOR
@@ -48,11 +49,14 @@ from jupyter_ext.core.protocol import (
     ENV_LAZY_RESTORE_MIN_BYTES,
     ENV_PID_FLOOR,
     REFUSED_FILE,
+    KernelJournal,
     KernelStatus,
     ProgressCallback,
     StatusArgs,
     WrapperInfo,
     info_path,
+    journal_path,
+    write_journal,
 )
 
 from .agents import BridgedAgent, IPythonAgent
@@ -141,6 +145,8 @@ class KernelWrapper:
         self.lifecycle: Lifecycle
         self.snapshotter: Snapshotter
         self._criu_path = criu_path
+        self.death: Death | None = None
+        """How the inner kernel last died (the server offers its snapshot back)."""
 
     def _compose(self) -> None:
         """Bind the server's channels and build the parts on them (in the running loop)."""
@@ -155,6 +161,7 @@ class KernelWrapper:
             shutdown=lambda: self.lifecycle.end(0),
         )
         self.lifecycle = Lifecycle(self.relay, stand_in)
+        self.relay.tracker.changed = self._write_journal
         self.snapshotter = Snapshotter(
             lifecycle=self.lifecycle,
             relay=self.relay,
@@ -207,6 +214,8 @@ class KernelWrapper:
                 await asyncio.wait_for(self.snapshotter.lazy.settled(), LAZY_END_SECONDS)
             with contextlib.suppress(OSError):
                 info_path(self.connection_file).unlink()
+            if self._journal_death() is None:  # a death's journal is the server's to read
+                journal_path(self.connection_file).unlink(missing_ok=True)
             self.process.close()
             self.runtime.remove()
         return self.lifecycle.exit_code or 0
@@ -219,6 +228,7 @@ class KernelWrapper:
         env[ENV_INNER_DIR] = self.runtime.inner_path
         await self.process.launch(self._inner_argv(), env, pass_fds=(self.runtime.fd,))
         self.lifecycle.enter(State.RUNNING)
+        self._write_journal()
 
     async def _heal_huge_pages(self) -> None:
         """While the kernel runs between snapshots, give it back the huge pages its
@@ -261,8 +271,10 @@ class KernelWrapper:
             log.error("no restore came within %.0f s; the kernel ends", AWAIT_RESTORE_SECONDS)
             self.lifecycle.end(2)
 
-    def _on_inner_death(self, code: int) -> None:
-        """The kernel process ended without the wrapper ending it."""
+    def _on_inner_death(self, death: Death) -> None:
+        """The kernel process ended without the wrapper ending it: on a shutdown request,
+        the wrapper ends too; else it died, which the journal says before the wrapper
+        exits (the server restarts the kernel and offers its snapshot back) or waits."""
         refused = self.runtime.path / REFUSED_FILE
         if refused.exists():
             # A kernel that cannot run as a snapshot kernel: every cell says why (a
@@ -273,12 +285,38 @@ class KernelWrapper:
             self.lifecycle.stand_in.dead_text = reason
             self.lifecycle.enter(State.DEAD)
             return
-        if code == 0 or self.lifecycle.is_(State.STOPPING) or self.on_inner_death == "exit":
-            log.info("inner kernel exited with %s; the wrapper exits too", code)
-            self.lifecycle.end(0 if code == 0 else 1)
+        if self.lifecycle.is_(State.STOPPING) or self.relay.tracker.shutdown_requested:
+            log.info("inner kernel ended (%s); the wrapper exits too", death.reason)
+            self.lifecycle.end(0)
             return
-        log.warning("inner kernel died (%s); waiting for a restore", code)
+        self.death = death
+        self._write_journal(death)
+        if self.on_inner_death == "exit" or death.exit_code == 0:
+            log.info("inner kernel %s; the wrapper exits too", death.reason)
+            self.lifecycle.end(0 if death.exit_code == 0 else 1)
+            return
+        log.warning("inner kernel %s; waiting for a restore", death.reason)
         self.lifecycle.enter(State.DEAD)
+
+    def _journal_death(self) -> Death | None:
+        """The death the journal tells: the last one, while the kernel has not come back."""
+        state = self.lifecycle.state
+        return self.death if state in (State.DEAD, State.STOPPING) else None
+
+    def _write_journal(self, death: Death | None = None) -> None:
+        """What the server needs to offer the kernel back if it dies (KernelJournal)."""
+        death = death or self._journal_death()
+        journal: KernelJournal = {
+            "lineage": self.snapshotter.record.lineage,
+            "snapshot_id": self.snapshotter.record.parent_snapshot,
+            "cells_since": self.relay.tracker.cells_since(),
+            "inner_pid": self.process.pid,
+            "death": death.to_dict() if death else None,
+        }
+        try:
+            write_journal(self.connection_file, journal)
+        except OSError as exc:
+            log.warning("cannot write the kernel's journal: %s", exc)
 
     async def _shutdown_inner(self) -> None:
         self.relay.stop()
@@ -367,4 +405,7 @@ class KernelWrapper:
             "private_temp": private.lower if (private := self.process.private_temp) else None,
             # ...and private copies of /dev/shm files whose names a live process holds.
             "private_shm": snapshotter.restorer.private_shm,
+            "snapshot_id": snapshotter.record.parent_snapshot,
+            "cells_since_snapshot": tracker.cells_since(),
+            "death": death.to_dict() if (death := self._journal_death()) else None,
         }

@@ -9,6 +9,8 @@ Once both answer, one line on stdout gives their URLs and tokens as JSON
 
 - ``kill a`` (or ``b``): kill -9 that server and every process it started, as a node
   failure would; answers ``killed a``.
+- ``start a``: start a killed server again, at the same URL with the same token and
+  folders (the server restarted under an open page); answers ``started a``.
 
 On end of input, SIGTERM or SIGINT the servers stop, moto stops, the servers' logs are
 appended to FILE and the temporary directory is removed. No network namespaces: the
@@ -56,10 +58,13 @@ def _stop(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
-def _server(tmp: Path, name: str, notebooks: Path, s3_url: str) -> ServerProcess:
+def _server(
+    tmp: Path, name: str, notebooks: Path, s3_url: str, again: ServerProcess | None = None
+) -> ServerProcess:
+    """Server ``name``; ``again``: the killed one it takes the place of."""
     home = tmp / f"node-{name}"
     labconfig = home / "config" / "labconfig"
-    labconfig.mkdir(parents=True)
+    labconfig.mkdir(parents=True, exist_ok=True)
     (labconfig / "default_setting_overrides.json").write_text(json.dumps(LAB_SETTINGS))
     config: dict[str, Any] = {
         "SnapshotExtensionApp": {
@@ -74,6 +79,10 @@ def _server(tmp: Path, name: str, notebooks: Path, s3_url: str) -> ServerProcess
             "snapshot_before_shutdown": False,
         }
     }
+    if again is not None:
+        return ServerProcess(
+            home, notebooks, config, env=S3_ENV, port=again.port, token=again.token
+        )
     return ServerProcess(home, notebooks, config, env=S3_ENV)
 
 
@@ -104,6 +113,10 @@ def main() -> None:
             if len(command) == 2 and command[0] == "kill" and command[1] in servers:
                 servers[command[1]].kill_node()
                 print(f"killed {command[1]}", flush=True)
+            elif len(command) == 2 and command[0] == "start" and command[1] in servers:
+                name = command[1]
+                servers[name] = _server(tmp, name, notebooks, moto.url, again=servers[name])
+                print(f"started {name}", flush=True)
             elif command:
                 print(f"unknown command: {line.strip()}", flush=True)
         print("nodes_for_ui: stopping at the end of input", file=sys.stderr, flush=True)

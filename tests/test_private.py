@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -462,3 +463,97 @@ def test_a_server_tightens_a_store_an_older_version_left_open(tmp_path: Path) ->
         assert f"{user_store / 'pack'} (0644 -> 0600)" in server.log()
     finally:
         server.stop()
+
+
+class OpenPaths:
+    """Every path under ``roots`` another user could read or enter, as seen by a look
+    after each job and by a thread that looks all the time while jobs run (a folder made
+    open and closed later, or removed at its job's end, is caught while it lives)."""
+
+    def __init__(self, *roots: Path) -> None:
+        self.roots = roots
+        self.seen: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def look(self) -> dict[str, str]:
+        found = {}
+        for root in self.roots:
+            for path in [root, *root.rglob("*")] if root.exists() else []:
+                try:
+                    st = path.lstat()
+                except FileNotFoundError:
+                    continue  # removed while looked at
+                if stat.S_ISSOCK(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                    continue  # sockets check their peer (tests above); links have no mode
+                wanted = {0o700} if stat.S_ISDIR(st.st_mode) else {0o600, 0o400}
+                if stat.S_IMODE(st.st_mode) not in wanted:
+                    found[str(path)] = oct(stat.S_IMODE(st.st_mode))
+        return found
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError):  # a path removed while it was looked at
+                self.seen.update(self.look())
+
+    def __enter__(self) -> OpenPaths:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.mark.usefixtures("criu")
+def test_every_folder_a_job_makes_is_owner_only_from_the_start(tmp_path: Path) -> None:
+    """A server under umask 022 (the common one): after a snapshot, a suspend and its
+    resume, a restore in place and into a new kernel, variables taken back and a deletion,
+    every folder under the store, the work directory, the wrappers' runtime directory and
+    the product's data directory is 0700 and every file 0600 (0400 read-only), also
+    those that live only while their job runs."""
+    home = tmp_path / "home"
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    server = ServerProcess(
+        home,
+        notebooks,
+        {"SnapshotExtensionApp": {"idle_suspend_after": 0, "snapshot_before_shutdown": False}},
+        umask=0o022,
+    )
+    products = home / "data" / "kernel_snapshots"
+    watcher = OpenPaths(products, home / "kernels")
+    after: dict[str, dict[str, str]] = {}
+    try:
+        with watcher:
+            kernel = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+            ws_execute(server, kernel, "x = 42\nimport numpy\nbig = numpy.ones(1 << 20)")
+            taken = follow(server, job(server, "", {"kernel_id": kernel}))
+            snapshot_id = taken["result"]["id"]
+            after["snapshot"] = watcher.look()
+            follow(server, job(server, f"kernels/{kernel}/suspend", {}))
+            after["suspend"] = watcher.look()
+            follow(server, job(server, f"kernels/{kernel}/resume", {}))
+            after["resume"] = watcher.look()
+            body = {"kernel_id": kernel}
+            follow(server, job(server, f"{snapshot_id}/restore", body))
+            after["restore in place"] = watcher.look()
+            body = {"path": "copy.ipynb"}
+            follow(server, job(server, f"{snapshot_id}/restore", body))
+            after["restore into a new kernel"] = watcher.look()
+            body = {"kernel_id": kernel, "names": ["x"], "overwrite": True}
+            follow(server, job(server, f"{snapshot_id}/variables", body))
+            after["take-back"] = watcher.look()
+            server.client.call("DELETE", snapshot_id)
+            after["delete"] = watcher.look()
+        assert any(products.rglob("*")), "the jobs made folders to look at"
+        assert {job: paths for job, paths in after.items() if paths} == {}
+        assert watcher.seen == {}, "open while a job ran"
+    finally:
+        server.stop()
+
+
+def job(server: ServerProcess, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST a request that starts a job; the job."""
+    started: dict[str, Any] = server.client.call("POST", path, body=body)["job"]
+    return started

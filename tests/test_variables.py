@@ -31,8 +31,38 @@ def jp_server_config(tmp_path: Path) -> dict[str, Any]:
 
 
 async def take(jp_fetch: Fetch, snapshot_id: str, **body: Any) -> dict[str, Any]:
+    """Take variables back, replacing those the kernel has (unless ``overwrite`` says)."""
+    body.setdefault("overwrite", True)
     started = await call(jp_fetch, "POST", snapshot_id, "variables", body=body)
     return await wait_job(jp_fetch, started["job"])
+
+
+async def test_a_variable_the_kernel_has_is_replaced_only_when_asked(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any
+) -> None:
+    kernel = await start_kernel()
+    await kernel.run("x = 42\ny = 1")
+    taken = await snapshot(jp_fetch, kernel.id)
+    await kernel.run("x = 'new work'")
+    code, error = await error_of(
+        jp_fetch, "POST", taken["result"]["id"], "variables",
+        body={"kernel_id": kernel.id, "names": ["x", "y"], "rename": {"y": "y_back"}},
+    )  # fmt: skip
+    assert code == 409
+    assert error["code"] == "variables-exist"
+    assert error["message"].startswith("The kernel already has x:")
+    assert "overwrite" in error["hint"]
+    assert (await kernel.run("print(x, 'y_back' in globals())")).strip() == "new work False"
+    assert list(jp_serverapp.kernel_manager.list_kernel_ids()) == [kernel.id]
+
+    job = await take(
+        jp_fetch, taken["result"]["id"], kernel_id=kernel.id, names=["y"],
+        rename={"y": "y_back"}, overwrite=False,
+    )  # fmt: skip
+    assert job["status"] == "done", job
+    job = await take(jp_fetch, taken["result"]["id"], kernel_id=kernel.id, names=["x"])
+    assert job["status"] == "done", job
+    assert (await kernel.run("print(x, y_back)")).strip() == "42 1"
 
 
 async def test_variables_come_back_into_the_running_kernel(
@@ -109,7 +139,7 @@ async def test_a_busy_target_is_refused(
     await until(busy)
     code, error = await error_of(
         jp_fetch, "POST", taken["result"]["id"], "variables",
-        body={"kernel_id": kernel.id, "names": ["x"]},
+        body={"kernel_id": kernel.id, "names": ["x"], "overwrite": True},
     )  # fmt: skip
     assert code == 409
     assert error["code"] == "kernel-busy"
@@ -186,7 +216,7 @@ async def test_the_cli_takes_variables(
     await kernel.run("model = {'epoch': 31}")
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "jupyter_ext.cli", "take", taken["result"]["id"],
-        "model=model_epoch30", f"--kernel-id={kernel.id}",
+        "model=model_epoch30", f"--kernel-id={kernel.id}", "--overwrite",
         f"--url={jp_serverapp.connection_url}", f"--token={jp_serverapp.identity_provider.token}",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

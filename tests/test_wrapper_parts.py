@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 from jupyter_client.session import DELIM, Session
 
+from jupyter_ext.core.death import Death
 from jupyter_ext.core.errors import SnapshotBusyError, SnapshotError
 from jupyter_ext.core.protocol import (
     INNER_PORTS,
@@ -98,9 +99,14 @@ class Watched:
     """A supervisor and what it reported."""
 
     def __init__(self) -> None:
-        self.deaths: list[int] = []
+        self.deaths: list[int | None] = []
+        self.reasons: list[str] = []
         self.pids: list[int | None] = []
-        self.process = Supervisor(on_death=self.deaths.append, on_pid=self.pid_changed)
+        self.process = Supervisor(on_death=self.died, on_pid=self.pid_changed)
+
+    def died(self, death: Death) -> None:
+        self.deaths.append(death.exit_code)
+        self.reasons.append(death.reason)
 
     def pid_changed(self) -> None:
         self.pids.append(self.process.pid)
@@ -129,6 +135,7 @@ async def _supervisor() -> None:
     assert first is not None
     await w.until(lambda: w.deaths)
     assert w.deaths == [3]
+    assert w.reasons == ["exited with status 3"]
     assert w.process.pid is None
     assert w.pids == [first, None]
     assert b"hello" in os.read(w.process.stdio_r, 1000)  # its output comes through the pipe

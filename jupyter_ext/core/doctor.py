@@ -16,7 +16,7 @@ from .criu import REQUIRED_FEATURES, UNPRIVILEGED_CAPS, Criu, unprivileged
 from .errors import CriuNotFoundError, SnapshotError
 from .isolation.confinement import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, Confinement, seccomp_blocker
 from .memtrack import TrackingUnavailable, open_tracking_fd, why_unavailable
-from .private import exposed, others_can_replace
+from .private import exposed, make_dirs, others_can_replace
 from .protocol import ENV_RUNTIME_DIR
 from .store.api import StoreError
 from .store.keys import ENV_KEY, LOST_KEY
@@ -459,7 +459,7 @@ def check_copies_side_by_side() -> Check:
 
 def check_runtime_dir(runtime_dir: Path) -> Check:
     try:
-        runtime_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(runtime_dir)
         with tempfile.NamedTemporaryFile(dir=runtime_dir):
             pass
     except OSError as exc:

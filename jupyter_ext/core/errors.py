@@ -16,6 +16,7 @@ extension, the CLI and the panel can show it as it is::
     ├── WrapperUnavailableError   the kernel is not a snapshot kernel, or its wrapper is gone
     ├── SnapshotNotFoundError     no snapshot with that id
     ├── VariableTransferError     variables could not be taken from a snapshot (variables.py)
+    │   └── VariablesExistError   the kernel has variables of those names (overwrite not asked)
     ├── StoreError                the store cannot be read or written (store/api.py)
     └── GpuCheckpointError        a CUDA checkpoint step failed (gpu/errors.py)
         └── GpuUnavailableError   no usable CUDA checkpoint support
@@ -115,6 +116,13 @@ class VariableTransferError(SnapshotError):
     loaded into the target; the message names it and the reason (the target is unchanged)."""
 
     code = "variable-not-transferable"
+
+
+class VariablesExistError(VariableTransferError):
+    """The target kernel already has variables of the names taken back: replaced only when
+    asked (``overwrite``)."""
+
+    code = "variables-exist"
 
 
 class BadIdError(SnapshotError):

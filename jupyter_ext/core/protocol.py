@@ -65,6 +65,7 @@ KERNEL_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5}
 REFUSED_FILE = "kernel-refused"
 
 INFO_PREFIX = "snapshot-wrapper-"
+JOURNAL_PREFIX = "snapshot-journal-"
 #: Where wrappers make their private directories ($JUPYTER_SNAPSHOT_RUNTIME_DIR overrides).
 DEFAULT_RUNTIME_ROOT = Path(
     os.environ.get(ENV_RUNTIME_DIR)
@@ -75,7 +76,10 @@ DEFAULT_RUNTIME_ROOT = Path(
     )
 )
 #: Every phase a job goes through, as the wrapper, the store and the manager report it and
-#: the REST API and the panel show it (labextension/src/tokens.ts spells the same list).
+#: the REST API and the panel show it (labextension/src/tokens.ts spells the same list),
+#: in the order a job goes through them: a job's phase only moves forward in this list, and
+#: is "done" once, when the job has ended (jupyter_ext/manager/jobs.py). "uploading" puts
+#: a snapshot into an S3 store, "storing" into a local one.
 Phase = Literal[
     "queued",
     "releasing-gpu-caches",
@@ -83,6 +87,7 @@ Phase = Literal[
     "dumping",
     "hashing",
     "uploading",
+    "storing",
     "committing",
     "checking-cache",
     "downloading",
@@ -142,6 +147,47 @@ def take_await_marker(environ: dict[str, str]) -> bool:
 def info_path(connection_file: Path) -> Path:
     """Where the wrapper of the kernel with ``connection_file`` describes itself."""
     return connection_file.with_name(INFO_PREFIX + connection_file.name)
+
+
+class KernelJournal(TypedDict):
+    """What the server needs to offer a kernel back after it died, kept by its wrapper in
+    a file beside the connection file (:func:`journal_path`) as it changes: a wrapper
+    killed with its kernel leaves it as it was; one whose kernel died adds ``death``
+    before it exits. The server reads (and removes) it when jupyter_client restarts the
+    kernel."""
+
+    lineage: str
+    snapshot_id: str | None
+    """The snapshot the kernel's state was last saved in or restored from."""
+    cells_since: list[dict[str, Any]]
+    """The cells run since then: ``execution_count``, ``first_line``."""
+    inner_pid: int | None
+    death: dict[str, Any] | None
+    """How the kernel died (:class:`jupyter_ext.core.death.Death`'s JSON), if it did."""
+
+
+def journal_path(connection_file: Path) -> Path:
+    """Where the wrapper of the kernel with ``connection_file`` keeps its journal."""
+    return connection_file.with_name(JOURNAL_PREFIX + connection_file.name)
+
+
+def write_journal(connection_file: Path, journal: KernelJournal) -> None:
+    path = journal_path(connection_file)
+    tmp = path.with_name(path.name + ".tmp")
+    private.write_file(tmp, json.dumps(journal))
+    os.replace(tmp, path)
+
+
+def take_journal(connection_file: Path) -> KernelJournal | None:
+    """The journal a wrapper left, removed (None if there is none, or it is unreadable)."""
+    path = journal_path(connection_file)
+    try:
+        journal: KernelJournal = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    finally:
+        path.unlink(missing_ok=True)
+    return journal if isinstance(journal, dict) else None
 
 
 @dataclass(frozen=True)
@@ -280,6 +326,13 @@ class KernelStatus(TypedDict):
     """The /dev/shm names that a live process held when the kernel was last restored
     (``name``, ``held_by``: pid and process): the kernel has private copies of those
     files, and a new attach by such a name reaches the other process's file."""
+    snapshot_id: str | None
+    """The snapshot the kernel's state was last saved in or restored from (None before
+    its first): the cells since are counted from it."""
+    cells_since_snapshot: list[dict[str, Any]]
+    """The cells run since then (``execution_count``, ``first_line``; the last 50)."""
+    death: dict[str, Any] | None
+    """How the kernel died, while it is dead (``--on-inner-death=wait``)."""
 
 
 class Restored(TypedDict):
@@ -430,6 +483,11 @@ class WrapperClient:
             writer.write(json.dumps({"op": op, "args": args or {}}).encode() + b"\n")
             await writer.drain()
             return await asyncio.wait_for(self._read_answer(reader, on_progress), timeout)
+        except ConnectionError as exc:  # the wrapper died while it answered
+            raise WrapperUnavailableError(
+                f"The kernel wrapper's control connection broke ({exc}).",
+                hint="The kernel may have died; check the server log.",
+            ) from exc
         finally:
             writer.close()
 

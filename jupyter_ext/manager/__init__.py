@@ -13,6 +13,7 @@ state)::
     jobs.py       Jobs: the job registry, progress, background tasks
     reaping.py    Reaper: orphaned kernel processes reaped (without root)
     kernels.py    Kernels (reaper): lookup, wrappers, the guarded dump, kernels to restore into
+    paths.py      NotebookPaths: the renames and moves of notebooks, where one is now
     sessions.py   Sessions: notebook of a kernel, a restored kernel attached to its notebook
     pages.py      LentPages: a stored snapshot's memory lent to a lazy restore
     lazy.py       LazyLending (store, image cache, kernels, jobs): pages lent, given back
@@ -21,7 +22,9 @@ state)::
     stored.py     StoredSnapshots (store, uploads, lending, image cache): list, get, delete
     restore.py    Restores (kernels, sessions, jobs, uploads, stored, lending, ...): restores
     dumps.py      Dumps (kernels, sessions, jobs, uploads, stored): snapshot, suspend, resume
-    schedules.py  Schedules (kernels, jobs, lending, dumps): kernel status, automatic
+    deaths.py     Deaths (kernels, snapshots, jobs; restores' restore): kernels that died,
+                  how, and the snapshot offered back
+    schedules.py  Schedules (kernels, jobs, lending, dumps, deaths): kernel status, automatic
                   snapshots on or off, snapshots of all before a stop
 
 The snapshot policies (periodic, long cells, idle suspend) are decided in core/policies/tick.py
@@ -38,11 +41,13 @@ from ..core import private
 from ..core.imagecache import ImageCache
 from ..core.store import SnapshotStore
 from ..core.store.scope import user_prefix
+from .deaths import Deaths
 from .dumps import Dumps
 from .jobs import PROGRESS_EVENT_INTERVAL, Job, Jobs
 from .kernels import Kernels
 from .lazy import LazyLending
 from .pages import LentPages
+from .paths import NotebookPaths
 from .reaping import Reaper
 from .restore import LAZY_HOLD_SECONDS, Restores
 from .retention import Retention
@@ -107,6 +112,7 @@ class SnapshotManager:
     lazy_from_store = _Setting[bool]()
     chunk_kib = _Setting[int | None]()
     track_memory = _Setting[bool]()
+    restore_on_death = _Setting[bool]()
 
     def __init__(
         self,
@@ -127,6 +133,7 @@ class SnapshotManager:
         lazy_restore_from_store: bool = True,
         chunk_kib: int | None = None,
         track_memory: bool = True,
+        restore_on_death: bool = False,
     ) -> None:
         """The settings are SnapshotExtensionApp's traits of the same names (there
         documented); ``max_bytes`` is its ``max_store_bytes``."""
@@ -141,6 +148,7 @@ class SnapshotManager:
             lazy_from_store=lazy_restore_from_store,
             chunk_kib=chunk_kib,
             track_memory=track_memory,
+            restore_on_death=restore_on_death,
         )
         self.kernel_manager = kernel_manager
         self.session_manager = session_manager
@@ -158,10 +166,11 @@ class SnapshotManager:
         self.reaper = Reaper()
         self.server_kernels = kernels = Kernels(kernel_manager, self.reaper, work_dir)
         self.sessions = sessions = Sessions(session_manager, kernel_manager)
+        self.paths = paths = NotebookPaths(ws.work_dir / "notebook-paths.json")
         self.lending = lending = LazyLending(store, cache, kernels, jobs, emit)
         self.retention = Retention(store, settings, lending, cache, emit)
         self.uploads = uploads = Uploads(store, ws, cache, jobs, self.retention.apply)
-        self.snapshots = snapshots = StoredSnapshots(store, uploads, lending, cache, emit)
+        self.snapshots = snapshots = StoredSnapshots(store, uploads, lending, cache, emit, paths)
         common: dict[str, Any] = dict(
             settings=settings,
             workspace=ws,
@@ -173,9 +182,21 @@ class SnapshotManager:
             uploads=uploads,
             emit=emit,
         )
-        self.restores = Restores(**common, image_cache=cache, lending=lending)
+        self.restores = restores = Restores(**common, image_cache=cache, lending=lending)
         self.dumps = dumps = Dumps(**common, image_cache=cache)
-        self.schedules = Schedules(kernels, jobs, lending, dumps, emit)
+        self.deaths = deaths = Deaths(
+            settings=settings,
+            kernel_manager=kernel_manager,
+            kernels=kernels,
+            snapshots=snapshots,
+            jobs=jobs,
+            emit=emit,
+        )
+        deaths.restore = lambda snapshot_id, kernel_id: restores.restore(
+            snapshot_id, kernel_id=kernel_id
+        )
+        restores.on_restored = deaths.restored
+        self.schedules = Schedules(kernels, jobs, lending, dumps, deaths, emit)
 
     @property
     def work_dir(self) -> Path:

@@ -127,7 +127,6 @@ class Dumps:
         path = await self.sessions.notebook_path(kernel_id)
         private.make_dirs(self.workspace.suspended_dir)
         dest = self.workspace.suspended_dir / new_snapshot_id()
-        self.jobs.progress(job, "dumping")
         with self._parent(kernel_id) as parent:
             args = SuspendArgs(
                 str(dest), trigger=trigger, **self._dump_settings(km, kernel_id, path, parent)
@@ -155,7 +154,6 @@ class Dumps:
         self._check(kernel_id)
 
         async def work(job: Job) -> dict[str, Any]:
-            self.jobs.progress(job, "restoring")
             result = await self.kernels.wrapper(kernel_id).resume(self.jobs.wrapper_progress(job))
             self.emit("resumed", {"kernel_id": kernel_id, "snapshot_id": result["id"]})
             return dict(result)

@@ -11,7 +11,7 @@ import secrets
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 from .. import memory
 from ..core.errors import SnapshotBusyError, SnapshotError, SnapshotNotFoundError
@@ -22,6 +22,8 @@ log = logging.getLogger("jupyter_ext")
 
 #: Byte progress goes out as events at most this often (seconds) per job.
 PROGRESS_EVENT_INTERVAL = 0.25
+#: The phases in the order a job goes through them (protocol.Phase).
+PHASE_ORDER: dict[str, int] = {name: rank for rank, name in enumerate(get_args(Phase))}
 
 
 @dataclass
@@ -182,10 +184,22 @@ class Jobs:
         total_bytes: int | None = None,
     ) -> None:
         """Record a job's progress and tell listeners with a "progress" event: at once for
-        a new phase or the last byte, else at most every PROGRESS_EVENT_INTERVAL."""
-        new_phase = phase is not None and phase != job.phase
-        if phase is not None:
+        a new phase or the last byte, else at most every PROGRESS_EVENT_INTERVAL.
+
+        One story: a job's phase only moves forward (protocol.Phase's order; a part that
+        reports a phase the job is past, as a wrapper repeating "verifying" after the
+        server verified, is not heard), "done" only when the job has ended (a wrapper's
+        "done" is the end of its part), and a new phase counts its own bytes."""
+        if job.status != "running":
+            return
+        if phase is not None and phase != job.phase:
+            if phase == "done" or PHASE_ORDER[phase] < PHASE_ORDER[job.phase]:
+                return
             job.phase = phase
+            job.done_bytes = job.total_bytes = 0
+            new_phase = True
+        else:
+            new_phase = False
         if done_bytes is not None:
             job.done_bytes = int(done_bytes)
         if total_bytes is not None:
@@ -211,17 +225,21 @@ class Jobs:
         """A progress callback for a wrapper request: its events name the phase."""
         return lambda event: self.progress(job, event["phase"])
 
-    def threaded_progress(self, job: Job | None) -> ProgressCallback:
+    def threaded_progress(
+        self, job: Job | None, renamed: dict[str, Phase] | None = None
+    ) -> ProgressCallback:
         """A progress callback for store work running in a thread: it hands each report
-        to the event loop (events are emitted there only)."""
+        to the event loop (events are emitted there only), its phase ``renamed`` where
+        that says (the store's "uploading" is "storing" for a local store)."""
         loop = asyncio.get_running_loop()
+        names = renamed or {}
 
         def on_progress(event: ProgressEvent) -> None:
             if job is not None:
                 loop.call_soon_threadsafe(
                     self.progress,
                     job,
-                    event["phase"],
+                    names.get(event["phase"], event["phase"]),
                     event.get("done_bytes"),
                     event.get("total_bytes"),
                 )

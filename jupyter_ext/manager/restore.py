@@ -10,6 +10,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,15 @@ log = logging.getLogger("jupyter_ext")
 
 #: The longest a cache entry stays held for a kernel's lazy restore after its job ended.
 LAZY_HOLD_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class Target:
+    """The notebook a restore into a new kernel is for: its path (None: the snapshot's,
+    where it is now), and its session, which follows the restored kernel."""
+
+    path: str | None = None
+    session_id: str | None = None
 
 
 def _released(lease: Lease) -> Callable[[dict[str, Any]], Awaitable[None]]:
@@ -95,6 +105,9 @@ class Restores:
         self.uploads = uploads
         self.lending = lending
         self.emit = emit
+        self.on_restored: Callable[[str, Job], None] = lambda kernel_id, job: None
+        """Called when a restore in place of a kernel succeeded (deaths.py: the offer of a
+        dead kernel's snapshot is taken)."""
 
     def restore(
         self,
@@ -102,10 +115,15 @@ class Restores:
         *,
         kernel_id: str | None = None,
         path: str | None = None,
+        session_id: str | None = None,
     ) -> Job:
         """Restore into the running kernel ``kernel_id`` (in place), or into a new kernel.
 
-        A new kernel is attached to the notebook ``path`` (default: the snapshot's own).
+        A new kernel is attached to the notebook ``path`` (its session ``session_id``,
+        which then takes that path, if given); without one, to the snapshot's notebook
+        where it is now: the session of the kernel that took it if that kernel still runs
+        (a renamed notebook's session follows it), else the path it was taken at, or
+        where the notebook was renamed or moved to since (paths.py).
         """
         check_snapshot_id(snapshot_id)
         if path is not None:
@@ -113,15 +131,16 @@ class Restores:
         if kernel_id is not None:
             self.kernels.kernel(kernel_id)
             self.jobs.check_not_busy(kernel_id)
+        target = Target(path, session_id)
         return self.jobs.start(
             "restore",
             kernel_id,
-            lambda job: self._restore(job, snapshot_id, kernel_id, path),
+            lambda job: self._restore(job, snapshot_id, kernel_id, target),
         )
 
     async def restore_side_kernel(self, job: Job, snapshot_id: str) -> dict[str, Any]:
         """Restore a snapshot into a new kernel attached to no notebook (variables.py)."""
-        return await self._restore(job, snapshot_id, None, None, attach=False)
+        return await self._restore(job, snapshot_id, None, None)
 
     async def _local_copy(
         self, job: Job, snapshot_id: str, *, without_pages: bool = False
@@ -185,10 +204,12 @@ class Restores:
         job: Job,
         snapshot_id: str,
         kernel_id: str | None,
-        path: str | None,
-        attach: bool = True,
+        target: Target | None,
     ) -> dict[str, Any]:
-        """What the restore holds is on exit stacks, released when it ends in the reverse
+        """Restore into ``kernel_id``, else a new kernel attached to ``target`` (None: to
+        no notebook, a side kernel).
+
+        What the restore holds is on exit stacks, released when it ends in the reverse
         order of these: a cache lease, the lock on the local copy, the download's folder,
         the pages lent. A lazily restored kernel still reads its pages after the job: what
         it reads from is taken off the stacks (``pop_all``) and handed to
@@ -222,7 +243,7 @@ class Restores:
                     self.settings.lazy_restore
                     and self.settings.lazy_from_store
                     and kernel_id is None
-                    and attach
+                    and target is not None
                     and snapshot_id not in self.uploads.pending
                     and worth_lazy(manifest.gpu)
                     and await self.lending.lazy_pages_here()
@@ -257,11 +278,13 @@ class Restores:
                         leases.callback(lease.release)
                         downloaded.pop_all()  # the folder is the cache's now
                         directory = lease.path
-            self.jobs.progress(job, "restoring")
             pages_from = lent.address if lent is not None else None
             if kernel_id is not None:  # never lazily from the store (see above)
+                # The wrapper says what it does (saving the running kernel, restoring).
                 await self._restore_in_place(job, kernel_id, directory)
+                self.on_restored(kernel_id, job)
             else:
+                self.jobs.progress(job, "restoring")
                 request = RestoreRequest(directory, verified=True, pages_from=pages_from)
                 kernel_id = await self.kernels.start_restored(
                     manifest.kernel_spec.get("name") or self.settings.kernel_name,
@@ -279,8 +302,10 @@ class Restores:
                 download.enter_context(downloaded.pop_all())
                 then = self.lending.download_done(directory, lent, download)
                 self.lending.after_lazy(kernel_id, then)
-            target_path = (path or manifest.notebook_path) if attach else None
-            session = await self.sessions.attach(kernel_id, target_path) if target_path else None
+            target_path = await self._notebook_of(manifest, target) if target else None
+            session = None
+            if target is not None and target_path:
+                session = await self.sessions.attach(kernel_id, target_path, target.session_id)
             # Names a live process held here: the kernel has private copies
             # (core/carried/shmfiles.py).
             private_shm = (await self.kernels.wrapper(kernel_id).status()).get("private_shm", [])
@@ -297,6 +322,14 @@ class Restores:
             "closed_connections": manifest.closed_connections,
             "private_shm": private_shm,
         }
+
+    async def _notebook_of(self, manifest: Manifest, target: Target) -> str | None:
+        """The notebook a restore into a new kernel is for (see :meth:`restore`)."""
+        if target.path:
+            return target.path
+        taken_by = manifest.kernel_spec.get("kernel_id")
+        now = await self.sessions.notebook_path(taken_by) if taken_by else None
+        return now or self.snapshots.paths.now(manifest.notebook_path)
 
     async def _restore_in_place(self, job: Job, kernel_id: str, directory: Path) -> None:
         """Restore ``directory`` into the running kernel. The wrapper first saves that

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from ..core.errors import SnapshotError, SnapshotNotFoundError, WrapperUnavailableError
+from .deaths import Deaths
 from .dumps import Dumps
 from .jobs import Job, Jobs
 from .kernels import Kernels
@@ -32,12 +33,19 @@ class Schedules:
     """Kernel statuses, the periodic switch, and the snapshots before a stop."""
 
     def __init__(
-        self, kernels: Kernels, jobs: Jobs, lending: LazyLending, dumps: Dumps, emit: EmitEvent
+        self,
+        kernels: Kernels,
+        jobs: Jobs,
+        lending: LazyLending,
+        dumps: Dumps,
+        deaths: Deaths,
+        emit: EmitEvent,
     ) -> None:
         self.kernels = kernels
         self.jobs = jobs
         self.lending = lending
         self.dumps = dumps
+        self.deaths = deaths
         self.emit = emit
         #: Kernels whose periodic snapshots are off.
         self.periodic_opt_out: set[str] = set()
@@ -50,14 +58,21 @@ class Schedules:
             self.periodic_opt_out.add(kernel_id)
 
     async def kernel_status(self, kernel_id: str) -> dict[str, Any]:
-        """The wrapper's view of a kernel: state, activity, whether a job runs on it. A
-        lazy restore is "transferring" until this server is done with it too (what the
-        pages were read from given back: the download cached or removed)."""
+        """The wrapper's view of a kernel: state, activity, whether a job runs on it, and
+        its last death while the offer of its snapshot stands (deaths.py). A lazy restore
+        is "transferring" until this server is done with it too (what the pages were read
+        from given back: the download cached or removed)."""
         try:
             status: dict[str, Any] = dict(await self.kernels.wrapper(kernel_id).status())
         except (WrapperUnavailableError, SnapshotNotFoundError) as exc:
-            # Not a snapshot kernel, or one that went away since it was listed.
-            return {"kernel_id": kernel_id, "snapshots": False, "reason": exc.message}
+            # Not a snapshot kernel, one that went away since it was listed, or one whose
+            # wrapper jupyter_client is starting again after a death.
+            return {
+                "kernel_id": kernel_id,
+                "snapshots": False,
+                "reason": exc.message,
+                "death": await self.deaths.status(kernel_id, None),
+            }
         lazy = status.get("lazy_restore") or {}
         if self.lending.settling(kernel_id) and lazy.get("state") == "complete":
             status["lazy_restore"] = {**lazy, "state": "transferring"}
@@ -67,6 +82,7 @@ class Schedules:
             snapshots=True,
             job=job.to_dict() if job else None,
             periodic=kernel_id not in self.periodic_opt_out,
+            death=await self.deaths.status(kernel_id, status),
         )
         return status
 

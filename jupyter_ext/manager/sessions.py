@@ -25,8 +25,11 @@ class Sessions:
                     return str(session.get("path"))
         return None
 
-    async def attach(self, kernel_id: str, path: str) -> dict[str, Any]:
-        """Point the notebook's session at the kernel (create the session if needed).
+    async def attach(
+        self, kernel_id: str, path: str, session_id: str | None = None
+    ) -> dict[str, Any]:
+        """Point the notebook's session at the kernel: the session ``session_id`` (which
+        takes ``path``), else the session at ``path``, else a new one.
 
         The kernel the session had is shut down unless another session uses it: after a
         kernel died, jupyter_server restarted an empty one under its id, which nothing
@@ -35,9 +38,9 @@ class Sessions:
         sm = self.session_manager
         sessions = await sm.list_sessions()
         for session in sessions:
-            if session.get("path") == path:
+            if session["id"] == session_id or (session_id is None and session.get("path") == path):
                 old = (session.get("kernel") or {}).get("id")
-                await sm.update_session(session["id"], kernel_id=kernel_id)
+                await sm.update_session(session["id"], kernel_id=kernel_id, path=path)
                 updated: dict[str, Any] = await sm.get_session(session_id=session["id"])
                 others = [s for s in sessions if s["id"] != session["id"]]
                 if old and old != kernel_id:

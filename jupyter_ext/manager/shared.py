@@ -36,6 +36,7 @@ class ManagerSettings:
     lazy_from_store: bool = True
     chunk_kib: int | None = None
     track_memory: bool = True
+    restore_on_death: bool = False
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from ..core.imagecache import ImageCache
 from ..core.manifest import Manifest, check_snapshot_id
 from ..core.store import SnapshotStore, StoreError
 from .lazy import LazyLending
+from .paths import NotebookPaths
 from .shared import EmitEvent, describe, describe_manifest
 from .uploads import PendingUpload, Uploads
 
@@ -30,12 +31,14 @@ class StoredSnapshots:
         lending: LazyLending,
         image_cache: ImageCache,
         emit: EmitEvent,
+        paths: NotebookPaths,
     ) -> None:
         self.store = store
         self.uploads = uploads
         self.lending = lending
         self.image_cache = image_cache
         self.emit = emit
+        self.paths = paths
 
     async def list_snapshots(self, **filters: str | None) -> dict[str, Any]:
         """Complete snapshots in the store, plus local ones waiting for upload.
@@ -53,7 +56,16 @@ class StoredSnapshots:
         except StoreError as exc:
             entries, store_error = [], str(exc)
         entries.extend(_describe_pending(p) for p in pending.values())
-        for key, field in (("kernel_id", "kernel_id"), ("path", "notebook_path"), ("trigger",) * 2):
+        # A notebook's snapshots: those taken at any path it had (paths.py).
+        for entry in entries:
+            entry["notebook_path_now"] = self.paths.now(entry.get("notebook_path"))
+        fields = (
+            ("kernel_id",) * 2,
+            ("path", "notebook_path_now"),
+            ("trigger",) * 2,
+            ("lineage",) * 2,
+        )
+        for key, field in fields:
             if wanted := filters.get(key):
                 entries = [e for e in entries if e.get(field) == wanted]
         entries.sort(key=lambda e: (e["created"], e["sequence"]), reverse=True)
@@ -63,9 +75,12 @@ class StoredSnapshots:
         check_snapshot_id(snapshot_id)
         pending = self.uploads.pending.get(snapshot_id)
         if pending is not None:
-            return _describe_pending(pending, full=True)
-        stored = await asyncio.to_thread(self.store.get, snapshot_id)
-        return describe(stored, "complete", full=True)
+            found = _describe_pending(pending, full=True)
+        else:
+            stored = await asyncio.to_thread(self.store.get, snapshot_id)
+            found = describe(stored, "complete", full=True)
+        found["notebook_path_now"] = self.paths.now(found.get("notebook_path"))
+        return found
 
     async def manifest(self, snapshot_id: str) -> Manifest:
         """The manifest of a snapshot, stored or waiting for its upload (404 if neither)."""

@@ -19,7 +19,8 @@ from ..core.fileio import lock_directory
 from ..core.imagecache import ImageCache, stamp_checked
 from ..core.leftovers import remove_orphaned_dumps, remove_unlocked
 from ..core.manifest import MANIFEST_NAME, SNAPSHOT_ID_RE, Manifest, remove_tree
-from ..core.store import SnapshotStore
+from ..core.protocol import Phase
+from ..core.store import S3Store, SnapshotStore
 from .jobs import Job, Jobs
 from .shared import Workspace, describe
 
@@ -82,11 +83,13 @@ class Uploads:
         pending.attempts += 1
         pending.in_flight = True
 
+        # Into S3 it is an upload; into a local store it is not (the panel says so).
+        phase: Phase = "uploading" if isinstance(self.store, S3Store) else "storing"
         if job is not None:
-            self.jobs.progress(job, "uploading")
+            self.jobs.progress(job, phase)
         try:
             stored = await asyncio.to_thread(
-                self.store.put, directory, self.jobs.threaded_progress(job)
+                self.store.put, directory, self.jobs.threaded_progress(job, {"uploading": phase})
             )
         except SnapshotError as exc:
             pending.error = exc.message

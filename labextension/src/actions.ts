@@ -6,9 +6,14 @@ import { Notification } from '@jupyterlab/apputils';
 import type { NotebookPanel } from '@jupyterlab/notebook';
 import type { ServiceManager } from '@jupyterlab/services';
 
-import { confirmDelete, confirmRestore, showErrorDialog } from './dialogs';
+import {
+  confirmDelete,
+  confirmOverwrite,
+  confirmRestore,
+  showErrorDialog
+} from './dialogs';
 import { baseName, formatKind } from './format';
-import { describeError } from './request';
+import { describeError, SnapshotAPIError } from './request';
 import {
   expectResumed,
   IOPubRecorder,
@@ -17,6 +22,7 @@ import {
 } from './resume';
 import {
   IJob,
+  IKernelDeath,
   INotebookTarget,
   ISnapshot,
   ISnapshotsModel,
@@ -30,6 +36,8 @@ export interface IActionContext {
   services: ServiceManager.IManager;
   /** The open notebook with that path, if any. */
   findNotebook: (path: string) => NotebookPanel | null;
+  /** The open notebook whose kernel took the snapshot or came from it (its lineage). */
+  findNotebookOf: (snapshot: ISnapshot) => NotebookPanel | null;
   /** Open a notebook (after a restore into a new kernel). */
   openNotebook: (path: string) => void;
 }
@@ -175,6 +183,11 @@ export async function useSnapshotKernel(panel: NotebookPanel): Promise<void> {
   }
 }
 
+/** Where a snapshot's notebook is now ('' for a snapshot of no notebook). */
+function notebookNow(snapshot: ISnapshot): string {
+  return snapshot.notebook_path_now ?? snapshot.notebook_path ?? '';
+}
+
 /** How a snapshot is restored for its notebook (see `restoreSnapshot`). */
 type RestoreMode = 'in-place' | 'start-kernel' | 'new-kernel';
 
@@ -193,9 +206,16 @@ export async function restoreSnapshot(
   snapshot: ISnapshot,
   options: { confirm: boolean; path?: string }
 ): Promise<IJob | null> {
-  const path = options.path ?? snapshot.notebook_path ?? '';
-  const panel = path ? context.findNotebook(path) : null;
+  // The notebook asked from (the panel's), else the open one whose kernel the snapshot is
+  // of, wherever it moved since; else the snapshot's notebook where it was.
+  const panel = options.path
+    ? context.findNotebook(options.path)
+    : (context.findNotebookOf(snapshot) ??
+      (notebookNow(snapshot)
+        ? context.findNotebook(notebookNow(snapshot))
+        : null));
   const target = panel ? notebookTarget(panel, context.services) : null;
+  const path = target?.path ?? options.path ?? notebookNow(snapshot);
   const name = baseName(path) || 'a new kernel';
   const mode: RestoreMode =
     panel && target && !target.kernelId
@@ -218,7 +238,7 @@ export async function restoreSnapshot(
       return await restoreInPlace(
         context,
         panel,
-        snapshot,
+        snapshot.id,
         target.kernelId,
         name
       );
@@ -253,7 +273,7 @@ async function restoreIntoNewSnapshotKernel(
   if (!kernelId) {
     throw new Error(`No kernel could be started for ${name}.`);
   }
-  return restoreInPlace(context, panel, snapshot, kernelId, name);
+  return restoreInPlace(context, panel, snapshot.id, kernelId, name);
 }
 
 /**
@@ -273,9 +293,13 @@ async function restoreIntoNewKernel(
 ): Promise<IJob> {
   const { model, services } = context;
   const { path, panel, oldKernelId, name } = options;
+  // The open notebook's own session follows the restored kernel, whatever its path.
+  const sessionId = panel?.sessionContext.session?.id;
   const tracked = await model.restore(
     snapshot.id,
-    path ? { path } : ({} as { path: string }),
+    path
+      ? { path, ...(sessionId ? { session_id: sessionId } : {}) }
+      : ({} as { path: string }),
     name
   );
   const job = await finishRestore(context, tracked);
@@ -309,7 +333,7 @@ async function restoreIntoNewKernel(
 async function restoreInPlace(
   context: IActionContext,
   panel: NotebookPanel,
-  snapshot: ISnapshot,
+  snapshotId: string,
   kernelId: string,
   name: string
 ): Promise<IJob> {
@@ -318,7 +342,7 @@ async function restoreInPlace(
   try {
     const job = await finishRestore(
       context,
-      await model.restore(snapshot.id, { kernel_id: kernelId }, name)
+      await model.restore(snapshotId, { kernel_id: kernelId }, name)
     );
     if (job.status === 'done') {
       const request = await resumedRequest(model, kernelId, job.result);
@@ -341,6 +365,31 @@ async function finishRestore(
   return job;
 }
 
+/** The snapshot offered back for a kernel that died, restored into it (its notebook). */
+export async function restoreOffered(
+  context: IActionContext,
+  panel: NotebookPanel,
+  kernelId: string,
+  death: IKernelDeath
+): Promise<IJob | null> {
+  const name = baseName(panel.context.path);
+  if (!death.snapshot_id) {
+    return null;
+  }
+  try {
+    return await restoreInPlace(
+      context,
+      panel,
+      death.snapshot_id,
+      kernelId,
+      name
+    );
+  } catch (error) {
+    notifyError(`Restore of ${name} failed`, error);
+    return null;
+  }
+}
+
 /** Shut a kernel down if no session uses it any more. */
 async function shutdownIfUnused(
   services: ServiceManager.IManager,
@@ -359,7 +408,10 @@ async function shutdownIfUnused(
   }
 }
 
-/** Copy variables from a snapshot into the notebook's running kernel. */
+/**
+ * Copy variables from a snapshot into the notebook's running kernel. A name the kernel
+ * has already is replaced only once the user says so (the server refuses it otherwise).
+ */
 export async function takeVariables(
   context: IActionContext,
   snapshot: ISnapshot,
@@ -373,20 +425,38 @@ export async function takeVariables(
   const label =
     names.map(n => (rename[n] ? `${n} as ${rename[n]}` : n)).join(', ') +
     ` into ${baseName(target.path)}`;
-  try {
-    const tracked = await context.model.takeVariables(
+  const take = (overwrite: boolean) =>
+    context.model.takeVariables(
       snapshot.id,
-      target.kernelId,
+      target.kernelId as string,
       names,
       rename,
-      label
+      label,
+      overwrite
     );
+  try {
+    let tracked;
+    try {
+      tracked = await take(false);
+    } catch (error) {
+      if (
+        !(error instanceof SnapshotAPIError) ||
+        error.code !== 'variables-exist' ||
+        !(await confirmOverwrite(baseName(target.path), error.message))
+      ) {
+        throw error;
+      }
+      tracked = await take(true);
+    }
     const job = await context.model.waitFor(tracked.job.id);
     if (job.status === 'failed' && job.error) {
       void showErrorDialog('Variables not taken', job.error);
     }
     return job;
   } catch (error) {
+    if (error instanceof SnapshotAPIError && error.code === 'variables-exist') {
+      return null; // The user kept the kernel's own.
+    }
     notifyError(`Taking ${names.join(', ')} failed`, error);
     return null;
   }

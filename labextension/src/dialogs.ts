@@ -5,24 +5,33 @@
 import { Dialog, showDialog } from '@jupyterlab/apputils';
 import * as React from 'react';
 
+import { RelativeTime } from './components/common';
 import {
   baseName,
-  formatAbsolute,
-  formatBytes,
-  formatRelative,
+  formatClock,
+  formatSizes,
   formatTrigger,
   parseDate
 } from './format';
 import type { INotebookTarget, ISnapshot } from './tokens';
 
-/** "the snapshot of Untitled.ipynb from 3 min ago (manual, 40.0 MiB)". */
-export function describeSnapshot(snapshot: ISnapshot): string {
-  const date = parseDate(snapshot.created);
-  const size = snapshot.stored_bytes ?? snapshot.total_bytes;
-  const name = baseName(snapshot.notebook_path) || 'a kernel';
-  return (
-    `the snapshot of ${name} from ${formatRelative(date)} ` +
-    `(${formatTrigger(snapshot.trigger)}, ${formatBytes(size)}, ${formatAbsolute(date)})`
+/**
+ * "the snapshot of Untitled.ipynb from 3 min ago (22:13, manual, image 40.0 MiB)", its
+ * relative time ticking with the page's clock (components/common.tsx).
+ */
+export function describeSnapshot(snapshot: ISnapshot): React.ReactElement {
+  const then = baseName(snapshot.notebook_path);
+  const now = baseName(snapshot.notebook_path_now ?? snapshot.notebook_path);
+  const name = now
+    ? `${now}${then && then !== now ? ` (then ${then})` : ''}`
+    : 'a kernel';
+  return React.createElement(
+    React.Fragment,
+    null,
+    `the snapshot of ${name} from `,
+    React.createElement(RelativeTime, { iso: snapshot.created }),
+    ` (${formatClock(parseDate(snapshot.created))}, ${formatTrigger(snapshot.trigger)}, ` +
+      `${formatSizes(snapshot)})`
   );
 }
 
@@ -64,13 +73,24 @@ export async function confirmRestore(
   target: INotebookTarget | null,
   inPlace: boolean
 ): Promise<boolean> {
-  const body = inPlace
-    ? `The kernel of ${name} goes back to ${describeSnapshot(snapshot)}. ` +
-      'Everything it holds now (variables, imports, open files) is replaced.'
-    : target?.kernelId
-      ? `${name} gets a new kernel from ${describeSnapshot(snapshot)}. ` +
-        `Its current kernel (${target.kernelDisplayName || target.kernelName}) is shut down.`
-      : `${name} gets a kernel restored from ${describeSnapshot(snapshot)}.`;
+  const what = describeSnapshot(snapshot);
+  const body = React.createElement(
+    'p',
+    null,
+    ...(inPlace
+      ? [
+          `The kernel of ${name} goes back to `,
+          what,
+          '. Everything it holds now (variables, imports, open files) is replaced.'
+        ]
+      : target?.kernelId
+        ? [
+            `${name} gets a new kernel from `,
+            what,
+            `. Its current kernel (${target.kernelDisplayName || target.kernelName}) is shut down.`
+          ]
+        : [`${name} gets a kernel restored from `, what, '.'])
+  );
   const result = await showDialog({
     title: 'Restore snapshot?',
     body,
@@ -83,13 +103,45 @@ export async function confirmRestore(
   return result.button.accept;
 }
 
+/**
+ * Ask whether variables taken back may replace those of the same names the notebook's
+ * kernel has (`message`: the server's, naming them). Resolves true to replace them.
+ */
+export async function confirmOverwrite(
+  notebook: string,
+  message: string
+): Promise<boolean> {
+  const result = await showDialog({
+    title: 'Replace variables?',
+    body: React.createElement(
+      'p',
+      null,
+      `${message.replace('The kernel', `The kernel of ${notebook}`)} ` +
+        'Replace them with the snapshot’s, or cancel (and take them under a new name).'
+    ),
+    buttons: [
+      Dialog.cancelButton(),
+      Dialog.warnButton({
+        label: 'Replace',
+        ariaLabel: 'Replace the variables'
+      })
+    ],
+    defaultButton: 0
+  });
+  return result.button.accept;
+}
+
 /** Ask whether to delete a snapshot. Resolves true if the user accepts. */
 export async function confirmDelete(snapshot: ISnapshot): Promise<boolean> {
   const result = await showDialog({
     title: 'Delete snapshot?',
-    body:
-      `Delete ${describeSnapshot(snapshot)}? This cannot be undone ` +
-      '(data shared with other snapshots stays in the store).',
+    body: React.createElement(
+      'p',
+      null,
+      'Delete ',
+      describeSnapshot(snapshot),
+      '? This cannot be undone (data shared with other snapshots stays in the store).'
+    ),
     buttons: [
       Dialog.cancelButton(),
       Dialog.warnButton({ label: 'Delete', ariaLabel: 'Delete snapshot' })

@@ -62,23 +62,43 @@ export function formatRelative(date: Date | null, now: number = Date.now()) {
   if (days < 30) {
     return `${days} days ago`;
   }
-  return date.toLocaleDateString();
+  return formatClock(date, now);
 }
 
-/** The full local date and time, for a tooltip. */
-export function formatAbsolute(date: Date | null): string {
+/**
+ * The one date format: "22:13" today, "Dec 3, 22:13" another day, "Dec 3 2025, 22:13"
+ * another year (24-hour, the browser's language); with `seconds`, "22:13:05".
+ */
+export function formatClock(
+  date: Date | null,
+  now: number = Date.now(),
+  seconds = false
+): string {
   if (!date) {
     return '';
   }
-  return date.toLocaleString(undefined, {
-    year: 'numeric',
-    month: 'short',
-    day: 'numeric',
+  const time = date.toLocaleTimeString(undefined, {
     hour: '2-digit',
     minute: '2-digit',
-    second: '2-digit',
-    timeZoneName: 'short'
+    second: seconds ? '2-digit' : undefined,
+    hour12: false
   });
+  const today = new Date(now);
+  if (today.toDateString() === date.toDateString()) {
+    return time;
+  }
+  const day = date.toLocaleDateString(undefined, {
+    month: 'short',
+    day: 'numeric',
+    year: date.getFullYear() === today.getFullYear() ? undefined : 'numeric'
+  });
+  return `${day}, ${time}`;
+}
+
+/** The full date and time for a tooltip, in the same format: "Dec 4, 2026, 22:13:05". */
+export function formatAbsolute(date: Date | null, now: number = -1): string {
+  // Never "today" alone: a tooltip names the day.
+  return formatClock(date, now, true);
 }
 
 /** 90 -> "1 min 30 s", 1800 -> "30 min", 7200 -> "2 h". */
@@ -124,9 +144,24 @@ const STATUSES: { [key: string]: string } = {
   'upload-failed': 'upload failed'
 };
 
-export function formatStatus(status: string | null | undefined): string {
+/**
+ * A snapshot's status in words. The API's "uploading" is a snapshot on its way into the
+ * store: an upload into S3, but "storing" into a local store (`store`, the policy's).
+ */
+export function formatStatus(
+  status: string | null | undefined,
+  store?: string
+): string {
   if (!status) {
     return 'unknown';
+  }
+  if (store && store !== 's3') {
+    if (status === 'uploading') {
+      return 'storing';
+    }
+    if (status === 'upload-failed') {
+      return 'not stored';
+    }
   }
   return STATUSES[status] ?? status.replace(/-/g, ' ');
 }
@@ -160,6 +195,7 @@ const PHASES: Record<Phase, string> = {
   dumping: 'Dumping memory',
   hashing: 'Hashing',
   uploading: 'Uploading',
+  storing: 'Storing',
   committing: 'Committing',
   'checking-cache': 'Checking the local copy',
   downloading: 'Downloading',
@@ -185,16 +221,47 @@ export function formatKind(kind: string): string {
   return KINDS[kind] ?? kind;
 }
 
-/** "uploading 12.0 MiB of 40.0 MiB (30%)". */
+/** Phases whose bytes count the memory image (what CRIU wrote), not what is stored. */
+const IMAGE_PHASES = new Set<string>(['uploading', 'storing', 'committing']);
+
+/** "dumping memory", "storing 12.0 MiB of the 40.0 MiB image (30%)". */
 export function formatPhase(job: IJob): string {
   const phase = (
-    PHASES[job.phase] ?? String(job.phase).replace(/-/g, ' ')
+    PHASES[job.phase as Phase] ?? String(job.phase).replace(/-/g, ' ')
   ).toLowerCase();
   if (job.total_bytes > 0 && job.phase !== 'done') {
     const percent = Math.floor((100 * job.done_bytes) / job.total_bytes);
-    return `${phase} ${formatBytes(job.done_bytes)} of ${formatBytes(job.total_bytes)} (${percent}%)`;
+    const of = IMAGE_PHASES.has(job.phase)
+      ? `of the ${formatBytes(job.total_bytes)} image`
+      : `of ${formatBytes(job.total_bytes)}`;
+    return `${phase} ${formatBytes(job.done_bytes)} ${of} (${percent}%)`;
   }
   return phase;
+}
+
+/** "Snapshot: dumping memory": what the panel, the toolbar and a notification say. */
+export function describeJob(job: IJob): string {
+  return `${formatKind(job.kind)}: ${formatPhase(job)}`;
+}
+
+/**
+ * A snapshot's sizes, each named: "image 232 MiB, stored as 202 MiB, 3.1 MiB new". The
+ * image is the kernel's memory as CRIU wrote it; the store keeps it compressed and
+ * shares chunks with other snapshots.
+ */
+export function formatSizes(snapshot: {
+  total_bytes?: number;
+  stored_bytes?: number;
+  new_bytes?: number;
+}): string {
+  const parts = [`image ${formatBytes(snapshot.total_bytes)}`];
+  if (snapshot.stored_bytes !== undefined) {
+    parts.push(`stored as ${formatBytes(snapshot.stored_bytes)}`);
+  }
+  if (snapshot.new_bytes !== undefined) {
+    parts.push(`${formatBytes(snapshot.new_bytes)} new`);
+  }
+  return parts.join(', ');
 }
 
 /** The fraction of the job done, when it reports bytes (null otherwise). */
@@ -269,22 +336,4 @@ export function policyLines(policy: IPolicy): [string, string][] {
     policy.snapshot_before_shutdown ? 'snapshot every kernel' : 'no snapshot'
   ]);
   return lines;
-}
-
-/** "14:03" today, "Nov 29" another day (the full time is in the tooltip). */
-export function formatClock(date: Date | null, now: number = Date.now()) {
-  if (!date) {
-    return '';
-  }
-  if (new Date(now).toDateString() === date.toDateString()) {
-    return date.toLocaleTimeString(undefined, {
-      hour: '2-digit',
-      minute: '2-digit',
-      hour12: false
-    });
-  }
-  return date.toLocaleDateString(undefined, {
-    month: 'short',
-    day: 'numeric'
-  });
 }

@@ -29,6 +29,7 @@ import {
   addCommandsToPalette,
   updateCommandsOnChange
 } from './commandsAndMenu';
+import { DeathNotice } from './components/DeathNotice';
 import { KernelStateIndicator } from './components/KernelStateIndicator';
 import { SnapshotsPanel } from './components/SnapshotPanel';
 import { SnapshotsModel } from './model';
@@ -38,7 +39,11 @@ import {
   nudgeStartingKernels
 } from './notebooks';
 import { connectNotifications } from './notify';
-import { offerRestoreOnOpen } from './recovery';
+import {
+  dropLostSessions,
+  offerRestoreOnLoss,
+  offerRestoreOnOpen
+} from './recovery';
 import { applySettings } from './settings';
 import { CommandIDs, ISnapshotsModel, PLUGIN_ID } from './tokens';
 
@@ -56,10 +61,13 @@ const modelPlugin: JupyterFrontEndPlugin<ISnapshotsModel> = {
   autoStart: true,
   provides: ISnapshotsModel,
   activate: (app: JupyterFrontEnd): ISnapshotsModel => {
-    return new SnapshotsModel({
+    const model = new SnapshotsModel({
       serverSettings: app.serviceManager.serverSettings,
       events: app.serviceManager.events
     });
+    // JupyterLab's own word that the server cannot be reached: the panel says so at once.
+    app.serviceManager.connectionFailure.connect(() => model.connectionLost());
+    return model;
   }
 };
 
@@ -97,6 +105,16 @@ const panelPlugin: JupyterFrontEndPlugin<void> = {
             panel.context.path === path ||
             services.contents.localPath(panel.context.path) === path
         ) ?? null,
+      findNotebookOf: snapshot =>
+        tracker.find(panel => {
+          const kernelId = panel.sessionContext.session?.kernel?.id;
+          const status = model.kernelStatus(kernelId);
+          return (
+            !!kernelId &&
+            (kernelId === snapshot.kernel_id ||
+              (!!status?.lineage && status.lineage === snapshot.lineage))
+          );
+        }) ?? null,
       openNotebook: path =>
         void commands
           .execute('docmanager:open', { path })
@@ -115,6 +133,10 @@ const panelPlugin: JupyterFrontEndPlugin<void> = {
     restorer?.add(panel, PANEL_ID);
 
     nudgeStartingKernels(tracker);
+    // A kernel that died says so at the top of its notebook, with its snapshot offered.
+    tracker.widgetAdded.connect((_, nbPanel) => {
+      nbPanel.contentHeader.addWidget(new DeathNotice(actions, nbPanel));
+    });
     // The kernel state next to the kernel status, in every notebook's toolbar.
     toolbarRegistry?.addFactory<NotebookPanel>(
       'Notebook',
@@ -145,21 +167,34 @@ const recoveryPlugin: JupyterFrontEndPlugin<void> = {
   description:
     'When a notebook whose kernel is gone is opened, offer to restore its newest snapshot.',
   autoStart: true,
-  requires: [ISnapshotsModel, INotebookWidgetFactory],
+  requires: [ISnapshotsModel, INotebookWidgetFactory, INotebookTracker],
   activate: (
     app: JupyterFrontEnd,
     model: ISnapshotsModel,
-    factory: NotebookWidgetFactory.IFactory
+    factory: NotebookWidgetFactory.IFactory,
+    tracker: INotebookTracker
   ): void => {
+    const options = {
+      model,
+      services: app.serviceManager,
+      enabled: () => model.settings.offerRestoreOnOpen,
+      openPanel: () =>
+        void app.commands.execute(CommandIDs.openPanel).catch(() => undefined)
+    };
     factory.widgetCreated.connect((_, panel) => {
-      offerRestoreOnOpen(panel, {
-        model,
-        services: app.serviceManager,
-        enabled: () => model.settings.offerRestoreOnOpen,
-        openPanel: () =>
-          void app.commands.execute(CommandIDs.openPanel).catch(() => undefined)
-      });
+      offerRestoreOnOpen(panel, options);
+      offerRestoreOnLoss(panel, options);
     });
+    // The server is back: the notebooks whose kernels it lost say so now.
+    model.reconnected.connect(
+      () =>
+        void dropLostSessions(tracker, app.serviceManager).catch(error =>
+          console.warn(
+            'kernel snapshots: looking for lost sessions failed',
+            error
+          )
+        )
+    );
   }
 };
 

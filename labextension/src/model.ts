@@ -9,7 +9,7 @@
 import type { Event } from '@jupyterlab/services';
 import { ServerConnection } from '@jupyterlab/services';
 import { PromiseDelegate } from '@lumino/coreutils';
-import { Debouncer, Poll } from '@lumino/polling';
+import { Debouncer, IPoll, Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
 import {
@@ -25,6 +25,8 @@ import {
   IKernelStatus,
   INotebookTarget,
   IPolicy,
+  IRestoreTarget,
+  PHASES,
   ISnapshot,
   ISnapshotEvent,
   ISnapshotList,
@@ -43,6 +45,9 @@ const TRANSIENT_STATES = new Set([
 
 /** The longest wait between two refreshes when the server keeps failing (ms). */
 const MAX_BACKOFF_MS = 5 * 60 * 1000;
+
+/** How often the server is tried while it cannot be reached at all (ms). */
+const RECONNECT_MS = 2000;
 
 /** How often a job in progress is looked at (ms). */
 const JOB_POLL_MS = 500;
@@ -66,11 +71,7 @@ export class SnapshotsModel implements ISnapshotsModel {
     this._poll = new Poll({
       auto: options.auto ?? true,
       factory: () => this._tick(),
-      frequency: {
-        interval: this._settings.refreshInterval * 1000,
-        backoff: true,
-        max: Math.max(MAX_BACKOFF_MS, this._settings.refreshInterval * 1000)
-      },
+      frequency: this._frequency(),
       name: 'jupyter-kernel-snapshots:model',
       standby: options.standby ?? 'when-hidden'
     });
@@ -96,8 +97,31 @@ export class SnapshotsModel implements ISnapshotsModel {
     return this._jobFinished;
   }
 
+  /** Emitted when the server answers again after it could not be reached. */
+  get reconnected(): ISignal<this, void> {
+    return this._reconnected;
+  }
+
   get serverSettings(): ServerConnection.ISettings {
     return this._serverSettings;
+  }
+
+  /**
+   * When the server stopped answering (null while it answers): what the panel shows
+   * of kernels is then what they were, not what they are.
+   */
+  get unreachableSince(): Date | null {
+    return this._unreachableSince;
+  }
+
+  /**
+   * JupyterLab could not reach the server (its ServiceManager's connectionFailure): say
+   * so at once, and try again often until it answers.
+   */
+  connectionLost(): void {
+    if (this._unreachable()) {
+      void this._refreshSoon.invoke();
+    }
   }
 
   get snapshots(): readonly ISnapshot[] {
@@ -175,18 +199,23 @@ export class SnapshotsModel implements ISnapshotsModel {
     return this._settings;
   }
   set settings(value: ISnapshotSettings) {
-    const interval = Math.max(1, value.refreshInterval) * 1000;
     this._settings = { ...value };
-    if (this._poll.frequency.interval !== interval) {
-      this._poll.frequency = {
-        ...this._poll.frequency,
-        interval,
-        max: Math.max(MAX_BACKOFF_MS, interval)
-      };
+    const frequency = this._frequency();
+    if (this._poll.frequency.interval !== frequency.interval) {
+      this._poll.frequency = frequency;
       // The tick already scheduled used the old interval.
       void this._poll.refresh();
     }
     this._changed.emit();
+  }
+
+  /** The poll's pace: the settings' interval with backoff, or fast while unreachable. */
+  private _frequency(): IPoll.Frequency {
+    if (this._unreachableSince !== null) {
+      return { interval: RECONNECT_MS, backoff: false, max: RECONNECT_MS };
+    }
+    const interval = Math.max(1, this._settings.refreshInterval) * 1000;
+    return { interval, backoff: true, max: Math.max(MAX_BACKOFF_MS, interval) };
   }
 
   /** A label for a kernel in notifications (e.g. its notebook's name). */
@@ -278,7 +307,7 @@ export class SnapshotsModel implements ISnapshotsModel {
    */
   async restore(
     snapshotId: string,
-    body: { kernel_id: string } | { path: string },
+    body: IRestoreTarget,
     label?: string
   ): Promise<ITrackedJob> {
     const { job } = await requestAPI<{ job: IJob }>(
@@ -308,31 +337,49 @@ export class SnapshotsModel implements ISnapshotsModel {
 
   /**
    * Copy variables from a snapshot into the running kernel `kernelId` (restored as a side
-   * kernel on the server, pickled there, loaded all-or-none into the kernel).
+   * kernel on the server, pickled there, loaded all-or-none into the kernel). Variables
+   * the kernel has are replaced only with `overwrite` (else 409 variables-exist).
    */
   async takeVariables(
     snapshotId: string,
     kernelId: string,
     names: string[],
     rename: { [name: string]: string } = {},
-    label?: string
+    label?: string,
+    overwrite = false
   ): Promise<ITrackedJob> {
     const { job } = await requestAPI<{ job: IJob }>(
       `${snapshotId}/variables`,
-      jsonBody('POST', { kernel_id: kernelId, names, rename }),
+      jsonBody('POST', { kernel_id: kernelId, names, rename, overwrite }),
       this._serverSettings
     );
     return this.track(job, { notify: true, label });
   }
 
-  /** The newest snapshots of a notebook, without changing what the panel shows. */
-  async snapshotsOf(path: string): Promise<ISnapshot[]> {
-    const { snapshots } = await requestAPI<ISnapshotList>(
+  /**
+   * The newest snapshots of a notebook (and of a kernel lineage, the kernel it lost),
+   * without changing what the panel shows.
+   */
+  async snapshotsOf(
+    path: string,
+    lineage: string | null = null
+  ): Promise<ISnapshot[]> {
+    const { snapshots } = await this._merged([
       `?path=${encodeURIComponent(path)}`,
-      {},
+      ...(lineage ? [`?lineage=${encodeURIComponent(lineage)}`] : [])
+    ]);
+    return snapshots;
+  }
+
+  /** The user took note of a kernel's death (or chose its new kernel): no more offer. */
+  async dismissDeath(kernelId: string): Promise<void> {
+    const status = await requestAPI<IKernelStatus>(
+      `kernels/${kernelId}`,
+      jsonBody('PATCH', { dismiss_death: true }),
       this._serverSettings
     );
-    return snapshots ?? [];
+    this._kernels.set(kernelId, status);
+    this._changed.emit();
   }
 
   /** The snapshot status of one kernel, asked now. */
@@ -353,6 +400,11 @@ export class SnapshotsModel implements ISnapshotsModel {
    */
   track(job: IJob, options: { notify?: boolean; label?: string } = {}) {
     let tracked = this._jobs.get(job.id);
+    const ended = this._ended.get(job.id);
+    if (!tracked && ended) {
+      // Already ended here: a listing or an event from before its end says nothing new.
+      return ended;
+    }
     if (tracked) {
       tracked.notify = tracked.notify || !!options.notify;
       tracked.label = options.label ?? tracked.label;
@@ -396,26 +448,28 @@ export class SnapshotsModel implements ISnapshotsModel {
     this._loading = true;
     this._changed.emit();
     try {
-      const [list, kernels, policy] = await Promise.all([
-        showAll
-          ? requestAPI<ISnapshotList>('', {}, settings)
-          : target
-            ? this._listOf(target)
-            : Promise.resolve<ISnapshotList>({ snapshots: [] }),
+      const [kernels, policy] = await Promise.all([
         requestAPI<{ kernels: IKernelStatus[] }>('kernels', {}, settings),
         this._policy && !this._policyStale
           ? Promise.resolve(this._policy)
           : requestAPI<IPolicy>('policy', {}, settings)
       ]);
+      const statuses = new Map(
+        (kernels.kernels ?? []).map(status => [status.kernel_id, status])
+      );
+      const list = showAll
+        ? await requestAPI<ISnapshotList>('', {}, settings)
+        : target
+          ? await this._listOf(target, statuses.get(target.kernelId ?? ''))
+          : { snapshots: [] };
       if (this._isDisposed) {
         return;
       }
-      this._kernels = new Map(
-        (kernels.kernels ?? []).map(status => [status.kernel_id, status])
-      );
+      this._kernels = statuses;
       this._policy = policy;
       this._policyStale = false;
       this._error = null;
+      this._reachable();
       // A newer target or switch won: its own refresh is on the way.
       if (target === this._target && showAll === this._showAll) {
         this._snapshots = list.snapshots ?? [];
@@ -432,6 +486,9 @@ export class SnapshotsModel implements ISnapshotsModel {
         error instanceof Error
           ? error
           : new Error(describeError(error).message);
+      if (error instanceof SnapshotAPIError && error.status === 0) {
+        this._unreachable(); // the poll tries again soon by itself
+      }
       throw error;
     } finally {
       this._loading = false;
@@ -448,41 +505,66 @@ export class SnapshotsModel implements ISnapshotsModel {
   }
 
   /**
-   * The snapshots of a notebook: those taken while it was at its path, and those of its
-   * kernel. The server knows a kernel's notebook from its session, which can keep an
-   * older path (JupyterLab renaming a notebook as its session starts sends the old one),
-   * so a snapshot of this very kernel may carry another path.
+   * The snapshots of a notebook: those taken while it was at its path, those of its
+   * kernel, and those of its kernel's lineage (the snapshots it was restored from, under
+   * whatever path their notebook had then). The server knows a kernel's notebook from
+   * its session, which can keep an older path (JupyterLab renaming a notebook as its
+   * session starts sends the old one), so a snapshot of this very kernel may carry
+   * another path.
    */
-  private async _listOf(target: INotebookTarget): Promise<ISnapshotList> {
-    const settings = this._serverSettings;
-    const [byPath, byKernel] = await Promise.all([
-      requestAPI<ISnapshotList>(
-        `?path=${encodeURIComponent(target.path)}`,
-        {},
-        settings
-      ),
-      target.kernelId
-        ? requestAPI<ISnapshotList>(
-            `?kernel_id=${encodeURIComponent(target.kernelId)}`,
-            {},
-            settings
-          )
-        : Promise.resolve<ISnapshotList>({ snapshots: [] })
-    ]);
-    const listed = new Set(byPath.snapshots.map(snapshot => snapshot.id));
-    const more = byKernel.snapshots.filter(
-      snapshot => !listed.has(snapshot.id)
+  private _listOf(
+    target: INotebookTarget,
+    status: IKernelStatus | undefined
+  ): Promise<ISnapshotList> {
+    const queries = [`?path=${encodeURIComponent(target.path)}`];
+    if (target.kernelId) {
+      queries.push(`?kernel_id=${encodeURIComponent(target.kernelId)}`);
+    }
+    if (status?.snapshots && status.lineage) {
+      queries.push(`?lineage=${encodeURIComponent(status.lineage)}`);
+    }
+    return this._merged(queries);
+  }
+
+  /** The snapshots of several listings, each once, newest first. */
+  private async _merged(queries: string[]): Promise<ISnapshotList> {
+    const lists = await Promise.all(
+      queries.map(query =>
+        requestAPI<ISnapshotList>(query, {}, this._serverSettings)
+      )
     );
-    const storeError = byPath.store_error || byKernel.store_error;
-    if (more.length === 0) {
-      return { snapshots: byPath.snapshots, store_error: storeError };
+    const byId = new Map<string, ISnapshot>();
+    for (const list of lists) {
+      for (const snapshot of list.snapshots ?? []) {
+        byId.set(snapshot.id, snapshot);
+      }
     }
     return {
-      snapshots: [...byPath.snapshots, ...more].sort(
+      snapshots: [...byId.values()].sort(
         (a, b) => b.created.localeCompare(a.created) || b.sequence - a.sequence
       ),
-      store_error: storeError
+      store_error: lists.map(list => list.store_error).find(Boolean) ?? ''
     };
+  }
+
+  /** The server cannot be reached (from now, if it could): true if that is news. */
+  private _unreachable(): boolean {
+    if (this._unreachableSince !== null) {
+      return false;
+    }
+    this._unreachableSince = new Date();
+    this._poll.frequency = this._frequency();
+    this._changed.emit();
+    return true;
+  }
+
+  /** The server answered: after it could not be reached, say it is back. */
+  private _reachable(): void {
+    if (this._unreachableSince !== null) {
+      this._unreachableSince = null;
+      this._poll.frequency = this._frequency();
+      this._reconnected.emit();
+    }
   }
 
   /**
@@ -556,13 +638,29 @@ export class SnapshotsModel implements ISnapshotsModel {
     }
   }
 
+  /**
+   * One story per job: an answer from before the last one heard (a poll that crossed an
+   * event) never moves it back, and "done" is its end, not a phase while it runs.
+   */
   private _merge(tracked: ITrackedJob, job: IJob): void {
-    tracked.job = { ...tracked.job, ...job };
+    const current = tracked.job;
+    if (
+      job.status === 'running' &&
+      (job.phase === 'done' ||
+        PHASES.indexOf(job.phase) < PHASES.indexOf(current.phase))
+    ) {
+      return;
+    }
+    tracked.job = { ...current, ...job };
     this._jobChanged.emit(tracked);
     this._changed.emit();
   }
 
   private _finish(tracked: ITrackedJob): void {
+    this._ended.set(tracked.job.id, tracked);
+    if (this._ended.size > 200) {
+      this._ended.delete(this._ended.keys().next().value as string);
+    }
     this._jobs.delete(tracked.job.id);
     this._jobFinished.emit(tracked);
     this._waiters.get(tracked.job.id)?.resolve(tracked.job);
@@ -577,7 +675,7 @@ export class SnapshotsModel implements ISnapshotsModel {
     }
     const event = emission as unknown as ISnapshotEvent;
     const jobId = event.job_id ?? null;
-    if (jobId) {
+    if (jobId && !this._ended.has(jobId)) {
       const tracked = this._jobs.get(jobId);
       if (tracked) {
         if (event.action === 'progress' && event.phase) {
@@ -611,6 +709,8 @@ export class SnapshotsModel implements ISnapshotsModel {
   }
 
   private _changed = new Signal<this, void>(this);
+  private _reconnected = new Signal<this, void>(this);
+  private _unreachableSince: Date | null = null;
   private _jobStarted = new Signal<this, ITrackedJob>(this);
   private _jobChanged = new Signal<this, ITrackedJob>(this);
   private _jobFinished = new Signal<this, ITrackedJob>(this);
@@ -624,6 +724,8 @@ export class SnapshotsModel implements ISnapshotsModel {
   private _snapshots: ISnapshot[] = [];
   private _kernels = new Map<string, IKernelStatus>();
   private _jobs = new Map<string, ITrackedJob>();
+  /** Jobs that ended here (the latest 200): what comes after about them is old news. */
+  private _ended = new Map<string, ITrackedJob>();
   private _waiters = new Map<string, PromiseDelegate<IJob>>();
   private _policy: IPolicy | null = null;
   private _policyStale = false;

@@ -5,7 +5,7 @@
 import { Notification } from '@jupyterlab/apputils';
 
 import { showErrorDialog } from './dialogs';
-import { formatBytes, formatKind, formatPhase, jobFraction } from './format';
+import { formatKind, formatPhase, formatSizes, jobFraction } from './format';
 import type { ISnapshotsModel, ITrackedJob } from './tokens';
 
 const IN_PROGRESS: { [kind: string]: string } = {
@@ -22,7 +22,10 @@ function progressMessage(tracked: ITrackedJob): string {
   return `${what} ${label}: ${formatPhase(job)}`;
 }
 
-function doneMessage(tracked: ITrackedJob): {
+function doneMessage(
+  tracked: ITrackedJob,
+  store: string | undefined
+): {
   message: string;
   type: Notification.TypeOptions;
 } {
@@ -31,17 +34,13 @@ function doneMessage(tracked: ITrackedJob): {
   switch (job.kind) {
     case 'snapshot':
     case 'suspend': {
-      const size = result.stored_bytes ?? result.total_bytes;
-      const fresh =
-        typeof result.new_bytes === 'number'
-          ? `, ${formatBytes(result.new_bytes)} new`
-          : '';
       if (result.status === 'upload-failed') {
+        const local = store !== undefined && store !== 's3';
         return {
           type: 'warning',
           message:
-            `Snapshot of ${label} taken but not uploaded (kept on this machine, ` +
-            `retried later): ${result.error || 'upload failed'}`
+            `Snapshot of ${label} taken but ${local ? 'not stored' : 'not uploaded'} ` +
+            `(kept in the work directory, retried later): ${result.error || 'failed'}`
         };
       }
       const what =
@@ -51,8 +50,8 @@ function doneMessage(tracked: ITrackedJob): {
       return {
         type: 'success',
         message:
-          size !== undefined
-            ? `${what} (${formatBytes(size)}${fresh}).`
+          result.total_bytes !== undefined
+            ? `${what} (${formatSizes(result)}).`
             : `${what}.`
       };
     }
@@ -135,7 +134,7 @@ export function connectNotifications(model: ISnapshotsModel): () => void {
         }
       ];
     } else {
-      ({ message, type } = doneMessage(tracked));
+      ({ message, type } = doneMessage(tracked, model.policy?.store));
     }
     const options = {
       autoClose: (failed ? false : 6000) as number | false,

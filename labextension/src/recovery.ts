@@ -9,16 +9,18 @@
  * notebook `path`), so that `initialize()` then simply connects to the restored kernel.
  */
 import { Dialog, showDialog } from '@jupyterlab/apputils';
-import type { NotebookPanel } from '@jupyterlab/notebook';
-import type { ServiceManager } from '@jupyterlab/services';
+import { URLExt } from '@jupyterlab/coreutils';
+import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { ServerConnection, ServiceManager } from '@jupyterlab/services';
 import * as React from 'react';
 
 import { notifyError } from './actions';
+import { RelativeTime } from './components/common';
 import {
   baseName,
-  formatAbsolute,
   formatBytes,
-  formatRelative,
+  formatClock,
+  formatSizes,
   formatTrigger,
   parseDate
 } from './format';
@@ -52,15 +54,15 @@ export function offerRestoreOnOpen(
     return offered.then(async resumed => {
       const result = await initialize();
       // Connected: a cell that ended before this notebook subscribed ends here too.
-      void resumed?.cell.check(options.model, resumed.kernelId);
+      void resumed?.cell?.check(options.model, resumed.kernelId);
       return result;
     });
   };
 }
 
-/** A restored kernel's resumed cell, followed in the notebook. */
+/** A kernel restored for the notebook, and its resumed cell (if any), followed there. */
 interface IResumed {
-  cell: ResumedCell;
+  cell: ResumedCell | null;
   kernelId: string;
 }
 
@@ -74,8 +76,7 @@ async function followResumed(
   request: IRunningRequest | null
 ): Promise<IResumed | null> {
   await panel.context.ready;
-  const cell = ResumedCell.follow(panel, request);
-  return cell ? { cell, kernelId } : null;
+  return { cell: ResumedCell.follow(panel, request), kernelId };
 }
 
 /** Whether a notebook has a cell with code in it (a new, empty notebook gets no offer). */
@@ -94,7 +95,7 @@ async function maybeOffer(
   panel: NotebookPanel,
   options: IRecoveryOptions
 ): Promise<IResumed | null> {
-  const { model, services } = options;
+  const { services } = options;
   const restored = takeExpectedResume(
     services.contents.localPath(panel.context.path)
   );
@@ -114,20 +115,48 @@ async function maybeOffer(
   if (panel.isDisposed || !hasCode(panel)) {
     return null;
   }
+  const offer = await snapshotToOffer(panel, options, null);
+  if (offer === 'running' || offer === null) {
+    return null; // Its kernel is alive (JupyterLab connects to it), or nothing to offer.
+  }
+  return restoreIfWanted(panel, options, offer);
+}
+
+/**
+ * The newest snapshot of a notebook without a running kernel (of its path, or of the
+ * lineage of the kernel it lost), 'running' if the server has a session for it, null
+ * if it has no snapshot.
+ */
+async function snapshotToOffer(
+  panel: NotebookPanel,
+  options: IRecoveryOptions,
+  lineage: string | null
+): Promise<{ newest: ISnapshot; count: number } | 'running' | null> {
+  const { model, services } = options;
   const path = services.contents.localPath(panel.context.path);
   await services.sessions.ready;
   await services.sessions.refreshRunning();
   for (const session of services.sessions.running()) {
     if (session.path === panel.context.path || session.path === path) {
-      return null; // Its kernel is alive: JupyterLab connects to it.
+      return 'running';
     }
   }
-  const snapshots = await model.snapshotsOf(path);
+  const snapshots = await model.snapshotsOf(path, lineage);
   if (snapshots.length === 0 || panel.isDisposed) {
     return null;
   }
-  const newest = snapshots[0];
-  const choice = await askRestore(path, newest, snapshots.length);
+  return { newest: snapshots[0], count: snapshots.length };
+}
+
+/** Ask, and restore the newest snapshot into a new kernel for the notebook if wanted. */
+async function restoreIfWanted(
+  panel: NotebookPanel,
+  options: IRecoveryOptions,
+  offer: { newest: ISnapshot; count: number }
+): Promise<IResumed | null> {
+  const { model, services } = options;
+  const path = services.contents.localPath(panel.context.path);
+  const choice = await askRestore(path, offer.newest, offer.count);
   if (choice === 'panel') {
     options.openPanel();
     return null;
@@ -136,7 +165,11 @@ async function maybeOffer(
     return null;
   }
   try {
-    const tracked = await model.restore(newest.id, { path }, baseName(path));
+    const tracked = await model.restore(
+      offer.newest.id,
+      { path },
+      baseName(path)
+    );
     const job = await model.waitFor(tracked.job.id);
     const kernelId = job.result?.kernel_id as string | undefined;
     if (job.status === 'done' && kernelId) {
@@ -151,13 +184,116 @@ async function maybeOffer(
   return null;
 }
 
+/**
+ * An open notebook whose session the server no longer has (the server restarted, or
+ * stopped it): once the server answers again, offer its snapshot as when it opens
+ * (restored into a new kernel the notebook then connects to), else give it a new kernel
+ * of the same kind, as JupyterLab does when a notebook opens. A shutdown asked here is no
+ * loss.
+ */
+export function offerRestoreOnLoss(
+  panel: NotebookPanel,
+  options: IRecoveryOptions
+): void {
+  const sessionContext = panel.sessionContext;
+  sessionContext.sessionChanged.connect((_, change) => {
+    const lost = change.oldValue;
+    if (
+      change.name !== 'session' ||
+      change.newValue !== null ||
+      !lost ||
+      sessionContext.isTerminating ||
+      panel.isDisposed
+    ) {
+      return;
+    }
+    const kernelName = lost.kernel?.name ?? '';
+    const lineage =
+      options.model.kernelStatus(lost.kernel?.id)?.lineage ?? null;
+    void afterLoss(panel, options, kernelName, lineage).catch(error =>
+      console.warn('kernel snapshots: offer after a lost kernel failed', error)
+    );
+  });
+}
+
+/**
+ * After the server could not be reached: the open notebooks whose session it no longer
+ * has (it restarted) let go of it, which offers their snapshot (offerRestoreOnLoss).
+ * JupyterLab's own session poll may stand by while its "Server Connection Error" shows,
+ * and would find out only later.
+ */
+export async function dropLostSessions(
+  tracker: INotebookTracker,
+  services: ServiceManager.IManager
+): Promise<void> {
+  const settings = services.serverSettings;
+  const response = await ServerConnection.makeRequest(
+    URLExt.join(settings.baseUrl, 'api', 'sessions'),
+    {},
+    settings
+  );
+  if (!response.ok) {
+    return;
+  }
+  const alive = new Set(
+    ((await response.json()) as { id: string }[]).map(session => session.id)
+  );
+  tracker.forEach(panel => {
+    const session = panel.sessionContext.session;
+    if (session && !alive.has(session.id)) {
+      session.dispose();
+    }
+  });
+}
+
+async function afterLoss(
+  panel: NotebookPanel,
+  options: IRecoveryOptions,
+  kernelName: string,
+  lineage: string | null
+): Promise<void> {
+  const { model } = options;
+  if (model.unreachableSince !== null) {
+    await new Promise<void>(resolve => {
+      const back = () => {
+        model.reconnected.disconnect(back);
+        resolve();
+      };
+      model.reconnected.connect(back);
+    });
+  }
+  const sessionContext = panel.sessionContext;
+  if (panel.isDisposed || sessionContext.session) {
+    return; // Closed, or connected again meanwhile.
+  }
+  const offer = options.enabled()
+    ? await snapshotToOffer(panel, options, lineage)
+    : null;
+  if (offer !== null && offer !== 'running') {
+    const resumed = await restoreIfWanted(panel, options, offer);
+    if (resumed) {
+      await sessionContext.changeKernel({ id: resumed.kernelId });
+      void resumed.cell?.check(model, resumed.kernelId);
+      return;
+    }
+  }
+  if (!panel.isDisposed && !sessionContext.session) {
+    // The server's session for it (if it has one now), else a new kernel.
+    const running = [...options.services.sessions.running()].find(
+      session => session.path === panel.context.path
+    );
+    await sessionContext.changeKernel(
+      running?.kernel ? { id: running.kernel.id } : { name: kernelName }
+    );
+  }
+}
+
 async function askRestore(
   path: string,
   snapshot: ISnapshot,
   count: number
 ): Promise<'restore' | 'fresh' | 'panel'> {
   const date = parseDate(snapshot.created);
-  const size = snapshot.stored_bytes ?? snapshot.total_bytes;
   const body = React.createElement(
     'div',
     { className: 'jp-KernelSnapshots-offer' },
@@ -165,12 +301,8 @@ async function askRestore(
       'p',
       null,
       `${baseName(path)} has no running kernel, but its kernel was snapshotted `,
-      React.createElement(
-        'time',
-        { title: formatAbsolute(date), dateTime: snapshot.created },
-        formatRelative(date)
-      ),
-      ` (${formatTrigger(snapshot.trigger)}, ${formatBytes(size)}` +
+      React.createElement(RelativeTime, { iso: snapshot.created }),
+      ` (${formatClock(date)}, ${formatTrigger(snapshot.trigger)}, ${formatSizes(snapshot)}` +
         `${snapshot.gpu_bytes ? `, GPU ${formatBytes(snapshot.gpu_bytes)}` : ''}` +
         `${snapshot.host ? `, on ${snapshot.host}` : ''}).`
     ),

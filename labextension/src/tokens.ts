@@ -112,7 +112,10 @@ export interface ISnapshot {
   trigger: Trigger | string;
   status: SnapshotStatus | string;
   error?: string;
+  /** The notebook's path when it was taken ... */
   notebook_path?: string | null;
+  /** ... and where that notebook is now (after renames and moves). */
+  notebook_path_now?: string | null;
   kernel_id?: string | null;
   kernel_spec?: { name?: string; kernel_id?: string; [key: string]: unknown };
   host?: string;
@@ -152,24 +155,31 @@ export interface IMemoryCopy {
 export type JobKind =
   'snapshot' | 'restore' | 'suspend' | 'resume' | 'variables';
 
-/** Every phase a job goes through (jupyter_ext/core/protocol.py's Phase, the same list). */
-export type Phase =
-  | 'queued'
-  | 'releasing-gpu-caches'
-  | 'gpu-checkpoint'
-  | 'dumping'
-  | 'hashing'
-  | 'uploading'
-  | 'committing'
-  | 'checking-cache'
-  | 'downloading'
-  | 'verifying'
-  | 'saving-kernel'
-  | 'restoring'
-  | 'transferring'
-  | 'serialising'
-  | 'loading'
-  | 'done';
+/**
+ * Every phase a job goes through, in the order a job goes through them: a job's phase only
+ * moves forward (jupyter_ext/core/protocol.py's Phase, the same list).
+ */
+export const PHASES = [
+  'queued',
+  'releasing-gpu-caches',
+  'gpu-checkpoint',
+  'dumping',
+  'hashing',
+  'uploading',
+  'storing',
+  'committing',
+  'checking-cache',
+  'downloading',
+  'verifying',
+  'saving-kernel',
+  'restoring',
+  'transferring',
+  'serialising',
+  'loading',
+  'done'
+] as const;
+
+export type Phase = (typeof PHASES)[number];
 
 /** A snapshot, restore, suspend or resume in progress (or done). */
 export interface IJob {
@@ -233,6 +243,43 @@ export interface IKernelStatus {
   closed_on_restore?: IConnection[];
   /** /dev/shm names a live process held at the last restore (private copies). */
   private_shm?: IPrivateShm[];
+  /** The snapshot the kernel's state was last saved in or restored from (null before). */
+  snapshot_id?: string | null;
+  /** The cells run since then (the last 50). */
+  cells_since_snapshot?: ICellRun[];
+  /** The kernel's last death, while the offer of its snapshot stands. */
+  death?: IKernelDeath | null;
+}
+
+/** A cell a kernel ran: its execution count and first line. */
+export interface ICellRun {
+  execution_count: number | null;
+  first_line: string;
+}
+
+/** How a kernel died, and the snapshot offered back (openapi.yaml KernelDeath). */
+export interface IKernelDeath {
+  at: number;
+  cause: 'oom' | 'crash' | 'signal' | 'exit' | 'unknown' | string;
+  /** In words: "killed by the out-of-memory killer at 14.2 GiB". */
+  reason: string;
+  exit_code: number | null;
+  signal: string | null;
+  oom: boolean;
+  memory_bytes: number | null;
+  memory_limit: number | null;
+  /** The wrapper died too (jupyter_client started a new kernel under the same id). */
+  wrapper: boolean;
+  /** The snapshot offered back (null: the kernel had none). */
+  snapshot_id: string | null;
+  snapshot_created: string | null;
+  snapshot_trigger: string | null;
+  /** The cells run since the kernel's last snapshot: a restore does not bring them back. */
+  cells_since: ICellRun[];
+  /** False when an older snapshot than the kernel's last is offered (more cells ran). */
+  cells_since_exact: boolean;
+  /** A restore the server started by itself (restore_on_death). */
+  restore: { job_id: string; status: string; automatic: boolean } | null;
 }
 
 /** A /dev/shm name of the kernel's that another live process holds here. */
@@ -265,6 +312,7 @@ export interface IPolicy {
   suspend_cpu_kernels?: boolean;
   cull_action?: 'suspend' | 'shutdown';
   cull_idle_timeout?: number;
+  restore_on_death?: boolean;
   [key: string]: unknown;
 }
 
@@ -276,7 +324,9 @@ export type SnapshotAction =
   | 'restored'
   | 'deleted'
   | 'suspended'
-  | 'resumed';
+  | 'resumed'
+  | 'unsaved'
+  | 'died';
 
 /** One server event of the snapshot schema (flat, as the events websocket sends it). */
 export interface ISnapshotEvent {
@@ -297,6 +347,14 @@ export interface ISnapshotEvent {
   hint?: string | null;
   reason?: string | null;
 }
+
+/**
+ * Where a restore goes: in place of a running kernel (`kernel_id`), or into a new kernel
+ * attached to the notebook `path` (its session `session_id`, when it has one: the
+ * notebook's own session follows the restored kernel, whatever path it had).
+ */
+export type IRestoreTarget =
+  { kernel_id: string } | { path: string; session_id?: string };
 
 /** The notebook the panel is about: its path and kernel. */
 export interface INotebookTarget {
@@ -365,9 +423,17 @@ export interface ISnapshotsModel extends IDisposable {
   resume(kernelId: string): Promise<ITrackedJob>;
   restore(
     snapshotId: string,
-    body: { kernel_id: string } | { path: string },
+    body: IRestoreTarget,
     label?: string
   ): Promise<ITrackedJob>;
+  /** The user took note of a kernel's death (or chose its new kernel): no more offer. */
+  dismissDeath(kernelId: string): Promise<void>;
+  /** When the server stopped answering (null while it answers). */
+  readonly unreachableSince: Date | null;
+  /** Emitted when the server answers again after it could not be reached. */
+  readonly reconnected: ISignal<ISnapshotsModel, void>;
+  /** JupyterLab could not reach the server: say so, and try again often. */
+  connectionLost(): void;
   delete(snapshotId: string): Promise<void>;
   /** One snapshot with the full record of what it holds. */
   details(snapshotId: string): Promise<ISnapshot>;
@@ -377,9 +443,10 @@ export interface ISnapshotsModel extends IDisposable {
     kernelId: string,
     names: string[],
     rename?: { [name: string]: string },
-    label?: string
+    label?: string,
+    overwrite?: boolean
   ): Promise<ITrackedJob>;
-  snapshotsOf(path: string): Promise<ISnapshot[]>;
+  snapshotsOf(path: string, lineage?: string | null): Promise<ISnapshot[]>;
   fetchKernelStatus(kernelId: string): Promise<IKernelStatus>;
   track(job: IJob, options?: { notify?: boolean; label?: string }): ITrackedJob;
   waitFor(jobId: string): Promise<IJob>;

@@ -5,6 +5,7 @@
  * in the kernel is taken back from a snapshot while the kernel keeps everything else.
  */
 import { expect } from '@jupyterlab/galata';
+import { Locator } from '@playwright/test';
 import * as path from 'path';
 
 import {
@@ -33,7 +34,8 @@ test('cards show cells and variables; search, compare, take a variable back', as
   await page.notebook.setCell(
     0,
     'code',
-    'import numpy as np\nweights = np.ones((512, 256))\nlabels = ["cat"] * 1000'
+    'import numpy as np\nweights = np.ones((512, 256))\nlabels = ["cat"] * 1000\n' +
+      'pixels = np.zeros(25_000_000, dtype=np.uint8)  # a long shape, a long line of code to wrap'
   );
   await page.notebook.runCell(0, { inplace: true });
   await panel.getByRole('button', { name: 'Snapshot kernel' }).click();
@@ -91,13 +93,19 @@ test('cards show cells and variables; search, compare, take a variable back', as
   // Take labels back from the first snapshot; the kernel keeps metrics.
   const older = items.nth(1);
   await older.getByRole('button', { name: 'Contents' }).click();
-  await expect(older.getByRole('table', { name: 'Variables' })).toContainText(
+  await expect(
+    older.getByRole('list', { name: 'Variables', exact: true })
+  ).toContainText(
     'labels'
   );
   await older.getByRole('checkbox', { name: 'Take labels' }).check();
   await older
     .getByRole('textbox', { name: 'New name for labels' })
     .fill('labels_back');
+  // Everything fits the card at the default sidebar width: nothing sticks out or is cut,
+  // and a variable's shape and size stay on one line.
+  await expect(older).toContainText('25000000 uint8, 23.8 MiB');
+  expect(await overflowing(older)).toEqual([]);
   await panel.screenshot({
     path: path.join(SCREENSHOTS, 'panel-contents-take.png')
   });
@@ -113,4 +121,65 @@ test('cards show cells and variables; search, compare, take a variable back', as
   expect(await cellOutput(page, 2)).toContain(
     "1000 cat {'loss': 0.25} (8, 256)"
   );
+
+  // weights exists in the kernel: taking it back asks first; Cancel keeps the kernel's.
+  await older.getByRole('checkbox', { name: 'Take labels' }).uncheck();
+  await older.getByRole('checkbox', { name: 'Take weights' }).check();
+  await older.getByRole('button', { name: 'Take back weights' }).click();
+  const ask = page.getByRole('dialog');
+  await expect(ask).toContainText('Replace variables?');
+  await expect(ask).toContainText(
+    'The kernel of contents.ipynb already has weights'
+  );
+  await ask.screenshot({
+    path: path.join(SCREENSHOTS, 'take-back-asks-before-replacing.png')
+  });
+  await ask.getByRole('button', { name: 'Cancel' }).click();
+  await page.notebook.addCell('code', 'print(weights.shape)');
+  await page.notebook.runCell(3, { inplace: true });
+  expect(await cellOutput(page, 3)).toContain('(8, 256)');
+  await older.getByRole('button', { name: 'Take back weights' }).click();
+  await page.getByRole('dialog').getByRole('button', { name: 'Replace the variables' }).click();
+  await expect(
+    page.getByText('Took weights into contents.ipynb.')
+  ).toBeVisible();
+  await page.notebook.runCell(3, { inplace: true });
+  expect(await cellOutput(page, 3)).toContain('(512, 256)');
 });
+
+/**
+ * What sticks out of a card, or is cut in its expanded contents (text wider than its box),
+ * and each variable's shape and size taller than one line: a description of each.
+ */
+async function overflowing(card: Locator): Promise<string[]> {
+  return card.evaluate(node => {
+    const box = node.getBoundingClientRect();
+    const found: string[] = [];
+    node.querySelectorAll('*').forEach(child => {
+      const element = child as HTMLElement;
+      const rect = element.getBoundingClientRect();
+      const name = `${element.tagName} "${(element.textContent ?? '').slice(0, 40)}"`;
+      if (rect.width > 0 && (rect.left < box.left - 1 || rect.right > box.right + 1)) {
+        found.push(`${name} sticks out`);
+      }
+      // The card's one-line summary ends in an ellipsis by design (its tooltip has all);
+      // what the expanded contents show is shown whole.
+      const inDetails = element.closest('.jp-KernelSnapshots-details') !== null;
+      if (
+        inDetails &&
+        element.scrollWidth > element.clientWidth + 1 &&
+        element.clientWidth > 0
+      ) {
+        found.push(`${name} is cut`);
+      }
+    });
+    node.querySelectorAll('.jp-KernelSnapshots-variableInfo').forEach(child => {
+      const element = child as HTMLElement;
+      const line = parseFloat(getComputedStyle(element).lineHeight);
+      if (element.offsetHeight > line * 1.5) {
+        found.push(`"${element.textContent}" takes more than one line`);
+      }
+    });
+    return found;
+  });
+}

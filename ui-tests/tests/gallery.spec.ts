@@ -246,12 +246,15 @@ test('the panel in every state (mocked API)', async ({ page }) => {
           );
         }
         const kernel = url.searchParams.get('kernel_id');
+        const lineage = url.searchParams.get('lineage');
         return json(route, {
           snapshots: url.searchParams.get('path')
             ? NOTEBOOK_SNAPSHOTS
             : kernel
               ? NOTEBOOK_SNAPSHOTS.filter(s => s.kernel_id === kernel)
-              : STORE_SNAPSHOTS,
+              : lineage
+                ? NOTEBOOK_SNAPSHOTS.filter(s => s.lineage === lineage)
+                : STORE_SNAPSHOTS,
           store_error: mock.storeError
         });
       }
@@ -294,7 +297,7 @@ test('the panel in every state (mocked API)', async ({ page }) => {
   const items = snapshotCards(panel);
   await expect(items).toHaveCount(4);
   await expect(panel.getByRole('status').first()).toContainText(
-    'uploading 1.3 GiB of 3.1 GiB'
+    'uploading 1.3 GiB of the 3.1 GiB image'
   );
   await expect(
     page.getByRole('status', { name: /Kernel snapshot state: snapshotting/ })

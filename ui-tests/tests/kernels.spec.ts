@@ -32,7 +32,7 @@ test.describe('An R notebook on two nodes', () => {
   let nodes: Nodes | null = null;
 
   test.beforeAll(async () => {
-    nodes = await Nodes.start();
+    nodes = await Nodes.launch();
   });
 
   test.afterAll(async () => {

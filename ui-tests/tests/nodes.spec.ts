@@ -70,7 +70,7 @@ test.describe('Two nodes', () => {
   let nodes: Nodes | null = null;
 
   test.beforeAll(async () => {
-    nodes = await Nodes.start();
+    nodes = await Nodes.launch();
   });
 
   test.afterAll(async () => {

@@ -2,7 +2,8 @@
  * Two real Jupyter servers, A and B (tests/nodes_for_ui.py), sharing one S3 store (moto)
  * and one notebook directory, for the UI tests of a node's loss (nodes.spec.ts,
  * kernels.spec.ts): their URLs and tokens, a command to kill one as a node failure would,
- * REST calls, and JupyterLab of a node in a browser context of its own.
+ * or started again (restart.spec.ts), REST calls, and JupyterLab of a node in a browser
+ * context of its own.
  */
 import { APIRequestContext, Browser, expect, Page } from '@playwright/test';
 import { ChildProcessWithoutNullStreams, spawn } from 'child_process';
@@ -16,7 +17,7 @@ export interface INode {
 
 /** tests/nodes_for_ui.py: its servers, and a way to send it commands. */
 export class Nodes {
-  static async start(): Promise<Nodes> {
+  static async launch(): Promise<Nodes> {
     const child = spawn(
       'python',
       ['-m', 'tests.nodes_for_ui', '--log', 'ui-tests/nodes.log'],
@@ -80,6 +81,12 @@ export class Nodes {
   async kill(name: 'a' | 'b'): Promise<void> {
     this._child.stdin.write(`kill ${name}\n`);
     expect(await this.nextLine(60_000)).toBe(`killed ${name}`);
+  }
+
+  /** Start a killed server again, at its URL with its token and folders. */
+  async start(name: 'a' | 'b'): Promise<void> {
+    this._child.stdin.write(`start ${name}\n`);
+    expect(await this.nextLine(120_000)).toBe(`started ${name}`);
   }
 
   /** Stop the servers and moto (the helper cleans up on end of input). */

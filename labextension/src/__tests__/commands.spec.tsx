@@ -83,6 +83,7 @@ describe('snapshot commands', () => {
       model,
       services,
       findNotebook: () => panel,
+      findNotebookOf: () => panel,
       openNotebook: () => undefined
     };
     addCommands({ commands } as unknown as JupyterFrontEnd, {
@@ -193,6 +194,7 @@ describe('the panel on the current notebook', () => {
       model,
       services,
       findNotebook: () => panel,
+      findNotebookOf: () => panel,
       openNotebook: () => undefined
     };
     widget = ReactWidget.create(

@@ -428,7 +428,8 @@ describe('SnapshotsModel', () => {
       expect(server.requests.find(r => r.method === 'POST')?.body).toEqual({
         kernel_id: 'k1',
         names: ['x', 'y'],
-        rename: { y: 'y_old' }
+        rename: { y: 'y_old' },
+        overwrite: false
       });
     });
 
@@ -829,6 +830,112 @@ describe('SnapshotsModel', () => {
       expect(refreshes.started).toBe(1);
       await refreshes.settled();
       expect(server.paths()).toContain('kernels');
+    });
+  });
+
+  describe('one story per job', () => {
+    it('never goes back to an earlier phase, nor says done while it runs', () => {
+      create();
+      server.on('GET', 'jobs/j1', { body: job('j1') });
+      const tracked = model.track(job('j1', { phase: 'dumping' }));
+      const phases: string[] = [];
+      model.jobChanged.connect((_, t) => phases.push(t.job.phase));
+      for (const phase of [
+        'hashing',
+        'dumping',
+        'done',
+        'storing',
+        'hashing'
+      ]) {
+        emit({ action: 'progress', job_id: 'j1', phase });
+      }
+      expect(phases).toEqual(['hashing', 'storing']);
+      expect(tracked.job.phase).toBe('storing');
+    });
+
+    it('hears nothing more of a job once it has ended', async () => {
+      create();
+      server.on('GET', 'jobs/j1', {
+        body: job('j1', { status: 'done', phase: 'done' })
+      });
+      model.track(job('j1', { phase: 'storing' }), { notify: true });
+      await advance(JOB_POLL_MS);
+      expect(model.jobs).toEqual([]);
+      const started: ITrackedJob[] = [];
+      model.jobStarted.connect((_, t) => started.push(t));
+      // A progress event sent before the end, arriving after it.
+      emit({
+        action: 'progress',
+        job_id: 'j1',
+        phase: 'storing',
+        kind: 'snapshot'
+      });
+      // A listing from before the end, with the job running.
+      model.track(job('j1', { phase: 'storing' }));
+      expect(started).toEqual([]);
+      expect(model.jobs).toEqual([]);
+    });
+  });
+
+  describe('a kernel that died, a server that went away', () => {
+    it("lists the snapshots of the notebook's kernel's lineage too", async () => {
+      server.on('GET', 'kernels', {
+        body: { kernels: [{ ...KERNEL, lineage: 'old lineage' }] }
+      });
+      server.on('GET', '?lineage=old%20lineage', {
+        body: {
+          snapshots: [
+            snapshot('s7', {
+              created: '2026-12-01T09:00:00Z',
+              notebook_path: 'Untitled.ipynb'
+            })
+          ]
+        }
+      });
+      create();
+      model.target = TARGET;
+      await refresh();
+      expect(model.snapshots.map(s => s.id)).toEqual(['s3', 's2', 's7']);
+    });
+
+    it("dismisses a kernel's death with PATCH", async () => {
+      create();
+      server.on('PATCH', 'kernels/k1', { body: { ...KERNEL, death: null } });
+      await model.dismissDeath('k1');
+      expect(server.requests.find(r => r.method === 'PATCH')?.body).toEqual({
+        dismiss_death: true
+      });
+      expect(model.kernelStatus('k1')?.death).toBeNull();
+    });
+
+    it('says when the server cannot be reached, tries often, and says when it is back', async () => {
+      create({ auto: true, settings: { refreshInterval: 60 } });
+      await advance(1);
+      await refreshes.settled();
+      expect(model.unreachableSince).toBeNull();
+      server.down = true;
+      await nextRefresh(1000, 61);
+      expect(model.unreachableSince).toBeInstanceOf(Date);
+      // Tried every 2 s while it cannot be reached, not after minutes of backoff.
+      await nextRefresh(1000, 3);
+      await nextRefresh(1000, 3);
+      const back = signalled(model.reconnected);
+      server.down = false;
+      await nextRefresh(1000, 3);
+      await back;
+      expect(model.unreachableSince).toBeNull();
+      // Then at the settings' pace again.
+      const before = refreshes.started;
+      await advance(30_000);
+      expect(refreshes.started).toBe(before);
+    });
+
+    it("takes JupyterLab's word that the connection is lost", () => {
+      create();
+      const changed = signalled(model.changed);
+      model.connectionLost();
+      expect(model.unreachableSince).toBeInstanceOf(Date);
+      return changed;
     });
   });
 

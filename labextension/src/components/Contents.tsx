@@ -162,50 +162,43 @@ export function ContentsDetails(props: {
             : ''}
         </div>
       )}
-      <table className="jp-KernelSnapshots-variables" aria-label="Variables">
-        <tbody>
-          {variables.map(v => (
-            <React.Fragment key={v.name}>
-              <tr>
-                <td>
-                  {takeable && (
-                    <input
-                      type="checkbox"
-                      aria-label={`Take ${v.name}`}
-                      checked={chosen.has(v.name)}
-                      onChange={() => toggle(v.name)}
-                    />
-                  )}
-                </td>
-                <td>
-                  <strong>{v.name}</strong>
-                </td>
-                <td title={v.type}>{shortType(v.type, contents.language)}</td>
-                <td>{describeVariable(v)}</td>
-              </tr>
-              {chosen.has(v.name) && (
-                <tr>
-                  <td />
-                  <td colSpan={3}>
-                    <input
-                      className="jp-KernelSnapshots-rename"
-                      aria-label={`New name for ${v.name}`}
-                      placeholder={`as ${v.name} (or type a new name)`}
-                      value={renamed[v.name] ?? ''}
-                      onChange={event =>
-                        setRenamed({
-                          ...renamed,
-                          [v.name]: event.currentTarget.value.trim()
-                        })
-                      }
-                    />
-                  </td>
-                </tr>
+      <ul className="jp-KernelSnapshots-variables" aria-label="Variables">
+        {variables.map(v => (
+          <li key={v.name} className="jp-KernelSnapshots-variable">
+            <label className="jp-KernelSnapshots-variableName" title={v.type}>
+              {takeable && (
+                <input
+                  type="checkbox"
+                  aria-label={`Take ${v.name}`}
+                  checked={chosen.has(v.name)}
+                  onChange={() => toggle(v.name)}
+                />
               )}
-            </React.Fragment>
-          ))}
-        </tbody>
-      </table>
+              <strong className="jp-KernelSnapshots-ellipsis">{v.name}</strong>
+              <span className="jp-KernelSnapshots-dim">
+                {shortType(v.type, contents.language)}
+              </span>
+            </label>
+            <div className="jp-KernelSnapshots-variableInfo">
+              {describeVariable(v)}
+            </div>
+            {chosen.has(v.name) && (
+              <input
+                className="jp-KernelSnapshots-rename"
+                aria-label={`New name for ${v.name}`}
+                placeholder={`as ${v.name}, or a new name`}
+                value={renamed[v.name] ?? ''}
+                onChange={event =>
+                  setRenamed({
+                    ...renamed,
+                    [v.name]: event.currentTarget.value.trim()
+                  })
+                }
+              />
+            )}
+          </li>
+        ))}
+      </ul>
       {contents.partial && (
         <p className="jp-KernelSnapshots-dim">
           Partial: {contents.partial_reason}

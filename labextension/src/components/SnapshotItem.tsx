@@ -6,19 +6,17 @@ import {
   formatBytes,
   formatClock,
   formatDuration,
-  formatRelative,
   formatStatus,
   formatTrigger,
   gpuModels,
   parseDate
 } from '../format';
 import type { ISnapshot, ISnapshotsModel } from '../tokens';
-import { ActionButton } from './common';
+import { ActionButton, RelativeTime, useNow } from './common';
 import { ContentsDetails, ContentsSummary } from './Contents';
 
 export interface ISnapshotItemProps {
   snapshot: ISnapshot;
-  now: number;
   /** Show which notebook the snapshot belongs to (the "show all" list). */
   showPath: boolean;
   /** Whether this is the newest snapshot of the list. */
@@ -75,20 +73,25 @@ function MemoryCopy(props: { snapshot: ISnapshot }): JSX.Element | null {
 
 /** One snapshot: when, why, how big, where, its status, and Restore/Delete. */
 export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
-  const { snapshot, now, showPath, newest, current, disabled } = props;
+  const { snapshot, showPath, newest, current, disabled } = props;
+  const now = useNow();
   const [expanded, setExpanded] = React.useState(false);
   const date = parseDate(snapshot.created);
-  const relative = formatRelative(date, now);
   const absolute = formatAbsolute(date);
   const status = snapshot.status || 'complete';
+  const store = props.model.policy?.store;
+  const local = store !== undefined && store !== 's3';
   const stored = snapshot.stored_bytes;
   const gpuBytes = snapshot.gpu_bytes ?? 0;
   const gpuName = gpuBytes > 0 ? gpuModels(snapshot) : '';
-  const path = snapshot.notebook_path ?? '';
+  const path = snapshot.notebook_path_now ?? snapshot.notebook_path ?? '';
   const name = baseName(path);
   const details = [
     snapshot.total_bytes !== undefined
-      ? `Memory image: ${formatBytes(snapshot.total_bytes)}`
+      ? `Memory image (as CRIU wrote it): ${formatBytes(snapshot.total_bytes)}`
+      : '',
+    snapshot.stored_bytes !== undefined
+      ? `In the store (compressed, sharing chunks with other snapshots): ${formatBytes(snapshot.stored_bytes)}`
       : '',
     snapshot.frozen_seconds
       ? `Kernel frozen for ${formatDuration(snapshot.frozen_seconds)}`
@@ -107,25 +110,22 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
   return (
     <li
       className={`jp-KernelSnapshots-item jp-mod-${status}`}
-      aria-label={`Snapshot from ${relative}, ${formatTrigger(snapshot.trigger)}`}
+      aria-label={`Snapshot from ${formatClock(date, now)}, ${formatTrigger(snapshot.trigger)}`}
       data-snapshot-id={snapshot.id}
     >
       <div className="jp-KernelSnapshots-itemHeader">
-        <time
+        <RelativeTime
           className="jp-KernelSnapshots-time"
-          dateTime={snapshot.created}
-          title={absolute}
-        >
-          {relative}
-        </time>
+          iso={snapshot.created}
+        />
         <span className="jp-KernelSnapshots-dim" title={absolute}>
           {formatClock(date, now)}
         </span>
         <span
           className={`jp-KernelSnapshots-status jp-mod-${status}`}
-          title={snapshot.error || formatStatus(status)}
+          title={snapshot.error || formatStatus(status, store)}
         >
-          {formatStatus(status)}
+          {formatStatus(status, store)}
         </span>
       </div>
       {showPath && (
@@ -188,14 +188,15 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
         />
       )}
       <div className="jp-KernelSnapshots-itemSizes" title={details}>
+        <span title="The kernel's memory as CRIU wrote it (what a restore brings back)">
+          image <strong>{formatBytes(snapshot.total_bytes)}</strong>
+        </span>
         {stored !== undefined ? (
-          <span>
-            <strong>{formatBytes(stored)}</strong> stored
+          <span title="What it takes in the store: compressed, and sharing chunks with other snapshots">
+            stored as <strong>{formatBytes(stored)}</strong>
           </span>
         ) : (
-          <span>
-            <strong>{formatBytes(snapshot.total_bytes)}</strong> on this machine
-          </span>
+          <span>not stored yet</span>
         )}
         {snapshot.new_bytes !== undefined && (
           <span title="Bytes this snapshot added to the store (the rest is shared with other snapshots)">
@@ -225,13 +226,16 @@ export function SnapshotItem(props: ISnapshotItemProps): JSX.Element {
       </div>
       {status === 'upload-failed' && (
         <div className="jp-KernelSnapshots-itemError" role="alert">
-          Upload failed: {snapshot.error || 'unknown error'}. Kept on this
-          machine; the upload is retried.
+          {local ? 'Not stored' : 'Upload failed'}:{' '}
+          {snapshot.error || 'unknown error'}. Kept in the work directory and
+          restorable from there; {local ? 'storing' : 'the upload'} is retried.
         </div>
       )}
       {status === 'uploading' && (
         <div className="jp-KernelSnapshots-itemNote">
-          On this machine until the upload to the store is done.
+          {local
+            ? 'Being written into the store; restorable already.'
+            : 'On this machine until the upload to the store is done.'}
         </div>
       )}
       <div className="jp-KernelSnapshots-itemActions">

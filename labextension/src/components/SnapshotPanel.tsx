@@ -12,10 +12,11 @@ import {
   deleteSnapshot,
   IActionContext,
   isSnapshotKernel,
+  restoreOffered,
   restoreSnapshot,
   takeVariables
 } from '../actions';
-import { baseName, formatBytes, policyLines } from '../format';
+import { baseName, formatBytes, formatClock, policyLines } from '../format';
 import { snapshotIcon } from '../icons';
 import { describeError } from '../request';
 import {
@@ -32,11 +33,11 @@ import {
   Callout,
   JobProgress,
   ProgressBar,
-  StateBadge,
-  useNow
+  StateBadge
 } from './common';
 import { matchesQuery } from '../contents';
 import { Comparison } from './Contents';
+import { DeathCallout } from './DeathNotice';
 import { SnapshotItem } from './SnapshotItem';
 
 export interface ISnapshotViewProps {
@@ -60,7 +61,14 @@ function TargetSection(
   const panel = props.currentNotebook();
   const jobs = model.jobsFor(target.kernelId);
   const snapshotKernel = isSnapshotKernel(model, target);
-  const state = status?.snapshots ? (status.state ?? 'running') : null;
+  const unreachable = model.unreachableSince;
+  // What the server said last is not what is now while it cannot be reached.
+  const state = unreachable
+    ? null
+    : status?.snapshots
+      ? (status.state ?? 'running')
+      : null;
+  const death = unreachable ? null : (status?.death ?? null);
   const [pending, setPending] = React.useState(false);
 
   /** Execute a command on the current notebook (while it runs, the buttons wait). */
@@ -74,7 +82,22 @@ function TargetSection(
   const disabled = (id: string) => pending || !commands.isEnabled(id);
 
   let notice: JSX.Element | null = null;
-  if (!target.kernelId) {
+  if (unreachable) {
+    // Said above the panel's content (SnapshotsView): nothing more of the kernel.
+  } else if (death && target.kernelId) {
+    const kernelId = target.kernelId;
+    notice = (
+      <DeathCallout
+        death={death}
+        onRestore={
+          panel && death.snapshot_id
+            ? () => restoreOffered(actions, panel, kernelId, death)
+            : null
+        }
+        onDismiss={() => model.dismissDeath(kernelId)}
+      />
+    );
+  } else if (!target.kernelId) {
     notice = (
       <Callout kind="warning" title="No kernel">
         <p>
@@ -179,6 +202,7 @@ function TargetSection(
           </span>
         )}
         {status?.snapshots &&
+          status.snapshot_id &&
           (status.executions_since_snapshot ?? 0) > 0 &&
           state === 'running' && (
             <span
@@ -227,9 +251,10 @@ function TargetSection(
           )}
         </div>
       )}
-      {jobs.map(tracked => (
-        <JobProgress key={tracked.job.id} job={tracked.job} />
-      ))}
+      {!unreachable &&
+        jobs.map(tracked => (
+          <JobProgress key={tracked.job.id} job={tracked.job} />
+        ))}
       {jobs.length === 0 &&
         (state === 'restoring' || state === 'snapshotting') && (
           <div className="jp-KernelSnapshots-job" role="status">
@@ -290,7 +315,6 @@ function PolicyView(props: { policy: IPolicy | null }): JSX.Element | null {
 export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
   const { actions } = props;
   const { model } = actions;
-  const now = useNow();
   const target = model.target;
   const status = model.kernelStatus(target?.kernelId);
   const snapshots = model.snapshots;
@@ -322,11 +346,11 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
   // Older first: the listing is newest first.
   const pair = snapshots.filter(s => compared.includes(s.id)).reverse();
 
+  // Listed for this notebook: restored for it, at its path now (after renames and moves).
   const onRestore = (snapshot: ISnapshot) =>
     void restoreSnapshot(actions, snapshot, {
       confirm: model.settings.confirmRestore,
-      path:
-        !showAll && target && !snapshot.notebook_path ? target.path : undefined
+      path: !showAll && target ? target.path : undefined
     });
   const onDelete = (snapshot: ISnapshot) =>
     void deleteSnapshot(actions, snapshot, {
@@ -393,7 +417,6 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
           <SnapshotItem
             key={snapshot.id}
             snapshot={snapshot}
-            now={now}
             newest={snapshot === snapshots[0] && !showAll}
             current={
               base === snapshot
@@ -415,8 +438,18 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
     );
   }
 
+  const unreachable = model.unreachableSince;
   return (
     <div className="jp-KernelSnapshots-body">
+      {unreachable && (
+        <Callout kind="warning" title="The server cannot be reached">
+          <p>
+            Since {formatClock(unreachable)}: what its kernels do now is not
+            known here. Trying again every few seconds; their state (and an
+            offer to restore a kernel that is gone) comes back with the server.
+          </p>
+        </Callout>
+      )}
       {target && <TargetSection {...props} target={target} status={status} />}
       <div className="jp-KernelSnapshots-listHeader">
         <span className="jp-KernelSnapshots-listTitle">
@@ -435,7 +468,7 @@ export function SnapshotsView(props: ISnapshotViewProps): JSX.Element {
           <span>Show all</span>
         </label>
       </div>
-      {model.error && model.loaded && (
+      {model.error && model.loaded && !unreachable && (
         <Callout kind="error">
           <p>
             Refresh failed: {describeError(model.error).message} (showing the

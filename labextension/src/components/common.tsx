@@ -1,16 +1,64 @@
 import * as React from 'react';
 
-import { formatKind, formatPhase, jobFraction } from '../format';
+import {
+  describeJob,
+  formatAbsolute,
+  formatRelative,
+  jobFraction,
+  parseDate
+} from '../format';
 import type { IJob } from '../tokens';
 
-/** The current time, updated every `intervalMs` (for "3 min ago"). */
-export function useNow(intervalMs = 30000): number {
-  const [now, setNow] = React.useState(Date.now());
-  React.useEffect(() => {
-    const timer = window.setInterval(() => setNow(Date.now()), intervalMs);
-    return () => window.clearInterval(timer);
-  }, [intervalMs]);
+/**
+ * One clock for every relative time on the page ("42 s ago"), ticking each second while
+ * something shows one: the panel, a dialog and a notice beside it never disagree.
+ */
+const clock = {
+  now: Date.now(),
+  listeners: new Set<(now: number) => void>(),
+  timer: 0
+};
+
+function subscribe(listener: (now: number) => void): () => void {
+  clock.listeners.add(listener);
+  if (clock.timer === 0) {
+    clock.timer = window.setInterval(() => {
+      clock.now = Date.now();
+      clock.listeners.forEach(l => l(clock.now));
+    }, 1000);
+  }
+  return () => {
+    clock.listeners.delete(listener);
+    if (clock.listeners.size === 0) {
+      window.clearInterval(clock.timer);
+      clock.timer = 0;
+    }
+  };
+}
+
+/** The page's clock (see above), in ms. */
+export function useNow(): number {
+  const [now, setNow] = React.useState(clock.timer ? clock.now : Date.now());
+  React.useEffect(() => subscribe(setNow), []);
   return now;
+}
+
+/** "42 s ago", ticking, with the date in the one format as its tooltip. */
+export function RelativeTime(props: {
+  iso: string | null | undefined;
+  className?: string;
+}): JSX.Element {
+  const now = useNow();
+  const date = parseDate(props.iso);
+  return (
+    <time
+      className={props.className}
+      dateTime={props.iso ?? undefined}
+      title={formatAbsolute(date)}
+    >
+      {formatRelative(date, now)}
+    </time>
+  );
 }
 
 /** A progress bar: determinate with a fraction, indeterminate without. */
@@ -39,10 +87,10 @@ export function ProgressBar(props: {
   );
 }
 
-/** A job in progress: "Snapshot: Uploading 3.0 MiB of 10.0 MiB" and a bar. */
+/** A job in progress: "Snapshot: storing 3.0 MiB of the 10.0 MiB image" and a bar. */
 export function JobProgress(props: { job: IJob }): JSX.Element {
   const { job } = props;
-  const text = `${formatKind(job.kind)}: ${formatPhase(job)}`;
+  const text = describeJob(job);
   return (
     <div className="jp-KernelSnapshots-job" role="status">
       <div className="jp-KernelSnapshots-jobText">{text}</div>
