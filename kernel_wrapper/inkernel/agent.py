@@ -17,7 +17,8 @@ It never imports a framework: only one the kernel has already imported is touche
 Every kernel runs one (it costs a thread blocked on a socket): before each dump the
 wrapper asks it what the snapshot holds (``{"op": "summary", "since": N}``): the cells
 run since the previous snapshot and the largest variables (kernel_wrapper.inkernel.contents),
-recorded in the manifest.
+recorded in the manifest. Then it holds the kernel's output gate (``{"op": "hold"}``),
+and releases it once connected again (``{"op": "release"}``): kernel_wrapper.inkernel.gate.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 import zmq
 
 from .contents import CellLog, summarize_namespace
+from .gate import OutputGate
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,8 @@ class SnapshotAgent(threading.Thread):
     """Answers the wrapper's requests on ``endpoint``, one at a time, for the kernel's life.
 
     ``shell`` is the kernel's InteractiveShell (its namespace is summarised, its cells are
-    logged by ``cells``, which the caller registers for IPython's run-cell events)."""
+    logged by ``cells``, which the caller registers for IPython's run-cell events);
+    ``gate`` is the output gate of its channels."""
 
     def __init__(
         self,
@@ -96,13 +99,17 @@ class SnapshotAgent(threading.Thread):
         endpoint: str,
         shell: Any = None,
         cells: CellLog | None = None,
+        gate: OutputGate | None = None,
     ) -> None:
         super().__init__(name="snapshot-agent", daemon=True)
         self.shell = shell
         self.cells = cells or CellLog()
+        gate = gate or OutputGate()
         self.operations: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             "release_gpu_caches": lambda _request: release_gpu_caches(),
             "summary": self.summary,
+            "hold": lambda _request: gate.hold(),
+            "release": lambda _request: gate.release(),
         }
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
