@@ -9,9 +9,6 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +24,22 @@ from .core.contents import (
     describe_contents,
     short_contents,
 )
-from .core.doctor import check_bucket_credentials, check_encryption, run_checks
+from .core.doctor import (
+    check_bucket_credentials,
+    check_encryption,
+    check_store_whole,
+    run_checks,
+)
 from .core.errors import SnapshotError
 from .core.humanize import human_bytes, human_seconds, time_ago
 from .core.manifest import check_snapshot_id
 from .core.protocol import DEFAULT_RUNTIME_ROOT
 from .core.store import Repository, SnapshotStore, StoreSpec, open_store
+from .core.store.check import CheckReport
 from .core.store.keys import LOST_KEY, FileKeySource
+from .core.store.prune import PruneReport
 from .core.store.scope import user_prefix
+from .serverclient import ProgressLine, ServerClient
 from .settings import SnapshotSettings
 
 KERNELSPEC_DIR = Path(__file__).resolve().parent / "kernelspec"
@@ -116,6 +121,13 @@ class DoctorApp(_ServerKey):
     def _default_store_dir(self) -> str:
         return server_settings().local_store_dir
 
+    def server_store(self) -> StoreSpec:
+        """The server's store of this user, with this command's key options."""
+        settings = server_settings().option_values()
+        settings["encryption_key_source"] = self.key_source
+        settings["encryption_key_file"] = self.key_file
+        return StoreSpec.from_settings(settings)
+
     @default("work_dir")
     def _default_work_dir(self) -> str:
         return server_settings().work_dir
@@ -133,6 +145,7 @@ class DoctorApp(_ServerKey):
                     server_settings().hub_service_url,
                 ),
                 check_encryption(self.key_source, Path(self.key_file), os.environ),
+                check_store_whole(lambda: open_store(self.server_store())),
             ),
             agent_socket=Path(agent) if (agent := os.environ.get(ENV_AGENT_SOCKET)) else None,
         )
@@ -202,81 +215,6 @@ def install_kernelspec(
             str(staging), name, user=user, prefix=prefix
         )
     return path
-
-
-class ServerClient:
-    """The REST API of a running Jupyter server (token auth), with blocking calls."""
-
-    def __init__(self, url: str, token: str) -> None:
-        self.url = url.rstrip("/") + "/"
-        self.token = token
-
-    @classmethod
-    def find(cls, url: str = "", token: str = "") -> ServerClient:
-        """The server at ``url``, or the one running server this user has."""
-        if url:
-            return cls(url, token)
-        from jupyter_server.serverapp import list_running_servers
-
-        servers = list(list_running_servers())
-        if not servers:
-            raise SnapshotError(
-                "No running Jupyter server was found.",
-                hint="Start one (jupyter lab), or pass --url and --token, or use --store-dir "
-                "/ --s3-bucket to work on a store directly.",
-            )
-        if len(servers) > 1:
-            urls = ", ".join(str(s["url"]) for s in servers)
-            raise SnapshotError(
-                f"Several Jupyter servers are running ({urls}).", hint="Choose one with --url."
-            )
-        return cls(str(servers[0]["url"]), token or str(servers[0].get("token", "")))
-
-    def call(self, method: str, resource: str, body: Any = None, **params: str) -> Any:
-        """``METHOD /api/snapshots/<resource>?params``; errors come back as SnapshotError."""
-        query = urllib.parse.urlencode({k: v for k, v in params.items() if v})
-        target = self.url + "api/snapshots" + (f"/{resource}" if resource else "")
-        request = urllib.request.Request(
-            target + (f"?{query}" if query else ""),
-            method=method,
-            data=None if body is None else json.dumps(body).encode(),
-            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=600) as response:
-                data = response.read()
-        except urllib.error.HTTPError as exc:
-            with exc:  # the error response holds the connection until closed
-                try:
-                    error = json.loads(exc.read())
-                except ValueError:
-                    error = {"message": str(exc)}
-            raise SnapshotError.from_dict(error) from None
-        except OSError as exc:
-            raise SnapshotError(
-                f"The Jupyter server at {self.url} does not answer ({exc}).",
-                hint="Check the URL, or that the server runs.",
-            ) from exc
-        return json.loads(data) if data else None
-
-    def follow(self, job: dict[str, Any]) -> dict[str, Any]:
-        """Poll a job to its end, showing its progress on one terminal line."""
-        shown = ""
-        while job["status"] == "running":
-            line = f"  {job['kind']}: {job['phase']}"
-            if job.get("total_bytes"):
-                done, total = job["done_bytes"], job["total_bytes"]
-                line += f" {human_bytes(done)} / {human_bytes(total)} ({done * 100 // total}%)"
-            if line != shown:
-                print(f"\r{line:<72}", end="", file=sys.stderr, flush=True)
-                shown = line
-            time.sleep(0.2)
-            job = self.call("GET", f"jobs/{job['id']}")
-        if shown:
-            print(file=sys.stderr)
-        if job["status"] == "failed":
-            raise SnapshotError.from_dict(job["error"] or {})
-        return job
 
 
 def print_snapshots(snapshots: list[dict[str, Any]]) -> None:
@@ -717,10 +655,66 @@ class RotateKeyApp(_StoreCommand):
         )
 
 
+class CheckStoreApp(_SnapshotCommand):
+    name = "jupyter-snapshot-store-check"
+    description = (
+        "Check that the store is whole (restic's check): the key opens, every record is "
+        "readable, every chunk a snapshot needs is in a pack that lists it there; with "
+        "--read-data every such chunk is read and checked too (decrypted, or hashed). "
+        "Damaged or missing pieces are named with the snapshots they break (exit 1); what "
+        "nothing needs is listed with what 'store prune' removes. It only reads. The "
+        "server's store (through the running server), or one named with --store-dir or "
+        "--s3-bucket."
+    )
+    read_data = Bool(False, config=True, help="Read and check every chunk a snapshot needs.")
+    flags = {
+        **_SnapshotCommand.flags,
+        "read-data": ({"CheckStoreApp": {"read_data": True}}, "Read and check every chunk too."),
+    }
+
+    def run(self) -> None:
+        store = self.direct_store()
+        if store is None:
+            server = self.server()
+            job = server.call("POST", "store/check", body={"read_data": self.read_data})["job"]
+            found = server.follow(job)["result"]
+            lines = CheckReport.from_dict(found).lines()
+        else:
+            with ProgressLine("check") as line:
+                report = store.check(self.read_data, line.event)
+            found, lines = report.to_dict(), report.lines()
+        print(json.dumps(found, indent=1) if self.as_json else "\n".join(lines))
+        if not found["ok"]:
+            self.exit(1)
+
+
+class PruneStoreApp(_SnapshotCommand):
+    name = "jupyter-snapshot-store-prune"
+    description = (
+        "Remove what no snapshot needs: packs last changed before the grace period, the "
+        "claims of killed puts and clean-ups, and mostly unneeded packs rewritten; says "
+        "what it freed. A damaged store is left as it is ('store check' names what to "
+        "delete first). The server's store, or one named with --store-dir or --s3-bucket."
+    )
+
+    def run(self) -> None:
+        store = self.direct_store()
+        if store is None:
+            server = self.server()
+            done = server.follow(server.call("POST", "store/prune")["job"])["result"]
+            lines = PruneReport.from_dict(done).lines()
+        else:
+            report = store.prune()
+            done, lines = report.to_dict(), report.lines()
+        print(json.dumps(done, indent=1) if self.as_json else "\n".join(lines))
+
+
 class StoreApp(JupyterApp):
     name = "jupyter-snapshot-store"
-    description = "Work on a store itself: encrypt, rotate-key."
+    description = "Work on a store itself: check, prune, encrypt, rotate-key."
     subcommands = {
+        "check": (CheckStoreApp, CheckStoreApp.description),
+        "prune": (PruneStoreApp, PruneStoreApp.description),
         "encrypt": (EncryptStoreApp, EncryptStoreApp.description),
         "rotate-key": (RotateKeyApp, RotateKeyApp.description),
     }

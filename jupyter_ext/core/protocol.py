@@ -109,6 +109,9 @@ Phase = Literal[
     "transferring",
     "serialising",
     "loading",
+    "checking",
+    "reading-data",
+    "pruning",
     "done",
 ]
 

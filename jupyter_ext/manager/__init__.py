@@ -23,6 +23,7 @@ state)::
     dumps.py      Dumps (kernels, sessions, jobs, uploads, stored): snapshot, suspend, resume
     schedules.py  Schedules (kernels, jobs, lending, dumps): kernel status, automatic
                   snapshots on or off, snapshots of all before a stop
+    upkeep.py     StoreUpkeep (store, jobs): the store's check and prune, as jobs
 
 The snapshot policies (periodic, long cells, idle suspend) are decided in core/policies/tick.py
 on each kernel's status, read once a tick by jupyter_ext/autosnap.py.
@@ -57,6 +58,7 @@ from .shared import (
     validate_notebook_path,
 )
 from .stored import StoredSnapshots
+from .upkeep import StoreUpkeep
 from .uploads import STALE_WORK_SECONDS, PendingUpload, Uploads, remove_released_suspends
 
 __all__ = [
@@ -173,6 +175,7 @@ class SnapshotManager:
         self.restores = Restores(**common, image_cache=cache, lending=lending)
         self.dumps = dumps = Dumps(**common)
         self.schedules = Schedules(kernels, jobs, lending, dumps, emit)
+        self.upkeep = StoreUpkeep(store, jobs)
 
     @property
     def work_dir(self) -> Path:

@@ -169,6 +169,9 @@ const PHASES: Record<Phase, string> = {
   transferring: 'Bringing memory in',
   serialising: 'Pickling the variables',
   loading: 'Loading them into the kernel',
+  checking: 'Checking the store',
+  'reading-data': 'Reading every chunk',
+  pruning: 'Removing what nothing needs',
   done: 'Done'
 };
 
@@ -177,7 +180,9 @@ const KINDS: { [key: string]: string } = {
   restore: 'Restore',
   suspend: 'Suspend',
   resume: 'Resume',
-  variables: 'Take variables'
+  variables: 'Take variables',
+  check: 'Store check',
+  prune: 'Store prune'
 };
 
 /** "Snapshot", "Restore"... */

@@ -131,7 +131,13 @@ export interface ISnapshot {
 }
 
 export type JobKind =
-  'snapshot' | 'restore' | 'suspend' | 'resume' | 'variables';
+  | 'snapshot'
+  | 'restore'
+  | 'suspend'
+  | 'resume'
+  | 'variables'
+  | 'check'
+  | 'prune';
 
 /** Every phase a job goes through (jupyter_ext/core/protocol.py's Phase, the same list). */
 export type Phase =
@@ -150,6 +156,9 @@ export type Phase =
   | 'transferring'
   | 'serialising'
   | 'loading'
+  | 'checking'
+  | 'reading-data'
+  | 'pruning'
   | 'done';
 
 /** A snapshot, restore, suspend or resume in progress (or done). */
