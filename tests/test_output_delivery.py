@@ -61,6 +61,7 @@ class Received:
     socket cannot queue for it), snapshots or not."""
 
     def __init__(self, kernel: KernelProcess) -> None:
+        self.kernel = kernel
         # A session of its own: one checks each signature once (the client's own saw
         # the same messages).
         self.session = Session(key=kernel.client.session.key)
@@ -83,10 +84,10 @@ class Received:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._collect, daemon=True)
 
-    def start(self, kernel: KernelProcess, code: str) -> None:
+    def start(self, code: str) -> None:
         """Run ``code`` (PRINTER or CELL) and collect what it sends."""
         self.code = code
-        self.parent = kernel.client.execute(code.replace("COUNT", str(MESSAGES)))
+        self.parent = self.kernel.client.execute(code.replace("COUNT", str(MESSAGES)))
         self._thread.start()
 
     def _collect(self) -> None:
@@ -108,7 +109,8 @@ class Received:
                 for word in msg["content"]["text"].split():
                     if word == "end":
                         self.ended.set()
-                    else:
+                    else:  # a kernel restored in place after "end" prints again
+                        self.ended.clear()
                         self.numbers.append(int(word))
             elif msg["msg_type"] == "display_data":
                 self.shown.append(int(msg["content"]["data"]["text/plain"][1:]))
@@ -147,7 +149,7 @@ def printing(
     kernel = kernel_factory()
     received = Received(kernel)
     try:
-        received.start(kernel, getattr(request, "param", PRINTER))
+        received.start(getattr(request, "param", PRINTER))
         yield kernel, received
     finally:
         received.stop()
@@ -163,7 +165,9 @@ def run_until_printed(received: Received, operation: Callable[[int], Any]) -> in
             break
         operation(done)
         done += 1
-    # Until "end" comes, or nothing more for a long while (what was lost shows in check).
+    print(
+        f"{done} operations while the kernel printed"
+    )  # Until "end" comes, or nothing more for a long while (what was lost shows in check).
     seen = -1
     while not received.ended.wait(30) and len(received.numbers) != seen:
         seen = len(received.numbers)
@@ -171,9 +175,11 @@ def run_until_printed(received: Received, operation: Callable[[int], Any]) -> in
 
 
 def check(received: Received, rewinds: bool = False) -> None:
-    """Every number once, in order ("end" came after the last one)."""
-    assert gaps(received.numbers, MESSAGES, rewinds=rewinds) == []
-    assert gaps(received.shown, MESSAGES, step=10, rewinds=rewinds) == []
+    """Every number once, in order ("end" came after the last one); else what the
+    wrapper logged."""
+    wrong = gaps(received.numbers, MESSAGES, rewinds=rewinds)
+    wrong += gaps(received.shown, MESSAGES, step=10, rewinds=rewinds)
+    assert wrong == [], "\n".join([*wrong, received.kernel.log()[-5000:]])
 
 
 @pytest.mark.parametrize("printing", [PRINTER, CELL], ids=["thread", "cell"], indirect=True)
