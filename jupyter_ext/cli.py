@@ -27,19 +27,15 @@ from .core.contents import (
 from .core.doctor import (
     check_bucket_credentials,
     check_encryption,
-    check_store_whole,
+    check_store,
     run_checks,
 )
 from .core.errors import SnapshotError
 from .core.humanize import human_bytes, human_seconds, time_ago
 from .core.manifest import check_snapshot_id
 from .core.protocol import DEFAULT_RUNTIME_ROOT
-from .core.store import Repository, SnapshotStore, StoreSpec, open_store
-from .core.store.check import CheckReport
-from .core.store.keys import LOST_KEY, FileKeySource
-from .core.store.prune import PruneReport
-from .core.store.scope import user_prefix
-from .serverclient import ProgressLine, ServerClient
+from .core.store import SnapshotStore, StoreSpec, open_store
+from .serverclient import ServerClient
 from .settings import SnapshotSettings
 
 KERNELSPEC_DIR = Path(__file__).resolve().parent / "kernelspec"
@@ -92,6 +88,13 @@ class _ServerKey(JupyterApp):
     def _default_key_file(self) -> str:
         return server_settings().encryption_key_file
 
+    def server_store(self) -> StoreSpec:
+        """The server's store of this user, with this command's key options."""
+        settings = server_settings().option_values()
+        settings["encryption_key_source"] = self.key_source
+        settings["encryption_key_file"] = self.key_file
+        return StoreSpec.from_settings(settings)
+
 
 class DoctorApp(_ServerKey):
     name = "jupyter-snapshot-doctor"
@@ -121,13 +124,6 @@ class DoctorApp(_ServerKey):
     def _default_store_dir(self) -> str:
         return server_settings().local_store_dir
 
-    def server_store(self) -> StoreSpec:
-        """The server's store of this user, with this command's key options."""
-        settings = server_settings().option_values()
-        settings["encryption_key_source"] = self.key_source
-        settings["encryption_key_file"] = self.key_file
-        return StoreSpec.from_settings(settings)
-
     @default("work_dir")
     def _default_work_dir(self) -> str:
         return server_settings().work_dir
@@ -145,7 +141,7 @@ class DoctorApp(_ServerKey):
                     server_settings().hub_service_url,
                 ),
                 check_encryption(self.key_source, Path(self.key_file), os.environ),
-                check_store_whole(lambda: open_store(self.server_store())),
+                *(c for c in check_store(lambda: open_store(self.server_store())) if c),
             ),
             agent_socket=Path(agent) if (agent := os.environ.get(ENV_AGENT_SOCKET)) else None,
         )
@@ -580,150 +576,9 @@ class RemoveApp(_SnapshotCommand):
             print(f"Deleted {snapshot_id}")
 
 
-class _StoreCommand(_SnapshotCommand):
-    """A command on a store itself (--store-dir or --s3-*), never through a server."""
-
-    def open(self) -> Repository:
-        spec = self.store_spec()
-        if spec is None:
-            server = server_settings()
-            raise SnapshotError(
-                "Name the store: --store-dir DIR, or --s3-bucket B [--s3-prefix P].",
-                hint="The server's local store of this user is "
-                f"{Path(server.local_store_dir) / user_prefix(server.owner)}.",
-            )
-        return open_store(spec)
-
-
-class EncryptStoreApp(_StoreCommand):
-    name = "jupyter-snapshot-store-encrypt"
-    description = (
-        "Encrypt a store's unencrypted snapshots (a store from before encryption), which an "
-        "encrypted store never reads otherwise: run it only if every unencrypted snapshot in "
-        "the store is yours (delete any other first). Each is read and verified, stored "
-        "again encrypted under its id, and the unencrypted packs are removed. Run it while "
-        "no server takes snapshots into the store."
-    )
-    work_dir = Unicode(
-        config=True,
-        help="Where each snapshot is unpacked on its way (default: the server's work_dir).",
-    )
-    aliases = command_aliases("EncryptStoreApp", "work_dir")
-
-    @default("work_dir")
-    def _default_work_dir(self) -> str:
-        return server_settings().work_dir
-
-    def run(self) -> None:
-        store = self.open()
-
-        def said(snapshot_id: str) -> None:
-            print(f"encrypted {snapshot_id}", flush=True)
-
-        done = store.encrypt_unencrypted(Path(self.work_dir), said)
-        assert store.keyring is not None  # encrypt_unencrypted refuses a store without
-        print(f"{len(done)} snapshot(s) encrypted; key: {store.keyring.describe()}. {LOST_KEY}")
-
-
-class RotateKeyApp(_StoreCommand):
-    name = "jupyter-snapshot-store-rotate-key"
-    description = (
-        "A new key-encryption key for a store of key source 'file': the store's master key "
-        "is rewrapped (one small object; no snapshot rewritten). The old key stays in "
-        "<key file>.previous, still accepted by other stores that use the same file until "
-        "they are opened once."
-    )
-
-    def run(self) -> None:
-        if self.key_source != "file":
-            raise SnapshotError(
-                f"rotate-key changes a key file; this store's key source is {self.key_source!r}.",
-                hint="With 'env': set JUPYTER_SNAPSHOT_KEY to the new key and "
-                "JUPYTER_SNAPSHOT_KEY_PREVIOUS to the old one; the server rewraps at start.",
-            )
-        store = self.open()
-        if store.keyring is None:
-            raise SnapshotError("This store is not encrypted.", hint="Leave --key-source at file.")
-        before = store.keyring.kek_id  # unwrapped with the key of today
-        FileKeySource(Path(self.key_file)).rotate()
-        rotated = self.open()
-        assert rotated.keyring is not None
-        print(
-            f"The store's master key is now wrapped by key {rotated.keyring.kek_id} (was "
-            f"{before}), in {self.key_file}; the old key is in {self.key_file}.previous. "
-            + LOST_KEY
-        )
-
-
-class CheckStoreApp(_SnapshotCommand):
-    name = "jupyter-snapshot-store-check"
-    description = (
-        "Check that the store is whole (restic's check): the key opens, every record is "
-        "readable, every chunk a snapshot needs is in a pack that lists it there; with "
-        "--read-data every such chunk is read and checked too (decrypted, or hashed). "
-        "Damaged or missing pieces are named with the snapshots they break (exit 1); what "
-        "nothing needs is listed with what 'store prune' removes. It only reads. The "
-        "server's store (through the running server), or one named with --store-dir or "
-        "--s3-bucket."
-    )
-    read_data = Bool(False, config=True, help="Read and check every chunk a snapshot needs.")
-    flags = {
-        **_SnapshotCommand.flags,
-        "read-data": ({"CheckStoreApp": {"read_data": True}}, "Read and check every chunk too."),
-    }
-
-    def run(self) -> None:
-        store = self.direct_store()
-        if store is None:
-            server = self.server()
-            job = server.call("POST", "store/check", body={"read_data": self.read_data})["job"]
-            found = server.follow(job)["result"]
-            lines = CheckReport.from_dict(found).lines()
-        else:
-            with ProgressLine("check") as line:
-                report = store.check(self.read_data, line.event)
-            found, lines = report.to_dict(), report.lines()
-        print(json.dumps(found, indent=1) if self.as_json else "\n".join(lines))
-        if not found["ok"]:
-            self.exit(1)
-
-
-class PruneStoreApp(_SnapshotCommand):
-    name = "jupyter-snapshot-store-prune"
-    description = (
-        "Remove what no snapshot needs: packs last changed before the grace period, the "
-        "claims of killed puts and clean-ups, and mostly unneeded packs rewritten; says "
-        "what it freed. A damaged store is left as it is ('store check' names what to "
-        "delete first). The server's store, or one named with --store-dir or --s3-bucket."
-    )
-
-    def run(self) -> None:
-        store = self.direct_store()
-        if store is None:
-            server = self.server()
-            done = server.follow(server.call("POST", "store/prune")["job"])["result"]
-            lines = PruneReport.from_dict(done).lines()
-        else:
-            report = store.prune()
-            done, lines = report.to_dict(), report.lines()
-        print(json.dumps(done, indent=1) if self.as_json else "\n".join(lines))
-
-
-class StoreApp(JupyterApp):
-    name = "jupyter-snapshot-store"
-    description = "Work on a store itself: check, prune, encrypt, rotate-key."
-    subcommands = {
-        "check": (CheckStoreApp, CheckStoreApp.description),
-        "prune": (PruneStoreApp, PruneStoreApp.description),
-        "encrypt": (EncryptStoreApp, EncryptStoreApp.description),
-        "rotate-key": (RotateKeyApp, RotateKeyApp.description),
-    }
-
-    def start(self) -> None:
-        if self.subapp is None:
-            print("No subcommand given; choose one of: " + ", ".join(self.subcommands))
-            self.exit(1)
-        super().start()
+STORE_DESCRIPTION = (
+    "Work on a store itself: check, prune, passphrase, recover, encrypt, rotate-key."
+)
 
 
 class SnapshotApp(JupyterApp):
@@ -739,7 +594,7 @@ class SnapshotApp(JupyterApp):
         "take": (TakeApp, TakeApp.description),
         "rm": (RemoveApp, RemoveApp.description),
         "doctor": (DoctorApp, DoctorApp.description),
-        "store": (StoreApp, StoreApp.description),
+        "store": ("jupyter_ext.storecli.StoreApp", STORE_DESCRIPTION),
         "install-kernelspec": (InstallKernelSpecApp, InstallKernelSpecApp.description),
     }
 

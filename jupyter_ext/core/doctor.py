@@ -17,7 +17,8 @@ from .isolation.confinement import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, Confinem
 from .private import exposed, others_can_replace
 from .protocol import ENV_RUNTIME_DIR
 from .store import SnapshotStore
-from .store.keys import ENV_KEY, LOST_KEY
+from .store.api import StoreReport
+from .store.keys import ENV_KEY, KEEP_PASSPHRASE, LOST_KEY, RECOVER
 
 VFS_CAP_FLAGS_EFFECTIVE = 0x1
 ST_NOSUID = 2
@@ -586,18 +587,36 @@ def check_encryption(source: str, key_file: Path, environ: Mapping[str, str]) ->
     return Check(name, True, f"on (AES-256-GCM), key file {key_file} (0600). {LOST_KEY}")
 
 
-def check_store_whole(open_store: Callable[[], SnapshotStore]) -> Check:
-    """``store check`` without reading the data: the key, every record, every pack a
-    snapshot needs and its trailer. Damage names the snapshots it breaks."""
-    name = "store integrity"
+def check_store(open_store: Callable[[], SnapshotStore]) -> tuple[Check, Check | None]:
+    """The server's store: is it whole (:func:`check_store_whole`), and would its key be
+    lost with this machine (None: it would not)."""
     try:
         store = open_store()
         try:
-            found = store.check()
+            found, notice = store.check(), store.key_notice()
         finally:
             store.close()
     except SnapshotError as exc:
-        return Check(name, False, f"the store cannot be checked: {exc}", required=False)
+        return Check(STORE, False, f"the store cannot be checked: {exc}", required=False), None
+    copy = None
+    if notice:
+        copy = Check(
+            "store key copy",
+            False,
+            notice,
+            fix=f"{KEEP_PASSPHRASE} (once; on another machine: {RECOVER})",
+            required=False,
+        )
+    return check_store_whole(found), copy
+
+
+STORE = "store integrity"
+
+
+def check_store_whole(found: StoreReport) -> Check:
+    """``store check`` without reading the data: the key, every record, every pack a
+    snapshot needs and its trailer. Damage names the snapshots it breaks."""
+    name = STORE
     lines = found.lines()
     if found.to_dict()["ok"]:
         return Check(name, True, " ".join(lines[:2]))

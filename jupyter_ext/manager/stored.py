@@ -59,6 +59,14 @@ class StoredSnapshots:
         entries.sort(key=lambda e: (e["created"], e["sequence"]), reverse=True)
         return {"snapshots": entries, "store_error": store_error}
 
+    async def key_notice(self) -> str:
+        """What to tell the user while the store's key would be lost with this machine
+        (core/store/keys.py); "" if not, or if the store cannot be reached (said elsewhere)."""
+        try:
+            return await asyncio.to_thread(self.store.key_notice)
+        except StoreError:
+            return ""
+
     async def get(self, snapshot_id: str) -> dict[str, Any]:
         check_snapshot_id(snapshot_id)
         pending = self.uploads.pending.get(snapshot_id)

@@ -273,6 +273,9 @@ export function policyLines(policy: IPolicy): [string, string][] {
     'Before server shutdown',
     policy.snapshot_before_shutdown ? 'snapshot every kernel' : 'no snapshot'
   ]);
+  if (policy.key_notice) {
+    lines.push(['Encryption key', policy.key_notice]);
+  }
   return lines;
 }
 

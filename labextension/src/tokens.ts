@@ -255,6 +255,11 @@ export interface IPolicy {
   suspend_cpu_kernels?: boolean;
   cull_action?: 'suspend' | 'shutdown';
   cull_idle_timeout?: number;
+  /**
+   * Set while the store outlives this machine but its key does not (an S3 store, a key
+   * file, no passphrase copy): what to do, with the command. Empty otherwise.
+   */
+  key_notice?: string;
   [key: string]: unknown;
 }
 

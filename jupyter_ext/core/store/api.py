@@ -133,6 +133,11 @@ class SnapshotStore(Protocol):
         """Remove what nothing needs; what was removed."""
         ...
 
+    def key_notice(self) -> str:
+        """What to tell the user while the store's key would be lost with this machine
+        ("" if it would not)."""
+        ...
+
     def close(self) -> None: ...
 
     def tighten(self) -> list[Exposed]:

@@ -26,7 +26,7 @@ from .claims import Claims, Heartbeat
 from .fetch import Reader, fetch_into
 from .images import SnapshotImages
 from .index import Index
-from .keys import KEY_SOURCES, Keyring, KeySource, SealedBackend
+from .keys import KEY_SOURCES, FileKeySource, Keyring, KeySource, SealedBackend, only_here_notice
 from .prune import Cleaner, PruneReport
 from .put import PutSettings, Upload
 from .record import Record, Summary
@@ -56,6 +56,8 @@ class Repository:
     images are adopted, what a failed put's error says, what a prune also removes."""
 
     adopts_images = False
+    outlives_the_machine = False
+    """Whether the store survives this machine's loss (a bucket): its key must too."""
 
     @classmethod
     def over(cls, backend: Backend, *, max_workers: int, **tuning: Unpack[Tuning]) -> Self:
@@ -352,6 +354,17 @@ class Repository:
                 plain.append(name)
         self.backend.remove_all(plain)
         logger.info("Removed %d unencrypted packs", len(plain))
+
+    def key_notice(self) -> str:
+        """What to tell the user while the store outlives this machine but its key does
+        not (a key file, no passphrase copy in the store); "" otherwise."""
+        keyring = self.keyring
+        if not self.outlives_the_machine or keyring is None:
+            return ""
+        if not isinstance(keyring.source, FileKeySource) or keyring.names()[1]:
+            return ""
+        root = self.backend.location(layout.key("-")).rsplit("/", 2)[0]
+        return only_here_notice(root, keyring.source)
 
     # -- clean-up --------------------------------------------------------------------
 

@@ -95,6 +95,7 @@ class S3Store(Repository):
     it is set.
     """
 
+    outlives_the_machine = True
     backend: S3Backend
 
     def __init__(
