@@ -279,16 +279,22 @@ class Relay:
 
     async def _release_gate(self, inner: InnerChannels) -> None:
         """Ask the kernel's agent to release its gate until it answers, for as long as
-        ``inner`` is connected: a kernel whose gate stays held sends nothing more."""
-        while self.inner is inner:
-            answer = await inner.ask_agent("release", GATE_TIMEOUT)
-            error = str(answer.get("error", ""))
-            if not error:
-                return
-            if error.startswith("unknown operation"):
-                log.warning("the kernel has no output gate (started by an older version)")
-                return
-            log.warning("releasing the kernel's output gate: %s; asking again", error)
+        ``inner`` is connected (a kernel being restored connects once it runs): a kernel
+        whose gate stays held sends nothing more. An agent of an older version answers
+        that it knows no gate."""
+        said = False
+        with contextlib.suppress(zmq.ZMQError):  # the channels closed under it
+            while self.inner is inner:
+                answer = await inner.ask_agent("release", GATE_TIMEOUT)
+                error = str(answer.get("error", ""))
+                if not error:
+                    return
+                if error.startswith("unknown operation"):
+                    log.warning("the kernel has no output gate (an older version's)")
+                    return
+                if not said:
+                    log.warning("releasing the kernel's output gate: %s; asking on", error)
+                    said = True
 
     async def close_inner(self) -> None:
         """Close the inner channels (a kernel that is gone, or about to be replaced)."""
@@ -334,20 +340,27 @@ class Relay:
         await self._wait_disconnected(inner_pid)
 
     async def _hold(self, inner: InnerChannels) -> None:
-        """Steps 3: hold the kernel's output gate (after its last release, never before
-        it), then wait for what it sent before."""
+        """Steps 3: hold the kernel's output gate, then wait for what it sent before. The
+        release still being asked for stops first: the agent answers in order, so no
+        release can come after this hold (one never sent leaves the gate held since the
+        last dump: nothing was sent since)."""
         if self._release is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._release), GATE_TIMEOUT)
-            except TimeoutError:
-                raise self._gate_error("release its output gate after the last snapshot") from None
+            self._release.cancel()
+            await asyncio.gather(self._release, return_exceptions=True)
+            self._release = None
         answer = await inner.ask_agent("hold", GATE_TIMEOUT)
-        error = str(answer.get("error", ""))
-        if error.startswith("unknown operation"):
+        if answer.get("absent") or str(answer.get("error", "")).startswith("unknown operation"):
             log.warning("the kernel has no output gate: output sent during the dump may be lost")
             return
-        if error:
-            raise self._gate_error(f"pause its output ({error})")
+        if answer.get("error"):
+            raise SnapshotError(
+                f"The kernel did not pause its output within {GATE_TIMEOUT:g} s "
+                f"({answer['error']}), so it cannot be snapshotted without risking its output.",
+                hint="The kernel may be busy in code that holds Python's interpreter lock; "
+                "retry the snapshot later.",
+            )
+        if answer.get("was_held"):
+            return
         epoch = int(answer["epoch"])
         due = {name: (epoch, int(n)) for name, n in answer["sent"].items() if n}
         deadline = time.monotonic() + RECEIVE_TIMEOUT
@@ -361,15 +374,6 @@ class Relay:
                     "report the wrapper's log.",
                 )
             await asyncio.sleep(0.0005)
-
-    @staticmethod
-    def _gate_error(what: str) -> SnapshotError:
-        return SnapshotError(
-            f"The kernel did not {what} within {GATE_TIMEOUT:g} s, so it cannot be "
-            "snapshotted without risking its output.",
-            hint="The kernel may be busy in code that holds Python's interpreter lock; "
-            "retry the snapshot later.",
-        )
 
     @staticmethod
     async def _children_done(inner_pid: int) -> None:

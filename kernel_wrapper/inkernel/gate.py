@@ -69,14 +69,16 @@ class OutputGate:
                 self._cond.notify_all()
 
     def hold(self) -> dict[str, Any]:
-        """Stop every send (those under way finish first); the epoch and the last number
-        sent on each channel."""
+        """Stop every send (those under way finish first); the epoch, the last number
+        sent on each channel, and whether the gate was held already (not released since
+        the dump this kernel was restored from: it sent nothing since)."""
         with self._cond:
-            self._held = True
+            was_held, self._held = self._held, True
             self._cond.wait_for(lambda: self._sending == 0)
             return {
                 "epoch": self.epoch,
                 "sent": {name: sock.numbered for name, sock in self.sockets.items()},
+                "was_held": was_held,
             }
 
     def release(self) -> dict[str, Any]:
