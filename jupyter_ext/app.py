@@ -214,7 +214,7 @@ class SnapshotExtensionApp(SnapshotSettings):
     async def _say_key_notice(self) -> None:
         """Say at start, once, if the store's key would be lost with this machine (the
         panel and doctor say it too, until the user keeps a copy)."""
-        notice = await self.manager.snapshots.key_notice()
+        notice = await self.manager.snapshots.read_key_notice()
         if notice:
             self.log.warning("kernel snapshots: %s", notice)
 

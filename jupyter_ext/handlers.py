@@ -348,7 +348,7 @@ class PolicyHandler(SnapshotHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.reply({**self.policy, "key_notice": await self.manager.snapshots.key_notice()})
+        self.reply({**self.policy, "key_notice": self.manager.snapshots.key_notice()})
 
 
 def route_table(
