@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from jupyter_ext.core.doctor import check_store
 from jupyter_ext.core.store import EnvKeySource, KeySource, StoredSnapshot
 from jupyter_ext.core.store.backend import layout
 from jupyter_ext.core.store.check import CheckReport
@@ -168,6 +169,12 @@ def test_a_missing_pack_breaks_the_snapshots_that_need_it(open_store: Open, tmp_
     [(kind, problem, breaks)] = damage_of(found)
     assert (kind, found.damage[0].name, breaks) == ("pack", only_second, ids(second))
     assert problem.startswith("is missing from the store")
+    # doctor says so too (without reading the data), with the snapshot and what to do
+    integrity, _ = check_store(open_store)
+    assert (integrity.name, integrity.ok) == ("store integrity", False)
+    assert only_second in integrity.detail
+    assert second.manifest.id in integrity.detail
+    assert "store check --read-data" in integrity.fix
 
 
 def test_a_pack_cut_short_and_a_damaged_trailer_are_found_without_reading_the_data(
