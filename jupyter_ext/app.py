@@ -207,6 +207,7 @@ class SnapshotExtensionApp(SnapshotSettings):
             self.log.info("uploading %d snapshot(s) kept locally: %s", len(recovered), recovered)
             self._recovery = asyncio.ensure_future(self.manager.uploads.retry())
         self._policy_task = asyncio.ensure_future(self._policy_loop())
+        self.manager.jobs.spawn(self._say_key_notice())
         if os.environ.get("JUPYTERHUB_API_TOKEN") and (
             signal.getsignal(signal.SIGINT) is signal.default_int_handler
         ):
@@ -214,6 +215,13 @@ class SnapshotExtensionApp(SnapshotSettings):
             # SIGINT. jupyter_server handles SIGINT only on a terminal; without one it
             # would end at once: no snapshots before shutdown, kernels left running.
             signal.signal(signal.SIGINT, self._stop_on_sigint)
+
+    async def _say_key_notice(self) -> None:
+        """Say at start, once, if the store's key would be lost with this machine (the
+        panel and doctor say it too, until the user keeps a copy)."""
+        notice = await self.manager.snapshots.read_key_notice()
+        if notice:
+            self.log.warning("kernel snapshots: %s", notice)
 
     def _stop_on_sigint(self, signum: int, frame: object) -> None:
         self.log.info("SIGINT: stopping the server (its kernels are snapshotted first)")

@@ -7,9 +7,6 @@ import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +25,7 @@ from .core.contents import (
 from .core.doctor import (
     check_bucket_credentials,
     check_encryption,
+    check_store,
     check_store_server,
     run_checks,
 )
@@ -35,10 +33,9 @@ from .core.errors import SnapshotError
 from .core.humanize import human_bytes, human_seconds, time_ago
 from .core.manifest import check_snapshot_id
 from .core.protocol import DEFAULT_RUNTIME_ROOT
-from .core.store import Repository, SnapshotStore, StoreSpec, open_store
-from .core.store.keys import LOST_KEY, FileKeySource
-from .core.store.scope import user_prefix
+from .core.store import SnapshotStore, StoreSpec, open_store
 from .kernelspecs import install_kernelspec, wrap_kernelspec
+from .serverclient import ServerClient
 from .settings import SnapshotSettings
 
 
@@ -89,6 +86,13 @@ class _ServerKey(JupyterApp):
     def _default_key_file(self) -> str:
         return server_settings().encryption_key_file
 
+    def server_store(self) -> StoreSpec:
+        """The server's store of this user, with this command's key options."""
+        settings = server_settings().option_values()
+        settings["encryption_key_source"] = self.key_source
+        settings["encryption_key_file"] = self.key_file
+        return StoreSpec.from_settings(settings)
+
 
 class DoctorApp(_ServerKey):
     name = "jupyter-snapshot-doctor"
@@ -136,6 +140,7 @@ class DoctorApp(_ServerKey):
                 ),
                 check_encryption(self.key_source, Path(self.key_file), os.environ),
                 check_store_server(server_settings().option_values(), os.environ),
+                *(c for c in check_store(lambda: open_store(self.server_store())) if c),
             ),
             agent_socket=Path(agent) if (agent := os.environ.get(ENV_AGENT_SOCKET)) else None,
         )
@@ -209,81 +214,6 @@ class InstallKernelSpecApp(JupyterApp):
             name, self.display_name or "Python 3 (snapshots)", user=self.user, prefix=prefix
         )
         print(f"Installed kernelspec {name} in {path}")
-
-
-class ServerClient:
-    """The REST API of a running Jupyter server (token auth), with blocking calls."""
-
-    def __init__(self, url: str, token: str) -> None:
-        self.url = url.rstrip("/") + "/"
-        self.token = token
-
-    @classmethod
-    def find(cls, url: str = "", token: str = "") -> ServerClient:
-        """The server at ``url``, or the one running server this user has."""
-        if url:
-            return cls(url, token)
-        from jupyter_server.serverapp import list_running_servers
-
-        servers = list(list_running_servers())
-        if not servers:
-            raise SnapshotError(
-                "No running Jupyter server was found.",
-                hint="Start one (jupyter lab), or pass --url and --token, or use --store-dir "
-                "/ --s3-bucket to work on a store directly.",
-            )
-        if len(servers) > 1:
-            urls = ", ".join(str(s["url"]) for s in servers)
-            raise SnapshotError(
-                f"Several Jupyter servers are running ({urls}).", hint="Choose one with --url."
-            )
-        return cls(str(servers[0]["url"]), token or str(servers[0].get("token", "")))
-
-    def call(self, method: str, resource: str, body: Any = None, **params: str) -> Any:
-        """``METHOD /api/snapshots/<resource>?params``; errors come back as SnapshotError."""
-        query = urllib.parse.urlencode({k: v for k, v in params.items() if v})
-        target = self.url + "api/snapshots" + (f"/{resource}" if resource else "")
-        request = urllib.request.Request(
-            target + (f"?{query}" if query else ""),
-            method=method,
-            data=None if body is None else json.dumps(body).encode(),
-            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=600) as response:
-                data = response.read()
-        except urllib.error.HTTPError as exc:
-            with exc:  # the error response holds the connection until closed
-                try:
-                    error = json.loads(exc.read())
-                except ValueError:
-                    error = {"message": str(exc)}
-            raise SnapshotError.from_dict(error) from None
-        except OSError as exc:
-            raise SnapshotError(
-                f"The Jupyter server at {self.url} does not answer ({exc}).",
-                hint="Check the URL, or that the server runs.",
-            ) from exc
-        return json.loads(data) if data else None
-
-    def follow(self, job: dict[str, Any]) -> dict[str, Any]:
-        """Poll a job to its end, showing its progress on one terminal line."""
-        shown = ""
-        while job["status"] == "running":
-            line = f"  {job['kind']}: {job['phase']}"
-            if job.get("total_bytes"):
-                done, total = job["done_bytes"], job["total_bytes"]
-                line += f" {human_bytes(done)} / {human_bytes(total)} ({done * 100 // total}%)"
-            if line != shown:
-                print(f"\r{line:<72}", end="", file=sys.stderr, flush=True)
-                shown = line
-            time.sleep(0.2)
-            job = self.call("GET", f"jobs/{job['id']}")
-        if shown:
-            print(file=sys.stderr)
-        if job["status"] == "failed":
-            raise SnapshotError.from_dict(job["error"] or {})
-        return job
 
 
 def memory_copy(memory: dict[str, Any]) -> str:
@@ -682,94 +612,9 @@ class RemoveApp(_SnapshotCommand):
             print(f"Deleted {snapshot_id}")
 
 
-class _StoreCommand(_SnapshotCommand):
-    """A command on a store itself (--store-dir or --s3-*), never through a server."""
-
-    def open(self) -> Repository:
-        spec = self.store_spec()
-        if spec is None:
-            server = server_settings()
-            raise SnapshotError(
-                "Name the store: --store-dir DIR, or --s3-bucket B [--s3-prefix P].",
-                hint="The server's local store of this user is "
-                f"{Path(server.local_store_dir) / user_prefix(server.owner)}.",
-            )
-        return open_store(spec)
-
-
-class EncryptStoreApp(_StoreCommand):
-    name = "jupyter-snapshot-store-encrypt"
-    description = (
-        "Encrypt a store's unencrypted snapshots (a store from before encryption), which an "
-        "encrypted store never reads otherwise: run it only if every unencrypted snapshot in "
-        "the store is yours (delete any other first). Each is read and verified, stored "
-        "again encrypted under its id, and the unencrypted packs are removed. Run it while "
-        "no server takes snapshots into the store."
-    )
-    work_dir = Unicode(
-        config=True,
-        help="Where each snapshot is unpacked on its way (default: the server's work_dir).",
-    )
-    aliases = command_aliases("EncryptStoreApp", "work_dir")
-
-    @default("work_dir")
-    def _default_work_dir(self) -> str:
-        return server_settings().work_dir
-
-    def run(self) -> None:
-        store = self.open()
-
-        def said(snapshot_id: str) -> None:
-            print(f"encrypted {snapshot_id}", flush=True)
-
-        done = store.encrypt_unencrypted(Path(self.work_dir), said)
-        assert store.keyring is not None  # encrypt_unencrypted refuses a store without
-        print(f"{len(done)} snapshot(s) encrypted; key: {store.keyring.describe()}. {LOST_KEY}")
-
-
-class RotateKeyApp(_StoreCommand):
-    name = "jupyter-snapshot-store-rotate-key"
-    description = (
-        "A new key-encryption key for a store of key source 'file': the store's master key "
-        "is rewrapped (one small object; no snapshot rewritten). The old key stays in "
-        "<key file>.previous, still accepted by other stores that use the same file until "
-        "they are opened once."
-    )
-
-    def run(self) -> None:
-        if self.key_source != "file":
-            raise SnapshotError(
-                f"rotate-key changes a key file; this store's key source is {self.key_source!r}.",
-                hint="With 'env': set JUPYTER_SNAPSHOT_KEY to the new key and "
-                "JUPYTER_SNAPSHOT_KEY_PREVIOUS to the old one; the server rewraps at start.",
-            )
-        store = self.open()
-        if store.keyring is None:
-            raise SnapshotError("This store is not encrypted.", hint="Leave --key-source at file.")
-        before = store.keyring.kek_id  # unwrapped with the key of today
-        FileKeySource(Path(self.key_file)).rotate()
-        rotated = self.open()
-        assert rotated.keyring is not None
-        print(
-            f"The store's master key is now wrapped by key {rotated.keyring.kek_id} (was "
-            f"{before}), in {self.key_file}; the old key is in {self.key_file}.previous. "
-            + LOST_KEY
-        )
-
-
-class StoreApp(JupyterApp):
-    name = "jupyter-snapshot-store"
-    description = "Work on a store itself: encrypt, rotate-key."
-    subcommands = {
-        "encrypt": (EncryptStoreApp, EncryptStoreApp.description),
-        "rotate-key": (RotateKeyApp, RotateKeyApp.description),
-    }
-
-    def start(self) -> None:
-        if self.subapp is None:
-            print("No subcommand given; choose one of: " + ", ".join(self.subcommands))
-            self.exit(1)
-        super().start()
+STORE_DESCRIPTION = (
+    "Work on a store itself: check, prune, passphrase, recover, encrypt, rotate-key."
+)
 
 
 class SnapshotApp(JupyterApp):
@@ -785,7 +630,7 @@ class SnapshotApp(JupyterApp):
         "take": (TakeApp, TakeApp.description),
         "rm": (RemoveApp, RemoveApp.description),
         "doctor": (DoctorApp, DoctorApp.description),
-        "store": (StoreApp, StoreApp.description),
+        "store": ("jupyter_ext.storecli.StoreApp", STORE_DESCRIPTION),
         "install-kernelspec": (InstallKernelSpecApp, InstallKernelSpecApp.description),
     }
 

@@ -145,6 +145,8 @@ class CullingPolicy:
                 ending = await self._decide(kernel_id, requester)
             if ending is not None and not restart and await self._kept(kernel_id, ending):
                 return
+            if ending is not None and kernel_id in self.ending_now:
+                return  # a shutdown asked meanwhile (while the suspend ran) ends it: once
             self.ending_now[kernel_id] += 1
             try:
                 await shutdown(kernel_id, now=now, restart=restart)
@@ -223,7 +225,8 @@ class CullingPolicy:
         """Carry out a decided shutdown; whether the kernel stays (True: suspended, or
         left as it is) or is to be shut down now. A kernel that cannot be suspended (busy)
         is snapshotted first; one left without a snapshot is said in the log and an
-        "unsaved" event, as at a server's stop."""
+        "unsaved" event, as at a server's stop, unless a shutdown someone asked for ends it
+        meanwhile (the suspend failed because of it)."""
         if ending.action in ("leave", "shutdown"):
             return ending.action == "leave"
         reason = "it was running a cell"
@@ -238,6 +241,14 @@ class CullingPolicy:
                 )
                 return True
             reason = failed
+        if kernel_id in self.ending_now:
+            log.info(
+                "kernel %s (%s) is shut down as asked meanwhile (not suspended: %s)",
+                kernel_id,
+                ending.why,
+                reason,
+            )
+            return False
         failed = await self._job(kernel_id, self.manager.dumps.create, ending.trigger)
         if failed is None:
             log.info(

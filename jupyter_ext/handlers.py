@@ -351,11 +351,29 @@ class SuspendHandler(SnapshotHandler):
         self.reply({"job": job.to_dict()}, status=202)
 
 
+class StoreHandler(SnapshotHandler):
+    @web.authenticated
+    @authorized
+    async def post(self, action: str) -> None:
+        """Check the store (``{"read_data": true}``: every chunk read too) or prune it."""
+        if action == "check":
+            read_data = self.body().get("read_data", False)
+            if not isinstance(read_data, bool):
+                raise BadRequest(
+                    "read_data must be true or false.",
+                    'Send {"read_data": true} to read and check every chunk too.',
+                )
+            job = self.manager.upkeep.check(read_data)
+        else:
+            job = self.manager.upkeep.prune()
+        self.reply({"job": job.to_dict()}, status=202)
+
+
 class PolicyHandler(SnapshotHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.reply(self.policy)
+        self.reply({**self.policy, "key_notice": self.manager.snapshots.key_notice()})
 
 
 def route_table(
@@ -366,6 +384,7 @@ def route_table(
     routes: list[tuple[str, type[SnapshotHandler]]] = [
         (r"/api/snapshots", SnapshotsHandler),
         (r"/api/snapshots/policy", PolicyHandler),
+        (r"/api/snapshots/store/(?P<action>check|prune)", StoreHandler),
         (r"/api/snapshots/kernels", KernelsHandler),
         (rf"/api/snapshots/kernels/{KERNEL_ID}", KernelHandler),
         (rf"/api/snapshots/kernels/{KERNEL_ID}/(?P<action>suspend|resume)", SuspendHandler),

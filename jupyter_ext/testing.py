@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.connect import write_connection_file
 
-from jupyter_ext.cli import ServerClient
 from jupyter_ext.core import proctree
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.protocol import (
@@ -38,6 +37,7 @@ from jupyter_ext.core.protocol import (
     WrapperInfo,
 )
 from jupyter_ext.core.store.keys import ENV_KEY, EnvKeySource
+from jupyter_ext.serverclient import ServerClient
 
 if TYPE_CHECKING:
     from tornado.websocket import WebSocketClientConnection

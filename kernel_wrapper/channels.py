@@ -4,6 +4,7 @@ safe between asyncio and libzmq."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import threading
@@ -17,14 +18,17 @@ import zmq.asyncio
 
 from jupyter_ext.core.protocol import AGENT_PORT, INNER_PORTS
 
-#: How long a request to the kernel's snapshot agent waits for it to connect (again): it
-#: reconnects at most 200 ms after its endpoint is bound again (its RECONNECT_IVL_MAX).
-AGENT_RECONNECT = 0.5
 #: The routing id of the wrapper's sockets toward the inner kernel, the same forever,
 #: so replies the kernel routes after a restore still reach us.
 INNER_ROUTING_ID = b"kernel-snapshot-wrapper"
 #: The Jupyter channels the wrapper relays (the heartbeat it answers itself).
 REQUEST_CHANNELS = ("shell", "stdin", "control")
+#: How many messages the server-facing IOPub socket queues for each subscriber before it
+#: drops what that one cannot take (ZeroMQ's PUB behaviour; its default is 1,000). The
+#: relay forwards what the kernel sent in bursts (all that waits at once, more after a
+#: snapshot, while the wrapper also hashes), which must not overflow a queue that its own
+#: I/O thread has not emptied yet: only a subscriber this far behind loses output.
+SERVER_IOPUB_HWM = 100_000
 
 Route = tuple[str, str]
 """("server" or "inner", channel name): where a message goes."""
@@ -102,6 +106,7 @@ class ServerChannels:
             self._apply_curve(sock)
             if kind == zmq.XPUB:
                 sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+                sock.setsockopt(zmq.SNDHWM, SERVER_IOPUB_HWM)
             else:
                 sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             if url.startswith("ipc://"):
@@ -145,10 +150,13 @@ def only_this_user(sock: zmq.Socket[Any]) -> None:
 
 
 class InnerChannels:
-    """The wrapper's ends of the channels to the inner kernel, bound in the runtime dir."""
+    """The wrapper's ends of the channels to the inner kernel, bound in the runtime dir;
+    ``received`` holds (epoch, number) of the last numbered message received on each
+    channel (kernel_wrapper.inkernel.gate)."""
 
     def __init__(self, runtime_dir: Path) -> None:
         self.context = zmq.asyncio.Context()
+        self.received: dict[str, tuple[int, int]] = {}
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
         for name in REQUEST_CHANNELS:
             sock = self.context.socket(zmq.DEALER)
@@ -180,29 +188,35 @@ class InnerChannels:
         self.agent.bind(f"ipc://{agent_path}")
         self.paths.append(agent_path)
         self._agent_requests = 0
+        self._agent_lock = asyncio.Lock()
 
     async def ask_agent(self, op: str, timeout: float, **args: Any) -> dict[str, Any]:
-        """One request to the kernel's snapshot agent; an answer with "error" if it is not
-        there (a kernel restored from an older snapshot) or does not answer in time."""
-        self._agent_requests += 1
-        request_id = self._agent_requests
-        try:
-            # Right after a dump it is connecting again (inkernel/agent.py: within 200 ms).
-            writable = zmq.asyncio.Poller()
-            writable.register(self.agent, zmq.POLLOUT)
-            if not await writable.poll(min(timeout, AGENT_RECONNECT) * 1000):
-                raise zmq.Again()
-            await self.agent.send_json({**args, "id": request_id, "op": op}, zmq.NOBLOCK)
-        except zmq.Again:
-            return {"error": "the kernel has no snapshot agent connected"}
+        """One request to the kernel's snapshot agent (one at a time: each waits for its
+        own answer), once the agent is connected; an answer with "error" if it does not
+        connect or answer in time."""
         deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            if not await self.agent.poll(left * 1000):
-                break
-            reply = await self.agent.recv_json()
-            if isinstance(reply, dict) and reply.get("id") == request_id:
-                return reply  # earlier answers that came too late are dropped
-        return {"error": f"the kernel's snapshot agent did not answer within {timeout:g} s"}
+        async with self._agent_lock:
+            self._agent_requests += 1
+            request_id = self._agent_requests
+            # A bound DEALER takes a message once a peer is connected: the agent of a kernel
+            # just started or restored connects within its reconnect interval.
+            left = max(0.0, deadline - time.monotonic())
+            # (pyzmq's stub lacks the flags argument its asyncio poll takes.)
+            if not await self.agent.poll(left * 1000, zmq.POLLOUT):  # type: ignore[call-arg]
+                # The kernel's agent connects within its reconnect interval (<= 0.2 s),
+                # whatever its code does: one that does not in that time is not there.
+                return {
+                    "error": f"the kernel's snapshot agent did not connect in {timeout:g} s",
+                    "absent": True,
+                }
+            await self.agent.send_json({**args, "id": request_id, "op": op}, zmq.NOBLOCK)
+            while (left := deadline - time.monotonic()) > 0:
+                if not await self.agent.poll(left * 1000):
+                    break
+                reply = await self.agent.recv_json()
+                if isinstance(reply, dict) and reply.get("id") == request_id:
+                    return reply  # earlier answers that came too late are dropped
+            return {"error": f"the kernel's snapshot agent did not answer within {timeout:g} s"}
 
     def unlink_endpoints(self) -> None:
         """Make the endpoints unreachable (a unix socket is found by its path) while the

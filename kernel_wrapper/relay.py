@@ -16,8 +16,6 @@ import collections
 import contextlib
 import hmac
 import logging
-import os
-import socket
 import time
 from typing import Any
 
@@ -28,6 +26,7 @@ from jupyter_client.session import DELIM, Session
 from jupyter_ext.core import proctree
 from jupyter_ext.core.carried import sockdiag
 from jupyter_ext.core.errors import SnapshotError
+from jupyter_ext.core.protocol import read_number
 
 from .channels import (
     REQUEST_CHANNELS,
@@ -46,8 +45,11 @@ log = logging.getLogger("kernel_wrapper")
 
 #: How long the wrapper waits for the inner kernel to drop its connections before a dump.
 DISCONNECT_TIMEOUT = 5.0
-#: How long the last forwarded requests get to leave our sockets before we half-close.
-DISCONNECT_FLUSH = 0.002
+#: How long the kernel's agent gets to hold its output gate, or to release it (it answers
+#: in a few ms; more only while the kernel's code holds the interpreter lock in C).
+GATE_TIMEOUT = 10.0
+#: How long what the kernel sent before its gate was held gets to arrive.
+RECEIVE_TIMEOUT = 30.0
 
 
 class Relay:
@@ -68,6 +70,11 @@ class Relay:
         self._held: dict[str, list[list[bytes]]] = {name: [] for name in REQUEST_CHANNELS}
         self._backlog: dict[Route, collections.deque[list[bytes]]] = {}
         self._flushers: dict[Route, asyncio.Task[None]] = {}
+        self._release: asyncio.Task[None] | None = None
+        """Releases the output gate of a kernel just connected (kernel_wrapper.inkernel.gate)."""
+        self.gated = True
+        """Whether the kernel has an output gate: ipykernel's snapshot agent does; a kernel
+        behind the bridge (kernel_wrapper.inkernel.bridge) has no agent to ask."""
 
     # ------------------------------------------------------------------ pumps
 
@@ -124,8 +131,8 @@ class Relay:
                     await asyncio.sleep(0.01)
                     continue
                 for frames in batch:
-                    if name == "fork_pipe":
-                        frames = frames[1:]  # the kernel's pipe uuid
+                    if outward:
+                        frames = self._unnumber(name, frames)
                     checked = self.sign(frames) if outward else self.unsign(name, frames)
                     if checked is None or (outward and self.own.take(checked)):
                         continue
@@ -262,11 +269,55 @@ class Relay:
 
     # ------------------------------------------------------------------ the inner channels
 
+    def _unnumber(self, name: str, frames: list[bytes]) -> list[bytes]:
+        """A message from the kernel without its number frame (noted in the channels'
+        ``received``), or a forked child's without its pipe uuid."""
+        if name == "fork_pipe":
+            return frames[1:]
+        number = read_number(frames[0]) if frames else None
+        if number is None:
+            return frames  # a kernel started before numbering
+        if self.inner is not None:
+            last = self.inner.received.get(name, (number[0], 0) if number[1] == 1 else None)
+            if last is not None and last[0] == number[0] and number[1] != last[1] + 1:
+                log.error("the kernel's %s message %d came after %d", name, number[1], last[1])
+            self.inner.received[name] = number
+        return frames[1:]
+
     def connect_inner(self, inner: InnerChannels) -> None:
+        """Use ``inner``, and release the output gate of the kernel that connects to it
+        (held by the dump it comes from, if any: a fresh kernel's is not)."""
         self.inner = inner
+        if self._release is not None:
+            self._release.cancel()
+            self._release = None
+        if self.gated:
+            self._release = asyncio.create_task(self._release_gate(inner), name="release-gate")
+
+    async def _release_gate(self, inner: InnerChannels) -> None:
+        """Ask the kernel's agent to release its gate until it answers, for as long as
+        ``inner`` is connected (a kernel being restored connects once it runs): a kernel
+        whose gate stays held sends nothing more. An agent of an older version answers
+        that it knows no gate."""
+        said = False
+        with contextlib.suppress(zmq.ZMQError):  # the channels closed under it
+            while self.inner is inner:
+                answer = await inner.ask_agent("release", GATE_TIMEOUT)
+                error = str(answer.get("error", ""))
+                if not error:
+                    return
+                if error.startswith("unknown operation"):
+                    log.warning("the kernel has no output gate (an older version's)")
+                    return
+                if not said:
+                    log.warning("releasing the kernel's output gate: %s; asking on", error)
+                    said = True
 
     async def close_inner(self) -> None:
         """Close the inner channels (a kernel that is gone, or about to be replaced)."""
+        if self._release is not None:
+            self._release.cancel()
+            self._release = None
         if self.inner is not None:
             inner, self.inner = self.inner, None
             await asyncio.to_thread(inner.close)
@@ -274,49 +325,94 @@ class Relay:
     async def disconnect(self, inner_pid: int) -> None:
         """Drop every connection between the wrapper and the kernel, losing no message.
 
-        CRIU cannot dump a unix socket connected to a process outside the dumped tree. The
-        kernel's sockets connect to ours and keep their own queues while disconnected, so
-        the kernel keeps running while this happens:
+        CRIU cannot dump a unix socket connected to a process outside the dumped tree, and
+        a connection that ends while libzmq writes a message loses it
+        (kernel_wrapper.inkernel.gate). The kernel keeps running while this happens:
 
-        1. no requests are forwarded any more (they wait in the server-facing sockets),
-           and our last ones get a moment to leave;
-        2. our endpoints are unlinked, so the kernel cannot reconnect before the dump;
-        3. our end of each connection is half-closed (SHUT_WR): the kernel reads what we
-           sent, sees EOF and closes its end, while we still read what it sends;
-        4. once the kernel has closed every connection, our side has received all of it:
-           forward the rest and close our sockets.
+        1. no requests are forwarded any more (they wait in the server-facing sockets);
+        2. our endpoints are unlinked: nothing connects again before the dump;
+        3. the kernel's agent holds its output gate and says the last message it sent on
+           each channel; we wait until that one has arrived: nothing is in flight from it;
+        4. forked children's connections end by themselves once they delivered;
+        5. we forward the rest and close our sockets, which first send what we still
+           hold (linger); the kernel reads it, sees the end of each connection and closes
+           its own end.
+
+        A failure before step 5 leaves the channels connected (nothing lost; the gate is
+        released when the dump connects them again: ``connect_inner``).
         """
-        assert self.inner is not None
-        await asyncio.sleep(DISCONNECT_FLUSH)
-        self.inner.unlink_endpoints()
-        inner_sockets = sockdiag.tree_socket_inodes(proctree.descendants(inner_pid))
-        table = sockdiag.unix_sockets()
-        ours = {i for i in sockdiag.socket_inodes("self") if i in table}
-        connections = {i for i in ours if table[i].peer in inner_sockets}
-        for fd, inode in sockdiag.socket_fds("self").items():
-            if inode in connections:
-                # A duplicate of libzmq's descriptor: shutdown acts on the shared socket.
-                with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as half:
-                    half.shutdown(socket.SHUT_WR)
-        deadline = time.monotonic() + DISCONNECT_TIMEOUT
-        while connections & sockdiag.socket_inodes("self"):
-            if time.monotonic() > deadline:
-                log.warning("the kernel did not close its connections; closing ours")
-                break
-            await asyncio.sleep(0.0005)
+        inner = self.inner
+        assert inner is not None
+        inner.unlink_endpoints()
+        await self._hold(inner)
+        await self._children_done(inner_pid)
         self.stop()
         await asyncio.sleep(0)  # let the cancelled pumps let go of their sockets
-        for name, sock in self.inner.sockets.items():
+        for name, sock in inner.sockets.items():
             for frames in take_all(sock):
-                if name == "fork_pipe":
-                    frames = frames[1:]
-                frames = self.sign(frames)
+                frames = self.sign(self._unnumber(name, frames))
                 if self.own.take(frames):
                     continue
                 self.tracker.observe(name, frames, reply=True)
                 self.send(("server", "iopub" if name == "fork_pipe" else name), frames)
         await self.close_inner()
         await self._wait_disconnected(inner_pid)
+
+    async def _hold(self, inner: InnerChannels) -> None:
+        """Steps 3: hold the kernel's output gate, then wait for what it sent before. The
+        release still being asked for stops first: the agent answers in order, so no
+        release can come after this hold (one never sent leaves the gate held since the
+        last dump: nothing was sent since)."""
+        if self._release is not None:
+            self._release.cancel()
+            await asyncio.gather(self._release, return_exceptions=True)
+            self._release = None
+        if not self.gated:
+            return
+        answer = await inner.ask_agent("hold", GATE_TIMEOUT)
+        if answer.get("absent") or str(answer.get("error", "")).startswith("unknown operation"):
+            log.warning("the kernel has no output gate: output sent during the dump may be lost")
+            return
+        if answer.get("error"):
+            raise SnapshotError(
+                f"The kernel did not pause its output within {GATE_TIMEOUT:g} s "
+                f"({answer['error']}), so it cannot be snapshotted without risking its output.",
+                hint="The kernel may be busy in code that holds Python's interpreter lock; "
+                "retry the snapshot later.",
+            )
+        if answer.get("was_held"):
+            return
+        epoch = int(answer["epoch"])
+        due = {name: (epoch, int(n)) for name, n in answer["sent"].items() if n}
+        deadline = time.monotonic() + RECEIVE_TIMEOUT
+        while any(inner.received.get(name, (-1, 0)) != last for name, last in due.items()):
+            if time.monotonic() > deadline:
+                missing = {n: last for n, last in due.items() if inner.received.get(n) != last}
+                raise SnapshotError(
+                    f"Messages the kernel sent did not arrive within {RECEIVE_TIMEOUT:g} s "
+                    f"(last numbers due: {missing}, received: {inner.received}).",
+                    hint="Retry the snapshot; if it fails again, restart the kernel and "
+                    "report the wrapper's log.",
+                )
+            await asyncio.sleep(0.0005)
+
+    @staticmethod
+    async def _children_done(inner_pid: int) -> None:
+        """Step 4: wait until no forked child of the kernel is connected to us (each ends
+        its connection once its output is delivered; none can connect any more). One that
+        stays past the timeout is cut off by step 5."""
+        deadline = time.monotonic() + DISCONNECT_TIMEOUT
+        while True:
+            pids = proctree.descendants(inner_pid)
+            ours = sockdiag.socket_inodes("self")
+            table = sockdiag.unix_sockets()
+            children = sockdiag.tree_socket_inodes(pids[1:]) - sockdiag.tree_socket_inodes(pids[:1])
+            if not any(i in table and table[i].peer in ours for i in children):
+                return
+            if time.monotonic() > deadline:
+                log.warning("a child of the kernel stays connected; its output may be cut")
+                return
+            await asyncio.sleep(0.0005)
 
     @staticmethod
     async def _wait_disconnected(inner_pid: int) -> None:

@@ -152,6 +152,7 @@ class KernelWrapper:
         """Bind the server's channels and build the parts on them (in the running loop)."""
         self.server = ServerChannels(self.connection)
         self.relay = Relay(self.session, self.server)
+        self.relay.gated = not self.kernel_argv
         stand_in = StandIn(
             self.session,
             self.server,

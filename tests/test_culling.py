@@ -183,15 +183,65 @@ class TestTabOpen:
     async def test_a_shutdown_the_user_asks_for_just_shuts_down(
         self, jp_fetch: Fetch, jp_ws_fetch: Any, jp_serverapp: Any, tmp_path: Path
     ) -> None:
+        """The culler runs (every second, at a 3 s timeout), but this shutdown is the
+        user's. The kernel is busy in a cell, which the culler never takes (cull_busy is
+        off): it looks, and leaves it. An idle one it takes once idle 3 s, rightly, and on
+        a loaded machine that came before the DELETE (the flake of issue 46 item 6: a
+        suspend, its snapshot and events)."""
         session = await open_notebook(jp_fetch, "asked.ipynb")
         kernel_id = session["kernel"]["id"]
-        assert await run_in_new_tab(jp_ws_fetch, kernel_id, STATE) == "set"
-        cull_soon(jp_serverapp)  # the culler runs, but this shutdown is the user's
-        events = events_of(jp_serverapp)
-        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+        ws = await jp_ws_fetch("api", "kernels", kernel_id, "channels")
+        try:
+            assert (await ws_run(ws, STATE)).strip() == "set"
+            ws.write_message(execute_request("import time; time.sleep(3600)")[1])
+            kernel = jp_serverapp.kernel_manager.get_kernel(kernel_id)
+
+            async def busy() -> bool:
+                return bool(kernel.execution_state == "busy")
+
+            await until(busy)
+            cull_soon(jp_serverapp)
+            events = events_of(jp_serverapp)
+            await asyncio.sleep(3 * CULL_INTERVAL + 0.5)  # the culler looks, three times
+            await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+        finally:
+            await ws_close(ws)
         assert kernel_id not in jp_serverapp.kernel_manager
         assert (await call(jp_fetch, "GET"))["snapshots"] == []
         assert [e["action"] for e in events] == []  # no suspend, no snapshot
+        assert leftovers(tmp_path) == []
+
+    async def test_a_shutdown_asked_during_the_culler_s_suspend_just_shuts_down(
+        self,
+        jp_fetch: Fetch,
+        jp_ws_fetch: Any,
+        jp_serverapp: Any,
+        tmp_path: Path,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        """The culler was first (its suspend runs) and the user's DELETE comes: the
+        kernel is shut down once, nothing is left, and no "unsaved" event blames the
+        culler for a shutdown the user asked for."""
+        manager = manager_of(jp_serverapp)
+        kernel_id = (await open_notebook(jp_fetch, "raced.ipynb"))["kernel"]["id"]
+        assert await run_in_new_tab(jp_ws_fetch, kernel_id, STATE) == "set"
+        caplog.set_level(logging.INFO)
+        events = events_of(jp_serverapp)
+        cull_soon(jp_serverapp, seconds=0)
+        culling = asyncio.ensure_future(jp_serverapp.kernel_manager.cull_kernel_if_idle(kernel_id))
+
+        async def suspending() -> bool:
+            job = manager.jobs.on(kernel_id)
+            return job is not None and job.kind == "suspend"
+
+        await until(suspending)
+        cull_soon(jp_serverapp, 3600)  # the culler's periodic turns leave it now
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+        await culling
+        shutdowns = [r for r in caplog.records if r.getMessage() == f"Kernel shutdown: {kernel_id}"]
+        assert len(shutdowns) == 1
+        assert kernel_id not in jp_serverapp.kernel_manager
+        assert "unsaved" not in [e["action"] for e in events]
         assert leftovers(tmp_path) == []
 
     async def test_a_suspended_kernel_restarted_leaves_no_dump(

@@ -26,7 +26,7 @@ import pytest
 import zstandard
 from traitlets.config import Config
 
-from jupyter_ext import cli
+from jupyter_ext import cli, storecli
 from jupyter_ext.app import SnapshotExtensionApp
 from jupyter_ext.core.errors import SnapshotCorruptError, SnapshotNotFoundError
 from jupyter_ext.core.store import EnvKeySource, FileKeySource, KeySource, StoreError, StoreSpec
@@ -682,7 +682,7 @@ def test_the_cli_makes_the_store_the_server_makes_from_its_config(
     server = SnapshotExtensionApp(config=Config({"SnapshotExtensionApp": options}))
 
     def from_cli(*argv: str) -> StoreSpec | None:
-        app = cli.EncryptStoreApp()
+        app = storecli.EncryptStoreApp()
         app.initialize(list(argv))
         return app.store_spec()
 

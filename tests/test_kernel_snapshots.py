@@ -211,28 +211,6 @@ def test_busy_cell_continues_after_restore(kernel_factory: Factory, tmp_path: Pa
     assert kernel.client.execute_interactive("2", timeout=30)["content"]["execution_count"] == 5
 
 
-def test_output_during_repeated_snapshots_is_not_lost(
-    kernel_factory: Factory, tmp_path: Path
-) -> None:
-    kernel = kernel_factory()
-    msg_id = kernel.client.execute(
-        "import time\nfor i in range(1000):\n    print(i, flush=True)\n    time.sleep(0.002)"
-    )
-    for n in range(8):
-        time.sleep(0.1)
-        kernel.snapshot(tmp_path / f"s{n}")
-    numbers: list[int] = []
-    while True:
-        msg = kernel.client.get_iopub_msg(timeout=60)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "stream":
-            numbers += [int(s) for s in msg["content"]["text"].split()]
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
-    assert numbers == list(range(1000))
-
-
 def test_snapshot_restore_snapshot_restore(kernel_factory: Factory, tmp_path: Path) -> None:
     kernel = kernel_factory()
     kernel.execute("n = 1")

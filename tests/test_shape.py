@@ -171,8 +171,9 @@ STORE_LAYERS = {
     "fetch": 8,
     "images": 9,
     "prune": 9,
-    "repository": 10,
-    "stores": 11,
+    "check": 10,
+    "repository": 11,
+    "stores": 12,
 }
 """jupyter_ext/core/store/ from the bottom up: a part imports only parts below it."""
 

@@ -1,5 +1,6 @@
 """A process killed with SIGKILL at any point of a put or a repack leaves every listed
-snapshot complete and restorable, and the next put cleans up what it left.
+snapshot complete and restorable; ``store check --read-data`` finds no damage and lists
+what the kills left, which ``store prune`` removes.
 
 ``tests/store_worker.py`` stores (and, for repacks, deletes) snapshots in a loop and is
 killed after a random delay (``random.Random(FAULT_SEED)``); ``FAULT_ITERATIONS`` makes
@@ -29,7 +30,6 @@ from jupyter_ext.testing import MotoServer
 
 from .faults import FAULT_ITERATIONS, FAULT_SEED
 from .store_worker import PACK_BYTES, open_store
-from .test_store import make_snapshot, random_pages
 
 ROOT = Path(__file__).resolve().parent.parent
 KILLS = 2 * FAULT_ITERATIONS  # per variant: 16 kills in CI over the 8, more by hand
@@ -87,23 +87,23 @@ def check_store(where: str, tmp_path: Path) -> int:
 
 
 def check_cleaned_up(where: str, tmp_path: Path) -> None:
-    """A put after the killed one's claim is stale removes what that put left: every
-    object in the store is one a snapshot needs, and no claim or marker is left."""
+    """The store's own check finds no damage after the kills, and lists what they left
+    (packs no record names, claims gone stale); its prune removes that: every object in
+    the store is then one a snapshot needs, and no claim or marker is left."""
     store = open_store(where, grace_seconds=0, pack_bytes=PACK_BYTES)
     try:
         store.claims.claim_stale_seconds = 0
-        extra = store.put(make_snapshot(tmp_path, random_pages(random.Random(1), 16)))
-        store.delete(extra.manifest.id)  # a sweep: nothing younger than 0 s is spared
-        records = store.index.records(strict=True)
-        catalog = store.index.catalog(records.values())
-        needed = {
-            where.obj
-            for record in records.values()
-            for ref in record.distinct().values()
-            if (where := catalog.resolve(ref)) is not None
-        }
-        assert set(catalog.objects) == needed
-        assert store.claims.listing() == []
+        found = store.check(read_data=True)
+        assert found.ok, found.lines()
+        left = {u.name for u in found.unneeded}
+        assert all(u.prunable for u in found.unneeded), found.unneeded
+        pruned = store.prune()
+        assert {name for name, _ in pruned.removed} == left
+        assert set(pruned.claims) == set(found.stale_claims)
+        after = store.check(read_data=True)
+        assert after.ok, after.lines()
+        assert (after.unneeded, after.stale_claims, store.claims.listing()) == ([], [], [])
+        assert after.chunks == found.chunks
     finally:
         store.close()
 

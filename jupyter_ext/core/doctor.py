@@ -18,8 +18,9 @@ from .isolation.confinement import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, Confinem
 from .memtrack import TrackingUnavailable, open_tracking_fd, why_unavailable
 from .private import exposed, make_dirs, others_can_replace
 from .protocol import ENV_RUNTIME_DIR
-from .store.api import StoreError
-from .store.keys import ENV_KEY, LOST_KEY
+from .store import SnapshotStore
+from .store.api import StoreError, StoreReport
+from .store.keys import ENV_KEY, KEEP_PASSPHRASE, LOST_KEY, RECOVER
 
 VFS_CAP_FLAGS_EFFECTIVE = 0x1
 ST_NOSUID = 2
@@ -669,6 +670,49 @@ def check_encryption(source: str, key_file: Path, environ: Mapping[str, str]) ->
             fix=f"chmod 600 {key_file}",
         )
     return Check(name, True, f"on (AES-256-GCM), key file {key_file} (0600). {LOST_KEY}")
+
+
+def check_store(open_store: Callable[[], SnapshotStore]) -> tuple[Check, Check | None]:
+    """The server's store: is it whole (:func:`check_store_whole`), and would its key be
+    lost with this machine (None: it would not)."""
+    try:
+        store = open_store()
+        try:
+            found, notice = store.check(), store.key_notice()
+        finally:
+            store.close()
+    except SnapshotError as exc:
+        return Check(STORE, False, f"the store cannot be checked: {exc}", required=False), None
+    copy = None
+    if notice:
+        copy = Check(
+            "store key copy",
+            False,
+            notice,
+            fix=f"{KEEP_PASSPHRASE} (once; on another machine: {RECOVER})",
+            required=False,
+        )
+    return check_store_whole(found), copy
+
+
+STORE = "store integrity"
+
+
+def check_store_whole(found: StoreReport) -> Check:
+    """``store check`` without reading the data: the key, every record, every pack a
+    snapshot needs and its trailer. Damage names the snapshots it breaks."""
+    name = STORE
+    lines = found.lines()
+    if found.to_dict()["ok"]:
+        return Check(name, True, " ".join(lines[:2]))
+    return Check(
+        name,
+        False,
+        " ".join(lines),
+        fix="'jupyter snapshot store check --read-data' for every chunk; delete the broken "
+        "snapshots it names, then 'jupyter snapshot store prune'.",
+        required=False,
+    )
 
 
 def run_checks(

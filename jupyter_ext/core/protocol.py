@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import struct
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, fields
@@ -64,6 +65,28 @@ AGENT_PORT = 7
 KERNEL_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5}
 REFUSED_FILE = "kernel-refused"
 
+#: The channels on which the inner kernel numbers what it sends (kernel_wrapper.inkernel.gate).
+NUMBERED_CHANNELS = ("shell", "stdin", "control", "iopub")
+#: The first bytes of the frame the kernel puts before each message on those channels:
+#: then its epoch (4 bytes) and the message's number in that epoch (8 bytes), big-endian.
+NUMBER_PREFIX = b"\x00ksn"
+_NUMBER = struct.Struct(">4sIQ")
+
+
+def number_frame(epoch: int, number: int) -> bytes:
+    """The frame that numbers a message from the inner kernel."""
+    return _NUMBER.pack(NUMBER_PREFIX, epoch, number)
+
+
+def read_number(frame: bytes) -> tuple[int, int] | None:
+    """(epoch, number) of a numbering frame; None for any other frame (a message of a
+    kernel started before numbering, or of a forked child)."""
+    if len(frame) != _NUMBER.size or not frame.startswith(NUMBER_PREFIX):
+        return None
+    _, epoch, number = _NUMBER.unpack(frame)
+    return epoch, number
+
+
 INFO_PREFIX = "snapshot-wrapper-"
 JOURNAL_PREFIX = "snapshot-journal-"
 #: Where wrappers make their private directories ($JUPYTER_SNAPSHOT_RUNTIME_DIR overrides).
@@ -97,6 +120,9 @@ Phase = Literal[
     "transferring",
     "serialising",
     "loading",
+    "checking",
+    "reading-data",
+    "pruning",
     "done",
 ]
 

@@ -26,6 +26,7 @@ state)::
                   how, and the snapshot offered back
     schedules.py  Schedules (kernels, jobs, lending, dumps, deaths): kernel status, automatic
                   snapshots on or off, snapshots of all before a stop
+    upkeep.py     StoreUpkeep (store, jobs): the store's check and prune, as jobs
 
 The snapshot policies (periodic, long cells, idle suspend) are decided in core/policies/tick.py
 on each kernel's status, read once a tick by jupyter_ext/autosnap.py.
@@ -62,6 +63,7 @@ from .shared import (
     validate_notebook_path,
 )
 from .stored import StoredSnapshots
+from .upkeep import StoreUpkeep
 from .uploads import STALE_WORK_SECONDS, PendingUpload, Uploads, remove_released_suspends
 
 __all__ = [
@@ -197,6 +199,7 @@ class SnapshotManager:
         )
         restores.on_restored = deaths.restored
         self.schedules = Schedules(kernels, jobs, lending, dumps, deaths, emit)
+        self.upkeep = StoreUpkeep(store, jobs)
 
     @property
     def work_dir(self) -> Path:

@@ -4,6 +4,7 @@ described, one deleted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 from typing import Any
 
@@ -39,6 +40,8 @@ class StoredSnapshots:
         self.image_cache = image_cache
         self.emit = emit
         self.paths = paths
+        self._key_notice = ""
+        self._key_notice_read: asyncio.Future[str] | None = None
 
     async def list_snapshots(self, **filters: str | None) -> dict[str, Any]:
         """Complete snapshots in the store, plus local ones waiting for upload.
@@ -70,6 +73,21 @@ class StoredSnapshots:
                 entries = [e for e in entries if e.get(field) == wanted]
         entries.sort(key=lambda e: (e["created"], e["sequence"]), reverse=True)
         return {"snapshots": entries, "store_error": store_error}
+
+    def key_notice(self) -> str:
+        """What to tell the user while the store's key would be lost with this machine
+        (core/store/keys.py), as last read; "" if not, or not known (the store cannot be
+        reached: said elsewhere). Each call reads it again in the background: a stalled
+        store never holds up the answer."""
+        if self._key_notice_read is None or self._key_notice_read.done():
+            self._key_notice_read = asyncio.ensure_future(self.read_key_notice())
+        return self._key_notice
+
+    async def read_key_notice(self) -> str:
+        """Read the key notice from the store now (and keep it for :meth:`key_notice`)."""
+        with contextlib.suppress(StoreError):
+            self._key_notice = await asyncio.to_thread(self.store.key_notice)
+        return self._key_notice
 
     async def get(self, snapshot_id: str) -> dict[str, Any]:
         check_snapshot_id(snapshot_id)

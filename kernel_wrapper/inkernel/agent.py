@@ -25,6 +25,9 @@ memory (jupyter_ext/core/memtrack/). The wrapper takes a copy of the descriptor
 (``pidfd_getfd``) and says so (``{"op": "close_tracker", "fd": N}``); the kernel's own
 copy is closed then, or after :data:`TRACKER_HANDOVER_SECONDS` whatever happens: a dump
 must never find it open (CRIU cannot save a userfaultfd).
+
+Around a dump it holds the kernel's output gate (``{"op": "hold"}``) and releases it
+once connected again (``{"op": "release"}``): kernel_wrapper.inkernel.gate.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from jupyter_ext.core.contents import CellLog
 from jupyter_ext.core.memtrack import TrackingUnavailable, open_tracking_fd, why_unavailable
 
 from .contents import summarize_namespace
+from .gate import OutputGate
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +162,8 @@ class SnapshotAgent(threading.Thread):
     """Answers the wrapper's requests on ``endpoint``, one at a time, for the kernel's life.
 
     ``shell`` is the kernel's InteractiveShell (its namespace is summarised, its cells are
-    logged by ``cells``, which the caller registers for IPython's run-cell events)."""
+    logged by ``cells``, which the caller registers for IPython's run-cell events);
+    ``gate`` is the output gate of its channels."""
 
     def __init__(
         self,
@@ -166,17 +171,21 @@ class SnapshotAgent(threading.Thread):
         endpoint: str,
         shell: Any = None,
         cells: CellLog | None = None,
+        gate: OutputGate | None = None,
     ) -> None:
         super().__init__(name="snapshot-agent", daemon=True)
         self.shell = shell
         self.cells = cells or CellLog()
         self.trackers = TrackerHandover()
+        gate = gate or OutputGate()
         self.operations: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             "release_gpu_caches": lambda _request: release_gpu_caches(),
             "summary": self.summary,
             "open_tracker": self.trackers.open,
             "close_tracker": self.trackers.close,
             "collapse": collapse,
+            "hold": lambda _request: gate.hold(),
+            "release": lambda _request: gate.release(),
         }
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)

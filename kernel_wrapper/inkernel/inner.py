@@ -1,11 +1,15 @@
 """The inner kernel: ipykernel, made ready to be dumped and restored by CRIU.
 
 It runs as PID 1 of its own PID and time namespaces (started by the wrapper) and differs
-from a plain ipykernel in six ways, each needed for a clean CRIU image or a restore:
+from a plain ipykernel in seven ways, each needed for a clean CRIU image or a restore:
 
 * its ZMQ sockets *connect* to endpoints that the wrapper binds in a private directory,
   so that while the wrapper is away (during a dump, after a restore elsewhere) messages
   queue inside the kernel and the sockets reconnect by themselves;
+* what it sends to the wrapper is numbered and passes a gate that the wrapper holds while
+  it lets go of the kernel, so no message is in flight when a connection ends
+  (:mod:`kernel_wrapper.inkernel.gate`); its queues toward the wrapper have no limit, and
+  it starts sending output only once the wrapper has subscribed to it;
 * it has no heartbeat of its own (the wrapper answers heartbeats for the kernel's whole
   life) and keeps IPython's history in memory (a growing SQLite file would break restore);
 * a watcher thread ends the kernel when its wrapper is gone, so no kernel is orphaned,
@@ -37,16 +41,19 @@ from ipykernel.kernelapp import IPKernelApp
 import kernel_snapshots
 from jupyter_ext.core.contents import CellLog
 from jupyter_ext.core.isolation import mountns, privatetmp
-from jupyter_ext.core.protocol import AGENT_PORT, ENV_INNER_DIR, ENV_OWN_PROC
+from jupyter_ext.core.protocol import AGENT_PORT, ENV_INNER_DIR, ENV_OWN_PROC, INNER_PORTS
 
 from . import lifeline
 from .agent import SnapshotAgent
+from .gate import OutputGate
 
 #: ZMQ reconnect interval (ms) toward the wrapper: short, so a restored kernel is back fast.
 RECONNECT_IVL_MS = 10
 RECONNECT_IVL_MAX_MS = 200
 #: The channel "port" on which forked subprocesses send output (see ForkPipeToWrapper).
-FORK_PIPE_PORT = 6
+FORK_PIPE_PORT = INNER_PORTS["fork_pipe"]
+#: How long the kernel waits at start for the wrapper to subscribe to its output, in ms.
+SUBSCRIBE_TIMEOUT_MS = 30_000
 
 
 class ForkPipeToWrapper(IOPubThread):
@@ -66,7 +73,10 @@ class ForkPipeToWrapper(IOPubThread):
     def _setup_pipe_out(self) -> tuple[zmq.Context[Any], zmq.Socket[Any]]:
         ctx: zmq.Context[Any] = zmq.Context()
         pipe_out = ctx.socket(zmq.PUSH)
-        pipe_out.linger = 3000
+        # ipykernel drops a child's output after 3 s undelivered; a dump can take longer
+        # (the child waits, then delivers: the wrapper waits for children's connections to
+        # end before it lets go of the kernel, kernel_wrapper.relay.Relay.disconnect).
+        pipe_out.linger = -1
         pipe_out.connect(self.pipe_endpoint)
         return ctx, pipe_out
 
@@ -80,6 +90,10 @@ class SnapshotReadyKernelApp(IPKernelApp):
         self.iopub_socket = context.socket(zmq.XPUB)
         self.iopub_socket.linger = 1000
         self.iopub_port = self._try_bind_socket(self.iopub_socket, self.iopub_port)
+        # An XPUB drops what it publishes before a subscription arrives: a numbered
+        # message the wrapper would wait for in vain. Its subscription (left for ipykernel,
+        # which answers it with a welcome) says the wrapper is there.
+        self.iopub_socket.poll(SUBSCRIBE_TIMEOUT_MS, zmq.POLLIN)
         self.configure_tornado_logger()
         ForkPipeToWrapper.pipe_endpoint = f"ipc://{self.ip}-{FORK_PIPE_PORT}"
         self.iopub_thread = ForkPipeToWrapper(self.iopub_socket, pipe=True, session=self.session)
@@ -88,7 +102,14 @@ class SnapshotReadyKernelApp(IPKernelApp):
         # Registered after the IOPub thread's own atexit stop, so it runs before it.
         atexit.register(self._stop_control_thread)
 
+    gate = OutputGate()
+
     def _try_bind_socket(self, s: zmq.Socket[Any], port: int) -> int:
+        # Nothing toward the wrapper is ever dropped or blocked by a queue limit while
+        # the wrapper is away (an XPUB drops past its limit, a ROUTER too).
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.RCVHWM, 0)
+        self.gate.number({v: k for k, v in INNER_PORTS.items()}[port], s)
         if s.type == zmq.ROUTER:
             # The wrapper's end always has the same routing id: when it comes back (after a
             # dump, a restore) while our end still holds the old connection, the new one
@@ -138,7 +159,7 @@ class SnapshotReadyKernelApp(IPKernelApp):
         self.shell.events.register("pre_run_cell", self.cells.pre_run_cell)
         self.shell.events.register("post_run_cell", self.cells.post_run_cell)
         assert self.context is not None
-        SnapshotAgent(self.context, self._agent_endpoint, self.shell, self.cells).start()
+        SnapshotAgent(self.context, self._agent_endpoint, self.shell, self.cells, self.gate).start()
 
 
 def main() -> None:

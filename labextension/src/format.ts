@@ -205,6 +205,9 @@ const PHASES: Record<Phase, string> = {
   transferring: 'Bringing memory in',
   serialising: 'Pickling the variables',
   loading: 'Loading them into the kernel',
+  checking: 'Checking the store',
+  'reading-data': 'Reading every chunk',
+  pruning: 'Removing what nothing needs',
   done: 'Done'
 };
 
@@ -213,7 +216,9 @@ const KINDS: { [key: string]: string } = {
   restore: 'Restore',
   suspend: 'Suspend',
   resume: 'Resume',
-  variables: 'Take variables'
+  variables: 'Take variables',
+  check: 'Store check',
+  prune: 'Store prune'
 };
 
 /** "Snapshot", "Restore"... */
@@ -335,5 +340,8 @@ export function policyLines(policy: IPolicy): [string, string][] {
     'Before server shutdown',
     policy.snapshot_before_shutdown ? 'snapshot every kernel' : 'no snapshot'
   ]);
+  if (policy.key_notice) {
+    lines.push(['Encryption key', policy.key_notice]);
+  }
   return lines;
 }

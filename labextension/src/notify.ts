@@ -149,12 +149,24 @@ export function connectNotifications(model: ISnapshotsModel): () => void {
     Notification.emit(message, type, options);
   };
 
+  // Said once (per page), plainly: the store's key would be lost with this machine.
+  let keyNoticeShown = false;
+  const onModelChanged = () => {
+    const notice = model.policy?.key_notice;
+    if (notice && !keyNoticeShown) {
+      keyNoticeShown = true;
+      Notification.warning(notice, { autoClose: false });
+    }
+  };
+
   model.jobStarted.connect(onStarted);
   model.jobChanged.connect(onChanged);
   model.jobFinished.connect(onFinished);
+  model.changed.connect(onModelChanged);
   return () => {
     model.jobStarted.disconnect(onStarted);
     model.jobChanged.disconnect(onChanged);
     model.jobFinished.disconnect(onFinished);
+    model.changed.disconnect(onModelChanged);
   };
 }

@@ -153,7 +153,13 @@ export interface IMemoryCopy {
 }
 
 export type JobKind =
-  'snapshot' | 'restore' | 'suspend' | 'resume' | 'variables';
+  | 'snapshot'
+  | 'restore'
+  | 'suspend'
+  | 'resume'
+  | 'variables'
+  | 'check'
+  | 'prune';
 
 /**
  * Every phase a job goes through, in the order a job goes through them: a job's phase only
@@ -176,6 +182,9 @@ export const PHASES = [
   'transferring',
   'serialising',
   'loading',
+  'checking',
+  'reading-data',
+  'pruning',
   'done'
 ] as const;
 
@@ -313,6 +322,11 @@ export interface IPolicy {
   cull_action?: 'suspend' | 'shutdown';
   cull_idle_timeout?: number;
   restore_on_death?: boolean;
+  /**
+   * Set while the store outlives this machine but its key does not (an S3 store, a key
+   * file, no passphrase copy): what to do, with the command. Empty otherwise.
+   */
+  key_notice?: string;
   [key: string]: unknown;
 }
 

@@ -5,10 +5,11 @@ picture)::
 
     stores.py      LocalStore, S3Store: a Repository over that backend, with its policies;
                    STORE_KINDS, StoreSpec.from_settings and open_store: a store from settings
-    repository.py  put, snapshots, get, fetch, open_images, delete, stats, sweep
+    repository.py  put, snapshots, get, fetch, open_images, delete, stats, prune, check
       put.py         the upload pipeline (Upload, Packer), image adoption
       fetch.py       Reader, the download pipeline; images.py: SnapshotImages
       prune.py       survey -> plan_cleanup (pure) -> execute; repack.py
+      check.py       is the store whole: Checker, CheckReport (``store check``)
       claims.py      claims, clean-up markers, heartbeats
       keys.py        key sources, the master key (keys/<id>), records and claims sealed
       sealing.py     AES-256-GCM pieces bound to what they are

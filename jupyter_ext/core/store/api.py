@@ -7,7 +7,7 @@ import errno
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ..errors import SnapshotCorruptError, SnapshotError
 from ..manifest import Manifest
@@ -90,6 +90,16 @@ class StoredImages(Protocol):
         ...
 
 
+class StoreReport(Protocol):
+    """What a store check or prune found or did (check.CheckReport, prune.PruneReport)."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    def lines(self) -> list[str]:
+        """As a person reads it."""
+        ...
+
+
 class SnapshotStore(Protocol):
     """What the snapshot manager needs from a store."""
 
@@ -114,6 +124,19 @@ class SnapshotStore(Protocol):
     def delete(self, snapshot_id: str, *, missing_ok: bool = False) -> None: ...
 
     def stats(self) -> StoreStats: ...
+
+    def check(self, read_data: bool = False, progress: Progress = None) -> StoreReport:
+        """Whether the store is whole (``read_data``: every chunk read and checked too)."""
+        ...
+
+    def prune(self) -> StoreReport:
+        """Remove what nothing needs; what was removed."""
+        ...
+
+    def key_notice(self) -> str:
+        """What to tell the user while the store's key would be lost with this machine
+        ("" if it would not)."""
+        ...
 
     def close(self) -> None: ...
 

@@ -140,12 +140,23 @@ class Index:
         if name in self._trailers:
             return self._trailers[name]
         entries: list[pack.PackEntry] = []
-        handle = layout.object_handle(name)
-        tail = min(size, 256 * 1024)
-        read = self.backend.load(handle, size - tail, tail) if size >= pack.FOOTER_SIZE else None
         try:
-            if read is None:
-                return []
+            entries = self.read_trailer(name, size)
+        except ValueError as exc:
+            logger.warning("The trailer of pack %s cannot be read: %s", name, exc)
+        self._trailers[name] = entries
+        return entries
+
+    def read_trailer(self, name: str, size: int) -> list[pack.PackEntry]:
+        """The chunks a pack of ``size`` bytes lists, read now; ValueError saying why not."""
+        handle = layout.object_handle(name)
+        if size < pack.FOOTER_SIZE:
+            raise ValueError("it is shorter than a pack's footer")
+        tail = min(size, 256 * 1024)
+        read = self.backend.load(handle, size - tail, tail)
+        if read is None:
+            raise ValueError("it is gone")
+        try:
             data = bytes(read)
             footer = data[-pack.FOOTER_SIZE :]
             length = pack.trailer_length(footer)
@@ -159,11 +170,9 @@ class Index:
                 more = self.backend.load(handle, size - pack.FOOTER_SIZE - length, -start)
                 data = bytes(more or b"") + data
                 start = 0
-            entries = pack.parse_trailer(name, data[start : start + length], size, sealer)
-        except (ValueError, IndexError) as exc:
-            logger.warning("The trailer of pack %s cannot be read: %s", name, exc)
-        self._trailers[name] = entries
-        return entries
+            return pack.parse_trailer(name, data[start : start + length], size, sealer)
+        except IndexError as exc:
+            raise ValueError(f"its trailer is malformed ({exc})") from exc
 
     def catalog(
         self,

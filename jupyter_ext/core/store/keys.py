@@ -7,6 +7,12 @@ Jupyter data directory, an environment variable set by a spawner, or a hub servi
 A new KEK rewraps the master key (one small object; no data rewritten): the source's
 ``previous()`` keys still unwrap the old object, which is then replaced by one wrapped
 with ``current()``. A lost KEK leaves the master key, and so every snapshot, unreadable.
+
+A key file lives and dies with its machine, an S3 store does not: the master key can also
+be kept in the store wrapped by the user's passphrase (restic's key files), as
+``keys/passphrase-<id>``, with scrypt between the passphrase and the key. On another
+machine ``recover`` opens it with the passphrase and wraps the master key with that
+machine's KEK too (:meth:`Keyring.keep_passphrase`, :meth:`Keyring.recover`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from .. import private
 from ..errors import SnapshotCorruptError
@@ -46,6 +54,25 @@ LOST_KEY = (
     "Without this key no snapshot in the store can be read, by anyone: keep a copy of it "
     "somewhere safe (a password manager), not in the store."
 )
+PASSPHRASE_PREFIX = "passphrase-"
+"""Key objects that hold the master key wrapped by a passphrase (not by a KEK)."""
+MIN_PASSPHRASE = 10
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**15, 8, 1
+"""scrypt's cost (restic's defaults are alike): ~0.1 s and 32 MiB a try here."""
+KEEP_PASSPHRASE = "jupyter snapshot store passphrase"
+"""The command that keeps a copy of the store's key in the store, under a passphrase."""
+RECOVER = "jupyter snapshot store recover"
+"""The command that opens that copy on another machine."""
+
+
+def only_here_notice(location: str, source: KeySource) -> str:
+    """What to tell the user of an S3 store whose only key is a file on this machine."""
+    return (
+        f"The key of your snapshots in {location} is only on this machine ({source}): if "
+        f"this machine is lost, every snapshot is lost with it. Run '{KEEP_PASSPHRASE}' "
+        "once to keep a copy of the key in the store under a passphrase of yours; on "
+        f"another machine '{RECOVER}' opens it with that passphrase."
+    )
 
 
 class KeySource(Protocol):
@@ -249,16 +276,22 @@ class Keyring:
         self.source = source
         self._lock = threading.Lock()
         self._sealer: Sealer | None = None
+        self._master = b""
         self._kek_id = ""
 
     def describe(self) -> str:
         return str(self.source)
 
     def sealer(self) -> Sealer:
+        return self._unlocked()[0]
+
+    def _unlocked(self) -> tuple[Sealer, bytes]:
+        """The master key's sealer, and the key (opened once)."""
         with self._lock:
             if self._sealer is None:
-                self._sealer = Sealer(self._open())
-            return self._sealer
+                self._master = self._open()
+                self._sealer = Sealer(self._master)
+            return self._sealer, self._master
 
     @property
     def kek_id(self) -> str:
@@ -274,9 +307,15 @@ class Keyring:
             )
         return kek_id, kek
 
+    def names(self) -> tuple[set[str], set[str]]:
+        """The store's key objects: those wrapped by a KEK, and passphrase copies."""
+        names = set(self.backend.names(Kind.KEY))
+        copies = {n for n in names if n.startswith(PASSPHRASE_PREFIX)}
+        return names - copies, copies
+
     def _open(self) -> bytes:
         kek_id, kek = self._current()
-        names = set(self.backend.names(Kind.KEY))
+        names, copies = self.names()
         if kek_id in names:
             self._kek_id = kek_id
             return self._unwrap(kek_id, kek)
@@ -284,19 +323,27 @@ class Keyring:
             if old_id in names:
                 master = self._unwrap(old_id, old)
                 self.backend.save(layout.key(kek_id), self._wrap(kek_id, kek, master))
-                for name in names - {kek_id}:
+                for name in names - {kek_id}:  # passphrase copies stay
                     self.backend.remove(layout.key(name))
                 logger.info("Snapshot store key rewrapped: %s -> %s", old_id, kek_id)
                 self._kek_id = kek_id
                 return master
-        if names:
-            where = self.backend.location(layout.key(sorted(names)[0]))
+        if names or copies:
+            where = self.backend.location(layout.key(sorted(names or copies)[0]))
+            theirs = ", ".join(sorted(names)) or "a passphrase copy only"
+            hint = (
+                "Put back the key this store was made with; after a rotation, give the "
+                "old one as a previous key."
+            )
+            if copies:
+                hint += f" Or open the store's passphrase copy of its key: '{RECOVER}'."
+            else:
+                hint += " A lost key cannot be recovered."
             raise StoreError(
                 f"The snapshot store is encrypted with another key than the one in "
-                f"{self.describe()} (key id {kek_id}; the store's is {', '.join(sorted(names))} "
+                f"{self.describe()} (key id {kek_id}; the store's is {theirs} "
                 f"at {where}): its snapshots cannot be read.",
-                hint="Put back the key this store was made with; after a rotation, give the "
-                "old one as a previous key. A lost key cannot be recovered.",
+                hint=hint,
             )
         created = self._create(kek_id, kek)
         self._kek_id = kek_id
@@ -321,6 +368,83 @@ class Keyring:
             return None
         logger.info("Snapshot store encrypted from now on; key: %s", self.describe())
         return master
+
+    def keep_passphrase(self, passphrase: str) -> str:
+        """Keep the master key in the store wrapped by ``passphrase`` (it replaces an
+        earlier copy, removed once the new one is written); the new object's name."""
+        check_passphrase(passphrase)
+        master = self._unlocked()[1]
+        name = PASSPHRASE_PREFIX + os.urandom(4).hex()
+        salt = os.urandom(16)
+        sealed = Sealer(_stretch(passphrase, salt)).seal(_payload(master), _key_context(name))
+        doc = {
+            "format": KEY_FORMAT,
+            "kdf": {"name": "scrypt", "n": SCRYPT_N, "r": SCRYPT_R, "p": SCRYPT_P},
+            "salt": base64.b64encode(salt).decode(),
+            "sealed": base64.b64encode(sealed).decode(),
+        }
+        self.backend.save(layout.key(name), json.dumps(doc).encode())
+        for old in self.names()[1] - {name}:
+            self.backend.remove(layout.key(old))
+        logger.info("Snapshot store key kept under a passphrase: %s", name)
+        return name
+
+    def recover(self, passphrase: str) -> str:
+        """Open the store's passphrase copy of its master key and wrap that key with the
+        key source's KEK too (the other KEKs' objects stay): from now on this machine's
+        key opens the store. The KEK's id."""
+        copies = self.names()[1]
+        if not copies:
+            raise StoreError(
+                "The snapshot store holds no passphrase copy of its key "
+                f"({self.backend.location(layout.key(PASSPHRASE_PREFIX + '...'))}): it cannot "
+                "be recovered with a passphrase.",
+                hint="Put back the key this store was made with (the key file, or "
+                "$JUPYTER_SNAPSHOT_KEY).",
+            )
+        for name in sorted(copies):
+            master = self._unwrap_passphrase(name, passphrase)
+            if master is None:
+                continue
+            kek_id, kek = self._current()
+            self.backend.save(layout.key(kek_id), self._wrap(kek_id, kek, master))
+            with self._lock:
+                self._sealer, self._master, self._kek_id = Sealer(master), master, kek_id
+            logger.info("Snapshot store key recovered from %s for %s", name, self.describe())
+            return kek_id
+        raise StoreError(
+            "The passphrase does not open the store's passphrase copy of its key.",
+            hint="Type the passphrase given to 'jupyter snapshot store passphrase' "
+            "(passphrases are case-sensitive).",
+        )
+
+    def _unwrap_passphrase(self, name: str, passphrase: str) -> bytes | None:
+        """The master key, if ``passphrase`` opens the copy ``name`` (None if not)."""
+        data = self.backend.load(layout.key(name))
+        try:
+            if data is None:
+                return None
+            doc = json.loads(bytes(data))
+            kdf = doc["kdf"]
+            if doc.get("format") != KEY_FORMAT or kdf != {
+                "name": "scrypt",
+                "n": SCRYPT_N,
+                "r": SCRYPT_R,
+                "p": SCRYPT_P,
+            }:
+                raise ValueError("it is not a passphrase copy of this version")
+            key = _stretch(passphrase, base64.b64decode(doc["salt"]))
+            sealed = base64.b64decode(doc["sealed"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StoreError(
+                f"The passphrase copy {self.backend.location(layout.key(name))} cannot be "
+                f"read: {exc}.",
+                hint="Restore the store's keys/ objects from a backup.",
+            ) from exc
+        try:
+            return _parse_payload(Sealer(key).open(sealed, _key_context(name)))
+        except ValueError:
+            return None
 
     def _wrap(self, kek_id: str, kek: bytes, master: bytes) -> bytes:
         sealed = Sealer(kek).seal(_payload(master), _key_context(kek_id))
@@ -363,6 +487,22 @@ def unencrypted_record(where: str, snapshot_id: str) -> SnapshotCorruptError:
 
 def _key_context(kek_id: str) -> bytes:
     return f"jks-key\0{kek_id}".encode()
+
+
+def check_passphrase(passphrase: str) -> None:
+    if len(passphrase) < MIN_PASSPHRASE:
+        raise StoreError(
+            f"A passphrase of {len(passphrase)} characters is too short to guard the key of "
+            "every snapshot (anyone who reads the store can try passphrases offline).",
+            hint=f"Use {MIN_PASSPHRASE} characters or more: several words, or a password "
+            "manager's.",
+        )
+
+
+def _stretch(passphrase: str, salt: bytes) -> bytes:
+    """The key a passphrase gives (scrypt): slow on purpose, against guessing offline."""
+    kdf = Scrypt(salt=salt, length=KEY_BYTES, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P)
+    return kdf.derive(passphrase.encode())
 
 
 SEALED_KINDS = (Kind.RECORD, Kind.PUT)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
+from ..humanize import human_bytes
 from . import pack
 from .backend import ObjectStat
 from .claims import Claims, Lease
@@ -129,6 +131,47 @@ def plan_cleanup(
     return CleanupPlan(sorted(set(doomed) | old), doomed, worn, needed, finished)
 
 
+@dataclass
+class PruneReport:
+    """What a clean-up removed and rewrote (``store prune`` says it)."""
+
+    removed: list[tuple[str, int]] = field(default_factory=list)
+    """Objects deleted, with their sizes."""
+    repacked: list[tuple[str, int]] = field(default_factory=list)
+    """Packs rewritten, with their sizes."""
+    kept_bytes: int = 0
+    """What of them was still needed, copied into new packs."""
+    claims: list[str] = field(default_factory=list)
+    """Claims and markers removed (of killed puts and clean-ups, of failed puts here)."""
+
+    @property
+    def freed_bytes(self) -> int:
+        removed = sum(size for _, size in [*self.removed, *self.repacked])
+        return max(0, removed - self.kept_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "freed_bytes": self.freed_bytes}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PruneReport:
+        """A report as :meth:`to_dict` gave it (a prune job's result)."""
+        return cls(
+            [(str(n), int(s)) for n, s in data["removed"]],
+            [(str(n), int(s)) for n, s in data["repacked"]],
+            int(data["kept_bytes"]),
+            list(data["claims"]),
+        )
+
+    def lines(self) -> list[str]:
+        return [
+            f"Removed {len(self.removed)} pack(s) no snapshot needed "
+            f"({human_bytes(sum(size for _, size in self.removed))}), rewrote "
+            f"{len(self.repacked)} mostly unneeded pack(s) ({human_bytes(self.kept_bytes)} "
+            f"kept), removed {len(self.claims)} claim(s) of ended puts: "
+            f"{human_bytes(self.freed_bytes)} freed."
+        ]
+
+
 @dataclass(frozen=True)
 class Cleaner:
     """Runs clean-ups of one store (its settings as the repository has them now)."""
@@ -139,8 +182,8 @@ class Cleaner:
     repack_below: float
     pack_bytes: int
 
-    def collect(self, candidates: set[str], *, own: set[str], sweep: bool = False) -> None:
-        """Survey, plan and execute one clean-up under a fresh marker."""
+    def collect(self, candidates: set[str], *, own: set[str], sweep: bool = False) -> PruneReport:
+        """Survey, plan and execute one clean-up under a fresh marker; what it did."""
         with self.claims.cleaning() as lease:
             found = survey(self.claims, self.index, lease.marker, own)
             plan = plan_cleanup(
@@ -151,14 +194,21 @@ class Cleaner:
                 cutoff=time.time() - self.grace_seconds,
                 repack_below=self.repack_below,
             )
-            self._execute(plan, lease)
+            return self._execute(plan, found.objects, lease)
 
-    def _execute(self, plan: CleanupPlan, lease: Lease) -> None:
+    def _execute(
+        self, plan: CleanupPlan, objects: dict[str, ObjectStat], lease: Lease
+    ) -> PruneReport:
         lease.check()
         self.index.backend.remove_all(plan.delete)
+        done = PruneReport(removed=[(name, objects[name].size) for name in plan.delete])
         if plan.repack:
-            Repack(self.claims, self.index, self.pack_bytes, lease).run(plan.repack, plan.needed)
+            repack = Repack(self.claims, self.index, self.pack_bytes, lease)
+            rewritten, done.kept_bytes = repack.run(plan.repack, plan.needed)
+            done.repacked = [(name, objects[name].size) for name in rewritten]
         for name in plan.finished:
             self.claims.remove(name)
+        done.claims = list(plan.finished)
         if plan.doomed:
             logger.info("Removed %d packs that failed puts left", len(plan.doomed))
+        return done

@@ -34,8 +34,9 @@ class Repack:
         keyring = index.keyring
         self.sealer = None if keyring is None else keyring.sealer()
 
-    def run(self, worn: list[str], needed: Needs) -> None:
-        """Copy the needed chunks of ``worn`` packs into new packs, then delete them.
+    def run(self, worn: list[str], needed: Needs) -> tuple[list[str], int]:
+        """Copy the needed chunks of ``worn`` packs into new packs, then delete them; the
+        packs rewritten, and the bytes of them still needed (copied).
 
         Every chunk is checked before it is copied; a pack with a damaged chunk is left
         as it is. The new packs are claimed like a put's before they are written, and
@@ -71,16 +72,17 @@ class Repack:
                     flush()
             flush()
             if not done:
-                return
+                return [], 0
             self.backend.sync()
             self.claims.wait_for_cleanups(besides=self.lease.marker)
             missing = written - self.index.objects().keys()
             if missing:
                 logger.warning("A repack stopped: %d new packs were removed", len(missing))
-                return
+                return [], 0
             self.lease.check()
             self.backend.remove_all(done)
             logger.info("Repacked %d packs (%s still needed)", len(done), human_bytes(kept))
+            return done, kept
         finally:
             with contextlib.suppress(SnapshotError):
                 self.claims.remove(f"{token}.json")

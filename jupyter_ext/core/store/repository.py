@@ -21,12 +21,13 @@ from ..protocol import ProgressCallback
 from . import pack, sealing
 from .api import Progress, Skip, StoredSnapshot, StoreError, StoreStats, corrupt, report
 from .backend import Backend, layout
+from .check import Checker, CheckReport
 from .claims import Claims, Heartbeat
 from .fetch import Reader, fetch_into
 from .images import SnapshotImages
 from .index import Index
-from .keys import KEY_SOURCES, Keyring, KeySource, SealedBackend
-from .prune import Cleaner
+from .keys import KEY_SOURCES, FileKeySource, Keyring, KeySource, SealedBackend, only_here_notice
+from .prune import Cleaner, PruneReport
 from .put import PutSettings, Upload
 from .record import Record, Summary
 
@@ -52,9 +53,11 @@ class Tuning(TypedDict, total=False):
 
 class Repository:
     """Snapshots in one store. Subclasses choose the backend and their policies: whether
-    images are adopted, what a failed put's error says, what a sweep also removes."""
+    images are adopted, what a failed put's error says, what a prune also removes."""
 
     adopts_images = False
+    outlives_the_machine = False
+    """Whether the store survives this machine's loss (a bucket): its key must too."""
 
     @classmethod
     def over(cls, backend: Backend, *, max_workers: int, **tuning: Unpack[Tuning]) -> Self:
@@ -254,7 +257,7 @@ class Repository:
         return SnapshotImages(Reader(self.index, self._require(snapshot_id)), self.max_workers)
 
     def delete(self, snapshot_id: str, *, missing_ok: bool = False) -> None:
-        """Remove the record, then sweep and repack what nothing needs any more.
+        """Remove the record, then prune: remove and repack what nothing needs any more.
 
         ``missing_ok``: a snapshot already gone (another retention pass, another server
         deleted it) is not an error: retention deletes what it planned, once. A record
@@ -267,7 +270,7 @@ class Repository:
         self.backend.remove(layout.record(snapshot_id))
         self.index.forget(snapshot_id)
         try:
-            self.sweep()
+            self.prune()
         except SnapshotError as exc:
             logger.warning(
                 "Snapshot %s deleted, but the store was not cleaned up: %s", snapshot_id, exc
@@ -352,6 +355,17 @@ class Repository:
         self.backend.remove_all(plain)
         logger.info("Removed %d unencrypted packs", len(plain))
 
+    def key_notice(self) -> str:
+        """What to tell the user while the store outlives this machine but its key does
+        not (a key file, no passphrase copy in the store); "" otherwise."""
+        keyring = self.keyring
+        if not self.outlives_the_machine or keyring is None:
+            return ""
+        if not isinstance(keyring.source, FileKeySource) or keyring.names()[1]:
+            return ""
+        root = self.backend.location(layout.key("-")).rsplit("/", 2)[0]
+        return only_here_notice(root, keyring.source)
+
     # -- clean-up --------------------------------------------------------------------
 
     def _cleaner(self) -> Cleaner:
@@ -359,15 +373,30 @@ class Repository:
             self.claims, self.index, self.grace_seconds, self.repack_below, self.pack_bytes
         )
 
-    def sweep(self) -> None:
+    def prune(self) -> PruneReport:
         """Delete unreferenced objects older than the grace period, repack mostly unused
-        packs, and remove what failed or killed puts left."""
+        packs, and remove what failed or killed puts left; what was done."""
         with self._leftovers_lock:
             leftovers = {token: set(objects) for token, objects in self._leftovers.items()}
-        self._cleaner().collect(set().union(*leftovers.values()), own=set(leftovers), sweep=True)
+        done = self._cleaner().collect(
+            set().union(*leftovers.values()), own=set(leftovers), sweep=True
+        )
         with self._leftovers_lock:
             for token in leftovers:
                 self._leftovers.pop(token, None)
+        return done
+
+    def check(self, read_data: bool = False, progress: Progress = None) -> CheckReport:
+        """Whether the store is whole (check.py): it only reads."""
+        checker = Checker(
+            self.index,
+            self.claims,
+            self.keyring,
+            self.max_workers,
+            self.grace_seconds,
+            self.repack_below,
+        )
+        return checker.run(read_data, progress)
 
     def _collect_leftovers(self) -> None:
         """After a put: clean up what earlier failed puts here (store unreachable then)

@@ -21,6 +21,7 @@ from .backend.local import LocalBackend, LocalOptions
 from .backend.memory import MemoryOptions
 from .backend.s3 import S3Backend, S3Encryption, S3Options
 from .keys import KeySettings, make_key_source
+from .prune import PruneReport
 from .repository import Repository, Tuning
 from .scope import user_prefix
 
@@ -66,10 +67,11 @@ class LocalStore(Repository):
             "max_bytes), or move the store to a larger disk; then retry.",
         )
 
-    def sweep(self) -> None:
+    def prune(self) -> PruneReport:
         """Also remove temporary files that a killed put left behind."""
-        super().sweep()
+        done = super().prune()
         self.backend.remove_temporaries(older_than=time.time() - self.grace_seconds)
+        return done
 
 
 def is_disk_full(exc: BaseException | None) -> bool:
@@ -93,6 +95,7 @@ class S3Store(Repository):
     it is set.
     """
 
+    outlives_the_machine = True
     backend: S3Backend
 
     def __init__(
