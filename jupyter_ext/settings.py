@@ -215,14 +215,13 @@ class SnapshotSettings(ExtensionApp):
         True,
         config=True,
         help="""Track each kernel's memory between its snapshots, so that a snapshot copies
-        only what the kernel wrote since its previous one (still on this machine, in the
-        image cache) and freezes the kernel only for that; a kernel's first snapshot (and
-        one after a restore) copies its memory while it runs first, then freezes it for
-        what changed meanwhile. Uses the kernel's soft-dirty bits, or where the Linux kernel
-        has none (arm64; these VMs) an asynchronous userfaultfd the kernel process opens
-        (Linux >= 6.7, the CRIU that scripts/install-criu.sh builds). Each snapshot still
-        restores on its own (docs/storage.md, "Snapshots cost what changed"). Default:
-        True; False copies the whole memory, frozen, every time.""",
+        only what the kernel wrote since its previous one (still in this machine's image
+        cache) and freezes the kernel only for that; a first snapshot (or one after a
+        restore) copies the memory while the kernel runs, then freezes it for what changed
+        meanwhile. Soft-dirty bits, or where Linux has none (arm64, these VMs) an
+        asynchronous userfaultfd (Linux >= 6.7, the CRIU scripts/install-criu.sh builds).
+        Each snapshot still restores on its own (docs/storage.md, "Snapshots cost what
+        changed"). Default: True; False copies the whole memory, frozen, every time.""",
     )
     periodic_interval = Float(
         0.0,
@@ -348,14 +347,13 @@ class SnapshotSettings(ExtensionApp):
     restore_on_death = Bool(
         False,
         config=True,
-        help="""When a snapshot kernel dies (its process killed, by the out-of-memory
-        killer or anyone, or crashed; its wrapper too, and jupyter_client starts it again),
-        restore the kernel's last snapshot into it at once, instead of offering it in the
-        notebook ("The kernel died (killed by the out-of-memory killer at 14.2 GiB).
-        Restore its snapshot from 22:13, 3 cells earlier?"). The notebook then says what
-        was restored and which cells run since that snapshot were not. Either way the
-        kernel's status in the REST API (GET /api/snapshots/kernels/ID, "death") says that
-        it died, why, and which snapshot is offered. Default: False (offered).""",
+        help="""When a snapshot kernel dies (killed, by the out-of-memory killer or anyone,
+        or crashed; its wrapper too, and jupyter_client starts it again), restore its last
+        snapshot into it at once instead of offering it in the notebook ("The kernel died
+        (killed by the out-of-memory killer at 14.2 GiB). Restore its snapshot from 22:13,
+        3 cells earlier?"); the notebook then says which cells were not restored. The
+        REST status (GET /api/snapshots/kernels/ID, "death") says either way that it died,
+        why, and the snapshot offered. Default: False (offered).""",
     )
     release_gpu_caches = Bool(
         True,
