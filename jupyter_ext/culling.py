@@ -25,6 +25,7 @@ stop), the dumps of suspended kernels that no wrapper holds any more are removed
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 from collections import Counter
@@ -48,6 +49,8 @@ log = logging.getLogger("jupyter_ext")
 
 #: jupyter_server's own logins: every user is an anonymous holder of the server's token
 #: or password, so no requester can be told from the server's owner.
+#: How long a server's stop waits for kernels jupyter_client is starting again.
+RESTART_WAIT_SECONDS = 30.0
 ANONYMOUS_LOGINS = (IdentityProvider, PasswordIdentityProvider, LegacyIdentityProvider)
 
 
@@ -168,6 +171,18 @@ class CullingPolicy:
                     self.ending_now -= Counter([kernel_id])
 
         async def shutdown_all_kernels(now: bool = False) -> None:
+            # A kernel jupyter_client is starting again (after a death) has a pending
+            # ``ready``, which its shutdown_all reads (InvalidStateError): let it start first.
+            starting = [
+                ready
+                for kernel_id in km.list_kernel_ids()
+                if isinstance(
+                    ready := getattr(km.get_kernel(kernel_id), "ready", None), asyncio.Future
+                )
+                and not ready.done()
+            ]
+            if starting:
+                await asyncio.wait(starting, timeout=RESTART_WAIT_SECONDS)
             try:
                 await shutdown_all(now=now)
             finally:

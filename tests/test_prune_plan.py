@@ -78,8 +78,8 @@ def test_what_goes_what_stays() -> None:
 def test_no_repack_while_another_clean_up_runs() -> None:
     objects = {A: ObjectStat(1000, OLD)}
     others = [
-        PutFile("x.cleaning", stale=False, owner_gone=False),
-        PutFile("y.cleaning", stale=False, owner_gone=True),  # its process ended: ignored
+        PutFile("x.cleaning", stale=False),
+        PutFile("y.cleaning", stale=True),  # old, or its process ended: removed, ignored
     ]
     found = survey(others, objects, record("s1", chunk(A)))
     plan = plan_cleanup(found, set(), set(), sweep=True, cutoff=CUTOFF, repack_below=0.5)
@@ -87,6 +87,7 @@ def test_no_repack_while_another_clean_up_runs() -> None:
     alone = survey(others[1:], objects, record("s1", chunk(A)))
     plan = plan_cleanup(alone, set(), set(), sweep=True, cutoff=CUTOFF, repack_below=0.5)
     assert plan.repack == [A]
+    assert plan.finished == ["y.cleaning"]
 
 
 def test_without_sweep_only_candidates_go() -> None:

@@ -101,7 +101,7 @@ def test_two_servers_putting_the_same_snapshot_store_it_once(
 
     assert first.manifest == second.manifest
     assert one.backend.names(Kind.RECORD) == [first.manifest.id]
-    at_once([one.sweep, other.sweep])
+    at_once([one.prune, other.prune])
     assert fetched(servers(), first.manifest.id, tmp_path) == tree(directory)
     assert one.backend.names(Kind.PUT) == []
 

@@ -387,9 +387,7 @@ class Checker:
     def _stale_claims(self) -> list[str]:
         now = time.time()
         return sorted(
-            name
-            for name, mtime in self.claims.listing()
-            if mtime <= now - self.claims.stale_after(name)
+            name for name, mtime in self.claims.listing() if self.claims.is_stale(name, mtime, now)
         )
 
     def _unneeded(

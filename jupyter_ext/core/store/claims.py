@@ -71,10 +71,17 @@ class Claims:
     def stale_after(self, name: str) -> float:
         return self.marker_stale_seconds if name.endswith(".cleaning") else self.claim_stale_seconds
 
+    def is_stale(self, name: str, mtime: float, now: float) -> bool:
+        """Whether a claim or marker is one a killed put or clean-up left: past its age, or
+        a clean-up marker whose process on this host has ended."""
+        if mtime <= now - self.stale_after(name):
+            return True
+        return name.endswith(".cleaning") and self.marker_owner_gone(name)
+
     def any_stale(self) -> bool:
         """Whether a killed put or clean-up left its claim or marker."""
         now = time.time()
-        return any(mtime <= now - self.stale_after(name) for name, mtime in self.listing())
+        return any(self.is_stale(name, mtime, now) for name, mtime in self.listing())
 
     def claimed_objects(self, name: str, stale: bool) -> set[str]:
         """The objects a claim lists; a live claim that cannot be read stops the clean-up."""

@@ -29,8 +29,6 @@ class PutFile:
     stale: bool
     objects: frozenset[str] = frozenset()
     """What a claim lists (read for claims of others only)."""
-    owner_gone: bool = False
-    """A fresh marker whose process is gone from this host (it does not count)."""
 
 
 @dataclass(frozen=True)
@@ -65,13 +63,10 @@ def survey(claims: Claims, index: Index, marker: str, own: set[str]) -> Survey:
     now = time.time()
     for name, mtime in claims.listing():
         token, _, kind = name.partition(".")
-        stale = mtime <= now - claims.stale_after(name)
         if name == marker or kind not in ("json", "cleaning"):
             continue
-        if kind == "cleaning":
-            gone = not stale and claims.marker_owner_gone(name)
-            puts.append(PutFile(name, stale, owner_gone=gone))
-        elif token in own:
+        stale = claims.is_stale(name, mtime, now)
+        if kind == "cleaning" or token in own:
             puts.append(PutFile(name, stale))
         else:
             puts.append(PutFile(name, stale, frozenset(claims.claimed_objects(name, stale))))
@@ -101,7 +96,7 @@ def plan_cleanup(
         token, _, kind = put.name.partition(".")
         if kind == "cleaning" or token in own:
             if kind == "cleaning" and not put.stale:
-                alone = alone and put.owner_gone
+                alone = False
             if kind == "json" or put.stale:
                 finished.append(put.name)
         elif put.stale:
