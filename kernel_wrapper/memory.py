@@ -164,20 +164,29 @@ class MemoryCopy:
             "frozen_total_seconds": round(
                 frozen_seconds + sum(lvl.frozen_seconds for lvl in self.levels), 4
             ),
-            # The kernel's children are copied whole every time: only the kernel's own
-            # process holds a tracker (a fork does not inherit its registration).
-            "untracked_processes": [
+            "untracked_processes": _untracked_processes(tree) if plan.track else [],
+        }
+
+
+def _untracked_processes(tree: KernelTree) -> list[dict[str, Any]]:
+    """The kernel's children, which are copied whole every time (only the kernel's own
+    process holds a tracker). One that ended since the dump (a Ray worker, a pool's task:
+    it is in the snapshot still) is left out: its figures cannot be read any more."""
+    listed = []
+    for pid in tree.pids:
+        if pid == tree.root:
+            continue
+        try:
+            listed.append(
                 {
                     "pid": proctree.ns_pid(pid),
                     "name": proctree.process_name(pid),
                     "bytes": proctree.private_memory_bytes([pid]),
                 }
-                for pid in tree.pids
-                if pid != tree.root
-            ]
-            if plan.track
-            else [],
-        }
+            )
+        except OSError:
+            continue
+    return listed
 
 
 @dataclass
