@@ -208,6 +208,11 @@ export function offerRestoreOnLoss(
       return;
     }
     const kernelName = lost.kernel?.name ?? '';
+    if (!kernelName) {
+      // Its kernel went first: shut down here (Kernel > Shut Down Kernel), no loss; and
+      // a kernel without a name would be the default kernelspec's, not the notebook's.
+      return;
+    }
     const lineage =
       options.model.kernelStatus(lost.kernel?.id)?.lineage ?? null;
     void afterLoss(panel, options, kernelName, lineage).catch(error =>

@@ -88,7 +88,7 @@ test.describe('An R notebook on two nodes', () => {
     const card = snapshotCards(panel).first();
     await expect(card).toContainText('df', { timeout: 120_000 });
     await card.getByRole('button', { name: 'Contents' }).click();
-    await expect(card.getByRole('list', { name: 'Variables' })).toContainText(
+    await expect(card.getByRole('list', { name: 'Variables', exact: true })).toContainText(
       'data.frame'
     );
     await expect(card).toContainText(
