@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import re
+import resource
 import shutil
 import socket
 import subprocess
@@ -384,8 +385,8 @@ class Criu:
             args.append("--restore-sibling")
         if lazy:
             args.append("--lazy-pages")
-        for fd, resource in inherit_fds:
-            args += ["--inherit-fd", f"fd[{fd}]:{resource}"]
+        for fd, inherited in inherit_fds:
+            args += ["--inherit-fd", f"fd[{fd}]:{inherited}"]
         mount_options, missing = mountns.restore_options(
             list(mounts), work_dir / "no-mount", mount_sources
         )
@@ -453,6 +454,12 @@ class Criu:
         def prepare() -> None:
             # A dump must not go on (holding the kernel seized) after its wrapper died.
             proctree.die_with_parent()
+            # CRIU opens a pipe per run of pages (a pre-copy of a big kernel: hundreds);
+            # as root it lifts its own limit, an ordinary user's soft limit (often 1024)
+            # stays: take the hard one ("Too many open files" otherwise).
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            if soft < hard:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
             if netns is not None:
                 netns.enter()
 
