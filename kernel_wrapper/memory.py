@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_ext.core import proctree
+from jupyter_ext.core.agent.protocol import ENV_AGENT_SOCKET
 from jupyter_ext.core.chunking import ChunkParams
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.criu.chain import (
@@ -243,6 +244,7 @@ class KernelMemory:
             gpu=bool(cuda),
             pinned_bytes=sum(pinned_bytes(pid) for pid in pids),
             keeps_running=keeps_running,
+            precopy_possible=os.geteuid() == 0 or bool(os.environ.get(ENV_AGENT_SOCKET)),
         )
         return plan_dump(situation)
 

@@ -72,6 +72,10 @@ class Situation:
     keeps_running: bool = True
     """The kernel runs on after the dump (not a suspend): only then is a pre-copy worth
     its second pass, and tracking worth keeping."""
+    precopy_possible: bool = True
+    """Whether CRIU can pre-copy here: without root (and no node agent) its pre-dump holds
+    the pages in pipes, which an ordinary user's pipe limits (fs.pipe-user-pages-soft,
+    RLIMIT_NOFILE) cut short on a big kernel ("Too many open files")."""
 
 
 @dataclass(frozen=True)
@@ -101,17 +105,18 @@ def plan_dump(s: Situation) -> DumpPlan:
             None, PINNED.format(pinned=human_bytes(s.pinned_bytes)), track=False, precopy=False
         )
     ahead = s.keeps_running
+    precopy = ahead and s.precopy_possible
     if s.tracked_since is None:
-        return DumpPlan(None, s.untracked_reason or FIRST, track=ahead, precopy=ahead)
+        return DumpPlan(None, s.untracked_reason or FIRST, track=ahead, precopy=precopy)
     if s.parent_id != s.tracked_since or s.parent_chain is None:
-        return DumpPlan(None, PARENT_GONE, track=ahead, precopy=ahead)
+        return DumpPlan(None, PARENT_GONE, track=ahead, precopy=precopy)
     chain = s.parent_chain
     if chain.levels >= MAX_CHAIN_LEVELS:
         return DumpPlan(
             None,
             f"its chain of {chain.levels} levels starts anew (at most {MAX_CHAIN_LEVELS})",
             track=ahead,
-            precopy=ahead,
+            precopy=precopy,
         )
     if s.memory_bytes and chain.pages_bytes > MAX_CHAIN_GROWTH * s.memory_bytes:
         return DumpPlan(
@@ -119,9 +124,9 @@ def plan_dump(s: Situation) -> DumpPlan:
             f"its chain holds {human_bytes(chain.pages_bytes)} for "
             f"{human_bytes(s.memory_bytes)} of memory: it starts anew",
             track=ahead,
-            precopy=ahead,
+            precopy=precopy,
         )
-    return DumpPlan(s.parent_id, "", track=True, precopy=ahead)
+    return DumpPlan(s.parent_id, "", track=True, precopy=precopy)
 
 
 def another_round(done: int, pending: int, previous: int | None) -> bool:
