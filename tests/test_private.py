@@ -506,6 +506,7 @@ class OpenPaths:
 
 
 @pytest.mark.usefixtures("criu")
+@pytest.mark.needs_root("restores a copy beside the running kernel: a PID namespace each")
 def test_every_folder_a_job_makes_is_owner_only_from_the_start(tmp_path: Path) -> None:
     """A server under umask 022 (the common one): after a snapshot, a suspend and its
     resume, a restore in place and into a new kernel, variables taken back and a deletion,

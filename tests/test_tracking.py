@@ -209,7 +209,10 @@ def test_no_write_is_missed(kernel_factory: Factory, tmp_path: Path) -> None:
     first = snapshot(kernel, tmp_path / "s1")
     assert first["memory"]["mode"] == "full"
     assert first["memory"]["reason"] == memplan.FIRST
-    assert first["memory"]["precopy"], "a 100 MiB kernel is copied while it runs first"
+    # (Without root CRIU's pre-dump cannot hold a big kernel's pages: no pre-copy there.)
+    assert bool(first["memory"]["precopy"]) == (os.geteuid() == 0), (
+        "a 100 MiB kernel is pre-copied as root"
+    )
     kernel.execute(CHANGE)
     pid = kernel.status()["inner_pid"]
     address, size = kernel.execute("print(*W['remote'])").split()
@@ -219,7 +222,9 @@ def test_no_write_is_missed(kernel_factory: Factory, tmp_path: Path) -> None:
     second = snapshot(kernel, tmp_path / "s2", parent=tmp_path / "s1")
     assert second["memory"]["mode"] == "incremental", second["memory"]
     assert second["memory"]["parent"] == first["id"]
-    assert second["memory"]["frozen_bytes"] < first["memory"]["copied_bytes"] // 2
+    # Less than the full copy; as root (pre-copied while it runs) less than half of it.
+    share = 2 if os.geteuid() == 0 else 1
+    assert second["memory"]["frozen_bytes"] < first["memory"]["copied_bytes"] // share
     expected = kernel.execute(CHECK)
     assert "writer True" in expected, expected
     kernel.kill_all()
