@@ -36,7 +36,7 @@ class KernelTree:
     """Connections inside the tree keep their state (TCP repair, where the CRIU that dumps
     it can: :meth:`Criu.keeps_tcp`)."""
     appended_files: list[dict[str, object]]
-    """The open files the tree appends to (logs), each with its ``opener``: carried in
+    """The open files the tree appends to (logs), each with its ``openers``: carried in
     the snapshot as they were (core/carried/appended.py)."""
     ghost_bytes: int
     """The largest deleted file the tree holds (CRIU saves it in the images): the dump's

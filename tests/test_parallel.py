@@ -754,3 +754,39 @@ def test_a_log_larger_than_a_snapshot_carries_must_stay(
         RuntimeError, match=rf"{big} does not exist \(the kernel appended to it; at"
     ):
         kernel_factory(restore_from=tmp_path / "snap")
+
+
+def test_a_log_closed_after_the_tree_was_looked_at_is_left_out(tmp_path: Path) -> None:
+    """A process that closes its log (or ends) between the look at the tree and the copy
+    (Ray ends idle workers at any time) does not fail the snapshot: the log is read through
+    another descriptor that still appends to it, or left out where none does (CRIU will not
+    find it open either)."""
+    import subprocess
+    import sys
+
+    from jupyter_ext.core import proctree
+    from jupyter_ext.core.carried.appended import AppendedCopy, appended
+
+    shared, alone = tmp_path / "shared.log", tmp_path / "alone.log"
+    holds = "import sys, time\nfiles = [open(p, 'a') for p in sys.argv[1:]]\ntime.sleep(600)"
+    first = subprocess.Popen([sys.executable, "-c", holds, str(shared), str(alone)])
+    second = subprocess.Popen([sys.executable, "-c", holds, str(shared)])
+    try:
+        wait_until(lambda: all(len(os.listdir(f"/proc/{p.pid}/fd")) > 3 for p in (first, second)))
+        files = appended(proctree.needed_files([first.pid, second.pid]))
+        assert [len(entry["openers"]) for entry in files] == [1, 2]  # alone, shared
+        shared.write_text("a line\n")
+        first.kill()
+        first.wait()
+        copy = AppendedCopy(files, tmp_path / "copy")
+        try:
+            copy.copy()
+            copy.copy_after()
+        finally:
+            copy.close()
+        assert [record["path"] for record in copy.records] == [str(shared)]
+        assert (tmp_path / "copy" / "0").read_text() == "a line\n"
+    finally:
+        for process in (first, second):
+            process.kill()
+            process.wait()

@@ -151,22 +151,23 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
     Open file descriptors, file-backed memory mappings (the interpreter, its libraries)
     and working directories. Deleted files are left out: CRIU carries them in the image.
     An open file that one of the processes appends to (``O_APPEND``, for writing: a log)
-    is marked ``appended``, with an ``opener`` (``/proc/PID/fd/N``) to read it through
-    during the dump: the snapshot carries it as it was (core/carried/appended.py), instead of
-    needing it unchanged; and with ``size_checked`` (CRIU records its size: a descriptor
-    reads it, or it is mapped) and ``rewritten`` (a descriptor writes it without
-    ``O_APPEND``, so that its start may change).
+    is marked ``appended``, with its ``openers`` (``/proc/PID/fd/N`` of each descriptor that
+    appends to it) to read it through during the dump: the snapshot carries it as it was
+    (core/carried/appended.py), instead of needing it unchanged; and with ``size_checked``
+    (CRIU records its size: a descriptor reads it, or it is mapped) and ``rewritten`` (a
+    descriptor writes it without ``O_APPEND``, so that its start may change).
     """
     seen: dict[str, dict[str, object]] = {}
     flags: dict[str, list[int]] = {}  # path -> the flags of each descriptor open on it
+    openers: dict[str, list[str]] = {}  # path -> each descriptor that appends to it
 
     def add(path: str, kind: str, opener: str = "") -> None:
         if path in seen:
             held = flags.setdefault(path, [])
             if opener:
                 held.append(_flags(opener))
-                if _appends(held[-1]) and not seen[path].get("opener"):
-                    seen[path]["opener"] = opener
+                if _appends(held[-1]):
+                    openers.setdefault(path, []).append(opener)
             elif kind == "mapped":
                 held.append(os.O_RDONLY)  # CRIU checks a mapped file's size
             return
@@ -184,7 +185,7 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
             seen[path] = {"path": path, "kind": kind, "size": st.st_size, "mode": mode}
             flags[path] = [_flags(opener) if opener else os.O_RDONLY]
             if opener and _appends(flags[path][0]):
-                seen[path]["opener"] = opener
+                openers[path] = [opener]
 
     for pid in pids:
         with contextlib.suppress(OSError):
@@ -207,10 +208,11 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
             if len(parts) == 6 and parts[5].startswith("/"):
                 add(parts[5], "mapped")
     for path, entry in seen.items():
-        if entry.get("opener"):
+        if path in openers:
             held = flags[path]
             entry.update(
                 appended=True,
+                openers=openers[path],
                 # CRIU records no size for a file open write-only with O_APPEND only.
                 size_checked=any(
                     f & os.O_ACCMODE != os.O_WRONLY or not f & os.O_APPEND for f in held

@@ -50,7 +50,7 @@ SNAPSHOT_DIR_NAME = "appended"
 CARRY_MAX = 1 << 30
 
 #: The keys of a ``needed_files`` entry that are for the dump only.
-DUMP_ONLY_KEYS = ("opener", "size_checked", "rewritten")
+DUMP_ONLY_KEYS = ("openers", "size_checked", "rewritten")
 
 
 def appended(needed: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -59,19 +59,23 @@ def appended(needed: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class AppendedCopy:
-    """The appended files (``needed_files`` entries, each with the ``opener`` to read it
+    """The appended files (``needed_files`` entries, each with the ``openers`` to read it
     by: opened here, before the freeze) copied into ``dest``: their sizes recorded while
     the tree is frozen (:meth:`copy`, a step of core/criu/frozen.py), their bytes up to
-    those sizes once it runs again (:meth:`copy_after`); :attr:`records` for the manifest."""
+    those sizes once it runs again (:meth:`copy_after`); :attr:`records` for the manifest.
+
+    A file whose every descriptor was closed since the tree was looked at (a Ray worker
+    that ended, a handler closed) is no longer one the tree appends to: CRIU will not find
+    it open, so it is left out."""
 
     def __init__(self, files: list[dict[str, Any]], dest: Path) -> None:
-        self.files = files
+        self.files: list[dict[str, Any]] = []
         self.dest = dest
         self.records: list[dict[str, Any]] = []
         self._fds: list[int] = []
         for entry in files:
             try:
-                self._fds.append(os.open(str(entry["opener"]), os.O_RDONLY | os.O_CLOEXEC))
+                fd = _open_any(entry)
             except OSError as exc:
                 self.close()
                 raise SnapshotError(
@@ -79,6 +83,11 @@ class AppendedCopy:
                     f"for the snapshot: {exc.strerror}.",
                     hint="Let this user read it (or close it in the kernel), then retry.",
                 ) from exc
+            if fd is None:
+                log.info("%s is no longer open in the kernel: not carried", entry["path"])
+                continue
+            self.files.append(entry)
+            self._fds.append(fd)
 
     def copy(self) -> None:
         """While CRIU holds the tree frozen: each file's size, and the bytes of those a
@@ -127,6 +136,17 @@ class AppendedCopy:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+
+def _open_any(entry: dict[str, Any]) -> int | None:
+    """The file, read through the first of its descriptors still open (None: none is).
+    Through the descriptor, not the path: it is the file the kernel holds, even renamed."""
+    for opener in entry["openers"]:
+        try:
+            return os.open(str(opener), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue  # the descriptor was closed, or its process ended
+    return None
 
 
 def problems(records: list[dict[str, Any]], snapshot_dir: Path) -> list[str]:
