@@ -9,6 +9,12 @@
 #
 #   sudo scripts/container-tests.sh [PYTEST ARGS...]
 #   sudo scripts/container-tests.sh -k baseline      # only the agent-mode tests
+#   sudo scripts/container-tests.sh --prepare        # the packages, base images and image only
+#
+# scripts/dev.sh runs --prepare beside the pytest stage, in a mount namespace of its own: no
+# mount of the build (mmdebstrap's /proc, podman's overlays) is seen, and copied, by the
+# kernels the tests start meanwhile; the build uses the host's network (no bridge, no
+# firewall rules made beside the tests'). JKS_CONTAINER_PREPARED=1 then skips it here.
 #
 # No registry is needed: the base images the Dockerfile's FROM lines name are made here with
 # mmdebstrap (Debian's own Python with the official images' interface: python and pip on
@@ -25,21 +31,13 @@ cd "$(dirname "$0")/.."
 . scripts/common.sh
 
 [ "$(id -u)" = 0 ] || { echo "container-tests: run as root (rootful podman)" >&2; exit 1; }
+if [ "${1:-}" = --prepare ] && [ "${JKS_PRIVATE_MOUNTS:-0}" != 1 ]; then
+  JKS_PRIVATE_MOUNTS=1 exec unshare --mount --propagation private "$0" "$@"
+fi
 STATE="$ROOT/.container-tests"
 IMAGE="localhost/jks-singleuser:ci"
 PYTHON_VERSION=$(sed -n 's/^ARG PYTHON_VERSION=//p' deploy/Dockerfile)
 BASES=("python:${PYTHON_VERSION}-slim-trixie trixie" "python:${PYTHON_VERSION}-slim-bookworm bookworm")
-
-log "podman, runc, mmdebstrap, chromium"
-# runc, not crun: crun 1.8 refuses this kind of VM's hybrid cgroup hierarchy.
-apt_install podman runc catatonit mmdebstrap containernetworking-plugins iptables libcap2-bin \
-  chromium
-# The browser test of agent mode (ui-tests/tests/agent.spec.ts): its packages, as
-# scripts/ui-tests.sh installs them, where that stage has not run.
-if [ ! -d ui-tests/node_modules/@playwright/test ]; then
-  log "npm ci (ui-tests)"
-  (cd ui-tests && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error)
-fi
 
 mkdir -p "$STATE/storage"
 # cgroupfs and file logs: no systemd on CI machines. The ulimits are those root may set
@@ -89,12 +87,39 @@ EOF
   log "base image $tag: $((SECONDS - start)) s"
 }
 
-for base in "${BASES[@]}"; do
-  read -r tag suite <<<"$base"
-  if [ "${JKS_CONTAINER_REBUILD:-0}" = 1 ] || ! podman image exists "docker.io/library/$tag"; then
-    make_base "$tag" "$suite"
+# prepare: the packages, the base images and the image (see --prepare above).
+prepare() {
+  log "podman, runc, mmdebstrap, chromium"
+  # runc, not crun: crun 1.8 refuses this kind of VM's hybrid cgroup hierarchy.
+  apt_install podman runc catatonit mmdebstrap containernetworking-plugins iptables libcap2-bin \
+    chromium
+  # The browser test of agent mode (ui-tests/tests/agent.spec.ts): its packages, as
+  # scripts/ui-tests.sh installs them, where that stage has not run.
+  if [ ! -d ui-tests/node_modules/@playwright/test ]; then
+    log "npm ci (ui-tests)"
+    (cd ui-tests && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error)
   fi
-done
+
+  for base in "${BASES[@]}"; do
+    read -r tag suite <<<"$base"
+    if [ "${JKS_CONTAINER_REBUILD:-0}" = 1 ] || ! podman image exists "docker.io/library/$tag"; then
+      make_base "$tag" "$suite"
+    fi
+  done
+
+  log "podman build -f deploy/Dockerfile"
+  start=$SECONDS
+  podman build --pull=never --network=host -f deploy/Dockerfile -t "$IMAGE" . >"$STATE/build.log" 2>&1 \
+    || { tail -40 "$STATE/build.log" >&2; echo "container-tests: the image build failed" >&2; exit 1; }
+  log "image built in $((SECONDS - start)) s ($STATE/build.log)"
+  # Layers of earlier builds that no tag names any more.
+  podman image prune --force >/dev/null
+}
+if [ "${1:-}" = --prepare ]; then
+  prepare
+  exit 0
+fi
+[ "${JKS_CONTAINER_PREPARED:-0}" = 1 ] || prepare
 
 # Pods and agents of the tests (tests/pods.py names them jks-ct-*): those an interrupted run
 # left, and at the end all of them, so that no container keeps its overlay mounted (kernels
@@ -110,14 +135,6 @@ on_exit() {
   exit "$rc"
 }
 trap on_exit EXIT
-
-log "podman build -f deploy/Dockerfile"
-start=$SECONDS
-podman build --pull=never -f deploy/Dockerfile -t "$IMAGE" . >"$STATE/build.log" 2>&1 \
-  || { tail -40 "$STATE/build.log" >&2; echo "container-tests: the image build failed" >&2; exit 1; }
-log "image built in $((SECONDS - start)) s ($STATE/build.log)"
-# Layers of earlier builds that no tag names any more.
-podman image prune --force >/dev/null
 
 # KubeSpawner renders the pod (tests/pods.py) with a client configuration that points
 # nowhere: it never calls an API to render a manifest.

@@ -40,8 +40,19 @@ case "${1:-}" in
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
     "$VENV/bin/mypy"
+    # Beside the tests: what the UI and container stages need before they run (Node
+    # packages, lint, jest, the extension's build; podman, the base images, the image).
+    # Neither starts a kernel or a server, nor makes a mount the kernels would see.
+    prepared="$ROOT/.prepare-stages.log"
+    log "preparing the UI and container stages beside the tests ($prepared)"
+    (scripts/ui-tests.sh --prepare && scripts/container-tests.sh --prepare) >"$prepared" 2>&1 &
+    preparing=$!
     log "tests (set-up took ${SECONDS} s)"
     "$VENV/bin/python" -m pytest "$@"
+    log "UI and container stages prepared? (${SECONDS} s since the start)"
+    wait "$preparing" || { cat "$prepared"; log "preparing the UI or container stage failed"; exit 1; }
+    cat "$prepared"
+    export UI_TESTS_PREPARED=1 JKS_CONTAINER_PREPARED=1
     log "UI tests (${SECONDS} s since the start)"
     scripts/ui-tests.sh
     # Non-root mode: kernel, server, policy, JupyterHub and other-node tests again, as an

@@ -14,6 +14,7 @@
 # says "N passed, N failed".
 #
 #   scripts/ui-tests.sh [playwright test args...]     e.g. scripts/ui-tests.sh -g restore
+#   scripts/ui-tests.sh --prepare                     everything but the browser tests
 #
 # The tests run against a real `jupyter lab` (ui-tests/jupyter_server_test_config.py) and,
 # for tests/jupyterhub.spec.ts, a real JupyterHub (tests/hub_for_ui.py: a user logs in,
@@ -32,36 +33,46 @@ export npm_config_fund=false npm_config_audit=false npm_config_update_notifier=f
 
 die() { printf 'ui-tests: error: %s\n' "$*" >&2; echo "0 passed, 1 failed"; exit 1; }
 
-# --- system packages, CRIU and the Python environment -----------------------------------
-setup_machine dev
-apt_install chromium
-apt_install_lean "${R_KERNEL_PACKAGES[@]}"  # ui-tests/tests/kernels.spec.ts
+# prepare: everything before the browser runs (Node packages, lint, jest, the build). Run
+# apart with --prepare (scripts/dev.sh does, beside the pytest stage: no kernel, no mount,
+# no port); UI_TESTS_PREPARED=1 then skips it here.
+prepare() {
+  # --- system packages, CRIU and the Python environment ---------------------------------
+  setup_machine dev
+  apt_install chromium
+  apt_install_lean "${R_KERNEL_PACKAGES[@]}"  # ui-tests/tests/kernels.spec.ts
+
+  # --- the extension ---------------------------------------------------------------------
+  log "npm ci (labextension)"
+  (cd labextension && npm ci --no-audit --no-fund --loglevel=error)
+  log "lint (prettier, eslint) and unit tests of the model (jest)"
+  (cd labextension && npm run lint:check && npm test) || die "lint or unit tests of the extension failed"
+  log "build the extension"
+  (cd labextension && npm run build)
+  [ -f jupyter_ext/labextension/static/style.js ] || die "the extension build produced nothing"
+
+  # Like `jupyter labextension develop --overwrite`: JupyterLab loads the build output itself.
+  labext_dir="$VENV/share/jupyter/labextensions"
+  mkdir -p "$labext_dir"
+  if [ "$(readlink -f "$labext_dir/$EXT_NAME" 2>/dev/null)" != "$ROOT/jupyter_ext/labextension" ]; then
+    rm -rf "${labext_dir:?}/$EXT_NAME"
+    ln -s "$ROOT/jupyter_ext/labextension" "$labext_dir/$EXT_NAME"
+  fi
+  "$VENV/bin/jupyter" labextension list 2>&1 | grep -E "$EXT_NAME .*enabled.*OK" >/dev/null \
+    || { "$VENV/bin/jupyter" labextension list >&2 || true; die "the extension is not enabled and OK"; }
+
+  # --- the tests -------------------------------------------------------------------------
+  log "npm ci (ui-tests)"
+  (cd ui-tests && npm ci --no-audit --no-fund --loglevel=error)
+}
+if [ "${1:-}" = --prepare ]; then
+  prepare
+  exit 0
+fi
+[ "${UI_TESTS_PREPARED:-0}" = 1 ] || prepare
 CHROMIUM_PATH="${CHROMIUM_PATH:-/usr/bin/chromium}"
 [ -x "$CHROMIUM_PATH" ] || die "no Chromium at $CHROMIUM_PATH"
 export CHROMIUM_PATH
-
-# --- the extension ---------------------------------------------------------------------
-log "npm ci (labextension)"
-(cd labextension && npm ci --no-audit --no-fund --loglevel=error)
-log "lint (prettier, eslint) and unit tests of the model (jest)"
-(cd labextension && npm run lint:check && npm test) || die "lint or unit tests of the extension failed"
-log "build the extension"
-(cd labextension && npm run build)
-[ -f jupyter_ext/labextension/static/style.js ] || die "the extension build produced nothing"
-
-# Like `jupyter labextension develop --overwrite`: JupyterLab loads the build output itself.
-labext_dir="$VENV/share/jupyter/labextensions"
-mkdir -p "$labext_dir"
-if [ "$(readlink -f "$labext_dir/$EXT_NAME" 2>/dev/null)" != "$ROOT/jupyter_ext/labextension" ]; then
-  rm -rf "${labext_dir:?}/$EXT_NAME"
-  ln -s "$ROOT/jupyter_ext/labextension" "$labext_dir/$EXT_NAME"
-fi
-"$VENV/bin/jupyter" labextension list 2>&1 | grep -E "$EXT_NAME .*enabled.*OK" >/dev/null \
-  || { "$VENV/bin/jupyter" labextension list >&2 || true; die "the extension is not enabled and OK"; }
-
-# --- the tests -------------------------------------------------------------------------
-log "npm ci (ui-tests)"
-(cd ui-tests && npm ci --no-audit --no-fund --loglevel=error)
 
 # A port for each server: the given one (or the default), else a free one if it is taken.
 pick_port() { # VARIABLE DEFAULT
