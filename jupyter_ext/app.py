@@ -7,6 +7,7 @@ import contextlib
 import gc
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from .core.store import SnapshotStore, open_store
 from .core.store.keys import ENV_KEY, ENV_PREVIOUS_KEYS
 from .culling import CullingPolicy
 from .handlers import route_table
-from .manager import SnapshotManager
+from .manager import ManagerSettings, SnapshotManager
 from .settings import SnapshotSettings
 
 EVENT_SCHEMA = Path(__file__).parent / "events" / "snapshot.yaml"
@@ -108,17 +109,7 @@ class SnapshotExtensionApp(SnapshotSettings):
             store=self.make_store(),
             work_dir=Path(self.work_dir),
             emit=self.emit,
-            keep_last=self.keep_last,
-            keep_hourly_hours=self.keep_hourly_hours,
-            keep_daily_days=self.keep_daily_days,
-            max_bytes=self.max_store_bytes,
-            image_cache_max_bytes=self.image_cache_max_bytes,
-            release_gpu_caches=self.release_gpu_caches,
-            lazy_restore=self.lazy_restore,
-            lazy_restore_from_store=self.lazy_restore_from_store,
-            chunk_kib=self.chunk_kib or None,
-            track_memory=self.track_memory,
-            restore_on_death=self.restore_on_death,
+            settings=ManagerSettings.from_traits(self),
         )
         self.manager.deaths.install()
         self.manager.paths.install(self.server.contents_manager)
@@ -131,10 +122,7 @@ class SnapshotExtensionApp(SnapshotSettings):
             owner=self.owner,
         )
         self.culling.install()
-        # Kernel wrappers are started by the kernel manager with this process's environment.
-        os.environ[ENV_LAZY_RESTORE] = "1" if self.lazy_restore else "0"
-        os.environ[ENV_LAZY_RESTORE_MIN_BYTES] = str(self.lazy_restore_min_bytes)
-        os.environ[ENV_PID_FLOOR] = str(self.kernel_pid_floor)
+        self._pass_settings_to_wrappers()
         self.policies = PolicyTick(
             self.manager,
             PolicySettings(
@@ -148,6 +136,30 @@ class SnapshotExtensionApp(SnapshotSettings):
         self._policy_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Future[None] | None = None
         self._recovery: asyncio.Future[None] | None = None
+
+    def _pass_settings_to_wrappers(self) -> None:
+        """What a kernel wrapper reads of these settings reaches it in the environment of
+        each snapshot kernel the server starts (the kernel manager's ``start_kernel``
+        wrapped on the instance), never through the server's own environment."""
+        km: Any = self.server.kernel_manager
+        start: Callable[..., Awaitable[str]] = km.start_kernel
+        settings = {
+            ENV_LAZY_RESTORE: "1" if self.lazy_restore else "0",
+            ENV_LAZY_RESTORE_MIN_BYTES: str(self.lazy_restore_min_bytes),
+            ENV_PID_FLOOR: str(self.kernel_pid_floor),
+        }
+
+        async def start_kernel(*args: Any, **kwargs: Any) -> str:
+            name = kwargs.get("kernel_name") or km.default_kernel_name
+            try:
+                metadata = km.kernel_spec_manager.get_kernel_spec(name).metadata or {}
+            except Exception:  # noqa: BLE001 - jupyter_client says what is missing itself
+                metadata = {}
+            if "kernel_snapshots" in metadata:
+                kwargs["env"] = {**(kwargs.get("env") or os.environ), **settings}
+            return await start(*args, **kwargs)
+
+        km.start_kernel = start_kernel
 
     def _tighten(self) -> None:
         """Owner-only again what an older version (or another umask) left readable by

@@ -34,7 +34,7 @@ from .core.humanize import human_bytes, human_seconds, time_ago
 from .core.manifest import check_snapshot_id
 from .core.protocol import DEFAULT_RUNTIME_ROOT
 from .core.store import SnapshotStore, StoreSpec, open_store
-from .kernelspecs import install_kernelspec, wrap_kernelspec
+from .kernelspecs import KERNEL_NAME, install_kernelspec, wrap_kernelspec
 from .serverclient import ServerClient
 from .settings import SnapshotSettings
 
@@ -172,7 +172,7 @@ class InstallKernelSpecApp(JupyterApp):
         "says otherwise (--wrap ir --name ir: every R notebook starts it); docs/kernels.md."
     )
     kernel_name = Unicode(
-        "", config=True, help="Kernel name (default: python3-snapshot, or NAME-snapshot)."
+        "", config=True, help=f"Kernel name (default: {KERNEL_NAME}, or NAME-snapshot)."
     )
     display_name = Unicode(
         "",
@@ -209,7 +209,7 @@ class InstallKernelSpecApp(JupyterApp):
                 self.exit(1)
             print(f"Installed kernelspec {name} (snapshots of {self.wrap}) in {path}")
             return
-        name = self.kernel_name or "python3-snapshot"
+        name = self.kernel_name or KERNEL_NAME
         path = install_kernelspec(
             name, self.display_name or "Python 3 (snapshots)", user=self.user, prefix=prefix
         )

@@ -22,6 +22,9 @@ from typing import Any
 
 from .core.errors import SnapshotError
 
+#: The name of "Python 3 (snapshots)", the snapshot kernel a restore starts where a
+#: snapshot names none (the panel's SNAPSHOT_KERNEL_NAME spells it too: a test checks).
+KERNEL_NAME = "python3-snapshot"
 #: The data of "Python 3 (snapshots)" (shipped in the wheel, installed with it too).
 KERNELSPEC_DIR = Path(__file__).resolve().parent / "kernelspec"
 #: What every snapshot kernelspec's metadata holds under "kernel_snapshots".
@@ -31,7 +34,7 @@ IPYKERNEL_MODULES = ("ipykernel_launcher", "ipykernel")
 
 
 def install_kernelspec(
-    name: str = "python3-snapshot",
+    name: str = KERNEL_NAME,
     display_name: str = "Python 3 (snapshots)",
     *,
     user: bool = False,

@@ -30,6 +30,7 @@ from tornado import web
 
 from jupyter_ext.core.protocol import Phase
 from jupyter_ext.handlers import route_table
+from jupyter_ext.kernelspecs import KERNEL_NAME
 from jupyter_ext.testing import ServerProcess
 
 from .jupyter_api import Fetch, server_config
@@ -213,6 +214,23 @@ def test_the_phases_are_one_list_everywhere() -> None:
     union = re.search(r"export const PHASES = \[(.*?)\] as const;", tokens, re.S)
     assert union is not None
     assert re.findall(r"'([a-z-]+)'", union.group(1)) == phases
+
+
+def test_the_snapshot_kernel_is_named_once() -> None:
+    """The kernel's name is kernelspecs.KERNEL_NAME in the Python packages (no other copy
+    of it there) and the panel's SNAPSHOT_KERNEL_NAME is the same."""
+    root = Path(__file__).parents[1]
+    copies = [
+        str(path.relative_to(root))
+        for package in ("jupyter_ext", "kernel_wrapper")
+        for path in sorted((root / package).rglob("*.py"))
+        if KERNEL_NAME in path.read_text()
+    ]
+    assert copies == ["jupyter_ext/kernelspecs.py"]
+    tokens = (root / "labextension" / "src" / "tokens.ts").read_text()
+    panel = re.search(r"export const SNAPSHOT_KERNEL_NAME = '([^']+)';", tokens)
+    assert panel is not None
+    assert panel.group(1) == KERNEL_NAME
 
 
 def test_openapi_documents_exactly_the_routes() -> None:

@@ -23,7 +23,8 @@ from jupyter_ext.core.errors import SnapshotNotFoundError
 from jupyter_ext.core.manifest import Manifest
 from jupyter_ext.core.policies.retention import Retained, RetentionPolicy, plan_retention
 from jupyter_ext.core.store import LocalStore
-from jupyter_ext.manager import SnapshotManager
+from jupyter_ext.manager import ManagerSettings, SnapshotManager
+from jupyter_ext.settings import SnapshotSettings
 
 from .test_store import make_snapshot
 
@@ -221,6 +222,22 @@ def manager(tmp_path: Path, events: Events) -> Iterator[SnapshotManager]:
         emit=lambda name, data: events.append((name, data)),
     )
     store.close()
+
+
+def test_a_manager_made_apart_has_the_servers_defaults(manager: SnapshotManager) -> None:
+    """Every default of the manager's settings is the extension's trait's, read where the
+    trait is declared: retention is on for a manager made without the app too."""
+    defaults = {name: trait.default() for name, trait in SnapshotSettings.class_traits().items()}
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(ManagerSettings))
+    assert manager.settings == ManagerSettings.from_traits(SnapshotSettings())
+    assert (manager.keep_last, manager.keep_hourly_hours, manager.keep_daily_days) == (
+        defaults["keep_last"],
+        defaults["keep_hourly_hours"],
+        defaults["keep_daily_days"],
+    )
+    assert manager.keep_last > 0
+    assert manager.settings.lazy_from_store == defaults["lazy_restore_from_store"]
+    assert manager.settings.image_cache_max_bytes == defaults["image_cache_max_bytes"]
 
 
 def put_snapshots(manager: SnapshotManager, root: Path, count: int) -> list[Manifest]:

@@ -614,3 +614,23 @@ async def test_second_snapshot_of_an_idle_kernel_stores_little(
     assert first["new_bytes"] == first["stored_bytes"]
     share = second["new_bytes"] / second["stored_bytes"]
     assert share <= 0.02, f"{share:.2%} new: {second}"
+
+
+async def test_the_wrappers_settings_reach_snapshot_kernels_not_the_server(
+    jp_fetch: Fetch, jp_serverapp: Any, start_kernel: Any
+) -> None:
+    """What a kernel wrapper reads of the extension's settings is in the environment of the
+    snapshot kernels the server starts, not in the server's own (nor so in other kernels)."""
+    from jupyter_ext.core.protocol import ENV_LAZY_RESTORE, ENV_PID_FLOOR
+
+    (app,) = jp_serverapp.extension_manager.extension_apps["jupyter_ext"]
+    code = (
+        f"import os; print(os.environ.get({ENV_LAZY_RESTORE!r}), os.environ.get({ENV_PID_FLOOR!r}))"
+    )
+    snapshot_kernel = await start_kernel()
+    assert (await snapshot_kernel.run(code)).split() == ["1", str(app.kernel_pid_floor)]
+    assert ENV_LAZY_RESTORE not in os.environ
+    assert ENV_PID_FLOOR not in os.environ
+    response = await jp_fetch("api", "kernels", method="POST", body=json.dumps({"name": "python3"}))
+    plain_kernel = await start_kernel(json.loads(response.body)["id"])
+    assert (await plain_kernel.run(code)).split() == ["None", "None"]

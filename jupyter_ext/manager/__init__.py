@@ -104,7 +104,6 @@ class SnapshotManager:
     """One per server: jobs and the store of its user. It makes the parts (see the
     module's docstring) and gives each what it needs; callers use the parts."""
 
-    kernel_name = _Setting[str]()
     keep_last = _Setting[int]()
     keep_hourly_hours = _Setting[int]()
     keep_daily_days = _Setting[int]()
@@ -124,34 +123,11 @@ class SnapshotManager:
         store: SnapshotStore,
         work_dir: Path,
         emit: EmitEvent,
-        kernel_name: str = "python3-snapshot",
-        keep_last: int = 0,
-        keep_hourly_hours: int = 0,
-        keep_daily_days: int = 0,
-        max_bytes: int = 0,
-        image_cache_max_bytes: int = -1,
-        release_gpu_caches: bool = True,
-        lazy_restore: bool = True,
-        lazy_restore_from_store: bool = True,
-        chunk_kib: int | None = None,
-        track_memory: bool = True,
-        restore_on_death: bool = False,
+        settings: ManagerSettings | None = None,
     ) -> None:
-        """The settings are SnapshotExtensionApp's traits of the same names (there
-        documented); ``max_bytes`` is its ``max_store_bytes``."""
-        self.settings = settings = ManagerSettings(
-            kernel_name=kernel_name,
-            keep_last=keep_last,
-            keep_hourly_hours=keep_hourly_hours,
-            keep_daily_days=keep_daily_days,
-            max_bytes=max_bytes,
-            release_gpu_caches=release_gpu_caches,
-            lazy_restore=lazy_restore,
-            lazy_from_store=lazy_restore_from_store,
-            chunk_kib=chunk_kib,
-            track_memory=track_memory,
-            restore_on_death=restore_on_death,
-        )
+        """``settings``: the extension's (:meth:`ManagerSettings.from_traits`); by default
+        its traits' defaults."""
+        self.settings = settings = settings or ManagerSettings.from_traits()
         self.kernel_manager = kernel_manager
         self.session_manager = session_manager
         self.store = store
@@ -160,7 +136,7 @@ class SnapshotManager:
         private.make_dirs(ws.staging_dir)
         private.make_dirs(ws.cache_dir)
         #: The newest snapshot of each kernel, unpacked.
-        self.image_cache = cache = ImageCache(ws.image_cache_dir, image_cache_max_bytes)
+        self.image_cache = cache = ImageCache(ws.image_cache_dir, settings.image_cache_max_bytes)
 
         # The parts: the app, the handlers, variables.py, autosnap.py and the tests call
         # the one that does the work (manager.dumps.create, manager.jobs.wait, ...).

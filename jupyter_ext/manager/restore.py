@@ -28,6 +28,7 @@ from ..core.manifest import (
 )
 from ..core.protocol import RestoreRequest
 from ..core.store import SnapshotStore
+from ..kernelspecs import KERNEL_NAME
 from .jobs import Job, Jobs
 from .kernels import Kernels
 from .lazy import LazyLending
@@ -287,7 +288,7 @@ class Restores:
                 self.jobs.progress(job, "restoring")
                 request = RestoreRequest(directory, verified=True, pages_from=pages_from)
                 kernel_id = await self.kernels.start_restored(
-                    manifest.kernel_spec.get("name") or self.settings.kernel_name,
+                    manifest.kernel_spec.get("name") or KERNEL_NAME,
                     manifest.notebook_path,
                     request,
                     self.jobs.wrapper_progress(job),

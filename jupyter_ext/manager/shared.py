@@ -13,6 +13,7 @@ from ..core.contents import short_contents
 from ..core.errors import BadIdError
 from ..core.manifest import Manifest
 from ..core.store import StoredSnapshot
+from ..settings import SnapshotSettings
 
 KERNEL_ID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
@@ -24,19 +25,46 @@ EmitEvent = Callable[[str, dict[str, Any]], None]
 class ManagerSettings:
     """SnapshotExtensionApp's traits of the same names (there documented; ``max_bytes`` is
     its ``max_store_bytes``, ``lazy_from_store`` its ``lazy_restore_from_store``). One
-    object the parts share: a change (tests make some) reaches every part."""
+    object the parts share: a change (tests make some) reaches every part. No defaults of
+    its own: :meth:`from_traits` reads them where they are declared, once."""
 
-    kernel_name: str = "python3-snapshot"
-    keep_last: int = 0
-    keep_hourly_hours: int = 0
-    keep_daily_days: int = 0
-    max_bytes: int = 0
-    release_gpu_caches: bool = True
-    lazy_restore: bool = True
-    lazy_from_store: bool = True
-    chunk_kib: int | None = None
-    track_memory: bool = True
-    restore_on_death: bool = False
+    keep_last: int
+    keep_hourly_hours: int
+    keep_daily_days: int
+    max_bytes: int
+    image_cache_max_bytes: int
+    release_gpu_caches: bool
+    lazy_restore: bool
+    lazy_from_store: bool
+    chunk_kib: int | None
+    track_memory: bool
+    restore_on_death: bool
+
+    @classmethod
+    def from_traits(cls, app: SnapshotSettings | None = None) -> ManagerSettings:
+        """The settings of ``app`` (the running extension), or without one the traits'
+        defaults: a manager made apart (a test, a tool) behaves as a server would."""
+        source: Any = app if app is not None else _TraitDefaults()
+        return cls(
+            keep_last=source.keep_last,
+            keep_hourly_hours=source.keep_hourly_hours,
+            keep_daily_days=source.keep_daily_days,
+            max_bytes=source.max_store_bytes,
+            image_cache_max_bytes=source.image_cache_max_bytes,
+            release_gpu_caches=source.release_gpu_caches,
+            lazy_restore=source.lazy_restore,
+            lazy_from_store=source.lazy_restore_from_store,
+            chunk_kib=source.chunk_kib or None,
+            track_memory=source.track_memory,
+            restore_on_death=source.restore_on_death,
+        )
+
+
+class _TraitDefaults:
+    """SnapshotSettings' defaults, read as attributes (without making the app)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return SnapshotSettings.class_traits()[name].default()
 
 
 @dataclass(frozen=True)

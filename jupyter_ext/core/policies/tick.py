@@ -62,7 +62,8 @@ freed already: culling it would only lose it), or a snapshot, restore or start u
 @dataclass(frozen=True)
 class PolicySettings:
     """SnapshotExtensionApp's traits of the same names (there documented; 0 turns a
-    policy off)."""
+    policy off). The defaults here are "every policy off", for a decision looked at alone;
+    the product's defaults are the traits', which the app always passes."""
 
     periodic_interval: float = 0.0
     long_cell_seconds: float = 0.0
