@@ -51,9 +51,9 @@ class PolicyTick:
             kernel_id, trigger = decision.kernel_id, decision.trigger
             try:
                 if decision.suspends:
-                    jobs.append(manager.dumps.suspend(kernel_id, trigger=trigger))
+                    jobs.append(manager.kernel_jobs.suspend(kernel_id, trigger=trigger))
                 else:
-                    jobs.append(manager.dumps.create(kernel_id, trigger=trigger))
+                    jobs.append(manager.kernel_jobs.snapshot(kernel_id, trigger=trigger))
             except SnapshotError as exc:
                 log.info("no %s snapshot of kernel %s now: %s", trigger, kernel_id, exc.message)
                 continue

@@ -246,7 +246,7 @@ class CullingPolicy:
             return ending.action == "leave"
         reason = "it was running a cell"
         if ending.action == "suspend":
-            failed = await self._job(kernel_id, self.manager.dumps.suspend, ending.trigger)
+            failed = await self._job(kernel_id, self.manager.kernel_jobs.suspend, ending.trigger)
             if failed is None or await self._suspended_nonetheless(kernel_id):
                 # Suspended (if its upload failed, its dump stays and is retried).
                 log.info(
@@ -264,7 +264,7 @@ class CullingPolicy:
                 reason,
             )
             return False
-        failed = await self._job(kernel_id, self.manager.dumps.create, ending.trigger)
+        failed = await self._job(kernel_id, self.manager.kernel_jobs.snapshot, ending.trigger)
         if failed is None:
             log.info(
                 "kernel %s (%s; not suspended: %s) snapshotted, shut down",

@@ -24,11 +24,11 @@ from .core.errors import (
     DumpError,
     IncompatibleSnapshotError,
     KernelNotRunningError,
+    NotFoundError,
     RestoreError,
     SnapshotBusyError,
     SnapshotCorruptError,
     SnapshotError,
-    SnapshotNotFoundError,
     VariablesExistError,
     VariableTransferError,
     WrapperUnavailableError,
@@ -42,7 +42,7 @@ from .manager import SnapshotManager, validate_notebook_path
 #: its base); anything else is a 500. jupyter_ext/openapi.yaml says the same.
 HTTP_STATUS: dict[type[SnapshotError], int] = {
     BadIdError: 400,
-    SnapshotNotFoundError: 404,
+    NotFoundError: 404,
     VariablesExistError: 409,
     VariableTransferError: 422,
     SnapshotBusyError: 409,
@@ -211,7 +211,7 @@ class SnapshotsHandler(SnapshotHandler):
                 "kernel_id (a string) is required.",
                 'Send {"kernel_id": "<kernel id>"}; GET /api/snapshots/kernels lists them.',
             )
-        job = self.manager.dumps.create(kernel_id, trigger="manual")
+        job = self.manager.kernel_jobs.snapshot(kernel_id, trigger="manual")
         self.reply({"job": job.to_dict()}, status=202)
 
 
@@ -345,9 +345,9 @@ class SuspendHandler(SnapshotHandler):
     @authorized
     async def post(self, kernel_id: str, action: str) -> None:
         if action == "suspend":
-            job = self.manager.dumps.suspend(kernel_id, trigger="manual")
+            job = self.manager.kernel_jobs.suspend(kernel_id, trigger="manual")
         else:
-            job = self.manager.dumps.resume(kernel_id)
+            job = self.manager.kernel_jobs.resume(kernel_id)
         self.reply({"job": job.to_dict()}, status=202)
 
 

@@ -31,6 +31,7 @@ from tornado import web
 from jupyter_ext.core.protocol import Phase
 from jupyter_ext.handlers import route_table
 from jupyter_ext.kernelspecs import KERNEL_NAME
+from jupyter_ext.manager.jobs import JobKind
 from jupyter_ext.testing import ServerProcess
 
 from .jupyter_api import Fetch, server_config
@@ -114,7 +115,7 @@ async def test_bad_bodies_are_400_with_the_cause_on_every_endpoint_that_reads_on
     # suspend and resume read no body: a deep one is ignored, not a 500.
     for action in ("suspend", "resume"):
         code, error = await answer(jp_fetch, "POST", f"/kernels/{NO_KERNEL}/{action}", nested(5000))
-        assert (code, error["code"]) == (404, "snapshot-not-found")
+        assert (code, error["code"]) == (404, "kernel-not-found")
 
 
 async def test_bad_query_arguments_are_400_with_the_cause(
@@ -214,6 +215,18 @@ def test_the_phases_are_one_list_everywhere() -> None:
     union = re.search(r"export const PHASES = \[(.*?)\] as const;", tokens, re.S)
     assert union is not None
     assert re.findall(r"'([a-z-]+)'", union.group(1)) == phases
+
+
+def test_the_job_kinds_are_one_list_everywhere() -> None:
+    """The manager's ``JobKind``, the REST contract's ``Job.kind`` and the panel's
+    ``JobKind`` are the same list."""
+    kinds = list(get_args(JobKind))
+    spec = yaml.safe_load(OPENAPI.read_text())
+    assert spec["components"]["schemas"]["Job"]["properties"]["kind"]["enum"] == kinds
+    tokens = (Path(__file__).parents[1] / "labextension" / "src" / "tokens.ts").read_text()
+    union = re.search(r"export type JobKind =(.*?);", tokens, re.S)
+    assert union is not None
+    assert re.findall(r"'([a-z]+)'", union.group(1)) == kinds
 
 
 def test_the_snapshot_kernel_is_named_once() -> None:

@@ -14,7 +14,10 @@ extension, the CLI and the panel can show it as it is::
     ├── SnapshotBusyError         another snapshot or restore of this kernel is in progress
     ├── KernelNotRunningError     there is no kernel process to snapshot
     ├── WrapperUnavailableError   the kernel is not a snapshot kernel, or its wrapper is gone
-    ├── SnapshotNotFoundError     no snapshot with that id
+    ├── NotFoundError             what a request names does not exist (an HTTP 404)
+    │   ├── SnapshotNotFoundError no snapshot with that id
+    │   ├── KernelNotFoundError   no kernel with that id on this server
+    │   └── JobNotFoundError      no job with that id
     ├── VariableTransferError     variables could not be taken from a snapshot (variables.py)
     │   └── VariablesExistError   the kernel has variables of those names (overwrite not asked)
     ├── StoreError                the store cannot be read or written (store/api.py)
@@ -107,8 +110,22 @@ class WrapperUnavailableError(SnapshotError):
     code = "wrapper-unavailable"
 
 
-class SnapshotNotFoundError(SnapshotError):
+class NotFoundError(SnapshotError):
+    """What a request names (by its id) does not exist: the subclass says what."""
+
+    code = "not-found"
+
+
+class SnapshotNotFoundError(NotFoundError):
     code = "snapshot-not-found"
+
+
+class KernelNotFoundError(NotFoundError):
+    code = "kernel-not-found"
+
+
+class JobNotFoundError(NotFoundError):
+    code = "job-not-found"
 
 
 class VariableTransferError(SnapshotError):

@@ -222,7 +222,7 @@ class WrapperInfo:
     pid: int
     inner_pid: int | None = None
     """The kernel process (rewritten as it changes): the server reaps it once it is
-    orphaned (without root, see SnapshotManager)."""
+    orphaned (without root: jupyter_ext/manager/reaping.py)."""
 
     @classmethod
     def for_connection_file(cls, connection_file: Path) -> WrapperInfo:

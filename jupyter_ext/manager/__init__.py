@@ -5,7 +5,7 @@ managers. Long work runs as :class:`Job` objects that report progress, so the RE
 can return at once. Handlers never touch kernels or stores directly.
 
 :class:`SnapshotManager` makes the parts and holds them; its callers call the part that
-does the work (``manager.dumps.create``, ``manager.jobs.wait``). Each part is given what
+does the work (``manager.kernel_jobs.snapshot``, ``manager.jobs.wait``). Each part is given what
 it uses when it is made (a part uses only those above it; none reaches into another's
 state)::
 
@@ -21,10 +21,11 @@ state)::
     uploads.py    Uploads (store, image cache, jobs, retention): puts, pending, recovery
     stored.py     StoredSnapshots (store, uploads, lending, image cache): list, get, delete
     restore.py    Restores (kernels, sessions, jobs, uploads, stored, lending, ...): restores
-    dumps.py      Dumps (kernels, sessions, jobs, uploads, stored): snapshot, suspend, resume
+    kernel_jobs.py  KernelJobs (kernels, sessions, jobs, uploads, stored): a running kernel
+                  snapshotted, suspended (snapshot, process ended) or resumed
     deaths.py     Deaths (kernels, snapshots, jobs; restores' restore): kernels that died,
                   how, and the snapshot offered back
-    schedules.py  Schedules (kernels, jobs, lending, dumps, deaths): kernel status, automatic
+    schedules.py  Schedules (kernels, jobs, lending, kernel jobs, deaths): kernel status, automatic
                   snapshots on or off, snapshots of all before a stop
     upkeep.py     StoreUpkeep (store, jobs): the store's check and prune, as jobs
 
@@ -43,8 +44,8 @@ from ..core.imagecache import ImageCache
 from ..core.store import SnapshotStore
 from ..core.store.scope import user_prefix
 from .deaths import Deaths
-from .dumps import Dumps
 from .jobs import PROGRESS_EVENT_INTERVAL, Job, Jobs
+from .kernel_jobs import KernelJobs
 from .kernels import Kernels
 from .lazy import LazyLending
 from .pages import LentPages
@@ -139,7 +140,7 @@ class SnapshotManager:
         self.image_cache = cache = ImageCache(ws.image_cache_dir, settings.image_cache_max_bytes)
 
         # The parts: the app, the handlers, variables.py, autosnap.py and the tests call
-        # the one that does the work (manager.dumps.create, manager.jobs.wait, ...).
+        # the one that does the work (manager.kernel_jobs.snapshot, manager.jobs.wait, ...).
         self.jobs = jobs = Jobs(emit)
         self.reaper = Reaper()
         self.server_kernels = kernels = Kernels(kernel_manager, self.reaper, work_dir)
@@ -161,7 +162,7 @@ class SnapshotManager:
             emit=emit,
         )
         self.restores = restores = Restores(**common, image_cache=cache, lending=lending)
-        self.dumps = dumps = Dumps(**common, image_cache=cache)
+        self.kernel_jobs = kernel_jobs = KernelJobs(**common, image_cache=cache)
         self.deaths = deaths = Deaths(
             settings=settings,
             kernel_manager=kernel_manager,
@@ -174,7 +175,7 @@ class SnapshotManager:
             snapshot_id, kernel_id=kernel_id
         )
         restores.on_restored = deaths.restored
-        self.schedules = Schedules(kernels, jobs, lending, dumps, deaths, emit)
+        self.schedules = Schedules(kernels, jobs, lending, kernel_jobs, deaths, emit)
         self.upkeep = StoreUpkeep(store, jobs)
 
     @property

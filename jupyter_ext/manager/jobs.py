@@ -11,10 +11,10 @@ import secrets
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 from .. import memory
-from ..core.errors import SnapshotBusyError, SnapshotError, SnapshotNotFoundError
+from ..core.errors import JobNotFoundError, SnapshotBusyError, SnapshotError
 from ..core.protocol import Phase, ProgressCallback, ProgressEvent
 from .shared import EmitEvent
 
@@ -26,12 +26,17 @@ PROGRESS_EVENT_INTERVAL = 0.25
 PHASE_ORDER: dict[str, int] = {name: rank for rank, name in enumerate(get_args(Phase))}
 
 
+#: What a job does (the REST contract's ``Job.kind`` and the panel's ``JobKind`` spell the
+#: same list: a test checks).
+JobKind = Literal["snapshot", "restore", "suspend", "resume", "variables", "check", "prune"]
+
+
 @dataclass
 class Job:
-    """A snapshot, restore, suspend or resume in progress (or done)."""
+    """Work on a kernel (or the store) in progress, or done: its ``kind`` says what."""
 
     id: str
-    kind: str
+    kind: JobKind
     kernel_id: str | None
     status: str = "running"  # running | done | failed
     phase: Phase = "queued"
@@ -85,7 +90,7 @@ class Jobs:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def start(self, kind: str, kernel_id: str | None, work: Callable[[Job], Any]) -> Job:
+    def start(self, kind: JobKind, kernel_id: str | None, work: Callable[[Job], Any]) -> Job:
         """A job running ``work(job)``; a failure is recorded on it and told as "failed"."""
         job = Job(id=secrets.token_hex(8), kind=kind, kernel_id=kernel_id)
         self.jobs[job.id] = job
@@ -138,7 +143,7 @@ class Jobs:
 
     def job(self, job_id: str) -> Job:
         if not re.fullmatch(r"[0-9a-f]{16}", job_id) or job_id not in self.jobs:
-            raise SnapshotNotFoundError(f"There is no job {job_id!r}.")
+            raise JobNotFoundError(f"There is no job {job_id!r}.")
         return self.jobs[job_id]
 
     def on(self, kernel_id: str) -> Job | None:

@@ -1,5 +1,5 @@
 """The server's kernels as the manager sees them: looked up by id, their wrappers, new
-ones started to restore into, and the one guarded dump every request that dumps goes
+ones started to restore into, and the one guard every request that dumps goes
 through."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import private
-from ..core.errors import SnapshotError, SnapshotNotFoundError, WrapperUnavailableError
+from ..core.errors import KernelNotFoundError, SnapshotError, WrapperUnavailableError
 from ..core.leftovers import DumpLock, after_failed_dump
 from ..core.manifest import Manifest
 from ..core.protocol import (
@@ -33,7 +33,7 @@ from .shared import check_kernel_id
 @dataclass
 class Dumped:
     """What a wrapper request that dumps the kernel into a folder left (see
-    :meth:`Kernels.guarded_dump`)."""
+    :meth:`Kernels.request_dumping_into`)."""
 
     answer: Any = None
     """The wrapper's answer, when the request succeeded."""
@@ -60,10 +60,10 @@ class Kernels:
         return list(self.kernel_manager.list_kernel_ids())
 
     def kernel(self, kernel_id: str) -> Any:
-        """The server's kernel ``kernel_id``; SnapshotNotFoundError if there is none."""
+        """The server's kernel ``kernel_id``; KernelNotFoundError if there is none."""
         check_kernel_id(kernel_id)
         if kernel_id not in self.kernel_manager:
-            raise SnapshotNotFoundError(f"There is no kernel {kernel_id} on this server.")
+            raise KernelNotFoundError(f"There is no kernel {kernel_id} on this server.")
         return self.kernel_manager.get_kernel(kernel_id)
 
     def wrapper(self, kernel_id: str) -> WrapperClient:
@@ -79,7 +79,7 @@ class Kernels:
         ``gpu``); None if it is not a snapshot kernel, or went away since it was listed."""
         try:
             return await self.wrapper(kernel_id).status(StatusArgs(gpu=gpu))
-        except (WrapperUnavailableError, SnapshotNotFoundError):
+        except (WrapperUnavailableError, KernelNotFoundError):
             return None
 
     async def alive(self, kernel_id: str) -> bool:
@@ -91,7 +91,7 @@ class Kernels:
         except SnapshotError:
             return False
 
-    async def guarded_dump(
+    async def request_dumping_into(
         self,
         kernel_id: str,
         dest: Path,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.criu import Criu
-from ..core.errors import SnapshotError, SnapshotNotFoundError, WrapperUnavailableError
+from ..core.errors import KernelNotFoundError, SnapshotError, WrapperUnavailableError
 from ..core.imagecache import ImageCache, stamp_tree
 from ..core.lazypages import PAGES_FILE_RE, restore_order
 from ..core.manifest import IMAGES_DIR, verify
@@ -105,7 +105,7 @@ class LazyLending:
         while deadline is None or time.monotonic() < deadline:
             try:
                 status = await self.kernels.wrapper(kernel_id).status()
-            except (WrapperUnavailableError, SnapshotNotFoundError):
+            except (WrapperUnavailableError, KernelNotFoundError):
                 break  # the kernel is gone (or going): give back at once
             except (SnapshotError, TimeoutError) as exc:
                 if not await self.kernels.alive(kernel_id):

@@ -350,7 +350,7 @@ class Restores:
                 save_to=save_to,
                 save_parent=parent.path if parent is not None else None,
             )
-            dumped = await self.kernels.guarded_dump(
+            dumped = await self.kernels.request_dumping_into(
                 kernel_id,
                 save_to,
                 lambda wrapper: wrapper.restore(request, self.jobs.wrapper_progress(job)),

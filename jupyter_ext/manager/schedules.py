@@ -9,10 +9,10 @@ import logging
 import time
 from typing import Any
 
-from ..core.errors import SnapshotError, SnapshotNotFoundError, WrapperUnavailableError
+from ..core.errors import KernelNotFoundError, SnapshotError, WrapperUnavailableError
 from .deaths import Deaths
-from .dumps import Dumps
 from .jobs import Job, Jobs
+from .kernel_jobs import KernelJobs
 from .kernels import Kernels
 from .lazy import LazyLending
 from .shared import EmitEvent
@@ -37,14 +37,14 @@ class Schedules:
         kernels: Kernels,
         jobs: Jobs,
         lending: LazyLending,
-        dumps: Dumps,
+        kernel_jobs: KernelJobs,
         deaths: Deaths,
         emit: EmitEvent,
     ) -> None:
         self.kernels = kernels
         self.jobs = jobs
         self.lending = lending
-        self.dumps = dumps
+        self.kernel_jobs = kernel_jobs
         self.deaths = deaths
         self.emit = emit
         #: Kernels whose periodic snapshots are off.
@@ -64,7 +64,7 @@ class Schedules:
         from given back: the download cached or removed)."""
         try:
             status: dict[str, Any] = dict(await self.kernels.wrapper(kernel_id).status())
-        except (WrapperUnavailableError, SnapshotNotFoundError) as exc:
+        except (WrapperUnavailableError, KernelNotFoundError) as exc:
             # Not a snapshot kernel, one that went away since it was listed, or one whose
             # wrapper jupyter_client is starting again after a death.
             return {
@@ -138,6 +138,6 @@ class Schedules:
         if running is not None and running.status == "running":
             await self.jobs.wait(running, max(0.0, deadline - time.monotonic()))
         try:
-            return self.dumps.create(kernel_id, trigger=trigger)
+            return self.kernel_jobs.snapshot(kernel_id, trigger=trigger)
         except SnapshotError as exc:
             return exc

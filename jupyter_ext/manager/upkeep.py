@@ -4,7 +4,7 @@ nothing needs), asked through the REST API; each runs once at a time."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
 from ..core.errors import SnapshotBusyError
 from ..core.store import SnapshotStore
@@ -39,7 +39,7 @@ class StoreUpkeep:
 
         return self._start("prune", work)
 
-    def _start(self, kind: str, work: Any) -> Job:
+    def _start(self, kind: Literal["check", "prune"], work: Any) -> Job:
         running = self._running.get(kind)
         if running is not None and running.status == "running":
             raise SnapshotBusyError(

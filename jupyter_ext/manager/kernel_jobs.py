@@ -1,4 +1,4 @@
-"""Snapshots of running kernels, and suspend / resume."""
+"""KernelJobs: a running kernel snapshotted, suspended (snapshot, process ended) and resumed."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from .stored import StoredSnapshots
 from .uploads import Uploads
 
 
-class Dumps:
-    """Snapshot a kernel, or suspend it (snapshot and end its process) and resume it."""
+class KernelJobs:
+    """The jobs on a running kernel, through its wrapper: snapshot it, suspend it (snapshot
+    and end its process) and resume it."""
 
     def __init__(
         self,
@@ -49,7 +50,7 @@ class Dumps:
         self.uploads = uploads
         self.emit = emit
 
-    def create(self, kernel_id: str, trigger: str = "manual") -> Job:
+    def snapshot(self, kernel_id: str, trigger: str = "manual") -> Job:
         """Snapshot a running kernel; the kernel is frozen only while CRIU dumps."""
         self._check(kernel_id)
         return self.jobs.start(
@@ -72,7 +73,7 @@ class Dumps:
                 **self._dump_settings(km, kernel_id, path, parent),
             )
             # A killed wrapper leaves its partial dump (the kernel's size): removed then.
-            dumped = await self.kernels.guarded_dump(
+            dumped = await self.kernels.request_dumping_into(
                 kernel_id,
                 dest,
                 lambda wrapper: wrapper.snapshot(args, self.jobs.wrapper_progress(job)),
@@ -132,7 +133,7 @@ class Dumps:
                 str(dest), trigger=trigger, **self._dump_settings(km, kernel_id, path, parent)
             )
             # Sealed before the wrapper died: the kernel's only copy, kept and stored.
-            dumped = await self.kernels.guarded_dump(
+            dumped = await self.kernels.request_dumping_into(
                 kernel_id,
                 dest,
                 lambda wrapper: wrapper.suspend(args, self.jobs.wrapper_progress(job)),
