@@ -19,9 +19,14 @@ from .core import private
 from .core.errors import SnapshotError
 from .core.policies.tick import PolicySettings
 from .core.private import GROUP_SHARED, PRIVATE
-from .core.protocol import ENV_LAZY_RESTORE, ENV_LAZY_RESTORE_MIN_BYTES, ENV_PID_FLOOR
+from .core.protocol.environment import (
+    ENV_KEY,
+    ENV_LAZY_RESTORE,
+    ENV_LAZY_RESTORE_MIN_BYTES,
+    ENV_PID_FLOOR,
+    ENV_PREVIOUS_KEYS,
+)
 from .core.store import SnapshotStore, open_store
-from .core.store.keys import ENV_KEY, ENV_PREVIOUS_KEYS
 from .culling import CullingPolicy
 from .handlers import route_table
 from .manager import ManagerSettings, SnapshotManager

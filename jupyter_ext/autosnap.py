@@ -19,7 +19,7 @@ from .core.policies.tick import (
     needs_status,
     periodic_round,
 )
-from .core.protocol import KernelStatus
+from .core.protocol.control import KernelStatus
 from .manager import Job, SnapshotManager
 
 log = logging.getLogger("jupyter_ext")

@@ -15,7 +15,6 @@ from traitlets import Bool, TraitError, Unicode, default
 
 from . import __version__
 from .app import SnapshotExtensionApp
-from .core.agent.protocol import ENV_AGENT_SOCKET
 from .core.contents import (
     compare_contents,
     describe_comparison,
@@ -32,7 +31,7 @@ from .core.doctor import (
 from .core.errors import SnapshotError
 from .core.humanize import human_bytes, human_seconds, time_ago
 from .core.manifest import check_snapshot_id
-from .core.protocol import DEFAULT_RUNTIME_ROOT
+from .core.protocol.environment import DEFAULT_RUNTIME_ROOT, ENV_AGENT_SOCKET
 from .core.store import SnapshotStore, StoreSpec, open_store
 from .kernelspecs import KERNEL_NAME, install_kernelspec, wrap_kernelspec
 from .serverclient import ServerClient

@@ -10,11 +10,12 @@ import contextlib
 import ctypes
 import os
 
+from .core.protocol.environment import ENV_TUNING
+
 #: glibc's ``mallopt`` parameters: the size from which a buffer gets its own mapping, and
 #: how many arenas the threads share.
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8
 MMAP_THRESHOLD_BYTES, ARENA_MAX = 256 << 10, 2
-ENV_TUNING = "JUPYTER_SNAPSHOT_MALLOC_TUNING"
 
 
 def _ours() -> bool:

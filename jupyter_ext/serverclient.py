@@ -13,7 +13,7 @@ from typing import Any
 
 from .core.errors import SnapshotError
 from .core.humanize import human_bytes
-from .core.protocol import ProgressEvent
+from .core.protocol.progress import ProgressEvent
 
 
 class ServerClient:

@@ -29,14 +29,10 @@ from jupyter_client.connect import write_connection_file
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.errors import SnapshotError
-from jupyter_ext.core.protocol import (
-    ENV_AWAIT_RESTORE,
-    ProgressCallback,
-    RestoreRequest,
-    WrapperClient,
-    WrapperInfo,
-)
-from jupyter_ext.core.store.keys import ENV_KEY, EnvKeySource
+from jupyter_ext.core.protocol.control import RestoreRequest, WrapperClient, WrapperInfo
+from jupyter_ext.core.protocol.environment import ENV_AWAIT_RESTORE, ENV_KEY
+from jupyter_ext.core.protocol.progress import ProgressCallback
+from jupyter_ext.core.store.keys import EnvKeySource
 from jupyter_ext.serverclient import ServerClient
 
 if TYPE_CHECKING:

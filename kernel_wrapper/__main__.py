@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from jupyter_ext.core.errors import SnapshotError
-from jupyter_ext.core.protocol import DEFAULT_RUNTIME_ROOT, take_await_marker
+from jupyter_ext.core.protocol.control import take_await_marker
+from jupyter_ext.core.protocol.environment import DEFAULT_RUNTIME_ROOT
 
 from .wrapper import KernelWrapper
 

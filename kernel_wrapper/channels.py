@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from jupyter_ext.core.protocol import AGENT_PORT, INNER_PORTS
+from jupyter_ext.core.protocol.inner import AGENT_PORT, INNER_PORTS
 
 #: The routing id of the wrapper's sockets toward the inner kernel, the same forever,
 #: so replies the kernel routes after a restore still reach us.

@@ -19,7 +19,8 @@ from typing import Any
 
 from jupyter_ext.core import private
 from jupyter_ext.core.errors import SnapshotError
-from jupyter_ext.core.protocol import OPERATIONS, ProgressCallback, ProgressEvent, socket_path
+from jupyter_ext.core.protocol.control import OPERATIONS, socket_path
+from jupyter_ext.core.protocol.progress import ProgressCallback, ProgressEvent
 
 log = logging.getLogger("kernel_wrapper")
 

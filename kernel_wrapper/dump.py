@@ -55,7 +55,8 @@ from jupyter_ext.core.manifest import (
     utc_now,
 )
 from jupyter_ext.core.memtrack.plan import DumpPlan
-from jupyter_ext.core.protocol import ProgressCallback, SnapshotArgs
+from jupyter_ext.core.protocol.control import SnapshotArgs
+from jupyter_ext.core.protocol.progress import ProgressCallback
 
 from .channels import InnerChannels
 from .dumptree import KernelTree

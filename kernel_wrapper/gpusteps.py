@@ -26,7 +26,7 @@ from jupyter_ext.core.gpu import (
     plan_gpu_pairs,
 )
 from jupyter_ext.core.manifest import Manifest
-from jupyter_ext.core.protocol import ProgressCallback
+from jupyter_ext.core.protocol.progress import ProgressCallback
 
 from .agents import KernelAgent
 

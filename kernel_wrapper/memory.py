@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_ext.core import proctree
-from jupyter_ext.core.agent.protocol import ENV_AGENT_SOCKET
 from jupyter_ext.core.chunking import ChunkParams
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.criu.chain import (
@@ -51,7 +50,8 @@ from jupyter_ext.core.memtrack.plan import (
     precopy_stop,
 )
 from jupyter_ext.core.memtrack.tracker import pinned_bytes
-from jupyter_ext.core.protocol import ProgressCallback
+from jupyter_ext.core.protocol.environment import ENV_AGENT_SOCKET
+from jupyter_ext.core.protocol.progress import ProgressCallback
 
 from .dumptree import KernelTree
 from .relay import Relay

@@ -26,7 +26,7 @@ from jupyter_client.session import DELIM, Session
 from jupyter_ext.core import proctree
 from jupyter_ext.core.carried import sockdiag
 from jupyter_ext.core.errors import SnapshotError
-from jupyter_ext.core.protocol import read_number
+from jupyter_ext.core.protocol.inner import read_number
 
 from .channels import (
     REQUEST_CHANNELS,

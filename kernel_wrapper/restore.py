@@ -52,7 +52,7 @@ from jupyter_ext.core.isolation.privatetmp import PrivateTemp
 from jupyter_ext.core.lazypages import DirectoryPages, PageSource, page_source, stage_pages_files
 from jupyter_ext.core.lazypages.chain import flatten, is_chain
 from jupyter_ext.core.manifest import IMAGES_DIR, Manifest, verify
-from jupyter_ext.core.protocol import ProgressCallback
+from jupyter_ext.core.protocol.progress import ProgressCallback
 from kernel_snapshots import write_restore_info
 
 from .channels import InnerChannels

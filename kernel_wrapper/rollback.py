@@ -17,7 +17,8 @@ from typing import NoReturn
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.manifest import Manifest, remove_tree
-from jupyter_ext.core.protocol import ProgressCallback, SnapshotArgs
+from jupyter_ext.core.protocol.control import SnapshotArgs
+from jupyter_ext.core.protocol.progress import ProgressCallback
 
 from .dump import Dumper
 from .parts import KernelParts

@@ -17,7 +17,7 @@ from typing import Any
 
 from jupyter_ext.core import private
 from jupyter_ext.core.isolation import mountns
-from jupyter_ext.core.protocol import INNER_PORTS, KERNEL_PORTS
+from jupyter_ext.core.protocol.inner import INNER_PORTS, KERNEL_PORTS
 
 log = logging.getLogger("kernel_wrapper")
 

@@ -27,20 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_ext.core.agent.client import AgentCriu
-from jupyter_ext.core.agent.protocol import ENV_AGENT_SOCKET
 from jupyter_ext.core.criu import Criu, LazyTransfer
 from jupyter_ext.core.errors import KernelNotRunningError, SnapshotBusyError, SnapshotError
 from jupyter_ext.core.lazypages import LAZY_MIN_BYTES, UNIX_PREFIX
 from jupyter_ext.core.manifest import Manifest, new_snapshot_id, remove_tree
 from jupyter_ext.core.memtrack.plan import AFTER_RESTORE
-from jupyter_ext.core.protocol import (
-    ProgressCallback,
+from jupyter_ext.core.protocol.control import (
     Restored,
     RestoreRequest,
     ResumeArgs,
     SnapshotArgs,
     SuspendArgs,
 )
+from jupyter_ext.core.protocol.environment import ENV_AGENT_SOCKET
+from jupyter_ext.core.protocol.progress import ProgressCallback
 
 from .agents import KernelAgent
 from .dump import Dumper

@@ -25,7 +25,7 @@ from jupyter_ext.core.errors import KernelNotRunningError
 from jupyter_ext.core.isolation import pidspace
 from jupyter_ext.core.isolation.netns import OwnNetwork
 from jupyter_ext.core.isolation.privatetmp import PrivateTemp
-from jupyter_ext.core.protocol import ENV_OWN_PROC
+from jupyter_ext.core.protocol.environment import ENV_OWN_PROC
 
 log = logging.getLogger("kernel_wrapper")
 

@@ -41,23 +41,25 @@ from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.gpu import kernel_gpu_status
 from jupyter_ext.core.isolation.pidspace import PID_FLOOR
 from jupyter_ext.core.lazypages import LAZY_MIN_BYTES
-from jupyter_ext.core.protocol import (
+from jupyter_ext.core.protocol.control import (
     AWAIT_RESTORE_SECONDS,
-    DEFAULT_RUNTIME_ROOT,
-    ENV_INNER_DIR,
-    ENV_LAZY_RESTORE,
-    ENV_LAZY_RESTORE_MIN_BYTES,
-    ENV_PID_FLOOR,
-    REFUSED_FILE,
     KernelJournal,
     KernelStatus,
-    ProgressCallback,
     StatusArgs,
     WrapperInfo,
     info_path,
     journal_path,
     write_journal,
 )
+from jupyter_ext.core.protocol.environment import (
+    DEFAULT_RUNTIME_ROOT,
+    ENV_INNER_DIR,
+    ENV_LAZY_RESTORE,
+    ENV_LAZY_RESTORE_MIN_BYTES,
+    ENV_PID_FLOOR,
+)
+from jupyter_ext.core.protocol.inner import REFUSED_FILE
+from jupyter_ext.core.protocol.progress import ProgressCallback
 
 from .agents import BridgedAgent, IPythonAgent
 from .channels import InnerChannels, ServerChannels

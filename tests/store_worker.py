@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from jupyter_ext.core.chunking import PAGE_SIZE
+from jupyter_ext.core.protocol.environment import ENV_KEY
 from jupyter_ext.core.store import EnvKeySource, LocalStore, S3Store
-from jupyter_ext.core.store.keys import ENV_KEY
 
 from .test_store import make_snapshot, mutate, random_pages
 

@@ -42,10 +42,11 @@ from jupyter_ext.core import proctree
 from jupyter_ext.core.agent import peers
 from jupyter_ext.core.agent import protocol as agentproto
 from jupyter_ext.core.agent.client import AgentCriu
-from jupyter_ext.core.agent.protocol import ENV_AGENT_SOCKET, AgentRequestError, parse_request
+from jupyter_ext.core.agent.protocol import AgentRequestError, parse_request
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.criu.chain import SEAL_FILE
 from jupyter_ext.core.memtrack import uffd
+from jupyter_ext.core.protocol.environment import ENV_AGENT_SOCKET
 from jupyter_ext.nodeagent import privileges
 from jupyter_ext.nodeagent.podcriu import RESTORE_CAPS, PodCriu, cgroup_procs_files
 from jupyter_ext.testing import KernelProcess

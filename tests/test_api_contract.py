@@ -28,7 +28,7 @@ from schemathesis.specs.openapi.checks import (
 )
 from tornado import web
 
-from jupyter_ext.core.protocol import Phase
+from jupyter_ext.core.protocol.progress import Phase
 from jupyter_ext.handlers import route_table
 from jupyter_ext.kernelspecs import KERNEL_NAME
 from jupyter_ext.manager.jobs import JobKind

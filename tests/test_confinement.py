@@ -30,7 +30,7 @@ from jupyter_ext.core.isolation.confinement import (
     explain_denied,
     yama_relational_permits,
 )
-from jupyter_ext.core.protocol import ENV_CRIU
+from jupyter_ext.core.protocol.environment import ENV_CRIU
 from jupyter_ext.testing import KernelProcess, wait_until
 
 Factory = Callable[..., KernelProcess]

@@ -26,7 +26,7 @@ import boto3
 import pytest
 
 from jupyter_ext.core.errors import SnapshotError
-from jupyter_ext.core.store.keys import ENV_KEY
+from jupyter_ext.core.protocol.environment import ENV_KEY
 from jupyter_ext.testing import RUN_KEY
 
 from .pods import AGENT_CSI_DRIVER, AgentPod, Pod, chart_values, pod_network, render_pod
@@ -381,7 +381,7 @@ def _agent_call(pod: Pod, socket: str, code: str) -> list[str]:
     prelude = (
         "from pathlib import Path\n"
         "from jupyter_ext.core.agent.client import AgentCriu, call\n"
-        "from jupyter_ext.core.agent.protocol import DumpRequest, RestoreRequest\n"
+        "from jupyter_ext.core.agent.protocol import DumpRequest, AgentRestoreRequest\n"
         "from jupyter_ext.core.errors import SnapshotError\n"
         f"SOCKET = Path({socket!r})\n"
     )

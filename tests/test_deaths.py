@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from jupyter_ext.core.death import Death, MemoryCgroup, Witness
-from jupyter_ext.core.protocol import journal_path
+from jupyter_ext.core.protocol.control import journal_path
 from jupyter_ext.testing import KernelProcess, ServerProcess, wait_until
 
 from .jupyter_api import Fetch, call, manager_of, restore, server_config, snapshot, until

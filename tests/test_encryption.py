@@ -29,10 +29,11 @@ from traitlets.config import Config
 from jupyter_ext import cli, storecli
 from jupyter_ext.app import SnapshotExtensionApp
 from jupyter_ext.core.errors import SnapshotCorruptError, SnapshotNotFoundError
+from jupyter_ext.core.protocol.environment import ENV_KEY, ENV_PREVIOUS_KEYS
 from jupyter_ext.core.store import EnvKeySource, FileKeySource, KeySource, StoreError, StoreSpec
 from jupyter_ext.core.store.backend import Handle, Kind
 from jupyter_ext.core.store.hubclient import keys_of
-from jupyter_ext.core.store.keys import ENV_KEY, ENV_PREVIOUS_KEYS, parse_key
+from jupyter_ext.core.store.keys import parse_key
 from jupyter_ext.core.store.sealing import NONCE_BYTES, NONCES_AT_ONCE, Sealer
 from jupyter_ext.core.store.userkey import derive_user_key
 from jupyter_ext.hubservice.app import key_answer, read_secrets

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from jupyter_ext.memory import ENV_TUNING
+from jupyter_ext.core.protocol.environment import ENV_TUNING
 
 BURST = """
 import json

@@ -270,7 +270,7 @@ def test_a_failed_restore_leaves_no_helper(kernel_factory: Factory, tmp_path: Pa
     the kernel that was there is put back."""
     from jupyter_ext.core.criu import Criu
     from jupyter_ext.core.errors import RestoreError
-    from jupyter_ext.core.protocol import ENV_CRIU
+    from jupyter_ext.core.protocol.environment import ENV_CRIU
 
     kernel = kernel_factory()
     kernel.execute(KERNEL)
@@ -313,7 +313,7 @@ def test_idle_suspend_and_resume_of_a_copy(kernel_factory: Factory, tmp_path: Pa
 def test_lazy_restore_of_a_copy(kernel_factory: Factory, tmp_path: Path) -> None:
     """A copy restored with lazy pages goes into its own namespace the same way."""
     from jupyter_ext.core.criu import Criu
-    from jupyter_ext.core.protocol import ENV_LAZY_RESTORE_MIN_BYTES
+    from jupyter_ext.core.protocol.environment import ENV_LAZY_RESTORE_MIN_BYTES
 
     if not Criu.locate().supports_lazy_pages()[0]:
         pytest.skip("lazy pages are not supported on this machine")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from jupyter_ext.core.isolation.pidspace import PID_FLOOR
-from jupyter_ext.core.store.keys import ENV_KEY
+from jupyter_ext.core.protocol.environment import ENV_KEY
 from jupyter_ext.testing import RUN_KEY, ServerProcess
 
 from .s3server import JUICEFS_KEY

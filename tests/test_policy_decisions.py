@@ -16,7 +16,7 @@ from jupyter_ext.core.policies.tick import (
     decide,
     needs_status,
 )
-from jupyter_ext.core.protocol import KernelStatus
+from jupyter_ext.core.protocol.control import KernelStatus
 
 NOW = 10_000.0
 """Monotonic seconds of the tick."""

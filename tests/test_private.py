@@ -30,7 +30,7 @@ from jupyter_ext.core import private
 from jupyter_ext.core.doctor import check_private
 from jupyter_ext.core.lazypages import DirectoryPages, RangeServer
 from jupyter_ext.core.private import GROUP_SHARED
-from jupyter_ext.core.protocol import StatusArgs
+from jupyter_ext.core.protocol.control import StatusArgs
 from jupyter_ext.core.store import LocalStore, S3Encryption, S3Store, StoreError
 from jupyter_ext.testing import MotoServer, ServerProcess
 from kernel_wrapper.channels import InnerChannels

@@ -621,7 +621,7 @@ async def test_the_wrappers_settings_reach_snapshot_kernels_not_the_server(
 ) -> None:
     """What a kernel wrapper reads of the extension's settings is in the environment of the
     snapshot kernels the server starts, not in the server's own (nor so in other kernels)."""
-    from jupyter_ext.core.protocol import ENV_LAZY_RESTORE, ENV_PID_FLOOR
+    from jupyter_ext.core.protocol.environment import ENV_LAZY_RESTORE, ENV_PID_FLOOR
 
     (app,) = jp_serverapp.extension_manager.extension_apps["jupyter_ext"]
     code = (

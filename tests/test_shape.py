@@ -136,6 +136,17 @@ def test_no_class_over_400_lines() -> None:
     assert set(LONG_CLASSES) <= set(long), "split: take it off LONG_CLASSES"
 
 
+def test_one_meaning_per_class_name() -> None:
+    """No two public classes of the shipped packages share a name (the node agent's restore
+    request is not the wrapper's, a cache lease not a clean-up's)."""
+    where: dict[str, list[str]] = {}
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(relative(path))
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
+
+
 def test_no_private_attribute_of_another_object() -> None:
     """``self._x`` and ``cls._x`` only: another object's private state is its own."""
     reached = set()

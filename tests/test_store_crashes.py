@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from jupyter_ext.core import manifest as manifest_mod
+from jupyter_ext.core.protocol.environment import ENV_KEY
 from jupyter_ext.core.store.backend import layout
-from jupyter_ext.core.store.keys import ENV_KEY
 from jupyter_ext.core.store.sealing import FILE_MAGIC
 from jupyter_ext.testing import MotoServer
 

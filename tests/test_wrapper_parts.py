@@ -21,13 +21,9 @@ from jupyter_client.session import DELIM, Session
 
 from jupyter_ext.core.death import Death
 from jupyter_ext.core.errors import SnapshotBusyError, SnapshotError
-from jupyter_ext.core.protocol import (
-    INNER_PORTS,
-    ProgressCallback,
-    SnapshotArgs,
-    StatusArgs,
-    WrapperClient,
-)
+from jupyter_ext.core.protocol.control import SnapshotArgs, StatusArgs, WrapperClient
+from jupyter_ext.core.protocol.inner import INNER_PORTS
+from jupyter_ext.core.protocol.progress import ProgressCallback
 from jupyter_ext.testing import free_port
 from kernel_wrapper.channels import INNER_ROUTING_ID, InnerChannels, ServerChannels
 from kernel_wrapper.control import ControlServer

@@ -11,16 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from .agent.client import AgentCriu
-from .agent.protocol import ENV_AGENT_SOCKET
 from .criu import REQUIRED_FEATURES, UNPRIVILEGED_CAPS, Criu, unprivileged
 from .errors import CriuNotFoundError, SnapshotError
 from .isolation.confinement import CAP_CHECKPOINT_RESTORE, CAP_SETPCAP, Confinement, seccomp_blocker
 from .memtrack import TrackingUnavailable, open_tracking_fd, why_unavailable
 from .private import exposed, make_dirs, others_can_replace
-from .protocol import ENV_RUNTIME_DIR
+from .protocol.environment import ENV_AGENT_SOCKET, ENV_KEY, ENV_RUNTIME_DIR
 from .store import SnapshotStore
 from .store.api import StoreError, StoreReport
-from .store.keys import ENV_KEY, KEEP_PASSPHRASE, LOST_KEY, RECOVER
+from .store.keys import KEEP_PASSPHRASE, LOST_KEY, RECOVER
 
 VFS_CAP_FLAGS_EFFECTIVE = 0x1
 ST_NOSUID = 2

@@ -190,7 +190,7 @@ def _unique_bytes(entries: list[Entry]) -> int:
     return sum(sizes.values())
 
 
-class Lease:
+class CacheLease:
     """A cache entry a restore reads: held (shared flock) until :meth:`release`, so that
     nothing removes it meanwhile. ``fresh`` says its stamps matched; a stale one must be
     :meth:`reverify`-ed (hashed locally) before CRIU may read it."""
@@ -323,7 +323,7 @@ class ImageCache:
             (path / RECORD_NAME).unlink(missing_ok=True)
             return False
 
-    def admit(self, directory: Path, stamps: Stamps, *, lease: bool = False) -> Lease | None:
+    def admit(self, directory: Path, stamps: Stamps, *, lease: bool = False) -> CacheLease | None:
         """Move the sealed snapshot ``directory`` (on the cache's disk) into the cache.
 
         ``stamps`` come from :func:`stamp_checked` after a put, or :func:`stamp_tree`
@@ -374,11 +374,11 @@ class ImageCache:
             held = None
             if lease:
                 fd = try_lock_directory(entry.path, shared=True)
-                held = Lease(self, entry, fd, manifest) if fd is not None else None
+                held = CacheLease(self, entry, fd, manifest) if fd is not None else None
             self._sweep(newest=entry, wait=False)  # not while the snapshot's job waits
             return held
 
-    def lease_newest(self, kernel_id: str) -> Lease | None:
+    def lease_newest(self, kernel_id: str) -> CacheLease | None:
         """The newest cached snapshot of the (jupyter) kernel ``kernel_id``, held, or
         None."""
         if not self.enabled:
@@ -387,7 +387,7 @@ class ImageCache:
         return self.lease(ours[-1].snapshot_id) if ours else None
 
     @contextlib.contextmanager
-    def hold_parent(self, kernel_id: str) -> Iterator[Lease | None]:
+    def hold_parent(self, kernel_id: str) -> Iterator[CacheLease | None]:
         """The kernel's newest entry, held for a dump that may add a level to it
         (kernel_wrapper/memory.py decides), if it is there unchanged (its stamps match, so
         its files need no hashing); else None. The dump hard-links its files, which
@@ -423,9 +423,9 @@ class ImageCache:
         if changed:
             entry.write(entry.path)
 
-    def lease(self, snapshot_id: str) -> Lease | None:
+    def lease(self, snapshot_id: str) -> CacheLease | None:
         """The cached entry of a snapshot, held for a restore, or None when there is none
-        (or it is broken: then it is removed). See :attr:`Lease.fresh`."""
+        (or it is broken: then it is removed). See :attr:`CacheLease.fresh`."""
         if not self.enabled or not SNAPSHOT_ID_RE.match(snapshot_id):
             return None
         with self._locked():
@@ -445,7 +445,7 @@ class ImageCache:
                 log.warning("dropping cached snapshot %s: %s", snapshot_id, exc)
                 self._remove(path)
                 return None
-            return Lease(self, entry, fd, manifest)
+            return CacheLease(self, entry, fd, manifest)
 
     def _sweep(self, newest: Entry | None = None, wait: bool = True) -> list[str]:
         """Remove superseded entries (not their kernel's newest), then the oldest ones past

@@ -27,7 +27,13 @@ from typing import Any
 
 from ..core.death import Death, Witness
 from ..core.errors import SnapshotError
-from ..core.protocol import KernelJournal, WrapperClient, WrapperInfo, info_path, take_journal
+from ..core.protocol.control import (
+    KernelJournal,
+    WrapperClient,
+    WrapperInfo,
+    info_path,
+    take_journal,
+)
 from .jobs import Job, Jobs
 from .kernels import Kernels
 from .shared import EmitEvent, ManagerSettings

@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 
 from .. import memory
 from ..core.errors import JobNotFoundError, SnapshotBusyError, SnapshotError
-from ..core.protocol import Phase, ProgressCallback, ProgressEvent
+from ..core.protocol.progress import Phase, ProgressCallback, ProgressEvent
 from .shared import EmitEvent
 
 log = logging.getLogger("jupyter_ext")

@@ -9,9 +9,9 @@ import shutil
 from typing import Any
 
 from ..core import private
-from ..core.imagecache import ImageCache, Lease
+from ..core.imagecache import CacheLease, ImageCache
 from ..core.manifest import new_snapshot_id
-from ..core.protocol import SnapshotArgs, SuspendArgs
+from ..core.protocol.control import SnapshotArgs, SuspendArgs
 from ..core.store import SnapshotStore
 from .jobs import Job, Jobs
 from .kernels import Kernels
@@ -94,7 +94,7 @@ class KernelJobs:
         return result
 
     def _dump_settings(
-        self, km: Any, kernel_id: str, path: str | None, parent: Lease | None
+        self, km: Any, kernel_id: str, path: str | None, parent: CacheLease | None
     ) -> dict[str, Any]:
         """What a snapshot and a suspend request both carry: the manifest fields this
         server knows, its dump settings, and the kernel's previous snapshot here."""
@@ -110,7 +110,7 @@ class KernelJobs:
             "parent": str(parent.path) if parent is not None else None,
         }
 
-    def _parent(self, kernel_id: str) -> contextlib.AbstractContextManager[Lease | None]:
+    def _parent(self, kernel_id: str) -> contextlib.AbstractContextManager[CacheLease | None]:
         """The kernel's previous snapshot in the image cache, held for the dump."""
         if not self.settings.track_memory:
             return contextlib.nullcontext()

@@ -17,15 +17,15 @@ from ..core import private
 from ..core.errors import KernelNotFoundError, SnapshotError, WrapperUnavailableError
 from ..core.leftovers import DumpLock, after_failed_dump
 from ..core.manifest import Manifest
-from ..core.protocol import (
-    ENV_AWAIT_RESTORE,
+from ..core.protocol.control import (
     KernelStatus,
-    ProgressCallback,
     RestoreRequest,
     StatusArgs,
     WrapperClient,
     WrapperInfo,
 )
+from ..core.protocol.environment import ENV_AWAIT_RESTORE
+from ..core.protocol.progress import ProgressCallback
 from .reaping import Reaper
 from .shared import check_kernel_id
 

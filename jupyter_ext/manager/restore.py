@@ -16,7 +16,7 @@ from typing import Any
 
 from ..core.compat import check_compatible
 from ..core.errors import WrapperUnavailableError
-from ..core.imagecache import ImageCache, Lease, lock_shared, stamp_tree
+from ..core.imagecache import CacheLease, ImageCache, lock_shared, stamp_tree
 from ..core.lazypages import PAGES_FILE_RE, worth_lazy
 from ..core.manifest import (
     Manifest,
@@ -26,7 +26,7 @@ from ..core.manifest import (
     remove_tree,
     verify,
 )
-from ..core.protocol import RestoreRequest
+from ..core.protocol.control import RestoreRequest
 from ..core.store import SnapshotStore
 from ..kernelspecs import KERNEL_NAME
 from .jobs import Job, Jobs
@@ -54,7 +54,7 @@ class Target:
     session_id: str | None = None
 
 
-def _released(lease: Lease) -> Callable[[dict[str, Any]], Awaitable[None]]:
+def _released(lease: CacheLease) -> Callable[[dict[str, Any]], Awaitable[None]]:
     async def release(_outcome: dict[str, Any]) -> None:
         lease.release()
 
@@ -179,7 +179,7 @@ class Restores:
             raise
         return dest, fd, True
 
-    async def _cached(self, job: Job, snapshot_id: str) -> Lease | None:
+    async def _cached(self, job: Job, snapshot_id: str) -> CacheLease | None:
         """The snapshot's entry in the image cache, held for the restore, or None. Its
         manifest is checked (its own checksum); its files by :meth:`_intact`."""
         if snapshot_id in self.uploads.pending or not self.image_cache.enabled:
@@ -189,7 +189,7 @@ class Restores:
             self.jobs.progress(job, "checking-cache")
         return lease
 
-    async def _intact(self, job: Job, lease: Lease) -> Lease | None:
+    async def _intact(self, job: Job, lease: CacheLease) -> CacheLease | None:
         """The lease if its files are as stamped; else they are hashed again here, locally
         (after the request was answered), and the entry is dropped if a byte differs."""
         if lease.fresh:

@@ -19,7 +19,7 @@ from ..core.fileio import lock_directory
 from ..core.imagecache import ImageCache, stamp_checked
 from ..core.leftovers import remove_orphaned_dumps, remove_unlocked
 from ..core.manifest import MANIFEST_NAME, SNAPSHOT_ID_RE, Manifest, remove_tree
-from ..core.protocol import Phase
+from ..core.protocol.progress import Phase
 from ..core.store import S3Store, SnapshotStore
 from .jobs import Job, Jobs
 from .shared import Workspace, describe

@@ -14,7 +14,7 @@ from jupyter_ext.core.agent.protocol import DEFAULT_SOCKET_DIR
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import SnapshotError
 
-from .seal import Sealer
+from .seal import ImageSetSealer
 from .server import KEEP_FREE_FRACTION, Agent, Limits
 
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         agent = Agent(
             args.socket_dir,
             args.state_dir,
-            Sealer.from_file(args.key_file),
+            ImageSetSealer.from_file(args.key_file),
             Criu.locate(args.criu),
             args.owner_pattern,
             Limits(

@@ -12,7 +12,7 @@ given, the sizes' sum within the agent's budget), hashes its copy, and runs CRIU
 only if the seal matches the calling pod's name: another pod's images, or altered ones,
 are refused.
 
-Each file is also sealed on its own (:meth:`Sealer.seal_file`: the pod's name and the
+Each file is also sealed on its own (:meth:`ImageSetSealer.seal_file`: the pod's name and the
 file's name, size and sha256). A tracked dump builds on the images of an earlier dump or
 pre-dump, and a restore of it needs the memory levels of several dumps (core/criu/chain.py),
 of which the pod keeps only some files: each such file is checked against its own seal,
@@ -42,7 +42,7 @@ class ImageFile:
     sha256: str
 
 
-class Sealer:
+class ImageSetSealer:
     """Seals and checks image sets with the agents' shared key."""
 
     def __init__(self, key: bytes) -> None:
@@ -51,7 +51,7 @@ class Sealer:
         self._key = key
 
     @classmethod
-    def from_file(cls, path: Path) -> Sealer:
+    def from_file(cls, path: Path) -> ImageSetSealer:
         """The key in ``path``, made (random, 0600) if there is none: one node's agent can
         then restore only what it dumped itself; give every node's agent the same file (a
         Secret) to restore on another node."""

@@ -34,11 +34,11 @@ from jupyter_ext.core.agent.protocol import (
     SOCKET_NAME,
     VERSION,
     AgentRequestError,
+    AgentRestoreRequest,
     DumpRequest,
     Hello,
     HelloRequest,
     PreDumpRequest,
-    RestoreRequest,
     parse_copied,
     parse_request,
     receive,
@@ -61,7 +61,7 @@ from jupyter_ext.core.lazypages.pagemap import parse_pagemap
 from . import criurpc
 from .podcriu import RUN_SECONDS, PodCriu, cgroup_procs_files, finish
 from .privileges import check_restored
-from .seal import ImageFile, Sealer, copy_in, hash_file
+from .seal import ImageFile, ImageSetSealer, copy_in, hash_file
 
 log = logging.getLogger("jupyter_ext.nodeagent")
 
@@ -174,7 +174,7 @@ class Agent:
         self,
         socket_dir: Path,
         state_dir: Path,
-        sealer: Sealer,
+        sealer: ImageSetSealer,
         criu: Criu,
         owner_pattern: str = peers.DEFAULT_OWNER_PATTERN,
         limits: Limits | None = None,
@@ -288,7 +288,7 @@ class Agent:
             return self.dump(caller, request, fds, conn)
         if isinstance(request, PreDumpRequest):
             return self.pre_dump(caller, request, fds)
-        if isinstance(request, RestoreRequest):
+        if isinstance(request, AgentRestoreRequest):
             return _Reply(self.restore(caller, request, fds))
         raise AgentRequestError(f"The node agent refused the request: no {request.op}.")
 
@@ -469,7 +469,7 @@ class Agent:
         return result, [os.open(top / "images" / f.name, os.O_RDONLY) for f in files]
 
     def restore(
-        self, caller: peers.Caller, request: RestoreRequest, fds: list[int]
+        self, caller: peers.Caller, request: AgentRestoreRequest, fds: list[int]
     ) -> dict[str, Any]:
         """Restore images sealed for the caller's pod into the caller's pod; every restored
         task must hold no more than the caller (nodeagent/privileges.py)."""
@@ -541,7 +541,7 @@ class Agent:
 
 
 def _copy_prev(
-    sealer: Sealer,
+    sealer: ImageSetSealer,
     caller: peers.Caller,
     request: DumpRequest | PreDumpRequest,
     fds: list[int],

@@ -53,12 +53,8 @@ from zmq.utils.monitor import recv_monitor_message
 from jupyter_ext.core import proctree
 from jupyter_ext.core.carried import netports, sockdiag
 from jupyter_ext.core.isolation import mountns, privatetmp
-from jupyter_ext.core.protocol import (
-    ENV_INNER_DIR,
-    ENV_OWN_PROC,
-    INNER_PORTS,
-    REFUSED_FILE,
-)
+from jupyter_ext.core.protocol.environment import ENV_INNER_DIR, ENV_OWN_PROC
+from jupyter_ext.core.protocol.inner import INNER_PORTS, REFUSED_FILE
 
 from . import lifeline
 

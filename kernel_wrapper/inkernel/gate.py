@@ -28,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from jupyter_ext.core.protocol import number_frame
+from jupyter_ext.core.protocol.inner import number_frame
 
 
 def _new_epoch() -> int:

@@ -41,7 +41,8 @@ from ipykernel.kernelapp import IPKernelApp
 import kernel_snapshots
 from jupyter_ext.core.contents import CellLog
 from jupyter_ext.core.isolation import mountns, privatetmp
-from jupyter_ext.core.protocol import AGENT_PORT, ENV_INNER_DIR, ENV_OWN_PROC, INNER_PORTS
+from jupyter_ext.core.protocol.environment import ENV_INNER_DIR, ENV_OWN_PROC
+from jupyter_ext.core.protocol.inner import AGENT_PORT, INNER_PORTS
 
 from . import lifeline
 from .agent import SnapshotAgent

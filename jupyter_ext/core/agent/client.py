@@ -44,18 +44,18 @@ from .. import proctree
 from ..criu import UNPRIVILEGED_NO_LAZY, Criu, FrozenCopy, LazyTransfer, parse_version
 from ..criu.chain import PARENT, SEAL_FILE, is_level_file
 from ..errors import DumpError, RestoreError, SnapshotError
+from ..protocol.environment import ENV_AGENT_SOCKET
 from .protocol import (
     DEFAULT_SOCKET_DIR,
-    ENV_AGENT_SOCKET,
     MAX_LEVELS,
     AgentIncompatibleError,
     AgentRequestError,
+    AgentRestoreRequest,
     AgentUnavailableError,
     DumpRequest,
     Hello,
     HelloRequest,
     PreDumpRequest,
-    RestoreRequest,
     _Request,
     check_reply_version,
     encode_request,
@@ -347,7 +347,7 @@ class AgentCriu(Criu):
                 hint="Upgrade the node agent's DaemonSet (deploy/agent/agent.yaml) to this "
                 "release, or restore the snapshot in in-pod mode.",
             )
-        request = RestoreRequest(
+        request = AgentRestoreRequest(
             files=[*files, *(path for path, _ in levels)],
             sizes=[],
             seal=seal["seal"],

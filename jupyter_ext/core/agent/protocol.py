@@ -67,9 +67,6 @@ VERSION = 2
 #: (the CSI volume's mount path, deploy/z2jh/config.yaml).
 SOCKET_NAME = "agent.sock"
 DEFAULT_SOCKET_DIR = "/run/jupyter-kernel-snapshots-agent"
-#: Set in the user pod (deploy/z2jh/config.yaml): the agent's socket. Set, the kernel
-#: wrappers dump and restore through the agent instead of running CRIU themselves.
-ENV_AGENT_SOCKET = "JUPYTER_SNAPSHOT_AGENT_SOCKET"
 #: The largest datagram either side sends or reads (a restore names ~100 files).
 MAX_MESSAGE = 64 * 1024
 #: Descriptors in one datagram (Linux allows 253: SCM_MAX_FD).
@@ -389,7 +386,7 @@ class PreDumpRequest(_Request):
 
 
 @dataclass(frozen=True)
-class RestoreRequest(_Request):
+class AgentRestoreRequest(_Request):
     """Restore the images given as descriptors (one per name in ``files``, in order),
     sealed by this cluster's agents for the caller's pod name, into the caller's pod. Then
     one descriptor per entry of ``inherit``: what the restored tree gets in place of that
@@ -433,7 +430,7 @@ class RestoreRequest(_Request):
 
 #: Every operation by name.
 REQUESTS: dict[str, type[_Request]] = {
-    cls.op: cls for cls in (HelloRequest, DumpRequest, PreDumpRequest, RestoreRequest)
+    cls.op: cls for cls in (HelloRequest, DumpRequest, PreDumpRequest, AgentRestoreRequest)
 }
 
 

@@ -36,7 +36,7 @@ from ..errors import (
 )
 from ..isolation import mountns
 from ..isolation.confinement import Confinement
-from ..protocol import ENV_CRIU, ENV_CRIU_PREFIX
+from ..protocol.environment import ENV_CRIU, ENV_CRIU_PREFIX
 from .frozen import FrozenCopy
 from .lazy import UNPRIVILEGED_NO_LAZY, LazyTransfer
 from .log import copied_bytes, explain_failure, frozen_seconds, log_excerpt

@@ -38,7 +38,7 @@ by size assertions in :mod:`.driver`; the ``gpu``-marked tests in ``tests/test_g
 run lock, checkpoint, restore and unlock against the real driver.
 """
 
-from ..protocol import ENV_CUDA_CHECKPOINT, ENV_LIBCUDA
+from ..protocol.environment import ENV_CUDA_CHECKPOINT, ENV_LIBCUDA
 from .backend import CheckpointBackend, open_backend
 from .checkpointer import GpuCheckpoint, GpuCheckpointer, StepTimings
 from .compat import check_restore_compatible, plan_gpu_pairs

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ..protocol import ENV_LIBCUDA
+from ..protocol.environment import ENV_LIBCUDA
 from .errors import (
     CUDA_ERROR_NAMES,
     CUDA_ERROR_NOT_INITIALIZED,

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 
-from ..protocol import ENV_CUDA_CHECKPOINT
+from ..protocol.environment import ENV_CUDA_CHECKPOINT
 from .errors import (
     CUDA_ERROR_ILLEGAL_STATE,
     CUDA_ERROR_INVALID_VALUE,

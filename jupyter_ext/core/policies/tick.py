@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..protocol import KernelStatus
+from ..protocol.control import KernelStatus
 
 Trigger = Literal["periodic", "long-cell", "idle-suspend"]
 """What a policy starts; the manifest's trigger of the snapshot it takes."""

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Protocol
 from ..errors import SnapshotCorruptError, SnapshotError
 from ..manifest import Manifest
 from ..private import Exposed
-from ..protocol import Phase, ProgressCallback
+from ..protocol.progress import Phase, ProgressCallback
 from .pack import Location
 
 Progress = ProgressCallback | None

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from ..errors import SnapshotError
 from ..humanize import human_bytes, human_seconds
-from ..protocol import ProgressCallback
+from ..protocol.progress import ProgressCallback
 from . import pack
 from .api import report
 from .backend import Kind, ObjectStat, layout

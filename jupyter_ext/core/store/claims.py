@@ -146,10 +146,10 @@ class Claims:
                     self._leftover_markers.discard(marker)
 
     @contextlib.contextmanager
-    def cleaning(self) -> Iterator[Lease]:
+    def cleaning(self) -> Iterator[CleanupLease]:
         """Hold a fresh clean-up marker for the block (written first, kept fresh by a
         heartbeat, removed at the end; remembered if it cannot be)."""
-        lease = Lease(self, f"{uuid.uuid4().hex}.cleaning")
+        lease = CleanupLease(self, f"{uuid.uuid4().hex}.cleaning")
         lease.beat()
         try:
             with Heartbeat(self.marker_refresh_seconds, lease.beat):
@@ -163,7 +163,7 @@ class Claims:
                 raise
 
 
-class Lease:
+class CleanupLease:
     """A clean-up's marker, and whether it is still fresh enough to go on deleting."""
 
     def __init__(self, claims: Claims, marker: str) -> None:

@@ -19,7 +19,7 @@ from .. import private
 from ..errors import SnapshotCorruptError
 from ..fileio import fsync_dir, lock_directory, pwrite_all
 from ..private import PRIVATE
-from ..protocol import ProgressCallback
+from ..protocol.progress import ProgressCallback
 from . import pack
 from .api import ChunkRef, StoreError, corrupt, os_hint, report
 from .backend import layout

@@ -36,6 +36,7 @@ from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 from .. import private
 from ..errors import SnapshotCorruptError
 from ..private import Exposed
+from ..protocol.environment import ENV_KEY, ENV_PREVIOUS_KEYS
 from .api import StoreError
 from .backend import Backend, Handle, Kind, ObjectStat, layout
 from .hubclient import TOKEN_ENV, HubClient, HubKeySource
@@ -44,10 +45,6 @@ from .sealing import KEY_BYTES, Sealer, is_sealed_file
 
 logger = logging.getLogger(__name__)
 
-ENV_KEY = "JUPYTER_SNAPSHOT_KEY"
-"""The env source's KEK: 32 bytes, base64."""
-ENV_PREVIOUS_KEYS = "JUPYTER_SNAPSHOT_KEY_PREVIOUS"
-"""The env source's older KEKs (comma-separated, base64), still accepted to unwrap."""
 KEY_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 KEY_FORMAT = 1
 LOST_KEY = (

@@ -14,7 +14,7 @@ from typing import Any
 from ..humanize import human_bytes
 from . import pack
 from .backend import ObjectStat
-from .claims import Claims, Lease
+from .claims import Claims, CleanupLease
 from .index import Catalog, Index, Needs
 from .repack import Repack
 
@@ -192,7 +192,7 @@ class Cleaner:
             return self._execute(plan, found.objects, lease)
 
     def _execute(
-        self, plan: CleanupPlan, objects: dict[str, ObjectStat], lease: Lease
+        self, plan: CleanupPlan, objects: dict[str, ObjectStat], lease: CleanupLease
     ) -> PruneReport:
         lease.check()
         self.index.backend.remove_all(plan.delete)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 from .. import manifest as manifest_mod
 from ..chunking import ChunkParams, iter_chunks
 from ..manifest import Manifest
-from ..protocol import ProgressCallback
+from ..protocol.progress import ProgressCallback
 from . import pack
 from .api import ChunkRef, StoreError, corrupt, os_hint, report
 from .backend import Handle, Kind

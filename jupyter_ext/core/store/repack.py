@@ -13,7 +13,7 @@ from ..errors import SnapshotError
 from ..humanize import human_bytes
 from . import pack
 from .backend import Handle, Kind, layout
-from .claims import Claims, Lease
+from .claims import Claims, CleanupLease
 from .index import Index, Needs
 from .pack import Location
 
@@ -25,7 +25,7 @@ _Copied = list[tuple[str, int, bytes | memoryview, pack.Codec]]
 class Repack:
     """One repack, under the marker of the clean-up that planned it."""
 
-    def __init__(self, claims: Claims, index: Index, pack_bytes: int, lease: Lease) -> None:
+    def __init__(self, claims: Claims, index: Index, pack_bytes: int, lease: CleanupLease) -> None:
         self.claims = claims
         self.index = index
         self.backend = index.backend

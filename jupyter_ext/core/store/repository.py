@@ -17,7 +17,7 @@ from ..chunking import ChunkParams, auto_chunk_kib
 from ..errors import SnapshotCorruptError, SnapshotError, SnapshotNotFoundError
 from ..manifest import Manifest
 from ..private import Exposed
-from ..protocol import ProgressCallback
+from ..protocol.progress import ProgressCallback
 from . import pack, sealing
 from .api import Progress, Skip, StoredSnapshot, StoreError, StoreStats, corrupt, report
 from .backend import Backend, layout

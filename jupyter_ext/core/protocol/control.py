@@ -14,132 +14,24 @@ import asyncio
 import contextlib
 import json
 import os
-import struct
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Required, Self, TypedDict
+from typing import Any, Self, TypedDict
 
-from . import private
-from .errors import KernelNotRunningError, SnapshotError, WrapperUnavailableError
-
-# -- names the server, the wrappers and the kernels share ---------------------------------
-
-#: Environment variables. Set by the operator: where wrappers make their private
-#: directories, which CRIU (or where its private copy lives), which libcuda and
-#: cuda-checkpoint.
-ENV_RUNTIME_DIR = "JUPYTER_SNAPSHOT_RUNTIME_DIR"
-ENV_CRIU = "JUPYTER_SNAPSHOT_CRIU"
-ENV_CRIU_PREFIX = "JUPYTER_SNAPSHOT_CRIU_PREFIX"
-ENV_LIBCUDA = "JUPYTER_SNAPSHOT_LIBCUDA"
-ENV_CUDA_CHECKPOINT = "JUPYTER_SNAPSHOT_CUDA_CHECKPOINT"
-#: Set by the server for the wrappers it starts: "0" turns lazy restore off
-#: (SnapshotExtensionApp.lazy_restore); the path of a one-shot marker file that makes a
-#: new kernel's wrapper start without a kernel and wait for a ``restore`` operation (a
-#: restore into a new kernel), at most :data:`AWAIT_RESTORE_SECONDS`. The wrapper removes
-#: the marker, so a later restart of that kernel (same environment) starts fresh.
-ENV_LAZY_RESTORE = "JUPYTER_SNAPSHOT_LAZY_RESTORE"
-#: Set by the server (SnapshotExtensionApp.lazy_restore_min_bytes): a kernel restored
-#: from local images is restored lazily only from this much memory on.
-ENV_LAZY_RESTORE_MIN_BYTES = "JUPYTER_SNAPSHOT_LAZY_RESTORE_MIN_BYTES"
-#: Set by the server (SnapshotExtensionApp.kernel_pid_floor): without root, a wrapper moves
-#: its PID namespace's counter past this before it starts a kernel (core/isolation/pidspace.py).
-ENV_PID_FLOOR = "JUPYTER_SNAPSHOT_PID_FLOOR"
-ENV_AWAIT_RESTORE = "JUPYTER_SNAPSHOT_AWAIT_RESTORE"
-AWAIT_RESTORE_SECONDS = 120.0
-#: How long a new wrapper gets to come up (bind its channels, open its control socket).
-WRAPPER_START_SECONDS = 60.0
-#: Set by the wrapper for its inner kernel: the private directory of its channels.
-ENV_INNER_DIR = "JUPYTER_SNAPSHOT_INNER_DIR"
-#: Set (to "1") by a wrapper with root for its inner kernel: mount a /proc of the kernel's
-#: own PID namespace in its own mount namespace (core/isolation/mountns.py).
-ENV_OWN_PROC = "JUPYTER_SNAPSHOT_OWN_PROC"
-#: The inner kernel's channels, ``ch-N`` sockets in that directory (the wrapper binds,
-#: the kernel connects); the snapshot agent in the kernel is ``ch-7``.
-INNER_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5, "fork_pipe": 6}
-AGENT_PORT = 7
-#: A kernel other than ipykernel binds its channels as ``kernel-N`` sockets in that
-#: directory, which the bridge in its tree connects to (kernel_wrapper.inkernel.bridge);
-#: one that cannot says why in the file :data:`REFUSED_FILE` there.
-KERNEL_PORTS = {"shell": 1, "stdin": 2, "control": 3, "iopub": 4, "hb": 5}
-REFUSED_FILE = "kernel-refused"
-
-#: The channels on which the inner kernel numbers what it sends (kernel_wrapper.inkernel.gate).
-NUMBERED_CHANNELS = ("shell", "stdin", "control", "iopub")
-#: The first bytes of the frame the kernel puts before each message on those channels:
-#: then its epoch (4 bytes) and the message's number in that epoch (8 bytes), big-endian.
-NUMBER_PREFIX = b"\x00ksn"
-_NUMBER = struct.Struct(">4sIQ")
-
-
-def number_frame(epoch: int, number: int) -> bytes:
-    """The frame that numbers a message from the inner kernel."""
-    return _NUMBER.pack(NUMBER_PREFIX, epoch, number)
-
-
-def read_number(frame: bytes) -> tuple[int, int] | None:
-    """(epoch, number) of a numbering frame; None for any other frame (a message of a
-    kernel started before numbering, or of a forked child)."""
-    if len(frame) != _NUMBER.size or not frame.startswith(NUMBER_PREFIX):
-        return None
-    _, epoch, number = _NUMBER.unpack(frame)
-    return epoch, number
-
+from .. import private
+from ..errors import KernelNotRunningError, SnapshotError, WrapperUnavailableError
+from .environment import ENV_AWAIT_RESTORE
+from .progress import ProgressCallback
 
 INFO_PREFIX = "snapshot-wrapper-"
 JOURNAL_PREFIX = "snapshot-journal-"
-#: Where wrappers make their private directories ($JUPYTER_SNAPSHOT_RUNTIME_DIR overrides).
-DEFAULT_RUNTIME_ROOT = Path(
-    os.environ.get(ENV_RUNTIME_DIR)
-    or (
-        "/run/jupyter-kernel-snapshots"
-        if os.geteuid() == 0
-        else f"/tmp/jupyter-kernel-snapshots-{os.geteuid()}"
-    )
-)
-#: Every phase a job goes through, as the wrapper, the store and the manager report it and
-#: the REST API and the panel show it (labextension/src/tokens.ts spells the same list),
-#: in the order a job goes through them: a job's phase only moves forward in this list, and
-#: is "done" once, when the job has ended (jupyter_ext/manager/jobs.py). "uploading" puts
-#: a snapshot into an S3 store, "storing" into a local one.
-Phase = Literal[
-    "queued",
-    "releasing-gpu-caches",
-    "gpu-checkpoint",
-    "dumping",
-    "hashing",
-    "uploading",
-    "storing",
-    "committing",
-    "checking-cache",
-    "downloading",
-    "verifying",
-    "saving-kernel",
-    "restoring",
-    "transferring",
-    "serialising",
-    "loading",
-    "checking",
-    "reading-data",
-    "pruning",
-    "done",
-]
-
-
-class ProgressEvent(TypedDict, total=False):
-    """One progress report: the phase, and for phases that move bytes, how many."""
-
-    phase: Required[Phase]
-    done_bytes: int
-    total_bytes: int
-    bytes: int
-    """Bytes of the finished snapshot (with phase "done")."""
-    processes: int
-    """CUDA processes checkpointed (with phase "gpu-checkpoint")."""
-
-
-ProgressCallback = Callable[[ProgressEvent], None]
+#: How long a new wrapper waits for a ``restore`` once started with the marker of
+#: ENV_AWAIT_RESTORE (environment.py).
+AWAIT_RESTORE_SECONDS = 120.0
+#: How long a new wrapper gets to come up (bind its channels, open its control socket).
+WRAPPER_START_SECONDS = 60.0
 
 
 @contextlib.contextmanager
