@@ -6,7 +6,7 @@
 #   scripts/dev.sh test   set everything up, then run the whole test suite (what CI runs):
 #                         ruff, mypy, pytest, the UI tests (scripts/ui-tests.sh), the
 #                         non-root stage (scripts/nonroot-tests.sh) and the container stage
-#                         (scripts/container-tests.sh); PYTEST ARGS go to the first pytest
+#                         (scripts/container-tests.sh); PYTEST ARGS go to the first pytest stage
 #   scripts/dev.sh setup  set everything up only; then members of the group
 #                         jupyter-snapshots can run .venv/bin/jupyter as themselves
 #                         (non-root mode, docs/nonroot.md)
@@ -47,8 +47,14 @@ case "${1:-}" in
     log "preparing the UI and container stages beside the tests ($prepared)"
     (scripts/ui-tests.sh --prepare && scripts/container-tests.sh --prepare) >"$prepared" 2>&1 &
     preparing=$!
-    log "tests (set-up took ${SECONDS} s)"
-    "$VENV/bin/python" -m pytest "$@"
+    # pytest twice, the whole suite between them: the quick tests first, where a test that
+    # starts a process without the "system" marker fails (tests/conftest.py), then the rest.
+    # Exit status 5 (nothing selected: PYTEST ARGS named tests of one kind only) is fine.
+    pytest_part() { "$VENV/bin/python" -m pytest "$@" || [ $? = 5 ]; }
+    log "quick tests (set-up took ${SECONDS} s)"
+    pytest_part -m "not system" "$@"
+    log "system tests (${SECONDS} s since the start)"
+    pytest_part -m system "$@"
     log "UI and container stages prepared? (${SECONDS} s since the start)"
     wait "$preparing" || { cat "$prepared"; log "preparing the UI or container stage failed"; exit 1; }
     cat "$prepared"

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import _posixsubprocess
+import inspect
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,9 +20,110 @@ from jupyter_ext.testing import KernelProcess, MotoServer, free_port
 from .s3server import JUICEFS_KEY, CuttableProxy, JuicefsGateway
 from .servers import BUCKET, CREDENTIALS, HOST_ADDRESS, Network
 
+#: Fixtures that start real processes (CRIU, kernels, servers, S3, pods, namespaces,
+#: mounts), directly or through the fixtures they use: a test that uses one is ``system``.
+SYSTEM_FIXTURES = frozenset(
+    {
+        "criu",
+        "kernel_factory",
+        "moto",
+        "juicefs",
+        "proxy",
+        "network",
+        "s3_url",
+        "juicefs_url",
+        "start_kernel",
+        "live_server",
+        "hub",
+        "s3",
+        "juicefs_s3",
+        "server",
+        "servers",
+        "postgres",
+        "http_server",
+        "http4",
+        "host_server",
+        "make_pod",
+        "agent",
+        "pod_kernels",
+        "strict_agent",
+        "top",
+        "lab",
+        "s3_lab",
+        "tmpfs",
+        "small_disk",
+        "small_work_disk",
+        "memory_cgroup",
+        "gpu_kernel",
+        "plain_process",
+        "built",
+        "fake",
+        "real_driver",
+        "real_gpu_program",
+        "overlay_dir",
+        "printing",
+        "libcuda",
+        "running_extensions",
+        "alice",
+        "alice_snapshot",
+    }
+)
+#: What in a test's code (its own and that of the helpers of tests/ it calls) starts a
+#: process; the product's parts that do are named too.
+SYSTEM_CODE = re.compile(
+    r"\b(subprocess|Popen|KernelProcess|ServerProcess|MotoServer|create_subprocess_exec|"
+    r"multiprocessing|os\.fork|ProcessPoolExecutor|sys\.executable|Supervisor|OwnNetwork)\b"
+)
+#: A parameter that starts an S3 server for the test (a store or backend on moto, juicefs).
+SYSTEM_PARAMS = re.compile(r"(^|-)(s3|moto|juicefs)(-|$)")
+
+
+def _code_reached(function: Any, depth: int = 3) -> str:
+    """The source of ``function`` and of the functions and classes of tests/ it names,
+    to ``depth`` calls down."""
+    sources, seen, todo = [], set(), [(function, 0)]
+    while todo:
+        obj, level = todo.pop()
+        obj = inspect.unwrap(obj) if inspect.isfunction(obj) else obj
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        try:
+            source = inspect.getsource(obj)
+        except (OSError, TypeError):
+            continue
+        sources.append(source)
+        if level == depth:
+            continue
+        names = getattr(obj, "__globals__", None) or vars(inspect.getmodule(obj) or object)
+        for name in set(re.findall(r"\b[A-Za-z_]\w*\b", source)):
+            found = names.get(name)
+            if (inspect.isfunction(found) or inspect.isclass(found)) and str(
+                getattr(found, "__module__", "")
+            ).startswith("tests"):
+                todo.append((found, level + 1))
+    return "\n".join(sources)
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    if SYSTEM_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and SYSTEM_PARAMS.search(callspec.id):
+        return True
+    function = getattr(item, "function", None)
+    if function is None:
+        return True
+    return SYSTEM_CODE.search(_code_reached(function)) is not None
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """As an ordinary user, tests marked ``needs_root`` are skipped, saying why."""
+    """Tests that start real processes are marked ``system`` (``pytest -m "not system"``
+    is the quick loop); as an ordinary user, tests marked ``needs_root`` are skipped,
+    saying why."""
+    for item in items:
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.system)
     if os.geteuid() == 0:
         return
     for item in items:
@@ -27,6 +131,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if marker is not None:
             why = marker.args[0] if marker.args else "needs root"
             item.add_marker(pytest.mark.skip(reason=f"non-root run: {why} (docs/nonroot.md)"))
+
+
+@pytest.fixture(autouse=True)
+def _no_process_unless_system(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the quick loop (``-m "not system"``), a test not marked ``system`` that starts a
+    process fails, naming the fix: the marker stays true as tests change."""
+    markexpr = request.config.getoption("markexpr", "") or ""
+    if "not system" not in markexpr or request.node.get_closest_marker("system"):
+        return
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        pytest.fail(
+            "this test starts a process but is not marked 'system': add the fixture that "
+            "starts it to SYSTEM_FIXTURES, or what calls it to SYSTEM_CODE (tests/conftest.py)"
+        )
+
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse)  # multiprocessing's spawn
+    monkeypatch.setattr(subprocess, "_fork_exec", refuse)
+    monkeypatch.setattr(subprocess, "_USE_POSIX_SPAWN", False)
+    monkeypatch.setattr(os, "fork", refuse)
 
 
 @pytest.fixture(scope="session")
