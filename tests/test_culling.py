@@ -69,6 +69,13 @@ def cull_soon(jp_serverapp: Any, seconds: int = CULL_IDLE_TIMEOUT) -> None:
     jp_serverapp.kernel_manager.cull_idle_timeout = seconds
 
 
+async def cull_passes(jp_serverapp: Any, count: int = 3) -> None:
+    """The culler's pass, ``count`` times now: what it does every CULL_INTERVAL, driven
+    directly, so that "it looked and left the kernel" needs no sleep."""
+    for _ in range(count):
+        await jp_serverapp.kernel_manager.cull_kernels()
+
+
 async def no_job_on(jp_serverapp: Any, kernel_id: str) -> None:
     """Wait until no job runs on the kernel (a suspend's upload is over)."""
     manager = manager_of(jp_serverapp)
@@ -129,7 +136,7 @@ async def culled_away(jp_serverapp: Any, kernel_id: str) -> None:
     await until(gone, timeout=120)
 
 
-async def culled_into_suspend(jp_fetch: Fetch, kernel_id: str) -> dict[str, Any]:
+async def culled_into_suspend(jp_fetch: Fetch, jp_serverapp: Any, kernel_id: str) -> dict[str, Any]:
     """Wait until the culler suspended the kernel; then let it look again, more than once:
     the suspended kernel stays (it is not culled into loss)."""
 
@@ -137,7 +144,8 @@ async def culled_into_suspend(jp_fetch: Fetch, kernel_id: str) -> dict[str, Any]
         return await state(jp_fetch, kernel_id) == "suspended"
 
     await until(suspended, timeout=120)
-    await asyncio.sleep(3 * CULL_INTERVAL + 0.5)  # three more passes of the culler
+    await no_job_on(jp_serverapp, kernel_id)  # the suspend's snapshot is stored
+    await cull_passes(jp_serverapp)
     assert await state(jp_fetch, kernel_id) == "suspended"
     assert kernel_id in [k["id"] for k in await listed(jp_fetch, "kernels")]
     [snapshot] = (await call(jp_fetch, "GET", trigger="cull"))["snapshots"]
@@ -164,7 +172,7 @@ class TestTabOpen:
             assert (await ws_run(ws, STATE)).strip() == "set"
             cull_soon(jp_serverapp)
             inner = (await call(jp_fetch, "GET", "kernels", kernel_id))["inner_pid"]
-            await culled_into_suspend(jp_fetch, kernel_id)
+            await culled_into_suspend(jp_fetch, jp_serverapp, kernel_id)
             assert not Path(f"/proc/{inner}").exists()  # its memory is freed
             assert [s["id"] for s in await listed(jp_fetch, "sessions")] == [session["id"]]
             assert len(leftovers(tmp_path)) == 1  # the suspended kernel's dump
@@ -202,7 +210,7 @@ class TestTabOpen:
             await until(busy)
             cull_soon(jp_serverapp)
             events = events_of(jp_serverapp)
-            await asyncio.sleep(3 * CULL_INTERVAL + 0.5)  # the culler looks, three times
+            await cull_passes(jp_serverapp)  # the culler looks, three times
             await jp_fetch("api", "kernels", kernel_id, method="DELETE")
         finally:
             await ws_close(ws)
@@ -427,7 +435,7 @@ class TestTabClosed:
         # The tab is closed after the cell, its kernel left running.
         assert await run_in_new_tab(jp_ws_fetch, kernel_id, STATE) == "set"
         cull_soon(jp_serverapp)
-        await culled_into_suspend(jp_fetch, kernel_id)
+        await culled_into_suspend(jp_fetch, jp_serverapp, kernel_id)
         [kept] = await listed(jp_fetch, "sessions")
         assert kept["id"] == session["id"]
         assert kept["kernel"]["id"] == kernel_id
@@ -481,7 +489,7 @@ class TestTabClosed:
         kernel_id = (await open_notebook(jp_fetch, "killed.ipynb"))["kernel"]["id"]
         assert await run_in_new_tab(jp_ws_fetch, kernel_id, STATE) == "set"
         cull_soon(jp_serverapp)
-        await culled_into_suspend(jp_fetch, kernel_id)
+        await culled_into_suspend(jp_fetch, jp_serverapp, kernel_id)
         cull_soon(jp_serverapp, 3600)  # the kernel restarted below is not culled
         [dump] = leftovers(tmp_path)
         manager.uploads.recover_staged()  # what a server start does: the held dump stays
