@@ -215,11 +215,14 @@ class KernelProcess:
         wait_until(lambda: self.status()["state"] == "dead", what="inner kernel to die")
 
     def kill_all(self) -> None:
-        """kill -9 the wrapper and every process of the kernel, as a node failure would."""
+        """kill -9 the wrapper and every process of the kernel, as a node failure would: all
+        stopped first, so that none sees another die (a resource tracker that saw its kernel
+        go would unlink the kernel's /dev/shm segments: no node failure does that)."""
         pids = [self.process.pid, *proctree.descendants(self.process.pid)]
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
         self.process.wait(10)
         wait_until(lambda: not any(proctree.is_alive(p) for p in pids), what="kernel to die")
         self.close()
