@@ -87,6 +87,36 @@ def test_made_directories_and_files_are_owner_only_whatever_the_umask(tmp_path: 
     assert modes_under(tmp_path / "g") == {".": 0o2770, "h": 0o2770, "h/f": 0o660}
 
 
+def test_a_linked_copy_is_owner_only_while_it_is_made(tmp_path: Path) -> None:
+    """The copy a suspend hands the store (hard links of the wrapper's images): every
+    directory is 0700 from its mkdir on, which shutil.copytree only sets at its end (the
+    CI failure this replaced), and the files are the same inodes."""
+    source = tmp_path / "images"
+    private.make_dirs(source / "pages" / "deep")
+    private.write_file(source / "pages" / "deep" / "p.img", b"p")
+    private.write_file(source / "core.img", b"c")
+    os.symlink("core.img", source / "link")
+    made: list[int] = []
+    real_mkdir = Path.mkdir
+
+    def mkdir(self: Path, mode: int = 0o777, *args: Any, **kwargs: Any) -> None:
+        made.append(mode)
+        real_mkdir(self, mode, *args, **kwargs)
+
+    with umask(0), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "mkdir", mkdir)
+        private.link_tree(source, tmp_path / "staging" / "copy")
+    copy = tmp_path / "staging" / "copy"
+    assert made
+    assert set(made) == {0o700}
+    assert os.readlink(copy / "link") == "core.img"  # a link has no mode of its own
+    (copy / "link").unlink()
+    assert_owner_only(copy)
+    assert (copy / "pages" / "deep" / "p.img").stat().st_ino == (
+        source / "pages" / "deep" / "p.img"
+    ).stat().st_ino
+
+
 def test_a_local_store_is_owner_only_under_umask_000(tmp_path: Path) -> None:
     """Records, packs, claims and adopted images, and a download: under the loosest umask
     nothing the store writes lets another user in."""

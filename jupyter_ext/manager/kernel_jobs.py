@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
 from typing import Any
 
 from ..core import private
@@ -147,7 +145,7 @@ class KernelJobs:
         if wrapper_gone:
             await asyncio.to_thread(dest.rename, upload_dir)
         else:
-            await asyncio.to_thread(shutil.copytree, dest, upload_dir, copy_function=os.link)
+            await asyncio.to_thread(private.link_tree, dest, upload_dir)
         stored = await self.uploads.upload(job, manifest, upload_dir)
         return stored if stored is not None else await self.snapshots.get(manifest.id)
 
