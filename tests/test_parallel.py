@@ -11,11 +11,15 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from jupyter_ext.core import proctree
 from jupyter_ext.core.carried.shmfiles import SHM_DIR
 from jupyter_ext.core.criu import unprivileged
 from jupyter_ext.core.isolation import netns
@@ -479,6 +483,47 @@ def unclaimed_port() -> int:
             probe.bind(("127.0.0.1", port))
             return port
     raise RuntimeError(f"no free port below {low}")
+
+
+def test_a_process_whose_main_thread_ended_is_alive_while_another_thread_runs() -> None:
+    """The main thread of a process ended (``SYS_exit``, not ``exit_group``): it is a
+    zombie, yet another thread still holds the process's listening socket; the process is
+    alive until that thread ends (kill_all waited on the zombie alone, and a test binding
+    the kernel's port next found it in use)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = textwrap.dedent(f"""
+        import ctypes, socket, sys, threading, time
+        server = socket.socket()
+        server.bind(("127.0.0.1", {port})); server.listen()
+        def hold():
+            sys.stdin.readline()  # until the test closes our stdin
+            server.close()
+        threading.Thread(target=hold).start()
+        print("listening", flush=True)
+        ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: this thread alone
+    """)
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as process:
+        assert process.stdout is not None
+        assert process.stdin is not None
+        assert process.stdout.readline() == "listening\n"
+        wait_until(lambda: _state(process.pid) == "Z", what="the main thread to end")
+        assert proctree.is_alive(process.pid)
+        with socket.socket() as other, pytest.raises(OSError, match="Address already in use"):
+            other.bind(("127.0.0.1", port))
+        process.stdin.close()
+        wait_until(lambda: not proctree.is_alive(process.pid), what="the last thread to end")
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", port))  # free once is_alive says so
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def _time_waits_on(port: int, remote_port: int | None = None) -> int:

@@ -137,12 +137,20 @@ def all_pids() -> list[int]:
 
 
 def is_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
+    """True while a thread of ``pid`` runs: a main thread that ended before the others is
+    a zombie already, while the others still hold the process's files and sockets."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+        threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
-    return text.rsplit(")", 1)[1].split()[0] != "Z"
+    for thread in threads:
+        try:
+            text = Path(f"/proc/{pid}/task/{thread}/stat").read_text()
+        except OSError:
+            continue  # ended while looked at
+        if text.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+            return True
+    return False
 
 
 def needed_files(pids: list[int]) -> list[dict[str, object]]:
