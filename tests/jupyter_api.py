@@ -49,10 +49,10 @@ def manager_of(jp_serverapp: Any) -> SnapshotManager:
 
 def middle_chunk(manager: SnapshotManager, snapshot_id: str, prefix: str) -> tuple[str, Any]:
     """The middle chunk of a snapshot's largest stored file whose path starts with
-    ``prefix``: that path and where the chunk is stored. For ``images/pages-``, memory of
-    the kernel's largest array, which a restored kernel does not read until a cell uses
-    it. (Image names hold process ids, which differ without root: ``core-1.img`` in a PID
-    namespace.)"""
+    ``prefix``: that path and the chunk's reference (its hash, where it is stored). For
+    ``images/pages-``, memory of the kernel's largest array, which a restored kernel does
+    not read until a cell uses it. (Image names hold process ids, which differ without
+    root: ``core-1.img`` in a PID namespace.)"""
     record = manager.store.index.load(snapshot_id)
     assert record is not None
     # The memory of a snapshot copied while the kernel ran is in the levels of its chain
@@ -63,14 +63,15 @@ def middle_chunk(manager: SnapshotManager, snapshot_id: str, prefix: str) -> tup
         key=lambda p: sum(ref.size for ref in record.chunks[p]),
     )
     refs = record.chunks[path]
-    return path, refs[len(refs) // 2].where
+    return path, refs[len(refs) // 2]
 
 
 def damage_chunk(manager: SnapshotManager, snapshot_id: str, prefix: str) -> str:
     """Flip a byte of the :func:`middle_chunk` (local store); returns its file's path."""
     store = manager.store
     assert isinstance(store, LocalStore)
-    path, where = middle_chunk(manager, snapshot_id, prefix)
+    path, ref = middle_chunk(manager, snapshot_id, prefix)
+    where = ref.where
     pack = store.root / where.obj
     mode = pack.stat().st_mode
     pack.chmod(mode | 0o200)  # packs are read-only; root would not notice
