@@ -24,7 +24,7 @@ from jupyter_ext.core.errors import SnapshotBusyError, SnapshotError
 from jupyter_ext.core.protocol.control import SnapshotArgs, StatusArgs, WrapperClient
 from jupyter_ext.core.protocol.inner import INNER_PORTS
 from jupyter_ext.core.protocol.progress import ProgressCallback
-from jupyter_ext.testing import free_port
+from jupyter_ext.testing import free_port, wait_until
 from kernel_wrapper.channels import INNER_ROUTING_ID, InnerChannels, ServerChannels
 from kernel_wrapper.control import ControlServer
 from kernel_wrapper.relay import Relay
@@ -234,7 +234,8 @@ async def _relay(tmp_path: Path) -> None:
         # Stopped (a dump): requests wait; started, they reach the kernel, unsigned.
         relay.stop()
         request = client.send("execute_request", {"code": "1"})
-        await asyncio.sleep(0.3)
+        # It reached the wrapper's shell socket, which the stopped relay leaves unread.
+        assert await server["shell"].poll(20_000), "the request never reached the wrapper"
         assert not await kernel.shell.poll(100)
         assert "open=False" in relay.describe()
         assert "pumps=[]" in relay.describe()
@@ -258,7 +259,7 @@ async def _relay(tmp_path: Path) -> None:
         kernel.answer(frames, "execute_reply", {"status": "ok", "execution_count": 1})
         reply = await client.reply()
         assert reply["parent_header"]["msg_id"] == request["header"]["msg_id"]
-        await asyncio.sleep(0.1)
+        # The relay observes a message before it sends it on: no wait.
         assert relay.tracker.running_request() is None
         assert relay.tracker.execution_state == "idle"
         # A request signed with another key never reaches the kernel.
@@ -317,9 +318,7 @@ def test_a_wrapper_says_what_its_relay_holds_on_sigusr1(kernel_factory: Any) -> 
     kernel must go on working."""
     kernel = kernel_factory()
     kernel.process.send_signal(signal.SIGUSR1)
-    deadline = time.monotonic() + 30
-    while "relay: open=True" not in kernel.log() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: "relay: open=True" in kernel.log(), what="the relay's state in the log")
     line = next(x for x in kernel.log().splitlines() if "relay:" in x)
     assert line.startswith("[kernel_wrapper WARNING] state running, snapshot job none"), line
     assert "'shell-in'" in line
