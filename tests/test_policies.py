@@ -27,6 +27,7 @@ from jupyter_ext.testing import MotoServer, ServerProcess, run_keys, wait_until
 from .jupyter_api import (
     Fetch,
     call,
+    error_of,
     events_of,
     manager_of,
     server_config,
@@ -282,6 +283,37 @@ class TestUploadFailure:
             return [s["status"] for s in listed] == ["complete"]
 
         await until(complete, timeout=120)
+
+    async def test_a_snapshot_waiting_for_its_upload_can_be_deleted(
+        self,
+        jp_fetch: Fetch,
+        jp_serverapp: Any,
+        start_kernel: Any,
+        proxy: CuttableProxy,
+        tmp_path: Path,
+    ) -> None:
+        """Deleted while the store is unreachable: its local copy goes, it is listed no more,
+        and the store, reachable again, never gets it."""
+        kernel = await start_kernel()
+        proxy.cut()
+        job = await wait_job(
+            jp_fetch, (await call(jp_fetch, "POST", body={"kernel_id": kernel.id}))["job"], 300
+        )
+        snapshot_id = job["result"]["id"]
+        uploads = manager_of(jp_serverapp).uploads
+        waiting = uploads.waiting(snapshot_id)
+        assert waiting is not None
+        assert waiting.directory.is_relative_to(tmp_path / "work" / "staging")
+        assert waiting.directory.is_dir()
+        await jp_fetch("api", "snapshots", snapshot_id, method="DELETE")
+        assert not waiting.directory.exists()
+        assert (await call(jp_fetch, "GET"))["snapshots"] == []
+        proxy.restore()
+        await uploads.retry()  # the retry pass, driven directly
+        code, _error = await error_of(jp_fetch, "GET", snapshot_id)
+        assert code == 404
+        listed = await call(jp_fetch, "GET")
+        assert listed == {"snapshots": [], "store_error": ""}
 
     async def test_an_upload_that_succeeds_during_a_restore_waits_for_it(
         self,

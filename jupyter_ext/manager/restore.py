@@ -152,7 +152,7 @@ class Restores:
         upload is read where it is, held shared so that an upload succeeding meanwhile
         leaves it until then. ``without_pages`` leaves the kernel's memory in the store
         (a lazy restore reads it from there)."""
-        pending = self.uploads.pending.get(snapshot_id)
+        pending = self.uploads.waiting(snapshot_id)
         if pending is not None:
             held = await asyncio.to_thread(_hold_shared, pending.directory)
             if held >= 0:
@@ -182,7 +182,7 @@ class Restores:
     async def _cached(self, job: Job, snapshot_id: str) -> CacheLease | None:
         """The snapshot's entry in the image cache, held for the restore, or None. Its
         manifest is checked (its own checksum); its files by :meth:`_intact`."""
-        if snapshot_id in self.uploads.pending or not self.image_cache.enabled:
+        if self.uploads.waiting(snapshot_id) is not None or not self.image_cache.enabled:
             return None
         lease = await asyncio.to_thread(self.image_cache.lease, snapshot_id)
         if lease is not None:
@@ -245,7 +245,7 @@ class Restores:
                     and self.settings.lazy_from_store
                     and kernel_id is None
                     and target is not None
-                    and snapshot_id not in self.uploads.pending
+                    and self.uploads.waiting(snapshot_id) is None
                     and worth_lazy(manifest.gpu)
                     and await self.lending.lazy_pages_here()
                 )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 from typing import Any
 
 from ..core.imagecache import ImageCache
@@ -51,14 +50,15 @@ class StoredSnapshots:
         endpoint must never block the server's event loop.
         """
         store_error = ""
-        pending = self.uploads.pending
+        pending = self.uploads.all_waiting()
+        waiting = {p.manifest.id for p in pending}
         try:
             stored = await asyncio.to_thread(self.store.snapshots)
             # One stored but not wrapped up yet is listed once, as uploading (below).
-            entries = [describe(s, "complete") for s in stored if s.manifest.id not in pending]
+            entries = [describe(s, "complete") for s in stored if s.manifest.id not in waiting]
         except StoreError as exc:
             entries, store_error = [], str(exc)
-        entries.extend(_describe_pending(p) for p in pending.values())
+        entries.extend(_describe_pending(p) for p in pending)
         # A notebook's snapshots: those taken at any path it had (paths.py).
         for entry in entries:
             entry["notebook_path_now"] = self.paths.now(entry.get("notebook_path"))
@@ -91,7 +91,7 @@ class StoredSnapshots:
 
     async def get(self, snapshot_id: str) -> dict[str, Any]:
         check_snapshot_id(snapshot_id)
-        pending = self.uploads.pending.get(snapshot_id)
+        pending = self.uploads.waiting(snapshot_id)
         if pending is not None:
             found = _describe_pending(pending, full=True)
         else:
@@ -102,7 +102,7 @@ class StoredSnapshots:
 
     async def manifest(self, snapshot_id: str) -> Manifest:
         """The manifest of a snapshot, stored or waiting for its upload (404 if neither)."""
-        pending = self.uploads.pending.get(snapshot_id)
+        pending = self.uploads.waiting(snapshot_id)
         if pending is not None:
             return pending.manifest
         stored = await asyncio.to_thread(self.store.get, snapshot_id)
@@ -110,10 +110,7 @@ class StoredSnapshots:
 
     async def delete(self, snapshot_id: str) -> None:
         check_snapshot_id(snapshot_id)
-        pending = self.uploads.pending.pop(snapshot_id, None)
-        if pending is not None:
-            shutil.rmtree(pending.directory, ignore_errors=True)
-        else:
+        if not self.uploads.discard(snapshot_id):
             # A kernel restored lazily from it reads its pages yet: deleted once they are in.
             while self.lending.is_lent(snapshot_id):
                 await asyncio.sleep(0.1)

@@ -70,14 +70,31 @@ class Uploads:
         self.image_cache = image_cache
         self.jobs = jobs
         self.retain = retain
-        #: Snapshots sealed here and not stored yet, by id.
-        self.pending: dict[str, PendingUpload] = {}
+        #: Snapshots sealed here and not stored yet, by id: asked through the methods
+        #: below, changed only here.
+        self._pending: dict[str, PendingUpload] = {}
+
+    def waiting(self, snapshot_id: str) -> PendingUpload | None:
+        """The local copy of a snapshot not stored yet (its manifest and directory)."""
+        return self._pending.get(snapshot_id)
+
+    def all_waiting(self) -> list[PendingUpload]:
+        """Every snapshot sealed here and not stored yet."""
+        return list(self._pending.values())
+
+    def discard(self, snapshot_id: str) -> bool:
+        """Delete a snapshot that waits for its upload (its local copy); False if none."""
+        pending = self._pending.pop(snapshot_id, None)
+        if pending is None:
+            return False
+        shutil.rmtree(pending.directory, ignore_errors=True)
+        return True
 
     async def upload(
         self, job: Job | None, manifest: Manifest, directory: Path
     ) -> dict[str, Any] | None:
         """Put a sealed snapshot into the store; keep it locally (pending) if that fails."""
-        pending = self.pending.setdefault(manifest.id, PendingUpload(manifest, directory))
+        pending = self._pending.setdefault(manifest.id, PendingUpload(manifest, directory))
         if pending.in_flight:  # a retry while the previous attempt still runs
             return None
         pending.attempts += 1
@@ -117,17 +134,17 @@ class Uploads:
             except SnapshotError as exc:
                 log.warning("retention after snapshot %s failed: %s", manifest.id, exc)
         finally:
-            self.pending.pop(manifest.id, None)
+            self._pending.pop(manifest.id, None)
         return describe(stored, "complete")
 
     async def retry(self) -> None:
         """Try failed uploads again (called periodically by the extension)."""
-        for pending in list(self.pending.values()):
+        for pending in self.all_waiting():
             if pending.in_flight:
                 continue  # uploading, or stored and being wrapped up
             if not (pending.directory / MANIFEST_NAME).exists():
                 # Uploaded and removed by another server sharing this work directory.
-                del self.pending[pending.manifest.id]
+                del self._pending[pending.manifest.id]
             elif pending.error:  # stays "upload-failed" until an attempt succeeds
                 await self.upload(None, pending.manifest, pending.directory)
 
@@ -155,9 +172,9 @@ class Uploads:
                     log.warning("Removing %s, not a snapshot: %s", entry, exc)
                     remove_tree(entry)
                     continue
-                if manifest.id in self.pending:
+                if manifest.id in self._pending:
                     continue
-                self.pending[manifest.id] = PendingUpload(
+                self._pending[manifest.id] = PendingUpload(
                     manifest, entry, error="Not stored yet (found when the server started)."
                 )
                 recovered.append(manifest.id)
