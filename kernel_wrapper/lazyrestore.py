@@ -31,13 +31,33 @@ class LazyRestore:
         """Restore with CRIU's lazy pages where the machine supports it..."""
         self.min_bytes = min_bytes
         """...from local images, for kernels with at least this much memory."""
-        self.status: dict[str, Any] = {}
-        """The last lazy restore: state (transferring/complete/failed, or ended: the
-        kernel was shut down before every page was in), bytes, error."""
+        self._status: dict[str, Any] = {}
+        self._not_transferring = asyncio.Event()
+        self._not_transferring.set()
         self.transfer: LazyTransfer | None = None
         """The pages of the kernel on their way, until they are all in."""
         self._supported: bool | None = None
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def status(self) -> dict[str, Any]:
+        """The last lazy restore: state (transferring/complete/failed, or ended: the
+        kernel was shut down before every page was in), bytes, error."""
+        return self._status
+
+    @status.setter
+    def status(self, status: dict[str, Any]) -> None:
+        self._status = status
+        if status.get("state") == "transferring":
+            self._not_transferring.clear()
+        else:
+            self._not_transferring.set()
+
+    async def end(self) -> dict[str, Any]:
+        """The status once the kernel's memory is no longer transferring (the server's
+        ``lazy-restore-end`` request)."""
+        await self._not_transferring.wait()
+        return self.status
 
     def wanted(self, manifest: Manifest, criu: Criu, *, local: bool) -> bool:
         """Lazy restore unless turned off, unsupported here, the kernel had CUDA state

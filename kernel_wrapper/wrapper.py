@@ -45,6 +45,7 @@ from jupyter_ext.core.protocol.control import (
     AWAIT_RESTORE_SECONDS,
     KernelJournal,
     KernelStatus,
+    LazyRestoreEndArgs,
     StatusArgs,
     WrapperInfo,
     info_path,
@@ -194,6 +195,7 @@ class KernelWrapper:
                 "restore": self.snapshotter.restore,
                 "suspend": self.snapshotter.suspend,
                 "resume": self.snapshotter.resume,
+                "lazy-restore-end": self._lazy_restore_end,
             },
         )
         await control.start()
@@ -375,6 +377,11 @@ class KernelWrapper:
         task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------ control
+
+    async def _lazy_restore_end(
+        self, progress: ProgressCallback, args: LazyRestoreEndArgs
+    ) -> dict[str, Any]:
+        return await self.snapshotter.lazy.end()
 
     async def status(self, progress: ProgressCallback, args: StatusArgs) -> KernelStatus:
         """What the server shows and its policies decide on."""

@@ -27,6 +27,7 @@ from jupyter_ext.core.protocol.progress import ProgressCallback
 from jupyter_ext.testing import free_port, wait_until
 from kernel_wrapper.channels import INNER_ROUTING_ID, InnerChannels, ServerChannels
 from kernel_wrapper.control import ControlServer
+from kernel_wrapper.lazyrestore import LazyRestore
 from kernel_wrapper.relay import Relay
 from kernel_wrapper.standin import DEAD_TEXT, StandIn
 from kernel_wrapper.supervisor import Supervisor
@@ -324,3 +325,27 @@ def test_a_wrapper_says_what_its_relay_holds_on_sigusr1(kernel_factory: Any) -> 
     assert "'shell-in'" in line
     assert "server.iopub=" in line
     assert kernel.execute("print(6 * 7)") == "42\n"
+
+
+def test_the_end_of_a_lazy_restore_is_told_when_it_happens() -> None:
+    """The server's ``lazy-restore-end`` request waits on the status itself: answered the
+    moment it leaves "transferring" (complete, failed, or ended with the kernel), at once
+    when no transfer runs."""
+
+    async def scenario() -> None:
+        lazy = LazyRestore(enabled=True)
+        assert await lazy.end() == {}  # none ever ran
+        lazy.starting()
+        waiting = asyncio.ensure_future(lazy.end())
+        await asyncio.sleep(0)  # it runs up to its wait
+        assert not waiting.done()
+        lazy.status = {"state": "ended"}
+        assert await waiting == {"state": "ended"}
+        lazy.starting()
+        waiting = asyncio.ensure_future(lazy.end())
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        lazy.failed(SnapshotError("the store went away"))
+        assert (await waiting)["state"] == "failed"
+
+    asyncio.run(scenario())

@@ -99,26 +99,27 @@ class LazyLending:
         task.add_done_callback(self._watchers.discard)
 
     async def _transferred(self, kernel_id: str, timeout: float | None) -> dict[str, Any]:
-        """The kernel's ``lazy_restore`` status once it is no longer "transferring"; empty
-        when the kernel went away or ``timeout`` passed first."""
+        """The kernel's ``lazy_restore`` status once it is no longer "transferring", as its
+        wrapper tells when that happens; empty when the kernel went away or ``timeout``
+        passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while deadline is None or time.monotonic() < deadline:
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return {}
             try:
-                status = await self.kernels.wrapper(kernel_id).status()
+                wrapper = self.kernels.wrapper(kernel_id)
+                return await asyncio.wait_for(wrapper.lazy_restore_end(), left)
             except (WrapperUnavailableError, KernelNotFoundError):
-                break  # the kernel is gone (or going): give back at once
-            except (SnapshotError, TimeoutError) as exc:
+                return {}  # the kernel is gone (or going): give back at once
+            except TimeoutError:
+                return {}
+            except SnapshotError as exc:
                 if not await self.kernels.alive(kernel_id):
-                    break
-                # A slow or failed answer: a live kernel keeps what it reads from.
-                log.warning("status of lazily restored kernel %s: %r", kernel_id, exc)
-                await asyncio.sleep(0.2)
-                continue
-            lazy: dict[str, Any] = status.get("lazy_restore") or {}
-            if lazy.get("state") != "transferring":
-                return lazy
-            await asyncio.sleep(0.2)
-        return {}
+                    return {}
+                # A failed answer: a live kernel keeps what it reads from; asked again.
+                log.warning("lazy restore of kernel %s: %r", kernel_id, exc)
+                await asyncio.sleep(1)
 
     async def settled(self) -> None:
         """Wait until every lazily restored kernel has its memory, and what it was read

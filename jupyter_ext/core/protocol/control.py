@@ -210,6 +210,13 @@ class ResumeArgs(_Args):
     """Bring a suspended kernel back from its snapshot."""
 
 
+@dataclass(frozen=True)
+class LazyRestoreEndArgs(_Args):
+    """Answer once the kernel's lazy restore is no longer transferring (at once if it is
+    not): its ``lazy_restore`` status. What the server waits on to give back what the
+    kernel's pages were read from, pushed by the wrapper instead of polled."""
+
+
 class KernelStatus(TypedDict):
     """The ``status`` operation's reply (the server adds its own fields for the API)."""
 
@@ -318,6 +325,7 @@ OPERATIONS: dict[str, type[_Args] | type[RestoreRequest]] = {
     "suspend": SuspendArgs,
     "resume": ResumeArgs,
     "restore": RestoreRequest,
+    "lazy-restore-end": LazyRestoreEndArgs,
 }
 
 
@@ -380,6 +388,12 @@ class WrapperClient:
     ) -> Restored:
         restored: Restored = await self.request("restore", args.to_json(), on_progress)
         return restored
+
+    async def lazy_restore_end(self) -> dict[str, Any]:
+        """The kernel's ``lazy_restore`` status once it is not "transferring" any more
+        (the wrapper answers when that happens; an error if the wrapper goes away)."""
+        ended: dict[str, Any] = await self.request("lazy-restore-end")
+        return ended
 
     async def request(
         self,
