@@ -15,7 +15,7 @@ import pytest
 
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import CriuNotFoundError
-from jupyter_ext.testing import KernelProcess, MotoServer, free_port
+from testkit.processes import KernelProcess, MotoServer, free_port
 
 from .s3server import JUICEFS_KEY, CuttableProxy, JuicefsGateway
 from .servers import BUCKET, CREDENTIALS, HOST_ADDRESS, Network
@@ -79,8 +79,8 @@ SYSTEM_PARAMS = re.compile(r"(^|-)(s3|moto|juicefs)(-|$)")
 
 
 def _code_reached(function: Any, depth: int = 3) -> str:
-    """The source of ``function`` and of the functions and classes of tests/ it names,
-    to ``depth`` calls down."""
+    """The source of ``function`` and of the functions and classes of tests/ and testkit/
+    it names, to ``depth`` calls down."""
     sources, seen, todo = [], set(), [(function, 0)]
     while todo:
         obj, level = todo.pop()
@@ -100,7 +100,7 @@ def _code_reached(function: Any, depth: int = 3) -> str:
             found = names.get(name)
             if (inspect.isfunction(found) or inspect.isclass(found)) and str(
                 getattr(found, "__module__", "")
-            ).startswith("tests"):
+            ).startswith(("tests", "testkit")):
                 todo.append((found, level + 1))
     return "\n".join(sources)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_ext.core import proctree
-from jupyter_ext.testing import Endpoint, free_port
+from testkit.processes import Endpoint, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CHP = ROOT / "tests" / "chp" / "node_modules" / ".bin" / "configurable-http-proxy"

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from jupyter_ext.testing import MotoServer, ServerProcess
+from testkit.processes import MotoServer, ServerProcess
 
 BUCKET = "kernel-snapshots-ui-nodes"
 S3_ENV = {

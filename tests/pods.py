@@ -43,7 +43,7 @@ from typing import Any
 
 import yaml
 
-from jupyter_ext.testing import Endpoint
+from testkit.processes import Endpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_YAML = ROOT / "deploy" / "z2jh" / "config.yaml"
@@ -281,7 +281,7 @@ def _for_podman(
 
 
 def _free_port() -> int:
-    from jupyter_ext.testing import free_port
+    from testkit.processes import free_port
 
     return free_port()
 

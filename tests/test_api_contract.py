@@ -32,7 +32,7 @@ from jupyter_ext.core.protocol.progress import Phase
 from jupyter_ext.handlers import route_table
 from jupyter_ext.kernelspecs import KERNEL_NAME
 from jupyter_ext.manager.jobs import JobKind
-from jupyter_ext.testing import ServerProcess
+from testkit.processes import ServerProcess
 
 from .jupyter_api import Fetch, server_config
 from .servers import follow, ws_execute

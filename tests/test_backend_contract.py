@@ -24,7 +24,7 @@ from jupyter_ext.core.store.backend import Backend, Handle, Kind, layout
 from jupyter_ext.core.store.backend.local import LocalBackend
 from jupyter_ext.core.store.pack import Blob
 from jupyter_ext.settings import SnapshotSettings
-from jupyter_ext.testing import MotoServer
+from testkit.processes import MotoServer
 
 from .s3server import JuicefsGateway
 from .test_store import make_snapshot, random_pages, tree

@@ -27,7 +27,7 @@ import pytest
 
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.protocol.environment import ENV_KEY
-from jupyter_ext.testing import RUN_KEY
+from testkit.processes import RUN_KEY
 
 from .pods import AGENT_CSI_DRIVER, AgentPod, Pod, chart_values, pod_network, render_pod
 from .servers import follow, ws_execute
@@ -50,7 +50,7 @@ class Moto:
     """moto's S3 server on the host, reachable from the pods at their network's gateway."""
 
     def __init__(self, log: Path) -> None:
-        from jupyter_ext.testing import free_port
+        from testkit.processes import free_port
 
         self.port = free_port()
         self._log = log.open("wb")

@@ -23,7 +23,7 @@ from jupyter_server.auth.identity import IdentityProvider, User
 from tornado.httpclient import HTTPClientError
 
 from jupyter_ext.core.leftovers import DumpLock
-from jupyter_ext.testing import ServerProcess, execute_request, ws_close
+from testkit.processes import ServerProcess, execute_request, ws_close
 
 from .jupyter_api import Fetch, call, events_of, manager_of, server_config, until, wait_job
 from .servers import follow, ws_execute, ws_run

@@ -38,7 +38,7 @@ from jupyter_ext.core.store.sealing import NONCE_BYTES, NONCES_AT_ONCE, Sealer
 from jupyter_ext.core.store.userkey import derive_user_key
 from jupyter_ext.hubservice.app import key_answer, read_secrets
 from jupyter_ext.settings import SnapshotSettings
-from jupyter_ext.testing import MotoServer
+from testkit.processes import MotoServer
 
 from .jupyter_api import Fetch, call, manager_of, restore, server_config, snapshot
 from .test_store import (

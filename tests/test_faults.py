@@ -33,7 +33,7 @@ import pytest
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.errors import SnapshotError
-from jupyter_ext.testing import MotoServer
+from testkit.processes import MotoServer
 
 from .faults import (
     FAULT_ITERATIONS,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from jupyter_ext.core.gpu import GpuCheckpointError
-from jupyter_ext.testing import KernelProcess
+from testkit.processes import KernelProcess
 
 from .fakecuda.build import build_fakecuda
 

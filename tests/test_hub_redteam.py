@@ -21,7 +21,7 @@ from botocore.credentials import Credentials
 
 from jupyter_ext.core.store.probe import ServerChecks, Signer, probe_server
 from jupyter_ext.core.store.scope import SignRequest, sign
-from jupyter_ext.testing import MotoServer
+from testkit.processes import MotoServer
 
 from .s3server import JuicefsGateway, s3_client
 

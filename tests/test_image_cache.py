@@ -379,7 +379,7 @@ def test_a_file_changed_after_its_check_is_not_admitted(tmp_path: Path) -> None:
 
 
 def test_the_cache_survives_a_restart_and_broken_entries_are_removed(tmp_path: Path) -> None:
-    from jupyter_ext.testing import ServerProcess
+    from testkit.processes import ServerProcess
 
     from .servers import follow, ws_execute
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from jupyter_ext.core.errors import SnapshotNotFoundError
-from jupyter_ext.testing import Endpoint, MotoServer, free_port
+from testkit.processes import Endpoint, MotoServer, free_port
 
 from .hub import ROOT, Hub
 from .pods import chart_values

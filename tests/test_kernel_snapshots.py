@@ -47,7 +47,7 @@ from jupyter_ext.core.manifest import (
     utc_now,
     verify,
 )
-from jupyter_ext.testing import KernelProcess, wait_until
+from testkit.processes import KernelProcess, wait_until
 
 Factory = Callable[..., KernelProcess]
 

@@ -29,7 +29,7 @@ import pytest
 
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.store import LocalStore
-from jupyter_ext.testing import (
+from testkit.processes import (
     KernelProcess,
     ServerProcess,
     execute_request,
@@ -54,7 +54,7 @@ XPYTHON = ["python3.11", "-m", "xpython_launcher", "-f", "{connection_file}"]
 
 def install_wrapped(home: Path, name: str) -> str:
     """``jupyter snapshot install-kernelspec --wrap NAME --user`` for a server whose data
-    directory is ``home``/data (jupyter_ext.testing.ServerProcess): the new kernel's name."""
+    directory is ``home``/data (testkit.processes.ServerProcess): the new kernel's name."""
     subprocess.run(
         [sys.executable, "-m", "jupyter_ext.cli", "install-kernelspec", "--wrap", name, "--user"],
         env={**os.environ, "JUPYTER_DATA_DIR": str(home / "data")},

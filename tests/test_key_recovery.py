@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from jupyter_ext.core.store.keys import KEEP_PASSPHRASE, RECOVER
-from jupyter_ext.testing import MotoServer, ServerProcess
+from testkit.processes import MotoServer, ServerProcess
 
 from .servers import follow, ws_execute
 

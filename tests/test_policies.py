@@ -22,7 +22,7 @@ from jupyter_ext.autosnap import PolicyTick
 from jupyter_ext.core.policies.tick import PolicySettings
 from jupyter_ext.core.protocol.control import StatusArgs, WrapperClient
 from jupyter_ext.core.store import LocalStore
-from jupyter_ext.testing import MotoServer, ServerProcess, run_keys, wait_until
+from testkit.processes import MotoServer, ServerProcess, run_keys, wait_until
 
 from .jupyter_api import (
     Fetch,

@@ -20,7 +20,7 @@ from jupyter_client import BlockingKernelClient
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.manifest import Manifest
-from jupyter_ext.testing import (
+from testkit.processes import (
     Endpoint,
     KernelProcess,
     ServerProcess,

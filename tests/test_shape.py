@@ -102,7 +102,7 @@ def test_inkernel_imports_no_wrapper_module() -> None:
 
 
 def test_the_benchmarks_import_nothing_from_the_tests() -> None:
-    """bench/ shares the package's harness (jupyter_ext/testing.py, agentpods.py), never
+    """bench/ shares the package's harness (testkit/processes.py, agentpods.py), never
     tests/: the tests may change without breaking a benchmark."""
     bench = ROOT / "bench"
     reached = {

@@ -38,7 +38,7 @@ from jupyter_ext.core.store.backend import Handle, Kind, ObjectStat, local
 from jupyter_ext.core.store.index import Catalog
 from jupyter_ext.core.store.pack import Location
 from jupyter_ext.core.store.record import ChunkTable
-from jupyter_ext.testing import MotoServer, free_port
+from testkit.processes import MotoServer, free_port
 
 from .s3server import CuttableProxy
 from .tmpfs import small_disk as tmpfs_disk

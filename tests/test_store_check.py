@@ -26,7 +26,7 @@ from jupyter_ext.core.store import EnvKeySource, KeySource, StoredSnapshot
 from jupyter_ext.core.store.backend import layout
 from jupyter_ext.core.store.check import CheckReport
 from jupyter_ext.core.store.pack import PackBuilder
-from jupyter_ext.testing import MotoServer
+from testkit.processes import MotoServer
 
 from .jupyter_api import Fetch, call, error_of, manager_of, server_config, wait_job
 from .test_store import (

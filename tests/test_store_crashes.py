@@ -26,7 +26,7 @@ from jupyter_ext.core import manifest as manifest_mod
 from jupyter_ext.core.protocol.environment import ENV_KEY
 from jupyter_ext.core.store.backend import layout
 from jupyter_ext.core.store.sealing import FILE_MAGIC
-from jupyter_ext.testing import MotoServer
+from testkit.processes import MotoServer
 
 from .faults import FAULT_ITERATIONS, FAULT_SEED
 from .store_worker import PACK_BYTES, open_store
