@@ -521,7 +521,7 @@ class ServerProcess(Endpoint):
         self._log = self.log_path.open("ab")  # a server started again here adds to it
         # Not our stdin: the server's children inherit it, and a Node.js one (JupyterLab
         # runs `npm prefix`) makes it non-blocking, which a helper reading commands from
-        # the same stdin (tests/nodes_for_ui.py) took for its end, and stopped.
+        # the same stdin (tests/support/nodes_for_ui.py) took for its end, and stopped.
         self.process = subprocess.Popen(
             argv,
             env=self.env,

@@ -20,7 +20,7 @@ from jupyter_ext.core.death import Death, MemoryCgroup, Witness
 from jupyter_ext.core.protocol.control import journal_path
 from testkit.processes import KernelProcess, ServerProcess, wait_until
 
-from .jupyter_api import Fetch, call, manager_of, restore, server_config, snapshot, until
+from .support.jupyter_api import Fetch, call, manager_of, restore, server_config, snapshot, until
 
 pytestmark = pytest.mark.usefixtures("criu")
 

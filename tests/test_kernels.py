@@ -4,7 +4,7 @@ ZeroMQ stack), unchanged, made snapshot kernels by ``install-kernelspec --wrap``
 
 Like the ipykernel tests: each builds state in a kernel, snapshots it, kills its process
 tree as a node failure would, restores it on another node (a server in its own network
-and PID namespace that shares only S3 and the notebooks' directory: tests/servers.py) and
+and PID namespace that shares only S3 and the notebooks' directory: tests/support/servers.py) and
 lets the restored kernel use that state. An R kernel holds a data.frame, a file it reads,
 a fork cluster (``mclapply``, ``makeForkCluster``) and a PSOCK cluster of 2 workers (their
 TCP connections to the kernel kept: root only), and a cell printing when the snapshot is
@@ -40,8 +40,8 @@ from testkit.processes import (
     ws_connect,
 )
 
-from .jupyter_api import server_config
-from .servers import NODE_USER, Network, follow, node_server, ws_execute
+from .support.jupyter_api import server_config
+from .support.servers import NODE_USER, Network, follow, node_server, ws_execute
 
 Factory = Callable[..., KernelProcess]
 

@@ -24,7 +24,7 @@ import pytest
 from jupyter_ext.core.store.keys import KEEP_PASSPHRASE, RECOVER
 from testkit.processes import MotoServer, ServerProcess
 
-from .servers import follow, ws_execute
+from .support.servers import follow, ws_execute
 
 pytestmark = pytest.mark.usefixtures("criu")
 BUCKET = "kernel-snapshots-keys"

@@ -47,7 +47,7 @@ from jupyter_ext.core.protocol.environment import ENV_LAZY_RESTORE, ENV_LAZY_RES
 from jupyter_ext.core.store import LocalStore
 from testkit.processes import KernelProcess, wait_until
 
-from .tmpfs import small_disk
+from .support.tmpfs import small_disk
 
 Factory = Callable[..., KernelProcess]
 

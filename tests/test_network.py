@@ -380,8 +380,8 @@ def test_shutdown_snapshot_of_a_connected_kernel_restores(
     restored, the kernel reconnects."""
     from testkit.processes import ServerProcess, run_keys
 
-    from .jupyter_api import server_config
-    from .servers import ws_execute
+    from .support.jupyter_api import server_config
+    from .support.servers import ws_execute
 
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
@@ -541,7 +541,7 @@ def test_restore_on_another_node_reconnects(tmp_path: Path, snapshot_kernelspec:
     where its connection's address does not exist, and reconnects from there."""
     from testkit.processes import ServerProcess
 
-    from .servers import HOST_ADDRESS, Network, follow, ws_execute
+    from .support.servers import HOST_ADDRESS, Network, follow, ws_execute
 
     net = Network()
     server = HttpServer(HOST_ADDRESS)  # on the bridge: reachable from every node

@@ -36,8 +36,8 @@ from kernel_wrapper.channels import InnerChannels
 from kernel_wrapper.control import ControlServer
 from testkit.processes import MotoServer, ServerProcess
 
-from .servers import follow, ws_execute
-from .test_store import make_snapshot, random_pages
+from .support.servers import follow, ws_execute
+from .support.stores import make_snapshot, random_pages
 
 OWNER = "jks-tester"
 OTHER = "jks-other"

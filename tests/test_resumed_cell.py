@@ -30,8 +30,8 @@ from testkit.processes import (
     ws_connect,
 )
 
-from .jupyter_api import server_config
-from .servers import follow
+from .support.jupyter_api import server_config
+from .support.servers import follow
 
 Factory = Callable[..., KernelProcess]
 STEPS_OF_SERVER_LOOP = 60

@@ -26,8 +26,8 @@ from jupyter_ext.core.store import EnvKeySource, S3Store
 from jupyter_ext.core.store.backend import Kind, layout
 from testkit.processes import MotoServer
 
-from .s3server import JuicefsGateway
-from .test_store import SMALL_CHUNKS, make_snapshot, mutate, random_pages, tree
+from .support.s3server import JuicefsGateway
+from .support.stores import SMALL_CHUNKS, make_snapshot, mutate, random_pages, tree
 
 BUCKET = "shared-prefix"
 MakeStore = Callable[..., S3Store]

@@ -45,7 +45,7 @@ import yaml
 
 from testkit.processes import Endpoint
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG_YAML = ROOT / "deploy" / "z2jh" / "config.yaml"
 HOME = "/home/jovyan"
 #: The pods' network (a bridge of podman's); the host is its gateway.
