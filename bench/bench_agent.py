@@ -1,11 +1,11 @@
 """The kernel's freeze through the node agent (agent mode) beside CRIU run in the pod
 (in-pod mode), side by side in one run (issue 35).
 
-A stand-in pod (jupyter_ext/agentpods.py: a container's cgroup, its own UTS, PID and mount
+A stand-in pod (testkit/agentpods.py: a container's cgroup, its own UTS, PID and mount
 namespaces, user nobody) runs a process holding ``--mib`` MiB of random bytes. Interleaved,
 in alternating order, ``--repeat`` times, each after ``sync`` and dropping the page cache:
 a dump with ``--leave-running`` through the node agent on this machine (the pod's client,
-``python -m jupyter_ext.agentpods client``: the agent's CRIU in the pod's namespaces, the
+``python -m testkit.agentpods client``: the agent's CRIU in the pod's namespaces, the
 images then copied to the pod's directory) and the same dump as in-pod mode does it (this
 package's ``Criu`` in the pod, as its user, on the CRIU copy with file capabilities).
 Reported: CRIU's own frozen time (its log) and the whole dump call, medians and the
@@ -29,7 +29,7 @@ from typing import Any
 
 from harness import ROOT
 
-from jupyter_ext.agentpods import FakePod, RunningAgent, cgroup_root
+from testkit.agentpods import FakePod, RunningAgent, cgroup_root
 
 assert ROOT.is_dir()  # harness put the repository on sys.path
 

@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jupyter_ext.testing import KernelProcess
+from testkit.processes import KernelProcess
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

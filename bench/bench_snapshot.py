@@ -29,7 +29,7 @@ from harness import BareKernel, criu_dump, criu_restore
 
 from jupyter_ext.core.criu import Criu, frozen_seconds
 from jupyter_ext.core.humanize import human_bytes
-from jupyter_ext.testing import KernelProcess, wait_until
+from testkit.processes import KernelProcess, wait_until
 
 STATE = """
 import numpy as np, threading, time

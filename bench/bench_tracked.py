@@ -43,7 +43,7 @@ from harness import MIB, QUIET, BareKernel, MotoServer, Server, criu_dump, exten
 from jupyter_ext.core.criu import Criu, frozen_seconds
 from jupyter_ext.core.criu.log import copied_bytes
 from jupyter_ext.core.humanize import human_bytes
-from jupyter_ext.testing import wait_until
+from testkit.processes import wait_until
 
 STATE = """
 import numpy as np, threading, time

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jupyter_ext.core import proctree
 from jupyter_ext.core.gpu import gpu_inventory, process_gpu_memory
 from jupyter_ext.core.humanize import human_bytes, human_seconds
-from jupyter_ext.testing import KernelProcess
+from testkit.processes import KernelProcess
 
 SETUP = """
 import torch, time

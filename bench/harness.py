@@ -1,7 +1,7 @@
 """What the benchmarks share: real servers, cells, jobs, and bare CRIU for the baselines.
 
 - ``Server``: ``jupyter server`` as a separate process in its own Jupyter directories, the
-  one the tests start (``jupyter_ext.testing.ServerProcess``), with the REST calls a
+  one the tests start (``testkit.processes.ServerProcess``), with the REST calls a
   benchmark makes: notebook sessions and kernels, jobs followed with their phases
   (``run_job``), cells run through a kernel's websocket as JupyterLab runs them
   (``execute``: their output, and when it came), and a stop that ends the kernels first.
@@ -11,7 +11,7 @@
   CRIU script would run it: the ceilings ours is measured against.
 
 A snapshot kernel driven directly through its wrapper, without a server, is
-``jupyter_ext.testing.KernelProcess`` (bench_snapshot, bench_network, stress_channels).
+``testkit.processes.KernelProcess`` (bench_snapshot, bench_network, stress_channels).
 Errors a benchmark reports (a refused request, a failed job or cell) are ``BenchError``.
 """
 
@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from jupyter_ext.core.criu import Criu  # noqa: E402
-from jupyter_ext.testing import (  # noqa: E402
+from testkit.processes import (  # noqa: E402
     MotoServer,
     ServerProcess,
     execute_request,

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.errors import DumpError
-from jupyter_ext.testing import KernelProcess, describe_threads
+from testkit.processes import KernelProcess, describe_threads
 
 OPERATIONS = ("snapshot", "snapshot_busy", "failed_dump", "restore_beside", "restore_in_place")
 ANSWER_TIMEOUT = 30.0

@@ -121,7 +121,7 @@ if [ "${1:-}" = --prepare ]; then
 fi
 [ "${JKS_CONTAINER_PREPARED:-0}" = 1 ] || prepare
 
-# Pods and agents of the tests (tests/pods.py names them jks-ct-*): those an interrupted run
+# Pods and agents of the tests (tests/support/pods.py names them jks-ct-*): those an interrupted run
 # left, and at the end all of them, so that no container keeps its overlay mounted (kernels
 # started later copy the host's mounts into their own mount namespaces).
 remove_test_pods() {
@@ -136,7 +136,7 @@ on_exit() {
 }
 trap on_exit EXIT
 
-# KubeSpawner renders the pod (tests/pods.py) with a client configuration that points
+# KubeSpawner renders the pod (tests/support/pods.py) with a client configuration that points
 # nowhere: it never calls an API to render a manifest.
 cat >"$STATE/kubeconfig" <<EOF
 apiVersion: v1

@@ -17,7 +17,7 @@
 #   scripts/ui-tests.sh --prepare                     everything but the browser tests
 #
 # The tests run against a real `jupyter lab` (ui-tests/jupyter_server_test_config.py) and,
-# for tests/jupyterhub.spec.ts, a real JupyterHub (tests/hub_for_ui.py: a user logs in,
+# for tests/jupyterhub.spec.ts, a real JupyterHub (tests/support/hub_for_ui.py: a user logs in,
 # snapshots a kernel, the hub stops and restarts the server, the panel restores it).
 #
 # Environment: UI_TESTS_PORT (JupyterLab; default: 8888, or a free port if that one is

@@ -15,10 +15,10 @@ import pytest
 
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import CriuNotFoundError
-from jupyter_ext.testing import KernelProcess, MotoServer, free_port
+from testkit.processes import KernelProcess, MotoServer, free_port
 
-from .s3server import JUICEFS_KEY, CuttableProxy, JuicefsGateway
-from .servers import BUCKET, CREDENTIALS, HOST_ADDRESS, Network
+from .support.s3server import JUICEFS_KEY, CuttableProxy, JuicefsGateway
+from .support.servers import BUCKET, CREDENTIALS, HOST_ADDRESS, Network
 
 #: Fixtures that start real processes (CRIU, kernels, servers, S3, pods, namespaces,
 #: mounts), directly or through the fixtures they use: a test that uses one is ``system``.
@@ -79,8 +79,8 @@ SYSTEM_PARAMS = re.compile(r"(^|-)(s3|moto|juicefs)(-|$)")
 
 
 def _code_reached(function: Any, depth: int = 3) -> str:
-    """The source of ``function`` and of the functions and classes of tests/ it names,
-    to ``depth`` calls down."""
+    """The source of ``function`` and of the functions and classes of tests/ and testkit/
+    it names, to ``depth`` calls down."""
     sources, seen, todo = [], set(), [(function, 0)]
     while todo:
         obj, level = todo.pop()
@@ -100,7 +100,7 @@ def _code_reached(function: Any, depth: int = 3) -> str:
             found = names.get(name)
             if (inspect.isfunction(found) or inspect.isclass(found)) and str(
                 getattr(found, "__module__", "")
-            ).startswith("tests"):
+            ).startswith(("tests", "testkit")):
                 todo.append((found, level + 1))
     return "\n".join(sources)
 
@@ -187,7 +187,7 @@ def kernel_factory(tmp_path: Path, criu: Criu) -> Iterator[Callable[..., KernelP
         kernel.end()
 
 
-pytest_plugins = ["pytest_jupyter.jupyter_server", "tests.jupyter_api"]
+pytest_plugins = ["pytest_jupyter.jupyter_server", "tests.support.jupyter_api"]
 
 
 @pytest.fixture(scope="session")
@@ -225,7 +225,7 @@ def moto(tmp_path_factory: pytest.TempPathFactory, aws_test_env: None) -> Iterat
 def juicefs(
     tmp_path_factory: pytest.TempPathFactory, aws_test_env: None
 ) -> Iterator[JuicefsGateway]:
-    """The juicefs gateway on 127.0.0.1 (tests/s3server.py), its root user in boto3's
+    """The juicefs gateway on 127.0.0.1 (tests/support/s3server.py), its root user in boto3's
     chain: a second real S3 server, which checks signatures as MinIO does and ignores
     If-None-Match. Tests make their buckets with ``juicefs.ensure_bucket``."""
     server = JuicefsGateway(tmp_path_factory.mktemp("juicefs"))
@@ -245,7 +245,7 @@ def proxy(moto: MotoServer) -> Iterator[CuttableProxy]:
 
 @pytest.fixture(scope="module")
 def network() -> Iterator[Network]:
-    """A bridge to plug nodes into (tests/servers.py: Network, node_server)."""
+    """A bridge to plug nodes into (tests/support/servers.py: Network, node_server)."""
     net = Network()
     yield net
     net.close()

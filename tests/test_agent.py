@@ -2,7 +2,7 @@
 refuses every malformed request (and a fuzzer finds nothing else), it names its callers
 by the kernel, dumps and restores a caller's own process, and refuses other pods'
 processes and other users' or altered images. Its callers are stand-in pods
-(jupyter_ext/agentpods.py: a container's cgroup, UTS/PID/mount namespaces, user nobody); the
+(testkit/agentpods.py: a container's cgroup, UTS/PID/mount namespaces, user nobody); the
 same agent with real pods at Pod Security baseline in podman: tests/test_container.py.
 """
 
@@ -29,15 +29,6 @@ from typing import Any
 import pytest
 from kubespawner.slugs import safe_slug
 
-from jupyter_ext.agentpods import (
-    HERE,
-    NOBODY,
-    NODE_PATH,
-    ROOT,
-    FakePod,
-    RunningAgent,
-    cgroup_root,
-)
 from jupyter_ext.core import proctree
 from jupyter_ext.core.agent import peers
 from jupyter_ext.core.agent import protocol as agentproto
@@ -49,7 +40,16 @@ from jupyter_ext.core.memtrack import uffd
 from jupyter_ext.core.protocol.environment import ENV_AGENT_SOCKET
 from jupyter_ext.nodeagent import privileges
 from jupyter_ext.nodeagent.podcriu import RESTORE_CAPS, PodCriu, cgroup_procs_files
-from jupyter_ext.testing import KernelProcess
+from testkit.agentpods import (
+    HERE,
+    NOBODY,
+    NODE_PATH,
+    ROOT,
+    FakePod,
+    RunningAgent,
+    cgroup_root,
+)
+from testkit.processes import KernelProcess
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the node agent runs as root")
 
@@ -1195,7 +1195,7 @@ def test_agent_seals_for_the_whole_pod_name(
 FILTERED_ROOT = (
     "import ctypes, os, sys, time\n"
     f"sys.path.insert(0, {str(ROOT)!r})\n"
-    "from jupyter_ext.agentpods import PR_SET_NO_NEW_PRIVS, install_filter\n"
+    "from testkit.agentpods import PR_SET_NO_NEW_PRIVS, install_filter\n"
     "os.setsid()\n"
     "ctypes.CDLL(None).prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)\n"
     "if os.fork() == 0:\n"

@@ -32,10 +32,10 @@ from jupyter_ext.core.protocol.progress import Phase
 from jupyter_ext.handlers import route_table
 from jupyter_ext.kernelspecs import KERNEL_NAME
 from jupyter_ext.manager.jobs import JobKind
-from jupyter_ext.testing import ServerProcess
+from testkit.processes import ServerProcess
 
-from .jupyter_api import Fetch, server_config
-from .servers import follow, ws_execute
+from .support.jupyter_api import Fetch, server_config
+from .support.servers import follow, ws_execute
 
 OPENAPI = Path(__file__).parents[1] / "jupyter_ext" / "openapi.yaml"
 SCHEMA = schemathesis.openapi.from_path(str(OPENAPI))

@@ -24,10 +24,10 @@ from jupyter_ext.core.store.backend import Backend, Handle, Kind, layout
 from jupyter_ext.core.store.backend.local import LocalBackend
 from jupyter_ext.core.store.pack import Blob
 from jupyter_ext.settings import SnapshotSettings
-from jupyter_ext.testing import MotoServer
+from testkit.processes import MotoServer
 
-from .s3server import JuicefsGateway
-from .test_store import make_snapshot, random_pages, tree
+from .support.s3server import JuicefsGateway
+from .support.stores import make_snapshot, random_pages, tree
 
 BACKENDS = ["local", "s3", "s3-juicefs", "memory"]
 BUCKET = "contract"

@@ -31,7 +31,7 @@ from jupyter_ext.core.isolation.confinement import (
     yama_relational_permits,
 )
 from jupyter_ext.core.protocol.environment import ENV_CRIU
-from jupyter_ext.testing import KernelProcess, wait_until
+from testkit.processes import KernelProcess, wait_until
 
 Factory = Callable[..., KernelProcess]
 

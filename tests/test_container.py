@@ -3,7 +3,7 @@ runtime: the image of ``deploy/Dockerfile``, the pod rendered by KubeSpawner and
 ``podman kube play`` as uid 1000 with Kubernetes' capability sets, snapshots in an S3
 server (moto) on the host. Run by ``scripts/container-tests.sh`` (the CI stage that builds
 the image); skipped elsewhere, saying so. How podman stands in for Kubernetes:
-``tests/pods.py``.
+``tests/support/pods.py``.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import pytest
 
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.protocol.environment import ENV_KEY
-from jupyter_ext.testing import RUN_KEY
+from testkit.processes import RUN_KEY
 
-from .pods import AGENT_CSI_DRIVER, AgentPod, Pod, chart_values, pod_network, render_pod
-from .servers import follow, ws_execute
+from .support.pods import AGENT_CSI_DRIVER, AgentPod, Pod, chart_values, pod_network, render_pod
+from .support.servers import follow, ws_execute
 
 IMAGE = os.environ.get("JKS_CONTAINER_IMAGE", "")
 pytestmark = [
@@ -50,7 +50,7 @@ class Moto:
     """moto's S3 server on the host, reachable from the pods at their network's gateway."""
 
     def __init__(self, log: Path) -> None:
-        from jupyter_ext.testing import free_port
+        from testkit.processes import free_port
 
         self.port = free_port()
         self._log = log.open("wb")

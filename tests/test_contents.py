@@ -17,7 +17,7 @@ from jupyter_ext.core.contents import CellLog, compare_contents, short_contents
 from jupyter_ext.core.manifest import Manifest
 from kernel_wrapper.inkernel.contents import summarize_namespace
 
-from .jupyter_api import Fetch, call, manager_of, server_config, snapshot, until
+from .support.jupyter_api import Fetch, call, manager_of, server_config, snapshot, until
 
 # ---------------------------------------------------------------- user code is never run
 

@@ -23,10 +23,10 @@ from jupyter_server.auth.identity import IdentityProvider, User
 from tornado.httpclient import HTTPClientError
 
 from jupyter_ext.core.leftovers import DumpLock
-from jupyter_ext.testing import ServerProcess, execute_request, ws_close
+from testkit.processes import ServerProcess, execute_request, ws_close
 
-from .jupyter_api import Fetch, call, events_of, manager_of, server_config, until, wait_job
-from .servers import follow, ws_execute, ws_run
+from .support.jupyter_api import Fetch, call, events_of, manager_of, server_config, until, wait_job
+from .support.servers import follow, ws_execute, ws_run
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec", "running_extensions")
 

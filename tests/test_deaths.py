@@ -18,9 +18,9 @@ import pytest
 
 from jupyter_ext.core.death import Death, MemoryCgroup, Witness
 from jupyter_ext.core.protocol.control import journal_path
-from jupyter_ext.testing import KernelProcess, ServerProcess, wait_until
+from testkit.processes import KernelProcess, ServerProcess, wait_until
 
-from .jupyter_api import Fetch, call, manager_of, restore, server_config, snapshot, until
+from .support.jupyter_api import Fetch, call, manager_of, restore, server_config, snapshot, until
 
 pytestmark = pytest.mark.usefixtures("criu")
 

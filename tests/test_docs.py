@@ -122,7 +122,7 @@ def test_z2jh_pods_meet_pod_security_baseline_in_agent_mode() -> None:
     """deploy/z2jh/config.yaml (agent mode): the user pods break no rule of Pod Security
     "baseline" (no capability added, no privilege escalation, RuntimeDefault seccomp, no
     hostPath or host namespaces), and reach the node agent through its CSI volume."""
-    from .pods import AGENT_CSI_DRIVER, chart_values
+    from .support.pods import AGENT_CSI_DRIVER, chart_values
 
     values = chart_values()
     single = values["singleuser"]
@@ -146,7 +146,7 @@ def test_z2jh_pods_run_as_a_user_with_only_the_capabilities_of_the_criu_copy() -
     pods', or the reverse, fails."""
     from jupyter_ext.core.criu import UNPRIVILEGED_CAPS
 
-    from .pods import chart_values
+    from .support.pods import chart_values
 
     values = chart_values("inpod.yaml")
     assert "JUPYTER_SNAPSHOT_AGENT_SOCKET" not in values["singleuser"]["extraEnv"]

@@ -30,7 +30,15 @@ from jupyter_ext import cli, storecli
 from jupyter_ext.app import SnapshotExtensionApp
 from jupyter_ext.core.errors import SnapshotCorruptError, SnapshotNotFoundError
 from jupyter_ext.core.protocol.environment import ENV_KEY, ENV_PREVIOUS_KEYS
-from jupyter_ext.core.store import EnvKeySource, FileKeySource, KeySource, StoreError, StoreSpec
+from jupyter_ext.core.store import (
+    EnvKeySource,
+    FileKeySource,
+    KeySource,
+    LocalStore,
+    S3Store,
+    StoreError,
+    StoreSpec,
+)
 from jupyter_ext.core.store.backend import Handle, Kind
 from jupyter_ext.core.store.hubclient import keys_of
 from jupyter_ext.core.store.keys import parse_key
@@ -38,14 +46,12 @@ from jupyter_ext.core.store.sealing import NONCE_BYTES, NONCES_AT_ONCE, Sealer
 from jupyter_ext.core.store.userkey import derive_user_key
 from jupyter_ext.hubservice.app import key_answer, read_secrets
 from jupyter_ext.settings import SnapshotSettings
-from jupyter_ext.testing import MotoServer
+from testkit.processes import MotoServer
 
-from .jupyter_api import Fetch, call, manager_of, restore, server_config, snapshot
-from .test_store import (
+from .support.jupyter_api import Fetch, call, manager_of, restore, server_config, snapshot
+from .support.stores import (
     BUCKET,
     SMALL_CHUNKS,
-    LocalStore,
-    S3Store,
     Store,
     damage,
     make_snapshot,

@@ -18,8 +18,8 @@ import pytest
 
 from jupyter_ext.core.leftovers import lock_path, remove_orphaned_dumps, remove_unlocked
 
-from .jupyter_api import Fetch, call, server_config, wait_job
-from .tmpfs import small_disk
+from .support.jupyter_api import Fetch, call, server_config, wait_job
+from .support.tmpfs import small_disk
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
 

@@ -33,9 +33,9 @@ import pytest
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.errors import SnapshotError
-from jupyter_ext.testing import MotoServer
+from testkit.processes import MotoServer
 
-from .faults import (
+from .support.faults import (
     FAULT_ITERATIONS,
     FAULT_SEED,
     TALLY,
@@ -62,7 +62,7 @@ from .faults import (
     wait_job,
     wait_quiet,
 )
-from .tmpfs import Tmpfs
+from .support.tmpfs import Tmpfs
 
 pytestmark = [
     pytest.mark.faults,
@@ -549,7 +549,7 @@ def test_restore_delete_race(lab: Lab) -> None:
 
 def ws_execute_state(server: Any, kernel_id: str, state: ZdtmState) -> None:
     """Give a running kernel a new state (the old one is then only in snapshots)."""
-    from .servers import ws_execute
+    from .support.servers import ws_execute
 
     ws_execute(server, kernel_id, state.setup_code())
 

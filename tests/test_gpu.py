@@ -1,8 +1,8 @@
 """The GPU checkpoint layer (jupyter_ext.core.gpu).
 
-Most tests run anywhere: a stand-in libcuda (tests/fakecuda/fakecuda.c, built with gcc)
+Most tests run anywhere: a stand-in libcuda (tests/support/fakecuda/fakecuda.c, built with gcc)
 implements the driver's checkpoint state machine, and a small GPU program
-(tests/fakecuda/gpuprog.c) uses it like a real CUDA program uses libcuda. Tests marked
+(tests/support/fakecuda/gpuprog.c) uses it like a real CUDA program uses libcuda. Tests marked
 ``gpu`` use NVIDIA's real driver and a real GPU, and skip (saying why) where there is none.
 """
 
@@ -18,7 +18,6 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -44,15 +43,13 @@ from jupyter_ext.core.gpu import (
     uuid_bytes,
 )
 
-from .fakecuda.build import (
+from .support.fakecuda.build import (
     GpuProgram,
     build_fakecuda,
     build_gpuprog,
     write_fake_tool,
 )
-
-GIB = 2**30
-
+from .support.fakecuda.nvml import GIB, FakeNvml
 
 # ------------------------------------------------------------------------ fixtures
 
@@ -571,74 +568,6 @@ def test_find_cuda_processes_cross_checks_nvml(fake: FakeCuda, plain_process: An
 
 
 # --------------------------------------------------------------- NVML inventory
-
-
-class FakeNvmlError(Exception):
-    pass
-
-
-class FakeNvml:
-    """Just enough of pynvml for the inventory code."""
-
-    def __init__(
-        self,
-        gpus: list[tuple[str, str, int, int]] | None = None,
-        processes: dict[int, list[tuple[int, int | None]]] | None = None,
-        *,
-        init_error: str = "",
-        driver: str = "580.95.05",
-        cuda: int = 13000,
-    ) -> None:
-        self.gpus = gpus or [("NVIDIA H200", "GPU-aaaaaaaa-0000-0000-0000-000000000000", 140, 2)]
-        self.processes = processes or {}
-        self.init_error = init_error
-        self.driver = driver
-        self.cuda = cuda
-        self.shutdowns = 0
-
-    def nvmlInit(self) -> None:
-        if self.init_error:
-            raise FakeNvmlError(self.init_error)
-
-    def nvmlShutdown(self) -> None:
-        self.shutdowns += 1
-
-    def nvmlSystemGetDriverVersion(self) -> str:
-        return self.driver
-
-    def nvmlSystemGetCudaDriverVersion(self) -> int:
-        return self.cuda
-
-    def nvmlDeviceGetCount(self) -> int:
-        return len(self.gpus)
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
-        return index
-
-    def nvmlDeviceGetName(self, handle: int) -> bytes:
-        return self.gpus[handle][0].encode()
-
-    def nvmlDeviceGetUUID(self, handle: int) -> str:
-        return self.gpus[handle][1]
-
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:
-        total, used = self.gpus[handle][2] * GIB, self.gpus[handle][3] * GIB
-        return SimpleNamespace(total=total, used=used, free=total - used)
-
-    def nvmlDeviceGetPersistenceMode(self, handle: int) -> int:
-        return 1
-
-    def nvmlDeviceGetMigMode(self, handle: int) -> list[int]:
-        raise FakeNvmlError("Not Supported")
-
-    def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> tuple[int, int]:
-        return (9, 0)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[SimpleNamespace]:
-        return [
-            SimpleNamespace(pid=pid, usedGpuMemory=used)
-            for pid, used in self.processes.get(handle, [])
-        ]
 
 
 def test_gpu_inventory_with_nvml() -> None:

@@ -1,6 +1,6 @@
 """The kernel wrapper's GPU path, end to end, with the stand-in libcuda.
 
-The kernel loads the stand-in (tests/fakecuda) as a CUDA program would load libcuda, and
+The kernel loads the stand-in (tests/support/fakecuda) as a CUDA program would load libcuda, and
 the wrapper drives the CUDA checkpoint API through it around real CRIU dumps and restores.
 This proves the orchestration (order, rollback, PID mapping after restore), not GPUs: the
 real driver is exercised by the tests marked ``gpu`` and by bench/gpu on a GPU machine.
@@ -14,32 +14,12 @@ from pathlib import Path
 import pytest
 
 from jupyter_ext.core.gpu import GpuCheckpointError
-from jupyter_ext.testing import KernelProcess
+from testkit.processes import KernelProcess
 
-from .fakecuda.build import build_fakecuda
+from .support.fakecuda.build import build_fakecuda
+from .support.fakecuda.programs import CACHED_BLOCK, USE_GPU
 
 Factory = Callable[..., KernelProcess]
-
-USE_GPU = r"""
-import ctypes
-cuda = ctypes.CDLL({lib!r})
-assert cuda.cuInit(0) == 0
-device = ctypes.c_int(); context = ctypes.c_void_p()
-assert cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
-assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0
-assert cuda.cuCtxSetCurrent(context) == 0
-size = 1 << 20
-dptr = ctypes.c_uint64()
-assert cuda.cuMemAlloc_v2(ctypes.byref(dptr), ctypes.c_size_t(size)) == 0
-pattern = (ctypes.c_ubyte * size)(*[(i * 7) % 251 for i in range(size)])
-assert cuda.cuMemcpyHtoD_v2(dptr, pattern, ctypes.c_size_t(size)) == 0
-
-def device_ok():
-    back = (ctypes.c_ubyte * size)()
-    rc = cuda.cuMemcpyDtoH_v2(back, dptr, ctypes.c_size_t(size))
-    return rc == 0 and bytes(back) == bytes(pattern)
-print(device_ok())
-"""
 
 
 @pytest.fixture(scope="module")
@@ -145,30 +125,6 @@ def test_suspend_ends_the_process_and_next_cell_resumes(
     assert kernel.status()["state"] == "running"
     assert calls(state)[-2:] == ["restore", "unlock"]
     assert not (tmp_path / "suspended").exists()
-
-
-# A framework's cache, as the kernel's snapshot agent sees it: a releaser (registered the
-# way kernel_wrapper.inkernel.agent registers PyTorch's and CuPy's) frees a cached device block.
-CACHED_BLOCK = r"""
-import kernel_wrapper.inkernel.agent as agent
-cached = ctypes.c_uint64()
-assert cuda.cuMemAlloc_v2(ctypes.byref(cached), ctypes.c_size_t(3 << 20)) == 0
-seen_at_release = []
-
-def release_test_cache():
-    seen_at_release.extend(open({calls!r}).read().split())
-    if not cached.value:
-        return None
-    assert cuda.cuMemFree_v2(cached) == 0
-    cached.value = 0
-    return 3 << 20
-
-def broken_cache():
-    raise RuntimeError("this framework cannot release now")
-
-agent.RELEASERS["test-cache"] = release_test_cache
-agent.RELEASERS["broken"] = broken_cache
-"""
 
 
 def test_gpu_caches_are_released_before_the_checkpoint(gpu_kernel, tmp_path: Path, libcuda) -> None:

@@ -4,7 +4,7 @@ table in docs/jupyterhub.md ("What is protected from whom") is this test's expec
 the service's own probe (core/store/probe.py) measures each row, and the attack the
 service no longer signs (a DeleteObjects body swapped) is sent here with the store
 admin's key, to show why. The same attacks from a hub user's kernel, through the real
-service: tests/hub_attack.py (red_team), run by tests/test_jupyterhub.py on both."""
+service: tests/support/hub_attack.py (red_team), run by tests/test_jupyterhub.py on both."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from botocore.credentials import Credentials
 
 from jupyter_ext.core.store.probe import ServerChecks, Signer, probe_server
 from jupyter_ext.core.store.scope import SignRequest, sign
-from jupyter_ext.testing import MotoServer
+from testkit.processes import MotoServer
 
-from .s3server import JuicefsGateway, s3_client
+from .support.s3server import JuicefsGateway, s3_client
 
 BUCKET = "red-team"
 

@@ -31,7 +31,7 @@ from jupyter_ext.core.store.scope import (
     user_prefix,
 )
 from jupyter_ext.core.store.userkey import derive_user_key, parse_secret
-from jupyter_ext.testing import MotoServer
+from testkit.processes import MotoServer
 
 ENDPOINT = "http://127.0.0.1:9000"
 SCOPE = UserScope("snaps", "kernel-snapshots", "alice", ENDPOINT)

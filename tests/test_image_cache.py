@@ -17,7 +17,7 @@ from jupyter_ext.core.imagecache import RECORD_NAME, ImageCache, stamp_tree
 from jupyter_ext.core.manifest import MANIFEST_NAME, Manifest, seal
 from jupyter_ext.manager import SnapshotManager
 
-from .jupyter_api import Fetch, call, manager_of, server_config, snapshot, wait_job
+from .support.jupyter_api import Fetch, call, manager_of, server_config, snapshot, wait_job
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
 
@@ -379,9 +379,9 @@ def test_a_file_changed_after_its_check_is_not_admitted(tmp_path: Path) -> None:
 
 
 def test_the_cache_survives_a_restart_and_broken_entries_are_removed(tmp_path: Path) -> None:
-    from jupyter_ext.testing import ServerProcess
+    from testkit.processes import ServerProcess
 
-    from .servers import follow, ws_execute
+    from .support.servers import follow, ws_execute
 
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()

@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 
 from jupyter_ext.core.errors import SnapshotNotFoundError
-from jupyter_ext.testing import Endpoint, MotoServer, free_port
+from testkit.processes import Endpoint, MotoServer, free_port
 
-from .hub import ROOT, Hub
-from .pods import chart_values
-from .s3server import JuicefsGateway, s3_client
-from .servers import follow, ws_execute
+from .support.hub import ROOT, Hub
+from .support.pods import chart_values
+from .support.s3server import JuicefsGateway, s3_client
+from .support.servers import follow, ws_execute
 
 pytestmark = pytest.mark.usefixtures("criu")
 PREFIX = "kernel-snapshots"
@@ -348,9 +348,9 @@ NO_CACHE = {"image_cache_max_bytes": 0}
 
 
 def attack_from_alice(hub: Hub, alice: Endpoint, bucket: str, bob_keys: list[str]) -> Any:
-    """Run tests/hub_attack.py in a kernel of alice's; what each attempt got."""
+    """Run tests/support/hub_attack.py in a kernel of alice's; what each attempt got."""
     kernel = alice.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
-    code = (ROOT / "tests" / "hub_attack.py").read_text()
+    code = (ROOT / "tests" / "support" / "hub_attack.py").read_text()
     code += f"\nprint(json.dumps(attack({bucket!r}, {bob_keys!r})))\n"
     try:
         out = ws_execute(alice, kernel, code)
@@ -582,7 +582,7 @@ def test_a_user_migrates_their_unencrypted_snapshots_through_the_hub(
     from jupyter_ext.core.store.scope import user_prefix
     from jupyter_ext.core.store.userkey import derive_user_key
 
-    from .test_store import SMALL_CHUNKS, make_snapshot, random_pages
+    from .support.stores import SMALL_CHUNKS, make_snapshot, random_pages
 
     bucket, user, secret = "migrated", "carol@example.org", os.urandom(32).hex()
     prefix = f"{PREFIX}/{user_prefix(user)}"

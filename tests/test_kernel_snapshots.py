@@ -47,7 +47,7 @@ from jupyter_ext.core.manifest import (
     utc_now,
     verify,
 )
-from jupyter_ext.testing import KernelProcess, wait_until
+from testkit.processes import KernelProcess, wait_until
 
 Factory = Callable[..., KernelProcess]
 
@@ -385,7 +385,7 @@ def test_restore_checks_the_gpu_the_snapshot_needs(kernel_factory: Factory, tmp_
     lacks is refused, naming it, and the running kernel is left alone."""
     from jupyter_ext.core.gpu import gpu_inventory
 
-    from .test_gpu import FakeNvml
+    from .support.fakecuda.nvml import FakeNvml
 
     kernel = kernel_factory()
     kernel.execute("x = 1")

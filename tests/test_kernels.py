@@ -4,7 +4,7 @@ ZeroMQ stack), unchanged, made snapshot kernels by ``install-kernelspec --wrap``
 
 Like the ipykernel tests: each builds state in a kernel, snapshots it, kills its process
 tree as a node failure would, restores it on another node (a server in its own network
-and PID namespace that shares only S3 and the notebooks' directory: tests/servers.py) and
+and PID namespace that shares only S3 and the notebooks' directory: tests/support/servers.py) and
 lets the restored kernel use that state. An R kernel holds a data.frame, a file it reads,
 a fork cluster (``mclapply``, ``makeForkCluster``) and a PSOCK cluster of 2 workers (their
 TCP connections to the kernel kept: root only), and a cell printing when the snapshot is
@@ -29,7 +29,7 @@ import pytest
 
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.store import LocalStore
-from jupyter_ext.testing import (
+from testkit.processes import (
     KernelProcess,
     ServerProcess,
     execute_request,
@@ -40,8 +40,8 @@ from jupyter_ext.testing import (
     ws_connect,
 )
 
-from .jupyter_api import server_config
-from .servers import NODE_USER, Network, follow, node_server, ws_execute
+from .support.jupyter_api import server_config
+from .support.servers import NODE_USER, Network, follow, node_server, ws_execute
 
 Factory = Callable[..., KernelProcess]
 
@@ -54,7 +54,7 @@ XPYTHON = ["python3.11", "-m", "xpython_launcher", "-f", "{connection_file}"]
 
 def install_wrapped(home: Path, name: str) -> str:
     """``jupyter snapshot install-kernelspec --wrap NAME --user`` for a server whose data
-    directory is ``home``/data (jupyter_ext.testing.ServerProcess): the new kernel's name."""
+    directory is ``home``/data (testkit.processes.ServerProcess): the new kernel's name."""
     subprocess.run(
         [sys.executable, "-m", "jupyter_ext.cli", "install-kernelspec", "--wrap", name, "--user"],
         env={**os.environ, "JUPYTER_DATA_DIR": str(home / "data")},

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 from jupyter_ext.core.store.keys import KEEP_PASSPHRASE, RECOVER
-from jupyter_ext.testing import MotoServer, ServerProcess
+from testkit.processes import MotoServer, ServerProcess
 
-from .servers import follow, ws_execute
+from .support.servers import follow, ws_execute
 
 pytestmark = pytest.mark.usefixtures("criu")
 BUCKET = "kernel-snapshots-keys"

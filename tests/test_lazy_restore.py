@@ -45,9 +45,9 @@ from jupyter_ext.core.lazypages import (
 from jupyter_ext.core.manifest import IMAGES_DIR, verify
 from jupyter_ext.core.protocol.environment import ENV_LAZY_RESTORE, ENV_LAZY_RESTORE_MIN_BYTES
 from jupyter_ext.core.store import LocalStore
-from jupyter_ext.testing import KernelProcess, wait_until
+from testkit.processes import KernelProcess, wait_until
 
-from .tmpfs import small_disk
+from .support.tmpfs import small_disk
 
 Factory = Callable[..., KernelProcess]
 

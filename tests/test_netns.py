@@ -22,7 +22,7 @@ import pytest
 from jupyter_ext.core import proctree
 from jupyter_ext.core.criu import unprivileged
 from jupyter_ext.core.isolation import netns
-from jupyter_ext.testing import KernelProcess, wait_until
+from testkit.processes import KernelProcess, wait_until
 
 Factory = Callable[..., KernelProcess]
 

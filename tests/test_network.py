@@ -29,7 +29,7 @@ import pytest
 import kernel_snapshots
 from jupyter_ext.core.errors import DumpError, IncompatibleSnapshotError
 from jupyter_ext.core.store import LocalStore
-from jupyter_ext.testing import KernelProcess, MotoServer, free_port
+from testkit.processes import KernelProcess, MotoServer, free_port
 
 Factory = Callable[..., KernelProcess]
 
@@ -378,10 +378,10 @@ def test_shutdown_snapshot_of_a_connected_kernel_restores(
 ) -> None:
     """A server asked to stop snapshots a kernel holding connections (before-shutdown);
     restored, the kernel reconnects."""
-    from jupyter_ext.testing import ServerProcess, run_keys
+    from testkit.processes import ServerProcess, run_keys
 
-    from .jupyter_api import server_config
-    from .servers import ws_execute
+    from .support.jupyter_api import server_config
+    from .support.servers import ws_execute
 
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
@@ -539,9 +539,9 @@ def _owner() -> str:
 def test_restore_on_another_node_reconnects(tmp_path: Path, snapshot_kernelspec: str) -> None:
     """A kernel connected from node A (its own network namespace) comes back on node B,
     where its connection's address does not exist, and reconnects from there."""
-    from jupyter_ext.testing import ServerProcess
+    from testkit.processes import ServerProcess
 
-    from .servers import HOST_ADDRESS, Network, follow, ws_execute
+    from .support.servers import HOST_ADDRESS, Network, follow, ws_execute
 
     net = Network()
     server = HttpServer(HOST_ADDRESS)  # on the bridge: reachable from every node

@@ -17,10 +17,10 @@ import pytest
 
 from jupyter_ext.core.isolation.pidspace import PID_FLOOR
 from jupyter_ext.core.protocol.environment import ENV_KEY
-from jupyter_ext.testing import RUN_KEY, ServerProcess
+from testkit.processes import RUN_KEY, ServerProcess
 
-from .s3server import JUICEFS_KEY
-from .servers import BUCKET, NODE_USER, S3_ENV, Network, follow, node_server, ws_execute
+from .support.s3server import JUICEFS_KEY
+from .support.servers import BUCKET, NODE_USER, S3_ENV, Network, follow, node_server, ws_execute
 
 pytestmark = [
     pytest.mark.usefixtures("criu"),

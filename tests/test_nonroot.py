@@ -21,7 +21,7 @@ from jupyter_ext.core import proctree
 from jupyter_ext.core.criu import UNPRIVILEGED_CAPS, Criu, unprivileged
 from jupyter_ext.core.doctor import check_criu_capabilities, file_capabilities, run_checks
 from jupyter_ext.core.errors import DumpError
-from jupyter_ext.testing import KernelProcess
+from testkit.processes import KernelProcess
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() == 0, reason="needs an ordinary user: run scripts/nonroot-tests.sh as root"

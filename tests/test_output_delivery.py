@@ -27,7 +27,7 @@ import pytest
 import zmq
 from jupyter_client.session import Session
 
-from jupyter_ext.testing import KernelProcess
+from testkit.processes import KernelProcess
 
 Factory = Callable[..., KernelProcess]
 

@@ -22,9 +22,9 @@ from jupyter_ext.autosnap import PolicyTick
 from jupyter_ext.core.policies.tick import PolicySettings
 from jupyter_ext.core.protocol.control import StatusArgs, WrapperClient
 from jupyter_ext.core.store import LocalStore
-from jupyter_ext.testing import MotoServer, ServerProcess, run_keys, wait_until
+from testkit.processes import MotoServer, ServerProcess, run_keys, wait_until
 
-from .jupyter_api import (
+from .support.jupyter_api import (
     Fetch,
     call,
     error_of,
@@ -35,8 +35,8 @@ from .jupyter_api import (
     until,
     wait_job,
 )
-from .s3server import CuttableProxy
-from .servers import ws_execute
+from .support.s3server import CuttableProxy
+from .support.servers import ws_execute
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
 
@@ -569,7 +569,7 @@ def _owner() -> str:
 
 def with_fake_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Kernels started by the server load the stand-in libcuda; returns its path."""
-    from .fakecuda.build import build_fakecuda
+    from .support.fakecuda.build import build_fakecuda
 
     libcuda = build_fakecuda(tmp_path / "fakecuda")
     (tmp_path / "fakecuda-state").mkdir()
@@ -589,7 +589,7 @@ class TestGpuCacheRelease:
     async def test_trait_off_keeps_framework_caches(
         self, jp_fetch: Fetch, start_kernel: Any
     ) -> None:
-        from .test_gpu_kernel import CACHED_BLOCK, USE_GPU
+        from .support.fakecuda.programs import CACHED_BLOCK, USE_GPU
 
         kernel = await start_kernel()
         await kernel.run(USE_GPU.format(lib=str(self.libcuda)))
@@ -614,7 +614,7 @@ class TestIdleGpuSuspend:
     async def test_idle_gpu_kernel_suspends_and_next_cell_resumes(
         self, jp_fetch: Fetch, start_kernel: Any
     ) -> None:
-        from .test_gpu_kernel import USE_GPU
+        from .support.fakecuda.programs import USE_GPU
 
         gpu_kernel = await start_kernel()
         cpu_kernel = await start_kernel()

@@ -32,12 +32,12 @@ from jupyter_ext.core.lazypages import DirectoryPages, RangeServer
 from jupyter_ext.core.private import GROUP_SHARED
 from jupyter_ext.core.protocol.control import StatusArgs
 from jupyter_ext.core.store import LocalStore, S3Encryption, S3Store, StoreError
-from jupyter_ext.testing import MotoServer, ServerProcess
 from kernel_wrapper.channels import InnerChannels
 from kernel_wrapper.control import ControlServer
+from testkit.processes import MotoServer, ServerProcess
 
-from .servers import follow, ws_execute
-from .test_store import make_snapshot, random_pages
+from .support.servers import follow, ws_execute
+from .support.stores import make_snapshot, random_pages
 
 OWNER = "jks-tester"
 OTHER = "jks-other"

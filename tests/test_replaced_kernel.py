@@ -15,7 +15,7 @@ from tornado.httpclient import HTTPClientError
 
 from jupyter_ext.core import proctree
 
-from .jupyter_api import Fetch, call, restore, server_config, snapshot, until
+from .support.jupyter_api import Fetch, call, restore, server_config, snapshot, until
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
 

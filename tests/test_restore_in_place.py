@@ -16,7 +16,7 @@ import pytest
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import IncompatibleSnapshotError, RestoreError, SnapshotError
 from jupyter_ext.core.manifest import IMAGES_DIR, MANIFEST_NAME, Manifest, seal
-from jupyter_ext.testing import KernelProcess
+from testkit.processes import KernelProcess
 
 Factory = Callable[..., KernelProcess]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from .jupyter_api import Fetch, call, manager_of, restore, server_config, snapshot
+from .support.jupyter_api import Fetch, call, manager_of, restore, server_config, snapshot
 
 pytestmark = pytest.mark.usefixtures("criu", "snapshot_kernelspec")
 

@@ -20,7 +20,7 @@ from jupyter_client import BlockingKernelClient
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.manifest import Manifest
-from jupyter_ext.testing import (
+from testkit.processes import (
     Endpoint,
     KernelProcess,
     ServerProcess,
@@ -30,8 +30,8 @@ from jupyter_ext.testing import (
     ws_connect,
 )
 
-from .jupyter_api import server_config
-from .servers import follow
+from .support.jupyter_api import server_config
+from .support.servers import follow
 
 Factory = Callable[..., KernelProcess]
 STEPS_OF_SERVER_LOOP = 60

@@ -26,7 +26,7 @@ from jupyter_ext.core.store import LocalStore
 from jupyter_ext.manager import ManagerSettings, SnapshotManager
 from jupyter_ext.settings import SnapshotSettings
 
-from .test_store import make_snapshot
+from .support.stores import make_snapshot
 
 A, B, C = "a" * 32, "b" * 32, "c" * 32
 

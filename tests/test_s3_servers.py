@@ -24,10 +24,10 @@ import pytest
 from jupyter_ext.core.manifest import Manifest
 from jupyter_ext.core.store import EnvKeySource, S3Store
 from jupyter_ext.core.store.backend import Kind, layout
-from jupyter_ext.testing import MotoServer
+from testkit.processes import MotoServer
 
-from .s3server import JuicefsGateway
-from .test_store import SMALL_CHUNKS, make_snapshot, mutate, random_pages, tree
+from .support.s3server import JuicefsGateway
+from .support.stores import SMALL_CHUNKS, make_snapshot, mutate, random_pages, tree
 
 BUCKET = "shared-prefix"
 MakeStore = Callable[..., S3Store]

@@ -17,7 +17,7 @@ from tornado.httpclient import HTTPClientError
 
 from jupyter_ext.core import proctree
 
-from .jupyter_api import (
+from .support.jupyter_api import (
     Fetch,
     call,
     damage_chunk,

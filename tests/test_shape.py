@@ -12,8 +12,10 @@ on PATH and is skipped elsewhere; check it by hand before committing a change th
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -101,8 +103,40 @@ def test_inkernel_imports_no_wrapper_module() -> None:
     assert users == set(), "the wrapper starts the kernel as a process, never imports it"
 
 
+#: What the wheel holds (pyproject.toml): the product, never its harness or tests.
+SHIPPED = ("jupyter_ext", "kernel_wrapper", "kernel_snapshots")
+NOT_SHIPPED = ("testkit", "tests")
+
+
+def test_no_shipped_package_imports_the_harness_or_the_tests() -> None:
+    """The wheel holds the product only: testkit/ (the harness of the tests and the
+    benchmarks) and tests/ are not in it, so nothing in it may import them."""
+    packaged = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]
+    assert tuple(packaged["targets"]["wheel"]["packages"]) == SHIPPED
+    reached = {
+        f"{relative(path)}: {name}"
+        for package in SHIPPED
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for name in imported(path)
+        if name.split(".")[0] in NOT_SHIPPED
+    }
+    assert reached == set()
+
+
+def test_no_test_file_imports_another() -> None:
+    """What tests share is in tests/support/ (or testkit/): a test file is never a
+    library of another, so each can change, or go, alone."""
+    reached = {
+        f"{relative(path)}: {name}"
+        for path in sorted((ROOT / "tests").glob("test_*.py"))
+        for name in imported(path)
+        if re.fullmatch(r"tests\.test_\w+", name)
+    }
+    assert reached == set()
+
+
 def test_the_benchmarks_import_nothing_from_the_tests() -> None:
-    """bench/ shares the package's harness (jupyter_ext/testing.py, agentpods.py), never
+    """bench/ shares the tests' harness (testkit/processes.py, agentpods.py), never
     tests/: the tests may change without breaking a benchmark."""
     bench = ROOT / "bench"
     reached = {

@@ -10,12 +10,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from jupyter_ext.testing import KernelProcess
 from kernel_wrapper.runtime import (
     STALE_UNNAMED_SECONDS,
     kernel_endpoints_dir,
     remove_stale_runtime_dirs,
 )
+from testkit.processes import KernelProcess
 
 
 def _named(root: Path, name: str, pid: int, fd: int) -> Path:

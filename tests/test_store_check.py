@@ -22,18 +22,16 @@ from typing import Any
 import pytest
 
 from jupyter_ext.core.doctor import check_store
-from jupyter_ext.core.store import EnvKeySource, KeySource, StoredSnapshot
+from jupyter_ext.core.store import EnvKeySource, KeySource, LocalStore, S3Store, StoredSnapshot
 from jupyter_ext.core.store.backend import layout
 from jupyter_ext.core.store.check import CheckReport
 from jupyter_ext.core.store.pack import PackBuilder
-from jupyter_ext.testing import MotoServer
+from testkit.processes import MotoServer
 
-from .jupyter_api import Fetch, call, error_of, manager_of, server_config, wait_job
-from .test_store import (
+from .support.jupyter_api import Fetch, call, error_of, manager_of, server_config, wait_job
+from .support.stores import (
     BUCKET,
     SMALL_CHUNKS,
-    LocalStore,
-    S3Store,
     Store,
     damage,
     delete_object,

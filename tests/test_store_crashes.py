@@ -2,7 +2,7 @@
 snapshot complete and restorable; ``store check --read-data`` finds no damage and lists
 what the kills left, which ``store prune`` removes.
 
-``tests/store_worker.py`` stores (and, for repacks, deletes) snapshots in a loop and is
+``tests/support/store_worker.py`` stores (and, for repacks, deletes) snapshots in a loop and is
 killed after a random delay (``random.Random(FAULT_SEED)``); ``FAULT_ITERATIONS`` makes
 the loop longer by hand. Both backends: a local directory and S3 (moto), each unencrypted
 and encrypted.
@@ -26,10 +26,10 @@ from jupyter_ext.core import manifest as manifest_mod
 from jupyter_ext.core.protocol.environment import ENV_KEY
 from jupyter_ext.core.store.backend import layout
 from jupyter_ext.core.store.sealing import FILE_MAGIC
-from jupyter_ext.testing import MotoServer
+from testkit.processes import MotoServer
 
-from .faults import FAULT_ITERATIONS, FAULT_SEED
-from .store_worker import PACK_BYTES, open_store
+from .support.faults import FAULT_ITERATIONS, FAULT_SEED
+from .support.store_worker import PACK_BYTES, open_store
 
 ROOT = Path(__file__).resolve().parent.parent
 KILLS = 2 * FAULT_ITERATIONS  # per variant: 16 kills in CI over the 8, more by hand
@@ -57,7 +57,15 @@ def run_until_killed(mode: str, where: str, seed: int, delay: float, work_dir: P
     log = work_dir.with_suffix(".log")
     with log.open("w") as out:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "tests.store_worker", mode, where, str(seed), str(work_dir)],
+            [
+                sys.executable,
+                "-m",
+                "tests.support.store_worker",
+                mode,
+                where,
+                str(seed),
+                str(work_dir),
+            ],
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,

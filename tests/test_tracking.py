@@ -26,7 +26,7 @@ import pytest
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import DumpError
 from jupyter_ext.core.memtrack import plan as memplan
-from jupyter_ext.testing import KernelProcess
+from testkit.processes import KernelProcess
 
 Factory = Callable[..., KernelProcess]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from .jupyter_api import (
+from .support.jupyter_api import (
     Fetch,
     call,
     damage_chunk,

@@ -24,13 +24,13 @@ from jupyter_ext.core.errors import SnapshotBusyError, SnapshotError
 from jupyter_ext.core.protocol.control import SnapshotArgs, StatusArgs, WrapperClient
 from jupyter_ext.core.protocol.inner import INNER_PORTS
 from jupyter_ext.core.protocol.progress import ProgressCallback
-from jupyter_ext.testing import free_port, wait_until
 from kernel_wrapper.channels import INNER_ROUTING_ID, InnerChannels, ServerChannels
 from kernel_wrapper.control import ControlServer
 from kernel_wrapper.lazyrestore import LazyRestore
 from kernel_wrapper.relay import Relay
 from kernel_wrapper.standin import DEAD_TEXT, StandIn
 from kernel_wrapper.supervisor import Supervisor
+from testkit.processes import free_port, wait_until
 
 KEY = b"test-key"
 

@@ -2,7 +2,7 @@
  * Playwright configuration for the UI tests: Galata's defaults, Chromium from Debian
  * (/usr/bin/chromium; Playwright never downloads a browser here), a real JupyterLab
  * started from jupyter_server_test_config.py on UI_TESTS_PORT, and a real JupyterHub
- * (tests/hub_for_ui.py) on UI_TESTS_HUB_PORT for tests/jupyterhub.spec.ts. With
+ * (tests/support/hub_for_ui.py) on UI_TESTS_HUB_PORT for tests/jupyterhub.spec.ts. With
  * UI_TESTS_AGENT_URL (tests/agent.spec.ts, run by tests/test_container.py against a user
  * pod in podman) neither is started: that spec's server is the pod's.
  */
@@ -60,7 +60,7 @@ export default defineConfig({
           // Ready once it prints its URL and admin token: the tests get them as
           // UI_TESTS_HUB_URL and UI_TESTS_HUB_TOKEN. Its log (with its servers') goes to
           // ui-tests/jupyterhub.log when it stops.
-          command: `python -m tests.hub_for_ui --port ${hubPort} --log ui-tests/jupyterhub.log`,
+          command: `python -m tests.support.hub_for_ui --port ${hubPort} --log ui-tests/jupyterhub.log`,
           cwd: '..',
           wait: {
             stdout:
@@ -68,7 +68,7 @@ export default defineConfig({
           },
           timeout: 120_000,
           // SIGTERM: the hub stops its servers, which snapshot and stop their kernels, and
-          // tests/hub.py kills whatever is left; SIGKILL would leave all of it running.
+          // tests/support/hub.py kills whatever is left; SIGKILL would leave all of it running.
           gracefulShutdown: { signal: 'SIGTERM', timeout: 180_000 },
           stderr: 'pipe'
         }

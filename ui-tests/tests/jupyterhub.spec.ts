@@ -1,5 +1,5 @@
 /**
- * The Kernel Snapshots panel in JupyterLab behind a real JupyterHub (tests/hub_for_ui.py,
+ * The Kernel Snapshots panel in JupyterLab behind a real JupyterHub (tests/support/hub_for_ui.py,
  * started by playwright.config.ts: configurable-http-proxy, spawned single-user servers
  * with the snapshot extension, real snapshot kernels). Everything goes through the hub as
  * a user's browser would: the login page, the spawn, the OAuth hand-over to the user's

@@ -2,7 +2,7 @@
  * An R notebook survives the loss of its node (IRkernel behind the wrapper's bridge, "R
  * (snapshots)": docs/kernels.md).
  *
- * Two real Jupyter servers, A and B (tests/nodes_for_ui.py), share one S3 store and one
+ * Two real Jupyter servers, A and B (tests/support/nodes_for_ui.py), share one S3 store and one
  * notebook directory. In Chromium: an R notebook on A makes a data.frame and reads a line
  * of a file; a snapshot is taken from the panel, whose card shows the R variables (read
  * in R) and says that they cannot be taken back; A and all its kernels are killed with

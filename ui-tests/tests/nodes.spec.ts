@@ -1,7 +1,7 @@
 /**
  * A training loop survives the loss of its node, and its output stays in its own cell.
  *
- * Two real Jupyter servers, A and B (tests/nodes_for_ui.py), share one S3 store (moto)
+ * Two real Jupyter servers, A and B (tests/support/nodes_for_ui.py), share one S3 store (moto)
  * and one notebook directory. In Chromium: a notebook on A runs a loop that prints a line
  * every 0.25 s; a snapshot is taken from the toolbar mid-loop; A and all its kernels are
  * killed with SIGKILL; the notebook is opened on B, which offers the snapshot; after the
@@ -83,7 +83,7 @@ test.describe('Two nodes', () => {
   }) => {
     test.setTimeout(420_000);
     const { a, b } = nodes!;
-    expect(nodes!.running, 'tests.nodes_for_ui still runs').toBe(true);
+    expect(nodes!.running, 'tests.support.nodes_for_ui still runs').toBe(true);
 
     // The notebook, in the directory both nodes share; its cell has a fixed id.
     await api(request, a, 'PUT', `api/contents/${NOTEBOOK}`, {

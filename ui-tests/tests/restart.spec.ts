@@ -1,6 +1,6 @@
 /**
  * The panel is never stale (issue 44 item 3): a server killed and started again under an
- * open page (tests/nodes_for_ui.py, server A at the same URL). While it is down the panel
+ * open page (tests/support/nodes_for_ui.py, server A at the same URL). While it is down the panel
  * says it cannot be reached and shows no kernel state; once it is back, without a reload,
  * the notebook's kernel state comes back and its snapshot is offered, restored, and the
  * notebook runs again (not "Initializing" for ever).

@@ -1,5 +1,5 @@
 /**
- * Two real Jupyter servers, A and B (tests/nodes_for_ui.py), sharing one S3 store (moto)
+ * Two real Jupyter servers, A and B (tests/support/nodes_for_ui.py), sharing one S3 store (moto)
  * and one notebook directory, for the UI tests of a node's loss (nodes.spec.ts,
  * kernels.spec.ts): their URLs and tokens, a command to kill one as a node failure would,
  * or started again (restart.spec.ts), REST calls, and JupyterLab of a node in a browser
@@ -15,12 +15,12 @@ export interface INode {
   token: string;
 }
 
-/** tests/nodes_for_ui.py: its servers, and a way to send it commands. */
+/** tests/support/nodes_for_ui.py: its servers, and a way to send it commands. */
 export class Nodes {
   static async launch(): Promise<Nodes> {
     const child = spawn(
       'python',
-      ['-m', 'tests.nodes_for_ui', '--log', 'ui-tests/nodes.log'],
+      ['-m', 'tests.support.nodes_for_ui', '--log', 'ui-tests/nodes.log'],
       { cwd: path.resolve(__dirname, '..', '..'), stdio: 'pipe' }
     );
     child.stderr.on('data', data => process.stderr.write(data));
@@ -67,7 +67,7 @@ export class Nodes {
     }
     return new Promise((resolve, reject) => {
       const timer = setTimeout(
-        () => reject(new Error('tests.nodes_for_ui did not answer')),
+        () => reject(new Error('tests.support.nodes_for_ui did not answer')),
         timeout
       );
       this._waiters.push(line => {

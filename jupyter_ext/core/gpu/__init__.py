@@ -33,7 +33,7 @@ Why ctypes and not NVIDIA's ``cuda.bindings``: the driver part is six functions 
 this product could not serve both driver 570 (CUDA 12.8, the oldest with the API) and 580
 (CUDA 13, GPU remapping). It also loads the system's ``libcuda.so.1`` by itself, which
 would take away ``$JUPYTER_SNAPSHOT_LIBCUDA`` and the stand-in libcuda that tests every
-error path on machines without a GPU (``tests/fakecuda``). The struct layouts are pinned
+error path on machines without a GPU (``tests/support/fakecuda``). The struct layouts are pinned
 by size assertions in :mod:`.driver`; the ``gpu``-marked tests in ``tests/test_gpu.py``
 run lock, checkpoint, restore and unlock against the real driver.
 """

@@ -2,7 +2,7 @@
 with the snapshot extension and JupyterLab, A and B, sharing one S3 store (moto's server)
 and one notebook directory, each with its own data, runtime and kernel directories.
 
-    python -m tests.nodes_for_ui [--log FILE]
+    python -m tests.support.nodes_for_ui [--log FILE]
 
 Once both answer, one line on stdout gives their URLs and tokens as JSON
 (``{"a": {"url", "token"}, "b": {...}}``). Commands, one per line on stdin:
@@ -30,7 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from jupyter_ext.testing import MotoServer, ServerProcess
+from testkit.processes import MotoServer, ServerProcess
 
 BUCKET = "kernel-snapshots-ui-nodes"
 S3_ENV = {
@@ -88,7 +88,9 @@ def _server(
 
 def main() -> None:
     """Start the nodes, follow the commands, clean up."""
-    parser = argparse.ArgumentParser(prog="python -m tests.nodes_for_ui", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.support.nodes_for_ui", description=__doc__
+    )
     parser.add_argument("--log", type=Path, help="where to append the servers' logs at exit")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _stop)

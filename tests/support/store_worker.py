@@ -1,6 +1,6 @@
 """A process that stores and deletes snapshots without end, to be killed at any point.
 
-``python -m tests.store_worker (put|repack) <root-or-s3-url> <seed> <work-dir>``: ``put``
+``python -m tests.support.store_worker (put|repack) <root-or-s3-url> <seed> <work-dir>``: ``put``
 stores new snapshots of a slowly changing kernel (every fifth of a new one); ``repack``
 also deletes the oldest each time (with no grace period, so every delete sweeps and
 repacks). Each finished step prints a line. Its snapshots are made in ``work-dir`` (the
@@ -18,7 +18,7 @@ from jupyter_ext.core.chunking import PAGE_SIZE
 from jupyter_ext.core.protocol.environment import ENV_KEY
 from jupyter_ext.core.store import EnvKeySource, LocalStore, S3Store
 
-from .test_store import make_snapshot, mutate, random_pages
+from .stores import make_snapshot, mutate, random_pages
 
 PACK_BYTES = 256 << 10
 """Small packs: a put of 4 MiB writes many, so a kill lands between them."""

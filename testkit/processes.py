@@ -1,4 +1,4 @@
-"""Real processes for the tests and the benchmarks (shipped, so both use one harness):
+"""Real processes for the tests and the benchmarks (one harness for both, not shipped):
 a snapshot kernel (`python -m kernel_wrapper`) with a jupyter_client; moto's S3 server
 (:class:`MotoServer`); ``jupyter server`` with the extension as a separate process in its
 own Jupyter directories (:class:`ServerProcess`, a REST :class:`Endpoint`), and its
@@ -60,7 +60,7 @@ class KernelProcess:
         kernel_argv: list[str] | None = None,
     ) -> None:
         """``prefix``, ``preexec_fn``: how the wrapper is started elsewhere (in a stand-in
-        pod: :meth:`jupyter_ext.agentpods.FakePod.argv`). ``kernel_argv``: another kernel's
+        pod: :meth:`testkit.agentpods.FakePod.argv`). ``kernel_argv``: another kernel's
         kernelspec argv (``{connection_file}`` in it), run behind the wrapper's bridge
         instead of its ipykernel."""
         workdir.mkdir(parents=True, exist_ok=True)
@@ -521,7 +521,7 @@ class ServerProcess(Endpoint):
         self._log = self.log_path.open("ab")  # a server started again here adds to it
         # Not our stdin: the server's children inherit it, and a Node.js one (JupyterLab
         # runs `npm prefix`) makes it non-blocking, which a helper reading commands from
-        # the same stdin (tests/nodes_for_ui.py) took for its end, and stopped.
+        # the same stdin (tests/support/nodes_for_ui.py) took for its end, and stopped.
         self.process = subprocess.Popen(
             argv,
             env=self.env,

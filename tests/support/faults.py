@@ -28,7 +28,7 @@ from jupyter_ext.core.manifest import MANIFEST_NAME, SNAPSHOT_ID_RE, verify
 from jupyter_ext.core.store import LocalStore, S3Store, sealing
 from jupyter_ext.core.store.backend import layout
 from jupyter_ext.manager import user_prefix
-from jupyter_ext.testing import ServerProcess, run_keys
+from testkit.processes import ServerProcess, run_keys
 
 from .servers import ws_execute
 

@@ -43,9 +43,9 @@ from typing import Any
 
 import yaml
 
-from jupyter_ext.testing import Endpoint
+from testkit.processes import Endpoint
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG_YAML = ROOT / "deploy" / "z2jh" / "config.yaml"
 HOME = "/home/jovyan"
 #: The pods' network (a bridge of podman's); the host is its gateway.
@@ -281,7 +281,7 @@ def _for_podman(
 
 
 def _free_port() -> int:
-    from jupyter_ext.testing import free_port
+    from testkit.processes import free_port
 
     return free_port()
 

@@ -1,4 +1,4 @@
-"""What the tests add to the servers they start (jupyter_ext.testing.ServerProcess, which
+"""What the tests add to the servers they start (testkit.processes.ServerProcess, which
 the benchmarks share): "nodes" to run them on, a job followed, a cell run.
 
 A node is a network namespace of ours, attached to a bridge in the test's namespace, so
@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jupyter_ext.testing import Endpoint, ServerProcess, execute_request, ws_close, ws_connect
+from testkit.processes import Endpoint, ServerProcess, execute_request, ws_close, ws_connect
 
 if TYPE_CHECKING:
     from tornado.websocket import WebSocketClientConnection

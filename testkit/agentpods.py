@@ -1,6 +1,6 @@
 """Stand-ins for user pods on this machine, for the node agent's tests (tests/test_agent.py)
-and its benchmark (bench/bench_agent.py): shipped beside :mod:`jupyter_ext.testing`, so
-that both use one harness.
+and its benchmark (bench/bench_agent.py), beside :mod:`testkit.processes`, so that both
+use one harness.
 
 A "pod" here has what the agent looks at, made with the same kernel features a container
 runtime uses: a cgroup named as a container's (``.../pod-NAME/<64 hex>``, in the v1
@@ -15,14 +15,14 @@ core/agent/client.py, one operation per run, its answer as one JSON line) and it
 ``seccomp`` runner (no_new_privs and a seccomp filter, then exec, as a runtime starts a
 container's process with RuntimeDefault)::
 
-    python -m jupyter_ext.agentpods client SOCKET hello
-    python -m jupyter_ext.agentpods client SOCKET dump PID IMAGES_DIR [--end] [--ghost-limit=B]
+    python -m testkit.agentpods client SOCKET hello
+    python -m testkit.agentpods client SOCKET dump PID IMAGES_DIR [--end] [--ghost-limit=B]
         [--carry]
-    python -m jupyter_ext.agentpods client SOCKET restore IMAGES_DIR
-    python -m jupyter_ext.agentpods client SOCKET raw JSON   (a request as given, for refusals)
-    python -m jupyter_ext.agentpods client SOCKET odd IMAGES_DIR (restores, odd descriptors)
-    python -m jupyter_ext.agentpods client SOCKET crowd N   (N silent connections, then hello)
-    python -m jupyter_ext.agentpods seccomp [--other|--no-userfaultfd] COMMAND...
+    python -m testkit.agentpods client SOCKET restore IMAGES_DIR
+    python -m testkit.agentpods client SOCKET raw JSON   (a request as given, for refusals)
+    python -m testkit.agentpods client SOCKET odd IMAGES_DIR (restores, odd descriptors)
+    python -m testkit.agentpods client SOCKET crowd N   (N silent connections, then hello)
+    python -m testkit.agentpods seccomp [--other|--no-userfaultfd] COMMAND...
 
 ``--carry`` dumps as the kernel wrapper does (kernel_wrapper/dump.py): the tree's /dev/shm
 files and the logs it appends to copied while the agent holds it frozen, into
@@ -57,9 +57,11 @@ if TYPE_CHECKING:
     from jupyter_ext.core.agent.client import AgentCriu
 
 ROOT = Path(__file__).resolve().parent.parent
-"""Where a pod's processes run (the package importable from there)."""
-HERE = [sys.executable, "-m", "jupyter_ext.agentpods"]
-"""This module run in a pod (from ROOT)."""
+"""The repository, where a pod's client runs."""
+HERE = [sys.executable, "-m", "testkit.agentpods"]
+"""This module run in a pod. Entering the pod's mount namespace moves a process to its
+``/``, so testkit is found through the venv's path, where the editable install
+(scripts/common.sh) puts the repository root, not through the working directory."""
 #: The pod's PID 1: it reaps what is orphaned in the pod, as a container's init does (the
 #: resource tracker of a kernel that a dump ended).
 INIT = (

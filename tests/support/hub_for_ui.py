@@ -1,9 +1,9 @@
 """A real JupyterHub for the UI tests (``ui-tests/tests/jupyterhub.spec.ts``): Playwright
 starts it as a web server (``ui-tests/playwright.config.ts``) and stops it with SIGTERM.
 
-    python -m tests.hub_for_ui --port PORT [--log FILE]
+    python -m tests.support.hub_for_ui --port PORT [--log FILE]
 
-``tests.hub.Hub`` on 127.0.0.1:PORT: any user logs in with any password, and their server
+``tests.support.hub.Hub`` on 127.0.0.1:PORT: any user logs in with any password, and their server
 (``jupyterhub-singleuser`` from this environment: the snapshot extension and JupyterLab
 with the extension's panel) opens at ``/lab``, keeps its snapshots in a local store in a
 temporary directory and snapshots its kernels when the hub stops it. Once the hub is up,
@@ -34,7 +34,7 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 
 def main() -> None:
     """Run the hub until SIGTERM or SIGINT."""
-    parser = argparse.ArgumentParser(prog="python -m tests.hub_for_ui", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tests.support.hub_for_ui", description=__doc__)
     parser.add_argument("--port", type=int, required=True, help="the hub's port")
     parser.add_argument("--log", type=Path, help="where to copy the hub's log at exit")
     args = parser.parse_args()
