@@ -19,6 +19,7 @@ from ..core.leftovers import DumpLock, after_failed_dump
 from ..core.manifest import Manifest
 from ..core.protocol.control import (
     KernelStatus,
+    Restored,
     RestoreRequest,
     StatusArgs,
     WrapperClient,
@@ -130,9 +131,10 @@ class Kernels:
         notebook_path: str | None,
         request: RestoreRequest,
         progress: ProgressCallback,
-    ) -> str:
+    ) -> tuple[str, Restored]:
         """Start a new kernel whose wrapper waits for a restore, and restore ``request``
-        into it over its control socket, like any other operation."""
+        into it over its control socket, like any other operation: its id and the
+        wrapper's reply."""
         self.reaper.start()
         marker = self.work_dir / f"await-restore-{secrets.token_hex(8)}"
         private.write_file(marker, b"")
@@ -145,7 +147,7 @@ class Kernels:
             km = self.kernel(kernel_id)
             try:
                 wrapper = await WrapperClient.when_up(Path(km.connection_file), km.is_alive)
-                await wrapper.restore(request, progress)
+                restored = await wrapper.restore(request, progress)
             except BaseException:
                 with contextlib.suppress(Exception):
                     await self.kernel_manager.shutdown_kernel(kernel_id, now=True)
@@ -153,4 +155,4 @@ class Kernels:
         finally:
             marker.unlink(missing_ok=True)  # the wrapper took it, unless it never came up
         self.wrapper(kernel_id)  # the server reaps the restored kernel once orphaned
-        return kernel_id
+        return kernel_id, restored

@@ -26,7 +26,7 @@ from ..core.manifest import (
     remove_tree,
     verify,
 )
-from ..core.protocol.control import RestoreRequest
+from ..core.protocol.control import Restored, RestoreRequest
 from ..core.store import SnapshotStore
 from ..kernelspecs import KERNEL_NAME
 from .jobs import Job, Jobs
@@ -282,12 +282,12 @@ class Restores:
             pages_from = lent.address if lent is not None else None
             if kernel_id is not None:  # never lazily from the store (see above)
                 # The wrapper says what it does (saving the running kernel, restoring).
-                await self._restore_in_place(job, kernel_id, directory)
+                restored = await self._restore_in_place(job, kernel_id, directory)
                 self.on_restored(kernel_id, job)
             else:
                 self.jobs.progress(job, "restoring")
                 request = RestoreRequest(directory, verified=True, pages_from=pages_from)
-                kernel_id = await self.kernels.start_restored(
+                kernel_id, restored = await self.kernels.start_restored(
                     manifest.kernel_spec.get("name") or KERNEL_NAME,
                     manifest.notebook_path,
                     request,
@@ -307,9 +307,6 @@ class Restores:
             session = None
             if target is not None and target_path:
                 session = await self.sessions.attach(kernel_id, target_path, target.session_id)
-            # Names a live process held here: the kernel has private copies
-            # (core/carried/shmfiles.py).
-            private_shm = (await self.kernels.wrapper(kernel_id).status()).get("private_shm", [])
         self.emit(
             "restored", {"snapshot_id": snapshot_id, "kernel_id": kernel_id, "path": target_path}
         )
@@ -321,7 +318,9 @@ class Restores:
             "source": source,
             # Connections to peers outside the kernel came back closed (docs/network.md).
             "closed_connections": manifest.closed_connections,
-            "private_shm": private_shm,
+            # Names a live process held here: the kernel has private copies
+            # (core/carried/shmfiles.py). As the wrapper's reply to the restore says.
+            "private_shm": restored["private_shm"],
         }
 
     async def _notebook_of(self, manifest: Manifest, target: Target) -> str | None:
@@ -332,7 +331,7 @@ class Restores:
         now = await self.sessions.notebook_path(taken_by) if taken_by else None
         return now or self.snapshots.paths.now(manifest.notebook_path)
 
-    async def _restore_in_place(self, job: Job, kernel_id: str, directory: Path) -> None:
+    async def _restore_in_place(self, job: Job, kernel_id: str, directory: Path) -> Restored:
         """Restore ``directory`` into the running kernel. The wrapper first saves that
         kernel into staging (a failed restore puts it back). If the wrapper dies meanwhile,
         what it saved is stored like any snapshot when it was sealed (the kernel's state,
@@ -361,3 +360,5 @@ class Restores:
             log.warning("the kernel saved before a restore (%s) is stored", dumped.manifest.id)
             await self.uploads.upload(None, dumped.manifest, save_to)
             raise dumped.error
+        restored: Restored = dumped.answer
+        return restored
