@@ -268,6 +268,23 @@ def test_put_again_returns_the_stored_snapshot(store: Store, tmp_path: Path) -> 
     assert len(store.snapshots()) == 1
 
 
+def test_a_put_given_the_manifest_does_not_read_it_back(store: Store, tmp_path: Path) -> None:
+    """The server holds the manifest the wrapper answered with: the put takes it as it is
+    (the directory's copy is not read again), and still checks every file against it."""
+    source = make_snapshot(tmp_path, random_pages(random.Random(4), 256))
+    manifest = Manifest.read(source)
+    (source / manifest_mod.MANIFEST_NAME).chmod(0o600)
+    (source / manifest_mod.MANIFEST_NAME).write_text("not read")
+    stored = store.put(source, manifest=manifest)
+    assert stored.manifest == manifest
+    assert store.get(manifest.id).manifest == manifest
+    # A manifest that does not match the files is refused all the same.
+    other = make_snapshot(tmp_path, random_pages(random.Random(5), 256), sequence=2)
+    lying = Manifest.read(other)
+    with pytest.raises(SnapshotCorruptError):
+        store.put(source, manifest=lying)
+
+
 def test_identical_second_snapshot_adds_no_chunks(store: Store, tmp_path: Path) -> None:
     pages = random_pages(random.Random(3), 2048)
     first = store.put(make_snapshot(tmp_path, pages, sequence=1))

@@ -106,7 +106,10 @@ class Uploads:
             self.jobs.progress(job, phase)
         try:
             stored = await asyncio.to_thread(
-                self.store.put, directory, self.jobs.threaded_progress(job, {"uploading": phase})
+                self.store.put,
+                directory,
+                self.jobs.threaded_progress(job, {"uploading": phase}),
+                manifest,  # as the wrapper answered: not read back from the directory
             )
         except SnapshotError as exc:
             pending.error = exc.message

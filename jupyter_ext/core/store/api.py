@@ -108,7 +108,10 @@ class SnapshotStore(Protocol):
     should then start writing its images to disk as soon as they are hashed."""
 
     def put(
-        self, snapshot_dir: Path, progress: ProgressCallback | None = None
+        self,
+        snapshot_dir: Path,
+        progress: ProgressCallback | None = None,
+        manifest: Manifest | None = None,
     ) -> StoredSnapshot: ...
 
     def snapshots(self) -> list[StoredSnapshot]: ...

@@ -101,23 +101,33 @@ class Repository:
 
     # -- the API ---------------------------------------------------------------------
 
-    def put(self, snapshot_dir: Path, progress: ProgressCallback | None = None) -> StoredSnapshot:
-        """Store a sealed snapshot directory; checks every file against its manifest.
+    def put(
+        self,
+        snapshot_dir: Path,
+        progress: ProgressCallback | None = None,
+        manifest: Manifest | None = None,
+    ) -> StoredSnapshot:
+        """Store a sealed snapshot directory; checks every file against its manifest:
+        ``manifest`` when the caller holds it already (the wrapper's answer to a dump),
+        else the directory's, read here.
 
         Putting a snapshot that is already stored returns it as it is.
         """
-        raw = manifest_mod.read_raw(
-            snapshot_dir,
-            missing_hint="Only sealed snapshot directories can be stored.",
-            damaged_hint="The snapshot is damaged; take a new one.",
-        )
-        try:
-            manifest = Manifest.from_dict(raw)
-        except (TypeError, ValueError) as exc:
-            raise SnapshotCorruptError(
-                f"The manifest of {snapshot_dir} is incomplete: {exc}",
-                hint="The snapshot is damaged; take a new one.",
-            ) from exc
+        if manifest is not None:
+            raw = manifest.to_dict()
+        else:
+            raw = manifest_mod.read_raw(
+                snapshot_dir,
+                missing_hint="Only sealed snapshot directories can be stored.",
+                damaged_hint="The snapshot is damaged; take a new one.",
+            )
+            try:
+                manifest = Manifest.from_dict(raw)
+            except (TypeError, ValueError) as exc:
+                raise SnapshotCorruptError(
+                    f"The manifest of {snapshot_dir} is incomplete: {exc}",
+                    hint="The snapshot is damaged; take a new one.",
+                ) from exc
         if not manifest_mod.SNAPSHOT_ID_RE.match(str(manifest.id)):
             raise SnapshotCorruptError(
                 f"{snapshot_dir} has an invalid snapshot id {manifest.id!r}.",
