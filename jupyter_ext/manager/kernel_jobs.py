@@ -12,7 +12,7 @@ from ..core.manifest import new_snapshot_id
 from ..core.protocol.control import SnapshotArgs, SuspendArgs
 from ..core.store import SnapshotStore
 from .jobs import Job, Jobs
-from .kernels import Kernels
+from .kernels import KernelHandle, Kernels
 from .sessions import Sessions
 from .shared import EmitEvent, ManagerSettings, Workspace
 from .stored import StoredSnapshots
@@ -58,7 +58,7 @@ class KernelJobs:
     async def _snapshot(
         self, job: Job, kernel_id: str, trigger: str, leave_running: bool = True
     ) -> dict[str, Any]:
-        km = self.kernels.kernel(kernel_id)
+        kernel = self.kernels.handle(kernel_id)
         path = await self.sessions.notebook_path(kernel_id)
         dest = self.workspace.staging_dir / new_snapshot_id()
         self.emit("started", {"kernel_id": kernel_id, "trigger": trigger, "job_id": job.id})
@@ -68,11 +68,11 @@ class KernelJobs:
                 str(dest),
                 trigger=trigger,
                 leave_running=leave_running,
-                **self._dump_settings(km, kernel_id, path, parent),
+                **self._dump_settings(kernel, path, parent),
             )
             # A killed wrapper leaves its partial dump (the kernel's size): removed then.
             dumped = await self.kernels.request_dumping_into(
-                kernel_id,
+                kernel,
                 dest,
                 lambda wrapper: wrapper.snapshot(args, self.jobs.wrapper_progress(job)),
             )
@@ -92,13 +92,13 @@ class KernelJobs:
         return result
 
     def _dump_settings(
-        self, km: Any, kernel_id: str, path: str | None, parent: CacheLease | None
+        self, kernel: KernelHandle, path: str | None, parent: CacheLease | None
     ) -> dict[str, Any]:
         """What a snapshot and a suspend request both carry: the manifest fields this
         server knows, its dump settings, and the kernel's previous snapshot here."""
         return {
             "metadata": {
-                "kernel_spec": {"name": km.kernel_name, "kernel_id": kernel_id},
+                "kernel_spec": {"name": kernel.name, "kernel_id": kernel.id},
                 "notebook_path": path,
             },
             "release_gpu_caches": self.settings.release_gpu_caches,
@@ -122,17 +122,17 @@ class KernelJobs:
         )
 
     async def _suspend(self, job: Job, kernel_id: str, trigger: str) -> dict[str, Any]:
-        km = self.kernels.kernel(kernel_id)
+        kernel = self.kernels.handle(kernel_id)
         path = await self.sessions.notebook_path(kernel_id)
         private.make_dirs(self.workspace.suspended_dir)
         dest = self.workspace.suspended_dir / new_snapshot_id()
         with self._parent(kernel_id) as parent:
             args = SuspendArgs(
-                str(dest), trigger=trigger, **self._dump_settings(km, kernel_id, path, parent)
+                str(dest), trigger=trigger, **self._dump_settings(kernel, path, parent)
             )
             # Sealed before the wrapper died: the kernel's only copy, kept and stored.
             dumped = await self.kernels.request_dumping_into(
-                kernel_id,
+                kernel,
                 dest,
                 lambda wrapper: wrapper.suspend(args, self.jobs.wrapper_progress(job)),
             )

@@ -49,6 +49,27 @@ class Dumped:
         return self.sealed if self.sealed is not None else Manifest.from_dict(self.answer)
 
 
+@dataclass(frozen=True)
+class KernelHandle:
+    """A kernel as a job resolved it, once, when it started: the server's manager of it
+    and its wrapper (its info file read once), carried through the job."""
+
+    id: str
+    manager: Any
+    """jupyter_client's manager of the kernel (the server's ``get_kernel``)."""
+    info: WrapperInfo
+    """The wrapper's info file as read when the job resolved the kernel."""
+
+    @property
+    def name(self) -> str:
+        """The kernelspec's name."""
+        return str(self.manager.kernel_name)
+
+    @property
+    def wrapper(self) -> WrapperClient:
+        return WrapperClient(self.info.control)
+
+
 class Kernels:
     """The server's kernels (its kernel manager) and their wrappers."""
 
@@ -67,13 +88,18 @@ class Kernels:
             raise KernelNotFoundError(f"There is no kernel {kernel_id} on this server.")
         return self.kernel_manager.get_kernel(kernel_id)
 
-    def wrapper(self, kernel_id: str) -> WrapperClient:
-        """A client of the kernel's wrapper (its inner kernel is reaped once orphaned)."""
+    def handle(self, kernel_id: str) -> KernelHandle:
+        """The kernel and its wrapper, looked up once for a job (its inner kernel is
+        reaped once orphaned); KernelNotFoundError, WrapperUnavailableError."""
         km = self.kernel(kernel_id)
         info = WrapperInfo.for_connection_file(Path(km.connection_file))
         if info.inner_pid:
             self.reaper.watch(info.inner_pid)
-        return WrapperClient(info.control)
+        return KernelHandle(kernel_id, km, info)
+
+    def wrapper(self, kernel_id: str) -> WrapperClient:
+        """A client of the kernel's wrapper, for one request."""
+        return self.handle(kernel_id).wrapper
 
     async def status(self, kernel_id: str, *, gpu: bool = False) -> KernelStatus | None:
         """The kernel's status as its wrapper answers it (with its GPU accounting if
@@ -94,7 +120,7 @@ class Kernels:
 
     async def request_dumping_into(
         self,
-        kernel_id: str,
+        kernel: KernelHandle,
         dest: Path,
         request: Callable[[WrapperClient], Awaitable[Any]],
         *,
@@ -107,16 +133,12 @@ class Kernels:
         wrapper sealed before it died is kept and returned, with the error; anything else
         is removed and the error raised (with ``keep_error`` the request's own, else as
         after_failed_dump puts it, plainer for a full disk)."""
-        wrapper_pid = None
-        with contextlib.suppress(SnapshotError):
-            km = self.kernel(kernel_id)
-            wrapper_pid = WrapperInfo.for_connection_file(Path(km.connection_file)).pid
         lock = DumpLock(dest)
         try:
-            return Dumped(answer=await request(self.wrapper(kernel_id)))
+            return Dumped(answer=await request(kernel.wrapper))
         except catch as exc:
             try:
-                sealed = await asyncio.to_thread(after_failed_dump, exc, dest, wrapper_pid)
+                sealed = await asyncio.to_thread(after_failed_dump, exc, dest, kernel.info.pid)
             except SnapshotError:
                 if keep_error:
                     raise exc from None

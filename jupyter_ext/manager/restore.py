@@ -36,7 +36,7 @@ from .pages import LentPages
 from .sessions import Sessions
 from .shared import EmitEvent, ManagerSettings, Workspace, validate_notebook_path
 from .stored import StoredSnapshots
-from .uploads import Uploads
+from .uploads import PendingUpload, Uploads
 
 log = logging.getLogger("jupyter_ext")
 
@@ -144,7 +144,12 @@ class Restores:
         return await self._restore(job, snapshot_id, None, None)
 
     async def _local_copy(
-        self, job: Job, snapshot_id: str, *, without_pages: bool = False
+        self,
+        job: Job,
+        snapshot_id: str,
+        waiting: PendingUpload | None,
+        *,
+        without_pages: bool = False,
     ) -> tuple[Path, int, bool]:
         """A local directory of the snapshot, the fd that holds its lock, which the caller
         closes once done with it, and whether it is a temporary copy (a download, removed
@@ -152,11 +157,10 @@ class Restores:
         upload is read where it is, held shared so that an upload succeeding meanwhile
         leaves it until then. ``without_pages`` leaves the kernel's memory in the store
         (a lazy restore reads it from there)."""
-        pending = self.uploads.waiting(snapshot_id)
-        if pending is not None:
-            held = await asyncio.to_thread(_hold_shared, pending.directory)
+        if waiting is not None:
+            held = await asyncio.to_thread(_hold_shared, waiting.directory)
             if held >= 0:
-                return pending.directory, held, False
+                return waiting.directory, held, False
             # Stored meanwhile (moved into the image cache or removed): from the store.
         dest = self.workspace.cache_dir / f"{snapshot_id}-{secrets.token_hex(4)}"
         self.jobs.progress(job, "downloading")
@@ -182,7 +186,7 @@ class Restores:
     async def _cached(self, job: Job, snapshot_id: str) -> CacheLease | None:
         """The snapshot's entry in the image cache, held for the restore, or None. Its
         manifest is checked (its own checksum); its files by :meth:`_intact`."""
-        if self.uploads.waiting(snapshot_id) is not None or not self.image_cache.enabled:
+        if not self.image_cache.enabled:
             return None
         lease = await asyncio.to_thread(self.image_cache.lease, snapshot_id)
         if lease is not None:
@@ -221,14 +225,22 @@ class Restores:
             locked = held.enter_context(contextlib.ExitStack())
             downloaded = held.enter_context(contextlib.ExitStack())
             lending = await held.enter_async_context(contextlib.AsyncExitStack())
-            # Served from the image cache when it holds the snapshot intact: no store request.
-            lease = await self._cached(job, snapshot_id)
+            # Asked once: a snapshot sealed here whose upload has not succeeded is read
+            # where it is. Else served from the image cache when it holds the snapshot
+            # intact: no store request.
+            waiting = self.uploads.waiting(snapshot_id)
+            lease = await self._cached(job, snapshot_id) if waiting is None else None
             if lease is not None:
                 leases.callback(lease.release)
             lent: LentPages | None = None
             # Refused before any download (the request answers 404 or 422): a snapshot that
             # is not there, or that cannot run on this machine, as its manifest says.
-            manifest = lease.manifest if lease else await self.snapshots.manifest(snapshot_id)
+            if lease is not None:
+                manifest = lease.manifest
+            elif waiting is not None:
+                manifest = waiting.manifest
+            else:
+                manifest = await self.snapshots.stored_manifest(snapshot_id)
             check_compatible(manifest)
             job.checked.set()
             if lease is not None:
@@ -245,12 +257,12 @@ class Restores:
                     and self.settings.lazy_from_store
                     and kernel_id is None
                     and target is not None
-                    and self.uploads.waiting(snapshot_id) is None
+                    and waiting is None
                     and worth_lazy(manifest.gpu)
                     and await self.lending.lazy_pages_here()
                 )
                 directory, download_lock, temporary = await self._local_copy(
-                    job, snapshot_id, without_pages=lazily
+                    job, snapshot_id, waiting, without_pages=lazily
                 )
                 locked.callback(os.close, download_lock)  # removed, or admitted: the lease's
                 if temporary:
@@ -350,7 +362,7 @@ class Restores:
                 save_parent=parent.path if parent is not None else None,
             )
             dumped = await self.kernels.request_dumping_into(
-                kernel_id,
+                self.kernels.handle(kernel_id),
                 save_to,
                 lambda wrapper: wrapper.restore(request, self.jobs.wrapper_progress(job)),
                 catch=WrapperUnavailableError,

@@ -105,6 +105,10 @@ class StoredSnapshots:
         pending = self.uploads.waiting(snapshot_id)
         if pending is not None:
             return pending.manifest
+        return await self.stored_manifest(snapshot_id)
+
+    async def stored_manifest(self, snapshot_id: str) -> Manifest:
+        """The manifest of a snapshot in the store (404 if it is not there)."""
         stored = await asyncio.to_thread(self.store.get, snapshot_id)
         return stored.manifest
 
