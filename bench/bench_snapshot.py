@@ -72,7 +72,8 @@ def bench_ours(mib: int, work: Path, criu: Criu) -> dict[str, float]:
         pause = max_gap(kernel)
         kernel.kill_inner()
         started = time.monotonic()
-        kernel.control.request_sync("restore", {"source": str(snap), "verified": True})
+        restore_args = {"source": str(snap), "verified": True, "lazy": kernel.lazily(snap)}
+        kernel.control.request_sync("restore", restore_args)
         restore = time.monotonic() - started
         kernel.kill_inner()
         started = time.monotonic()

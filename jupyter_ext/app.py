@@ -21,8 +21,6 @@ from .core.policies.tick import PolicySettings
 from .core.private import GROUP_SHARED, PRIVATE
 from .core.protocol.environment import (
     ENV_KEY,
-    ENV_LAZY_RESTORE,
-    ENV_LAZY_RESTORE_MIN_BYTES,
     ENV_PID_FLOOR,
     ENV_PREVIOUS_KEYS,
 )
@@ -149,8 +147,7 @@ class SnapshotExtensionApp(SnapshotSettings):
         km: Any = self.server.kernel_manager
         start: Callable[..., Awaitable[str]] = km.start_kernel
         settings = {
-            ENV_LAZY_RESTORE: "1" if self.lazy_restore else "0",
-            ENV_LAZY_RESTORE_MIN_BYTES: str(self.lazy_restore_min_bytes),
+            **self.manager.settings.lazy.to_env(),
             ENV_PID_FLOOR: str(self.kernel_pid_floor),
         }
 

@@ -184,9 +184,9 @@ class SnapshotSettings(ExtensionApp):
         help="""A kernel restored from images on this machine (the image cache, the work
         directory, a suspended kernel coming back) is restored lazily only from this much
         memory on; a smaller one is restored in full, which is faster: reading its memory
-        from the page cache costs less than setting up lazy pages (measured,
-        bench/RESULTS.md). Restores lazily from the store are not affected. Default:
-        768 MiB.""",
+        from the page cache costs less than setting up lazy pages (bench/RESULTS.md).
+        Restores lazily from the store are not affected. The server decides by it, and a
+        wrapper for its suspended kernel coming back. Default: 768 MiB.""",
     )
     kernel_pid_floor = Int(
         PID_FLOOR,

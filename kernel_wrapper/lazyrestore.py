@@ -1,9 +1,12 @@
 """Lazy restores: the restored kernel runs as soon as CRIU has rebuilt it, its memory
 served page by page (``criu lazy-pages``) while the rest arrives in the background.
 
-Here is decided whether a restore goes lazily, and kept the transfer under way and the
-status of the last one (the kernel's status shows it). Completing a transfer, or putting
-back the kernel a failed one replaced, is the snapshotter's (it holds the lock).
+Whether a restore goes lazily is its requester's decision (core.lazypages.lazy_plan: the
+server's, said in ``RestoreRequest.lazy``); this wrapper decides, by the same rule, only
+for the restores no one asks of it (a suspended kernel coming back). Here are kept the
+transfer under way and the status of the last one (the kernel's status shows it).
+Completing a transfer, or putting back the kernel a failed one replaced, is the
+snapshotter's (it holds the lock).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 from jupyter_ext.core.criu import Criu, LazyTransfer
 from jupyter_ext.core.errors import SnapshotError
-from jupyter_ext.core.lazypages import LAZY_MIN_BYTES, pages_bytes, worth_lazy
+from jupyter_ext.core.lazypages import Into, LazySettings, lazy_plan
 from jupyter_ext.core.manifest import Manifest
 
 log = logging.getLogger("kernel_wrapper")
@@ -26,11 +29,9 @@ log = logging.getLogger("kernel_wrapper")
 class LazyRestore:
     """The lazy restores of one kernel."""
 
-    def __init__(self, enabled: bool, min_bytes: int = LAZY_MIN_BYTES) -> None:
-        self.enabled = enabled
-        """Restore with CRIU's lazy pages where the machine supports it..."""
-        self.min_bytes = min_bytes
-        """...from local images, for kernels with at least this much memory."""
+    def __init__(self, settings: LazySettings) -> None:
+        self.settings = settings
+        """For this wrapper's own restores (from the server's settings, in its environment)."""
         self._status: dict[str, Any] = {}
         self._not_transferring = asyncio.Event()
         self._not_transferring.set()
@@ -59,14 +60,22 @@ class LazyRestore:
         await self._not_transferring.wait()
         return self.status
 
-    def wanted(self, manifest: Manifest, criu: Criu, *, local: bool) -> bool:
-        """Lazy restore unless turned off, unsupported here, the kernel had CUDA state
-        (the CUDA restore reads all of its memory at once: nothing to gain), or its memory
-        is ``local`` and small (a full restore is faster then)."""
-        if not self.enabled or not worth_lazy(manifest.gpu):
-            return False
-        if local and pages_bytes(manifest.files) < self.min_bytes:
-            return False
+    def own(self, manifest: Manifest) -> bool:
+        """Whether a restore no one asked of this wrapper (from images on this machine,
+        in place: a suspended kernel coming back) is to go lazily. Whether this CRIU can
+        is asked of every restore as it runs (:meth:`told`), and only of those."""
+        plan = lazy_plan(
+            self.settings, manifest, into=Into.IN_PLACE, in_store=False, supported=True
+        )
+        return plan.lazy
+
+    def told(self, lazy: bool, criu: Criu) -> bool:
+        """Whether a restore said to go ``lazy`` (by its requester, or :meth:`own`) does:
+        in full where this CRIU has no lazy pages, which the requester could not know."""
+        return lazy and self.supported(criu)
+
+    def supported(self, criu: Criu) -> bool:
+        """Whether ``criu`` restores with lazy pages here (asked once; said once if not)."""
         if self._supported is None:
             self._supported, said = criu.supports_lazy_pages()
             if not self._supported:

@@ -9,8 +9,8 @@ Its parts, each with its own module:
   is;
 - :class:`~kernel_wrapper.rollback.Rollback`: a running kernel is saved before a restore
   replaces it, and put back if the restore fails, so it is never lost;
-- :class:`~kernel_wrapper.lazyrestore.LazyRestore`: whether a restore goes lazily, and the
-  transfer of the memory of a kernel restored so;
+- :class:`~kernel_wrapper.lazyrestore.LazyRestore`: whether this wrapper's own restores go
+  lazily, and the transfer of the memory of a kernel restored so;
 - :class:`~kernel_wrapper.gpusteps.GpuSteps`: the CUDA steps of dumps and restores;
 - :class:`~kernel_wrapper.record.KernelRecord`: the kernel's lineage, and the snapshot a
   suspended kernel comes back from.
@@ -29,7 +29,7 @@ from typing import Any
 from jupyter_ext.core.agent.client import AgentCriu
 from jupyter_ext.core.criu import Criu, LazyTransfer
 from jupyter_ext.core.errors import KernelNotRunningError, SnapshotBusyError, SnapshotError
-from jupyter_ext.core.lazypages import LAZY_MIN_BYTES, UNIX_PREFIX
+from jupyter_ext.core.lazypages import LazySettings
 from jupyter_ext.core.manifest import Manifest, new_snapshot_id, remove_tree
 from jupyter_ext.core.memtrack.plan import AFTER_RESTORE
 from jupyter_ext.core.protocol.control import (
@@ -72,10 +72,11 @@ class Snapshotter:
         process: Supervisor,
         runtime: RuntimeDir,
         criu_path: str | None,
-        lazy_restore: bool,
+        lazy: LazySettings,
         agent: KernelAgent,
-        lazy_min_bytes: int = LAZY_MIN_BYTES,
     ) -> None:
+        """``lazy``: the settings of this wrapper's own restores (the server decides
+        for those it asks)."""
         self.lifecycle = lifecycle
         self.relay = relay
         self.process = process
@@ -88,7 +89,7 @@ class Snapshotter:
             process=process,
             runtime=runtime,
             gpu=GpuSteps(agent),
-            lazy=LazyRestore(lazy_restore, lazy_min_bytes),
+            lazy=LazyRestore(lazy),
             record=KernelRecord(),
             memory=KernelMemory(relay),
             agent=agent,
@@ -148,7 +149,7 @@ class Snapshotter:
                 f"The kernel is not suspended (it is {self.lifecycle.state.value}).",
                 hint="Only suspended kernels can be resumed.",
             )
-        return await self.restore(progress, RestoreRequest(suspended))
+        return await self.restore(progress, await self._own_request(suspended))
 
     async def wake(self) -> None:
         """Bring a suspended kernel back for a request that needs it (idle GPU suspend)."""
@@ -156,9 +157,17 @@ class Snapshotter:
             return
         if self.record.suspended_snapshot is not None:
             try:
-                await self._restore(RestoreRequest(self.record.suspended_snapshot), lambda _: None)
+                request = await self._own_request(self.record.suspended_snapshot)
+                await self._restore(request, lambda _: None)
             except SnapshotError as exc:
                 log.error("resuming the suspended kernel failed: %s", exc)
+
+    async def _own_request(self, source: Path) -> RestoreRequest:
+        """A restore no one asked of this wrapper (its suspended kernel coming back), lazy
+        as this wrapper's settings say (core.lazypages.lazy_plan, as the server decides
+        for the restores it asks)."""
+        manifest = await asyncio.to_thread(Manifest.read, source)
+        return RestoreRequest(source, lazy=self.lazy.own(manifest))
 
     async def restore(self, progress: ProgressCallback, args: RestoreRequest) -> Restored:
         self._refuse_if_busy()
@@ -176,8 +185,9 @@ class Snapshotter:
 
     async def _restore(self, args: RestoreRequest, progress: ProgressCallback) -> Manifest:
         """Replace the inner kernel (if any) by the snapshot in ``args.source``
-        (kernel_wrapper.restore), lazily where it pays (kernel_wrapper.lazyrestore): a
-        kernel saved before the restore is then kept until every page is in.
+        (kernel_wrapper.restore), lazily if ``args.lazy`` says so and this CRIU can
+        (kernel_wrapper.lazyrestore): a kernel saved before the restore is then kept
+        until every page is in.
 
         A running kernel is first saved into the new directory ``args.save_to`` (default
         a new one beside the source) and put back if the restore fails
@@ -186,8 +196,7 @@ class Snapshotter:
         async with self._lock:
             manifest = await self.restorer.checked(source, progress, args.verified)
             criu = self._criu_binary()
-            local = not _from_server(args.pages_from)
-            lazy = self.lazy.wanted(manifest, criu, local=local)
+            lazy = self.lazy.told(args.lazy, criu)
             saved: SavedKernel | None = None
             if self.lifecycle.is_(State.RUNNING) and self.process.pid is not None:
                 directory = args.save_to or source.parent / new_snapshot_id()
@@ -273,9 +282,3 @@ class Snapshotter:
         except SnapshotError as final:
             return final
         return exc  # put_back always raises
-
-
-def _from_server(pages_from: str | None) -> bool:
-    """Whether a restore's memory comes from a server lending the store (``unix:PATH``),
-    not from images on this machine."""
-    return pages_from is not None and pages_from.startswith(UNIX_PREFIX)

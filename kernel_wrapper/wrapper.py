@@ -40,7 +40,7 @@ from jupyter_ext.core.death import Death
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.gpu import kernel_gpu_status
 from jupyter_ext.core.isolation.pidspace import PID_FLOOR
-from jupyter_ext.core.lazypages import LAZY_MIN_BYTES
+from jupyter_ext.core.lazypages import LazySettings
 from jupyter_ext.core.protocol.control import (
     AWAIT_RESTORE_SECONDS,
     KernelJournal,
@@ -55,8 +55,6 @@ from jupyter_ext.core.protocol.control import (
 from jupyter_ext.core.protocol.environment import (
     DEFAULT_RUNTIME_ROOT,
     ENV_INNER_DIR,
-    ENV_LAZY_RESTORE,
-    ENV_LAZY_RESTORE_MIN_BYTES,
     ENV_PID_FLOOR,
 )
 from jupyter_ext.core.protocol.inner import REFUSED_FILE
@@ -172,9 +170,8 @@ class KernelWrapper:
             process=self.process,
             runtime=self.runtime,
             criu_path=self._criu_path,
-            lazy_restore=os.environ.get(ENV_LAZY_RESTORE, "1") != "0",
+            lazy=LazySettings.from_env(os.environ),
             agent=BridgedAgent(self.relay) if self.kernel_argv else IPythonAgent(self.relay),
-            lazy_min_bytes=int(os.environ.get(ENV_LAZY_RESTORE_MIN_BYTES) or LAZY_MIN_BYTES),
         )
 
     # ------------------------------------------------------------------ lifecycle

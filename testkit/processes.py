@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -28,7 +29,10 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.connect import write_connection_file
 
 from jupyter_ext.core import proctree
+from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import SnapshotError
+from jupyter_ext.core.lazypages import Into, LazySettings, lazy_plan
+from jupyter_ext.core.manifest import Manifest
 from jupyter_ext.core.protocol.control import RestoreRequest, WrapperClient, WrapperInfo
 from jupyter_ext.core.protocol.environment import ENV_AWAIT_RESTORE, ENV_KEY
 from jupyter_ext.core.protocol.progress import ProgressCallback
@@ -42,6 +46,15 @@ if TYPE_CHECKING:
 HEARTBEAT_GRACE = 10.0
 #: Starts tried when the ports chosen for a kernel were taken meanwhile.
 PORT_ATTEMPTS = 3
+
+
+@functools.cache
+def _lazy_pages() -> bool:
+    """Whether this machine's CRIU restores with lazy pages (asked once)."""
+    try:
+        return Criu.locate().supports_lazy_pages()[0]
+    except SnapshotError:
+        return False
 
 
 class KernelProcess:
@@ -94,6 +107,8 @@ class KernelProcess:
         self.log_path = workdir / f"{self.connection_file.stem}.log"
         self._log = self.log_path.open("wb")
         environ = {**os.environ, **(env or {})}
+        self.lazy_settings = LazySettings.from_env(environ)
+        """The lazy-restore settings the wrapper has (for its own restores)."""
         marker = workdir / f"await-restore-{uuid.uuid4().hex}"
         if restore_from is not None:  # as the server restores into a new kernel
             marker.touch()
@@ -153,7 +168,20 @@ class KernelProcess:
             return self.process.poll() is None
 
         wrapper = await WrapperClient.when_up(self.connection_file, alive)
-        await wrapper.restore(RestoreRequest(source))
+        await wrapper.restore(RestoreRequest(source, lazy=self.lazily(source, Into.NEW_KERNEL)))
+
+    def lazily(self, source: Path, into: Into = Into.IN_PLACE) -> bool:
+        """Whether a restore of ``source`` (images on this machine) asked by this harness
+        goes lazily: decided as the server decides for the restores it asks
+        (core.lazypages.lazy_plan), with the settings the wrapper has."""
+        try:
+            manifest = Manifest.read(source)
+        except SnapshotError:
+            return False  # the wrapper says what is wrong with the snapshot
+        plan = lazy_plan(
+            self.lazy_settings, manifest, into=into, in_store=False, supported=_lazy_pages()
+        )
+        return plan.lazy
 
     def log(self) -> str:
         self._log.flush()
@@ -189,7 +217,10 @@ class KernelProcess:
 
     def restore(self, source: Path, on_progress: ProgressCallback | None = None) -> dict[str, Any]:
         result: dict[str, Any] = self.control.request_sync(
-            "restore", {"source": str(source)}, on_progress=on_progress, timeout=300
+            "restore",
+            {"source": str(source), "lazy": self.lazily(source)},
+            on_progress=on_progress,
+            timeout=300,
         )
         return result
 

@@ -98,6 +98,44 @@ async def test_restore_is_served_from_the_cache_without_the_store(
     assert cached_ids(manager) == [snap["id"]]
 
 
+@pytest.mark.needs_root("lazy restore")
+async def test_the_server_decides_whether_a_cached_kernel_restores_lazily(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any
+) -> None:
+    """From the cache (images on this machine) a kernel is restored lazily from
+    lazy_restore_min_bytes of memory on, into a new kernel and in place: the server
+    decides (core.lazypages.lazy_plan) and tells the wrapper, whose own settings (in its
+    environment: the default minimum, far above this kernel) are only for its own
+    restores."""
+    manager = manager_of(jp_serverapp)
+    if not await manager.lending.lazy_pages_here():
+        pytest.skip("lazy pages are not supported on this machine")
+    kernel = await start_kernel()
+    await kernel.run(STATE.format(n=2_000_000))
+    snapshot_id = (await snapshot(jp_fetch, kernel.id))["result"]["id"]
+
+    async def lazy_state(kernel_id: str) -> dict[str, Any]:
+        await manager.lending.settled()  # the kernel has all of its memory
+        status = await call(jp_fetch, "GET", "kernels", kernel_id)
+        state: dict[str, Any] = status["lazy_restore"]
+        return state
+
+    manager.lazy_min_bytes = 0
+    result = await restore(jp_fetch, snapshot_id)
+    assert result["source"] == "cache"
+    assert (await lazy_state(result["kernel_id"])).get("state") == "complete"
+    assert await run_in(start_kernel, result["kernel_id"], CHECK) == "True 2000000"
+    await kernel.run("st = None")
+    assert (await restore(jp_fetch, snapshot_id, kernel_id=kernel.id))["source"] == "cache"
+    assert (await lazy_state(kernel.id)).get("state") == "complete"
+    assert (await kernel.run(CHECK)).strip() == "True 2000000"
+
+    manager.lazy_min_bytes = 1 << 40  # the same kernel, in full
+    result = await restore(jp_fetch, snapshot_id)
+    assert await lazy_state(result["kernel_id"]) == {}
+    assert await run_in(start_kernel, result["kernel_id"], CHECK) == "True 2000000"
+
+
 class TestUnencrypted:
     @pytest.fixture
     def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:

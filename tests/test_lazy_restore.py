@@ -61,17 +61,16 @@ PAGES = re.compile(rf"{IMAGES_DIR}/pages-\d+\.img")
 
 
 @pytest.fixture(autouse=True)
-def _lazy_pages_here(criu: Criu, monkeypatch: pytest.MonkeyPatch) -> None:
+def _lazy_pages_here(criu: Criu) -> None:
     if not criu.supports_lazy_pages()[0]:
         pytest.skip("lazy pages are not supported on this machine")
-    # These kernels are small: restored lazily from local images too (the default
-    # restores kernels below LAZY_MIN_BYTES in full, see test_small_kernels_restore_in_full).
-    monkeypatch.setenv(ENV_LAZY_RESTORE_MIN_BYTES, "0")
 
 
 def restore(kernel: KernelProcess, source: Path, **args: Any) -> dict[str, Any]:
+    """A restore asked of the wrapper as the server asks it, lazily unless ``args`` say
+    ``lazy=False`` (whether is the requester's decision: tests/test_lazy_plan.py)."""
     result: dict[str, Any] = kernel.control.request_sync(
-        "restore", {"source": str(source), **args}, timeout=300
+        "restore", {"source": str(source), "lazy": True, **args}, timeout=300
     )
     return result
 
@@ -386,45 +385,52 @@ def test_store_gone_while_the_kernel_runs_puts_the_kernel_back(
     only_the_kernel_left(kernel)
 
 
-def test_small_kernels_restore_in_full(kernel_factory: Factory, tmp_path: Path) -> None:
-    """From local images a kernel below lazy_restore_min_bytes is restored in full (faster
-    than lazy pages); one from a server lending the store is lazy whatever its size."""
-    kernel = kernel_factory(env={ENV_LAZY_RESTORE_MIN_BYTES: str(LAZY_MIN_BYTES)})
-    kernel.execute(STATE)
-    kernel.snapshot(tmp_path / "snap", track_memory=False)
-    restore(kernel, tmp_path / "snap")
-    assert lazy_state(kernel) == {}
-    assert kernel.execute(CHECK).strip() == "True 67108864"
-    store = LocalStore(tmp_path / "store")
-    stored = store.put(tmp_path / "snap")
-    lent = tmp_path / "lent"
-    store.fetch(stored.manifest.id, lent, skip=lambda path: PAGES.fullmatch(path) is not None)
-    server = RangeServer(
-        PrefixedPages(store.open_images(stored.manifest.id), f"{IMAGES_DIR}/"),
-        tmp_path / "pages.sock",
-    )
-    try:
-        kernel.execute("lazy_a[:] = 0")
-        restore(kernel, lent, verified=True, pages_from=server.address)
-        assert settled(kernel)["state"] == "complete"
-        assert kernel.execute(CHECK).strip() == "True 67108864"
-    finally:
-        server.close()
-        store.close()
+def test_a_suspended_kernel_comes_back_as_its_wrappers_settings_say(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """No one asks the wrapper to resume its suspended kernel (a resume request, or a
+    request that wakes it): the wrapper decides, by the rule the server decides by for
+    the restores it asks (core.lazypages.lazy_plan), with the settings the server gave it
+    (its environment): lazily from lazy_restore_min_bytes on, in full below it or with
+    lazy_restore off."""
+    settings = {
+        "lazy": {ENV_LAZY_RESTORE_MIN_BYTES: "0"},
+        "small": {ENV_LAZY_RESTORE_MIN_BYTES: str(LAZY_MIN_BYTES)},
+        "off": {ENV_LAZY_RESTORE: "0", ENV_LAZY_RESTORE_MIN_BYTES: "0"},
+    }
+    for name, env in settings.items():
+        kernel = kernel_factory(env=env)
+        kernel.execute(STATE)
+        for came_back in (1, 2):
+            suspend = {"dest": str(tmp_path / f"{name}-{came_back}"), "track_memory": False}
+            kernel.control.request_sync("suspend", suspend, timeout=120)
+            if came_back == 1:
+                kernel.control.request_sync("resume", timeout=300)  # asked, but not how
+            assert kernel.execute(CHECK).strip() == "True 67108864", name  # (else woken)
+            settled(kernel)
+            lazily = kernel.log().count("lazy restore complete")
+            assert lazily == (came_back if name == "lazy" else 0), (name, kernel.log()[-3000:])
 
 
-def test_lazy_restore_can_be_turned_off(kernel_factory: Factory, tmp_path: Path) -> None:
-    kernel = kernel_factory(env={ENV_LAZY_RESTORE: "0"})
+def test_a_restore_not_said_lazy_reads_every_page_first(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """The wrapper follows the request: not lazy (lazy_restore off, a small kernel from
+    local images, a GPU kernel: the server's decision), every page is in before the
+    kernel runs, from its own images or from elsewhere."""
+    kernel = kernel_factory(env={ENV_LAZY_RESTORE_MIN_BYTES: "0"})  # its own rule: lazy
     kernel.execute(STATE)
     kernel.snapshot(tmp_path / "snap", track_memory=False)
-    restore(kernel, tmp_path / "snap")
+    restore(kernel, tmp_path / "snap", lazy=False)
     assert lazy_state(kernel) == {}
     assert kernel.execute(CHECK).strip() == "True 67108864"
     # Pages from elsewhere (the store's way) without lazy restore: all read first.
     local = tmp_path / "local"
     shutil.copytree(tmp_path / "snap", local, ignore=shutil.ignore_patterns("pages-*.img"))
     kernel.execute("lazy_a[:] = 0")
-    restore(kernel, local, verified=True, pages_from=str(tmp_path / "snap" / IMAGES_DIR))
+    restore(
+        kernel, local, verified=True, pages_from=str(tmp_path / "snap" / IMAGES_DIR), lazy=False
+    )
     assert lazy_state(kernel) == {}
     assert kernel.execute(CHECK).strip() == "True 67108864"
     verify(local)
@@ -446,7 +452,7 @@ def test_lazy_restore_can_be_turned_off(kernel_factory: Factory, tmp_path: Path)
     server = RangeServer(PrefixedPages(images, f"{IMAGES_DIR}/"), tmp_path / "pages.sock")
     try:
         kernel.execute("lazy_a[:] = 0")
-        restore(kernel, kept, verified=True, pages_from=server.address)
+        restore(kernel, kept, verified=True, pages_from=server.address, lazy=False)
     finally:
         server.close()
         store.close()

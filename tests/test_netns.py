@@ -313,15 +313,15 @@ def test_idle_suspend_and_resume_of_a_copy(kernel_factory: Factory, tmp_path: Pa
 def test_lazy_restore_of_a_copy(kernel_factory: Factory, tmp_path: Path) -> None:
     """A copy restored with lazy pages goes into its own namespace the same way."""
     from jupyter_ext.core.criu import Criu
-    from jupyter_ext.core.protocol.environment import ENV_LAZY_RESTORE_MIN_BYTES
 
     if not Criu.locate().supports_lazy_pages()[0]:
         pytest.skip("lazy pages are not supported on this machine")
     kernel = kernel_factory()
     kernel.execute(KERNEL + "import numpy as np; big = np.arange(4 << 20)\n")
     kernel.snapshot(tmp_path / "snap")
-    copy = kernel_factory(env={ENV_LAZY_RESTORE_MIN_BYTES: "0"})
-    copy.control.request_sync("restore", {"source": str(tmp_path / "snap")}, timeout=300)
+    copy = kernel_factory()
+    restore = {"source": str(tmp_path / "snap"), "lazy": True}
+    copy.control.request_sync("restore", restore, timeout=300)
     wait_until(lambda: copy.status()["lazy_restore"].get("state") != "transferring", 120)
     assert copy.status()["lazy_restore"]["state"] == "complete"
     assert copy.status()["own_network"]

@@ -237,6 +237,7 @@ def test_a_manager_made_apart_has_the_servers_defaults(manager: SnapshotManager)
     )
     assert manager.keep_last > 0
     assert manager.settings.lazy_from_store == defaults["lazy_restore_from_store"]
+    assert manager.settings.lazy_min_bytes == defaults["lazy_restore_min_bytes"]
     assert manager.settings.image_cache_max_bytes == defaults["image_cache_max_bytes"]
 
 

@@ -19,8 +19,11 @@ import zmq
 import zmq.asyncio
 from jupyter_client.session import DELIM, Session
 
+from jupyter_ext.core.agent.client import AgentCriu
+from jupyter_ext.core.agent.protocol import Hello
 from jupyter_ext.core.death import Death
 from jupyter_ext.core.errors import SnapshotBusyError, SnapshotError
+from jupyter_ext.core.lazypages import LazySettings
 from jupyter_ext.core.protocol.control import SnapshotArgs, StatusArgs, WrapperClient
 from jupyter_ext.core.protocol.inner import INNER_PORTS
 from jupyter_ext.core.protocol.progress import ProgressCallback
@@ -333,7 +336,7 @@ def test_the_end_of_a_lazy_restore_is_told_when_it_happens() -> None:
     when no transfer runs."""
 
     async def scenario() -> None:
-        lazy = LazyRestore(enabled=True)
+        lazy = LazyRestore(LazySettings(enabled=True))
         assert await lazy.end() == {}  # none ever ran
         lazy.starting()
         waiting = asyncio.ensure_future(lazy.end())
@@ -349,3 +352,19 @@ def test_the_end_of_a_lazy_restore_is_told_when_it_happens() -> None:
         assert (await waiting)["state"] == "failed"
 
     asyncio.run(scenario())
+
+
+def test_a_restore_said_lazy_goes_in_full_where_the_criu_has_no_lazy_pages(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The requester decides (core.lazypages.lazy_plan); a wrapper whose CRIU cannot (the
+    node agent's: unprivileged) restores in full instead of failing, and says so once."""
+    hello = Hello(1, "4.0", "alice", "jupyter-alice", "pod", "container")
+    agent = AgentCriu(Path("/nonexistent/agent.sock"), (4, 0), "node agent", hello)
+    lazy = LazyRestore(LazySettings(enabled=True, min_bytes=0))
+    with caplog.at_level("WARNING", logger="kernel_wrapper"):
+        assert not lazy.told(True, agent)
+        assert not lazy.told(True, agent)
+    assert caplog.text.count("lazy restore is not supported here") == 1
+    assert "node agent runs CRIU as this pod's user" in caplog.text
+    assert not lazy.told(False, agent)

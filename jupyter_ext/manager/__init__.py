@@ -111,6 +111,7 @@ class SnapshotManager:
     max_bytes = _Setting[int]()
     release_gpu_caches = _Setting[bool]()
     lazy_restore = _Setting[bool]()
+    lazy_min_bytes = _Setting[int]()
     lazy_from_store = _Setting[bool]()
     chunk_kib = _Setting[int | None]()
     track_memory = _Setting[bool]()

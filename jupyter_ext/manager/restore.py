@@ -17,7 +17,7 @@ from typing import Any
 from ..core.compat import check_compatible
 from ..core.errors import WrapperUnavailableError
 from ..core.imagecache import CacheLease, ImageCache, lock_shared, stamp_tree
-from ..core.lazypages import PAGES_FILE_RE, worth_lazy
+from ..core.lazypages import PAGES_FILE_RE, Into, LazyPlan, lazy_plan
 from ..core.manifest import (
     Manifest,
     Stamps,
@@ -52,6 +52,14 @@ class Target:
 
     path: str | None = None
     session_id: str | None = None
+
+
+def _into(kernel_id: str | None, target: Target | None) -> Into:
+    """Where a restore goes: in place of ``kernel_id``, else into a new kernel for
+    ``target``'s notebook, else (no target) a side kernel."""
+    if kernel_id is not None:
+        return Into.IN_PLACE
+    return Into.NEW_KERNEL if target is not None else Into.SIDE_KERNEL
 
 
 def _released(lease: CacheLease) -> Callable[[dict[str, Any]], Awaitable[None]]:
@@ -245,22 +253,20 @@ class Restores:
             job.checked.set()
             if lease is not None:
                 lease = await self._intact(job, lease)
+            # Decided once, here, for the wrapper too (RestoreRequest.lazy): from the store
+            # into a new kernel, all but the kernel's memory first and the kernel runs while
+            # its pages come (each chunk checked); from images here, lazily if it is big.
+            plan = lazy_plan(
+                self.settings.lazy,
+                manifest,
+                into=_into(kernel_id, target),
+                in_store=lease is None and waiting is None,
+                supported=await self.lending.lazy_pages_here(),
+            )
             if lease is not None:
                 directory, manifest, source = lease.path, lease.manifest, "cache"
             else:
-                # Into a new kernel, lazily: all but the kernel's memory first; the kernel
-                # runs while its pages come (each chunk checked). Not in place: there a
-                # damaged chunk must fail the restore before the running kernel is touched.
-                # Never a side kernel (variables.py): a damaged page would end it midway.
-                lazily = (
-                    self.settings.lazy_restore
-                    and self.settings.lazy_from_store
-                    and kernel_id is None
-                    and target is not None
-                    and waiting is None
-                    and worth_lazy(manifest.gpu)
-                    and await self.lending.lazy_pages_here()
-                )
+                lazily = plan is LazyPlan.FROM_STORE
                 directory, download_lock, temporary = await self._local_copy(
                     job, snapshot_id, waiting, without_pages=lazily
                 )
@@ -292,13 +298,15 @@ class Restores:
                         downloaded.pop_all()  # the folder is the cache's now
                         directory = lease.path
             pages_from = lent.address if lent is not None else None
-            if kernel_id is not None:  # never lazily from the store (see above)
+            if kernel_id is not None:  # never lazily from the store (lazy_plan)
                 # The wrapper says what it does (saving the running kernel, restoring).
-                restored = await self._restore_in_place(job, kernel_id, directory)
+                restored = await self._restore_in_place(job, kernel_id, directory, plan.lazy)
                 self.on_restored(kernel_id, job)
             else:
                 self.jobs.progress(job, "restoring")
-                request = RestoreRequest(directory, verified=True, pages_from=pages_from)
+                request = RestoreRequest(
+                    directory, verified=True, pages_from=pages_from, lazy=plan.lazy
+                )
                 kernel_id, restored = await self.kernels.start_restored(
                     manifest.kernel_spec.get("name") or KERNEL_NAME,
                     manifest.notebook_path,
@@ -343,8 +351,11 @@ class Restores:
         now = await self.sessions.notebook_path(taken_by) if taken_by else None
         return now or self.snapshots.paths.now(manifest.notebook_path)
 
-    async def _restore_in_place(self, job: Job, kernel_id: str, directory: Path) -> Restored:
-        """Restore ``directory`` into the running kernel. The wrapper first saves that
+    async def _restore_in_place(
+        self, job: Job, kernel_id: str, directory: Path, lazy: bool
+    ) -> Restored:
+        """Restore ``directory`` into the running kernel (``lazy``: with lazy pages, from
+        ``directory``'s own images). The wrapper first saves that
         kernel into staging (a failed restore puts it back). If the wrapper dies meanwhile,
         what it saved is stored like any snapshot when it was sealed (the kernel's state,
         restorable), and removed at once when it was not."""
@@ -358,6 +369,7 @@ class Restores:
             request = RestoreRequest(
                 directory,
                 verified=True,
+                lazy=lazy,
                 save_to=save_to,
                 save_parent=parent.path if parent is not None else None,
             )

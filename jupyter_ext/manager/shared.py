@@ -11,6 +11,7 @@ from typing import Any
 
 from ..core.contents import short_contents
 from ..core.errors import BadIdError
+from ..core.lazypages import LazySettings
 from ..core.manifest import Manifest
 from ..core.store import StoredSnapshot
 from ..settings import SnapshotSettings
@@ -24,7 +25,8 @@ EmitEvent = Callable[[str, dict[str, Any]], None]
 @dataclass
 class ManagerSettings:
     """SnapshotExtensionApp's traits of the same names (there documented; ``max_bytes`` is
-    its ``max_store_bytes``, ``lazy_from_store`` its ``lazy_restore_from_store``). One
+    its ``max_store_bytes``, ``lazy_min_bytes`` its ``lazy_restore_min_bytes``,
+    ``lazy_from_store`` its ``lazy_restore_from_store``). One
     object the parts share: a change (tests make some) reaches every part. No defaults of
     its own: :meth:`from_traits` reads them where they are declared, once."""
 
@@ -35,6 +37,7 @@ class ManagerSettings:
     image_cache_max_bytes: int
     release_gpu_caches: bool
     lazy_restore: bool
+    lazy_min_bytes: int
     lazy_from_store: bool
     chunk_kib: int | None
     track_memory: bool
@@ -53,11 +56,17 @@ class ManagerSettings:
             image_cache_max_bytes=source.image_cache_max_bytes,
             release_gpu_caches=source.release_gpu_caches,
             lazy_restore=source.lazy_restore,
+            lazy_min_bytes=source.lazy_restore_min_bytes,
             lazy_from_store=source.lazy_restore_from_store,
             chunk_kib=source.chunk_kib or None,
             track_memory=source.track_memory,
             restore_on_death=source.restore_on_death,
         )
+
+    @property
+    def lazy(self) -> LazySettings:
+        """The lazy-restore settings, as core.lazypages.lazy_plan reads them."""
+        return LazySettings(self.lazy_restore, self.lazy_min_bytes, self.lazy_from_store)
 
 
 class _TraitDefaults:

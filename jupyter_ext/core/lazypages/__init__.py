@@ -16,8 +16,8 @@ and reports the error, and the caller kills the half-restored tree (a process wh
 userfaultfd goes away would read zeros instead of its memory).
 
 The parts: ``sources.py`` (page sources), ``rangeipc.py`` (a source lent to another
-process over a unix socket), ``pagemap.py`` (CRIU's pagemap images), ``policy.py`` (what
-is restored lazily, in which order, and the back-off while the kernel faults) and
+process over a unix socket), ``pagemap.py`` (CRIU's pagemap images), ``policy.py`` (whether
+and what is restored lazily, in which order, and the back-off while the kernel faults) and
 ``server.py`` (CRIU's page-server protocol, the local write-through copy).
 """
 
@@ -27,9 +27,11 @@ from .policy import (
     LAZY_MIN_BYTES,
     PAGES_FILE_RE,
     Faults,
-    pages_bytes,
+    Into,
+    LazyPlan,
+    LazySettings,
+    lazy_plan,
     restore_order,
-    worth_lazy,
 )
 from .rangeipc import UNIX_PREFIX, RangeServer, RemotePages, page_source
 from .server import READ_ATTEMPTS, PageServer, stage_pages_files
@@ -44,6 +46,9 @@ __all__ = [
     "UNIX_PREFIX",
     "DirectoryPages",
     "Faults",
+    "Into",
+    "LazyPlan",
+    "LazySettings",
     "PageFetchError",
     "PageServer",
     "PageSource",
@@ -53,11 +58,10 @@ __all__ = [
     "Range",
     "RangeServer",
     "RemotePages",
+    "lazy_plan",
     "page_source",
-    "pages_bytes",
     "parse_pagemap",
     "read_pagemaps",
     "restore_order",
     "stage_pages_files",
-    "worth_lazy",
 ]

@@ -1,15 +1,22 @@
 """What is restored lazily, in which order, and how background reads give way to the
 kernel's page faults (the one definition of that back-off: the page server's prefetch and
-the store's background download both use :class:`Faults`)."""
+the store's background download both use :class:`Faults`).
+
+Whether a restore goes lazily is decided once, by :func:`lazy_plan`: by the server for
+every restore it asks of a wrapper (``RestoreRequest.lazy`` says it), by the wrapper for
+its own (a suspended kernel coming back)."""
 
 from __future__ import annotations
 
+import enum
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..manifest import IMAGES_DIR, FileEntry
+from ..manifest import IMAGES_DIR, FileEntry, Manifest
+from ..protocol.environment import ENV_LAZY_RESTORE, ENV_LAZY_RESTORE_MIN_BYTES
 from .chain import resolve
 from .pagemap import PAGE_SIZE
 from .sources import Range
@@ -62,6 +69,80 @@ def worth_lazy(gpu: dict[str, object]) -> bool:
     """Whether a kernel is restored lazily at all (given the manifest's ``gpu``): not one
     with CUDA state, whose restore reads all of its memory at once."""
     return not gpu.get("ns_pids")
+
+
+class Into(enum.Enum):
+    """Where a restore goes."""
+
+    NEW_KERNEL = "new-kernel"
+    """A new kernel, for a notebook."""
+    IN_PLACE = "in-place"
+    """In place of a running (or suspended) kernel."""
+    SIDE_KERNEL = "side-kernel"
+    """A new kernel for no notebook (variables.py), read from and ended."""
+
+
+class LazyPlan(enum.Enum):
+    """How a restore gets the kernel's memory."""
+
+    FULL = "full"
+    """Every page read before the kernel runs."""
+    LOCAL = "local"
+    """Lazily, from images on this machine."""
+    FROM_STORE = "from-store"
+    """Lazily, the store's pages lent to the wrapper while they download."""
+
+    @property
+    def lazy(self) -> bool:
+        return self is not LazyPlan.FULL
+
+
+@dataclass(frozen=True)
+class LazySettings:
+    """The lazy-restore settings (SnapshotExtensionApp's ``lazy_restore``,
+    ``lazy_restore_min_bytes``, ``lazy_restore_from_store``)."""
+
+    enabled: bool
+    min_bytes: int = LAZY_MIN_BYTES
+    from_store: bool = True
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> LazySettings:
+        """As the server passes them to the wrappers it starts (in their environment:
+        for their own restores, a suspended kernel coming back)."""
+        return cls(
+            enabled=environ.get(ENV_LAZY_RESTORE, "1") != "0",
+            min_bytes=int(environ.get(ENV_LAZY_RESTORE_MIN_BYTES) or LAZY_MIN_BYTES),
+        )
+
+    def to_env(self) -> dict[str, str]:
+        """What :meth:`from_env` reads (the server sets it for each snapshot kernel)."""
+        return {
+            ENV_LAZY_RESTORE: "1" if self.enabled else "0",
+            ENV_LAZY_RESTORE_MIN_BYTES: str(self.min_bytes),
+        }
+
+
+def lazy_plan(
+    settings: LazySettings, manifest: Manifest, *, into: Into, in_store: bool, supported: bool
+) -> LazyPlan:
+    """How the restore of ``manifest`` (its source the store when ``in_store``, else
+    images on this machine) gets its memory, where lazy pages are ``supported``.
+
+    Never lazily when turned off, unsupported, or for a kernel with CUDA state (its CUDA
+    restore reads all of its memory at once: nothing to gain). From the store only into a
+    new kernel: in place, a damaged chunk must fail the restore before the running kernel
+    is touched, and a side kernel would end midway at one. A restore from the store that
+    does not go lazily downloads every file first, and is then one from local images:
+    lazy from ``settings.min_bytes`` of memory on (below, reading the pages files costs
+    less than setting up lazy pages)."""
+    if not (settings.enabled and supported and worth_lazy(manifest.gpu)):
+        return LazyPlan.FULL
+    if in_store and settings.from_store and into is Into.NEW_KERNEL:
+        return LazyPlan.FROM_STORE
+    if pages_bytes(manifest.files) >= settings.min_bytes:
+        return LazyPlan.LOCAL
+    return LazyPlan.FULL
 
 
 def restore_order(images_dir: Path) -> tuple[list[Range], list[Range]]:

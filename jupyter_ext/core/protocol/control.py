@@ -287,6 +287,9 @@ class RestoreRequest:
     directory, or ``unix:PATH`` of a server lending the store (lazy restore). With
     ``source``'s pages files missing the wrapper makes them and fills them in; present,
     they are the lender's (the server downloads them as the kernel runs)."""
+    lazy: bool = False
+    """Restore with lazy pages: the requester decided (core.lazypages.lazy_plan); the
+    wrapper follows, in full only where its CRIU has no lazy pages."""
 
     save_to: Path | None = None
     """A restore in place first saves the running kernel here (put back on failure)."""
@@ -298,6 +301,8 @@ class RestoreRequest:
         data: dict[str, Any] = {"source": str(self.source), "verified": self.verified}
         if self.pages_from:
             data["pages_from"] = self.pages_from
+        if self.lazy:
+            data["lazy"] = True
         if self.save_to:
             data["save_to"] = str(self.save_to)
         if self.save_parent:
@@ -306,13 +311,14 @@ class RestoreRequest:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RestoreRequest:
-        unknown = set(data) - {"source", "verified", "pages_from", "save_to", "save_parent"}
+        unknown = set(data) - {"source", "verified", "pages_from", "lazy", "save_to", "save_parent"}
         if unknown or not isinstance(data.get("source"), str):
             raise TypeError(f"a restore needs a source and takes no {sorted(unknown)}")
         return cls(
             Path(data["source"]),
             bool(data.get("verified")),
             data.get("pages_from") or None,
+            bool(data.get("lazy")),
             Path(data["save_to"]) if data.get("save_to") else None,
             Path(data["save_parent"]) if data.get("save_parent") else None,
         )
