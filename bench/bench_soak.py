@@ -449,6 +449,8 @@ def soak(
             "cull_connected": False,
         }
         env = dict(CREDENTIALS)
+        if not args.pymalloc:  # as the product's launchers start it (jupyter_ext/memory.py)
+            env["PYTHONMALLOC"] = "malloc"
         if glibc_defaults:
             env["JUPYTER_SNAPSHOT_MALLOC_TUNING"] = "0"
         env.update(hook.env())
@@ -565,6 +567,11 @@ def main() -> int:
     )
     parser.add_argument("--json", metavar="PATH", help="write the result here too")
     parser.add_argument(
+        "--pymalloc",
+        action="store_true",
+        help="the server with CPython's own small-object allocator (before 2026-12-05)",
+    )
+    parser.add_argument(
         "--baseline",
         type=int,
         default=0,
@@ -581,6 +588,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="jks-soak-") as tmp:
             result = soak(args, Path(tmp), run, glibc_defaults)
         result["malloc"] = "glibc defaults" if glibc_defaults else "ours"
+        result["allocator"] = "pymalloc" if args.pymalloc else "malloc"
         results.append(result)
         print(json.dumps(result, indent=2))
         print(

@@ -25,7 +25,9 @@ case "${1:-}" in
     setup_machine dev
     log "JupyterLab (kernel: 'Python 3 (snapshots)')"
     "$VENV/bin/jupyter" snapshot doctor || true
-    exec "$VENV/bin/jupyter" lab --allow-root "$@"
+    # The server's small objects from malloc, which gives back what its jobs freed
+    # (jupyter_ext/memory.py: kernels do not inherit it).
+    PYTHONMALLOC=malloc exec "$VENV/bin/jupyter" lab --allow-root "$@"
     ;;
   setup)
     setup_machine dev
