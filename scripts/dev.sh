@@ -56,10 +56,12 @@ case "${1:-}" in
     log "quick tests (set-up took ${SECONDS} s)"
     pytest_part -m "not system" "$@"
     log "system tests (${SECONDS} s since the start)"
-    # On two workers, a test file whole on one (tests/conftest.py: xdist_group): most of a
-    # system test's time is waiting on processes. The 25 slowest in the log: where CI's
-    # time goes (issue 47 item 6).
-    pytest_part -m system -n 2 --dist loadgroup --durations=25 "$@"
+    # On two workers (pytest-xdist), a test file whole on one: much of a system test's time
+    # is spent waiting on processes. A short base directory: the kernels' unix sockets
+    # live below it (108 bytes at most). The 25 slowest in the log: where CI's time goes
+    # (issue 47 item 6).
+    pytest_part -m system -n 2 --dist loadfile --basetemp "$(mktemp -d /tmp/jks-XXXX)" \
+      --durations=25 "$@"
     log "UI and container stages prepared? (${SECONDS} s since the start)"
     wait "$preparing" || { cat "$prepared"; log "preparing the UI or container stage failed"; exit 1; }
     cat "$prepared"

@@ -117,23 +117,13 @@ def _starts_processes(item: pytest.Item) -> bool:
     return SYSTEM_CODE.search(_code_reached(function)) is not None
 
 
-#: Test files that plug nodes into the one test bridge (tests/support/servers.py: Network):
-#: run in parallel (``pytest -n``), they share a worker, one after the other.
-ON_THE_BRIDGE = frozenset({"test_kernels.py", "test_network.py", "test_nodes.py"})
-
-
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that start real processes are marked ``system`` (``pytest -m "not system"``
     is the quick loop); as an ordinary user, tests marked ``needs_root`` are skipped,
-    saying why. Each test is in its file's ``xdist_group`` (the bridge's files in one), so
-    ``pytest -n 2 --dist loadgroup`` runs a file whole on one worker, its module fixtures
-    started once, and never two files on the bridge at once."""
+    saying why."""
     for item in items:
         if _starts_processes(item):
             item.add_marker(pytest.mark.system)
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("bridge" if name in ON_THE_BRIDGE else name))
     if os.geteuid() == 0:
         return
     for item in items:

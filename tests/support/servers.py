@@ -21,8 +21,11 @@ from testkit.processes import Endpoint, ServerProcess, execute_request, ws_close
 if TYPE_CHECKING:
     from tornado.websocket import WebSocketClientConnection
 
-BRIDGE = "jksbr0"
-SUBNET = "10.213.7"
+#: One bridge and subnet per pytest-xdist worker (``gw0``, ``gw1``...; none: the first),
+#: so that two workers' nodes never meet.
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+BRIDGE = f"jksbr{WORKER}"
+SUBNET = f"10.213.{7 + WORKER}"
 HOST_ADDRESS = f"{SUBNET}.1"
 #: The bucket of the nodes' S3 server (the ``s3_url`` fixture, tests/conftest.py).
 BUCKET = "kernel-snapshots-nodes"
