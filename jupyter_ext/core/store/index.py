@@ -39,7 +39,7 @@ class Index:
         """The store's master key (None: a store without encryption)."""
         self._cache: dict[str, Summary] = {}
         self._cache_lock = threading.Lock()
-        self._trailers: dict[str, list[pack.PackEntry]] = {}
+        self._trailers: dict[str, Trailer] = {}
         """Trailers read so far, of packs that were there at the last listing."""
         self._legacy_objects: bool | None = None
         """Whether the store holds objects of format-1 records (``chunks/``), listed then
@@ -135,17 +135,18 @@ class Index:
             self._trailers.pop(name, None)
         return objects
 
-    def trailer(self, name: str, size: int) -> list[pack.PackEntry]:
-        """The chunks a pack lists (read once: packs never change); [] if unreadable."""
-        if name in self._trailers:
-            return self._trailers[name]
+    def trailer(self, name: str, size: int) -> Trailer:
+        """The chunks a pack lists (read once: packs never change); none if unreadable."""
+        cached = self._trailers.get(name)
+        if cached is not None:
+            return cached
         entries: list[pack.PackEntry] = []
         try:
             entries = self.read_trailer(name, size)
         except ValueError as exc:
             logger.warning("The trailer of pack %s cannot be read: %s", name, exc)
-        self._trailers[name] = entries
-        return entries
+        trailer = self._trailers[name] = Trailer.of(name, entries)
+        return trailer
 
     def read_trailer(self, name: str, size: int) -> list[pack.PackEntry]:
         """The chunks a pack of ``size`` bytes lists, read now; ValueError saying why not."""
@@ -196,6 +197,58 @@ class Index:
         return self.catalog(records.values(), objects, wanted)
 
 
+def _digest_array(digests: Iterable[str]) -> npt.NDArray[np.void]:
+    return np.array([bytes.fromhex(d) for d in digests], DIGEST)
+
+
+@dataclass(frozen=True)
+class Trailer:
+    """The chunks a pack's trailer lists, as the index keeps it: columns, ~50 bytes a
+    chunk. Once a repack has moved chunks, every catalog looks for them in the trailers
+    of the packs no record names, the clean-up's garbage of the last hour (its grace
+    period) among them; kept as PackEntry tuples (~340 bytes a chunk), those trailers
+    grew the server by 200 MiB an hour into the soak, for good (bench/RESULTS.md)."""
+
+    name: str
+    digests: npt.NDArray[np.void]
+    """Sorted (with the other columns in the same order)."""
+    offsets: npt.NDArray[np.uint64]
+    lengths: npt.NDArray[np.uint64]
+    codecs: npt.NDArray[np.uint8]
+
+    @classmethod
+    def of(cls, name: str, entries: list[pack.PackEntry]) -> Trailer:
+        digests = _digest_array(e.hash for e in entries)
+        order = np.argsort(digests, kind="stable")  # a digest listed twice: its first place
+        return cls(
+            name,
+            digests[order],
+            np.array([e.where.offset for e in entries], np.uint64)[order],
+            np.array([e.where.length for e in entries], np.uint64)[order],
+            np.array([pack.CODECS.index(e.where.codec) for e in entries], np.uint8)[order],
+        )
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    def find(self, wanted: npt.NDArray[np.void]) -> dict[str, Location]:
+        """Where this pack holds any of the ``wanted`` digests (sha256 hex -> place)."""
+        if not len(self.digests) or not len(wanted):
+            return {}
+        at = np.searchsorted(self.digests, wanted)
+        hit = at < len(self.digests)
+        hit[hit] = self.digests[at[hit]] == wanted[hit]
+        return {
+            wanted[i].tobytes().hex(): Location(
+                self.name,
+                int(self.offsets[row]),
+                int(self.lengths[row]),
+                pack.CODECS[int(self.codecs[row])],
+            )
+            for i, row in zip(np.flatnonzero(hit).tolist(), at[hit].tolist(), strict=True)
+        }
+
+
 class Catalog:
     """Where the chunks of the given records are now, in the objects that exist.
 
@@ -239,16 +292,18 @@ class Catalog:
         # Packs no record names are where repacks put chunks; a later put may have reused
         # some chunks of such a pack (and named it) but not others: those are looked for
         # in the named packs too, last.
+        looking = _digest_array(lost)
         named = set(self._names)
         unnamed = sorted(set(self.objects) - named)
         for name in [*unnamed, *sorted(set(self.objects) & named)]:
             if not lost:
                 break
             if pack.PACK_NAME_RE.match(name):
-                for entry in index.trailer(name, self.objects[name].size):
-                    if entry.hash in lost:
-                        self._moved[entry.hash] = entry.where
-                        lost.discard(entry.hash)
+                found = index.trailer(name, self.objects[name].size).find(looking)
+                if found:
+                    self._moved.update(found)
+                    lost -= found.keys()
+                    looking = _digest_array(lost)
 
     def _row(self, digest: str) -> int | None:
         key = np.void(bytes.fromhex(digest))
