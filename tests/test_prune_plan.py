@@ -11,7 +11,7 @@ import pytest
 
 from jupyter_ext.core.store.api import ChunkRef, StoreError
 from jupyter_ext.core.store.backend import ObjectStat
-from jupyter_ext.core.store.index import Catalog
+from jupyter_ext.core.store.index import Catalog, Trailer
 from jupyter_ext.core.store.pack import Location
 from jupyter_ext.core.store.prune import PutFile, Survey, plan_cleanup
 from jupyter_ext.core.store.record import ChunkTable
@@ -29,8 +29,8 @@ A, B, C, D, E, F = (pack_name(x) for x in "abcdef")
 class NoTrailers:
     """An index whose packs list no chunks (no repack moved any)."""
 
-    def trailer(self, name: str, size: int) -> list[Any]:
-        return []
+    def trailer(self, name: str, size: int) -> Trailer:
+        return Trailer.of(name, [])
 
 
 def record(snapshot_id: str, *refs: ChunkRef) -> Any:
