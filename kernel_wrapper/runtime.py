@@ -16,13 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_ext.core import private
+from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.isolation import mountns
+from jupyter_ext.core.protocol.environment import ENV_RUNTIME_DIR
 from jupyter_ext.core.protocol.inner import INNER_PORTS, KERNEL_PORTS
 
 log = logging.getLogger("kernel_wrapper")
 
 #: Where kernels other than ipykernel bind their endpoints (see kernel_connection_file).
 KERNEL_ENDPOINTS_ROOT = "/tmp"
+#: The longest path a unix socket can have (``sockaddr_un.sun_path``, 108 bytes with its
+#: NUL); the inner channels' sockets are ``ch-NNNNN`` in the runtime directory.
+SOCKET_PATH_MAX = 107
 #: A runtime directory without ``wrapper.pid`` this old (seconds) was left by a wrapper
 #: that died while making it; a younger one is being made right now.
 STALE_UNNAMED_SECONDS = 3600.0
@@ -40,6 +45,16 @@ class RuntimeDir:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.path = root / secrets.token_hex(8)
+        longest = len(os.fsencode(self.path / "ch-65535"))
+        if longest > SOCKET_PATH_MAX:
+            raise SnapshotError(
+                f"The kernel's channels cannot live in {root}: their sockets' paths would "
+                f"be {longest} bytes long, and a unix socket's path holds at most "
+                f"{SOCKET_PATH_MAX}.",
+                hint=f"Set {ENV_RUNTIME_DIR} to a shorter directory for the kernel wrappers "
+                "(by default /run/jupyter-kernel-snapshots as root, "
+                "/tmp/jupyter-kernel-snapshots-UID otherwise).",
+            )
         private.make_dirs(root)
         self.path.mkdir(mode=0o700)
         self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)

@@ -10,8 +10,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from jupyter_ext.core.errors import SnapshotError
 from kernel_wrapper.runtime import (
+    SOCKET_PATH_MAX,
     STALE_UNNAMED_SECONDS,
+    RuntimeDir,
     kernel_endpoints_dir,
     remove_stale_runtime_dirs,
 )
@@ -95,3 +100,14 @@ def test_a_killed_wrappers_kernel_endpoints_go_with_its_runtime_dir(tmp_path: Pa
     finally:
         for directory in [*ours, other]:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_runtime_directory_too_deep_for_the_kernels_sockets_is_refused(tmp_path: Path) -> None:
+    """A unix socket's path holds at most 107 bytes: a wrapper whose channels would not fit
+    says so, and which setting moves them, before it makes anything (zmq said only
+    "Internal error" from the kernel's start)."""
+    root = tmp_path / ("d" * (SOCKET_PATH_MAX - len(str(tmp_path)) - 20))
+    with pytest.raises(SnapshotError, match=r"at most 107") as raised:
+        RuntimeDir(root)
+    assert "JUPYTER_SNAPSHOT_RUNTIME_DIR" in raised.value.hint
+    assert not root.exists()
