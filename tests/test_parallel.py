@@ -686,14 +686,34 @@ class Counter:
         return self.n
 counter = Counter.remote()
 big = ray.put(np.arange(2 << 20, dtype=np.int64))  # 16 MiB in the object store
-def work():
-    return (sum(ray.get([square.remote(i) for i in range(10)])), ray.get(counter.add.remote(1)),
-            int(ray.get(big)[-1]), int(ray.get(ray.put(np.ones(1 << 20))).sum()))
+def work(timeout=None):
+    steps = {"tasks": lambda: sum(ray.get([square.remote(i) for i in range(10)], timeout=timeout)),
+             "the actor's call": lambda: ray.get(counter.add.remote(1), timeout=timeout),
+             "the object put before": lambda: int(ray.get(big, timeout=timeout)[-1]),
+             "a new object": lambda: int(ray.get(ray.put(np.ones(1 << 20)), timeout=timeout).sum())}
+    done = []
+    for name, step in steps.items():
+        try:
+            done.append(step())
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"Ray's {name} took over {timeout} s (done before it: {done})")
+    return tuple(done)
 before = work()
 """
 
 
+def ray_logs(session: Path, lines: int = 25) -> str:
+    """The ends of the logs of Ray's session: what a failure after a restore is read with."""
+    parts = []
+    for log in sorted((session / "logs").glob("*")):
+        if log.is_file() and log.suffix in (".out", ".err") and log.stat().st_size:
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {log.name}\n" + "\n".join(tail))
+    return "\n".join(parts)
+
+
 @pytest.mark.needs_root
+@pytest.mark.timeout(700)  # a hung Ray fails its own way, with Ray's logs (ray_logs)
 @pytest.mark.parametrize("how", ["in-place", "new-kernel", "other-node"])
 def test_ray_local_cluster_keeps_working(kernel_factory: Factory, tmp_path: Path, how: str) -> None:
     """Ray's driver, raylet, GCS and workers (a task, an actor, a 16 MiB object in the
@@ -718,7 +738,12 @@ def test_ray_local_cluster_keeps_working(kernel_factory: Factory, tmp_path: Path
             shutil.rmtree(Path(logs["raylet.out"]["path"]).parents[1])  # Ray's session
         restored = kernel_factory(restore_from=tmp_path / "snap")
     # The actor counts on from the snapshot's count; the object put before is still there.
-    out = restored.execute("print(work() == (before[0], before[1] + 1, *before[2:]))", timeout=300)
+    check = "print(work(timeout=60) == (before[0], before[1] + 1, *before[2:]))"
+    try:
+        out = restored.execute(check, timeout=300)
+    except (AssertionError, TimeoutError) as failed:
+        session = Path(logs["raylet.out"]["path"]).parents[1]
+        raise AssertionError(f"{failed}\n{ray_logs(session)}") from None
     assert out.strip() == "True"
     for log in logs.values():  # what Ray wrote since is after the snapshot's part
         carried = (tmp_path / "snap" / log["content"]).read_bytes()
