@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -673,6 +674,7 @@ for attempt in range(3):  # ray.init waits a fixed 30 s for its raylet: too shor
     except Exception as exc:
         if "timed out during startup" not in str(exc) or attempt == 2:
             raise
+        print(f"ray.init timed out ({attempt + 1}), again")
         ray.shutdown()
 @ray.remote
 def square(x):
@@ -713,7 +715,10 @@ def ray_logs(session: Path, lines: int = 25) -> str:
 
 
 @pytest.mark.needs_root
-@pytest.mark.timeout(700)  # a hung Ray fails its own way, with Ray's logs (ray_logs)
+# Once on CI (two workers) the check after the restore started 300 s into the test and
+# pytest-timeout ended it at once: the time went before it. Each part's time is printed
+# (shown with a failure), and a hung Ray fails its own way, with Ray's logs (ray_logs).
+@pytest.mark.timeout(700)
 @pytest.mark.parametrize("how", ["in-place", "new-kernel", "other-node"])
 def test_ray_local_cluster_keeps_working(kernel_factory: Factory, tmp_path: Path, how: str) -> None:
     """Ray's driver, raylet, GCS and workers (a task, an actor, a 16 MiB object in the
@@ -721,9 +726,16 @@ def test_ray_local_cluster_keeps_working(kernel_factory: Factory, tmp_path: Path
     back working; the logs they append to are as they were at the snapshot, also where
     the session's directory is gone (another node). Without root Ray's connections to its
     GCS would come back closed (docs/network.md)."""
+    started = time.monotonic()
+
+    def done(part: str) -> None:
+        print(f"{time.monotonic() - started:6.1f} s: {part}")
+
     kernel = kernel_factory()
-    kernel.execute(RAY, timeout=300)
+    done("a kernel")
+    done(f"Ray started and used {kernel.execute(RAY, timeout=300)}")
     manifest = kernel.snapshot(tmp_path / "snap")
+    done("the snapshot")
     assert manifest["tcp_kept"]
     logs = {Path(f["path"]).name: f for f in manifest["appended_files"]}
     assert {"raylet.out", "log_monitor.log", "gcs_server.out"} <= set(logs)
@@ -737,6 +749,7 @@ def test_ray_local_cluster_keeps_working(kernel_factory: Factory, tmp_path: Path
         if how == "other-node":
             shutil.rmtree(Path(logs["raylet.out"]["path"]).parents[1])  # Ray's session
         restored = kernel_factory(restore_from=tmp_path / "snap")
+    done("the restore")
     # The actor counts on from the snapshot's count; the object put before is still there.
     check = "print(work(timeout=60) == (before[0], before[1] + 1, *before[2:]))"
     try:
