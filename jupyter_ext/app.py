@@ -16,10 +16,12 @@ from jupyter_server.serverapp import ServerApp
 from . import memory
 from .autosnap import PolicyTick
 from .core import private
+from .core.checkpoints import CheckpointSettings
 from .core.errors import SnapshotError
 from .core.policies.tick import PolicySettings
 from .core.private import GROUP_SHARED, PRIVATE
 from .core.protocol.environment import (
+    ENV_CELL_CHECKPOINTS,
     ENV_KEY,
     ENV_PID_FLOOR,
     ENV_PREVIOUS_KEYS,
@@ -96,7 +98,22 @@ class SnapshotExtensionApp(SnapshotSettings):
             "admin_shutdown_action": self.admin_shutdown_action,
             "cull_idle_timeout": self.server.kernel_manager.cull_idle_timeout,
             "restore_on_death": self.restore_on_death,
+            "cell_checkpoints": self.cell_checkpoints,
+            "cell_checkpoints_keep": self.cell_checkpoints_keep,
+            "cell_checkpoints_max_bytes": self.cell_checkpoints_max_bytes,
+            "cell_checkpoint_max_change_bytes": self.cell_checkpoint_max_change_bytes,
         }
+
+    def checkpoint_settings(self) -> CheckpointSettings:
+        """What the kernel wrappers this server starts take their cell checkpoints with."""
+        return CheckpointSettings(
+            mode=self.cell_checkpoints,
+            root=str(self.manager.workspace.checkpoints_dir),
+            keep=self.cell_checkpoints_keep,
+            max_bytes=self.cell_checkpoints_max_bytes,
+            max_change_bytes=self.cell_checkpoint_max_change_bytes,
+            track_memory=self.track_memory,
+        )
 
     @property
     def server(self) -> ServerApp:
@@ -149,6 +166,7 @@ class SnapshotExtensionApp(SnapshotSettings):
         settings = {
             **self.manager.settings.lazy.to_env(),
             ENV_PID_FLOOR: str(self.kernel_pid_floor),
+            ENV_CELL_CHECKPOINTS: self.checkpoint_settings().to_json(),
         }
 
         async def start_kernel(*args: Any, **kwargs: Any) -> str:
@@ -204,6 +222,7 @@ class SnapshotExtensionApp(SnapshotSettings):
             now = asyncio.get_running_loop().time()
             try:
                 await self.policies.tick()
+                await self.manager.checkpoints.sweep()  # those of kernels that are gone
                 if now - last_retry >= self.upload_retry_interval:
                     last_retry = now
                     await self.manager.uploads.retry()
@@ -214,6 +233,7 @@ class SnapshotExtensionApp(SnapshotSettings):
         """Called by jupyter_server once its event loop runs: start the policies, and the
         uploads of snapshots a previous run of this server could not store."""
         self.manager.reaper.start()  # without root: see Reaper.start
+        await self.manager.checkpoints.sweep()
         _freeze_start_up_objects()
         memory.tune()
         recovered = self.manager.uploads.recover_staged()

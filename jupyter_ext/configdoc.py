@@ -9,7 +9,7 @@ import inspect
 
 from traitlets import TraitType
 
-from .settings import SnapshotSettings
+from .settings import options
 
 #: Traits whose default is computed at start (see their help).
 COMPUTED = ("owner", "local_store_dir", "work_dir", "encryption_key_file")
@@ -30,7 +30,7 @@ def render() -> str:
         "(`--SnapshotExtensionApp.periodic_interval=600`).",
         "",
     ]
-    traits = SnapshotSettings.class_own_traits(config=True)
+    traits = options()
     for name in sorted(traits):
         trait = traits[name]
         help_text = inspect.cleandoc(trait.help or "")

@@ -25,6 +25,7 @@ from .core.errors import (
     IncompatibleSnapshotError,
     KernelNotRunningError,
     NotFoundError,
+    NothingToUndoError,
     RestoreError,
     SnapshotBusyError,
     SnapshotCorruptError,
@@ -35,6 +36,7 @@ from .core.errors import (
 )
 from .core.gpu import GpuCheckpointError, GpuUnavailableError
 from .core.manifest import TRIGGERS
+from .core.protocol.control import UndoArgs
 from .core.store import StoreError
 from .manager import SnapshotManager, validate_notebook_path
 
@@ -47,6 +49,7 @@ HTTP_STATUS: dict[type[SnapshotError], int] = {
     VariableTransferError: 422,
     SnapshotBusyError: 409,
     KernelNotRunningError: 409,
+    NothingToUndoError: 409,
     WrapperUnavailableError: 409,
     DumpError: 409,
     SnapshotCorruptError: 422,
@@ -369,6 +372,56 @@ class StoreHandler(SnapshotHandler):
         self.reply({"job": job.to_dict()}, status=202)
 
 
+class CheckpointsHandler(SnapshotHandler):
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        """The kernel's cell checkpoints, its position among them and the marks."""
+        self.reply(await self.manager.checkpoints.listing(kernel_id))
+
+
+class CheckpointHandler(SnapshotHandler):
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str, snapshot_id: str) -> None:
+        """One cell checkpoint with what it holds (its manifest's record)."""
+        self.reply(await self.manager.checkpoints.describe(kernel_id, snapshot_id))
+
+
+class UndoHandler(SnapshotHandler):
+    """``GET``: what an undo (redo) would do; ``POST``: do it (a job)."""
+
+    def _args(self, action: str, fields: dict[str, Any]) -> UndoArgs:
+        to, before_cell = fields.get("to"), fields.get("before_cell")
+        for name, value in (("to", to), ("before_cell", before_cell)):
+            if value is not None and not isinstance(value, str):
+                raise BadRequest(
+                    f"{name} must be a string.",
+                    'Send {"to": "<checkpoint id>"} or {"before_cell": "<cell id>"}, or '
+                    "neither to undo the last cell.",
+                )
+        if action == "redo" and (to or before_cell):
+            raise BadRequest(
+                "Redo takes no to or before_cell: it goes back to where the undo began."
+            )
+        if to and before_cell:
+            raise BadRequest("Give to or before_cell, not both.")
+        return UndoArgs(to=to or None, before_cell=before_cell or None, redo=action == "redo")
+
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str, action: str) -> None:
+        fields = {name: self.get_query_argument(name, None) for name in ("to", "before_cell")}
+        args = self._args(action, fields)
+        self.reply(await self.manager.checkpoints.preview(kernel_id, args))
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str, action: str) -> None:
+        job = self.manager.checkpoints.undo(kernel_id, self._args(action, self.body()))
+        self.reply({"job": job.to_dict()}, status=202)
+
+
 class PolicyHandler(SnapshotHandler):
     @web.authenticated
     @authorized
@@ -388,6 +441,9 @@ def route_table(
         (r"/api/snapshots/kernels", KernelsHandler),
         (rf"/api/snapshots/kernels/{KERNEL_ID}", KernelHandler),
         (rf"/api/snapshots/kernels/{KERNEL_ID}/(?P<action>suspend|resume)", SuspendHandler),
+        (rf"/api/snapshots/kernels/{KERNEL_ID}/checkpoints", CheckpointsHandler),
+        (rf"/api/snapshots/kernels/{KERNEL_ID}/checkpoints/{SNAPSHOT_ID}", CheckpointHandler),
+        (rf"/api/snapshots/kernels/{KERNEL_ID}/(?P<action>undo|redo)", UndoHandler),
         (rf"/api/snapshots/jobs/{JOB_ID}", JobHandler),
         (rf"/api/snapshots/{SNAPSHOT_ID}/restore", RestoreHandler),
         (rf"/api/snapshots/{SNAPSHOT_ID}/variables", VariablesHandler),

@@ -13,7 +13,7 @@ from typing import Any
 
 from jupyter_core.paths import jupyter_data_dir
 from jupyter_server.extension.application import ExtensionApp
-from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, default, validate
+from traitlets import Bool, Enum, Float, Int, TraitError, TraitType, Unicode, default, validate
 
 from .core.chunking import ChunkParams
 from .core.isolation.pidspace import PID_FLOOR
@@ -37,7 +37,43 @@ def default_key_file() -> Path:
     return data_dir() / "store.key"
 
 
-class SnapshotSettings(ExtensionApp):
+def options() -> dict[str, TraitType[Any, Any]]:
+    """Every option of the app, by name: the traits :class:`SnapshotSettings` declares and
+    those it takes from :class:`CellCheckpointTraits` (not ExtensionApp's own)."""
+    return {
+        **CellCheckpointTraits.class_own_traits(config=True),
+        **SnapshotSettings.class_own_traits(config=True),
+    }
+
+
+class CellCheckpointTraits(ExtensionApp):
+    """The cell checkpoint options of :class:`SnapshotSettings` (docs/undo.md), a class of
+    their own so that each stays short."""
+
+    cell_checkpoints = Enum(
+        ["auto", "on", "off"],
+        "auto",
+        config=True,
+        help="""Cell checkpoints, for undo (docs/undo.md): after each cell, the kernel is
+        snapshotted into work_dir/checkpoints (never uploaded), copying what the cell changed.
+        "auto": for kernels whose memory is tracked (track_memory), not GPU kernels nor those
+        with pinned memory (the panel says why); "on": every kernel; "off". Default: "auto".""",
+    )
+    cell_checkpoints_keep = Int(
+        20, config=True, help="Cell checkpoints kept per kernel (the newest). Default: 20."
+    )
+    cell_checkpoints_max_bytes = Int(
+        -1,
+        config=True,
+        help="""One kernel's cell checkpoints' byte budget (shared files count once): the
+        oldest go past it. Default: -1, a tenth of the work directory's disk.""",
+    )
+    cell_checkpoint_max_change_bytes = Int(
+        8 << 30, config=True, help="A cell checkpoint copying more is skipped. Default: 8 GiB."
+    )
+
+
+class SnapshotSettings(CellCheckpointTraits):
     """The options of :class:`~jupyter_ext.app.SnapshotExtensionApp` (documented traits
     only; an ExtensionApp keeps them on the class, where jupyter_server reads them)."""
 

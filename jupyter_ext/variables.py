@@ -250,7 +250,10 @@ async def _take(
     outdir = private.make_dirs(manager.work_dir / "variables" / job.id)
     side: str | None = None
     try:
-        restored = await manager.restores.restore_side_kernel(job, snapshot_id)
+        # A cell checkpoint of one of the server's kernels, else a snapshot.
+        restored = await manager.checkpoints.restore_side_kernel(
+            job, snapshot_id
+        ) or await manager.restores.restore_side_kernel(job, snapshot_id)
         side = str(restored["kernel_id"])
         if restored.get("running_request"):
             # The cell running at the snapshot goes on in the side kernel; the pickling

@@ -16,7 +16,11 @@ A dump goes like this:
    kernel runs.
 
 In :meth:`Dumper.dump` these are the steps *prepare* (the checks), *freeze and dump*
-(0-5), *manifest* and *seal* (6). The images are written into a staging directory beside
+(0-5), *manifest* and *seal* (6). A cell checkpoint (kernel_wrapper/checkpoints.py) is
+the same dump into the kernel's checkpoint area, which leaves the kernel's record and
+counters as they are, and is cut short before the freeze if a cell came meanwhile; every
+tracked dump builds on the kernel's newest one, checkpoint or snapshot
+(kernel_wrapper/checkpointarea.py). The images are written into a staging directory beside
 the snapshot's, which sealing renames into place; a dump that fails at any step removes it
 (:func:`_staging`, the one place that does), so a snapshot is complete or absent.
 """
@@ -29,7 +33,7 @@ import dataclasses
 import secrets
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +65,7 @@ from jupyter_ext.core.protocol.progress import ProgressCallback
 from .channels import InnerChannels
 from .dumptree import KernelTree
 from .lifecycle import State
-from .memory import Level, MemoryCopy, Parent
+from .memory import PROTECTED, Level, MemoryCopy, Parent
 from .parts import KernelParts
 from .runtime import RuntimeDir
 
@@ -104,6 +108,23 @@ def _work_dir(runtime: RuntimeDir) -> Iterator[Path]:
         remove_tree(work_dir)
 
 
+class CheckpointInterrupted(SnapshotError):
+    """A cell checkpoint cut short before the freeze (a cell came): the kernel runs on,
+    nothing of the checkpoint is left."""
+
+    code = "checkpoint-interrupted"
+
+
+@dataclasses.dataclass(frozen=True)
+class CellCheckpoint:
+    """A dump taken as a cell checkpoint: what its contents record starts from
+    (``since``, the agent's cell seq), and what says it must not freeze the kernel now
+    (``interrupted``: why, or "")."""
+
+    since: int
+    interrupted: Callable[[], str]
+
+
 @dataclasses.dataclass
 class _Dumped:
     """What freeze-and-dump leaves for the manifest."""
@@ -134,35 +155,56 @@ class Dumper:
     def __init__(self, kernel: KernelParts) -> None:
         self.kernel = kernel
 
-    async def dump(self, args: SnapshotArgs, progress: ProgressCallback) -> Manifest:
+    async def dump(
+        self,
+        args: SnapshotArgs,
+        progress: ProgressCallback,
+        *,
+        checkpoint: CellCheckpoint | None = None,
+    ) -> Manifest:
         """Snapshot the kernel into ``args.dest`` (its process ends unless
-        ``args.leave_running``); the sealed manifest."""
+        ``args.leave_running``); the sealed manifest. ``checkpoint``: as a cell
+        checkpoint (see the module)."""
         dest = Path(args.dest)
         await self._prepare(dest)
         criu = self.kernel.criu()
         inner_pid = self.kernel.process.pid
         assert inner_pid is not None  # checked by _prepare
-        parent = Parent.read(args.parent)
-        with _staging(dest) as staging:
-            with _work_dir(self.kernel.runtime) as work_dir:
-                dumped, hasher = await self._freeze_and_dump(
-                    criu, staging, work_dir, args, progress, parent
-                )
-            await self._copy_appended(dumped, hasher)
-            if dumped.copy is not None:
-                await asyncio.to_thread(dumped.copy.link_chain, staging, parent)
-            manifest = self._manifest(criu, dumped, args)
-            progress({"phase": "hashing"})
-            chain = dumped.copy.entries if dumped.copy else {}
-            manifest = await self._seal(staging, manifest, dest, hasher, chain)
-        self.kernel.record.dumped(manifest)
+        checkpoints = self.kernel.checkpoints
+        tracked_since = self.kernel.memory.status()["tracked_since"]
+        parent = Parent.read(checkpoints.parent_dir(tracked_since) or args.parent)
+        anchor: Path | None = None
+        try:
+            with _staging(dest) as staging:
+                with _work_dir(self.kernel.runtime) as work_dir:
+                    dumped, hasher = await self._freeze_and_dump(
+                        criu, staging, work_dir, args, progress, parent, cell=checkpoint
+                    )
+                await self._copy_appended(dumped, hasher)
+                if dumped.copy is not None:
+                    await asyncio.to_thread(dumped.copy.link_chain, staging, parent)
+                manifest = self._manifest(criu, dumped, args)
+                chained = dumped.copy is not None and dumped.copy.chain is not None
+                if checkpoint is None and args.leave_running and chained:
+                    # Linked before the seal stamps the files (a link changes their ctime).
+                    anchor = await asyncio.to_thread(checkpoints.link_anchor, staging)
+                progress({"phase": "hashing"})
+                chain = dumped.copy.entries if dumped.copy else {}
+                manifest = await self._seal(staging, manifest, dest, hasher, chain)
+        except BaseException:
+            if anchor is not None:
+                remove_tree(anchor)
+            raise
+        checkpoints.anchored(anchor, dest, manifest.id)
+        if checkpoint is None:
+            self.kernel.record.dumped(manifest)
+            self.kernel.tracker.snapshot_taken()
         self.kernel.memory.dumped(
             manifest.id,
             inner_pid,
             tracked=dumped.copy is not None and dumped.copy.plan.track,
             ended=not args.leave_running,
         )
-        self.kernel.tracker.snapshot_taken()
         progress({"phase": "done", "bytes": manifest.total_bytes})
         return manifest
 
@@ -187,10 +229,11 @@ class Dumper:
                 hint="See the kernel's status (lazy_restore) for why.",
             )
 
-    async def _contents(self) -> dict[str, Any]:
-        """What the kernel's own code says the snapshot holds (kernel_wrapper.agents), while
-        the kernel still runs; without an answer the snapshot goes on, its record partial."""
-        return await self.kernel.agent.summary(self.kernel.record.cells_through)
+    async def _contents(self, since: int) -> dict[str, Any]:
+        """What the kernel's own code says the snapshot holds (kernel_wrapper.agents), with
+        the cells after ``since``, while the kernel still runs; without an answer the
+        snapshot goes on, its record partial."""
+        return await self.kernel.agent.summary(since)
 
     # ------------------------------------------------------------------ freeze and dump
 
@@ -202,6 +245,8 @@ class Dumper:
         args: SnapshotArgs,
         progress: ProgressCallback,
         parent: Parent | None,
+        *,
+        cell: CellCheckpoint | None,
     ) -> tuple[_Dumped, GrowingFileChunker]:
         """Steps 0-5: the memory's plan and pre-copy, the kernel's CUDA state
         checkpointed, its connections dropped, its tree dumped into ``staging``, its
@@ -211,13 +256,16 @@ class Dumper:
         assert inner_pid is not None  # checked by _prepare
         runtime_dir_key = external_file_key(self.kernel.runtime.fd)
         mounts = mountns.external_mounts(inner_pid)
-        contents = await self._contents()
+        contents = await self._contents(cell.since if cell else self.kernel.record.cells_through)
         chunk_kib = self._chunk_kib(args, proctree.descendants(inner_pid))
         plan, prev, levels, stopped = await self._copy_ahead(
             criu, inner_pid, staging, work_dir, parent, args, progress
         )
         self.kernel.lifecycle.enter(State.SNAPSHOTTING)
         await asyncio.sleep(0)  # let the cancelled pumps let go of their sockets
+        if cell is not None and (why := cell.interrupted()):
+            self.kernel.lifecycle.enter(State.RUNNING)
+            raise CheckpointInterrupted(f"The cell checkpoint was cut short: {why}.")
         gpu_info, checkpoint = await self._gpu_checkpoint(inner_pid, args, progress)
         progress({"phase": "dumping"})
         started = time.monotonic()
@@ -296,8 +344,10 @@ class Dumper:
         """Step 0, the kernel running and connected: the memory's plan, the parent's stub
         for CRIU, and the pre-copy rounds. Returns the plan, the images the dump builds on
         (the last round's, or the parent's stub) and the rounds' levels. A tracked CRIU run
-        protects what it copied: from the first one on, the kernel's memory counts as
-        untracked until this dump is sealed (what it wrote would be in no image else)."""
+        protects what it copied: from the first one on (a pre-copy round's, or the dump's),
+        the kernel's memory counts as untracked until this dump is sealed (what it wrote
+        would be in no image else); a dump that fails or is cut short before any (a cell
+        checkpoint a cell came before) leaves the tracking as it was."""
         plan = await self.kernel.memory.plan(
             criu,
             inner_pid,
@@ -311,7 +361,6 @@ class Dumper:
             await asyncio.to_thread(make_stub, parent.directory / IMAGES_DIR, prev)
         if not plan.track:
             return plan, None, [], ""
-        self.kernel.memory.invalidate("its previous snapshot failed")
         levels: list[Level] = []
         stopped = ""
         if plan.precopy:
@@ -365,6 +414,8 @@ class Dumper:
         hasher = GrowingFileChunker(
             staging, staging / IMAGES_DIR, params, write_back=args.write_back
         )
+        if dumped.copy is not None and dumped.copy.plan.track:
+            self.kernel.memory.invalidate(PROTECTED)
         # Without --leave-running CRIU ends the kernel: no death, and it is reaped here.
         async with contextlib.nullcontext() if args.leave_running else self.kernel.process.ending():
             try:

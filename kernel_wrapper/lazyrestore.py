@@ -3,7 +3,8 @@ served page by page (``criu lazy-pages``) while the rest arrives in the backgrou
 
 Whether a restore goes lazily is its requester's decision (core.lazypages.lazy_plan: the
 server's, said in ``RestoreRequest.lazy``); this wrapper decides, by the same rule, only
-for the restores no one asks of it (a suspended kernel coming back). Here are kept the
+for the restores no one asks of it (a suspended kernel coming back, an undo to a cell
+checkpoint). Here are kept the
 transfer under way and the status of the last one (the kernel's status shows it).
 Completing a transfer, or putting back the kernel a failed one replaced, is the
 snapshotter's (it holds the lock).
@@ -62,7 +63,7 @@ class LazyRestore:
 
     def own(self, manifest: Manifest) -> bool:
         """Whether a restore no one asked of this wrapper (from images on this machine,
-        in place: a suspended kernel coming back) is to go lazily. Whether this CRIU can
+        in place: a suspended kernel coming back, an undo) is to go lazily. Whether this CRIU can
         is asked of every restore as it runs (:meth:`told`), and only of those."""
         plan = lazy_plan(
             self.settings, manifest, into=Into.IN_PLACE, in_store=False, supported=True

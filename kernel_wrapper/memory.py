@@ -66,6 +66,9 @@ COLLAPSE_BATCH = 256
 COLLAPSE_TIMEOUT = 10.0
 #: How often a running kernel's split huge pages are healed (MemoryTracker.heal).
 HEAL_SECONDS = 1.0
+#: Why a dump copies everything after a tracked CRIU run whose dump was not sealed: that
+#: run protected pages no image holds.
+PROTECTED = "its previous snapshot failed"
 
 
 @dataclass
@@ -326,6 +329,7 @@ class KernelMemory:
             round_work = work_dir / level_dir.name
             round_work.mkdir(mode=0o700)
             progress({"phase": "dumping", "total_bytes": pending})
+            self.invalidate(PROTECTED)  # this round protects what it copies
             hasher = GrowingFileChunker(staging, level_dir, params)
             started = time.monotonic()
             try:

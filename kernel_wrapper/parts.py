@@ -8,6 +8,7 @@ from collections.abc import Callable
 from jupyter_ext.core.criu import Criu
 
 from .agents import KernelAgent
+from .checkpointarea import KernelCheckpoints
 from .gpusteps import GpuSteps
 from .lazyrestore import LazyRestore
 from .lifecycle import Lifecycle
@@ -24,9 +25,9 @@ class KernelParts:
     """One kernel as a dump or a restore sees it: its state (``lifecycle``), its
     messages (``relay``, and what they tell: ``tracker``), its ``process``, its
     ``runtime`` directory, its CUDA steps (``gpu``), its lazy restores (``lazy``), the
-    ``record`` of its snapshots, the tracking of its ``memory`` between them and its own
-    code (``agent``: what a snapshot holds); ``criu`` gives the CRIU binary (located on
-    first use)."""
+    ``record`` of its snapshots, the tracking of its ``memory`` between them, its own
+    code (``agent``: what a snapshot holds) and its cell ``checkpoints`` area, which its
+    dumps build on; ``criu`` gives the CRIU binary (located on first use)."""
 
     lifecycle: Lifecycle
     relay: Relay
@@ -37,6 +38,7 @@ class KernelParts:
     record: KernelRecord
     memory: KernelMemory
     agent: KernelAgent
+    checkpoints: KernelCheckpoints
     criu: Callable[[], Criu]
 
     @property

@@ -35,6 +35,9 @@ class SavedKernel:
     sequence: int
     parent_snapshot: str | None
     executions_since_snapshot: int
+    keep: bool = False
+    """The directory is a cell checkpoint (kernel_wrapper/checkpoints.py): never removed
+    here, whatever the restore's outcome."""
 
 
 class Rollback:
@@ -47,7 +50,11 @@ class Rollback:
         self.restorer = restorer
 
     async def save(
-        self, directory: Path, progress: ProgressCallback, parent: Path | None = None
+        self,
+        directory: Path,
+        progress: ProgressCallback,
+        parent: Path | None = None,
+        trigger: str = "before-restore",
     ) -> SavedKernel:
         """Dump the running kernel into the new ``directory`` and end it (a suspend), so
         that a failed restore can bring it back. A kernel that cannot be dumped keeps
@@ -61,7 +68,7 @@ class Rollback:
         progress({"phase": "saving-kernel"})
         args = SnapshotArgs(
             str(directory),
-            trigger="before-restore",
+            trigger=trigger,
             leave_running=False,
             sequence=self.kernel.record.sequence,
             parent=str(parent) if parent else None,
@@ -94,7 +101,7 @@ class Rollback:
         except SnapshotError as again:
             # Still nothing lost: it stays suspended on the saved images, and the next
             # request tries again to bring it back.
-            self.kernel.record.suspended(saved.directory, discard_after_resume=True)
+            self.kernel.record.suspended(saved.directory, discard_after_resume=not saved.keep)
             raise type(failure)(
                 f"{failure.message} Putting the running kernel back failed too "
                 f"({again.message}); its state is kept in {saved.directory}, and it comes "
@@ -102,7 +109,8 @@ class Rollback:
                 hint=failure.hint,
                 log_excerpt=failure.log_excerpt,
             ) from failure
-        remove_tree(saved.directory)
+        if not saved.keep:
+            remove_tree(saved.directory)
         raise type(failure)(
             f"{failure.message} The kernel was put back as it was before the restore; "
             "nothing in it was lost.",

@@ -13,20 +13,29 @@ Its parts, each with its own module:
   lazily, and the transfer of the memory of a kernel restored so;
 - :class:`~kernel_wrapper.gpusteps.GpuSteps`: the CUDA steps of dumps and restores;
 - :class:`~kernel_wrapper.record.KernelRecord`: the kernel's lineage, and the snapshot a
-  suspended kernel comes back from.
+  suspended kernel comes back from;
+- :class:`~kernel_wrapper.checkpointarea.KernelCheckpoints`: the kernel's cell checkpoint
+  area, which its dumps build on (the checkpoints themselves: kernel_wrapper/checkpoints.py).
+
+A cell checkpoint is one of these operations too (:meth:`Snapshotter.exclusive`): a
+request from the server that finds one under way waits for it (about the freeze) instead
+of being refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from jupyter_ext.core.agent.client import AgentCriu
+from jupyter_ext.core.checkpoints import CheckpointSettings
 from jupyter_ext.core.criu import Criu, LazyTransfer
 from jupyter_ext.core.errors import KernelNotRunningError, SnapshotBusyError, SnapshotError
 from jupyter_ext.core.lazypages import LazySettings
@@ -43,6 +52,7 @@ from jupyter_ext.core.protocol.environment import ENV_AGENT_SOCKET
 from jupyter_ext.core.protocol.progress import ProgressCallback
 
 from .agents import KernelAgent
+from .checkpointarea import KernelCheckpoints
 from .dump import Dumper
 from .gpusteps import GpuSteps
 from .lazyrestore import LazyRestore
@@ -74,6 +84,7 @@ class Snapshotter:
         criu_path: str | None,
         lazy: LazySettings,
         agent: KernelAgent,
+        checkpoints: KernelCheckpoints | None = None,
     ) -> None:
         """``lazy``: the settings of this wrapper's own restores (the server decides
         for those it asks)."""
@@ -82,6 +93,10 @@ class Snapshotter:
         self.process = process
         self.criu_path = criu_path
         self._lock = asyncio.Lock()
+        self._checkpointing = False
+        """The operation that holds the lock is a cell checkpoint."""
+        self._next_waits = False
+        """An operation waits for that checkpoint (a second one is refused)."""
         self._criu: Criu | None = None
         self.kernel = KernelParts(
             lifecycle=lifecycle,
@@ -93,6 +108,7 @@ class Snapshotter:
             record=KernelRecord(),
             memory=KernelMemory(relay),
             agent=agent,
+            checkpoints=checkpoints or KernelCheckpoints(CheckpointSettings()),
             criu=self._criu_binary,
         )
         self.record = self.kernel.record
@@ -103,16 +119,36 @@ class Snapshotter:
 
     @property
     def busy(self) -> bool:
-        """Whether a snapshot or restore runs."""
+        """Whether a snapshot or restore runs (a cell checkpoint too)."""
         return self._lock.locked()
 
-    def _refuse_if_busy(self) -> None:
-        """One snapshot or restore at a time: a second one is refused, not queued."""
-        if self._lock.locked():
+    @property
+    def checkpointing(self) -> bool:
+        """Whether the operation under way is a cell checkpoint."""
+        return self._lock.locked() and self._checkpointing
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self, *, checkpoint: bool = False) -> AsyncIterator[None]:
+        """One snapshot or restore at a time: a second one is refused, not queued, except
+        that one finding a cell checkpoint under way waits for it, ahead of any other."""
+        waits = self._lock.locked()
+        if waits and (self._next_waits or not self._checkpointing):
             raise SnapshotBusyError(
                 "A snapshot or restore of this kernel is already in progress.",
                 hint="Wait for it to finish, then try again.",
             )
+        self._next_waits = self._next_waits or waits
+        try:
+            await self._lock.acquire()
+        finally:
+            if waits:
+                self._next_waits = False
+        self._checkpointing = checkpoint
+        try:
+            yield
+        finally:
+            self._checkpointing = False
+            self._lock.release()
 
     def _criu_binary(self) -> Criu:
         """The local CRIU, or the node agent where the pod names one (agent mode: the pod
@@ -125,8 +161,7 @@ class Snapshotter:
     # ------------------------------------------------------------------ operations
 
     async def snapshot(self, progress: ProgressCallback, args: SnapshotArgs) -> dict[str, Any]:
-        self._refuse_if_busy()
-        async with self._lock:
+        async with self.exclusive():
             manifest = await self.dumper.dump(args, progress)
             result: dict[str, Any] = json.loads(manifest.to_json())
             return result
@@ -153,7 +188,7 @@ class Snapshotter:
 
     async def wake(self) -> None:
         """Bring a suspended kernel back for a request that needs it (idle GPU suspend)."""
-        if self.lifecycle.state != State.SUSPENDED or self._lock.locked():
+        if self.lifecycle.state != State.SUSPENDED or self.busy:
             return
         if self.record.suspended_snapshot is not None:
             try:
@@ -170,7 +205,6 @@ class Snapshotter:
         return RestoreRequest(source, lazy=self.lazy.own(manifest))
 
     async def restore(self, progress: ProgressCallback, args: RestoreRequest) -> Restored:
-        self._refuse_if_busy()
         manifest = await self._restore(args, progress)
         return {
             "inner_pid": self.process.pid,
@@ -184,49 +218,67 @@ class Snapshotter:
     # ------------------------------------------------------------------ restore
 
     async def _restore(self, args: RestoreRequest, progress: ProgressCallback) -> Manifest:
+        """:meth:`restore_now`, as the one operation under way."""
+        async with self.exclusive():
+            return await self.restore_now(args, progress)
+
+    async def restore_now(
+        self,
+        args: RestoreRequest,
+        progress: ProgressCallback,
+        *,
+        saved: SavedKernel | None = None,
+        save_trigger: str = "before-restore",
+    ) -> Manifest:
         """Replace the inner kernel (if any) by the snapshot in ``args.source``
         (kernel_wrapper.restore), lazily if ``args.lazy`` says so and this CRIU can
         (kernel_wrapper.lazyrestore): a kernel saved before the restore is then kept
-        until every page is in.
+        until every page is in. The caller holds :meth:`exclusive`.
 
         A running kernel is first saved into the new directory ``args.save_to`` (default
         a new one beside the source) and put back if the restore fails
-        (kernel_wrapper.rollback)."""
+        (kernel_wrapper.rollback), unless ``saved`` is given: what to put back instead (an
+        undo from a kernel that is a checkpoint's images). A saved kernel whose ``keep``
+        is set is a cell checkpoint: it stays. After a restore that is neither a resume nor
+        an undo (``save_trigger`` "before-undo"/"before-redo"), the kernel's cell
+        checkpoints no longer lead to its state (core/checkpoints/timeline.py)."""
         source = args.source
-        async with self._lock:
-            manifest = await self.restorer.checked(source, progress, args.verified)
-            criu = self._criu_binary()
-            lazy = self.lazy.told(args.lazy, criu)
-            saved: SavedKernel | None = None
-            if self.lifecycle.is_(State.RUNNING) and self.process.pid is not None:
-                directory = args.save_to or source.parent / new_snapshot_id()
-                saved = await self.rollback.save(directory, progress, args.save_parent)
-            progress({"phase": "restoring"})
-            try:
-                await self.restorer.restore(
-                    source, manifest, criu, lazy=lazy, pages_from=args.pages_from
-                )
-            except SnapshotError as exc:
-                if saved is None:
-                    raise
-                await self.rollback.put_back(saved, exc, criu)
-            finally:
-                # Whatever runs now is a process restored from images: untracked.
-                self.kernel.memory.forget(AFTER_RESTORE)
-            if self.lazy.transfer is not None:
-                self.lazy.follow(self._complete_lazy(self.lazy.transfer, saved, criu))
-            elif saved is not None:
-                remove_tree(saved.directory)
-            self._resumed_from(source)
-            progress({"phase": "done"})
-            return manifest
+        manifest = await self.restorer.checked(source, progress, args.verified)
+        criu = self._criu_binary()
+        lazy = self.lazy.told(args.lazy, criu)
+        if saved is None and self.lifecycle.is_(State.RUNNING) and self.process.pid is not None:
+            directory = args.save_to or source.parent / new_snapshot_id()
+            saved = await self.rollback.save(directory, progress, args.save_parent, save_trigger)
+            saved.keep = save_trigger != "before-restore"
+        progress({"phase": "restoring"})
+        try:
+            await self.restorer.restore(
+                source, manifest, criu, lazy=lazy, pages_from=args.pages_from
+            )
+        except SnapshotError as exc:
+            if saved is None:
+                raise
+            await self.rollback.put_back(saved, exc, criu)
+        finally:
+            # Whatever runs now is a process restored from images: untracked.
+            self.kernel.memory.forget(AFTER_RESTORE)
+        if self.lazy.transfer is not None:
+            self.lazy.follow(self._complete_lazy(self.lazy.transfer, saved, criu))
+        elif saved is not None and not saved.keep:
+            remove_tree(saved.directory)
+        if not self._resumed_from(source) and save_trigger == "before-restore":
+            self.kernel.checkpoints.timeline.forget()
+        progress({"phase": "done"})
+        return manifest
 
-    def _resumed_from(self, source: Path) -> None:
+    def _resumed_from(self, source: Path) -> bool:
         """After a restore: the kernel is no longer suspended (its suspend's snapshot is
-        deleted if it was to be, and restored from)."""
+        deleted if it was to be, and restored from). Whether it was a resume."""
         discard = self.record.discard_after_resume
-        if self.record.resumed() == source and discard:
+        resumed = self.record.resumed() == source
+        if resumed and discard:
             shutil.rmtree(source, ignore_errors=True)
+        return resumed
 
     async def _complete_lazy(
         self, transfer: LazyTransfer, saved: SavedKernel | None, criu: Criu
@@ -257,7 +309,7 @@ class Snapshotter:
                 self.lazy.status = {"state": "failed", "error": error.to_dict()}
             return
         self.lazy.completed(transfer, filled)
-        if saved is not None:
+        if saved is not None and not saved.keep:
             remove_tree(saved.directory)
 
     def _shut_down_on_purpose(self) -> bool:

@@ -28,6 +28,10 @@ from .channels import Route
 Send = Callable[[Route, list[bytes]], None]
 """How the tracker sends a message of its own (the relay's ``send``)."""
 
+#: Requests that may change the kernel's state (cell checkpoints count them: one sent
+#: during a checkpoint's preparation cuts it short; kernel_wrapper/checkpoints.py).
+CHANGING_REQUESTS = (b'"execute_request"', b'"comm_msg"', b'"comm_open"', b'"comm_close"')
+
 #: What a malformed message can raise while its frames are read.
 _MALFORMED = (ValueError, IndexError, KeyError, TypeError)
 
@@ -76,6 +80,13 @@ class KernelTracker:
         lazy restore it cuts short has not failed)."""
         self.resumed_request: dict[str, Any] | None = None
         """The request a restored kernel was running at its snapshot, while it still runs."""
+        self.changing_requests = 0
+        """Requests passed to the kernel that may change its state (CHANGING_REQUESTS)."""
+        self.on_cell: Callable[[str | None, int | None], None] | None = None
+        """Called with (cell id, execution count) when an execute_request is answered."""
+        self.on_idle: Callable[[], None] | None = None
+        """Called when the kernel is idle with no execute_request left unanswered (cell
+        checkpoints start then)."""
         self._executing: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         """execute_requests the kernel got and has not answered, oldest (running) first:
         {"header", "cell_id", "execution_count"} by msg_id."""
@@ -101,6 +112,8 @@ class KernelTracker:
         except ValueError:
             return
         header = frames[at + 2] if len(frames) > at + 2 else b""
+        if name == "shell" and not reply and any(kind in header for kind in CHANGING_REQUESTS):
+            self.changing_requests += 1
         if name == "shell" and not reply and b'"execute_request"' in header:
             self.last_activity = time.time()
             self.executions_since_snapshot += 1
@@ -117,6 +130,7 @@ class KernelTracker:
                 content = json.loads(frames[at + 5])
                 self.execution_state = content["execution_state"]
                 self.last_activity = time.time()
+                self._maybe_idle()
         elif name == "control" and not reply and b'"shutdown_request"' in header:
             self.shutdown_requested = True
         elif reply and b'"kernel_info_reply"' in header:
@@ -184,6 +198,9 @@ class KernelTracker:
             parsed = json.loads(content)
             self.cells.finished(parsed.get("execution_count"), parsed.get("status") == "ok")
             self._cell_running = None
+        if finished is not None and self.on_cell is not None:
+            self.on_cell(finished["cell_id"], finished["execution_count"])
+        self._maybe_idle()  # the reply may pass after the idle status (another pump)
 
     def _cell_started(self, msg_id: str) -> None:
         """Log the cell ``msg_id`` as begun, once (with ``cells``)."""
@@ -191,6 +208,10 @@ class KernelTracker:
         if self.cells is not None and code is not None:
             self.cells.started(code)
             self._cell_running = msg_id
+
+    def _maybe_idle(self) -> None:
+        if self.execution_state == "idle" and not self._executing and self.on_idle is not None:
+            self.on_idle()
 
     def running_request(self) -> dict[str, Any] | None:
         """The execute_request the kernel is running (the oldest without a reply)."""

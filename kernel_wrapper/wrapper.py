@@ -16,6 +16,8 @@ The wrapper is composed of parts, each with its own state:
 - :class:`~kernel_wrapper.standin.StandIn`: answers while there is no kernel process;
 - :class:`~kernel_wrapper.lifecycle.Lifecycle`: the state, which switches relay and stand-in;
 - :class:`~kernel_wrapper.snapshotter.Snapshotter`: dumps and restores;
+- :class:`~kernel_wrapper.checkpoints.CellCheckpoints`: a checkpoint after each cell, and
+  undo;
 - :class:`~kernel_wrapper.control.ControlServer`: the private control socket
   (:mod:`jupyter_ext.core.protocol`) through which the server asks for them.
 """
@@ -36,6 +38,7 @@ from typing import Any
 from jupyter_client.session import Session
 
 from jupyter_ext.core import proctree
+from jupyter_ext.core.checkpoints import CheckpointSettings
 from jupyter_ext.core.death import Death
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.gpu import kernel_gpu_status
@@ -43,6 +46,7 @@ from jupyter_ext.core.isolation.pidspace import PID_FLOOR
 from jupyter_ext.core.lazypages import LazySettings
 from jupyter_ext.core.protocol.control import (
     AWAIT_RESTORE_SECONDS,
+    CheckpointsArgs,
     KernelJournal,
     KernelStatus,
     LazyRestoreEndArgs,
@@ -54,6 +58,7 @@ from jupyter_ext.core.protocol.control import (
 )
 from jupyter_ext.core.protocol.environment import (
     DEFAULT_RUNTIME_ROOT,
+    ENV_CELL_CHECKPOINTS,
     ENV_INNER_DIR,
     ENV_PID_FLOOR,
 )
@@ -62,6 +67,8 @@ from jupyter_ext.core.protocol.progress import ProgressCallback
 
 from .agents import BridgedAgent, IPythonAgent
 from .channels import InnerChannels, ServerChannels
+from .checkpointarea import KernelCheckpoints, area_name
+from .checkpoints import CellCheckpoints
 from .control import ControlServer
 from .lifecycle import Lifecycle, State
 from .memory import HEAL_SECONDS
@@ -145,6 +152,7 @@ class KernelWrapper:
         self.relay: Relay
         self.lifecycle: Lifecycle
         self.snapshotter: Snapshotter
+        self.checkpoints: CellCheckpoints
         self._criu_path = criu_path
         self.death: Death | None = None
         """How the inner kernel last died (the server offers its snapshot back)."""
@@ -172,7 +180,12 @@ class KernelWrapper:
             criu_path=self._criu_path,
             lazy=LazySettings.from_env(os.environ),
             agent=BridgedAgent(self.relay) if self.kernel_argv else IPythonAgent(self.relay),
+            checkpoints=KernelCheckpoints(
+                CheckpointSettings.from_json(os.environ.get(ENV_CELL_CHECKPOINTS)),
+                area_name(self.connection_file),
+            ),
         )
+        self.checkpoints = CellCheckpoints(self.snapshotter)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -193,6 +206,8 @@ class KernelWrapper:
                 "suspend": self.snapshotter.suspend,
                 "resume": self.snapshotter.resume,
                 "lazy-restore-end": self._lazy_restore_end,
+                "checkpoints": self._checkpoints,
+                "undo": self.checkpoints.undo,
             },
         )
         await control.start()
@@ -218,6 +233,7 @@ class KernelWrapper:
                 info_path(self.connection_file).unlink()
             if self._journal_death() is None:  # a death's journal is the server's to read
                 journal_path(self.connection_file).unlink(missing_ok=True)
+            self.checkpoints.close()
             self.process.close()
             self.runtime.remove()
         return self.lifecycle.exit_code or 0
@@ -380,6 +396,9 @@ class KernelWrapper:
     ) -> dict[str, Any]:
         return await self.snapshotter.lazy.end()
 
+    async def _checkpoints(self, progress: ProgressCallback, args: CheckpointsArgs) -> Any:
+        return self.checkpoints.listing()
+
     async def status(self, progress: ProgressCallback, args: StatusArgs) -> KernelStatus:
         """What the server shows and its policies decide on."""
         gpu_status: dict[str, Any] = {"processes": 0, "bytes": 0, "utilization": 0}
@@ -389,7 +408,11 @@ class KernelWrapper:
         tracker, snapshotter = self.relay.tracker, self.snapshotter
         return {
             "gpu": gpu_status,
-            "state": self.lifecycle.state.value,
+            # A cell checkpoint's freeze is no snapshot the user asked for (tens of ms):
+            # the kernel shows as running (its checkpoints say one is being taken).
+            "state": State.RUNNING.value
+            if snapshotter.checkpointing and self.lifecycle.is_(State.SNAPSHOTTING)
+            else self.lifecycle.state.value,
             "inner_pid": pid,
             "wrapper_pid": os.getpid(),
             "lineage": snapshotter.record.lineage,
@@ -415,4 +438,5 @@ class KernelWrapper:
             "snapshot_id": snapshotter.record.parent_snapshot,
             "cells_since_snapshot": tracker.cells_since(),
             "death": death.to_dict() if (death := self._journal_death()) else None,
+            "checkpoints": self.checkpoints.status(),
         }

@@ -514,6 +514,16 @@ class ServerProcess(Endpoint):
         if "encryption_key_source" not in app:
             config = {**config, "SnapshotExtensionApp": {**app, "encryption_key_source": "env"}}
             env = {ENV_KEY: RUN_KEY, **(env or {})}
+        if "cell_checkpoints" not in app:
+            # On in the product; off for tests that do not ask: a checkpoint after every
+            # cell changes what they see of a kernel's dumps (and costs their time).
+            config = {
+                **config,
+                "SnapshotExtensionApp": {
+                    **config["SnapshotExtensionApp"],
+                    "cell_checkpoints": "off",
+                },
+            }
         config_file = home / "config.json"
         config_file.write_text(json.dumps(config))
         self.env = {

@@ -54,22 +54,22 @@ def test_every_file_the_docs_name_exists() -> None:
 
 
 def test_every_option_says_its_default() -> None:
-    from jupyter_ext.settings import SnapshotSettings
+    from jupyter_ext.settings import options
 
-    for name, trait in SnapshotSettings.class_own_traits(config=True).items():
+    for name, trait in options().items():
         assert "Default" in (trait.help or ""), f"{name}: its help must state the default"
 
 
 def test_every_option_of_the_app_is_documented() -> None:
-    """The reference lists SnapshotSettings' traits: the app declares none of its own."""
+    """The reference lists SnapshotSettings' options: the app declares none of its own."""
     from jupyter_server.extension.application import ExtensionApp
 
     from jupyter_ext.app import SnapshotExtensionApp
-    from jupyter_ext.settings import SnapshotSettings
+    from jupyter_ext.settings import options
 
     ours = set(SnapshotExtensionApp.class_traits(config=True))
     ours -= set(ExtensionApp.class_traits(config=True))
-    assert ours == set(SnapshotSettings.class_own_traits(config=True))
+    assert ours == set(options())
 
 
 def test_options_are_read_under_the_apps_name(tmp_path: Path) -> None:

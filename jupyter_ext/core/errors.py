@@ -20,6 +20,7 @@ extension, the CLI and the panel can show it as it is::
     │   └── JobNotFoundError      no job with that id
     ├── VariableTransferError     variables could not be taken from a snapshot (variables.py)
     │   └── VariablesExistError   the kernel has variables of those names (overwrite not asked)
+    ├── NothingToUndoError        no cell checkpoint to go back to (core/checkpoints/)
     ├── StoreError                the store cannot be read or written (store/api.py)
     └── GpuCheckpointError        a CUDA checkpoint step failed (gpu/errors.py)
         └── GpuUnavailableError   no usable CUDA checkpoint support
@@ -140,6 +141,13 @@ class VariablesExistError(VariableTransferError):
     asked (``overwrite``)."""
 
     code = "variables-exist"
+
+
+class NothingToUndoError(SnapshotError):
+    """An undo or redo that has no cell checkpoint to go to; the message says why (none
+    taken yet, no longer kept, skipped, or off for this kernel)."""
+
+    code = "nothing-to-undo"
 
 
 class BadIdError(SnapshotError):

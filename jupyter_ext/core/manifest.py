@@ -92,6 +92,8 @@ TRIGGERS = (
     "before-restore",
 )
 """What took a snapshot; "before-restore" saves a kernel a restore in place replaces;
+the cell checkpoints' kinds (core/checkpoints/timeline.py KINDS) are the triggers of theirs,
+which stay on the machine (never in a store's listing);
 "long-cell" follows a cell that ran longer than the server's threshold; "cull" and
 "admin-shutdown" are shutdowns the user did not ask for, jupyter_server's kernel culler's
 and (with admin_shutdown_action) another's, an admin's: the kernel suspended instead, or

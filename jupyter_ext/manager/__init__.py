@@ -28,6 +28,8 @@ state)::
     schedules.py  Schedules (kernels, jobs, lending, kernel jobs, deaths): kernel status, automatic
                   snapshots on or off, snapshots of all before a stop
     upkeep.py     StoreUpkeep (store, jobs): the store's check and prune, as jobs
+    checkpoints.py ServerCheckpoints (kernels, jobs, lending): cell checkpoints listed, undo
+                  and redo, one restored for a take-back, areas of gone wrappers removed
 
 The snapshot policies (periodic, long cells, idle suspend) are decided in core/policies/tick.py
 on each kernel's status, read once a tick by jupyter_ext/autosnap.py.
@@ -43,6 +45,7 @@ from ..core import private
 from ..core.imagecache import ImageCache
 from ..core.store import SnapshotStore
 from ..core.store.scope import user_prefix
+from .checkpoints import ServerCheckpoints
 from .deaths import Deaths
 from .jobs import PROGRESS_EVENT_INTERVAL, Job, Jobs
 from .kernel_jobs import KernelJobs
@@ -178,6 +181,7 @@ class SnapshotManager:
         restores.on_restored = deaths.restored
         self.schedules = Schedules(kernels, jobs, lending, kernel_jobs, deaths, emit)
         self.upkeep = StoreUpkeep(store, jobs)
+        self.checkpoints = ServerCheckpoints(settings, kernels, jobs, lending, ws, emit)
 
     @property
     def work_dir(self) -> Path:

@@ -28,7 +28,9 @@ PHASE_ORDER: dict[str, int] = {name: rank for rank, name in enumerate(get_args(P
 
 #: What a job does (the REST contract's ``Job.kind`` and the panel's ``JobKind`` spell the
 #: same list: a test checks).
-JobKind = Literal["snapshot", "restore", "suspend", "resume", "variables", "check", "prune"]
+JobKind = Literal[
+    "snapshot", "restore", "suspend", "resume", "variables", "check", "prune", "undo", "redo"
+]
 
 
 @dataclass

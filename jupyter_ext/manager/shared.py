@@ -102,6 +102,11 @@ class Workspace:
         """The newest snapshot of each kernel, unpacked."""
         return self.work_dir / "image-cache"
 
+    @property
+    def checkpoints_dir(self) -> Path:
+        """The kernels' cell checkpoint areas (core/checkpoints/areas.py)."""
+        return self.work_dir / "checkpoints"
+
 
 def check_kernel_id(kernel_id: str) -> str:
     if not KERNEL_ID_RE.match(kernel_id):

@@ -28,6 +28,10 @@ must never find it open (CRIU cannot save a userfaultfd).
 
 Around a dump it holds the kernel's output gate (``{"op": "hold"}``) and releases it
 once connected again (``{"op": "release"}``): kernel_wrapper.inkernel.gate.
+
+An undo restores the kernel from a cell checkpoint, whose execution count is older than
+the notebook's: the wrapper then asks ``{"op": "execution_count", "at_least": N}`` so
+that the next cell goes on counting (kernel_wrapper/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -186,6 +190,7 @@ class SnapshotAgent(threading.Thread):
             "collapse": collapse,
             "hold": lambda _request: gate.hold(),
             "release": lambda _request: gate.release(),
+            "execution_count": self.execution_count,
         }
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -230,3 +235,14 @@ class SnapshotAgent(threading.Thread):
             hidden = set(getattr(shell, "user_ns_hidden", {}))
             result.update(summarize_namespace(shell.user_ns, hidden))
         return result
+
+    def execution_count(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The count the kernel's next cell gets, raised to ``at_least`` if given (IPython
+        counts a cell before it runs: its ``execution_count`` is the next cell's)."""
+        shell = self.shell
+        if shell is None:
+            return {"error": "the kernel has no IPython shell"}
+        at_least = request.get("at_least")
+        if type(at_least) is int and at_least > shell.execution_count:
+            shell.execution_count = at_least
+        return {"execution_count": int(shell.execution_count)}

@@ -159,7 +159,9 @@ export type JobKind =
   | 'resume'
   | 'variables'
   | 'check'
-  | 'prune';
+  | 'prune'
+  | 'undo'
+  | 'redo';
 
 /**
  * Every phase a job goes through, in the order a job goes through them: a job's phase only

@@ -92,6 +92,8 @@ class Lab:
             # Restores go through the store (its faults are under test), not the local
             # image cache (tests/test_image_cache.py).
             "image_cache_max_bytes": 0,
+            # Cell checkpoints: their own fault test turns them on (test_faults.py).
+            "cell_checkpoints": "off",
         }
         if self.store == "s3":
             app.update(s3_bucket=self.s3_bucket, s3_endpoint_url=self.s3_url, s3_prefix=S3_PREFIX)

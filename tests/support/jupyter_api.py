@@ -102,6 +102,9 @@ def server_config(tmp_path: Path, **extension: Any) -> dict[str, Any]:
             # Restores read the store (what most tests check): tests/test_image_cache.py
             # turns the local image cache on.
             "image_cache_max_bytes": 0,
+            # On by default; off here: a checkpoint after every cell would change what the
+            # other tests see of a kernel's dumps (tests/test_cell_checkpoints.py has them).
+            "cell_checkpoints": "off",
             **extension,
         },
     }

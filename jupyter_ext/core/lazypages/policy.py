@@ -4,7 +4,7 @@ the store's background download both use :class:`Faults`).
 
 Whether a restore goes lazily is decided once, by :func:`lazy_plan`: by the server for
 every restore it asks of a wrapper (``RestoreRequest.lazy`` says it), by the wrapper for
-its own (a suspended kernel coming back)."""
+its own (a suspended kernel coming back, an undo to a cell checkpoint)."""
 
 from __future__ import annotations
 

@@ -217,6 +217,24 @@ class LazyRestoreEndArgs(_Args):
     kernel's pages were read from, pushed by the wrapper instead of polled."""
 
 
+@dataclass(frozen=True)
+class CheckpointsArgs(_Args):
+    """The kernel's cell checkpoints, its position among them and the notebook's marks."""
+
+
+@dataclass(frozen=True)
+class UndoArgs(_Args):
+    """Go back to a cell checkpoint (kernel_wrapper/checkpoints.py): ``to`` one, or the
+    one before the cell ``before_cell``, or (neither) the one before the last cell; with
+    ``redo``, back to where the last undo started. ``preview``: only say what it would do
+    (which checkpoint, the cells it undoes, the files changed since)."""
+
+    to: str | None = None
+    before_cell: str | None = None
+    redo: bool = False
+    preview: bool = False
+
+
 class KernelStatus(TypedDict):
     """The ``status`` operation's reply (the server adds its own fields for the API)."""
 
@@ -258,6 +276,10 @@ class KernelStatus(TypedDict):
     """The cells run since then (``execution_count``, ``first_line``; the last 50)."""
     death: dict[str, Any] | None
     """How the kernel died, while it is dead (``--on-inner-death=wait``)."""
+    checkpoints: dict[str, Any]
+    """Its cell checkpoints (kernel_wrapper/checkpoints.py): whether it gets them (and why
+    not), its position, the redo point, the cells marked "not in the kernel's state",
+    the last one skipped and why."""
 
 
 class Restored(TypedDict):
@@ -332,6 +354,8 @@ OPERATIONS: dict[str, type[_Args] | type[RestoreRequest]] = {
     "resume": ResumeArgs,
     "restore": RestoreRequest,
     "lazy-restore-end": LazyRestoreEndArgs,
+    "checkpoints": CheckpointsArgs,
+    "undo": UndoArgs,
 }
 
 
@@ -400,6 +424,18 @@ class WrapperClient:
         (the wrapper answers when that happens; an error if the wrapper goes away)."""
         ended: dict[str, Any] = await self.request("lazy-restore-end")
         return ended
+
+    async def checkpoints(self) -> dict[str, Any]:
+        """The kernel's cell checkpoints (kernel_wrapper/checkpoints.py's listing)."""
+        listing: dict[str, Any] = await self.request("checkpoints", None, timeout=30)
+        return listing
+
+    async def undo(
+        self, args: UndoArgs, on_progress: ProgressCallback | None = None
+    ) -> dict[str, Any]:
+        """What the undo (or redo) did, or would do with ``preview``."""
+        result: dict[str, Any] = await self.request("undo", args.to_json(), on_progress)
+        return result
 
     async def request(
         self,

@@ -28,6 +28,9 @@ ENV_PID_FLOOR = "JUPYTER_SNAPSHOT_PID_FLOOR"
 #: operation, at most control.AWAIT_RESTORE_SECONDS. The wrapper removes the marker, so a
 #: later restart of that kernel (same environment) starts fresh.
 ENV_AWAIT_RESTORE = "JUPYTER_SNAPSHOT_AWAIT_RESTORE"
+#: Set by the server for the snapshot kernels it starts: its cell checkpoint settings, as
+#: JSON (core/checkpoints/settings.py's CheckpointSettings); unset: no cell checkpoints.
+ENV_CELL_CHECKPOINTS = "JUPYTER_SNAPSHOT_CELL_CHECKPOINTS"
 #: Set by the wrapper for its inner kernel: the private directory of its channels.
 ENV_INNER_DIR = "JUPYTER_SNAPSHOT_INNER_DIR"
 #: Set (to "1") by a wrapper with root for its inner kernel: mount a /proc of the kernel's

@@ -1,0 +1,310 @@
+"""Undo a cell (issue 49): a cell checkpoint after each cell (kernel_wrapper/checkpoints.py,
+jupyter_ext/core/checkpoints/), undo and redo restoring the kernel in place from them.
+
+The decisions (the timeline's paths and marks, what stays, when a kernel gets none) are
+tested without processes; then real kernels: cells with the ids JupyterLab sends, each
+kernel checking its own state after every undo (its arrays' digests), the execution
+count going on, marks, redo, a checkpoint never holding half a cell, the skip budget,
+retention, files changed since, snapshots building on checkpoints and checkpoints on
+snapshots. The server's side (REST, take-back, the CLI, the sweep of a killed kernel's
+area) is at the end; the fault suite kills kernels during checkpoints (test_faults.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jupyter_ext.core.checkpoints import (
+    CellRun,
+    Checkpoint,
+    CheckpointAreas,
+    CheckpointSettings,
+    Timeline,
+    off_reason,
+    to_remove,
+)
+from jupyter_ext.core.checkpoints.settings import skip_reason
+from jupyter_ext.core.errors import NothingToUndoError, SnapshotError
+from jupyter_ext.core.memtrack import plan as memplan
+from jupyter_ext.core.protocol.environment import ENV_CELL_CHECKPOINTS
+from testkit.processes import KernelProcess, wait_until
+
+Factory = Callable[..., KernelProcess]
+MB = 1 << 20
+
+# ------------------------------------------------------------------- the timeline
+
+
+def _record(timeline: Timeline, name: str, kind: str = "cell") -> Checkpoint:
+    record = Checkpoint(id=name, kind=kind, created="", directory=f"/x/{name}")
+    timeline.taken(record)
+    return record
+
+
+def _ran(timeline: Timeline, cell: str, count: int) -> None:
+    timeline.cell_ran(CellRun(cell, count))
+
+
+def _cells(undone: list[CellRun]) -> list[str | None]:
+    return [cell.cell_id for cell in undone]
+
+
+def test_undo_last_cell_goes_to_the_checkpoint_before_it() -> None:
+    timeline = Timeline()
+    _record(timeline, "start", "start")
+    _ran(timeline, "a", 1)
+    _record(timeline, "A")
+    _ran(timeline, "b", 2)
+    _record(timeline, "B")
+    plan = timeline.plan_undo()
+    assert (plan.target, _cells(plan.undone), plan.not_in_state) == ("A", ["b"], ["b"])
+    assert plan.exact
+    assert plan.save
+    timeline.moved_to(plan, redo="S")
+    # A second undo in a row: the kernel is A's images, nothing to save; redo stays.
+    again = timeline.plan_undo()
+    assert (again.target, _cells(again.undone), again.save) == ("start", ["a"], False)
+    timeline.moved_to(again, redo=timeline.redo)
+    assert timeline.not_in_state == ["a", "b"]
+    assert timeline.redo == "S"
+    with pytest.raises(NothingToUndoError, match="No cell has run"):
+        timeline.plan_undo()
+
+
+def test_before_a_cell_undoes_every_cell_after_it_and_says_a_batch() -> None:
+    timeline = Timeline()
+    _record(timeline, "start", "start")
+    _ran(timeline, "a", 1)
+    _ran(timeline, "b", 2)  # queued with a: no checkpoint between them
+    _record(timeline, "AB")
+    _ran(timeline, "c", 3)
+    _record(timeline, "C")
+    _ran(timeline, "d", 4)  # its checkpoint not taken yet
+    plan = timeline.plan_undo(before_cell="c")
+    assert (plan.target, _cells(plan.undone), plan.exact) == ("AB", ["d", "c"], True)
+    plan = timeline.plan_undo(before_cell="b")
+    assert plan.target == "start"
+    assert not plan.exact
+    assert _cells(plan.undone) == ["d", "c", "b", "a"]
+    with pytest.raises(NothingToUndoError, match="has not run"):
+        timeline.plan_undo(before_cell="zz")
+
+
+def test_a_cell_run_again_is_back_in_the_state_and_redo_keeps_its_marks() -> None:
+    timeline = Timeline()
+    _record(timeline, "start", "start")
+    _ran(timeline, "a", 1)
+    _record(timeline, "A")
+    _ran(timeline, "b", 2)
+    _record(timeline, "B")
+    plan = timeline.plan_undo()
+    timeline.moved_to(plan, redo="B")  # the save: here B itself, for the test
+    assert timeline.not_in_state == ["b"]
+    _ran(timeline, "c", 3)  # a new branch from A
+    _record(timeline, "C")
+    _ran(timeline, "b", 4)  # b again: in the state
+    assert timeline.not_in_state == []
+    _record(timeline, "B2")
+    redo = timeline.plan_redo()
+    # Back on the old branch (A, b): c and the second b are not in its state.
+    assert redo.target == "B"
+    assert redo.not_in_state == ["c", "b"]
+    assert _cells(redo.undone) == ["b", "c"]
+
+
+def test_a_checkpoint_no_longer_kept_is_said() -> None:
+    timeline = Timeline()
+    _record(timeline, "start", "start")
+    _ran(timeline, "a", 1)
+    _record(timeline, "A")
+    timeline.removed("start")
+    with pytest.raises(NothingToUndoError, match="no longer kept"):
+        timeline.plan_undo()
+    assert [r.id for r in timeline.kept()] == ["A"]
+
+
+def test_what_a_freeze_held_is_what_the_checkpoint_holds() -> None:
+    """A cell that finishes while a checkpoint is sealed belongs to the next one."""
+    timeline = Timeline()
+    _record(timeline, "start", "start")
+    _ran(timeline, "a", 1)
+    point = timeline.point()
+    _ran(timeline, "b", 2)
+    record = Checkpoint(id="A", kind="cell", created="", directory="/x")
+    timeline.taken(record, point)
+    assert _cells(record.cells) == ["a"]
+    assert _cells(timeline.cells_since) == ["b"]
+
+
+# ------------------------------------------------------------------- what stays
+
+
+def test_the_oldest_go_and_shared_files_count_once() -> None:
+    # Each checkpoint links its parent's 100-byte level (inode 1) and adds its own.
+    files = {"c1": {1: 100}, "c2": {1: 100, 2: 10}, "c3": {1: 100, 2: 10, 3: 10}}
+    order = ["c1", "c2", "c3"]
+    assert to_remove(order, files, keep=3, budget=120, protected=set()) == []
+    assert to_remove(order, files, keep=2, budget=10**6, protected=set()) == ["c1"]
+    # Over budget: removing c1 frees nothing (c2, c3 link its file), c2 neither.
+    assert to_remove(order, files, keep=3, budget=115, protected={"c3"}) == ["c1", "c2"]
+    # Only the protected one is left when it must.
+    assert to_remove(order, files, keep=1, budget=10**6, protected={"c1"}) == ["c2", "c3"]
+
+
+# ------------------------------------------------------------------- when a kernel gets them
+
+
+def test_auto_takes_them_where_memory_is_tracked_only() -> None:
+    auto = CheckpointSettings(mode="auto", root="/r")
+    situation = memplan.Situation(tracking="userfaultfd", memory_bytes=1 << 30)
+    assert off_reason(auto, memplan.plan_dump(situation)) == ""
+    gpu = memplan.plan_dump(memplan.Situation(tracking="userfaultfd", gpu=True))
+    assert "GPU" in off_reason(auto, gpu)
+    assert "'on'" in off_reason(auto, gpu)
+    assert off_reason(CheckpointSettings(mode="on", root="/r"), gpu) == ""
+    untracked = memplan.plan_dump(memplan.Situation(tracking=None, unavailable="no uffd here"))
+    assert "no uffd here" in off_reason(auto, untracked)
+    assert "off on this server" in off_reason(CheckpointSettings(mode="off", root="/r"), gpu)
+    assert "not started by a server" in off_reason(CheckpointSettings(), gpu)
+    assert CheckpointSettings.from_json("{bad") == CheckpointSettings()
+    settings = CheckpointSettings(mode="auto", root="/r", max_change_bytes=100)
+    assert "more than cell_checkpoint_max_change_bytes" in skip_reason(
+        settings, 101, 10**12, 10**12, 10**9
+    )
+    assert "free" in skip_reason(settings, 50, 60, 1000, 10**9)
+    assert skip_reason(settings, 50, 10**12, 10**12, 10**9) == ""
+
+
+def test_an_area_goes_once_its_holder_is_gone(tmp_path: Path) -> None:
+    areas = CheckpointAreas(tmp_path / "checkpoints")
+    live = areas.create("kernel")
+    dead = areas.create("kernel")
+    (dead.path / "x").mkdir()
+    os.close(dead._lock_fd)  # as a killed wrapper's
+    dead._lock_fd = -1
+    assert areas.sweep() == [dead.path]
+    assert live.path.is_dir()
+    assert not dead.path.exists()
+    held = areas.hold(live.path / "nothing")
+    assert held is None
+    live.close()
+    assert list(areas.root.iterdir()) == []
+
+
+# ------------------------------------------------------------------- real kernels
+
+
+@pytest.fixture
+def checkpointed(kernel_factory: Factory, tmp_path: Path) -> Iterator[Callable[..., KernelProcess]]:
+    """Kernels with cell checkpoints in ``tmp_path/checkpoints`` (as a server sets them)."""
+
+    def start(**settings: Any) -> KernelProcess:
+        config = {"mode": "auto", "root": str(tmp_path / "checkpoints"), **settings}
+        return kernel_factory(env={ENV_CELL_CHECKPOINTS: json.dumps(config)})
+
+    return start
+
+
+def run(kernel: KernelProcess, code: str, cell_id: str | None = None) -> tuple[str, int]:
+    """Run a cell as JupyterLab sends it (its ``cellId``): its stdout and execution count;
+    raises with the traceback if it failed."""
+    client = kernel.client
+    content = {"code": code, "silent": False, "store_history": True, "user_expressions": {}}
+    msg = client.session.msg("execute_request", content, metadata={"cellId": cell_id})
+    client.shell_channel.send(msg)
+    out: list[str] = []
+    while True:
+        reply = client.get_shell_msg(timeout=120)
+        if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+            break
+    while True:  # its output, up to its idle status
+        iopub = client.get_iopub_msg(timeout=120)
+        if iopub["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+            continue
+        if iopub["msg_type"] == "stream":
+            out.append(iopub["content"]["text"])
+        if iopub["msg_type"] == "status" and iopub["content"]["execution_state"] == "idle":
+            break
+    if reply["content"]["status"] != "ok":
+        raise AssertionError(f"cell failed: {reply['content']}")
+    return "".join(out), int(reply["content"]["execution_count"])
+
+
+def listing(kernel: KernelProcess) -> dict[str, Any]:
+    result: dict[str, Any] = kernel.control.request_sync("checkpoints", timeout=60)
+    return result
+
+
+def settled(kernel: KernelProcess, count: int) -> dict[str, Any]:
+    """The listing once ``count`` checkpoints were taken (or one was skipped since) and
+    none is being taken."""
+    found: dict[str, Any] = {}
+
+    def done() -> bool:
+        nonlocal found
+        found = listing(kernel)
+        taken = len(found["checkpoints"]) >= count or found["skipped"] is not None
+        return taken and not found["taking"] and not found["cells_since"]
+
+    wait_until(done, timeout=120, what=f"{count} cell checkpoints")
+    return found
+
+
+def undo(kernel: KernelProcess, **args: Any) -> dict[str, Any]:
+    result: dict[str, Any] = kernel.control.request_sync("undo", args, timeout=300)
+    return result
+
+
+#: In the kernel: what it holds, checked by the kernel itself (its arrays' digests).
+STATE = "import hashlib, numpy as np\ndigest = lambda a: hashlib.sha256(a.tobytes()).hexdigest()\n"
+
+
+def test_undo_redo_and_the_count_goes_on(checkpointed: Callable[..., KernelProcess]) -> None:
+    kernel = checkpointed()
+    run(kernel, STATE + "big = np.random.default_rng(1).random(4 * 2**20); x = 1", "c1")
+    first = settled(kernel, 2)
+    assert [c["kind"] for c in first["checkpoints"]] == ["start", "cell"]
+    run(kernel, "big[: 2**16] = 7; saved = digest(big); x = 2", "c2")
+    settled(kernel, 3)  # a cell sent at once would cut its checkpoint short (see below)
+    run(kernel, "big[-(2**16):] = 9; x = 3", "c3")
+    listed = settled(kernel, 4)
+    after_c2 = listed["checkpoints"][2]
+    assert after_c2["cells"] == [{"cell_id": "c2", "execution_count": 2}]
+    # Later checkpoints copy what their cell changed (c1's holds its 32 MiB array).
+    assert after_c2["memory"]["mode"] == "incremental"
+    assert after_c2["own_bytes"] < listed["checkpoints"][1]["own_bytes"] / 2
+
+    preview = undo(kernel, preview=True)
+    assert preview["target"] == after_c2["id"]
+    assert preview["undone"][0]["cell_id"] == "c3"
+    assert "files the cells wrote" in preview["outside_world"]
+    done = undo(kernel)
+    assert done["not_in_state"] == ["c3"]
+    assert done["redo"] is not None
+    assert done["execution_count"] == 4  # the notebook's next cell, not the checkpoint's
+    assert kernel.status()["checkpoints"]["not_in_state"] == ["c3"]
+    # The kernel checks itself: as it was after c2.
+    out, count = run(kernel, "print(x, digest(big) == saved, big[-1] != 9)", "check")
+    assert (out.split(), count) == (["2", "True", "True"], 4)
+
+    # Undo twice: back to after c1 (c2 and the check cell undone too).
+    undo(kernel)
+    again = undo(kernel)
+    assert again["save"] is False  # a checkpoint's images already: nothing saved
+    assert set(again["not_in_state"]) >= {"c2", "c3", "check"}
+    assert run(kernel, "print(x, 'saved' in dir())", "check2")[0].split() == ["1", "False"]
+
+    # Redo: back to where the last undo began.
+    redone = undo(kernel, redo=True)
+    assert redone["redo"] is None
+    out, count = run(kernel, "print(x, digest(big) == saved)", "check3")
+    assert out.split() == ["2", "True"]
+    assert count == 6  # [4] check, [5] check2: the count went on through every undo
+    with pytest.raises(SnapshotError, match="nothing to redo"):
+        undo(kernel, redo=True)
