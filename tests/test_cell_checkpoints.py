@@ -12,9 +12,13 @@ area) is at the end; the fault suite kills kernels during checkpoints (test_faul
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-from collections.abc import Callable, Iterator
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +34,24 @@ from jupyter_ext.core.checkpoints import (
     to_remove,
 )
 from jupyter_ext.core.checkpoints.settings import skip_reason
-from jupyter_ext.core.errors import NothingToUndoError, SnapshotError
+from jupyter_ext.core.errors import NothingToUndoError, SnapshotError, WrapperUnavailableError
 from jupyter_ext.core.memtrack import plan as memplan
 from jupyter_ext.core.protocol.environment import ENV_CELL_CHECKPOINTS
-from testkit.processes import KernelProcess, wait_until
+from testkit.processes import KernelProcess, ServerProcess, wait_until, ws_close, ws_connect
+
+from .support.fakecuda.build import build_fakecuda
+from .support.fakecuda.programs import USE_GPU
+from .support.jupyter_api import server_config
+from .support.servers import follow, ws_execute
 
 Factory = Callable[..., KernelProcess]
 MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_fakecuda(tmp_path_factory.mktemp("fakecuda"))
+
 
 # ------------------------------------------------------------------- the timeline
 
@@ -201,12 +216,13 @@ def test_an_area_goes_once_its_holder_is_gone(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def checkpointed(kernel_factory: Factory, tmp_path: Path) -> Iterator[Callable[..., KernelProcess]]:
+def checkpointed(kernel_factory: Factory, tmp_path: Path) -> Callable[..., KernelProcess]:
     """Kernels with cell checkpoints in ``tmp_path/checkpoints`` (as a server sets them)."""
 
-    def start(**settings: Any) -> KernelProcess:
+    def start(kernel_env: dict[str, str] | None = None, **settings: Any) -> KernelProcess:
         config = {"mode": "auto", "root": str(tmp_path / "checkpoints"), **settings}
-        return kernel_factory(env={ENV_CELL_CHECKPOINTS: json.dumps(config)})
+        env = {ENV_CELL_CHECKPOINTS: json.dumps(config), **(kernel_env or {})}
+        return kernel_factory(env=env)
 
     return start
 
@@ -249,10 +265,16 @@ def settled(kernel: KernelProcess, count: int) -> dict[str, Any]:
     def done() -> bool:
         nonlocal found
         found = listing(kernel)
-        taken = len(found["checkpoints"]) >= count or found["skipped"] is not None
-        return taken and not found["taking"] and not found["cells_since"]
+        if found["taking"]:
+            return False
+        if found["skipped"] is not None:
+            return True
+        return len(found["checkpoints"]) >= count and not found["cells_since"]
 
-    wait_until(done, timeout=120, what=f"{count} cell checkpoints")
+    try:
+        wait_until(done, timeout=120, what=f"{count} cell checkpoints")
+    except TimeoutError:
+        raise AssertionError(f"{count} checkpoints not taken: {found}\n{kernel.log()}") from None
     return found
 
 
@@ -308,3 +330,215 @@ def test_undo_redo_and_the_count_goes_on(checkpointed: Callable[..., KernelProce
     assert count == 6  # [4] check, [5] check2: the count went on through every undo
     with pytest.raises(SnapshotError, match="nothing to redo"):
         undo(kernel, redo=True)
+
+
+def test_a_checkpoint_never_holds_half_a_cell(checkpointed: Callable[..., KernelProcess]) -> None:
+    """A cell sent while a checkpoint prepares (here its pre-copy of 96 MiB) either waits
+    for its freeze or cuts it short: no checkpoint holds part of it. Each one is checked
+    by undoing to it."""
+    kernel = checkpointed()
+    run(kernel, STATE + "x = 0", "c0")
+    settled(kernel, 2)
+    run(kernel, "fill = np.random.default_rng(2).random(12 * 2**20); x = 1", "c1")
+    wait_until(lambda: listing(kernel)["taking"], what="the checkpoint to start")
+    out, _count = run(kernel, "x = 2; print(x)", "c2")  # sent while it is under way
+    assert out.strip() == "2"
+    done = settled(kernel, 3)
+    # Whatever happened, every checkpoint holds whole cells: undo to each and look.
+    for checkpoint in reversed(done["checkpoints"][1:]):
+        undo(kernel, to=checkpoint["id"])
+        cells = [c["cell_id"] for c in checkpoint["cells"]]
+        expected = "2" if "c2" in cells else "1" if "c1" in cells else "0"
+        assert run(kernel, "print(x)", None)[0].strip() == expected, (cells, done)
+    if done["checkpoints"][-1]["cells"] != [{"cell_id": "c2", "execution_count": 3}]:
+        # Cut short: said, and the next one holds both cells.
+        assert [c["cell_id"] for c in done["checkpoints"][-1]["cells"]] == ["c1", "c2"]
+
+
+def test_a_large_change_is_skipped_and_said(checkpointed: Callable[..., KernelProcess]) -> None:
+    kernel = checkpointed(max_change_bytes=96 * MB)
+    run(kernel, STATE + "x = 0", "c0")
+    settled(kernel, 2)
+    run(kernel, "big = np.ones(16 * 2**20); x = 1", "big")  # 128 MiB written
+    skipped = settled(kernel, 3)
+    assert len(skipped["checkpoints"]) == 2
+    assert "more than cell_checkpoint_max_change_bytes" in skipped["skipped"]["reason"]
+    assert kernel.status()["checkpoints"]["skipped"]["reason"] == skipped["skipped"]["reason"]
+    # Once the change is smaller (the array freed: unmapped pages are not copied) the next
+    # one is taken; it holds both cells, and undoing the last cell undoes both, said.
+    run(kernel, "del big; x = 2", "small")
+    taken = settled(kernel, 3)
+    assert taken["skipped"] is None
+    assert [c["cell_id"] for c in taken["checkpoints"][-1]["cells"]] == ["big", "small"]
+    plan = undo(kernel, preview=True)
+    assert [c["cell_id"] for c in plan["undone"]] == ["small", "big"]
+    assert plan["exact"] is False
+    undo(kernel)
+    assert run(kernel, "print(x, 'big' in dir())")[0].split() == ["0", "False"]
+
+
+def test_only_the_last_are_kept(checkpointed: Callable[..., KernelProcess]) -> None:
+    kernel = checkpointed(keep=3)
+    for index in range(5):
+        run(kernel, f"x = {index}", f"c{index}")
+        settled(kernel, min(index + 2, 3))
+    listed = listing(kernel)
+    kept = [c["cells"][0]["cell_id"] for c in listed["checkpoints"]]
+    assert kept == ["c2", "c3", "c4"]
+    # Their files on disk: only those of the kept ones (and the area's own).
+    area = Path(listed["checkpoints"][0]["directory"]).parent
+    assert len([p for p in area.iterdir() if not p.name.startswith(".")]) == 3
+    with pytest.raises(SnapshotError, match="is no longer kept"):
+        undo(kernel, before_cell="c0", preview=True)
+    # Kept ones still restore whole: back to before c3.
+    undo(kernel, before_cell="c3")
+    assert run(kernel, "print(x)")[0].strip() == "2"
+
+
+def test_the_undo_dialog_lists_files_changed_since(
+    checkpointed: Callable[..., KernelProcess], tmp_path: Path
+) -> None:
+    kernel = checkpointed()
+    log = tmp_path / "out.log"
+    run(kernel, f"fh = open({str(log)!r}, 'a'); fh.write('one\\n'); fh.flush()", "open")
+    settled(kernel, 2)
+    run(kernel, "fh.write('two\\n'); fh.flush()", "write")
+    settled(kernel, 3)
+    plan = undo(kernel, preview=True)
+    changed = {entry["path"]: entry for entry in plan["changed_files"]}
+    assert changed[str(log)]["change"] == "written"
+    assert plan["problems"] == []
+    undo(kernel)
+    # Undo does not bring the file back: the kernel's handle writes on at its end.
+    run(kernel, "fh.write('three\\n'); fh.flush()", "again")
+    assert log.read_text() == "one\ntwo\nthree\n"
+
+
+def test_snapshots_and_checkpoints_build_on_each_other(
+    checkpointed: Callable[..., KernelProcess], tmp_path: Path
+) -> None:
+    """A snapshot the server asks for copies what changed since the newest checkpoint,
+    and the next checkpoint what changed since that snapshot, though the server moved its
+    directory (an anchor in the area); each restores whole."""
+    kernel = checkpointed()
+    run(kernel, STATE + "big = np.random.default_rng(3).random(4 * 2**20); x = 1", "c1")
+    settled(kernel, 2)
+    snap = kernel.snapshot(tmp_path / "snap")
+    assert snap["memory"]["mode"] == "incremental"
+    assert snap["memory"]["copied_bytes"] < 16 * MB  # not the 32 MiB array
+    os.rename(tmp_path / "snap", tmp_path / "moved")  # as the server's upload moves it
+    run(kernel, "big[:10] = 5; keep = digest(big); x = 2", "c2")
+    after = settled(kernel, 3)["checkpoints"][-1]
+    assert after["memory"]["mode"] == "incremental"
+    assert after["memory"]["copied_bytes"] < 16 * MB
+    kernel.restore(tmp_path / "moved")
+    assert run(kernel, "print(x)")[0].strip() == "1"
+    undo(kernel, to=after["id"])
+    assert run(kernel, "print(x, digest(big) == keep)")[0].split() == ["2", "True"]
+
+
+def test_gpu_kernels_get_none_in_auto_and_say_why(
+    checkpointed: Callable[..., KernelProcess], tmp_path: Path, libcuda: Path
+) -> None:
+    state = tmp_path / "fakecuda-state"
+    state.mkdir()
+    env = {"JUPYTER_SNAPSHOT_LIBCUDA": str(libcuda), "FAKECUDA_STATE_DIR": str(state)}
+    kernel = checkpointed(kernel_env=env)
+    run(kernel, USE_GPU.format(lib=str(libcuda)), "gpu")
+    wait_until(lambda: not listing(kernel)["enabled"], what="checkpoints off for the GPU kernel")
+    status = kernel.status()["checkpoints"]
+    assert "the kernel uses the GPU" in status["reason"]
+    assert "cell_checkpoints = 'on'" in status["reason"]
+    assert [c["kind"] for c in listing(kernel)["checkpoints"]] == ["start"]
+
+
+# ------------------------------------------------------------------- through the server
+
+
+async def open_notebook(server: ServerProcess, kernel_id: str) -> None:
+    await ws_close(await ws_connect(server, kernel_id))
+
+
+def server_settled(server: ServerProcess, kernel_id: str, count: int) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+
+    def done() -> bool:
+        nonlocal found
+        try:
+            found = server.client.call("GET", f"kernels/{kernel_id}/checkpoints")
+        except WrapperUnavailableError:  # the kernel's wrapper is not up yet
+            return False
+        return len(found["checkpoints"]) >= count and not found["taking"]
+
+    wait_until(done, timeout=120, what=f"{count} cell checkpoints")
+    return found
+
+
+def test_undo_redo_and_take_back_through_the_server(tmp_path: Path) -> None:
+    """REST (listing, preview, undo, redo, a checkpoint's contents), a variable taken back
+    from a checkpoint, `jupyter snapshot undo`, and a killed kernel's checkpoints removed
+    by the server."""
+    (tmp_path / "notebooks").mkdir()
+    config = server_config(tmp_path, cell_checkpoints="auto", policy_tick=0.5)
+    server = ServerProcess(tmp_path / "server", tmp_path / "notebooks", config)
+    try:
+        kernel_id = server.api("POST", "api/kernels", {"name": "python3-snapshot"})["id"]
+        # As JupyterLab opening the notebook: a websocket (its kernel_info), then the
+        # kernel is idle and gets its "start" checkpoint.
+        asyncio.run(open_notebook(server, kernel_id))
+        server_settled(server, kernel_id, 1)
+        for index, cell in enumerate("abc", start=1):
+            ws_execute(server, kernel_id, f"x = {index}; label_{cell} = 'ran {cell}'", cell_id=cell)
+            listed = server_settled(server, kernel_id, index + 1)
+        after_a = listed["checkpoints"][1]
+        assert "directory" not in after_a  # where the files are is the server's business
+        plan = server.client.call("GET", f"kernels/{kernel_id}/undo", before_cell="b")
+        assert [c["cell_id"] for c in plan["undone"]] == ["c", "b"]
+        assert plan["target"] == after_a["id"]
+
+        job = server.client.call("POST", f"kernels/{kernel_id}/undo", body={"before_cell": "b"})
+        result = follow(server, job["job"])["result"]
+        assert result["not_in_state"] == ["b", "c"]
+        status = server.client.call("GET", f"kernels/{kernel_id}")
+        assert status["checkpoints"]["not_in_state"] == ["b", "c"]
+        assert ws_execute(server, kernel_id, "print(x, 'label_b' in dir())").split() == [
+            "1",
+            "False",
+        ]
+
+        # A checkpoint's record, and a variable taken back from one (the existing take-back).
+        after_c = listed["checkpoints"][3]
+        record = server.client.call("GET", f"kernels/{kernel_id}/checkpoints/{after_c['id']}")
+        assert "label_c" in [v["name"] for v in record["contents"]["variables"]]
+        body = {"kernel_id": kernel_id, "names": ["label_c"], "rename": {"label_c": "taken"}}
+        follow(server, server.client.call("POST", f"{after_c['id']}/variables", body=body)["job"])
+        assert ws_execute(server, kernel_id, "print(taken, x)").strip() == "ran c 1"
+
+        follow(server, server.client.call("POST", f"kernels/{kernel_id}/redo", body={})["job"])
+        assert ws_execute(server, kernel_id, "print(x, label_c)").split() == ["3", "ran", "c"]
+        with pytest.raises(SnapshotError, match="nothing to redo"):
+            server.client.call("GET", f"kernels/{kernel_id}/redo")
+        with pytest.raises(SnapshotError, match="not a snapshot id"):
+            server.client.call("GET", f"kernels/{kernel_id}/undo", to="nope")
+
+        # The command line, on the same server.
+        cli = [sys.executable, "-m", "jupyter_ext.cli", "undo", f"--url={server.url}"]
+        cli += [f"--token={server.token}", f"--kernel-id={kernel_id}"]
+        listed_text = subprocess.run([*cli, "--list"], capture_output=True, text=True, check=True)
+        assert "<- the kernel" in listed_text.stdout
+        said = subprocess.run(cli, capture_output=True, text=True, check=True).stdout
+        assert "Back to checkpoint" in said
+        assert "files the cells wrote" in said
+
+        # A kernel whose wrapper is killed: its checkpoints go with it.
+        status = server.client.call("GET", f"kernels/{kernel_id}")
+        area = Path(config["SnapshotExtensionApp"]["work_dir"]) / "checkpoints"
+        before = {p.name for p in area.iterdir()}
+        os.kill(status["wrapper_pid"], signal.SIGKILL)
+        wait_until(
+            lambda: not ({p.name for p in area.iterdir()} & before),
+            timeout=60,
+            what="the killed kernel's checkpoints to be removed",
+        )
+    finally:
+        server.stop()

@@ -131,12 +131,14 @@ def follow(server: Endpoint, job: dict[str, Any]) -> dict[str, Any]:
     return done
 
 
-async def ws_run(ws: WebSocketClientConnection, code: str, timeout: float = 120) -> str:
-    """Run ``code`` on an open kernel websocket, as JupyterLab does; return its stdout
-    once the kernel is idle again, or raise with the error."""
+async def ws_run(
+    ws: WebSocketClientConnection, code: str, timeout: float = 120, cell_id: str | None = None
+) -> str:
+    """Run ``code`` on an open kernel websocket, as JupyterLab does (from the cell
+    ``cell_id``); return its stdout once the kernel is idle again, or raise with the error."""
     import asyncio
 
-    msg_id, message = execute_request(code)
+    msg_id, message = execute_request(code, cell_id)
     ws.write_message(message)
     out: list[str] = []
     reply: dict[str, Any] | None = None
@@ -164,14 +166,16 @@ async def ws_run(ws: WebSocketClientConnection, code: str, timeout: float = 120)
     return "".join(out)
 
 
-def ws_execute(server: Endpoint, kernel_id: str, code: str, timeout: float = 120) -> str:
+def ws_execute(
+    server: Endpoint, kernel_id: str, code: str, timeout: float = 120, cell_id: str | None = None
+) -> str:
     """Run ``code`` in a kernel through the server's websocket (:func:`ws_run`)."""
     import asyncio
 
     async def go() -> str:
         ws = await ws_connect(server, kernel_id)
         try:
-            return await ws_run(ws, code, timeout)
+            return await ws_run(ws, code, timeout, cell_id)
         finally:
             await ws_close(ws)
 
