@@ -13,16 +13,20 @@ and goes once a newer dump builds on it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from jupyter_ext.core.checkpoints import Area, CheckpointAreas, CheckpointSettings, Timeline
 from jupyter_ext.core.criu.chain import PARENT, is_level_file
 from jupyter_ext.core.manifest import IMAGES_DIR, MANIFEST_NAME, remove_tree
+
+from .memory import KernelMemory
 
 log = logging.getLogger("kernel_wrapper")
 
@@ -80,50 +84,25 @@ class KernelCheckpoints:
         self.anchors.discard(snapshot_id)
         return True
 
-    def parent_dir(self, tracked_since: str | None) -> str | None:
+    def parent_dir(self, memory: KernelMemory) -> str | None:
         """The directory of the dump the kernel's memory is tracked since, if it is here."""
+        tracked_since = memory.status()["tracked_since"]
         found = self.directory(tracked_since) if tracked_since else None
         return str(found) if found is not None else None
 
     # ------------------------------------------------------------------ anchors
 
-    def link_anchor(self, staging: Path) -> Path | None:
-        """Before the seal of a snapshot the server asked for (tracked, the kernel running
-        on): hard links of its memory levels in a new folder of the area; None without
-        an area (no checkpoint was taken yet: nothing builds on anchors then)."""
-        if self.area is None:
-            return None
-        partial = self.area.path / f".anchor-{secrets.token_hex(4)}"
-        images = staging / IMAGES_DIR
+    @contextlib.contextmanager
+    def anchor(self) -> Iterator[Anchor]:
+        """An anchor for a snapshot the server asked for (see the module): linked by its
+        dump if tracked, given its id once sealed; removed if the dump fails."""
+        anchor = Anchor(self)
         try:
-            for path in images.rglob("*"):
-                rel = path.relative_to(images)
-                in_chain = rel.parts[0] == PARENT or len(rel.parts) == 1
-                if in_chain and is_level_file(path.name) and path.is_file():
-                    target = partial / IMAGES_DIR / rel
-                    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                    os.link(path, target)
-        except OSError as exc:
-            log.warning("no anchor for the next cell checkpoint: %s", exc)
-            remove_tree(partial)
-            return None
-        return partial
-
-    def anchored(self, partial: Path | None, sealed: Path, snapshot_id: str) -> None:
-        """The snapshot was sealed in ``sealed``: its anchor gets its manifest and its id
-        (the next checkpoint builds on it)."""
-        if partial is None or self.area is None:
-            return
-        directory = self.area.new_dir()
-        try:
-            shutil.copyfile(sealed / MANIFEST_NAME, partial / MANIFEST_NAME)
-            partial.rename(directory)
-        except OSError as exc:
-            log.warning("no anchor for the next cell checkpoint: %s", exc)
-            remove_tree(partial)
-            return
-        self.anchors.add(snapshot_id)
-        self.added(snapshot_id, directory)
+            yield anchor
+        except BaseException:
+            if anchor.partial is not None:
+                remove_tree(anchor.partial)
+            raise
 
     def drop_anchors(self, keep: str | None) -> None:
         """Remove the anchors nothing builds on any more (all but ``keep``)."""
@@ -136,3 +115,53 @@ class KernelCheckpoints:
         if self.area is not None:
             self.area.close()
             self.area = None
+
+
+class Anchor:
+    """A snapshot's anchor being made (:meth:`KernelCheckpoints.anchor`)."""
+
+    def __init__(self, checkpoints: KernelCheckpoints) -> None:
+        self.checkpoints = checkpoints
+        self.partial: Path | None = None
+
+    def link(self, staging: Path) -> None:
+        """Before the seal of a snapshot (tracked, the kernel running on): hard links of
+        its memory levels in a new folder of the area, if the kernel has one (without a
+        checkpoint nothing builds on anchors)."""
+        area = self.checkpoints.area
+        if area is None:
+            return
+        partial = area.path / f".anchor-{secrets.token_hex(4)}"
+        images = staging / IMAGES_DIR
+        try:
+            for path in images.rglob("*"):
+                rel = path.relative_to(images)
+                in_chain = rel.parts[0] == PARENT or len(rel.parts) == 1
+                if in_chain and is_level_file(path.name) and path.is_file():
+                    target = partial / IMAGES_DIR / rel
+                    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    os.link(path, target)
+        except OSError as exc:
+            log.warning("no anchor for the next cell checkpoint: %s", exc)
+            remove_tree(partial)
+            return
+        self.partial = partial
+
+    def sealed(self, sealed: Path, snapshot_id: str) -> None:
+        """The snapshot was sealed in ``sealed``: its anchor gets its manifest and its id
+        (the next checkpoint builds on it)."""
+        area, partial = self.checkpoints.area, self.partial
+        if partial is None or area is None:
+            return
+        directory = area.new_dir()
+        try:
+            shutil.copyfile(sealed / MANIFEST_NAME, partial / MANIFEST_NAME)
+            partial.rename(directory)
+        except OSError as exc:
+            log.warning("no anchor for the next cell checkpoint: %s", exc)
+            remove_tree(partial)
+            return
+        finally:
+            self.partial = None
+        self.checkpoints.anchors.add(snapshot_id)
+        self.checkpoints.added(snapshot_id, directory)

@@ -163,8 +163,7 @@ class CellCheckpoints:
         pid = kernel.process.pid
         if pid is None or not kernel.lifecycle.is_(State.RUNNING):
             return
-        tracked_since = kernel.memory.status()["tracked_since"]
-        parent = Parent.read(self.store.parent_dir(tracked_since))
+        parent = Parent.read(self.store.parent_dir(kernel.memory))
         plan = await kernel.memory.plan(
             kernel.criu(), pid, parent, enabled=settings.track_memory, keeps_running=True
         )

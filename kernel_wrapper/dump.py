@@ -171,10 +171,8 @@ class Dumper:
         inner_pid = self.kernel.process.pid
         assert inner_pid is not None  # checked by _prepare
         checkpoints = self.kernel.checkpoints
-        tracked_since = self.kernel.memory.status()["tracked_since"]
-        parent = Parent.read(checkpoints.parent_dir(tracked_since) or args.parent)
-        anchor: Path | None = None
-        try:
+        parent = Parent.read(checkpoints.parent_dir(self.kernel.memory) or args.parent)
+        with checkpoints.anchor() as anchor:  # removed unless the snapshot is sealed
             with _staging(dest) as staging:
                 with _work_dir(self.kernel.runtime) as work_dir:
                     dumped, hasher = await self._freeze_and_dump(
@@ -186,16 +184,11 @@ class Dumper:
                 manifest = self._manifest(criu, dumped, args)
                 chained = dumped.copy is not None and dumped.copy.chain is not None
                 if checkpoint is None and args.leave_running and chained:
-                    # Linked before the seal stamps the files (a link changes their ctime).
-                    anchor = await asyncio.to_thread(checkpoints.link_anchor, staging)
+                    await asyncio.to_thread(anchor.link, staging)  # before the seal's stamps
                 progress({"phase": "hashing"})
                 chain = dumped.copy.entries if dumped.copy else {}
                 manifest = await self._seal(staging, manifest, dest, hasher, chain)
-        except BaseException:
-            if anchor is not None:
-                remove_tree(anchor)
-            raise
-        checkpoints.anchored(anchor, dest, manifest.id)
+            anchor.sealed(dest, manifest.id)
         if checkpoint is None:
             self.kernel.record.dumped(manifest)
             self.kernel.tracker.snapshot_taken()

@@ -604,6 +604,128 @@ def test_kill_during_shutdown_snapshots(lab: Lab) -> None:
     survey.assert_held()
 
 
+# ------------------------------------------------------------------- cell checkpoints
+
+
+CHECKPOINT_VICTIMS = ["criu", "inner", "wrapper"]
+
+
+def criu_dumping(wrapper_pid: int) -> int | None:
+    """The CRIU process a kernel's wrapper runs for a dump now, if any."""
+    for pid in proctree.descendants(wrapper_pid):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if any(arg.endswith(b"criu") for arg in argv) and b"dump" in argv:
+                return pid
+    return None
+
+
+def checkpoints_of(server: Any, kernel_id: str) -> dict[str, Any]:
+    listing: dict[str, Any] = server.client.call("GET", f"kernels/{kernel_id}/checkpoints")
+    return listing
+
+
+def checkpoints_settled(server: Any, kernel_id: str) -> dict[str, Any]:
+    """The kernel's checkpoints once every cell run has one (or the last one failed) and
+    none is being taken."""
+    deadline = time.monotonic() + 120
+    while True:
+        listing = checkpoints_of(server, kernel_id)
+        done = not listing["cells_since"] or listing["skipped"] is not None
+        if listing["checkpoints"] and not listing["taking"] and done:
+            return listing
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"kernel {kernel_id}'s checkpoints did not settle: {listing}")
+        time.sleep(0.05)
+
+
+def checkpoint_kill(
+    lab: Lab, server: Any, target: str, victim: str, before: int, rng: random.Random
+) -> KillPoint:
+    """SIGKILL ``victim`` (criu, inner, wrapper) once the target kernel's next cell
+    checkpoint writes its images ("end" once a checkpoint more is taken)."""
+    wrapper_pid, inner_pid = kernel_pids(server, target)
+    images = staged(lab, f"checkpoints/{target}-*/.*.partial-*/images/*")
+    found = {"inner": inner_pid, "wrapper": wrapper_pid}
+    polls = 0
+
+    def condition() -> str:
+        nonlocal polls
+        polls += 1
+        if images():
+            if victim != "criu":
+                return "checkpoint images being written"
+            criu = criu_dumping(wrapper_pid)
+            if criu is not None:
+                found["criu"] = criu
+                return "checkpoint images being written, CRIU dumping"
+        if polls % 10 == 0 and len(checkpoints_of(server, target)["checkpoints"]) > before:
+            return "end"
+        return ""
+
+    return KillPoint(condition, lambda: found[victim], rng)
+
+
+def test_kill_during_cell_checkpoint(lab: Lab) -> None:
+    """SIGKILL the CRIU dump of a cell checkpoint, the kernel, or its wrapper while the
+    checkpoint's images are being written. Nothing is lost: a kernel whose dump was killed
+    keeps its state and its earlier checkpoints (an undo to before the cell works); the
+    other kernel keeps its state and checkpoints. Nothing is left: no partial checkpoint,
+    and a kernel that died leaves no area (its wrapper removes it, or the server does)."""
+    name = "kill-cell-checkpoint"
+    rng = rng_for(name)
+    survey = Survey(name)
+    lab.settings.update(cell_checkpoints="auto", policy_tick=0.5)
+    server = lab.start()
+    lineage: dict[str, ZdtmState] = {}
+    for _ in range(FAULT_ITERATIONS):
+        for victim in rng.sample(CHECKPOINT_VICTIMS, len(CHECKPOINT_VICTIMS)):
+            target_state, bystander_state = new_state(rng), new_state(rng)
+            target = start_kernel(server, target_state, lineage)
+            bystander = start_kernel(server, bystander_state, lineage)
+            kept = {c["id"] for c in checkpoints_settled(server, bystander)["checkpoints"]}
+            before = len(checkpoints_settled(server, target)["checkpoints"])
+            killer = checkpoint_kill(lab, server, target, victim, before, rng)
+            from .support.servers import ws_execute
+
+            ws_execute(server, target, "extra = np.ones(4 * 2**20)")  # 32 MiB to copy
+            where = killer.join()
+            alive = {bystander: bystander_state}
+            if victim == "criu" or not where:
+                alive[target] = target_state
+                listing = checkpoints_settled(server, target)
+                survey.require(
+                    where == "" or listing["skipped"] is not None,
+                    f"SIGKILL {victim}",
+                    f"cell checkpoint: {where}",
+                    f"the failed checkpoint is said: {(listing['skipped'] or {}).get('reason')}",
+                )
+                # Nothing lost: the kernel goes back to before the cell.
+                job = server.client.call("POST", f"kernels/{target}/undo", body={})["job"]
+                ended = wait_job(server, job)
+                survey.require(
+                    ended["status"] == "done",
+                    f"SIGKILL {victim}",
+                    f"cell checkpoint: {where}",
+                    f"undo after it: {ended['status']} {ended['error'] or ''}",
+                )
+                out = ws_execute(server, target, "print('extra' in dir())").strip()
+                survey.require(
+                    out == "False", f"SIGKILL {victim}", f"undo: {where}", f"extra still: {out}"
+                )
+            left = {c["id"] for c in checkpoints_of(server, bystander)["checkpoints"]}
+            survey.require(
+                kept <= left,
+                f"SIGKILL {victim}",
+                f"cell checkpoint: {where}",
+                f"the other kernel kept its checkpoints: {kept - left} gone",
+            )
+            survey.check(lab, f"SIGKILL {victim}", f"cell checkpoint: {where}", alive, lineage)
+            for kernel_id in (target, bystander):
+                shutdown_kernel(server, kernel_id)
+    survey.assert_held()
+
+
 # ------------------------------------------------------------------- orphans
 
 

@@ -7,6 +7,7 @@ must hold after every fault.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import random
@@ -233,13 +234,23 @@ class Lab:
 
     def leftovers(self, pending: set[str] | None = None) -> list[str]:
         """What is in the work directory besides the sealed snapshots waiting for upload
-        (``pending``): partial dumps, downloads, restore requests."""
+        (``pending``) and the sealed cell checkpoints of live kernels: partial dumps,
+        downloads, restore requests, the checkpoints of a kernel that is gone."""
         left = []
+        live = live_checkpoint_areas(self.work_dir / "checkpoints")
         for path in sorted(self.work_dir.rglob("*")):
             rel = path.relative_to(self.work_dir)
             parts = rel.parts
             if parts in (("staging",), ("cache",), ("suspended",), ("image-cache",)):
                 continue
+            if parts[0] == "checkpoints" and (
+                len(parts) == 1
+                or (
+                    parts[1].removesuffix(".lock") in live
+                    and (len(parts) < 3 or not parts[2].startswith("."))
+                )
+            ):
+                continue  # a live kernel's area and its sealed checkpoints
             if parts == ("image-cache", ".lock"):  # the (empty, off) image cache's lock
                 continue
             if (
@@ -254,6 +265,20 @@ class Lab:
                 continue
             left.append(str(rel))
         return left
+
+
+def live_checkpoint_areas(root: Path) -> set[str]:
+    """The cell checkpoint areas whose wrapper lives (holds its lock file)."""
+    live = set()
+    for lock in root.glob("*.lock") if root.is_dir() else []:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            live.add(lock.name.removesuffix(".lock"))
+        finally:
+            os.close(fd)
+    return live
 
 
 def kill_pids(pids: Iterator[int] | list[int] | set[int]) -> None:
