@@ -222,7 +222,11 @@ def checkpointed(kernel_factory: Factory, tmp_path: Path) -> Callable[..., Kerne
     def start(kernel_env: dict[str, str] | None = None, **settings: Any) -> KernelProcess:
         config = {"mode": "auto", "root": str(tmp_path / "checkpoints"), **settings}
         env = {ENV_CELL_CHECKPOINTS: json.dumps(config), **(kernel_env or {})}
-        return kernel_factory(env=env)
+        kernel = kernel_factory(env=env)
+        # Its "start" checkpoint, as a notebook just opened gets it before its first cell
+        # (a cell sent at once cuts it short: then the first cell cannot be undone).
+        settled(kernel, 1)
+        return kernel
 
     return start
 

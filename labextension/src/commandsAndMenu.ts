@@ -10,6 +10,7 @@
 import type { JupyterFrontEnd } from '@jupyterlab/application';
 import type { ICommandPalette } from '@jupyterlab/apputils';
 import type { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { redoIcon, undoIcon } from '@jupyterlab/ui-components';
 
 import {
   IActionContext,
@@ -20,6 +21,7 @@ import {
   useSnapshotKernel
 } from './actions';
 import { snapshotIcon } from './icons';
+import { undoNotebook } from './undo';
 import {
   CommandIDs,
   ISnapshotsModel,
@@ -111,6 +113,47 @@ export function addCommands(
     execute: () => {
       model.showAll = !model.showAll;
     }
+  });
+  /** The current notebook's kernel runs, has cell checkpoints, and no job runs on it. */
+  const checkpoints = () => {
+    const status = model.kernelStatus(kernelIdOf(currentPanel()));
+    const usable = kernelState() === 'running' && !hasJob();
+    return usable ? (status?.checkpoints ?? null) : null;
+  };
+  commands.addCommand(CommandIDs.undoLastCell, {
+    label: 'Undo Last Cell',
+    caption:
+      'Bring the kernel back to before its last cell (its cell checkpoint): its memory and processes, not files it wrote; outputs stay',
+    icon: undoIcon,
+    isEnabled: () => !!checkpoints()?.position,
+    execute: onCurrent(nb => undoNotebook(actions, nb, {}))
+  });
+  /** The cell a context menu was opened on, else the active one. */
+  const cellOf = (nb: NotebookPanel) => {
+    const hit = app.contextMenuHitTest(node =>
+      node.classList.contains('jp-Cell')
+    );
+    const clicked = hit && nb.content.widgets.find(cell => cell.node === hit);
+    return clicked || nb.content.activeCell;
+  };
+  commands.addCommand(CommandIDs.undoBeforeCell, {
+    label: 'Back to Before This Cell',
+    caption:
+      "Bring the kernel back to before this cell's last run (and every cell after it)",
+    isEnabled: () => !!checkpoints()?.position,
+    execute: onCurrent(nb => {
+      const cell = cellOf(nb);
+      return cell
+        ? undoNotebook(actions, nb, { before_cell: cell.model.id })
+        : Promise.resolve(null);
+    })
+  });
+  commands.addCommand(CommandIDs.redo, {
+    label: 'Redo Cells (Back to Where the Undo Began)',
+    caption: 'Bring the kernel forward to where the last undo began',
+    icon: redoIcon,
+    isEnabled: () => !!checkpoints()?.redo,
+    execute: onCurrent(nb => undoNotebook(actions, nb, {}, true))
   });
   commands.addCommand(CommandIDs.useSnapshotKernel, {
     label: `Change Kernel to ${SNAPSHOT_KERNEL_DISPLAY_NAME}`,

@@ -8,12 +8,19 @@ import * as React from 'react';
 import { RelativeTime } from './components/common';
 import {
   baseName,
+  formatBytes,
   formatClock,
+  formatRelative,
   formatSizes,
   formatTrigger,
   parseDate
 } from './format';
-import type { INotebookTarget, ISnapshot } from './tokens';
+import type {
+  ICheckpointCell,
+  INotebookTarget,
+  ISnapshot,
+  IUndo
+} from './tokens';
 
 /**
  * "the snapshot of Untitled.ipynb from 3 min ago (22:13, manual, image 40.0 MiB)", its
@@ -147,6 +154,92 @@ export async function confirmDelete(snapshot: ISnapshot): Promise<boolean> {
       Dialog.warnButton({ label: 'Delete', ariaLabel: 'Delete snapshot' })
     ],
     defaultButton: 0
+  });
+  return result.button.accept;
+}
+
+/** "[7] [6]": cells as the notebook numbers them. */
+export function describeCells(cells: ICheckpointCell[]): string {
+  return cells.map(cell => `[${cell.execution_count ?? ' '}]`).join(' ');
+}
+
+/**
+ * Ask whether to undo (or redo): which cells it takes out of the kernel's state (their
+ * outputs stay, marked), what it does not bring back (said once: files, rows, messages),
+ * and the files the kernel holds open that changed since. Resolves true on "Undo".
+ */
+export async function confirmUndo(
+  plan: IUndo,
+  name: string,
+  redo: boolean
+): Promise<boolean> {
+  const when = plan.checkpoint
+    ? ` (its checkpoint from ${formatRelative(parseDate(plan.checkpoint.created))})`
+    : '';
+  const cells = describeCells(plan.undone);
+  const lines: React.ReactNode[] = [
+    redo
+      ? `The kernel of ${name} goes forward to where the undo began${when}.`
+      : `The kernel of ${name} goes back${when}, before ${cells || 'no cell'}.`,
+    cells
+      ? `Cells ${cells} are taken out of its state: their outputs stay, marked as not in the kernel's state. Its execution count goes on.`
+      : 'No cell is taken out of its state.'
+  ];
+  if (!plan.exact) {
+    lines.push(
+      'No checkpoint was taken right before that cell (cells run in one batch, or a checkpoint skipped): the cells run just before it go too.'
+    );
+  }
+  lines.push(plan.outside_world ?? '');
+  const changed = plan.changed_files ?? [];
+  const body = React.createElement(
+    'div',
+    { className: 'jp-KernelSnapshots-undoDialog' },
+    ...lines
+      .filter(Boolean)
+      .map((line, i) => React.createElement('p', { key: i }, line)),
+    changed.length > 0
+      ? React.createElement(
+          'div',
+          { key: 'files' },
+          React.createElement(
+            'p',
+            null,
+            React.createElement(
+              'strong',
+              null,
+              'Files the kernel holds open that changed since (undo leaves them as they are now):'
+            )
+          ),
+          React.createElement(
+            'ul',
+            { 'aria-label': 'Files changed since' },
+            ...changed.map(file =>
+              React.createElement(
+                'li',
+                { key: file.path },
+                `${file.path} (${file.change}${
+                  file.size !== null && file.was !== null
+                    ? `: ${formatBytes(file.was)} then, ${formatBytes(file.size)} now`
+                    : ''
+                })`
+              )
+            )
+          )
+        )
+      : null
+  );
+  const result = await showDialog({
+    title: redo ? 'Redo?' : 'Undo cells?',
+    body,
+    buttons: [
+      Dialog.cancelButton(),
+      Dialog.warnButton({
+        label: redo ? 'Redo' : 'Undo',
+        ariaLabel: redo ? 'Redo' : 'Undo cells'
+      })
+    ],
+    defaultButton: 1
   });
   return result.button.accept;
 }

@@ -127,7 +127,11 @@ const TRIGGERS: { [key: string]: string } = {
   cull: 'idle cull',
   'admin-shutdown': 'shut down by an admin',
   'before-shutdown': 'before shutdown',
-  'before-restore': 'before a restore'
+  'before-restore': 'before a restore',
+  start: 'cell checkpoint: kernel start',
+  cell: 'cell checkpoint',
+  'before-undo': 'cell checkpoint: before an undo',
+  'before-redo': 'cell checkpoint: before a redo'
 };
 
 /** "idle-suspend" -> "idle suspend". */
@@ -317,6 +321,18 @@ export function policyLines(policy: IPolicy): [string, string][] {
   ]);
   const budget = policy.max_store_bytes ?? 0;
   lines.push(['Store budget', budget > 0 ? formatBytes(budget) : 'none']);
+  const checkpoints = policy.cell_checkpoints as string | undefined;
+  if (checkpoints) {
+    const max = Number(policy.cell_checkpoints_max_bytes ?? -1);
+    lines.push([
+      'Cell checkpoints (undo)',
+      checkpoints === 'off'
+        ? 'off'
+        : `${checkpoints === 'auto' ? 'where cheap (not GPU kernels)' : 'every kernel'}, ` +
+          `the last ${policy.cell_checkpoints_keep ?? 20} per kernel within ` +
+          (max >= 0 ? formatBytes(max) : 'a tenth of the disk')
+    ]);
+  }
   const idle = policy.idle_suspend_after ?? 0;
   lines.push([
     'Idle suspend',

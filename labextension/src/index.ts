@@ -36,6 +36,7 @@ import { SnapshotsModel } from './model';
 import {
   followCurrentNotebook,
   labelKernelsByNotebook,
+  markCellsNotInState,
   nudgeStartingKernels
 } from './notebooks';
 import { connectNotifications } from './notify';
@@ -122,6 +123,7 @@ const panelPlugin: JupyterFrontEndPlugin<void> = {
     };
 
     labelKernelsByNotebook(model, tracker);
+    markCellsNotInState(model, tracker);
     const current = followCurrentNotebook(model, tracker, services);
 
     const panel = new SnapshotsPanel({

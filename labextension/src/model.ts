@@ -21,6 +21,7 @@ import {
 import {
   DEFAULT_SETTINGS,
   EVENT_SCHEMA_ID,
+  ICheckpointListing,
   IJob,
   IKernelStatus,
   INotebookTarget,
@@ -32,7 +33,9 @@ import {
   ISnapshotList,
   ISnapshotSettings,
   ISnapshotsModel,
-  ITrackedJob
+  ITrackedJob,
+  IUndo,
+  IUndoTarget
 } from './tokens';
 
 /** Kernel states that change by themselves soon: refresh quickly while one lasts. */
@@ -382,6 +385,68 @@ export class SnapshotsModel implements ISnapshotsModel {
     this._changed.emit();
   }
 
+  /** A kernel's cell checkpoints as last fetched (the panel's kernel's, each refresh). */
+  checkpointsOf(
+    kernelId: string | null | undefined
+  ): ICheckpointListing | null {
+    return kernelId ? (this._checkpoints.get(kernelId) ?? null) : null;
+  }
+
+  /** A kernel's cell checkpoints, asked now. */
+  async fetchCheckpoints(kernelId: string): Promise<ICheckpointListing> {
+    const listing = await requestAPI<ICheckpointListing>(
+      `kernels/${kernelId}/checkpoints`,
+      {},
+      this._serverSettings
+    );
+    this._checkpoints.set(kernelId, listing);
+    this._changed.emit();
+    return listing;
+  }
+
+  /** One cell checkpoint with the full record of what it holds. */
+  async checkpointDetails(
+    kernelId: string,
+    checkpointId: string
+  ): Promise<ISnapshot> {
+    return requestAPI<ISnapshot>(
+      `kernels/${kernelId}/checkpoints/${checkpointId}`,
+      {},
+      this._serverSettings
+    );
+  }
+
+  /** What an undo (redo) would do: the checkpoint, the cells, the files changed since. */
+  async previewUndo(
+    kernelId: string,
+    target: IUndoTarget,
+    redo = false
+  ): Promise<IUndo> {
+    const query = new URLSearchParams(
+      Object.entries(target).filter(([, v]) => !!v) as [string, string][]
+    ).toString();
+    return requestAPI<IUndo>(
+      `kernels/${kernelId}/${redo ? 'redo' : 'undo'}${query ? `?${query}` : ''}`,
+      {},
+      this._serverSettings
+    );
+  }
+
+  /** Undo (or redo): the kernel restored in place from a cell checkpoint, as a job. */
+  async undo(
+    kernelId: string,
+    target: IUndoTarget,
+    redo = false,
+    label?: string
+  ): Promise<ITrackedJob> {
+    const { job } = await requestAPI<{ job: IJob }>(
+      `kernels/${kernelId}/${redo ? 'redo' : 'undo'}`,
+      jsonBody('POST', target),
+      this._serverSettings
+    );
+    return this.track(job, { notify: true, label });
+  }
+
   /** The snapshot status of one kernel, asked now. */
   async fetchKernelStatus(kernelId: string): Promise<IKernelStatus> {
     const status = await requestAPI<IKernelStatus>(
@@ -481,6 +546,7 @@ export class SnapshotsModel implements ISnapshotsModel {
           this.track(status.job);
         }
       }
+      await this._refreshCheckpoints(target);
     } catch (error) {
       this._error =
         error instanceof Error
@@ -501,6 +567,37 @@ export class SnapshotsModel implements ISnapshotsModel {
           void this._refreshFast.invoke();
         }
       }
+    }
+  }
+
+  /**
+   * The cell checkpoints of the panel's kernel (a snapshot kernel with them on): its
+   * timeline. Those of other kernels are dropped; a failure keeps the last listing.
+   */
+  private async _refreshCheckpoints(
+    target: INotebookTarget | null
+  ): Promise<void> {
+    const kernelId = target?.kernelId;
+    const status = this.kernelStatus(kernelId);
+    for (const other of [...this._checkpoints.keys()]) {
+      if (other !== kernelId) {
+        this._checkpoints.delete(other);
+      }
+    }
+    if (!kernelId || !status?.snapshots || !status.checkpoints) {
+      return;
+    }
+    try {
+      this._checkpoints.set(
+        kernelId,
+        await requestAPI<ICheckpointListing>(
+          `kernels/${kernelId}/checkpoints`,
+          {},
+          this._serverSettings
+        )
+      );
+    } catch {
+      // The kernel went away meanwhile: the next refresh says so.
     }
   }
 
@@ -589,6 +686,9 @@ export class SnapshotsModel implements ISnapshotsModel {
     for (const status of this._kernels.values()) {
       if (status.state && TRANSIENT_STATES.has(status.state)) {
         return true;
+      }
+      if (status.checkpoints?.taking) {
+        return true; // the timeline gets its new checkpoint in a moment
       }
     }
     return this._snapshots.some(s => s.status === 'uploading');
@@ -723,6 +823,7 @@ export class SnapshotsModel implements ISnapshotsModel {
   private _refreshAgain = false;
   private _snapshots: ISnapshot[] = [];
   private _kernels = new Map<string, IKernelStatus>();
+  private _checkpoints = new Map<string, ICheckpointListing>();
   private _jobs = new Map<string, ITrackedJob>();
   /** Jobs that ended here (the latest 200): what comes after about them is old news. */
   private _ended = new Map<string, ITrackedJob>();

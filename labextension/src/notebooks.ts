@@ -130,3 +130,39 @@ export function nudgeStartingKernels(tracker: INotebookTracker): void {
     });
   });
 }
+
+/** The class of a cell whose effects are not in its kernel's state (undone). */
+export const NOT_IN_STATE_CLASS = 'jp-KernelSnapshots-notInState';
+
+/**
+ * Mark the cells an undo took out of their kernel's state (the kernel's status names
+ * them; a cell that runs again is unmarked): their outputs stay, shown as not in the
+ * kernel's state.
+ */
+export function markCellsNotInState(
+  model: ISnapshotsModel,
+  tracker: INotebookTracker
+): void {
+  const mark = (panel: NotebookPanel) => {
+    const kernelId = panel.sessionContext.session?.kernel?.id;
+    const marked = new Set(
+      model.kernelStatus(kernelId)?.checkpoints?.not_in_state ?? []
+    );
+    for (const cell of panel.content.widgets) {
+      const on = marked.has(cell.model.id);
+      cell.toggleClass(NOT_IN_STATE_CLASS, on);
+      if (on) {
+        cell.node.title =
+          "Not in the kernel's state: an undo took this cell's effects out (its output stays). Run it again, or redo.";
+      } else if (cell.node.title.startsWith("Not in the kernel's state")) {
+        cell.node.title = '';
+      }
+    }
+  };
+  const markAll = () => tracker.forEach(mark);
+  model.changed.connect(markAll);
+  tracker.widgetAdded.connect((_, panel) => {
+    panel.content.model?.cells.changed.connect(() => mark(panel));
+    mark(panel);
+  });
+}

@@ -30,6 +30,9 @@ export namespace CommandIDs {
   export const refresh = 'kernel-snapshots:refresh';
   export const toggleShowAll = 'kernel-snapshots:toggle-show-all';
   export const useSnapshotKernel = 'kernel-snapshots:use-snapshot-kernel';
+  export const undoLastCell = 'kernel-snapshots:undo-last-cell';
+  export const undoBeforeCell = 'kernel-snapshots:undo-before-cell';
+  export const redo = 'kernel-snapshots:redo';
 }
 
 /** What the server says went wrong: `{"message", "reason", "code", "hint", "log_excerpt"}`. */
@@ -49,7 +52,11 @@ export type Trigger =
   | 'cull'
   | 'admin-shutdown'
   | 'before-shutdown'
-  | 'before-restore';
+  | 'before-restore'
+  | 'start'
+  | 'cell'
+  | 'before-undo'
+  | 'before-redo';
 
 /** One variable of a snapshot's kernel, read without running its code. */
 export interface IVariable {
@@ -95,7 +102,8 @@ export interface IContents {
   take_unavailable?: string;
 }
 
-export type SnapshotStatus = 'complete' | 'uploading' | 'upload-failed';
+export type SnapshotStatus =
+  'complete' | 'uploading' | 'upload-failed' | 'checkpoint';
 
 /** `GET /api/snapshots`: the snapshots, and why the store's are missing ('' when not). */
 export interface ISnapshotList {
@@ -260,6 +268,8 @@ export interface IKernelStatus {
   cells_since_snapshot?: ICellRun[];
   /** The kernel's last death, while the offer of its snapshot stands. */
   death?: IKernelDeath | null;
+  /** Its cell checkpoints now (docs/undo.md). */
+  checkpoints?: ICheckpointState;
 }
 
 /** A cell a kernel ran: its execution count and first line. */
@@ -291,6 +301,86 @@ export interface IKernelDeath {
   cells_since_exact: boolean;
   /** A restore the server started by itself (restore_on_death). */
   restore: { job_id: string; status: string; automatic: boolean } | null;
+}
+
+/** A cell run, as the kernel's wrapper saw its request and reply. */
+export interface ICheckpointCell {
+  /** The notebook cell (JupyterLab's `cellId`); null for a console or a take-back. */
+  cell_id: string | null;
+  execution_count: number | null;
+}
+
+/** A cell checkpoint: the kernel as it was after a cell, kept on the server's machine. */
+export interface ICheckpoint {
+  id: string;
+  kind: 'start' | 'cell' | 'before-undo' | 'before-redo' | string;
+  created: string;
+  /** The checkpoint its state came from before `cells`. */
+  base: string | null;
+  /** Cells run since `base`, oldest first (more than one: none taken between them). */
+  cells: ICheckpointCell[];
+  total_bytes?: number;
+  /** What it added on disk (its chain's lower levels are earlier checkpoints'). */
+  own_bytes?: number;
+  memory?: IMemoryCopy;
+  pause_seconds?: number;
+  execution_count?: number | null;
+}
+
+/** A kernel's cell checkpoints now (`IKernelStatus.checkpoints`). */
+export interface ICheckpointState {
+  enabled: boolean;
+  /** Why not, when `enabled` is false. */
+  reason?: string;
+  mode?: string;
+  position?: string | null;
+  redo?: string | null;
+  /** Cells whose effects are not in the kernel (undone; their outputs stay). */
+  not_in_state?: string[];
+  /** The last checkpoint skipped since the last one taken. */
+  skipped?: { reason: string; at: string; cells: ICheckpointCell[] } | null;
+  taking?: boolean;
+}
+
+/** `GET /api/snapshots/kernels/{id}/checkpoints`. */
+export interface ICheckpointListing extends ICheckpointState {
+  kernel_id: string;
+  checkpoints: ICheckpoint[];
+  cells_since?: ICheckpointCell[];
+  outside_world?: string;
+}
+
+/** A file the kernel holds open that changed since a checkpoint. */
+export interface IChangedFile {
+  path: string;
+  size: number | null;
+  was: number | null;
+  change: 'written' | 'removed' | string;
+}
+
+/** What an undo or redo does (`GET`: would do; the job's result: did). */
+export interface IUndo {
+  kernel_id?: string;
+  target: string;
+  /** Cells taken out of the kernel's state, newest first. */
+  undone: ICheckpointCell[];
+  not_in_state: string[];
+  /** False: cells run in the same batch before the one asked for go too. */
+  exact: boolean;
+  save: boolean;
+  checkpoint?: ICheckpoint;
+  changed_files?: IChangedFile[];
+  problems?: string[];
+  outside_world?: string;
+  execution_count?: number | null;
+  redo?: string | null;
+  seconds?: number;
+}
+
+/** Where an undo goes: a checkpoint, before a cell, or (neither) before the last cell. */
+export interface IUndoTarget {
+  to?: string;
+  before_cell?: string;
 }
 
 /** A /dev/shm name of the kernel's that another live process holds here. */
@@ -390,6 +480,7 @@ export interface ISnapshotSettings {
   refreshInterval: number;
   offerRestoreOnOpen: boolean;
   notifyBackground: boolean;
+  confirmUndo: boolean;
 }
 
 export const DEFAULT_SETTINGS: ISnapshotSettings = {
@@ -398,7 +489,8 @@ export const DEFAULT_SETTINGS: ISnapshotSettings = {
   confirmDelete: true,
   refreshInterval: 10,
   offerRestoreOnOpen: true,
-  notifyBackground: true
+  notifyBackground: true,
+  confirmUndo: true
 };
 
 /** A job the panel follows, with how to report it. */
@@ -463,6 +555,24 @@ export interface ISnapshotsModel extends IDisposable {
     overwrite?: boolean
   ): Promise<ITrackedJob>;
   snapshotsOf(path: string, lineage?: string | null): Promise<ISnapshot[]>;
+  /** A kernel's cell checkpoints (kept fresh for the notebook the panel is about). */
+  checkpointsOf(kernelId: string | null | undefined): ICheckpointListing | null;
+  fetchCheckpoints(kernelId: string): Promise<ICheckpointListing>;
+  /** One cell checkpoint with the full record of what it holds. */
+  checkpointDetails(kernelId: string, checkpointId: string): Promise<ISnapshot>;
+  /** What an undo (redo) would do: the cells it undoes, files changed since. */
+  previewUndo(
+    kernelId: string,
+    target: IUndoTarget,
+    redo?: boolean
+  ): Promise<IUndo>;
+  /** Undo (a job of kind "undo"), or redo (kind "redo"). */
+  undo(
+    kernelId: string,
+    target: IUndoTarget,
+    redo?: boolean,
+    label?: string
+  ): Promise<ITrackedJob>;
   fetchKernelStatus(kernelId: string): Promise<IKernelStatus>;
   track(job: IJob, options?: { notify?: boolean; label?: string }): ITrackedJob;
   waitFor(jobId: string): Promise<IJob>;

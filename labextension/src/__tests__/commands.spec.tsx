@@ -153,6 +153,36 @@ describe('snapshot commands', () => {
       resume: false
     });
   });
+
+  const undoable = () => ({
+    undo: commands.isEnabled(CommandIDs.undoLastCell),
+    redo: commands.isEnabled(CommandIDs.redo)
+  });
+
+  it('undo once the kernel has a checkpoint, redo once an undo began', async () => {
+    const checkpoints = { enabled: true, position: 'c1', redo: null };
+    await setUp({ snapshots: true, state: 'running', checkpoints });
+    expect(undoable()).toEqual({ undo: true, redo: false });
+    await setUp({
+      snapshots: true,
+      state: 'running',
+      checkpoints: { ...checkpoints, redo: 'c2' }
+    });
+    expect(undoable()).toEqual({ undo: true, redo: true });
+    model.track(runningJob());
+    expect(undoable()).toEqual({ undo: false, redo: false });
+  });
+
+  it('no undo without checkpoints (off, or none yet)', async () => {
+    await setUp({
+      snapshots: true,
+      state: 'running',
+      checkpoints: { enabled: false, reason: 'the kernel uses the GPU' }
+    });
+    expect(undoable()).toEqual({ undo: false, redo: false });
+    await setUp({ snapshots: true, state: 'running' });
+    expect(undoable()).toEqual({ undo: false, redo: false });
+  });
 });
 
 describe('the panel on the current notebook', () => {
@@ -242,6 +272,19 @@ describe('the panel on the current notebook', () => {
       private_shm: []
     });
     expect(widget.node.textContent).not.toContain('Shared memory');
+    model.dispose();
+  });
+
+  it("shows the kernel's cell checkpoints as a timeline, or why it has none", async () => {
+    const model = await render({
+      snapshots: true,
+      state: 'running',
+      checkpoints: { enabled: false, reason: 'the kernel uses the GPU' }
+    });
+    expect(widget.node.textContent).toContain(
+      'No cell checkpoints (undo) for this kernel'
+    );
+    expect(widget.node.textContent).toContain('the kernel uses the GPU');
     model.dispose();
   });
 

@@ -433,6 +433,63 @@ describe('SnapshotsModel', () => {
       });
     });
 
+    it('previews, undoes and redoes through the kernel endpoints', async () => {
+      create();
+      server.on('GET', 'kernels/k1/undo?before_cell=c%2F2', {
+        body: {
+          target: 'cp',
+          undone: [],
+          not_in_state: [],
+          exact: true,
+          save: true
+        }
+      });
+      const plan = await model.previewUndo('k1', { before_cell: 'c/2' });
+      expect(plan.target).toBe('cp');
+      server.on('POST', 'kernels/k1/undo', {
+        status: 202,
+        body: { job: job('u1', { kind: 'undo', status: 'done' }) }
+      });
+      server.on('POST', 'kernels/k1/redo', {
+        status: 202,
+        body: { job: job('u2', { kind: 'redo', status: 'done' }) }
+      });
+      await model.undo('k1', { to: 'cp' });
+      await model.undo('k1', {}, true);
+      expect(
+        server.requests
+          .filter(r => r.method === 'POST')
+          .map(r => [r.path, r.body])
+      ).toEqual([
+        ['kernels/k1/undo', { to: 'cp' }],
+        ['kernels/k1/redo', {}]
+      ]);
+    });
+
+    it("keeps the panel's kernel's checkpoints fresh, and only those", async () => {
+      server.on('GET', 'kernels', {
+        body: {
+          kernels: [
+            { ...KERNEL, checkpoints: { enabled: true, position: 'a' } }
+          ]
+        }
+      });
+      server.on('GET', 'kernels/k1/checkpoints', {
+        body: { kernel_id: 'k1', enabled: true, checkpoints: [{ id: 'a' }] }
+      });
+      create();
+      await refresh();
+      expect(model.checkpointsOf('k1')).toBeNull(); // no notebook: nothing asked
+      model.target = TARGET;
+      await refresh();
+      expect(model.checkpointsOf('k1')?.checkpoints.map(c => c.id)).toEqual([
+        'a'
+      ]);
+      model.target = null;
+      await refresh();
+      expect(model.checkpointsOf('k1')).toBeNull();
+    });
+
     it('deletes a snapshot and drops it from the list at once', async () => {
       create();
       model.target = TARGET;

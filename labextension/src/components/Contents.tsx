@@ -87,10 +87,12 @@ function CellList(props: { cells: ICellRecord[]; label: string }): JSX.Element {
   );
 }
 
-/** Loads a snapshot's full record (listings carry the short form). */
+/** Loads a snapshot's full record (listings carry the short form); ``load`` instead of
+ * the model's ``details`` (a cell checkpoint's, say). */
 function useDetails(
   model: ISnapshotsModel,
-  snapshotId: string
+  snapshotId: string,
+  load?: (id: string) => Promise<ISnapshot>
 ): { snapshot: ISnapshot | null; error: string } {
   const [state, setState] = React.useState<{
     snapshot: ISnapshot | null;
@@ -101,7 +103,7 @@ function useDetails(
   });
   React.useEffect(() => {
     let live = true;
-    model.details(snapshotId).then(
+    (load ?? (id => model.details(id)))(snapshotId).then(
       snapshot => live && setState({ snapshot, error: '' }),
       error =>
         live &&
@@ -124,8 +126,14 @@ export function ContentsDetails(props: {
   /** Why variables cannot be taken now ('' when they can). */
   takeBlocked: string;
   onTake: (names: string[], rename: { [name: string]: string }) => void;
+  /** How its record is loaded (default: the model's details of a snapshot). */
+  load?: (id: string) => Promise<ISnapshot>;
 }): JSX.Element {
-  const { snapshot, error } = useDetails(props.model, props.snapshotId);
+  const { snapshot, error } = useDetails(
+    props.model,
+    props.snapshotId,
+    props.load
+  );
   const [chosen, setChosen] = React.useState<Set<string>>(new Set());
   const [renamed, setRenamed] = React.useState<{ [name: string]: string }>({});
   if (error) {

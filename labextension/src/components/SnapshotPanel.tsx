@@ -39,6 +39,7 @@ import { matchesQuery } from '../contents';
 import { Comparison } from './Contents';
 import { DeathCallout } from './DeathNotice';
 import { SnapshotItem } from './SnapshotItem';
+import { CheckpointTimeline } from './Timeline';
 
 export interface ISnapshotViewProps {
   actions: IActionContext;
@@ -250,6 +251,39 @@ function TargetSection(
             </ActionButton>
           )}
         </div>
+      )}
+      {snapshotKernel && panel && status?.checkpoints?.enabled && (
+        <div className="jp-KernelSnapshots-targetActions">
+          <ActionButton
+            disabled={disabled(CommandIDs.undoLastCell)}
+            onClick={() => run(CommandIDs.undoLastCell)}
+            title="Bring the kernel back to before its last cell"
+          >
+            Undo last cell
+          </ActionButton>
+          <ActionButton
+            disabled={disabled(CommandIDs.redo)}
+            onClick={() => run(CommandIDs.redo)}
+            title="Bring the kernel forward to where the last undo began"
+          >
+            Redo
+          </ActionButton>
+        </div>
+      )}
+      {snapshotKernel && (
+        <CheckpointTimeline
+          actions={actions}
+          target={target}
+          status={status}
+          panel={panel}
+          blocked={
+            jobs.length > 0
+              ? 'A job runs on the notebook’s kernel.'
+              : state !== 'running'
+                ? 'The kernel is not running.'
+                : ''
+          }
+        />
       )}
       {!unreachable &&
         jobs.map(tracked => (
