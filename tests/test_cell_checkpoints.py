@@ -36,7 +36,7 @@ from jupyter_ext.core.checkpoints import (
 from jupyter_ext.core.checkpoints.settings import skip_reason
 from jupyter_ext.core.errors import NothingToUndoError, SnapshotError, WrapperUnavailableError
 from jupyter_ext.core.memtrack import plan as memplan
-from jupyter_ext.core.protocol.environment import ENV_CELL_CHECKPOINTS
+from jupyter_ext.core.protocol.environment import ENV_CELL_CHECKPOINTS, ENV_LAZY_RESTORE_MIN_BYTES
 from testkit.processes import KernelProcess, ServerProcess, wait_until, ws_close, ws_connect
 
 from .support.fakecuda.build import build_fakecuda
@@ -336,6 +336,21 @@ def test_undo_redo_and_the_count_goes_on(checkpointed: Callable[..., KernelProce
         undo(kernel, redo=True)
 
 
+def test_undo_restores_lazily_where_large(checkpointed: Callable[..., KernelProcess]) -> None:
+    """A large kernel (here: every kernel, the threshold lowered) is undone lazily: it runs
+    as soon as CRIU has rebuilt it, its memory served from the checkpoint's chain."""
+    kernel = checkpointed(kernel_env={ENV_LAZY_RESTORE_MIN_BYTES: "1"})
+    run(kernel, STATE + "big = np.random.default_rng(4).random(2**21); keep = digest(big)", "a")
+    settled(kernel, 2)
+    run(kernel, "big[:1000] = 0; x = 'changed'", "b")
+    settled(kernel, 3)
+    done = undo(kernel)
+    assert done["lazy"] is True
+    out = run(kernel, "print(digest(big) == keep, 'x' in dir())")[0]
+    assert out.split() == ["True", "False"]
+    wait_until(lambda: kernel.status()["lazy_restore"].get("state") == "complete")
+
+
 def test_a_checkpoint_never_holds_half_a_cell(checkpointed: Callable[..., KernelProcess]) -> None:
     """A cell sent while a checkpoint prepares (here its pre-copy of 96 MiB) either waits
     for its freeze or cuts it short: no checkpoint holds part of it. Each one is checked
@@ -345,7 +360,8 @@ def test_a_checkpoint_never_holds_half_a_cell(checkpointed: Callable[..., Kernel
     settled(kernel, 2)
     run(kernel, "fill = np.random.default_rng(2).random(12 * 2**20); x = 1", "c1")
     wait_until(lambda: listing(kernel)["taking"], what="the checkpoint to start")
-    out, _count = run(kernel, "x = 2; print(x)", "c2")  # sent while it is under way
+    # Sent while it is under way; it runs a while (a freeze may not land on it).
+    out, _count = run(kernel, "import time; time.sleep(0.5); x = 2; print(x)", "c2")
     assert out.strip() == "2"
     done = settled(kernel, 3)
     # Whatever happened, every checkpoint holds whole cells: undo to each and look.
