@@ -361,7 +361,7 @@ def test_a_checkpoint_never_holds_half_a_cell(checkpointed: Callable[..., Kernel
     run(kernel, "fill = np.random.default_rng(2).random(12 * 2**20); x = 1", "c1")
     wait_until(lambda: listing(kernel)["taking"], what="the checkpoint to start")
     # Sent while it is under way; it runs a while (a freeze may not land on it).
-    out, _count = run(kernel, "import time; time.sleep(0.5); x = 2; print(x)", "c2")
+    out, _count = run(kernel, "import time; time.sleep(3); x = 2; print(x)", "c2")
     assert out.strip() == "2"
     done = settled(kernel, 3)
     # Whatever happened, every checkpoint holds whole cells: undo to each and look.
