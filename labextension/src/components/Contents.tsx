@@ -128,6 +128,8 @@ export function ContentsDetails(props: {
   onTake: (names: string[], rename: { [name: string]: string }) => void;
   /** How its record is loaded (default: the model's details of a snapshot). */
   load?: (id: string) => Promise<ISnapshot>;
+  /** The title of its cells (default: since the previous snapshot). */
+  cellsLabel?: string;
 }): JSX.Element {
   const { snapshot, error } = useDetails(
     props.model,
@@ -239,7 +241,8 @@ export function ContentsDetails(props: {
         </p>
       )}
       <div className="jp-KernelSnapshots-detailsTitle">
-        Cells since the previous snapshot: {contents.cells?.length ?? 0}
+        {props.cellsLabel ?? 'Cells since the previous snapshot'}:{' '}
+        {contents.cells?.length ?? 0}
       </div>
       <CellList cells={contents.cells ?? []} label="Cells" />
     </div>

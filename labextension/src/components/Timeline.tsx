@@ -27,13 +27,14 @@ import { undoNotebook } from '../undo';
 import { ActionButton, Callout, useNow } from './common';
 import { ContentsDetails } from './Contents';
 
-/** A checkpoint's mark: the count of its last cell, or what it is. */
+/** A checkpoint's mark: the count of the kernel's last cell before it (`[5]`), `start`,
+ * or, for the kernel saved as an undo or redo began, that count starred (`[5]*`). */
 function markOf(checkpoint: ICheckpoint): string {
   if (checkpoint.kind === 'start') {
     return 'start';
   }
   const last = checkpoint.cells[checkpoint.cells.length - 1];
-  const count = last?.execution_count;
+  const count = last?.execution_count ?? checkpoint.execution_count;
   const mark = count !== null && count !== undefined ? `[${count}]` : '[ ]';
   return checkpoint.kind === 'cell' ? mark : `${mark}*`;
 }
@@ -164,6 +165,7 @@ export function CheckpointTimeline(props: {
               model={model}
               snapshotId={selected.id}
               load={id => model.checkpointDetails(kernelId, id)}
+              cellsLabel="Cells since the previous checkpoint"
               takeBlocked={blocked}
               onTake={(names, rename) =>
                 void takeVariables(
