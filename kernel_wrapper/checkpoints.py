@@ -120,7 +120,9 @@ class CellCheckpoints:
             return
         if timeline.position is not None and not timeline.cells_since:
             return
-        key = (timeline.position, len(timeline.cells_since))
+        # Once per state: the position and the last cell run since (runs are numbered;
+        # after an undo the same position comes back with other cells).
+        key = (timeline.position, timeline.cells_since[-1].seq if timeline.cells_since else 0)
         if key == self._tried or (self._task is not None and not self._task.done()):
             return
         self._tried = key

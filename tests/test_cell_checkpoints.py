@@ -318,6 +318,10 @@ def test_undo_redo_and_the_count_goes_on(checkpointed: Callable[..., KernelProce
     # The kernel checks itself: as it was after c2.
     out, count = run(kernel, "print(x, digest(big) == saved, big[-1] != 9)", "check")
     assert (out.split(), count) == (["2", "True", "True"], 4)
+    # A cell after an undo gets its checkpoint too (a full copy: the restored kernel's
+    # memory is untracked until its next dump).
+    after_check = settled(kernel, 6)["checkpoints"][-1]
+    assert [c["cell_id"] for c in after_check["cells"]] == ["check"]
 
     # Undo twice: back to after c1 (c2 and the check cell undone too).
     undo(kernel)
