@@ -164,15 +164,15 @@ export function describeCells(cells: ICheckpointCell[]): string {
 }
 
 /**
- * Ask whether to undo (or redo): which cells it takes out of the kernel's state (their
+ * What the undo (redo) dialog says: which cells it takes out of the kernel's state (their
  * outputs stay, marked), what it does not bring back (said once: files, rows, messages),
- * and the files the kernel holds open that changed since. Resolves true on "Undo".
+ * and the files the kernel holds open that changed since.
  */
-export async function confirmUndo(
+export function undoDialogBody(
   plan: IUndo,
   name: string,
   redo: boolean
-): Promise<boolean> {
+): React.ReactElement {
   const when = plan.checkpoint
     ? ` (its checkpoint from ${formatRelative(parseDate(plan.checkpoint.created))})`
     : '';
@@ -192,7 +192,7 @@ export async function confirmUndo(
   }
   lines.push(plan.outside_world ?? '');
   const changed = plan.changed_files ?? [];
-  const body = React.createElement(
+  return React.createElement(
     'div',
     { className: 'jp-KernelSnapshots-undoDialog' },
     ...lines
@@ -229,9 +229,17 @@ export async function confirmUndo(
         )
       : null
   );
+}
+
+/** Ask whether to undo (or redo), saying :func:`undoDialogBody`; true on "Undo". */
+export async function confirmUndo(
+  plan: IUndo,
+  name: string,
+  redo: boolean
+): Promise<boolean> {
   const result = await showDialog({
     title: redo ? 'Redo?' : 'Undo cells?',
-    body,
+    body: undoDialogBody(plan, name, redo),
     buttons: [
       Dialog.cancelButton(),
       Dialog.warnButton({

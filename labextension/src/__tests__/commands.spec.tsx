@@ -13,12 +13,14 @@ import * as React from 'react';
 
 import { IActionContext, notebookTarget } from '../actions';
 import { addCommands } from '../commandsAndMenu';
+import { undoDialogBody } from '../dialogs';
 import { SnapshotsView } from '../components/SnapshotPanel';
 import { SnapshotsModel } from '../model';
 import {
   CommandIDs,
   IJob,
   IKernelStatus,
+  IUndo,
   SNAPSHOT_KERNEL_NAME
 } from '../tokens';
 import { StubServer } from './stubServer';
@@ -185,7 +187,7 @@ describe('snapshot commands', () => {
   });
 });
 
-describe('the panel on the current notebook', () => {
+describe('the panel on the current notebook, and the undo dialog', () => {
   let widget: ReactWidget;
 
   beforeAll(() => {
@@ -311,5 +313,55 @@ describe('the panel on the current notebook', () => {
     await React.act(async () => button('Snapshot kernel').click());
     expect(executed).toEqual([CommandIDs.snapshot]);
     model.dispose();
+  });
+
+  const shown = async (plan: IUndo, redo = false): Promise<string> => {
+    widget = ReactWidget.create(undoDialogBody(plan, 'a.ipynb', redo));
+    await React.act(async () => {
+      Widget.attach(widget, document.body);
+      await widget.renderPromise;
+    });
+    return widget.node.textContent ?? '';
+  };
+
+  const PLAN: IUndo = {
+    target: 'c2',
+    undone: [
+      { cell_id: 'b', execution_count: 3 },
+      { cell_id: 'a', execution_count: 2 }
+    ],
+    not_in_state: ['b', 'a'],
+    exact: true,
+    save: true,
+    outside_world:
+      'Undo brings back the kernel, not the world outside it: files the cells wrote stay.'
+  };
+
+  it('says the cells it takes out, the outside world once, and the files changed since', async () => {
+    const text = await shown({
+      ...PLAN,
+      changed_files: [
+        { path: '/data/out.log', change: 'written', was: 1024, size: 3072 },
+        { path: '/data/gone.csv', change: 'removed', was: null, size: null }
+      ]
+    });
+    expect(text).toContain('goes back');
+    expect(text).toContain('Cells [3] [2] are taken out of its state');
+    expect(text.split('the world outside it').length).toBe(2); // said once
+    const files = widget.node.querySelector(
+      'ul[aria-label="Files changed since"]'
+    );
+    expect(
+      Array.from(files?.querySelectorAll('li') ?? []).map(li => li.textContent)
+    ).toEqual([
+      '/data/out.log (written: 1.0 KiB then, 3.0 KiB now)',
+      '/data/gone.csv (removed)'
+    ]);
+  });
+
+  it('lists no files where none changed, and says a batch goes too', async () => {
+    const text = await shown({ ...PLAN, exact: false, changed_files: [] });
+    expect(widget.node.querySelector('ul')).toBeNull();
+    expect(text).toContain('the cells run just before it go too');
   });
 });
