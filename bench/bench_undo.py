@@ -474,16 +474,20 @@ def main() -> None:
                 except Exception as exc:  # noqa: BLE001 - said in the report
                     undo["kishu"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             report["undo"] = undo
+    except BaseException as exc:
+        # What was measured before the failure is kept, with the failure.
+        report["failed"] = f"{type(exc).__name__}: {exc}"[:1000]
+        raise
     finally:
         for server in servers.values():
             server.stop()
         if "ctx" in locals() and ctx is not None:
             ctx.close()
         shutil.rmtree(short, ignore_errors=True)
-    text = json.dumps(report, indent=1)
-    if args.json:
-        args.json.write_text(text)
-    print(text)
+        text = json.dumps(report, indent=1)
+        if args.json:
+            args.json.write_text(text)
+        print(text)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ restore -> unlock; PyTorch's 1 GiB of cached, unused blocks must be released fir
 not saved), kills it with kill -9, restores it into a new wrapper, and lets the
 restored kernel compare its tensors bit for bit and continue training. Then it suspends
 the kernel (NVML must show the GPU memory freed) and resumes it with the next cell.
-It prints timings and throughputs and exits non-zero if any check fails.
+Then cell checkpoints (docs/undo.md: off for GPU kernels in "auto", here "on"): what the
+checkpoint after a cell that changed one block costs (its GPU part a full copy), and undo
+of that cell until a cell runs, the block as it was. It prints timings and throughputs
+and exits non-zero if any check fails.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jupyter_ext.core import proctree
 from jupyter_ext.core.gpu import gpu_inventory, process_gpu_memory
 from jupyter_ext.core.humanize import human_bytes, human_seconds
-from testkit.processes import KernelProcess
+from jupyter_ext.core.protocol.environment import ENV_CELL_CHECKPOINTS
+from testkit.processes import KernelProcess, wait_until
 
 SETUP = """
 import torch, time
@@ -65,6 +69,57 @@ ok = all(fingerprint(b) == f for b, f in zip(blocks, fingerprints))
 loss_after = train(50)
 print(ok, loss_after < loss_before, loss_after)
 """
+
+CHANGE = (
+    "blocks[0].mul_(1.5); torch.cuda.synchronize()\n"
+    "print(fingerprint(blocks[0]) != fingerprints[0])"
+)
+
+
+def checkpoints_settled(kernel: KernelProcess, count: int) -> list[dict[str, Any]]:
+    """The kernel's cell checkpoints once ``count`` are taken, none is under way and every
+    cell run has one."""
+    found: dict[str, Any] = {}
+
+    def done() -> bool:
+        nonlocal found
+        found = kernel.control.request_sync("checkpoints", timeout=60)
+        if found["skipped"]:
+            raise RuntimeError(f"cell checkpoint skipped: {found['skipped']['reason']}")
+        if found["taking"] or found["cells_since"]:
+            return False
+        return len(found["checkpoints"]) >= count
+
+    wait_until(done, timeout=1200, what=f"{count} cell checkpoints")
+    checkpoints: list[dict[str, Any]] = found["checkpoints"]
+    return checkpoints
+
+
+def cell_checkpoints(work: Path, gib: int, results: dict[str, Any]) -> None:
+    """A GPU kernel with cell checkpoints on: the checkpoint after a cell that changed one
+    block, and undo of that cell until a cell runs (the block as it was)."""
+    settings = {"mode": "on", "root": str(work / "checkpoints")}
+    kernel = KernelProcess(work / "kernels", env={ENV_CELL_CHECKPOINTS: json.dumps(settings)})
+    try:
+        kernel.execute(SETUP.format(gib=gib), timeout=600)
+        before = len(checkpoints_settled(kernel, 1))
+        changed = kernel.execute(CHANGE, timeout=600).strip() == "True"
+        after = checkpoints_settled(kernel, before + 1)[-1]
+        memory = after.get("memory") or {}
+        results["cell_checkpoint"] = {
+            "pause_seconds": after["pause_seconds"],
+            "own_bytes": after["own_bytes"],
+            "total_bytes": after["total_bytes"],
+            "host_memory_mode": memory.get("mode"),
+        }
+        t0 = time.monotonic()
+        undone = kernel.control.request_sync("undo", timeout=1200)
+        out = kernel.execute("print(fingerprint(blocks[0]) == fingerprints[0])", timeout=600)
+        results["cell_checkpoint"]["undo_seconds"] = undone["seconds"]
+        results["cell_checkpoint"]["undo_to_output_seconds"] = time.monotonic() - t0
+        results["checks"]["undo_restores_gpu_memory"] = changed and out.strip() == "True"
+    finally:
+        kernel.kill_all()
 
 
 def main() -> int:
@@ -143,6 +198,7 @@ def main() -> int:
         results["checks"]["resume_works"] = again.strip() == "True"
         results["restored_state"] = status["state"]
         restored.kill_all()
+        cell_checkpoints(work, args.gib, results)
 
     for name, ok in results["checks"].items():
         print(f"[{'ok' if ok else 'FAIL'}] {name}")
@@ -161,7 +217,11 @@ def main() -> int:
         f"{human_seconds(results['restore_in_place_seconds'])}, of which CUDA restore "
         f"{human_seconds(results['cuda_restore_seconds'])} "
         f"({results['host_to_gpu_gb_s']:.1f} GB/s host->GPU), "
-        f"resume after suspend {human_seconds(results['resume_seconds'])}"
+        f"resume after suspend {human_seconds(results['resume_seconds'])}\n"
+        f"cell checkpoint after a cell that changed 1 GiB of CUDA memory: paused "
+        f"{human_seconds(results['cell_checkpoint']['pause_seconds'])}, "
+        f"{human_bytes(results['cell_checkpoint']['own_bytes'])} written; undo until a cell "
+        f"ran {human_seconds(results['cell_checkpoint']['undo_to_output_seconds'])}"
     )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
