@@ -62,6 +62,7 @@ from .support.faults import (
     wait_job,
     wait_quiet,
 )
+from .support.servers import ws_execute
 from .support.tmpfs import Tmpfs
 
 pytestmark = [
@@ -549,8 +550,6 @@ def test_restore_delete_race(lab: Lab) -> None:
 
 def ws_execute_state(server: Any, kernel_id: str, state: ZdtmState) -> None:
     """Give a running kernel a new state (the old one is then only in snapshots)."""
-    from .support.servers import ws_execute
-
     ws_execute(server, kernel_id, state.setup_code())
 
 
@@ -686,8 +685,6 @@ def test_kill_during_cell_checkpoint(lab: Lab) -> None:
             kept = {c["id"] for c in checkpoints_settled(server, bystander)["checkpoints"]}
             before = len(checkpoints_settled(server, target)["checkpoints"])
             killer = checkpoint_kill(lab, server, target, victim, before, rng)
-            from .support.servers import ws_execute
-
             ws_execute(server, target, "extra = np.ones(4 * 2**20)")  # 32 MiB to copy
             where = killer.join()
             alive = {bystander: bystander_state}
