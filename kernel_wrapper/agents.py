@@ -16,8 +16,10 @@ a GPU checkpoint the frameworks' caches released.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from importlib import resources
 from typing import Any, Protocol
 
@@ -36,6 +38,8 @@ GPU_RELEASE_TIMEOUT = 10.0
 #: how long that code itself reads before it stops (the record is then partial).
 R_TIMEOUT = 5.0
 R_READ_SECONDS = 1.0
+#: How long one ask of an ipykernel's execution count waits (kernel_wrapper.inkernel.agent).
+COUNT_ASK_TIMEOUT = 1.0
 #: The largest variables listed per snapshot (as kernel_wrapper.inkernel.contents).
 TOP_VARIABLES = 50
 
@@ -54,6 +58,12 @@ class KernelAgent(Protocol):
 
     def restored(self, cells_through: int) -> None:
         """The kernel now runs from a snapshot that recorded cells through this seq."""
+        ...
+
+    async def execution_count(self, at_least: int | None, timeout: float) -> int | None:
+        """The count the kernel's next cell gets, first raised to ``at_least`` where given
+        (an undo: counting goes on), asked for at most ``timeout`` seconds (a kernel just
+        restored connects again by itself); None where it cannot be had."""
         ...
 
 
@@ -85,6 +95,20 @@ class IPythonAgent:
 
     def restored(self, cells_through: int) -> None:
         """The kernel's own cell log came back with it."""
+
+    async def execution_count(self, at_least: int | None, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            inner = self.relay.inner
+            if inner is None:
+                return None
+            answer = await inner.ask_agent(
+                "execution_count", min(left, COUNT_ASK_TIMEOUT), at_least=at_least
+            )
+            if type(answer.get("execution_count")) is int:
+                return int(answer["execution_count"])
+            await asyncio.sleep(0.02)
+        return None
 
 
 def language_label(kernel_info: dict[str, Any]) -> str:
@@ -172,6 +196,11 @@ class BridgedAgent:
 
     async def release_gpu_caches(self) -> dict[str, Any]:
         return {"skipped": f"releasing GPU caches is not available for {self._label()} kernels"}
+
+    async def execution_count(self, at_least: int | None, timeout: float) -> int | None:
+        """Not to be had: the kernel counts its cells itself, unasked (an undo leaves its
+        count where the checkpoint had it)."""
+        return None
 
     def restored(self, cells_through: int) -> None:
         self.cells.restart_after(cells_through)

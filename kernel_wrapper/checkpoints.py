@@ -361,27 +361,18 @@ class CellCheckpoints:
     async def _next_count(self) -> int | None:
         """The execution count the notebook's next cell should get: the running kernel's
         (its agent), else one past the last cell the wrapper saw."""
-        inner = self.kernel.relay.inner
-        if inner is not None:
-            answer = await inner.ask_agent("execution_count", 1.0)
-            if type(answer.get("execution_count")) is int:
-                return int(answer["execution_count"])
+        count = await self.kernel.agent.execution_count(None, 1.0)
+        if count is not None:
+            return count
         return self.last_count + 1 if self.last_count is not None else None
 
     async def _set_count(self, count: int | None) -> int | None:
         """Raise the restored kernel's execution count to ``count`` once its agent is back
         (it reconnects by itself); its count, or None if it did not answer."""
-        deadline = time.monotonic() + COUNT_SECONDS
-        while time.monotonic() < deadline:
-            inner = self.kernel.relay.inner
-            if inner is None:
-                return None
-            answer = await inner.ask_agent("execution_count", 1.0, at_least=count)
-            if type(answer.get("execution_count")) is int:
-                return int(answer["execution_count"])
-            await asyncio.sleep(0.02)
-        log.warning("the restored kernel's execution count could not be set to %s", count)
-        return None
+        now = await self.kernel.agent.execution_count(count, COUNT_SECONDS)
+        if now is None:
+            log.warning("the restored kernel's execution count could not be set to %s", count)
+        return now
 
     def _preview(self, plan: UndoPlan) -> dict[str, Any]:
         """What the undo would do: the plan, the files the kernel holds open (now, or at
