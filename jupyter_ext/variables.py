@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from .core import private
 from .core.errors import (
     SnapshotBusyError,
+    SnapshotNotFoundError,
     VariablesExistError,
     VariableTransferError,
     WrapperUnavailableError,
@@ -222,7 +223,14 @@ async def start(
             hint="Wait until the cell finishes, or interrupt it, then try again.",
         )
     manager.jobs.check_not_busy(kernel_id)
-    refused = (await manager.snapshots.manifest(snapshot_id)).contents.get("take_unavailable")
+    try:
+        manifest = await manager.snapshots.manifest(snapshot_id)
+    except SnapshotNotFoundError:  # else a cell checkpoint of one of its kernels
+        checkpoint = await manager.checkpoints.manifest(snapshot_id)
+        if checkpoint is None:
+            raise
+        manifest = checkpoint
+    refused = manifest.contents.get("take_unavailable")
     if refused:  # (an unknown snapshot is a 404 first)
         raise VariableTransferError(
             str(refused), hint="Restore the snapshot instead: the whole kernel comes back."

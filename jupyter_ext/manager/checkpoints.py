@@ -82,14 +82,26 @@ class ServerCheckpoints:
 
     async def describe(self, kernel_id: str, checkpoint_id: str) -> dict[str, Any]:
         """One checkpoint with the full record of what it holds (its manifest)."""
-        held = await self.hold(checkpoint_id, kernel_id)
-        try:
-            manifest = await asyncio.to_thread(Manifest.read, held.directory)
-        finally:
-            held.release()
+        manifest = await self._manifest(await self.hold(checkpoint_id, kernel_id))
         data = describe_manifest(manifest, "checkpoint", full=True)
         data["id"] = checkpoint_id
         return data
+
+    async def manifest(self, checkpoint_id: str) -> Manifest | None:
+        """The manifest of a checkpoint of one of the server's kernels; None if none has
+        it (a take-back checks what it holds before it starts)."""
+        try:
+            held = await self.hold(checkpoint_id)
+        except SnapshotNotFoundError:
+            return None
+        return await self._manifest(held)
+
+    @staticmethod
+    async def _manifest(held: HeldCheckpoint) -> Manifest:
+        try:
+            return await asyncio.to_thread(Manifest.read, held.directory)
+        finally:
+            held.release()
 
     async def preview(self, kernel_id: str, args: UndoArgs) -> dict[str, Any]:
         """What an undo (or redo) would do: the checkpoint, the cells it undoes, the files
