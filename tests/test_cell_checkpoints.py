@@ -70,13 +70,19 @@ def _cells(undone: list[CellRun]) -> list[str | None]:
     return [cell.cell_id for cell in undone]
 
 
-def test_undo_last_cell_goes_to_the_checkpoint_before_it() -> None:
+def _two_cells_checkpointed() -> Timeline:
+    """Checkpoints start, A (after cell a) and B (after cell b)."""
     timeline = Timeline()
     _record(timeline, "start", "start")
     _ran(timeline, "a", 1)
     _record(timeline, "A")
     _ran(timeline, "b", 2)
     _record(timeline, "B")
+    return timeline
+
+
+def test_undo_last_cell_goes_to_the_checkpoint_before_it() -> None:
+    timeline = _two_cells_checkpointed()
     plan = timeline.plan_undo()
     assert (plan.target, _cells(plan.undone), plan.not_in_state) == ("A", ["b"], ["b"])
     assert plan.exact
@@ -112,12 +118,7 @@ def test_before_a_cell_undoes_every_cell_after_it_and_says_a_batch() -> None:
 
 
 def test_a_cell_run_again_is_back_in_the_state_and_redo_keeps_its_marks() -> None:
-    timeline = Timeline()
-    _record(timeline, "start", "start")
-    _ran(timeline, "a", 1)
-    _record(timeline, "A")
-    _ran(timeline, "b", 2)
-    _record(timeline, "B")
+    timeline = _two_cells_checkpointed()
     plan = timeline.plan_undo()
     timeline.moved_to(plan, redo="B")  # the save: here B itself, for the test
     assert timeline.not_in_state == ["b"]
