@@ -113,6 +113,7 @@ class SnapshotExtensionApp(SnapshotSettings):
             max_bytes=self.cell_checkpoints_max_bytes,
             max_change_bytes=self.cell_checkpoint_max_change_bytes,
             track_memory=self.track_memory,
+            chunk_kib=self.chunk_kib or None,
         )
 
     @property

@@ -198,6 +198,7 @@ class CellCheckpoints:
             metadata={"kernel_spec": {"kernel_id": self.store.name}},
             sequence=kernel.record.sequence,
             track_memory=settings.track_memory,
+            chunk_kib=settings.chunk_kib,
         )
         manifest = await self.snapshotter.dumper.dump(
             args,

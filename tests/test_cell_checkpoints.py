@@ -444,13 +444,20 @@ def test_snapshots_and_checkpoints_build_on_each_other(
 ) -> None:
     """A snapshot the server asks for copies what changed since the newest checkpoint,
     and the next checkpoint what changed since that snapshot, though the server moved its
-    directory (an anchor in the area); each restores whole."""
-    kernel = checkpointed()
+    directory (an anchor in the area); each restores whole. The checkpoints are cut with
+    the server's chunk size (its chunk_kib), which the snapshot keeps for their levels:
+    (seen: automatic 4-64 KiB chunks under a store's fixed 1 MiB, a record 20 times the
+    size)."""
+    kernel = checkpointed(chunk_kib=256)
     run(kernel, STATE + "big = np.random.default_rng(3).random(4 * 2**20); x = 1", "c1")
     settled(kernel, 2)
     snap = kernel.snapshot(tmp_path / "snap")
     assert snap["memory"]["mode"] == "incremental"
     assert snap["memory"]["copied_bytes"] < 16 * MB  # not the 32 MiB array
+    levels = [f for f in snap["files"] if "/parent/" in f["path"] and "/pages-" in f["path"]]
+    assert levels
+    for level in levels:  # chunks of 64 KiB to 1 MiB (ChunkParams.of_kib), the last shorter
+        assert all(size >= 64 << 10 for _digest, size in level["chunks"][:-1]), level["path"]
     os.rename(tmp_path / "snap", tmp_path / "moved")  # as the server's upload moves it
     run(kernel, "big[:10] = 5; keep = digest(big); x = 2", "c2")
     after = settled(kernel, 3)["checkpoints"][-1]

@@ -44,6 +44,9 @@ class CheckpointSettings:
     is skipped, and said."""
     track_memory: bool = True
     """The server's track_memory (off: every checkpoint a full copy, so none in "auto")."""
+    chunk_kib: int | None = None
+    """The server's chunk_kib (None: automatic). A snapshot that builds on a checkpoint
+    keeps the checkpoint's levels as they were cut, so they are cut as its own memory is."""
 
     @property
     def enabled(self) -> bool:
