@@ -118,6 +118,8 @@ class CellCheckpoints:
         timeline = self.timeline
         if not self.store.enabled or not self.kernel.lifecycle.is_(State.RUNNING):
             return
+        if self.kernel.tracker.execution_state != "idle":  # its idle status calls again
+            return
         if timeline.position is not None and not timeline.cells_since:
             return
         # Once per state: the position and the last cell run since (runs are numbered;
@@ -140,7 +142,11 @@ class CellCheckpoints:
         except SnapshotBusyError:
             self._tried = None  # another operation came first: the next idle tries again
         except CheckpointInterrupted as exc:
+            # Said, and tried again at the next idle: a request that is no cell (the
+            # kernel_info of a page that connects, a completion) leaves the state as it
+            # was, and the "start" checkpoint would otherwise never come.
             self._skip(exc.message)
+            self._tried = None
         except SnapshotError as exc:
             log.warning("cell checkpoint failed: %s", exc)
             self._skip(f"it failed: {exc.message}")

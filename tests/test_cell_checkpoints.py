@@ -402,6 +402,40 @@ def test_a_large_change_is_skipped_and_said(checkpointed: Callable[..., KernelPr
     assert run(kernel, "print(x, 'big' in dir())")[0].split() == ["0", "False"]
 
 
+def test_one_cut_short_by_a_request_that_is_no_cell_comes_at_the_next_idle(
+    checkpointed: Callable[..., KernelProcess],
+) -> None:
+    """A page that connects asks the kernel things (kernel_info, completions, inspection):
+    a checkpoint cut short because the kernel was busy with one is taken once it is idle
+    again, though no cell ran since (so a notebook just opened gets its "start" one)."""
+    kernel = checkpointed()
+    slow = "import time\nclass Slow:\n    def __repr__(self):\n        time.sleep(3); return 's'\n"
+    run(kernel, slow + "slow = Slow()", "define")
+    settled(kernel, 2)
+    client = kernel.client
+    # A cell, and at once an inspection that keeps the kernel busy 3 s (its repr) just as
+    # the cell's checkpoint would freeze it.
+    run_msg = client.session.msg(
+        "execute_request",
+        {"code": "x = 1", "silent": False, "store_history": True, "user_expressions": {}},
+        metadata={"cellId": "c1"},
+    )
+    client.shell_channel.send(run_msg)
+    client.inspect("slow", detail_level=0)
+    wait_until(
+        lambda: (listing(kernel)["skipped"] or {}).get("reason", "").endswith("was busy."),
+        timeout=60,
+        what="the checkpoint after c1 cut short by the inspection",
+    )
+
+    def taken() -> bool:
+        found = listing(kernel)
+        return len(found["checkpoints"]) == 3 and found["skipped"] is None
+
+    wait_until(taken, timeout=60, what="the checkpoint after c1, at the next idle")
+    assert [c["cell_id"] for c in listing(kernel)["checkpoints"][-1]["cells"]] == ["c1"]
+
+
 def test_only_the_last_are_kept(checkpointed: Callable[..., KernelProcess]) -> None:
     kernel = checkpointed(keep=3)
     for index in range(5):
@@ -462,7 +496,9 @@ def test_snapshots_and_checkpoints_build_on_each_other(
     run(kernel, "big[:10] = 5; keep = digest(big); x = 2", "c2")
     after = settled(kernel, 3)["checkpoints"][-1]
     assert after["memory"]["mode"] == "incremental"
-    assert after["memory"]["copied_bytes"] < 16 * MB
+    # Not the 32 MiB array: the 2 MiB blocks the cell (and the interpreter) wrote, healed
+    # into huge pages whole; 9 MiB mostly, 18.5 MiB seen once after other tests.
+    assert after["memory"]["copied_bytes"] < 24 * MB
     kernel.restore(tmp_path / "moved")
     assert run(kernel, "print(x)")[0].strip() == "1"
     undo(kernel, to=after["id"])
