@@ -172,12 +172,21 @@ async function waitForCull(
       message: 'the culler suspends the idle kernel'
     })
     .toBe('suspended');
-  const response = await request.get('/api/snapshots?trigger=cull');
-  expect(response.ok()).toBeTruthy();
-  const { snapshots } = (await response.json()) as {
-    snapshots: { kernel_id: string }[];
-  };
-  expect(snapshots.map(s => s.kernel_id)).toContain(kernelId);
+  // Suspended once its dump is sealed on this machine; listed once the store has its copy
+  // (kernel_jobs.py: the upload comes after), a moment later on a busy machine.
+  await expect
+    .poll(
+      async () => {
+        const response = await request.get('/api/snapshots?trigger=cull');
+        expect(response.ok()).toBeTruthy();
+        const { snapshots } = (await response.json()) as {
+          snapshots: { kernel_id: string }[];
+        };
+        return snapshots.map(s => s.kernel_id);
+      },
+      { timeout: 60_000, message: "the cull's snapshot in the store" }
+    )
+    .toContain(kernelId);
   // Still listed: the culler did not shut it down.
   const kernels = (await (await request.get('/api/kernels')).json()) as {
     id: string;
