@@ -66,12 +66,23 @@ case "${1:-}" in
     wait "$preparing" || { cat "$prepared"; log "preparing the UI or container stage failed"; exit 1; }
     cat "$prepared"
     export UI_TESTS_PREPARED=1 JKS_CONTAINER_PREPARED=1
+    # Non-root mode (kernel, server, policy, JupyterHub and other-node tests again, as an
+    # ordinary user: docs/nonroot.md) beside the UI tests: both mostly wait on processes,
+    # and neither uses the other's ports, users, bridges or directories. Its log after.
+    nonroot_log="$ROOT/.nonroot-stage.log"
+    log "non-root stage beside the UI tests (${SECONDS} s since the start; $nonroot_log)"
+    scripts/nonroot-tests.sh >"$nonroot_log" 2>&1 &
+    nonroot=$!
     log "UI tests (${SECONDS} s since the start)"
-    scripts/ui-tests.sh
-    # Non-root mode: kernel, server, policy, JupyterHub and other-node tests again, as an
-    # ordinary user (docs/nonroot.md).
-    log "non-root stage (${SECONDS} s since the start)"
-    scripts/nonroot-tests.sh
+    ui_status=0
+    scripts/ui-tests.sh || ui_status=$?
+    log "UI tests done; the non-root stage's end (${SECONDS} s since the start)"
+    nonroot_status=0
+    wait "$nonroot" || nonroot_status=$?
+    cat "$nonroot_log"
+    log "non-root stage done (${SECONDS} s since the start)"
+    [ "$ui_status" = 0 ] || { log "the UI tests failed (exit $ui_status)"; exit 1; }
+    [ "$nonroot_status" = 0 ] || { log "the non-root stage failed (exit $nonroot_status)"; exit 1; }
     # deploy/Dockerfile built and its Zero to JupyterHub user pod run in podman
     # (docs/jupyterhub.md, "What is tested").
     log "container stage (${SECONDS} s since the start)"
