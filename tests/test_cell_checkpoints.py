@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from jupyter_ext.core import proctree
 from jupyter_ext.core.checkpoints import (
     CellRun,
     Checkpoint,
@@ -354,6 +355,56 @@ def test_undo_restores_lazily_where_large(checkpointed: Callable[..., KernelProc
     out = run(kernel, "print(digest(big) == keep, 'x' in dir())")[0]
     assert out.split() == ["True", "False"]
     wait_until(lambda: kernel.status()["lazy_restore"].get("state") == "complete")
+
+
+def lazy_pages_daemon(kernel: KernelProcess) -> int | None:
+    """The ``criu lazy-pages`` process serving the kernel's memory (None: none now)."""
+    for pid in proctree.descendants(kernel.status()["wrapper_pid"]):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"lazy-pages" in argv:
+            return pid
+    return None
+
+
+def test_a_kernel_dying_in_a_lazy_undo_comes_back_as_before(
+    checkpointed: Callable[..., KernelProcess],
+) -> None:
+    """The kernel dies while an undo restores its memory lazily (seen: CRIU's lazy-pages
+    daemon crashed, the kernel with it): the kernel saved before the undo comes back, and
+    the timeline with it. The daemon is held (SIGSTOP) so that the death lands during the
+    transfer; an undo whose transfer ended first is redone and tried again."""
+    kernel = checkpointed(kernel_env={ENV_LAZY_RESTORE_MIN_BYTES: "1"})
+    run(kernel, STATE + "big = np.random.default_rng(5).random(2**25)", "a")
+    settled(kernel, 2)
+    run(kernel, "big[:1000] = 0; x = 'changed'; keep = digest(big)", "b")
+    before = settled(kernel, 3)
+    for _attempt in range(5):
+        done = undo(kernel)
+        assert done["lazy"] is True
+        daemon = lazy_pages_daemon(kernel)
+        if daemon is not None:
+            os.kill(daemon, signal.SIGSTOP)
+            if kernel.status()["lazy_restore"].get("state") == "transferring":
+                break
+            os.kill(daemon, signal.SIGCONT)
+        wait_until(lambda: kernel.status()["lazy_restore"].get("state") == "complete")
+        undo(kernel, redo=True)
+        wait_until(lambda: kernel.status()["lazy_restore"].get("state") != "transferring")
+    else:
+        pytest.fail("every undo's transfer ended before its daemon could be held")
+    os.kill(kernel.status()["inner_pid"], signal.SIGKILL)
+    os.kill(daemon, signal.SIGCONT)
+    wait_until(lambda: kernel.status()["lazy_restore"].get("state") == "failed")
+    status = kernel.status()
+    assert status["state"] == "running", status
+    assert "put back as it was before the restore" in status["lazy_restore"]["error"]["message"]
+    assert run(kernel, "print(x, digest(big) == keep)")[0].split() == ["changed", "True"]
+    checkpoints = status["checkpoints"]
+    assert checkpoints["not_in_state"] == []  # cell b is in the kernel's state again
+    assert checkpoints["redo"] == before["redo"]
 
 
 def test_a_checkpoint_never_holds_half_a_cell(checkpointed: Callable[..., KernelProcess]) -> None:
