@@ -342,7 +342,12 @@ class CellCheckpoints:
                 self._exact_at = kernel.tracker.changing_requests
             raise
         saved_id = self._saved(save_dir, trigger, point)
+        before, redo_before = timeline.position, timeline.redo
         timeline.moved_to(plan, redo=None if redo else (saved_id or timeline.redo))
+        if kernel.lazy.puts_back and before is not None:
+            # Should the kernel die before all of its memory is in, the one saved before
+            # comes back (snapshotter._complete_lazy), and the timeline with it.
+            kernel.lazy.after_put_back = lambda: timeline.put_back(before, redo_before)
         self._exact_at = kernel.tracker.changing_requests
         count = await self._set_count(count)
         return {

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import shutil
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from jupyter_ext.core.criu import Criu, LazyTransfer
@@ -40,6 +40,10 @@ class LazyRestore:
         """The pages of the kernel on their way, until they are all in."""
         self._supported: bool | None = None
         self._task: asyncio.Task[None] | None = None
+        self._puts_back = False
+        self.after_put_back: Callable[[], None] | None = None
+        """Told once the kernel saved before a failed transfer is back (an undo's timeline
+        goes back with it)."""
 
     @property
     def status(self) -> dict[str, Any]:
@@ -83,9 +87,18 @@ class LazyRestore:
                 log.warning("lazy restore is not supported here (%s); restoring in full", said)
         return self._supported
 
-    def follow(self, completion: Coroutine[Any, Any, None]) -> None:
-        """Run ``completion``, which waits for the rest of the transfer, in the background."""
+    def follow(self, completion: Coroutine[Any, Any, None], puts_back: bool) -> None:
+        """Run ``completion``, which waits for the rest of the transfer, in the background;
+        ``puts_back``: if the transfer fails, it brings back the kernel saved before."""
+        self._puts_back = puts_back
+        self.after_put_back = None
         self._task = asyncio.create_task(completion)
+
+    @property
+    def puts_back(self) -> bool:
+        """A transfer is under way whose failure (its kernel's death included) brings back
+        the kernel saved before the restore (snapshotter._complete_lazy)."""
+        return self.transfer is not None and self._puts_back
 
     async def settled(self) -> None:
         """Before a dump: wait until a lazily restored kernel has all of its memory."""

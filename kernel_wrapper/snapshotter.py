@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from jupyter_ext.core import proctree
 from jupyter_ext.core.agent.client import AgentCriu
 from jupyter_ext.core.checkpoints import CheckpointSettings
 from jupyter_ext.core.criu import Criu, LazyTransfer
@@ -263,7 +264,8 @@ class Snapshotter:
             # Whatever runs now is a process restored from images: untracked.
             self.kernel.memory.forget(AFTER_RESTORE)
         if self.lazy.transfer is not None:
-            self.lazy.follow(self._complete_lazy(self.lazy.transfer, saved, criu))
+            completion = self._complete_lazy(self.lazy.transfer, saved, criu)
+            self.lazy.follow(completion, puts_back=saved is not None)
         elif saved is not None and not saved.keep:
             remove_tree(saved.directory)
         if not self._resumed_from(source) and save_trigger == "before-restore":
@@ -285,7 +287,8 @@ class Snapshotter:
     ) -> None:
         """Wait for the rest of a lazily restored kernel's memory. If a page cannot be
         had, the kernel (frozen at its first missing page) is killed: no half-restored
-        kernel stays; one saved before a restore in place is put back."""
+        kernel stays; one saved before a restore in place is put back, also where the
+        kernel died meanwhile (wrapper._on_inner_death leaves that to here)."""
         pid = self.process.pid
         try:
             await transfer.wait()
@@ -294,6 +297,13 @@ class Snapshotter:
                 # not send are not wanted any more (nothing to fill in).
                 self._lazy_ended(transfer, "its kernel ended")
                 return
+            if pid is None or self.process.pid != pid or not proctree.is_alive(pid):
+                # CRIU's daemon ended because the kernel died: the transfer is no success.
+                raise SnapshotError(
+                    "The kernel ended while its memory was being restored lazily "
+                    f"({transfer.server.bytes_served} bytes of it were in).",
+                    hint="The kernel's log (the server's) says how it ended.",
+                )
             filled = await asyncio.to_thread(transfer.server.fill_gaps)
         except SnapshotError as exc:
             if self._shut_down_on_purpose():
@@ -332,5 +342,10 @@ class Snapshotter:
         try:
             await self.rollback.put_back(saved, exc, criu)
         except SnapshotError as final:
+            # Back, or suspended on the saved images (back at the next cell): either way
+            # the kernel is what was saved.
+            told, self.lazy.after_put_back = self.lazy.after_put_back, None
+            if told is not None:
+                told()
             return final
         return exc  # put_back always raises

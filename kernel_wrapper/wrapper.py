@@ -308,6 +308,15 @@ class KernelWrapper:
             self.lifecycle.end(0)
             return
         self.death = death
+        if self.snapshotter.lazy.puts_back:
+            # Died while restored lazily in place (an undo, a restore into this kernel):
+            # the transfer's end puts back the kernel saved before (seen: CRIU's lazy-pages
+            # daemon crashed, the kernel with it, and its wrapper exited with the saved one).
+            log.warning(
+                "inner kernel %s during a lazy restore; the kernel saved before it comes back",
+                death.reason,
+            )
+            return
         self._write_journal(death)
         if self.on_inner_death == "exit" or death.exit_code == 0:
             log.info("inner kernel %s; the wrapper exits too", death.reason)

@@ -13,17 +13,20 @@ area) is at the end; the fault suite kills kernels during checkpoints (test_faul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from jupyter_ext.core import proctree
 from jupyter_ext.core.checkpoints import (
     CellRun,
     Checkpoint,
@@ -354,6 +357,81 @@ def test_undo_restores_lazily_where_large(checkpointed: Callable[..., KernelProc
     out = run(kernel, "print(digest(big) == keep, 'x' in dir())")[0]
     assert out.split() == ["True", "False"]
     wait_until(lambda: kernel.status()["lazy_restore"].get("state") == "complete")
+
+
+class DaemonHold(threading.Thread):
+    """Stops (SIGSTOP) the ``criu lazy-pages`` daemon that the wrapper ``wrapper_pid``
+    starts as soon as the ``criu restore`` beside it has ended: the restored kernel runs,
+    and its memory's transfer cannot end until :meth:`release`."""
+
+    def __init__(self, wrapper_pid: int) -> None:
+        super().__init__(daemon=True)
+        self.wrapper_pid = wrapper_pid
+        self.pid: int | None = None
+        self.stopped = threading.Event()
+        self._cancel = threading.Event()
+
+    def _criu(self) -> dict[str, int]:
+        """The wrapper's CRIU processes by command ("lazy-pages", "restore", ...)."""
+        found: dict[str, int] = {}
+        for pid in proctree.descendants(self.wrapper_pid):
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if "criu" in Path(argv[0].decode()).name and len(argv) > 1:
+                    found[argv[1].decode()] = pid
+        return found
+
+    def run(self) -> None:
+        restore_seen = False
+        while not self._cancel.is_set():
+            criu = self._criu()
+            restore_seen = restore_seen or "restore" in criu
+            if restore_seen and "restore" not in criu and "lazy-pages" in criu:
+                self.pid = criu["lazy-pages"]
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGSTOP)
+                    self.stopped.set()
+                return
+
+    def release(self) -> None:
+        self._cancel.set()
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+
+
+def test_a_kernel_dying_in_a_lazy_undo_comes_back_as_before(
+    checkpointed: Callable[..., KernelProcess],
+) -> None:
+    """The kernel dies while an undo restores its memory lazily (seen: CRIU's lazy-pages
+    daemon crashed, the kernel with it): the kernel saved before the undo comes back, and
+    the timeline with it. The daemon is held once the kernel is restored, so that the death
+    lands during the transfer."""
+    kernel = checkpointed(kernel_env={ENV_LAZY_RESTORE_MIN_BYTES: "1"})
+    run(kernel, STATE + "big = np.random.default_rng(5).random(2**25)", "a")
+    settled(kernel, 2)
+    run(kernel, "big[:1000] = 0; x = 'changed'; keep = digest(big)", "b")
+    before = settled(kernel, 3)
+    daemon = DaemonHold(kernel.status()["wrapper_pid"])
+    daemon.start()
+    try:
+        assert undo(kernel)["lazy"] is True
+        assert daemon.stopped.is_set(), "the restore and its lazy-pages daemon were not seen"
+        assert kernel.status()["lazy_restore"].get("state") == "transferring"
+        os.kill(kernel.status()["inner_pid"], signal.SIGKILL)
+    finally:
+        daemon.release()
+    try:
+        wait_until(lambda: kernel.status()["lazy_restore"].get("state") == "failed")
+    except TimeoutError:
+        raise AssertionError(f"not put back: {kernel.status()}\n{kernel.log()}") from None
+    status = kernel.status()
+    assert status["state"] == "running", status
+    assert "put back as it was before the restore" in status["lazy_restore"]["error"]["message"]
+    assert run(kernel, "print(x, digest(big) == keep)")[0].split() == ["changed", "True"]
+    checkpoints = status["checkpoints"]
+    assert checkpoints["not_in_state"] == []  # cell b is in the kernel's state again
+    assert checkpoints["redo"] == before["redo"]
 
 
 def test_a_checkpoint_never_holds_half_a_cell(checkpointed: Callable[..., KernelProcess]) -> None:

@@ -170,6 +170,15 @@ class Timeline:
         self.exact = True
         self.redo = redo
 
+    def put_back(self, position: str, redo: str | None) -> None:
+        """An undo said done failed after all (its kernel died while its memory was
+        restored lazily) and the kernel saved before it is back: it is ``position``'s
+        images, and redo goes where it went before that undo."""
+        self.position = position
+        self.cells_since = []
+        self.exact = True
+        self.redo = redo
+
     def forget(self) -> None:
         """The kernel was restored from something else (a snapshot): its state is no longer
         on this path, nor are its cells'. The checkpoints stay listed, and reachable by id."""
