@@ -153,6 +153,16 @@ def test_an_r_kernel_is_interrupted_and_reads_stdin(kernel_factory: Factory) -> 
     reply = kernel.client.get_shell_msg(timeout=30)
     assert reply["parent_header"]["msg_id"] == msg_id
     assert reply["content"]["status"] == "abort"
+    # After an interrupt IRkernel aborts the requests already queued, up to its idle status:
+    # a cell sent before that is answered "aborted" (seen on a busy machine).
+    while True:
+        status = kernel.client.get_iopub_msg(timeout=30)
+        if (
+            status["parent_header"].get("msg_id") == msg_id
+            and status["msg_type"] == "status"
+            and status["content"]["execution_state"] == "idle"
+        ):
+            break
     msg_id = kernel.client.execute("x <- readline('name? '); cat('hello', x)", allow_stdin=True)
     assert kernel.client.get_stdin_msg(timeout=30)["content"]["prompt"] == "name? "
     kernel.client.input("world")
