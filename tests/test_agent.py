@@ -395,6 +395,37 @@ def test_agent_protocol_refuses_the_wrong_number_of_descriptors() -> None:
             parse_request(message, wrong)
 
 
+def test_a_refusal_sent_before_the_request_arrived_is_read(tmp_path: Path) -> None:
+    """The agent refuses a connection at once (its limits) and closes it; the request the
+    client sent meanwhile lies unread, so Linux tells the client "connection reset" before
+    the refusal it queued: the client reads on and raises the refusal (a busy CI machine
+    saw "the node agent went away" instead)."""
+    from jupyter_ext.core.agent.client import call
+    from jupyter_ext.core.errors import SnapshotError
+
+    path = tmp_path / "agent.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen(1)
+    refusal = AgentRequestError("The node agent is serving as many connections (--max).")
+
+    def refuse() -> None:
+        conn, _ = listener.accept()
+        agentproto.send(conn, {"ok": False, "error": refusal.to_dict()})
+        select.select([conn], [], [], 30)  # the client's request arrives, left unread
+        conn.close()
+
+    agent = threading.Thread(target=refuse)
+    agent.start()
+    try:
+        with pytest.raises(SnapshotError, match=r"--max\)") as refused:
+            call(path, agentproto.HelloRequest())
+        assert refused.value.code == refusal.code
+    finally:
+        agent.join(30)
+        listener.close()
+
+
 def _mutate(value: Any, rng: random.Random, depth: int = 0) -> Any:
     """A random change of a JSON value: another type, a boundary, a key added/dropped."""
     choice = rng.randrange(12)

@@ -101,9 +101,15 @@ def call(
             raise unreachable(socket_path, exc) from exc
         message = json.loads(encode_request(request))
         message.pop("v")
-        with contextlib.suppress(BrokenPipeError):
-            send(sock, message, fds)  # refused at once: the refusal waits to be read
-        data, received = receive(sock)
+        # Refused at once (the agent's limits), the refusal waits to be read. Had the agent
+        # closed with this request unread, Linux reports that reset before the refusal
+        # it queued (a read after it gets the refusal, or nothing).
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            send(sock, message, fds)
+        try:
+            data, received = receive(sock)
+        except ConnectionResetError:
+            data, received = receive(sock)
         while on_frozen is not None and data and json.loads(data).get("frozen") is True:
             send(sock, {"copied": on_frozen()})
             on_frozen = None  # once per dump
