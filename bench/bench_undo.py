@@ -156,6 +156,7 @@ def undo_to_output(
         "wrapper": run.result.get("seconds"),
         "lazy": run.result.get("lazy"),
         "saved_first": run.result.get("save"),
+        "phases": run.result.get("phases"),
     }
     if then_run:
         sent = time.monotonic()

@@ -40,6 +40,7 @@ from jupyter_ext.core.checkpoints.timeline import Point
 from jupyter_ext.core.errors import NothingToUndoError, SnapshotBusyError, SnapshotError
 from jupyter_ext.core.manifest import MANIFEST_NAME, Manifest, utc_now
 from jupyter_ext.core.memtrack.plan import DumpPlan
+from jupyter_ext.core.phases import Phases
 from jupyter_ext.core.protocol.control import RestoreRequest, SnapshotArgs, UndoArgs
 from jupyter_ext.core.protocol.progress import ProgressCallback
 
@@ -310,7 +311,9 @@ class CellCheckpoints:
         started = time.monotonic()
         kernel, timeline = self.kernel, self.timeline
         target = timeline.records[plan.target]
-        count = await self._next_count()
+        reading = Phases()
+        with reading.phase("execution count read"):
+            count = await self._next_count()
         trigger = "before-redo" if redo else "before-undo"
         point = timeline.point()
         save_dir: Path | None = None
@@ -349,9 +352,12 @@ class CellCheckpoints:
             # comes back (snapshotter._complete_lazy), and the timeline with it.
             kernel.lazy.after_put_back = lambda: timeline.put_back(before, redo_before)
         self._exact_at = kernel.tracker.changing_requests
-        count = await self._set_count(count)
+        phases = self.snapshotter.restorer.phases
+        with phases.phase("execution count set"):
+            count = await self._set_count(count)
         return {
             **plan.to_dict(),
+            "phases": reading.to_dict() | phases.to_dict(),
             "saved": saved_id,
             "redo": timeline.redo,
             "execution_count": count,

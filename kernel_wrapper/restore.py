@@ -52,6 +52,7 @@ from jupyter_ext.core.isolation.privatetmp import PrivateTemp
 from jupyter_ext.core.lazypages import DirectoryPages, PageSource, page_source, stage_pages_files
 from jupyter_ext.core.lazypages.chain import flatten, is_chain
 from jupyter_ext.core.manifest import IMAGES_DIR, Manifest, verify
+from jupyter_ext.core.phases import Phases
 from jupyter_ext.core.protocol.progress import ProgressCallback
 from kernel_snapshots import write_restore_info
 
@@ -72,6 +73,9 @@ class Restorer:
         self.last_gpu_restore: dict[str, Any] = {}
         """Timings of the CUDA restore of the last restore (empty without CUDA)."""
         self.closed_on_restore: list[dict[str, Any]] = []
+        self.phases = Phases()
+        """Where the last restore's time went (its caller starts it: the check and the
+        save before come first)."""
         """Connections to outside peers that the last restore gave back closed."""
         self.private_shm: list[dict[str, Any]] = []
         """The /dev/shm names the last restore found held by a live process here (``name``,
@@ -244,10 +248,12 @@ class Restorer:
         left: SUSPENDED if the kernel was suspended, else DEAD."""
         previous = self.kernel.lifecycle.state
         self.kernel.lifecycle.enter(State.RESTORING)
+        phase = self.phases.phase
         try:
             self._replaced = self._running_kernel()
-            await self.kernel.process.kill()
-            await self.kernel.relay.close_inner()
+            with phase("end the kernel there was"):
+                await self.kernel.process.kill()
+                await self.kernel.relay.close_inner()
             self.kernel.relay.connect_inner(InnerChannels(self.kernel.runtime.path))
             # The restored kernel reads this before its next cell and runs its restore
             # hooks (its TCP connections come back closed; kernel_snapshots).
@@ -262,7 +268,8 @@ class Restorer:
             )
             pid, own = await self._criu_tree(source, manifest, criu, lazy, pages_from)
             try:
-                await self._cuda_restore(manifest, pid)
+                with phase("CUDA restore"):
+                    await self._cuda_restore(manifest, pid)
             except BaseException:
                 own.close()
                 raise
@@ -326,7 +333,9 @@ class Restorer:
         ports are taken here, with a private view of its temporary directory if its file
         locks there are; returns the kernel's pid and what it has of its own. On failure
         those files, what it had of its own, and whatever CRIU restored, are gone again."""
-        made, shm = await _make_files(manifest, source)
+        phase = self.phases.phase
+        with phase("files and ports"):
+            made, shm = await _make_files(manifest, source)
         work_dir = Path(tempfile.mkdtemp(prefix="restore-", dir=self.kernel.runtime.path))
         before = set(proctree.children(os.getpid()))
         inherit_fds = [
@@ -348,39 +357,43 @@ class Restorer:
                 # A chain whose memory is all elsewhere: staged whole here, as the level
                 # files the images must end with, then restored as it is.
                 lazy = False
-            if lazy and is_chain(images):  # CRIU reads a chain's parents eagerly: flattened
-                images, pages, kept_here = await _flat(images, pages_from, work_dir)
-            else:
-                pages, kept_here = await _pages(images, pages_from, lazy)
+            with phase("memory laid out"):
+                if lazy and is_chain(images):  # CRIU reads a chain's parents eagerly: flat
+                    images, pages, kept_here = await _flat(images, pages_from, work_dir)
+                else:
+                    pages, kept_here = await _pages(images, pages_from, lazy)
             if network is None:  # the ports it binds are this namespace's
-                await timewait.clear(
-                    [netports.BoundPort.from_dict(p) for p in manifest.bound_ports],
-                    _own_entries(manifest) | self._replaced,
-                )
+                with phase("files and ports"):
+                    await timewait.clear(
+                        [netports.BoundPort.from_dict(p) for p in manifest.bound_ports],
+                        _own_entries(manifest) | self._replaced,
+                    )
             if not lazy:
-                pid = await criu.restore(
-                    images,
-                    work_dir,
-                    inherit_fds=inherit_fds,
-                    keep_tcp=manifest.tcp_kept,
-                    mounts=manifest.mounts,
-                    mount_sources=mount_sources,
-                    netns=network,
-                )
+                with phase("criu restore"):
+                    pid = await criu.restore(
+                        images,
+                        work_dir,
+                        inherit_fds=inherit_fds,
+                        keep_tcp=manifest.tcp_kept,
+                        mounts=manifest.mounts,
+                        mount_sources=mount_sources,
+                        netns=network,
+                    )
             else:
                 self.kernel.lazy.starting()
-                pid, self.kernel.lazy.transfer = await criu.restore_lazy(
-                    images,
-                    work_dir,
-                    pages,
-                    write_through=kept_here,
-                    kill_tree=lambda daemon: Supervisor.kill_children_except(before | {daemon}),
-                    inherit_fds=inherit_fds,
-                    keep_tcp=manifest.tcp_kept,
-                    mounts=manifest.mounts,
-                    mount_sources=mount_sources,
-                    netns=network,
-                )
+                with phase("criu restore (lazy)"):
+                    pid, self.kernel.lazy.transfer = await criu.restore_lazy(
+                        images,
+                        work_dir,
+                        pages,
+                        write_through=kept_here,
+                        kill_tree=lambda daemon: Supervisor.kill_children_except(before | {daemon}),
+                        inherit_fds=inherit_fds,
+                        keep_tcp=manifest.tcp_kept,
+                        mounts=manifest.mounts,
+                        mount_sources=mount_sources,
+                        netns=network,
+                    )
             if private_temp is not None:
                 private_temp.detach()  # the copy's mount namespace holds it now
             self.private_shm = shm.private

@@ -42,6 +42,7 @@ from jupyter_ext.core.errors import KernelNotRunningError, SnapshotBusyError, Sn
 from jupyter_ext.core.lazypages import LazySettings
 from jupyter_ext.core.manifest import Manifest, new_snapshot_id, remove_tree
 from jupyter_ext.core.memtrack.plan import AFTER_RESTORE
+from jupyter_ext.core.phases import Phases
 from jupyter_ext.core.protocol.control import (
     Restored,
     RestoreRequest,
@@ -214,6 +215,7 @@ class Snapshotter:
             "gpu": self.restorer.last_gpu_restore,
             "closed_connections": manifest.closed_connections,
             "private_shm": self.restorer.private_shm,
+            "phases": self.restorer.phases.to_dict(),
         }
 
     # ------------------------------------------------------------------ restore
@@ -244,12 +246,17 @@ class Snapshotter:
         an undo (``save_trigger`` "before-undo"/"before-redo"), the kernel's cell
         checkpoints no longer lead to its state (core/checkpoints/timeline.py)."""
         source = args.source
-        manifest = await self.restorer.checked(source, progress, args.verified)
+        self.restorer.phases = phases = Phases()
+        with phases.phase("check"):
+            manifest = await self.restorer.checked(source, progress, args.verified)
         criu = self._criu_binary()
         lazy = self.lazy.told(args.lazy, criu)
         if saved is None and self.lifecycle.is_(State.RUNNING) and self.process.pid is not None:
             directory = args.save_to or source.parent / new_snapshot_id()
-            saved = await self.rollback.save(directory, progress, args.save_parent, save_trigger)
+            with phases.phase("save the kernel there was"):
+                saved = await self.rollback.save(
+                    directory, progress, args.save_parent, save_trigger
+                )
             saved.keep = save_trigger != "before-restore"
         progress({"phase": "restoring"})
         try:

@@ -574,6 +574,7 @@ def test_restore_on_another_node_reconnects(tmp_path: Path, snapshot_kernelspec:
         answer = node_b.client.call("POST", f"{snapshot['id']}/restore", body={})
         result = follow(node_b, answer["job"])["result"]
         kernel_b = result["kernel_id"]
+        assert any(p.startswith("criu restore") for p in result["phases"]), result  # its time
         # What could not come back is said: the two pools' connections, by process and address.
         closed = result["closed_connections"]
         assert [c["remote"] for c in closed] == [f"{HOST_ADDRESS}:{server.server_port}"] * 2

@@ -341,6 +341,8 @@ class Restores:
             # Names a live process held here: the kernel has private copies
             # (core/carried/shmfiles.py). As the wrapper's reply to the restore says.
             "private_shm": restored["private_shm"],
+            # Where the wrapper's time went (seconds per phase: the check, CRIU, ...).
+            "phases": restored.get("phases", {}),
         }
 
     async def _notebook_of(self, manifest: Manifest, target: Target) -> str | None:

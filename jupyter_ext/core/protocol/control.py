@@ -293,6 +293,8 @@ class Restored(TypedDict):
     """Connections to peers outside the kernel that the restore gave back closed."""
     private_shm: list[dict[str, Any]]
     """As :attr:`KernelStatus.private_shm`, for this restore."""
+    phases: dict[str, float]
+    """Where the restore's time went: seconds per phase, in order (core/phases.py)."""
 
 
 @dataclass(frozen=True)
