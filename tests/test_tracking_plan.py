@@ -203,6 +203,47 @@ def test_a_chain_resolves_and_flattens_to_the_newest_level_of_each_page(tmp_path
     assert lazy == [True, True, True, False, True, True, True, True]
 
 
+def _runs(owned: list[bool], present: int) -> list[tuple[int, int, int]]:
+    """Pagemap entries over pages 0..n: runs of pages this level holds (``present``
+    flags) or leaves to its parent, as CRIU writes them (sorted, neighbours merged)."""
+    v = 0x40000 * PAGE_SIZE
+    entries: list[tuple[int, int, int]] = []
+    for n, own in enumerate(owned):
+        flags = present if own else PE_PARENT
+        if entries and entries[-1][2] == flags:
+            vaddr, pages, _ = entries[-1]
+            entries[-1] = (vaddr, pages + 1, flags)
+        else:
+            entries.append((v + n * PAGE_SIZE, 1, flags))
+    return entries
+
+
+def test_a_long_fragmented_chain_flattens_to_the_newest_level_of_every_page(
+    tmp_path: Path,
+) -> None:
+    """Four levels over 600 pages, each later level holding a random scattering of them
+    (as cells that change 1 % each leave them): every page of the flat file is the newest
+    level's, read whole and in odd slices (the runs are searched, not scanned)."""
+    import random
+
+    rng = random.Random(43)
+    count, images = 600, tmp_path / "images"
+    holders = [0] * count  # the newest level holding each page (0: the oldest)
+    for depth in range(4):  # the oldest first
+        directory = images.joinpath(*["parent"] * (3 - depth))
+        owned = [depth == 0 or rng.random() < 0.3 for _ in range(count)]
+        holders = [depth if own else held for own, held in zip(owned, holders, strict=True)]
+        level(directory, _runs(owned, PE_PRESENT | PE_LAZY), fill=depth + 1)
+    assert len(parse_pagemap((images / "pagemap-1.img").read_bytes()).entries) > 100
+    pages = flatten(images, tmp_path / "flat", DirectoryPages(images))
+    data = pages.read("pages-1.img", 0, count * PAGE_SIZE)
+    assert [data[n * PAGE_SIZE] for n in range(count)] == [h + 1 for h in holders]
+    for _ in range(50):
+        start = rng.randrange(count * PAGE_SIZE)
+        length = rng.randrange(1, count * PAGE_SIZE - start + 1)
+        assert pages.read("pages-1.img", start, length) == data[start : start + length]
+
+
 def test_a_chain_missing_a_parent_page_is_refused_as_damaged(tmp_path: Path) -> None:
     images = tmp_path / "images"
     v = 0x20000 * PAGE_SIZE

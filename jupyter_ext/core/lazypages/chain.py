@@ -12,6 +12,7 @@ is served, through :class:`ChainPages`, from the level that holds it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import shutil
@@ -57,31 +58,48 @@ def is_chain(images: Path) -> bool:
     return (images / PARENT).is_dir()
 
 
+@dataclass(frozen=True)
+class _Level:
+    """One level of a chain: its pagemaps, and the end of each of their entries (sorted,
+    as CRIU writes them: searched, not scanned, for the entries under a parent's)."""
+
+    prefix: str
+    pagemaps: dict[int, Pagemap]
+    ends: dict[int, list[int]]
+
+    @classmethod
+    def read(cls, prefix: str, images: Path) -> _Level:
+        pagemaps = read_pagemaps(images)
+        ends = {pid: [e.end for e in pagemap.entries] for pid, pagemap in pagemaps.items()}
+        return cls(prefix, pagemaps, ends)
+
+
 def resolve(images: Path) -> dict[int, list[Piece]]:
     """Each process's pages (by the pagemap's id) and the level holding each run."""
-    levels = [(prefix, read_pagemaps(here)) for prefix, here in chain_levels(images)]
+    levels = [_Level.read(prefix, here) for prefix, here in chain_levels(images)]
     return {
         pid: [piece for entry in top.entries for piece in _locate(levels, 0, pid, entry)]
-        for pid, top in levels[0][1].items()
+        for pid, top in levels[0].pagemaps.items()
     }
 
 
-def _locate(
-    levels: list[tuple[str, dict[int, Pagemap]]], depth: int, pid: int, entry: PagemapEntry
-) -> list[Piece]:
-    prefix, pagemaps = levels[depth]
+def _locate(levels: list[_Level], depth: int, pid: int, entry: PagemapEntry) -> list[Piece]:
+    level = levels[depth]
     if not entry.flags & PE_PARENT:
         if entry.offset < 0:
             return []
-        pages_file = prefix + pagemaps[pid].pages_file
+        pages_file = level.prefix + level.pagemaps[pid].pages_file
         return [Piece(entry.vaddr, entry.nr_pages, entry.lazy, pages_file, entry.offset)]
-    if depth + 1 >= len(levels) or pid not in levels[depth + 1][1]:
-        raise _missing(entry.vaddr, prefix)
+    if depth + 1 >= len(levels) or pid not in levels[depth + 1].pagemaps:
+        raise _missing(entry.vaddr, level.prefix)
     pieces: list[Piece] = []
     start, end = entry.vaddr, entry.end
-    for below in levels[depth + 1][1][pid].entries:
-        if below.end <= start or below.vaddr >= end:
-            continue
+    under = levels[depth + 1].pagemaps[pid].entries
+    first = bisect.bisect_right(levels[depth + 1].ends[pid], start)  # the first ending past
+    for index in range(first, len(under)):
+        below = under[index]
+        if below.vaddr >= end:
+            break
         lo, hi = max(start, below.vaddr), min(end, below.end)
         skip = (lo - below.vaddr) // PAGE_SIZE
         part = PagemapEntry(
@@ -92,7 +110,7 @@ def _locate(
         )
         pieces += _locate(levels, depth + 1, pid, part)
     if sum(p.nr_pages for p in pieces) != entry.nr_pages:
-        raise _missing(entry.vaddr, prefix)
+        raise _missing(entry.vaddr, level.prefix)
     return pieces
 
 
@@ -121,6 +139,7 @@ class ChainPages:
     def __init__(self, inner: PageSource, runs: dict[str, list[_Run]]) -> None:
         self.inner = inner
         self.runs = runs
+        self._ends = {path: [r.flat_offset + r.length for r in rs] for path, rs in runs.items()}
 
     def read(self, path: str, offset: int, length: int) -> bytes:
         runs = self.runs.get(path)
@@ -128,9 +147,10 @@ class ChainPages:
             raise OSError(f"{path} is not a pages file of the flat images")
         out = bytearray()
         position, end = offset, offset + length
-        for run in runs:
-            if run.flat_offset + run.length <= position:
-                continue
+        # The first run that ends past ``offset`` (searched: a read of every page of a
+        # large kernel would scan the runs before it each time).
+        for index in range(bisect.bisect_right(self._ends[path], position), len(runs)):
+            run = runs[index]
             if run.flat_offset > position or position >= end:
                 break
             skip = position - run.flat_offset
