@@ -214,7 +214,7 @@ class Dumper:
             )
         if dest.exists():
             raise SnapshotError(f"The snapshot directory {dest} already exists.")
-        await self.kernel.lazy.settled()
+        await self.kernel.lazy.settled(holding_lock=True)  # the caller holds exclusive()
         if not self.kernel.lifecycle.is_(State.RUNNING) or self.kernel.process.pid is None:
             state = self.kernel.lifecycle.state.value
             raise KernelNotRunningError(

@@ -41,6 +41,9 @@ class LazyRestore:
         self._supported: bool | None = None
         self._task: asyncio.Task[None] | None = None
         self._puts_back = False
+        self.awaited_by_lock_holder = False
+        """A dump that holds the snapshotter's lock waits for the transfer's end: its
+        failure (the kernel killed, the saved one put back) goes on without that lock."""
         self.after_put_back: Callable[[], None] | None = None
         """Told once the kernel saved before a failed transfer is back (an undo's timeline
         goes back with it)."""
@@ -100,11 +103,17 @@ class LazyRestore:
         the kernel saved before the restore (snapshotter._complete_lazy)."""
         return self.transfer is not None and self._puts_back
 
-    async def settled(self) -> None:
-        """Before a dump: wait until a lazily restored kernel has all of its memory."""
+    async def settled(self, *, holding_lock: bool = False) -> None:
+        """Before a dump: wait until a lazily restored kernel has all of its memory.
+        ``holding_lock``: the caller holds the snapshotter's lock, which the transfer's
+        failure would otherwise wait for (each waiting for the other)."""
         task = self._task
         if task is not None and not task.done():
-            await asyncio.shield(asyncio.wait([task]))
+            self.awaited_by_lock_holder = holding_lock
+            try:
+                await asyncio.shield(asyncio.wait([task]))
+            finally:
+                self.awaited_by_lock_holder = False
 
     def starting(self) -> None:
         """A lazy restore begins (``transfer`` is set once CRIU has rebuilt the kernel)."""

@@ -317,7 +317,10 @@ class Snapshotter:
                 self._lazy_ended(transfer, exc.message)
                 return
             log.error("lazy restore failed: %s", exc)
-            async with self._lock:
+            # Serialized with other operations, unless one holds the lock waiting for
+            # this very end (a dump's _prepare): it goes on once this is done.
+            holder_waits = self.lazy.awaited_by_lock_holder
+            async with contextlib.nullcontext() if holder_waits else self._lock:
                 if self.process.pid == pid:
                     await self.process.kill()
                 self.lazy.drop(transfer)

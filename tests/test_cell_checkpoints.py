@@ -406,12 +406,13 @@ class DaemonHold(threading.Thread):
 
 
 def test_a_kernel_dying_in_a_lazy_undo_comes_back_as_before(
-    checkpointed: Callable[..., KernelProcess],
+    checkpointed: Callable[..., KernelProcess], tmp_path: Path
 ) -> None:
     """The kernel dies while an undo restores its memory lazily (seen: CRIU's lazy-pages
     daemon crashed, the kernel with it): the kernel saved before the undo comes back, and
     the timeline with it. The daemon is held once the kernel is restored, so that the death
-    lands during the transfer."""
+    lands during the transfer; a snapshot asked meanwhile waits for the transfer's end
+    holding the wrapper's lock, which the put-back must not wait for (seen: both hung)."""
     kernel = checkpointed(kernel_env={ENV_LAZY_RESTORE_MIN_BYTES: "1"})
     run(kernel, STATE + "big = np.random.default_rng(5).random(2**25)", "a")
     settled(kernel, 2)
@@ -423,6 +424,17 @@ def test_a_kernel_dying_in_a_lazy_undo_comes_back_as_before(
         assert undo(kernel)["lazy"] is True
         assert daemon.stopped.is_set(), "the restore and its lazy-pages daemon were not seen"
         assert kernel.status()["lazy_restore"].get("state") == "transferring"
+        snapshot: dict[str, Any] = {}
+
+        def snapshot_meanwhile() -> None:
+            try:
+                snapshot["result"] = kernel.snapshot(tmp_path / "meanwhile")
+            except SnapshotError as exc:
+                snapshot["error"] = exc
+
+        asking = threading.Thread(target=snapshot_meanwhile, daemon=True)
+        asking.start()
+        wait_until(lambda: kernel.status()["busy"], what="the snapshot to wait for the transfer")
         os.kill(kernel.status()["inner_pid"], signal.SIGKILL)
     finally:
         daemon.release()
@@ -430,6 +442,9 @@ def test_a_kernel_dying_in_a_lazy_undo_comes_back_as_before(
         wait_until(lambda: kernel.status()["lazy_restore"].get("state") == "failed")
     except TimeoutError:
         raise AssertionError(f"not put back: {kernel.status()}\n{kernel.log()}") from None
+    asking.join(120)
+    assert not asking.is_alive(), "the snapshot asked during the transfer never ended"
+    assert snapshot, snapshot
     status = kernel.status()
     assert status["state"] == "running", status
     assert "put back as it was before the restore" in status["lazy_restore"]["error"]["message"]
