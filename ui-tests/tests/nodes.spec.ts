@@ -121,12 +121,28 @@ test.describe('Two nodes', () => {
     await pageA.keyboard.press('Control+Enter');
     await expect(cellA.locator('.jp-InputPrompt')).toHaveText('[*]:');
     await expect(cellA.locator('.jp-OutputArea')).toContainText('step 4');
+    // The save's own reply says when it is written: jupyter_server writes a
+    // notebook in place, so a read during a save (this one, or an autosave)
+    // finds it empty and is tried again.
+    const saved = pageA.waitForResponse(
+      response =>
+        response.url().includes(`api/contents/${NOTEBOOK}`) &&
+        response.request().method() === 'PUT'
+    );
     await pageA.keyboard.press('Control+s');
+    expect((await saved).ok(), 'JupyterLab saved the notebook').toBe(true);
     await expect
       .poll(
-        async () =>
-          (await api(request, a, 'GET', `api/contents/${NOTEBOOK}`)).content
-            .cells[0].outputs.length,
+        async () => {
+          const response = await request.get(
+            `${a.url}api/contents/${NOTEBOOK}`,
+            { headers: { Authorization: `token ${a.token}` } }
+          );
+          // -1: unreadable at this moment (written in place)
+          return response.ok()
+            ? (await response.json()).content.cells[0].outputs.length
+            : -1;
+        },
         { message: 'the notebook is saved with the first lines' }
       )
       .toBeGreaterThan(0);
