@@ -55,10 +55,10 @@ class KernelTree:
                 {k: v for k, v in f.items() if k not in appended.DUMP_ONLY_KEYS} for f in needed
             ]
             ghost_bytes = ghost_limit(proctree.deleted_files(pids))
-            inodes = sockdiag.tree_socket_inodes(pids)
-            ports = netports.bound_ports(inodes, root)
-            socket_dirs = netports.unix_socket_dirs(root, inodes)
-            connections = tcpconns.tree_connections(pids)
+            sockets = sockdiag.TreeSockets.of(pids)
+            ports = netports.bound_ports(sockets, root)
+            socket_dirs = netports.unix_socket_dirs(root, sockets.inodes)
+            connections = tcpconns.tree_connections(pids, sockets)
         except BaseException:
             held.close()
             raise

@@ -197,8 +197,9 @@ class Restorer:
         if pid is None:
             return timewait.Own(set())
         pids = proctree.descendants(pid)
-        connections = tcpconns.tree_connections(pids)
-        listening = netports.bound_ports(sockdiag.tree_socket_inodes(pids), pid)
+        sockets = sockdiag.TreeSockets.of(pids)
+        connections = tcpconns.tree_connections(pids, sockets)
+        listening = netports.bound_ports(sockets, pid)
         return timewait.Own(
             timewait.connection_pairs(
                 c.to_dict() for c in connections.inside + connections.outside

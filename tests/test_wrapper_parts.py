@@ -368,3 +368,57 @@ def test_a_restore_said_lazy_goes_in_full_where_the_criu_has_no_lazy_pages(
     assert caplog.text.count("lazy restore is not supported here") == 1
     assert "node agent runs CRIU as this pod's user" in caplog.text
     assert not lazy.told(False, agent)
+
+
+# -- the sockets a dump looks at -------------------------------------------------------
+HOLD_SOCKETS = """
+import socket, sys
+kinds = {"unix": (socket.AF_UNIX, socket.SOCK_STREAM), "tcp": (socket.AF_INET, socket.SOCK_STREAM),
+         "udp6": (socket.AF_INET6, socket.SOCK_DGRAM)}
+held = [socket.socket(*kinds[k]) for k in sys.argv[1:]]
+for s in held:
+    if s.family != socket.AF_UNIX:
+        s.bind(("127.0.0.1" if s.family == socket.AF_INET else "::1", 0))
+        if s.type == socket.SOCK_STREAM:
+            s.listen()
+print(" ".join(str(s.getsockname()[1]) for s in held if s.family != socket.AF_UNIX), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize(
+    ("kinds", "tables"),
+    [
+        (["unix"], set()),
+        (["unix", "tcp"], {"tcp"}),
+        (["udp6"], {"udp"}),
+        (["tcp", "udp6"], {"tcp", "udp"}),
+    ],
+)
+def test_a_dump_reads_only_the_proc_net_tables_that_list_the_kernels_sockets(
+    kinds: list[str], tables: set[str]
+) -> None:
+    """Each socket's protocol (``system.sockprotoname``) says which /proc/net tables can
+    list it: a kernel of unix sockets needs none read (each read walks the machine's whole
+    table while the kernel waits), and the ports of those it has are all found."""
+    import subprocess
+
+    from jupyter_ext.core.carried import netports, sockdiag, tcpconns
+
+    with subprocess.Popen(
+        [sys.executable, "-c", HOLD_SOCKETS, *kinds],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as child:
+        try:
+            assert child.stdout is not None
+            ports = sorted(int(p) for p in child.stdout.readline().split())
+            sockets = sockdiag.TreeSockets.of([child.pid])
+            assert len(sockets.inodes) == len(kinds)
+            assert sockets.inet == tables
+            assert sorted(p.port for p in netports.bound_ports(sockets, child.pid)) == ports
+            none = tcpconns.TreeConnections([], [])
+            assert tcpconns.tree_connections([child.pid], sockets) == none
+        finally:
+            child.kill()

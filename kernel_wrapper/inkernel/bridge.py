@@ -101,7 +101,7 @@ def endpoint_path(connection: dict[str, Any], name: str) -> str | None:
 def _listening_elsewhere(pid: int) -> list[str]:
     """The TCP ports the kernel's tree listens on (a kernel that ignored ``transport``)."""
     pids = proctree.descendants(pid)
-    ports = netports.bound_ports(sockdiag.tree_socket_inodes(pids), pid)
+    ports = netports.bound_ports(sockdiag.TreeSockets.of(pids), pid)
     return [port.describe() for port in ports if port.proto == "tcp"]
 
 

@@ -92,10 +92,11 @@ def proc_net_rows(pid: int | str, tables: tuple[str, ...]) -> Iterator[list[str]
                 yield fields
 
 
-def _entries(pid: int | str = "self") -> list[_Entry]:
-    """Every TCP and UDP socket of ``pid``'s network namespace with a local port."""
+def _entries(pid: int | str = "self", protos: Collection[str] = ("tcp", "udp")) -> list[_Entry]:
+    """Every socket of ``protos`` ("tcp", "udp") in ``pid``'s network namespace with a
+    local port."""
     found: list[_Entry] = []
-    for proto in ("tcp", "udp"):
+    for proto in sorted(protos):
         for fields in proc_net_rows(pid, (proto, proto + "6")):
             hex_address, hex_port = fields[1].split(":")
             port = int(hex_port, 16)
@@ -118,10 +119,13 @@ def _binds(entry: _Entry) -> bool:
     return entry.port.proto == "udp" or entry.state == _TCP_LISTEN
 
 
-def bound_ports(inodes: set[int], pid: int | str = "self") -> list[BoundPort]:
-    """The ports the sockets with these inodes hold (a kernel's, from its open fds; ``pid``
-    is one of its processes)."""
-    ports = {entry.port for entry in _entries(pid) if entry.inode in inodes and _binds(entry)}
+def bound_ports(sockets: sockdiag.TreeSockets, pid: int | str = "self") -> list[BoundPort]:
+    """The ports a kernel's sockets hold (``pid`` is one of its processes)."""
+    ports = {
+        entry.port
+        for entry in _entries(pid, sockets.inet)
+        if entry.inode in sockets.inodes and _binds(entry)
+    }
     return sorted(ports, key=lambda p: (p.proto, p.port, p.address))
 
 

@@ -211,6 +211,47 @@ def tree_socket_inodes(pids: Iterable[int]) -> set[int]:
     return inodes
 
 
+#: What each kind of socket is listed in, by the start of its protocol's name (the
+#: socket's ``system.sockprotoname``: "TCP", "TCPv6", "UDPv6", "UNIX-STREAM", ...).
+_LISTED_IN = {"TCP": "tcp", "MPTCP": "tcp", "UDP": "udp", "UNIX": "", "NETLINK": "", "PACKET": ""}
+
+
+def _inet_table(pid: int, fd: int) -> set[str]:
+    """The /proc/net tables ("tcp", "udp") that can list the socket ``fd`` of ``pid``:
+    none for a unix or netlink socket, both where its protocol cannot be read."""
+    try:
+        name = os.getxattr(f"/proc/{pid}/fd/{fd}", "system.sockprotoname")
+    except OSError:
+        return {"tcp", "udp"}
+    for start, table in _LISTED_IN.items():
+        if name.startswith(start.encode()):
+            return {table} - {""}
+    return {"tcp", "udp"}
+
+
+@dataclass(frozen=True)
+class TreeSockets:
+    """The sockets a process tree holds open, and which /proc/net tables can list any of
+    them: a kernel with no TCP or UDP socket (its channels are unix sockets) needs none of
+    those tables read, which cost milliseconds each on a machine with many connections
+    (the kernel walks its whole hash table for every read), while the kernel waits."""
+
+    inodes: set[int]
+    inet: frozenset[str]
+    """Of "tcp" and "udp", the tables to read."""
+
+    @classmethod
+    def of(cls, pids: Iterable[int]) -> TreeSockets:
+        inodes: set[int] = set()
+        inet: set[str] = set()
+        for pid in pids:
+            for fd, inode in socket_fds(pid).items():
+                if inode not in inodes:
+                    inodes.add(inode)
+                    inet |= _inet_table(pid, fd)
+        return cls(inodes, frozenset(inet))
+
+
 def socket_owners(pids: Iterable[int]) -> Iterator[tuple[int, int]]:
     """(socket inode, pid) for every socket fd of these processes."""
     for pid in pids:

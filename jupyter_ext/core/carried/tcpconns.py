@@ -89,10 +89,10 @@ class TreeConnections:
     """The peer is outside the tree."""
 
 
-def tree_connections(pids: list[int]) -> TreeConnections:
+def tree_connections(pids: list[int], sockets: sockdiag.TreeSockets) -> TreeConnections:
     """Classify the established TCP connections of the processes ``pids`` (one tree, one
-    network namespace: that of its first process)."""
-    if not pids:
+    network namespace: that of its first process; ``sockets``: the sockets they hold)."""
+    if not pids or "tcp" not in sockets.inet:
         return TreeConnections([], [])
     table = _established(pids[0])
     owners: dict[int, int] = {}
