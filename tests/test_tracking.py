@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -337,6 +338,46 @@ def test_criu_tracks_memory_here(criu: Criu) -> None:
     assert kind in ("soft-dirty", "userfaultfd"), said
     out = subprocess.run([str(criu.path), "--version"], capture_output=True, text=True).stdout
     assert "GitID: jks-" in out, out
+
+
+def test_criu_keeps_its_probes_of_the_kernel_between_runs(criu: Criu, tmp_path: Path) -> None:
+    """Patch 0002: a CRIU run after another loads what the first probed of the kernel
+    (kdat) instead of probing again (~30 ms before it seizes the kernel), here where no
+    tmpfs holds it too; a cache of another boot is stale, probed again and replaced."""
+    import asyncio
+
+    def dump_log(name: str) -> str:
+        images, work = tmp_path / name, tmp_path / f"{name}-work"
+        images.mkdir()
+        work.mkdir()
+        asyncio.run(criu.dump(sleeper.pid, images, work, leave_running=True))
+        return (work / "dump.log").read_text()
+
+    with subprocess.Popen(
+        ["sleep", "600"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    ) as sleeper:
+        try:
+            dump_log("first")
+            second = dump_log("second")
+            loaded = re.search(r"Loaded kdat cache from (\S+)", second)
+            assert loaded, second[:3000]
+            cache = Path(loaded[1])
+            boot_id = Path("/proc/sys/kernel/random/boot_id").read_bytes()
+            data = cache.read_bytes()
+            if boot_id in data:  # kept off tmpfs: the boot's id in it
+                other = boot_id.replace(boot_id[:1], b"1" if boot_id[:1] == b"0" else b"0", 1)
+                cache.write_bytes(data.replace(boot_id, other))
+                third = dump_log("third")
+                assert f"Stale {cache} file" in third, third[:3000]
+                assert boot_id in cache.read_bytes()
+                assert "Loaded kdat cache" in dump_log("fourth")
+            assert not cache.with_name(cache.name + ".tmp").exists()
+        finally:
+            sleeper.kill()
 
 
 def huge_kib(kernel: KernelProcess) -> int:
