@@ -102,6 +102,7 @@ class SnapshotExtensionApp(SnapshotSettings):
             "cell_checkpoints_keep": self.cell_checkpoints_keep,
             "cell_checkpoints_max_bytes": self.cell_checkpoints_max_bytes,
             "cell_checkpoint_max_change_bytes": self.cell_checkpoint_max_change_bytes,
+            "cell_checkpoint_max_pause_share": self.cell_checkpoint_max_pause_share,
         }
 
     def checkpoint_settings(self) -> CheckpointSettings:
@@ -112,6 +113,7 @@ class SnapshotExtensionApp(SnapshotSettings):
             keep=self.cell_checkpoints_keep,
             max_bytes=self.cell_checkpoints_max_bytes,
             max_change_bytes=self.cell_checkpoint_max_change_bytes,
+            max_pause_share=self.cell_checkpoint_max_pause_share,
             track_memory=self.track_memory,
             chunk_kib=self.chunk_kib or None,
         )

@@ -71,6 +71,18 @@ class CellCheckpointTraits(ExtensionApp):
     cell_checkpoint_max_change_bytes = Int(
         8 << 30, config=True, help="A cell checkpoint copying more is skipped. Default: 8 GiB."
     )
+    cell_checkpoint_max_pause_share = Float(
+        0.02,
+        min=0.0,
+        max=1.0,
+        config=True,
+        help="""Of a kernel's wall time, at most this share paused by its cell checkpoints
+        (requests wait while a checkpoint freezes the kernel): after one that paused it P
+        seconds, the next starts no sooner than P / share - P seconds later, and the cells
+        run meanwhile share it (an undo takes them back together). At the default a
+        checkpoint pausing 60 ms spaces the next by 3 s; cells further apart each get
+        their own. 0: a checkpoint after every cell. Default: 0.02.""",
+    )
 
 
 class SnapshotSettings(CellCheckpointTraits):

@@ -100,6 +100,9 @@ class CellCheckpoints:
         self.last_count: int | None = None
         """The execution count of the kernel's last cell."""
         self._task: asyncio.Task[None] | None = None
+        self._not_before = 0.0
+        """When the pause budget lets the next checkpoint start (the loop's clock)."""
+        self._paced: asyncio.TimerHandle | None = None
         self._tried: tuple[str | None, int] | None = None
         self._exact_at = 0
         tracker = self.kernel.tracker
@@ -128,8 +131,19 @@ class CellCheckpoints:
         key = (timeline.position, timeline.cells_since[-1].seq if timeline.cells_since else 0)
         if key == self._tried or (self._task is not None and not self._task.done()):
             return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._not_before:
+            # The pause budget: taken once it allows, if the kernel is idle then (else at
+            # the idle after the cells run meanwhile, which it then holds too).
+            if self._paced is None:
+                self._paced = loop.call_at(self._not_before, self._budget_allows)
+            return
         self._tried = key
         self._task = asyncio.create_task(self._take(), name="cell-checkpoint")
+
+    def _budget_allows(self) -> None:
+        self._paced = None
+        self._idle()
 
     async def _take(self) -> None:
         snapshotter = self.snapshotter
@@ -211,6 +225,9 @@ class CellCheckpoints:
             args,
             lambda _event: None,
             checkpoint=CellCheckpoint(self.store.cells_through, interrupted),
+        )
+        self._not_before = asyncio.get_running_loop().time() + settings.spacing(
+            manifest.pause_seconds
         )
         record = self._record(manifest, kind, dest)
         self.timeline.taken(record, frozen_at[0] if frozen_at else None)
@@ -440,7 +457,15 @@ class CellCheckpoints:
             "not_in_state": self.timeline.not_in_state,
             "skipped": self.skipped,
             "taking": self.snapshotter.checkpointing,
+            "paced_seconds": self._paced_seconds(),
         }
+
+    def _paced_seconds(self) -> float | None:
+        """While the pause budget holds back a checkpoint for cells already run: how long
+        until it is taken (if the kernel is idle then)."""
+        if self._paced is None:
+            return None
+        return round(max(0.0, self._paced.when() - asyncio.get_running_loop().time()), 3)
 
     def listing(self) -> dict[str, Any]:
         """The ``checkpoints`` operation's reply (each checkpoint with its directory, which
@@ -453,4 +478,6 @@ class CellCheckpoints:
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self._paced is not None:
+            self._paced.cancel()
         self.store.close()

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -224,7 +225,14 @@ def checkpointed(kernel_factory: Factory, tmp_path: Path) -> Callable[..., Kerne
     """Kernels with cell checkpoints in ``tmp_path/checkpoints`` (as a server sets them)."""
 
     def start(kernel_env: dict[str, str] | None = None, **settings: Any) -> KernelProcess:
-        config = {"mode": "auto", "root": str(tmp_path / "checkpoints"), **settings}
+        # A checkpoint after every cell (no pause budget) unless a test asks for one: these
+        # tests run cells back to back and undo each on its own.
+        config = {
+            "mode": "auto",
+            "root": str(tmp_path / "checkpoints"),
+            "max_pause_share": 0,
+            **settings,
+        }
         env = {ENV_CELL_CHECKPOINTS: json.dumps(config), **(kernel_env or {})}
         kernel = kernel_factory(env=env)
         # Its "start" checkpoint, as a notebook just opened gets it before its first cell
@@ -547,6 +555,33 @@ def test_one_cut_short_by_a_request_that_is_no_cell_comes_at_the_next_idle(
     wait_until(taken_at_idle, timeout=60, what=f"the checkpoint after c{attempt}, at the idle")
     last = listing(kernel)["checkpoints"][-1]
     assert [c["cell_id"] for c in last["cells"]] == [f"c{attempt}"]
+
+
+def test_the_pause_budget_spaces_checkpoints_and_cells_run_meanwhile_share_one(
+    checkpointed: Callable[..., KernelProcess],
+) -> None:
+    """cell_checkpoint_max_pause_share: after a checkpoint that paused the kernel P
+    seconds, the next starts no sooner than P / share - P later; cells run meanwhile wait
+    for it (the listing says how long) and share it, and an undo takes them back together."""
+    share = 0.01  # a freeze of >= 30 ms spaces the next by >= 3 s: both cells run before
+    kernel = checkpointed(max_pause_share=share)
+    start = listing(kernel)["checkpoints"][-1]
+    run(kernel, "x = 1", "c1")
+    run(kernel, "x = 2", "c2")
+    held = listing(kernel)
+    assert [c["cell_id"] for c in held["cells_since"]] == ["c1", "c2"], held
+    assert held["paced_seconds"] is not None, held
+    after = settled(kernel, 2)
+    shared = after["checkpoints"][-1]
+    assert [c["cell_id"] for c in shared["cells"]] == ["c1", "c2"]
+    assert after["paced_seconds"] is None
+    spacing = start["pause_seconds"] * (1 / share - 1)
+    gap = (
+        datetime.fromisoformat(shared["created"]) - datetime.fromisoformat(start["created"])
+    ).total_seconds()
+    assert gap >= spacing, (gap, spacing, start)
+    undo(kernel, before_cell="c2")  # c1 goes back with it: they share one checkpoint
+    assert run(kernel, "print(globals().get('x'))")[0].strip() == "None"
 
 
 def test_only_the_last_are_kept(checkpointed: Callable[..., KernelProcess]) -> None:

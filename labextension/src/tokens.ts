@@ -340,6 +340,11 @@ export interface ICheckpointState {
   /** The last checkpoint skipped since the last one taken. */
   skipped?: { reason: string; at: string; cells: ICheckpointCell[] } | null;
   taking?: boolean;
+  /**
+   * While the pause budget (`cell_checkpoint_max_pause_share`) holds back the
+   * checkpoint of cells already run: seconds until it is taken.
+   */
+  paced_seconds?: number | null;
 }
 
 /** `GET /api/snapshots/kernels/{id}/checkpoints`. */

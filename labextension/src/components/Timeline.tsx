@@ -137,6 +137,14 @@ export function CheckpointTimeline(props: {
           Last checkpoint skipped: {state.skipped.reason}
         </p>
       )}
+      {typeof state.paced_seconds === 'number' && (
+        <p
+          className="jp-KernelSnapshots-dim"
+          title="Checkpoints pause the kernel for at most a small share of its time (cell_checkpoint_max_pause_share): the cells run meanwhile share the next one."
+        >
+          Next checkpoint in {formatDuration(state.paced_seconds)}
+        </p>
+      )}
       {selected && (
         <div className="jp-KernelSnapshots-checkpointDetails">
           <p>{describe(selected, now)}</p>
