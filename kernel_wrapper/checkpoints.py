@@ -66,6 +66,10 @@ MAX_RECORDS = 1000
 COUNT_SECONDS = 5.0
 #: How often a checkpoint that waits for another operation looks again (seconds).
 WAIT_POLL = 0.05
+#: A checkpoint the pause budget held back is taken at the first idle after it allows,
+#: or after the kernel was this quiet (seconds) since its last idle: a freeze at a random
+#: moment would meet the next cell more often than one right after a cell.
+PACED_QUIET_SECONDS = 5.0
 
 
 def _files(directory: Path) -> Files:
@@ -133,10 +137,13 @@ class CellCheckpoints:
             return
         loop = asyncio.get_running_loop()
         if loop.time() < self._not_before:
-            # The pause budget: taken once it allows, if the kernel is idle then (else at
-            # the idle after the cells run meanwhile, which it then holds too).
-            if self._paced is None:
-                self._paced = loop.call_at(self._not_before, self._budget_allows)
+            # The pause budget: taken at the first idle it allows (right after a cell, when
+            # the next is least likely to come), or once the kernel has been quiet a while;
+            # the cells run meanwhile share it.
+            if self._paced is not None:
+                self._paced.cancel()
+            when = max(self._not_before, loop.time() + PACED_QUIET_SECONDS)
+            self._paced = loop.call_at(when, self._budget_allows)
             return
         self._tried = key
         self._task = asyncio.create_task(self._take(), name="cell-checkpoint")

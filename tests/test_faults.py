@@ -674,7 +674,11 @@ def test_kill_during_cell_checkpoint(lab: Lab) -> None:
     name = "kill-cell-checkpoint"
     rng = rng_for(name)
     survey = Survey(name)
-    lab.settings.update(cell_checkpoints="auto", policy_tick=0.5)
+    # A checkpoint after every cell (no pause budget): the kill lands on the one after the
+    # cell, as soon as it is taken.
+    lab.settings.update(
+        cell_checkpoints="auto", policy_tick=0.5, cell_checkpoint_max_pause_share=0.0
+    )
     server = lab.start()
     lineage: dict[str, ZdtmState] = {}
     for _ in range(FAULT_ITERATIONS):
