@@ -145,6 +145,9 @@ class _Dumped:
     frozen_seconds: float = 0.0
     shm_copy_seconds: float = 0.0
     pause_seconds: float = 0.0
+    running_request: dict[str, Any] | None = None
+    """The cell the kernel was running when it was frozen (read before its requests flow
+    again: a cell sent meanwhile runs after the freeze, and is not in the snapshot)."""
     copy: MemoryCopy | None = None
     """How the memory was copied: plan, pre-copy levels, the chain (kernel_wrapper/memory.py)."""
 
@@ -279,6 +282,7 @@ class Dumper:
                 copy=MemoryCopy(plan, levels, stopped),
             )
             hasher = await self._criu_dump(criu, staging, work_dir, args, dumped, prev)
+            dumped.running_request = self.kernel.tracker.running_request()
         except BaseException as exc:
             if tree is not None:
                 tree.held.close()
@@ -491,7 +495,7 @@ class Dumper:
             tcp_kept=tree.keep_tcp,
             kept_connections=[c.to_dict() for c in tree.kept_connections()],
             closed_connections=[c.to_dict() for c in tree.closed_connections()],
-            running_request=self.kernel.tracker.running_request(),
+            running_request=dumped.running_request,
             gpu=dumped.gpu,
             disconnect_seconds=round(dumped.disconnect_seconds, 4),
             dump_seconds=round(dumped.dump_seconds, 4),

@@ -99,6 +99,53 @@ def test_resumed_cell_reaches_a_new_client_of_a_new_wrapper(
     assert b.execute("print(x + 1)").strip() == "2"
 
 
+#: /dev/shm memory the kernel holds: the freeze copies it, so the kernel's requests are held
+#: long enough for a cell to be sent into the pause; and a log it appends to, copied once
+#: the kernel runs again, before the snapshot's record is written.
+HOLD_SHM_AND_LOG = """
+import mmap, os
+shm_path = f"/dev/shm/jks-pause-{os.getpid()}"
+shm_file = open(shm_path, "w+b")
+shm_file.truncate(256 << 20)
+shm = mmap.mmap(shm_file.fileno(), 256 << 20)
+shm.write(os.urandom(1 << 20) * 256)
+log = open(LOG, "a")
+log.write("line\\n" * (64 << 20))
+log.flush()
+"""
+
+
+def test_a_cell_sent_during_the_freeze_is_not_in_the_snapshot(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """A cell that arrives while a snapshot holds the kernel's requests runs after the
+    freeze: the snapshot records no running cell. (Read after the dump, it recorded that
+    cell: a restore then waited for ever for a cell its kernel never got, and the kernel
+    took no cell checkpoint again.)"""
+    kernel = kernel_factory()
+    kernel.execute(HOLD_SHM_AND_LOG.replace("LOG", repr(str(tmp_path / "kernel.log"))))
+    sent: list[str] = []
+
+    def send_a_cell(event: dict[str, Any]) -> None:
+        if event.get("phase") == "dumping" and not sent:  # its requests held from now on
+            request = kernel.client.session.msg(
+                "execute_request",
+                {"code": "import time; time.sleep(3)", "silent": False, "user_expressions": {}},
+                metadata={"cellId": "cell-late"},
+            )
+            kernel.client.shell_channel.send(request)
+            sent.append(request["header"]["msg_id"])
+
+    manifest = kernel.control.request_sync(
+        "snapshot", {"dest": str(tmp_path / "s")}, on_progress=send_a_cell, timeout=300
+    )
+    assert sent, "the snapshot said no 'dumping' phase"
+    assert manifest["running_request"] is None, manifest["running_request"]
+    # The cell ran after the freeze, in the running kernel.
+    assert kernel.status()["running_request"]["header"]["msg_id"] == sent[0]
+    kernel.execute("shm.close(); shm_file.close(); os.unlink(shm_path); log.close()")
+
+
 def printed_steps(kernel: KernelProcess, msg_id: str) -> list[int]:
     """The steps the kernel's client got so far (it waits for the stream to pause)."""
     steps: list[int] = []
