@@ -523,6 +523,38 @@ def test_a_process_whose_main_thread_ended_is_alive_while_another_thread_runs() 
             other.bind(("127.0.0.1", port))  # free once is_alive says so
 
 
+@pytest.mark.needs_root
+def test_a_killed_process_is_not_alive_before_it_is_gone() -> None:
+    """SIGKILLed, not gone yet (here frozen by a cgroup v1 freezer, where the kill waits for
+    the thaw; a multi-threaded kernel takes a moment to end too): it runs none of its code
+    again, so it is not alive. A dump that failed on a kernel killed meanwhile said "the
+    kernel keeps running unharmed" (CRIU, seizing it sooner since it keeps its probes, got
+    EPERM from the ending process)."""
+    freezer = Path("/sys/fs/cgroup/freezer")
+    if not (freezer / "cgroup.procs").exists():
+        pytest.skip("no cgroup v1 freezer here (cgroup v2 lets a frozen process be killed)")
+    group = freezer / f"jks-test-{os.getpid()}"
+    group.mkdir()
+    code = "import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()"
+    try:
+        with subprocess.Popen([sys.executable, "-c", code + "\ntime.sleep(600)"]) as process:
+            try:
+                wait_until(lambda: len(os.listdir(f"/proc/{process.pid}/task")) == 2)
+                (group / "cgroup.procs").write_text(str(process.pid))
+                (group / "freezer.state").write_text("FROZEN")
+                wait_until(lambda: (group / "freezer.state").read_text().strip() == "FROZEN")
+                assert proctree.is_alive(process.pid)
+                process.kill()
+                assert not proctree.is_alive(process.pid)
+                assert _state(process.pid) not in ("Z", "X")  # still there: frozen
+            finally:
+                (group / "freezer.state").write_text("THAWED")  # the kill goes through
+                process.kill()
+    finally:
+        wait_until(lambda: not (group / "cgroup.procs").read_text().strip())
+        group.rmdir()
+
+
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 

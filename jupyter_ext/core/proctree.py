@@ -136,19 +136,37 @@ def all_pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
 
+#: ``PF_EXITING`` in /proc/PID/stat's flags: the thread is ending.
+_PF_EXITING = 0x4
+#: SIGKILL's bit in /proc/PID/status's signal masks.
+_SIGKILL_BIT = 1 << (9 - 1)
+
+
 def is_alive(pid: int) -> bool:
     """True while a thread of ``pid`` runs: a main thread that ended before the others is
-    a zombie already, while the others still hold the process's files and sockets."""
+    a zombie already, while the others still hold the process's files and sockets; a
+    thread killed (SIGKILL pending) or ending runs no code of the process again, though it
+    may take a moment to go (a dump that failed on it must not say it runs on)."""
     try:
         threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
     for thread in threads:
         try:
-            text = Path(f"/proc/{pid}/task/{thread}/stat").read_text()
+            fields = Path(f"/proc/{pid}/task/{thread}/stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:
+                continue
+            if not _killed(Path(f"/proc/{pid}/task/{thread}/status")):
+                return True
         except OSError:
             continue  # ended while looked at
-        if text.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+    return False
+
+
+def _killed(status: Path) -> bool:
+    """Whether SIGKILL is pending for the thread (its own or its process's)."""
+    for line in status.read_text().splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & _SIGKILL_BIT:
             return True
     return False
 
