@@ -125,9 +125,18 @@ class LazyRestore:
         if isinstance(exc, SnapshotError):
             self.status["error"] = exc.to_dict()
 
+    def give_up(self) -> None:
+        """The kernel being filled in is gone on purpose, replaced by an undo that saved
+        nothing (the kernel was its checkpoint's images): the transfer under way, if any,
+        ends, and its end is no failure (nothing is put back, no status changes)."""
+        if self.transfer is not None:
+            self.transfer.given_up = True
+            self.drop(self.transfer)
+
     def drop(self, transfer: LazyTransfer) -> None:
         """``transfer`` is over, or its kernel gone: close it, remove its work directory."""
-        self.transfer = None
+        if self.transfer is transfer:
+            self.transfer = None
         transfer.close()
         shutil.rmtree(transfer.work_dir, ignore_errors=True)
 

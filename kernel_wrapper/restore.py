@@ -254,6 +254,10 @@ class Restorer:
             self._replaced = self._running_kernel()
             with phase("end the kernel there was"):
                 await self.kernel.process.kill()
+                # Still being filled in lazily (an undo right after another): those pages
+                # are not wanted any more, and the kernel saved before that restore must
+                # not come back once its transfer ends (seen: the undo undone again).
+                self.kernel.lazy.give_up()
                 await self.kernel.relay.close_inner()
             self.kernel.relay.connect_inner(InnerChannels(self.kernel.runtime.path))
             # The restored kernel reads this before its next cell and runs its restore

@@ -299,6 +299,8 @@ class Snapshotter:
         pid = self.process.pid
         try:
             await transfer.wait()
+            if transfer.given_up:
+                return
             if self._shut_down_on_purpose():
                 # CRIU's daemon ended as the kernel's memory went away: the pages it did
                 # not send are not wanted any more (nothing to fill in).
@@ -316,11 +318,13 @@ class Snapshotter:
             if self._shut_down_on_purpose():
                 self._lazy_ended(transfer, exc.message)
                 return
-            log.error("lazy restore failed: %s", exc)
             # Serialized with other operations, unless one holds the lock waiting for
             # this very end (a dump's _prepare): it goes on once this is done.
             holder_waits = self.lazy.awaited_by_lock_holder
             async with contextlib.nullcontext() if holder_waits else self._lock:
+                if transfer.given_up:  # its kernel was replaced meanwhile, on purpose
+                    return
+                log.error("lazy restore failed: %s", exc)
                 if self.process.pid == pid:
                     await self.process.kill()
                 self.lazy.drop(transfer)

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -460,6 +461,42 @@ def test_a_kernel_dying_in_a_lazy_undo_comes_back_as_before(
     checkpoints = status["checkpoints"]
     assert checkpoints["not_in_state"] == []  # cell b is in the kernel's state again
     assert checkpoints["redo"] == before["redo"]
+
+
+def test_an_undo_while_the_last_undo_fills_the_kernel_in_stays(
+    checkpointed: Callable[..., KernelProcess],
+) -> None:
+    """Undo twice, the second while the first's memory is still on its way (its daemon
+    held): the first transfer ends with its kernel, on purpose. Seen before the fix: its
+    end counted as the kernel's death, and the kernel saved before the first undo was put
+    back over the second undo (the cell run next waited for that restore)."""
+    kernel = checkpointed(kernel_env={ENV_LAZY_RESTORE_MIN_BYTES: "1"})
+    run(kernel, STATE + "big = np.random.default_rng(6).random(2**24); keep = digest(big)", "a")
+    settled(kernel, 2)
+    run(kernel, "x = 'b'", "b")
+    settled(kernel, 3)
+    run(kernel, "x = 'c'", "c")
+    settled(kernel, 4)
+    daemon = DaemonHold(kernel.status()["wrapper_pid"])
+    daemon.start()
+    try:
+        assert undo(kernel)["lazy"] is True  # before cell c
+        assert daemon.stopped.is_set(), "the restore and its lazy-pages daemon were not seen"
+        assert kernel.status()["lazy_restore"].get("state") == "transferring"
+        assert undo(kernel)["lazy"] is True  # before cell b, nothing saved
+    finally:
+        daemon.release()
+    try:
+        wait_until(lambda: kernel.status()["lazy_restore"].get("state") == "complete")
+    except TimeoutError:
+        raise AssertionError(f"{kernel.status()}\n{kernel.log()}") from None
+    time.sleep(1)  # what the first transfer's end would have done (it is done by now)
+    status = kernel.status()
+    assert status["lazy_restore"]["state"] == "complete", status
+    assert sorted(status["checkpoints"]["not_in_state"]) == ["b", "c"], status["checkpoints"]
+    out = run(kernel, "print('x' in dir(), digest(big) == keep)")[0]
+    assert out.split() == ["False", "True"], kernel.log()
+    assert "lazy restore failed" not in kernel.log()
 
 
 def test_a_checkpoint_never_holds_half_a_cell(checkpointed: Callable[..., KernelProcess]) -> None:

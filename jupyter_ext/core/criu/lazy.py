@@ -46,6 +46,9 @@ class LazyTransfer:
         self.work_dir = work_dir
         self.started = time.monotonic()
         self.finished: float | None = None
+        self.given_up = False
+        """Ended on purpose before every page was in: the tree it filled in was replaced
+        (its end, whatever the daemon says, is no failure)."""
         self._sock = sock
         loop = asyncio.get_running_loop()
         self.served: asyncio.Future[None] = loop.create_future()
