@@ -208,6 +208,10 @@ def ours(server: Server, name: str, cells: list[str], waits: list[float]) -> dic
         "own_bytes": sum(c.get("own_bytes", 0) for c in taken),
         "full_copies": sum(1 for c in taken if (c.get("memory") or {}).get("mode") == "full"),
         "skipped": listing.get("skipped"),
+        "taken": [
+            {"cells": len(c["cells"]), "pause_seconds": c.get("pause_seconds"), **c["memory"]}
+            for c in taken
+        ],
         "undo": undo,
     }
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from jupyter_ext.core import proctree
 from jupyter_ext.core.checkpoints import CellRun, Checkpoint, UndoPlan, off_reason, to_remove
 from jupyter_ext.core.checkpoints.keep import Files
+from jupyter_ext.core.checkpoints.pacing import Pacing, stall_of
 from jupyter_ext.core.checkpoints.settings import skip_reason
 from jupyter_ext.core.checkpoints.timeline import Point
 from jupyter_ext.core.errors import NothingToUndoError, SnapshotBusyError, SnapshotError
@@ -84,7 +85,14 @@ def _files(directory: Path) -> Files:
 
 
 def _memory_summary(memory: dict[str, Any]) -> dict[str, Any]:
-    keys = ("mode", "reason", "copied_bytes", "frozen_bytes", "frozen_total_seconds")
+    keys = (
+        "mode",
+        "reason",
+        "copied_bytes",
+        "frozen_bytes",
+        "frozen_total_seconds",
+        "precopy_stopped",
+    )
     return {key: memory[key] for key in keys if key in memory}
 
 
@@ -104,8 +112,10 @@ class CellCheckpoints:
         self.last_count: int | None = None
         """The execution count of the kernel's last cell."""
         self._task: asyncio.Task[None] | None = None
+        self._pacing = Pacing(self.store.settings.max_pause_share)
         self._not_before = 0.0
-        """When the pause budget lets the next checkpoint start (the loop's clock)."""
+        """When the pause budget lets the next checkpoint start (the loop's clock): after
+        the last one, or, once known, by what the next would copy."""
         self._paced: asyncio.TimerHandle | None = None
         self._tried: tuple[str | None, int] | None = None
         self._exact_at = 0
@@ -207,6 +217,14 @@ class CellCheckpoints:
         if why:
             self._skip(why)
             return
+        loop = asyncio.get_running_loop()
+        not_before = self._pacing.not_before(pending)
+        if loop.time() < not_before:
+            # It would stall the kernel longer than the last one did (a cell made much new
+            # memory): it waits for a budget of its own size (the next idle arms the timer).
+            self._not_before = not_before
+            self._tried = None
+            return
         dest = area.new_dir()
         marker = kernel.tracker.changing_requests
         frozen_at: list[Point] = []
@@ -233,9 +251,10 @@ class CellCheckpoints:
             lambda _event: None,
             checkpoint=CellCheckpoint(self.store.cells_through, interrupted),
         )
-        self._not_before = asyncio.get_running_loop().time() + settings.spacing(
-            manifest.pause_seconds
-        )
+        stall = stall_of(manifest.pause_seconds, manifest.memory)
+        copied = int(manifest.memory.get("copied_bytes", 0))
+        self._pacing.taken(stall, copied, loop.time())
+        self._not_before = self._pacing.not_before()
         record = self._record(manifest, kind, dest)
         self.timeline.taken(record, frozen_at[0] if frozen_at else None)
         self.store.cells_through = int(
@@ -368,6 +387,9 @@ class CellCheckpoints:
                 timeline.exact = True  # put back from that save: it is its images
                 self._exact_at = kernel.tracker.changing_requests
             raise
+        # Read at once: a small kernel's transfer may end before the count is set (seen:
+        # an undo said to be in full, its 57 MB served lazily in 0.4 s meanwhile).
+        lazy = kernel.lazy.transfer is not None
         saved_id = self._saved(save_dir, trigger, point)
         before, redo_before = timeline.position, timeline.redo
         timeline.moved_to(plan, redo=None if redo else (saved_id or timeline.redo))
@@ -385,7 +407,7 @@ class CellCheckpoints:
             "saved": saved_id,
             "redo": timeline.redo,
             "execution_count": count,
-            "lazy": kernel.lazy.transfer is not None,
+            "lazy": lazy,
             "seconds": round(time.monotonic() - started, 3),
             "outside_world": OUTSIDE_WORLD,
         }

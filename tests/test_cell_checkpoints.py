@@ -38,6 +38,13 @@ from jupyter_ext.core.checkpoints import (
     off_reason,
     to_remove,
 )
+from jupyter_ext.core.checkpoints.pacing import (
+    GIB,
+    LEARN_MIN_BYTES,
+    STALL_PER_GIB,
+    Pacing,
+    stall_of,
+)
 from jupyter_ext.core.checkpoints.settings import skip_reason
 from jupyter_ext.core.errors import NothingToUndoError, SnapshotError, WrapperUnavailableError
 from jupyter_ext.core.memtrack import plan as memplan
@@ -200,6 +207,28 @@ def test_auto_takes_them_where_memory_is_tracked_only() -> None:
     )
     assert "free" in skip_reason(settings, 50, 60, 1000, 10**9)
     assert skip_reason(settings, 50, 10**12, 10**12, 10**9) == ""
+
+
+def test_the_pause_budget_counts_what_the_next_one_would_stall() -> None:
+    """After a checkpoint that stalled the kernel S seconds the next waits S / share - S;
+    one that would copy far more waits for its own expected stall (a rate learned from
+    the kernel's own large checkpoints)."""
+    pacing = Pacing(0.02)
+    assert pacing.not_before(10 * GIB) == 0.0  # the first: at once
+    stall = stall_of(0.06, {"precopy": [{"frozen_seconds": 0.02}, {"frozen_seconds": 0.02}]})
+    assert stall == pytest.approx(0.1)
+    pacing.taken(stall, 10 << 20, ended=100.0)
+    assert pacing.not_before() == pytest.approx(100 + 0.1 * 49)
+    assert pacing.not_before(10 << 20) == pytest.approx(100 + 0.1 * 49)  # small: the last's
+    assert pacing.not_before(GIB) == pytest.approx(100 + max(0.1, STALL_PER_GIB) * 49)
+    pacing.taken(0.5, 2 * GIB, ended=200.0)  # learned: 0.25 s per GiB
+    assert pacing.not_before(4 * GIB) == pytest.approx(200 + 1.0 * 49)
+    pacing.taken(0.05, LEARN_MIN_BYTES - 1, ended=300.0)  # too small to learn from
+    assert pacing.not_before(4 * GIB) == pytest.approx(300 + 1.0 * 49)
+    assert Pacing(0.0).not_before(GIB) == 0.0
+    unpaced = Pacing(0.0)
+    unpaced.taken(1.0, GIB, ended=5.0)
+    assert unpaced.not_before(GIB) == 5.0
 
 
 def test_an_area_goes_once_its_holder_is_gone(tmp_path: Path) -> None:

@@ -43,9 +43,9 @@ class CheckpointSettings:
     """A checkpoint that would copy more than this (what changed since the previous one)
     is skipped, and said."""
     max_pause_share: float = 0.02
-    """Of the kernel's wall time, at most this share paused by its checkpoints: after one
-    that held requests for P seconds, the next starts no sooner than P / share - P seconds
-    later (the cells run meanwhile share it); 0: after every cell."""
+    """Of the kernel's wall time, at most this share stalled by its checkpoints
+    (core/checkpoints/pacing.py; the cells run meanwhile share the next); 0: after every
+    cell."""
     track_memory: bool = True
     """The server's track_memory (off: every checkpoint a full copy, so none in "auto")."""
     chunk_kib: int | None = None
@@ -82,12 +82,6 @@ class CheckpointSettings:
         if self.enabled:
             return ""
         return OFF_SETTING if self.root else NOT_CONFIGURED
-
-    def spacing(self, pause_seconds: float) -> float:
-        """How long after a checkpoint that paused the kernel ``pause_seconds`` the next
-        may start (``max_pause_share``)."""
-        share = self.max_pause_share
-        return pause_seconds * (1 / share - 1) if 0 < share < 1 else 0.0
 
     def budget(self, disk_total: int) -> int:
         """The byte budget of one kernel's checkpoints on a disk of ``disk_total`` bytes."""
