@@ -17,8 +17,9 @@ from typing import Any
 
 GIB = 1 << 30
 #: What a checkpoint is expected to stall the kernel per GiB it copies, until one of the
-#: kernel's own checkpoints has copied LEARN_MIN_BYTES (a full copy of a 1 GiB kernel,
-#: pre-copied while it ran cells: 0.33 s, 2 vCPUs, bench/RESULTS.md).
+#: kernel's own checkpoints has copied LEARN_MIN_BYTES: the worst seen (2 vCPUs), a full
+#: copy of a 1 GiB kernel pre-copied while it ran a burst of cells, 0.33 s; pre-copied while
+#: it was quiet, 0.14 s (bench/RESULTS.md).
 STALL_PER_GIB = 0.33
 #: A checkpoint that copied at least this much teaches the kernel's own stall per byte
 #: (below it, the fixed cost of a freeze dominates).
