@@ -7,8 +7,9 @@ Kishu and bare CRIU, in one run.
    websocket as JupyterLab sends it: with cell checkpoints (ours, the defaults), without
    (the baseline), and with Kishu attached (it checkpoints after every cell too). Per
    session: its wall time, the time the kernel was paused by checkpoints (ours: each
-   checkpoint's ``pause_seconds``, the time requests were held; Kishu: its time in its cell
-   hooks, which the next cell waits for), that share, how many cells got a checkpoint of
+   checkpoint's ``pause_seconds``, the time requests were held, and its stall, which adds
+   the freezes of its pre-copy rounds; Kishu: its time in its cell hooks, which the next
+   cell waits for), those shares, how many cells got a checkpoint of
    their own, the next cell's start delay (send to ``execute_input``, less the baseline's
    for the same cell), and undo of the last cell until a cell's first output (ours; Kishu's
    ``undo``).
@@ -200,6 +201,11 @@ def ours(server: Server, name: str, cells: list[str], waits: list[float]) -> dic
     )
     server.api("DELETE", f"api/kernels/{kernel}")
     pauses = [c.get("pause_seconds", 0.0) for c in taken]
+    # What stalled the kernel: requests held, and the pre-copy rounds' freezes.
+    stalls = [
+        c.get("pause_seconds", 0.0) + (c.get("memory") or {}).get("precopy_frozen_seconds", 0.0)
+        for c in taken
+    ]
     frozen = [(c.get("memory") or {}).get("frozen_total_seconds", 0.0) for c in taken]
     return {
         "times": times,
@@ -207,6 +213,8 @@ def ours(server: Server, name: str, cells: list[str], waits: list[float]) -> dic
         "pause": sum(pauses),
         "frozen": sum(frozen),
         "pause_share": sum(pauses) / wall,
+        "stall": sum(stalls),
+        "stall_share": sum(stalls) / wall,
         "checkpoints": len(taken),
         "own_checkpoint_cells": own,
         "cells": len(cells),

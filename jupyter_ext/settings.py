@@ -76,13 +76,15 @@ class CellCheckpointTraits(ExtensionApp):
         min=0.0,
         max=1.0,
         config=True,
-        help="""Of a kernel's wall time, at most this share paused by its cell checkpoints
-        (requests wait while a checkpoint freezes the kernel): after one that paused it P
-        seconds, the next starts no sooner than P / share - P seconds later (then at the
-        first idle after a cell, or after 5 s of quiet), and the cells run meanwhile share
-        it (an undo takes them back together). At the default a checkpoint pausing 60 ms
-        spaces the next by 3 s; cells further apart each get their own. 0: a checkpoint
-        after every cell. Default: 0.02.""",
+        help="""Of a kernel's wall time, at most this share stalled by its cell checkpoints
+        (requests wait while a checkpoint freezes the kernel, and it is frozen during each
+        pre-copy round): after one that stalled it S seconds, the next starts no sooner
+        than S / share - S seconds later, or E / share - E where it is expected to stall
+        E > S (it would copy much more: a cell made new memory); then at the first idle
+        after a cell, or after 5 s of quiet, and the cells run meanwhile share it (an undo
+        takes them back together). At the default a checkpoint stalling 60 ms spaces the
+        next by 3 s; cells further apart each get their own. 0: a checkpoint after every
+        cell. Default: 0.02.""",
     )
 
 

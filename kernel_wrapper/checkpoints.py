@@ -93,7 +93,10 @@ def _memory_summary(memory: dict[str, Any]) -> dict[str, Any]:
         "frozen_total_seconds",
         "precopy_stopped",
     )
-    return {key: memory[key] for key in keys if key in memory}
+    summary = {key: memory[key] for key in keys if key in memory}
+    if "precopy" in memory:
+        summary["precopy_frozen_seconds"] = round(stall_of(0.0, memory), 4)
+    return summary
 
 
 class CellCheckpoints:
