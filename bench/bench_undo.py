@@ -9,7 +9,9 @@ Kishu and bare CRIU, in one run.
    session: its wall time, the time the kernel was paused by checkpoints (ours: each
    checkpoint's ``pause_seconds``, the time requests were held, and its stall, which adds
    the freezes of its pre-copy rounds; Kishu: its time in its cell hooks, which the next
-   cell waits for), those shares, how many cells got a checkpoint of
+   cell waits for), those shares of the wall time (ours: of every checkpoint the session
+   asked for, the one after its last cell included, which begins after its wall time;
+   and of those begun within it), how many cells got a checkpoint of
    their own, the next cell's start delay (send to ``execute_input``, less the baseline's
    for the same cell), and undo of the last cell until a cell's first output (ours; Kishu's
    ``undo``).
@@ -207,6 +209,10 @@ def ours(server: Server, name: str, cells: list[str], waits: list[float]) -> dic
         for c in taken
     ]
     frozen = [(c.get("memory") or {}).get("frozen_total_seconds", 0.0) for c in taken]
+    # When each began, in seconds from the session's start: the one after its last cell
+    # (which the session's cells asked for) begins after its wall time.
+    began_at = [datetime.fromisoformat(c["created"]).timestamp() - began_wall for c in taken]
+    within = [stall for stall, at in zip(stalls, began_at, strict=True) if at < wall]
     return {
         "times": times,
         "wall": wall,
@@ -215,6 +221,7 @@ def ours(server: Server, name: str, cells: list[str], waits: list[float]) -> dic
         "pause_share": sum(pauses) / wall,
         "stall": sum(stalls),
         "stall_share": sum(stalls) / wall,
+        "stall_share_within": sum(within) / wall,
         "checkpoints": len(taken),
         "own_checkpoint_cells": own,
         "cells": len(cells),
@@ -223,8 +230,13 @@ def ours(server: Server, name: str, cells: list[str], waits: list[float]) -> dic
         "full_copies": sum(1 for c in taken if (c.get("memory") or {}).get("mode") == "full"),
         "skipped": listing.get("skipped"),
         "taken": [
-            {"cells": len(c["cells"]), "pause_seconds": c.get("pause_seconds"), **c["memory"]}
-            for c in taken
+            {
+                "began": round(at, 3),
+                "cells": len(c["cells"]),
+                "pause_seconds": c.get("pause_seconds"),
+                **c["memory"],
+            }
+            for c, at in zip(taken, began_at, strict=True)
         ],
         "undo": undo,
     }
