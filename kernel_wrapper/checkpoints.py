@@ -99,6 +99,26 @@ def _memory_summary(memory: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+def _changed_files(manifest: Manifest, pid: int | None) -> list[dict[str, Any]]:
+    """Regular files the kernel holds open now or held at the checkpoint that were
+    written (or removed) since it."""
+    since = datetime.fromisoformat(manifest.created).timestamp()
+    then = {str(f["path"]): f for f in manifest.needed_files if f.get("kind") == "open"}
+    now = proctree.needed_files(proctree.descendants(pid)) if pid else []
+    paths = dict.fromkeys([*(str(f["path"]) for f in now if f["kind"] == "open"), *then])
+    changed: list[dict[str, Any]] = []
+    for path in paths:
+        was = then.get(path, {}).get("size")
+        try:
+            st = os.stat(path)
+        except OSError:
+            changed.append({"path": path, "size": None, "was": was, "change": "removed"})
+            continue
+        if st.st_mtime > since or (was is not None and was != st.st_size):
+            changed.append({"path": path, "size": st.st_size, "was": was, "change": "written"})
+    return changed
+
+
 class CellCheckpoints:
     """The cell checkpoints of the kernel that ``snapshotter`` dumps, and undo."""
 
@@ -450,30 +470,10 @@ class CellCheckpoints:
             **plan.to_dict(),
             "preview": True,
             "checkpoint": target.to_dict(),
-            "changed_files": self._changed_files(manifest),
+            "changed_files": _changed_files(manifest, self.kernel.process.pid),
             "problems": proctree.missing_files(manifest.needed_files, made_in=manifest.temp_dir),
             "outside_world": OUTSIDE_WORLD,
         }
-
-    def _changed_files(self, manifest: Manifest) -> list[dict[str, Any]]:
-        """Regular files the kernel holds open now or held at the checkpoint that were
-        written (or removed) since it."""
-        since = datetime.fromisoformat(manifest.created).timestamp()
-        then = {str(f["path"]): f for f in manifest.needed_files if f.get("kind") == "open"}
-        pid = self.kernel.process.pid
-        now = proctree.needed_files(proctree.descendants(pid)) if pid else []
-        paths = dict.fromkeys([*(str(f["path"]) for f in now if f["kind"] == "open"), *then])
-        changed: list[dict[str, Any]] = []
-        for path in paths:
-            was = then.get(path, {}).get("size")
-            try:
-                st = os.stat(path)
-            except OSError:
-                changed.append({"path": path, "size": None, "was": was, "change": "removed"})
-                continue
-            if st.st_mtime > since or (was is not None and was != st.st_size):
-                changed.append({"path": path, "size": st.st_size, "was": was, "change": "written"})
-        return changed
 
     # ------------------------------------------------------------------ listing
 
