@@ -57,6 +57,24 @@ def _lazy_pages() -> bool:
         return False
 
 
+def _gone(pid: int) -> bool:
+    """Whether no thread of ``pid`` is left but zombies: its files and sockets are closed
+    (proctree.is_alive says a killed process no longer runs a moment before: its ports
+    are still bound then)."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for thread in threads:
+        try:
+            stat = Path(f"/proc/{pid}/task/{thread}/stat").read_text()
+        except OSError:
+            continue  # ended while looked at
+        if stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+            return False
+    return True
+
+
 class KernelProcess:
     """One snapshot kernel (``python -m kernel_wrapper``) and a client connected to it."""
 
@@ -255,7 +273,7 @@ class KernelProcess:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
         self.process.wait(10)
-        wait_until(lambda: not any(proctree.is_alive(p) for p in pids), what="kernel to die")
+        wait_until(lambda: all(_gone(p) for p in pids), what="kernel to die")
         self.close()
 
     def shutdown(self) -> None:
