@@ -60,7 +60,10 @@ def credentials() -> set[tuple[str, str]]:
             if "aws_access_key_id" not in text.lower():
                 continue
             parser = configparser.ConfigParser()
-            parser.read_string(text)
+            try:
+                parser.read_string(text)
+            except configparser.Error:  # names a key but is no credentials file (a manifest)
+                continue
             for section in parser.values():
                 if "aws_access_key_id" in section:
                     found.add((section["aws_access_key_id"], section["aws_secret_access_key"]))
