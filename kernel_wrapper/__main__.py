@@ -13,6 +13,7 @@ from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.protocol.control import take_await_marker
 from jupyter_ext.core.protocol.environment import DEFAULT_RUNTIME_ROOT
 
+from .channels import EXIT_PORT_IN_USE, PortInUseError
 from .wrapper import KernelWrapper
 
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(wrapper.run())
     except SnapshotError as exc:
         print(f"kernel_wrapper: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_PORT_IN_USE if isinstance(exc, PortInUseError) else 2
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import threading
 import time
@@ -16,6 +17,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.protocol.inner import AGENT_PORT, INNER_PORTS
 
 #: The routing id of the wrapper's sockets toward the inner kernel, the same forever,
@@ -85,6 +87,20 @@ async def receive_ready(sock: zmq.asyncio.Socket) -> list[list[bytes]]:
     return take_all(sock)
 
 
+#: The wrapper's exit status when a port of the connection file is taken (EADDRINUSE's
+#: number): jupyter_client's restarter starts the kernel again on new ports.
+EXIT_PORT_IN_USE = 98
+
+
+class PortInUseError(SnapshotError):
+    """A port of the connection file is taken: jupyter_client picks free ports and closes
+    them, and another process may take one (an outgoing connection's local port) before
+    the kernel binds it. Its restarter starts a kernel that never came up again on new
+    ports, as it does for ipykernel."""
+
+    code = "port-in-use"
+
+
 class ServerChannels:
     """The channels jupyter_server connects to, bound from the connection file: shell,
     stdin and control (ROUTER), iopub (XPUB), and the heartbeat, which echoes in a thread
@@ -111,7 +127,7 @@ class ServerChannels:
                 sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             if url.startswith("ipc://"):
                 only_this_user(sock)
-            sock.bind(self._endpoint(url, connection[f"{name}_port"]))
+            self._bind(sock, url, name)
             self.sockets[name] = sock
         hb_context = zmq.Context()
         hb = hb_context.socket(zmq.ROUTER)
@@ -119,7 +135,7 @@ class ServerChannels:
         self._apply_curve(hb)
         if url.startswith("ipc://"):
             only_this_user(hb)
-        hb.bind(self._endpoint(url, connection["hb_port"]))
+        self._bind(hb, url, "hb")
         threading.Thread(target=self._heartbeat, args=(hb,), daemon=True, name="hb").start()
 
     def __getitem__(self, name: str) -> zmq.asyncio.Socket:
@@ -132,6 +148,20 @@ class ServerChannels:
             sock.curve_secretkey = secret.encode("ascii")
             sock.curve_publickey = self.connection["curve_publickey"].encode("ascii")
             sock.curve_server = True
+
+    def _bind(self, sock: zmq.Socket[Any], url: str, name: str) -> None:
+        port = self.connection[f"{name}_port"]
+        try:
+            sock.bind(self._endpoint(url, port))
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise PortInUseError(
+                f"The kernel's {name} port, {url}:{port} (from the connection file), is in "
+                "use by another process.",
+                hint="The server starts the kernel again on new ports; if it does not, "
+                "restart the kernel.",
+            ) from exc
 
     @staticmethod
     def _endpoint(url: str, port: int) -> str:

@@ -399,11 +399,18 @@ class Dumper:
         to finish once the dump is over."""
         tree = dumped.tree
         shm = shmfiles.ShmCopy(tree.held, staging / shmfiles.SNAPSHOT_DIR_NAME)
-        logs = appended.AppendedCopy(tree.appended_files, staging / appended.SNAPSHOT_DIR_NAME)
-        dumped.appended = logs if tree.appended_files else None
+        logs = appended.AppendedCopy(
+            tree.appended_files,
+            staging / appended.SNAPSHOT_DIR_NAME,
+            appended.LookedAt(tree.root, frozenset(tree.pids), frozenset(tree.held.paths)),
+        )
+        # A tree of one process that appends to nothing is not looked at again while
+        # frozen (it saves the freeze CRIU's action script): a child it starts meanwhile
+        # is the rare case, a Ray worker the common one.
+        dumped.appended = logs if tree.appended_files or len(tree.pids) > 1 else None
         steps: list[FrozenStep] = [
             *([shm] if tree.held.files else []),
-            *([logs] if tree.appended_files else []),
+            *([logs] if dumped.appended is not None else []),
         ]
         copier = FrozenCopy(steps) if steps else None
         dump_started = time.monotonic()

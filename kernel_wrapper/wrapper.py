@@ -192,7 +192,11 @@ class KernelWrapper:
     async def run(self) -> int:
         """Serve until the kernel is shut down; returns the process exit code."""
         loop = asyncio.get_running_loop()
-        self._compose()
+        try:
+            self._compose()
+        except BaseException:
+            self.runtime.remove()  # a port taken: nothing ran yet
+            raise
         loop.add_reader(self.process.stdio_r, self.process.forward_stdio)
         loop.add_signal_handler(signal.SIGINT, self._interrupt)
         loop.add_signal_handler(signal.SIGTERM, lambda: self.lifecycle.end(0))

@@ -38,6 +38,7 @@ from jupyter_ext.core.protocol.environment import ENV_AWAIT_RESTORE, ENV_KEY
 from jupyter_ext.core.protocol.progress import ProgressCallback
 from jupyter_ext.core.store.keys import EnvKeySource
 from jupyter_ext.serverclient import ServerClient
+from kernel_wrapper.channels import EXIT_PORT_IN_USE
 
 if TYPE_CHECKING:
     from tornado.websocket import WebSocketClientConnection
@@ -103,10 +104,11 @@ class KernelProcess:
             try:
                 self._start(workdir, argv, env, restore_from)
                 break
-            except RuntimeError as exc:
+            except RuntimeError:
                 # The free ports jupyter_client picked can be taken before the wrapper
-                # binds them (many kernels start and stop on a loaded test machine).
-                if "Address already in use" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
+                # binds them (an outgoing connection of another test's kernel takes one as
+                # its local port): the wrapper says so, and the next try picks new ports.
+                if self.process.returncode != EXIT_PORT_IN_USE or attempt == PORT_ATTEMPTS - 1:
                     raise
         self.control = WrapperClient(WrapperInfo.for_connection_file(self.connection_file).control)
 

@@ -920,3 +920,71 @@ def test_a_log_closed_after_the_tree_was_looked_at_is_left_out(tmp_path: Path) -
         for process in (first, second):
             process.kill()
             process.wait()
+
+
+def test_a_log_of_a_process_started_after_the_tree_was_looked_at_is_carried(
+    tmp_path: Path,
+) -> None:
+    """Ray starts a worker, with its own log, between the look at the tree and the freeze
+    (once on CI: the restore on another node then failed, the worker's log missing). The
+    copy made while the tree is frozen looks at it again: the new process's log is carried,
+    as of the freeze, and counted as read (size checked) where another process of the tree
+    reads it, as Ray's log monitor does; the /dev/shm files carried otherwise are not."""
+    from jupyter_ext.core.carried.appended import AppendedCopy, LookedAt, appended
+
+    old, new, elsewhere, go = (tmp_path / name for name in ("old.log", "new.log", "shm", "go"))
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        f"import time\nlog, shm = open({str(new)!r}, 'a'), open({str(elsewhere)!r}, 'a')\n"
+        "log.write('worker up\\n')\nlog.flush()\ntime.sleep(600)\n"
+    )
+    root_code = textwrap.dedent(
+        f"""\
+        import pathlib, subprocess, sys, time
+        log = open({str(old)!r}, "a")
+        while not pathlib.Path({str(go)!r}).exists():
+            time.sleep(0.02)
+        worker = subprocess.Popen([sys.executable, {str(worker)!r}])
+        new = pathlib.Path({str(new)!r})
+        while not (new.exists() and new.stat().st_size):
+            time.sleep(0.02)
+        monitor = open({str(new)!r})
+        time.sleep(600)
+        """
+    )
+    root = subprocess.Popen([sys.executable, "-c", root_code])
+
+    def reads_new_log() -> bool:
+        fds = f"/proc/{root.pid}/fd"
+        with contextlib.suppress(OSError):
+            return any(os.readlink(f"{fds}/{fd}") == str(new) for fd in os.listdir(fds))
+        return False
+
+    try:
+        wait_until(old.exists, what="the root's log")
+        pids = proctree.descendants(root.pid)
+        files = appended(proctree.needed_files(pids))
+        assert [entry["path"] for entry in files] == [str(old)]
+        looked_at = LookedAt(root.pid, frozenset(pids), frozenset({str(elsewhere)}))
+        go.touch()
+        wait_until(reads_new_log, what="the worker's log, read by the root")
+        copies = {}
+        for name, looked in (("copy", looked_at), ("without", None)):
+            copy = AppendedCopy(files, tmp_path / name, looked)
+            try:
+                copy.copy()
+                copy.copy_after()
+            finally:
+                copy.close()
+            copies[name] = {record["path"]: record for record in copy.records}
+        record = copies["copy"][str(new)]
+        assert set(copies["copy"]) == {str(old), str(new)}
+        assert (record["size"], record["size_checked"]) == (len("worker up\n"), True)
+        assert (tmp_path / str(record["content"])).read_text() == "worker up\n"
+        # Without the second look the new log is not carried (what failed on CI).
+        assert set(copies["without"]) == {str(old)}
+    finally:
+        for pid in reversed(proctree.descendants(root.pid)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        root.wait()

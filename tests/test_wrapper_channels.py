@@ -1,14 +1,19 @@
-"""The wrapper's message pumps, on real ZMQ sockets."""
+"""The wrapper's channels: its message pumps on real ZMQ sockets, its bound ports."""
 
 from __future__ import annotations
 
 import asyncio
 import select
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
+from jupyter_client.connect import write_connection_file
 
-from kernel_wrapper.channels import receive_ready, send_now
+from kernel_wrapper.channels import EXIT_PORT_IN_USE, receive_ready, send_now
 
 
 def test_a_send_never_hides_a_message_waiting_to_be_received() -> None:
@@ -47,3 +52,35 @@ async def _send_while_a_reply_waits() -> None:
         wrapper_end.close(linger=0)
         kernel_end.close(linger=0)
         context.term()
+
+
+def test_a_port_taken_before_the_wrapper_binds_it_is_said_with_its_own_exit_status(
+    tmp_path: Path,
+) -> None:
+    """jupyter_client picks free ports and closes them; before the wrapper binds them,
+    another process's outgoing connection can take one as its local port (seen on CI: the
+    kernel died before replying). The wrapper says which port, and exits with the status
+    that tells the harness (and a reader of the server's log) to start again on new ports,
+    as the server's restarter does for a kernel that never came up."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    outgoing = socket.create_connection(listener.getsockname())
+    try:
+        taken = outgoing.getsockname()[1]
+        connection_file = tmp_path / "kernel.json"
+        write_connection_file(str(connection_file), shell_port=taken, key=b"k")
+        argv = ["-f", str(connection_file), "--runtime-dir", str(tmp_path / "runtime")]
+        ran = subprocess.run(
+            [sys.executable, "-m", "kernel_wrapper", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+    finally:
+        outgoing.close()
+        listener.close()
+    assert ran.returncode == EXIT_PORT_IN_USE, ran.stderr
+    assert f"The kernel's shell port, tcp://127.0.0.1:{taken}" in ran.stderr
+    assert "in use by another process" in ran.stderr
+    assert "Traceback" not in ran.stderr
+    assert not any((tmp_path / "runtime").iterdir())  # its runtime directory removed

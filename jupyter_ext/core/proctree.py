@@ -171,11 +171,12 @@ def _killed(status: Path) -> bool:
     return False
 
 
-def needed_files(pids: list[int]) -> list[dict[str, object]]:
+def needed_files(pids: list[int], mapped: bool = True) -> list[dict[str, object]]:
     """Regular files a restore of these processes needs at the same path and size.
 
     Open file descriptors, file-backed memory mappings (the interpreter, its libraries)
-    and working directories. Deleted files are left out: CRIU carries them in the image.
+    and working directories (``mapped=False``: open file descriptors only, quicker).
+    Deleted files are left out: CRIU carries them in the image.
     An open file that one of the processes appends to (``O_APPEND``, for writing: a log)
     is marked ``appended``, with its ``openers`` (``/proc/PID/fd/N`` of each descriptor that
     appends to it) to read it through during the dump: the snapshot carries it as it was
@@ -214,8 +215,9 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
                 openers[path] = [opener]
 
     for pid in pids:
-        with contextlib.suppress(OSError):
-            add(os.readlink(f"/proc/{pid}/cwd"), "cwd")
+        if mapped:
+            with contextlib.suppress(OSError):
+                add(os.readlink(f"/proc/{pid}/cwd"), "cwd")
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
@@ -226,7 +228,7 @@ def needed_files(pids: list[int]) -> list[dict[str, object]]:
             except OSError:
                 continue
         try:
-            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines() if mapped else []
         except OSError:
             maps = []
         for line in maps:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import time
@@ -17,6 +18,8 @@ from tornado.httpclient import HTTPClientError
 from jupyter_ext.core.store import LocalStore
 from jupyter_ext.kernelspecs import install_kernelspec
 from jupyter_ext.manager import SnapshotManager
+from kernel_wrapper.channels import EXIT_PORT_IN_USE
+from testkit.processes import PORT_ATTEMPTS
 
 Fetch = Callable[..., Awaitable[Any]]
 
@@ -164,16 +167,31 @@ def start_kernel(jp_fetch: Fetch, jp_serverapp: Any, jp_asyncio_loop: Any) -> An
             )
             kernel_id = json.loads(response.body)["id"]
         km = jp_serverapp.kernel_manager.get_kernel(kernel_id)
-        # With the kernel manager as parent, wait_for_ready asks it whether the kernel
-        # process lives; without, jupyter_client judges that by heartbeats and calls the
-        # kernel dead after one echo later than a second (on a loaded machine: "RuntimeError:
-        # Kernel died before replying to kernel_info"). Not km.client(): that shares the
-        # manager's session, whose id is the shell socket's identity, and another client
-        # of it (variables.execute) would take this one's routing over.
-        client = AsyncKernelClient(connection_file=km.connection_file, parent=km)
-        client.load_connection_file()
-        client.start_channels()
-        await client.wait_for_ready(timeout=60)
+        for attempt in range(PORT_ATTEMPTS):
+            process = km.provisioner.process
+            # With the kernel manager as parent, wait_for_ready asks it whether the kernel
+            # process lives; without, jupyter_client judges that by heartbeats and calls the
+            # kernel dead after one echo later than a second (on a loaded machine:
+            # "RuntimeError: Kernel died before replying to kernel_info"). Not km.client():
+            # that shares the manager's session, whose id is the shell socket's identity,
+            # and another client of it (variables.execute) would take this one's routing.
+            client = AsyncKernelClient(connection_file=km.connection_file, parent=km)
+            client.load_connection_file()
+            client.start_channels()
+            try:
+                await client.wait_for_ready(timeout=60)
+                break
+            except RuntimeError as exc:
+                client.stop_channels()
+                status = process.poll()
+                if status != EXIT_PORT_IN_USE or attempt == PORT_ATTEMPTS - 1:
+                    raise RuntimeError(
+                        f"{exc} (the kernel wrapper's exit status: {status})"
+                    ) from exc
+            # A port jupyter_client picked was taken before the wrapper bound it (another
+            # test's kernel connected from it): the server's restarter starts the kernel
+            # again on new ports, and a frontend connects to them, as here.
+            await until(functools.partial(_started_again, km, process))
         clients.append(client)
         return Kernel(kernel_id, client)
 
@@ -181,6 +199,12 @@ def start_kernel(jp_fetch: Fetch, jp_serverapp: Any, jp_asyncio_loop: Any) -> An
     for client in clients:
         client.stop_channels()
     jp_asyncio_loop.run_until_complete(jp_serverapp.kernel_manager.shutdown_all(now=True))
+
+
+async def _started_again(km: Any, dead: Any) -> bool:
+    """Whether the server started the kernel again (a new process, still running)."""
+    process = km.provisioner.process if km.provisioner is not None else None
+    return process is not None and process is not dead and process.poll() is None
 
 
 @pytest.fixture

@@ -9,12 +9,14 @@ kernel never wrote that changed is another matter: that refusal stays (core/comp
 
 So a file that a process of the tree holds open for appending is carried in the snapshot:
 
-- **At the dump** its size is recorded while CRIU holds the tree frozen (the size CRIU
-  records), and its bytes up to that size are copied once the tree runs again: appends
-  only add past it, so the freeze does not grow with the file. A file that a process of
-  the tree also writes in place (without ``O_APPEND``) is copied while frozen, its start
-  may change. A file larger than :data:`CARRY_MAX` is not carried (said in the wrapper's
-  log): it must then be here at restore, as any other open file.
+- **At the dump** the tree is looked at before CRIU freezes it; a process started since
+  (Ray starts workers as it likes) is looked at again while it is frozen, and the files
+  it appends to are carried too. A file's size is recorded while CRIU holds the tree
+  frozen (the size CRIU records), and its bytes up to that size are copied once the tree
+  runs again: appends only add past it, so the freeze does not grow with the file. A
+  file that a process of the tree also writes in place (without ``O_APPEND``) is copied
+  while frozen, its start may change. A file larger than :data:`CARRY_MAX` is not carried
+  (said in the wrapper's log): it must then be here at restore, as any other open file.
 - **At a restore** a file that is missing (another node) is made again from the copy, with
   its directories. A file that is here stays as it is where CRIU records no size for it
   (every descriptor write-only with ``O_APPEND``: a logger's): what was written since the
@@ -31,9 +33,11 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import proctree
 from ..errors import IncompatibleSnapshotError, SnapshotError
 from ..humanize import human_bytes
 from .netports import make_missing_dirs
@@ -58,6 +62,16 @@ def appended(needed: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [entry for entry in needed if entry.get("appended")]
 
 
+@dataclass(frozen=True)
+class LookedAt:
+    """The tree as the dump looked at it, before the freeze."""
+
+    root: int
+    pids: frozenset[int]
+    elsewhere: frozenset[str]
+    """Paths the snapshot carries another way (the /dev/shm files the tree holds)."""
+
+
 class AppendedCopy:
     """The appended files (``needed_files`` entries, each with the ``openers`` to read it
     by: opened here, before the freeze) copied into ``dest``: their sizes recorded while
@@ -66,11 +80,16 @@ class AppendedCopy:
 
     A file whose every descriptor was closed since the tree was looked at (a Ray worker
     that ended, a handler closed) is no longer one the tree appends to: CRIU will not find
-    it open, so it is left out."""
+    it open, so it is left out. With ``looked_at``, a process of the tree started since
+    (a Ray worker) is looked at while the tree is frozen, and the files it appends to are
+    added: else a restore where they are missing (another node) fails."""
 
-    def __init__(self, files: list[dict[str, Any]], dest: Path) -> None:
+    def __init__(
+        self, files: list[dict[str, Any]], dest: Path, looked_at: LookedAt | None = None
+    ) -> None:
         self.files: list[dict[str, Any]] = []
         self.dest = dest
+        self.looked_at = looked_at
         self.records: list[dict[str, Any]] = []
         self._fds: list[int] = []
         for entry in files:
@@ -92,6 +111,7 @@ class AppendedCopy:
     def copy(self) -> None:
         """While CRIU holds the tree frozen: each file's size, and the bytes of those a
         process of the tree writes in place."""
+        self._add_files_of_new_processes()
         self.dest.mkdir(parents=True, exist_ok=True)
         for index, (entry, fd) in enumerate(zip(self.files, self._fds, strict=True)):
             st = os.fstat(fd)
@@ -127,6 +147,25 @@ class AppendedCopy:
                         "snapshot copied it.",
                         hint="Take the snapshot again.",
                     )
+
+    def _add_files_of_new_processes(self) -> None:
+        """While frozen: the files appended to by processes started since the tree was
+        looked at (their descriptors only; the flags of every descriptor of the tree on
+        them, a reader such as Ray's log monitor included)."""
+        if self.looked_at is None:
+            return
+        pids = proctree.descendants(self.looked_at.root)
+        if set(pids) <= self.looked_at.pids:
+            return
+        known = {entry["path"] for entry in self.files} | self.looked_at.elsewhere
+        for entry in appended(proctree.needed_files(pids, mapped=False)):
+            if entry["path"] in known:
+                continue
+            fd = _open_any(entry)
+            if fd is not None:
+                log.info("%s: appended to by a process started since: carried", entry["path"])
+                self.files.append(entry)
+                self._fds.append(fd)
 
     def _copy(self, fd: int, record: dict[str, Any]) -> None:
         with open(self.dest.parent / str(record["content"]), "wb") as out:
