@@ -159,7 +159,12 @@ class CellCheckpoints:
         timeline = self.timeline
         if not self.store.enabled or not self.kernel.lifecycle.is_(State.RUNNING):
             return
-        if self.kernel.tracker.execution_state != "idle":  # its idle status calls again
+        tracker = self.kernel.tracker
+        if tracker.execution_state != "idle":  # its idle status calls again
+            return
+        if tracker.running_request() is not None:
+            # A cell the kernel got and has not yet said it runs (its busy status comes
+            # later; seen when the pause budget's timer came between): its idle calls again.
             return
         if timeline.position is not None and not timeline.cells_since:
             return
@@ -179,13 +184,16 @@ class CellCheckpoints:
             self._paced = loop.call_at(when, self._budget_allows)
             return
         self._tried = key
-        self._task = asyncio.create_task(self._take(), name="cell-checkpoint")
+        # What may change the kernel from this idle on cuts the checkpoint short, also
+        # what comes while it waits for its turn (before, it found such a cell idle).
+        marker = tracker.changing_requests
+        self._task = asyncio.create_task(self._take(marker), name="cell-checkpoint")
 
     def _budget_allows(self) -> None:
         self._paced = None
         self._idle()
 
-    async def _take(self) -> None:
+    async def _take(self, marker: int) -> None:
         snapshotter = self.snapshotter
         try:
             while snapshotter.busy:  # a snapshot the server asked for: after it
@@ -193,7 +201,7 @@ class CellCheckpoints:
             if not self.kernel.lifecycle.is_(State.RUNNING):
                 return
             async with snapshotter.exclusive(checkpoint=True):
-                await self._checkpoint()
+                await self._checkpoint(marker)
         except SnapshotBusyError:
             self._tried = None  # another operation came first: the next idle tries again
         except CheckpointInterrupted as exc:
@@ -220,8 +228,9 @@ class CellCheckpoints:
             "cells": [cell.to_dict() for cell in self.timeline.cells_since],
         }
 
-    async def _checkpoint(self) -> None:
-        """One checkpoint (the caller holds the snapshotter): decided, then dumped."""
+    async def _checkpoint(self, marker: int) -> None:
+        """One checkpoint (the caller holds the snapshotter): decided, then dumped; cut
+        short where a request that may change the kernel came since ``marker``."""
         kernel, settings = self.kernel, self.store.settings
         pid = kernel.process.pid
         if pid is None or not kernel.lifecycle.is_(State.RUNNING):
@@ -249,7 +258,6 @@ class CellCheckpoints:
             self._tried = None
             return
         dest = area.new_dir()
-        marker = kernel.tracker.changing_requests
         frozen_at: list[Point] = []
 
         def interrupted() -> str:

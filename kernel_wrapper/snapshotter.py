@@ -37,7 +37,7 @@ from typing import Any
 from jupyter_ext.core import proctree
 from jupyter_ext.core.agent.client import AgentCriu
 from jupyter_ext.core.checkpoints import CheckpointSettings
-from jupyter_ext.core.criu import Criu, LazyTransfer
+from jupyter_ext.core.criu import Criu, LazyTransfer, check_asked
 from jupyter_ext.core.errors import KernelNotRunningError, SnapshotBusyError, SnapshotError
 from jupyter_ext.core.lazypages import LazySettings
 from jupyter_ext.core.manifest import Manifest, new_snapshot_id, remove_tree
@@ -313,6 +313,7 @@ class Snapshotter:
                     f"({transfer.server.bytes_served} bytes of it were in).",
                     hint="The kernel's log (the server's) says how it ended.",
                 )
+            check_asked(transfer.server, transfer.work_dir)
             filled = await asyncio.to_thread(transfer.server.fill_gaps)
         except SnapshotError as exc:
             if self._shut_down_on_purpose():

@@ -623,6 +623,48 @@ def test_one_cut_short_by_a_request_that_is_no_cell_comes_at_the_next_idle(
     assert [c["cell_id"] for c in last["cells"]] == [f"c{attempt}"]
 
 
+def test_a_cell_the_kernel_has_not_started_is_never_in_a_checkpoint(
+    checkpointed: Callable[..., KernelProcess],
+) -> None:
+    """A cell sent while a checkpoint waits for its turn (the pause budget's timer, here),
+    which the kernel got but has not yet said it runs (no busy status yet): the checkpoint
+    is not taken then (it was: once in a hub test, the manifest of a "start" checkpoint
+    recorded the next cell as running, and an undo to it would have run that cell again).
+    The kernel is held stopped (SIGSTOP) so that the cell stays unstarted past the timer;
+    once it runs and ends, one checkpoint holds both cells, no running request in it."""
+    kernel = checkpointed(max_pause_share=0.01)  # the next after a 30 ms freeze: >= 3 s
+    run(kernel, "x = 1", "c1")
+    held = listing(kernel)
+    assert held["paced_seconds"] is not None, held  # c1's checkpoint waits for the budget
+    taken = len(held["checkpoints"])
+    inner = int(kernel.status()["inner_pid"])
+    os.kill(inner, signal.SIGSTOP)
+    try:
+        cell = kernel.client.session.msg(
+            "execute_request",
+            {"code": "x = 2", "silent": False, "store_history": True},
+            metadata={"cellId": "c2"},
+        )
+        kernel.client.shell_channel.send(cell)
+        wait_until(lambda: kernel.status()["running_request"] is not None, what="c2 passed on")
+        time.sleep(held["paced_seconds"] + 2)  # the timer fired: the kernel is "idle"
+        while_stopped = listing(kernel)
+        assert len(while_stopped["checkpoints"]) == taken, while_stopped
+        assert not while_stopped["taking"], while_stopped
+    finally:
+        os.kill(inner, signal.SIGCONT)
+    while (
+        kernel.client.get_shell_msg(timeout=60)["parent_header"]["msg_id"]
+        != cell["header"]["msg_id"]
+    ):
+        pass
+    after = settled(kernel, taken + 1)
+    last = after["checkpoints"][-1]
+    assert [c["cell_id"] for c in last["cells"]] == ["c1", "c2"]
+    manifest = json.loads((Path(last["directory"]) / "manifest.json").read_text())
+    assert manifest["running_request"] is None
+
+
 def test_the_pause_budget_spaces_checkpoints_and_cells_run_meanwhile_share_one(
     checkpointed: Callable[..., KernelProcess],
 ) -> None:

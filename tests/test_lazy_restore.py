@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from jupyter_ext.core import proctree
-from jupyter_ext.core.criu import Criu
+from jupyter_ext.core.criu import Criu, check_asked
 from jupyter_ext.core.doctor import check_lazy_pages
 from jupyter_ext.core.errors import RestoreError, SnapshotCorruptError
 from jupyter_ext.core.lazypages import (
@@ -34,6 +34,7 @@ from jupyter_ext.core.lazypages import (
     READ_ATTEMPTS,
     DirectoryPages,
     PageFetchError,
+    PageServer,
     PageSource,
     PrefixedPages,
     RangeServer,
@@ -265,6 +266,35 @@ def test_store_gone_mid_restore_puts_the_kernel_back(
     assert kernel.execute("print(before_restore)").strip() == "42"
     assert kernel.execute(CHECK).strip() == "True 67108864"
     only_the_kernel_left(kernel)
+
+
+def test_a_daemon_that_asked_for_no_page_is_refused(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """Once, on a loaded machine, CRIU's lazy-pages daemon ended well without asking for
+    any page while the restored kernel ran: its memory would have been zeros. Such an end
+    is refused (the wrapper then kills that kernel and puts the one before back, as for
+    any failed transfer), the end of CRIU's log in the error; every lazy restore of this
+    suite passes the same check after asking for pages, so it refuses no good one. The
+    daemon's misbehaviour cannot be made on purpose: the check is given the page server
+    of a real snapshot's images that served nothing."""
+    kernel = kernel_factory()
+    kernel.execute(STATE)
+    kernel.snapshot(tmp_path / "snap", track_memory=False)
+    images = tmp_path / "snap" / IMAGES_DIR
+    server = PageServer(images, DirectoryPages(images), write_through=False)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "lazy-pages.log").write_text("(00.01) the daemon's last words\n")
+    try:
+        with pytest.raises(RestoreError) as refused:
+            check_asked(server, work)
+    finally:
+        server.close()
+    assert server.lazy_bytes >= 64 << 20  # the kernel's numbers, at least
+    assert "ended without asking for any of the kernel's memory" in refused.value.message
+    assert "the daemon's last words" in refused.value.to_dict()["log_excerpt"]
+    assert "lazy_restore = False" in refused.value.hint
 
 
 class FailingPages:

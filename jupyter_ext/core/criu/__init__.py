@@ -9,7 +9,7 @@ The names the rest of the product uses are handed on here, as ``gpu/`` and
 
 from .engine import REQUIRED_FEATURES, Criu, parse_version
 from .frozen import FrozenCopy, FrozenStep
-from .lazy import UNPRIVILEGED_NO_LAZY, LazyTransfer
+from .lazy import UNPRIVILEGED_NO_LAZY, LazyTransfer, check_asked
 from .log import UNPRIVILEGED_CAPS, frozen_seconds
 from .options import DEFAULT_GHOST_LIMIT, TCP_DUMP_OPTIONS, external_file_key, unprivileged
 
@@ -23,6 +23,7 @@ __all__ = [
     "FrozenCopy",
     "FrozenStep",
     "LazyTransfer",
+    "check_asked",
     "external_file_key",
     "frozen_seconds",
     "parse_version",

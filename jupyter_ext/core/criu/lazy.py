@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import RestoreError
+from ..humanize import human_bytes
 from .log import log_excerpt
 
 if TYPE_CHECKING:
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 
 #: How long CRIU's lazy-pages daemon may take to listen before a lazy restore gives up.
 LAZY_DAEMON_START_SECONDS = 10.0
+#: The lines of CRIU's lazy-pages log an error shows where the daemon said nothing wrong.
+LOG_TAIL_LINES = 40
 #: Why CRIU run as an ordinary user restores in full (in-pod mode without root, and the node
 #: agent, which runs CRIU as the pod's user): its ``--unprivileged`` mode never probes
 #: userfaultfd, so ``criu lazy-pages`` exits and ``criu check --feature uffd-noncoop``
@@ -108,3 +111,25 @@ class LazyTransfer:
             with contextlib.suppress(ProcessLookupError):
                 self.daemon.kill()
         self.server.close()
+
+
+def check_asked(server: PageServer, work_dir: Path) -> None:
+    """Once CRIU's lazy-pages daemon (its log in ``work_dir``) ended well and the tree
+    still runs: it asked ``server`` for a page, where the tree had memory to come. No
+    restored kernel runs without touching its heap; a daemon that ended without asking
+    would leave that memory as zeros (seen once on a loaded machine, not reproduced
+    since): refused, with the end of CRIU's log."""
+    expected = server.lazy_bytes
+    if server.pages_served or not expected:
+        return
+    try:
+        tail = (work_dir / "lazy-pages.log").read_text(errors="replace")
+    except OSError as exc:
+        tail = f"(no log: {exc.strerror})"
+    raise RestoreError(
+        "CRIU's lazy-pages daemon ended without asking for any of the kernel's memory "
+        f"({human_bytes(expected)} of it was to come): the kernel would run on without it.",
+        hint="Restore again; if this repeats, set SnapshotExtensionApp.lazy_restore = "
+        "False and report the CRIU log below.",
+        log_excerpt="\n".join(tail.splitlines()[-LOG_TAIL_LINES:]),
+    )

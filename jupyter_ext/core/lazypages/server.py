@@ -25,6 +25,7 @@ from .pagemap import (
     lazy_ranges,
     read_flat_pagemaps,
     read_pagemaps,
+    total_lazy_bytes,
 )
 from .policy import Faults
 from .rangeipc import recv_exact
@@ -176,6 +177,11 @@ class PageServer:
                         first = entry.offset // PAGE_SIZE
                         landed.pages[first : first + entry.nr_pages] = b"\1" * entry.nr_pages
                 self._landed[pagemap.pages_file] = landed
+
+    @property
+    def lazy_bytes(self) -> int:
+        """The bytes of the tree's memory that were to come lazily."""
+        return total_lazy_bytes(self.pagemaps.values())
 
     @property
     def local_copy_error(self) -> str:
