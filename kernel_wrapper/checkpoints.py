@@ -162,9 +162,7 @@ class CellCheckpoints:
         tracker = self.kernel.tracker
         if tracker.execution_state != "idle":  # its idle status calls again
             return
-        if tracker.running_request() is not None:
-            # A cell the kernel got and has not yet said it runs (its busy status comes
-            # later; seen when the pause budget's timer came between): its idle calls again.
+        if tracker.running_request() is not None:  # got, not begun yet: its idle calls again
             return
         if timeline.position is not None and not timeline.cells_since:
             return
@@ -184,8 +182,7 @@ class CellCheckpoints:
             self._paced = loop.call_at(when, self._budget_allows)
             return
         self._tried = key
-        # What may change the kernel from this idle on cuts the checkpoint short, also
-        # what comes while it waits for its turn (before, it found such a cell idle).
+        # What may change the kernel from this idle on cuts it short (also while it waits).
         marker = tracker.changing_requests
         self._task = asyncio.create_task(self._take(marker), name="cell-checkpoint")
 

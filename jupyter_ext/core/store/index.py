@@ -317,6 +317,22 @@ class Catalog:
             return self._moved.get(digest)
         return self._located.location(row, self._names)
 
+    def find_all(self, digests: list[str]) -> list[Location | None]:
+        """:meth:`find` of each digest, looked up together (a chunk at a time costs ~20 us
+        of numpy calls: a later snapshot's lower levels, which the store has, are most of
+        its chunks)."""
+        if not digests:
+            return []
+        keys = _digest_array(digests)
+        rows = np.searchsorted(self._digests, keys)
+        inside = rows < len(self._digests)
+        hit = np.zeros(len(keys), bool)
+        hit[inside] = self._digests[rows[inside]] == keys[inside]
+        return [
+            self._located.location(int(row), self._names) if found else self._moved.get(digest)
+            for digest, row, found in zip(digests, rows.tolist(), hit.tolist(), strict=True)
+        ]
+
     def resolve(self, ref: ChunkRef) -> Location | None:
         if ref.where.obj in self.objects:
             return ref.where

@@ -47,8 +47,9 @@ REPORT_EVERY = 4 << 20
 _Piece = tuple[bytes | memoryview, str | None, bool]
 """A chunk to store: its bytes, the sha256 its manifest entry gives (if any), and whether
 that is trusted (the file is as it was sealed)."""
-_Prepared = tuple[str, int, bytes | memoryview | None, pack.Codec]
-"""A chunk ready to place: sha256, size, the blob to store (None: the store has it), codec."""
+_Prepared = tuple[str, int, bytes | memoryview | None, pack.Codec, Location | None]
+"""A chunk ready to place: sha256, size, the blob to store (None: the store has it), codec,
+and where the store has it (if it does)."""
 
 
 class PutSettings(NamedTuple):
@@ -106,14 +107,19 @@ class Upload:
         """Each file's stamp as this put found it (after its own link, if it adopted it):
         it must still have it when the record is written."""
 
-    def known(self, digest: str) -> Location | None:
-        """Where the store has the chunk, if this put may reuse it: an encrypted put reuses
+    def known(self, digests: list[str]) -> list[Location | None]:
+        """Where the store has each chunk, if this put may reuse it: an encrypted put reuses
         only sealed chunks (an unencrypted one, of a store from before its encryption,
-        would stay readable to whoever reads the store)."""
-        where = None if self.catalog is None else self.catalog.find(digest)
-        if where is None or (where.codec in pack.SEALED_CODECS) != (self.sealer is not None):
-            return None
-        return where
+        would stay readable to whoever reads the store). Looked up together: one at a time
+        costs more than hashing them for a later snapshot, whose lower levels are most of
+        its chunks."""
+        if self.catalog is None:
+            return [None] * len(digests)
+        sealed = self.sealer is not None
+        return [
+            where if where is not None and (where.codec in pack.SEALED_CODECS) == sealed else None
+            for where in self.catalog.find_all(digests)
+        ]
 
     def relied_on(self) -> set[str]:
         """Every pack this put has written, is writing, or reuses chunks of."""
@@ -152,7 +158,7 @@ class Upload:
                     for entry in self.manifest.files:
                         chunks = self.files[entry.path] = []
                         self.file_offset = 0
-                        if self._adopted(entry, chunks):
+                        if self._reused(entry, chunks) or self._adopted(entry, chunks):
                             continue
                         for batch in self._read_checked(entry):
                             for done in tasks.submit(self._prepare_all, batch):
@@ -169,26 +175,30 @@ class Upload:
                 os.close(fd)
 
     def _prepare_all(self, batch: list[_Piece]) -> list[_Prepared]:
-        """On a worker: a batch of chunks (a task per chunk cost more than hashing one)."""
+        """On a worker: a batch of chunks (a task per chunk cost more than hashing one):
+        each hashed, unless its sealed digest is trusted (or checked against that digest),
+        and compressed unless the store has it (a chunk this put has twice is compressed
+        twice: which comes first is known only in order)."""
+        digests = [self._digest(piece) for piece in batch]
         compressibility = pack.Compressibility()
-        return [self._prepare(piece, compressibility) for piece in batch]
+        prepared: list[_Prepared] = []
+        for (data, _, _), digest, where in zip(batch, digests, self.known(digests), strict=True):
+            if where is not None:
+                prepared.append((digest, len(data), None, "raw", where))
+                continue
+            blob, codec = pack.encode(data, compressibility.worth_trying(), self.sealer, digest)
+            compressibility.saw(codec)
+            prepared.append((digest, len(data), blob, codec, None))
+        return prepared
 
-    def _prepare(self, piece: _Piece, compressibility: pack.Compressibility) -> _Prepared:
-        """On a worker: hash the chunk, unless its sealed digest is trusted (or check it
-        against that digest); compress it unless the store has it (a chunk this put has
-        twice is compressed twice: which comes first is known only in order)."""
+    def _digest(self, piece: _Piece) -> str:
         data, expected, trusted = piece
         if expected is not None and trusted:
-            digest = expected
-        else:
-            digest = hashlib.sha256(data).hexdigest()
-            if expected is not None and digest != expected:
-                raise corrupt(self.manifest.id, "a chunk differs from its manifest entry")
-        if self.known(digest) is not None:
-            return digest, len(data), None, "raw"
-        blob, codec = pack.encode(data, compressibility.worth_trying(), self.sealer, digest)
-        compressibility.saw(codec)
-        return digest, len(data), blob, codec
+            return expected
+        digest = hashlib.sha256(data).hexdigest()
+        if expected is not None and digest != expected:
+            raise corrupt(self.manifest.id, "a chunk differs from its manifest entry")
+        return digest
 
     def _place(
         self,
@@ -198,15 +208,15 @@ class Upload:
         prepared: _Prepared,
     ) -> None:
         """On the calling thread, in file order: reuse or pack one chunk."""
-        digest, size, blob, codec = prepared
+        digest, size, blob, codec, known = prepared
         if digest not in self.locations:
             self.sources[digest] = (path, self.file_offset, size)
-            if blob is None:
-                where = self.known(digest)
-                assert where is not None  # known when it was prepared
+            if known is not None:
+                where = known
                 with self.lock:
                     self._relied.add(where.obj)
             else:
+                assert blob is not None
                 stored: pack.Blob = blob
                 if codec == "raw":  # copied from the file where the store can
                     stored = pack.FileSlice(self.file_fd, self.file_offset, memoryview(blob))
@@ -288,7 +298,8 @@ class Upload:
         firsts: dict[str, int] = {}
         for digest, size in entry.chunks:
             firsts.setdefault(digest, size)
-        new = sum(n for d, n in firsts.items() if d not in self.locations and not self.known(d))
+        places = dict(zip(firsts, self.known(list(firsts)), strict=True))
+        new = sum(n for d, n in firsts.items() if d not in self.locations and not places[d])
         if new < ADOPT_NEW_SHARE * entry.size or self._saving(entry) >= ADOPT_MAX_SAVING:
             return False
         path = self._path(entry.path)
@@ -302,7 +313,7 @@ class Upload:
         for digest, size in entry.chunks:
             if digest not in self.locations:
                 self.sources[digest] = (entry.path, offset, size)
-                where = self.known(digest)
+                where = places[digest]
                 if where is None:
                     where = Location(name, offset, size, "raw")
                     self.new_bytes += size
@@ -313,6 +324,32 @@ class Upload:
             chunks.append((digest, size))
             offset += size
             self._advance(size)
+        return True
+
+    def _reused(self, entry: manifest_mod.FileEntry, chunks: list[tuple[str, int]]) -> bool:
+        """A file as it was sealed whose every chunk the store has (a lower level of a
+        tracked snapshot's chain, stored with the snapshot before): its chunks are located,
+        nothing is read, hashed or handed to the workers."""
+        if entry.chunks is None or not self._trusted(entry):
+            return False
+        digests = [digest for digest, _ in entry.chunks]
+        places = self.known(digests)
+        if any(
+            where is None and digest not in self.locations
+            for digest, where in zip(digests, places, strict=True)
+        ):
+            return False
+        offset = 0
+        for (digest, size), where in zip(entry.chunks, places, strict=True):
+            if digest not in self.locations:
+                assert where is not None
+                self.sources[digest] = (entry.path, offset, size)
+                self.locations[digest] = where
+                with self.lock:
+                    self._relied.add(where.obj)
+            chunks.append((digest, size))
+            offset += size
+        self._advance(entry.size)
         return True
 
     def _saving(self, entry: manifest_mod.FileEntry) -> float:
