@@ -155,6 +155,19 @@ def _no_process_unless_system(
     monkeypatch.setattr(os, "fork", refuse)
 
 
+@pytest.fixture(autouse=True)
+def _kernels_reaped(jp_server_cleanup: None, jp_asyncio_loop: Any) -> Iterator[None]:
+    """Before pytest-jupyter's clean-up of an in-process server (which shuts its kernels
+    down without reaping those slow to die): its kernels shut down and reaped."""
+    yield
+    from jupyter_server.serverapp import ServerApp
+
+    from .support.jupyter_api import shut_down_kernels  # imported by the tests first
+
+    if ServerApp.initialized():
+        shut_down_kernels(ServerApp.instance(), jp_asyncio_loop)
+
+
 @pytest.fixture(scope="session")
 def criu() -> Criu:
     """The CRIU the product would use. Missing CRIU is an error, not a skip: CI installs it.

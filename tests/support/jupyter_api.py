@@ -198,7 +198,26 @@ def start_kernel(jp_fetch: Fetch, jp_serverapp: Any, jp_asyncio_loop: Any) -> An
     yield start
     for client in clients:
         client.stop_channels()
-    jp_asyncio_loop.run_until_complete(jp_serverapp.kernel_manager.shutdown_all(now=True))
+    shut_down_kernels(jp_serverapp, jp_asyncio_loop)
+
+
+def shut_down_kernels(app: Any, loop: Any) -> None:
+    """Shut the server's kernels down and reap their processes. jupyter_client stops
+    waiting for a killed kernel after 5 s and drops its process unreaped (a wrapper whose
+    thread is syncing a snapshot's images to a busy disk dies later): the process's
+    ``ResourceWarning`` then came out in whichever test ran when it was collected (once:
+    inside the AST that Hypothesis was building, a CPython ``SystemError`` besides)."""
+    manager = getattr(app, "kernel_manager", None)
+    if manager is None:
+        return
+    processes = [
+        km.provisioner.process
+        for km in (manager.get_kernel(kernel_id) for kernel_id in manager.list_kernel_ids())
+        if km.provisioner is not None and km.provisioner.process is not None
+    ]
+    loop.run_until_complete(manager.shutdown_all(now=True))
+    for process in processes:
+        process.wait(60)
 
 
 async def _started_again(km: Any, dead: Any) -> bool:
