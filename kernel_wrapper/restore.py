@@ -211,14 +211,15 @@ class Restorer:
     def _network_for(manifest: Manifest) -> netns.OwnNetwork | None:
         """A network namespace of its own for a restored tree with kept connections if its
         ports (listening, or those connections' local ones) are taken here now, else None
-        (the server's)."""
+        (the server's). The addresses its sockets are bound to are on its loopback there."""
         if unprivileged() or not manifest.tcp_kept:
             return None
         ports = [netports.BoundPort.from_dict(p) for p in manifest.bound_ports]
-        taken = netports.taken_ports(ports) + netports.taken_endpoints(
-            [str(c["local"]) for c in manifest.kept_connections]
-        )
-        return netns.OwnNetwork.create() if taken else None
+        kept = [str(c["local"]) for c in manifest.kept_connections]
+        if not netports.taken_ports(ports) + netports.taken_endpoints(kept):
+            return None
+        addresses = [p.address for p in ports] + [netports.endpoint_address(e) for e in kept]
+        return netns.OwnNetwork.create(addresses)
 
     async def restore(
         self, source: Path, manifest: Manifest, criu: Criu, *, lazy: bool, pages_from: str | None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -245,6 +246,44 @@ def test_copy_beside_a_kernel_locking_a_file_elsewhere_is_refused_naming_it(
         assert restored.execute("print(fh.name)").strip() == str(locked)
     finally:
         locked.unlink()
+
+
+def global_address() -> str | None:
+    """This machine's first global IPv4 address (Ray binds its raylet, object store and
+    workers to such a one, the node's address), or None."""
+    shown = subprocess.run(
+        ["ip", "-j", "-4", "addr", "show", "scope", "global"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return next((a["local"] for link in json.loads(shown) for a in link["addr_info"]), None)
+
+
+def test_a_copy_keeps_its_connections_on_the_servers_own_address(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """A tree whose sockets are bound to the server's own address, not to 127.0.0.1 (Ray's
+    are): the copy beside the original has that address on its namespace's loopback, and
+    its connections come back there. Without it CRIU failed: "Can't bind inet socket back:
+    Cannot assign requested address" (seen with Ray on CI)."""
+    address = global_address()
+    if address is None:
+        pytest.skip("this machine has no global IPv4 address")
+    kernel = kernel_factory()
+    kernel.execute(KERNEL.replace('"127.0.0.1"', repr(address)), timeout=300)
+    manifest = kernel.snapshot(tmp_path / "snap")
+    assert {p["address"] for p in manifest["bound_ports"]} == {address}
+    copy = kernel_factory(restore_from=tmp_path / "snap")
+    assert copy.status()["own_network"]
+    assert check(copy, "copy") == {"seen": "original", "who": "copy"}
+    assert check(kernel, "original") == {"seen": "original", "who": "original"}
+
+
+def test_only_addresses_a_fresh_namespace_lacks_are_added() -> None:
+    bound = ["0.0.0.0", "::", "127.0.0.1", "::1", "10.0.2.100", "fe80::1", "192.0.2.7"]
+    bound += ["::ffff:192.0.2.7", "2001:db8::5", "192.0.2.7"]
+    assert netns.own_addresses(bound) == ["192.0.2.7/32", "2001:db8::5/128"]
 
 
 def test_doctor_says_copies_side_by_side_get_their_own_network() -> None:

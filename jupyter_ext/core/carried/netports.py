@@ -172,6 +172,11 @@ def endpoint_text(address: str, port: int) -> str:
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
+def endpoint_address(endpoint: str) -> str:
+    """The address of ``ADDR:PORT`` or ``[ADDR]:PORT`` (:func:`endpoint_text`)."""
+    return endpoint.rpartition(":")[0].strip("[]")
+
+
 def unix_socket_dirs(pid: int, inodes: set[int]) -> list[str]:
     """The directories of the file-system unix sockets that the sockets with these inodes
     are bound to (``/proc/PID/net/unix``), e.g. the ``/tmp/pymp-*`` of a multiprocessing

@@ -7,7 +7,10 @@ holds them. Such a copy, and only such a copy, is restored into a fresh network 
 (:class:`OwnNetwork`): its own loopback (up), where its connections come back on their
 addresses and ports, and a way out through slirp4netns (user-mode networking: a tap device
 in the namespace, no host firewall rules): the internet and the server's network as the
-server reaches them, the server's own loopback at :data:`HOST_ADDRESS`.
+server reaches them, the server's own loopback at :data:`HOST_ADDRESS`. The server's own
+addresses that the copy's sockets are bound to (Ray binds its raylet and workers to the
+node's address, not to ``127.0.0.1``) are the copy's own there too, on its loopback
+(:func:`own_addresses`): CRIU binds each socket back on its address.
 
 CRIU runs inside that namespace (``setns`` before it starts, :meth:`OwnNetwork.enter`)
 both to restore the copy and to dump it later: the copy's namespace is then CRIU's own,
@@ -21,10 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ipaddress
 import os
 import select
 import shutil
 import subprocess
+from collections.abc import Iterable
 
 from .. import proctree
 from ..errors import RestoreError
@@ -32,6 +37,8 @@ from ..errors import RestoreError
 CLONE_NEWNET = 0x40000000
 #: What slirp4netns gives the server's own loopback in the namespace (10.0.2.2 by default).
 HOST_ADDRESS = "10.0.2.2"
+#: The network slirp4netns gives the namespace (its tap device is 10.0.2.100 there).
+SLIRP_NETWORK = ipaddress.ip_network("10.0.2.0/24")
 #: The name of the tap device slirp4netns makes in the namespace.
 TAP_DEVICE = "tap0"
 #: How long slirp4netns gets to configure the namespace.
@@ -51,10 +58,33 @@ def _setns(fd: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
-def _fresh_namespace() -> int:
-    """A new network namespace with its loopback up, as an open descriptor."""
+def own_addresses(addresses: Iterable[str]) -> list[str]:
+    """Of the addresses a snapshot's sockets are bound to, those a fresh namespace lacks
+    (neither a wildcard, nor loopback, nor slirp4netns' own network), each once, as
+    ``ADDR/32`` or ``ADDR/128``; an IPv4-mapped address as IPv4."""
+    wanted: dict[str, None] = {}
+    for text in addresses:
+        ip = ipaddress.ip_address(text)
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        if ip.is_unspecified or ip.is_loopback or ip.is_link_local or ip in SLIRP_NETWORK:
+            continue
+        wanted[f"{ip}/{ip.max_prefixlen}"] = None
+    return list(wanted)
+
+
+def _fresh_namespace(addresses: list[str]) -> int:
+    """A new network namespace with its loopback up and ``addresses`` on it, as an open
+    descriptor."""
+    script = (
+        "ip link set lo up || exit 1\n"
+        # nodad: an IPv6 address is usable at once (no duplicate detection).
+        'for address; do case "$address" in *:*) nodad=nodad;; *) nodad=;; esac\n'
+        'ip addr add "$address" dev lo $nodad || exit 1; done\n'
+        "echo up && exec sleep 60"
+    )
     holder = subprocess.Popen(
-        ["unshare", "--net", "--", "sh", "-c", "ip link set lo up && echo up && exec sleep 60"],
+        ["unshare", "--net", "--", "sh", "-c", script, "sh", *addresses],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -87,8 +117,10 @@ class OwnNetwork:
         self._exit_w = exit_w
 
     @classmethod
-    def create(cls) -> OwnNetwork:
-        """A new namespace with its loopback up and slirp4netns serving it (blocking)."""
+    def create(cls, addresses: Iterable[str] = ()) -> OwnNetwork:
+        """A new namespace with its loopback up, the server's ``addresses`` among those
+        the copy's sockets are bound to on it (:func:`own_addresses`), and slirp4netns
+        serving it (blocking)."""
         slirp = slirp_path()
         if slirp is None:
             raise RestoreError(
@@ -96,7 +128,7 @@ class OwnNetwork:
                 "reach nothing outside it.",
                 hint="Install it (Debian: apt-get install slirp4netns).",
             )
-        fd = _fresh_namespace()
+        fd = _fresh_namespace(own_addresses(addresses))
         exit_r, exit_w = os.pipe()
         ready_r, ready_w = os.pipe()
         try:
