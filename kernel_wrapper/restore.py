@@ -45,7 +45,7 @@ from jupyter_ext.core.carried import (
     timewait,
 )
 from jupyter_ext.core.compat import check_compatible
-from jupyter_ext.core.criu import Criu, unprivileged
+from jupyter_ext.core.criu import Criu, port_taken, unprivileged
 from jupyter_ext.core.errors import IncompatibleSnapshotError, RestoreError
 from jupyter_ext.core.isolation import netns, privatetmp
 from jupyter_ext.core.isolation.privatetmp import PrivateTemp
@@ -208,15 +208,16 @@ class Restorer:
         )
 
     @staticmethod
-    def _network_for(manifest: Manifest) -> netns.OwnNetwork | None:
+    def _network_for(manifest: Manifest, apart: bool = False) -> netns.OwnNetwork | None:
         """A network namespace of its own for a restored tree with kept connections if its
-        ports (listening, or those connections' local ones) are taken here now, else None
-        (the server's). The addresses its sockets are bound to are on its loopback there."""
-        if unprivileged() or not manifest.tcp_kept:
+        ports (listening, or those connections' local ones) are taken here now, or
+        ``apart``, else None (the server's). The addresses its sockets are bound to are on
+        its loopback there."""
+        if not _may_go_apart(manifest):
             return None
         ports = [netports.BoundPort.from_dict(p) for p in manifest.bound_ports]
         kept = [str(c["local"]) for c in manifest.kept_connections]
-        if not netports.taken_ports(ports) + netports.taken_endpoints(kept):
+        if not apart and not netports.taken_ports(ports) + netports.taken_endpoints(kept):
             return None
         addresses = [p.address for p in ports] + [netports.endpoint_address(e) for e in kept]
         return netns.OwnNetwork.create(addresses)
@@ -272,7 +273,20 @@ class Restorer:
                 resumed=self.kernel.record.suspended_snapshot == source,
                 closed_connections=manifest.closed_connections,
             )
-            pid, own = await self._criu_tree(source, manifest, criu, lazy, pages_from)
+            try:
+                pid, own = await self._criu_tree(source, manifest, criu, lazy, pages_from)
+            except IncompatibleSnapshotError as exc:
+                if not (_may_go_apart(manifest) and netns.slirp_path() and port_taken(exc)):
+                    raise
+                # Free when checked, taken by the time CRIU bound it (a port the replaced
+                # kernel had just let go of, given to another process's connection).
+                log.warning(
+                    "a port of the snapshot was taken during its restore: restoring it into "
+                    "a network namespace of its own"
+                )
+                pid, own = await self._criu_tree(
+                    source, manifest, criu, lazy, pages_from, apart=True
+                )
             try:
                 with phase("CUDA restore"):
                     await self._cuda_restore(manifest, pid)
@@ -333,12 +347,14 @@ class Restorer:
         criu: Criu,
         lazy: bool,
         pages_from: str | None,
+        apart: bool = False,
     ) -> tuple[int, OwnParts]:
         """``criu restore`` of the tree (lazily: ``lazy.transfer`` is then the transfer),
         with the files it needs made here first, in a network namespace of its own if its
-        ports are taken here, with a private view of its temporary directory if its file
-        locks there are; returns the kernel's pid and what it has of its own. On failure
-        those files, what it had of its own, and whatever CRIU restored, are gone again."""
+        ports are taken here (or ``apart``), with a private view of its temporary directory
+        if its file locks there are; returns the kernel's pid and what it has of its own. On
+        failure those files, what it had of its own, and whatever CRIU restored, are gone
+        again."""
         phase = self.phases.phase
         with phase("files and ports"):
             made, shm = await _make_files(manifest, source)
@@ -351,7 +367,7 @@ class Restorer:
         ]
         own = OwnParts()
         try:
-            own.network = network = await asyncio.to_thread(self._network_for, manifest)
+            own.network = network = await asyncio.to_thread(self._network_for, manifest, apart)
             if network is not None:
                 before.add(network.helper.pid)  # ends with close(), not as a leftover
             own.private_temp = private_temp = await asyncio.to_thread(
@@ -418,6 +434,12 @@ class Restorer:
             shm.close_fds()
             if self.kernel.lazy.transfer is None:
                 shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _may_go_apart(manifest: Manifest) -> bool:
+    """Whether a restored tree may go into a network namespace of its own: as root, with
+    its connections kept (their ports are then taken together with their ends)."""
+    return not unprivileged() and manifest.tcp_kept
 
 
 @dataclasses.dataclass

@@ -280,6 +280,50 @@ def test_a_copy_keeps_its_connections_on_the_servers_own_address(
     assert check(kernel, "original") == {"seen": "original", "who": "original"}
 
 
+def test_a_port_taken_during_the_restore_sends_it_into_its_own_namespace(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """The replaced kernel's port was free when the restore checked, and another process
+    took it before CRIU bound it (seen on CI: a Ray port given to another process's
+    connection): the restore goes into a namespace of its own, not fails."""
+    from jupyter_ext.core.criu import Criu
+    from jupyter_ext.core.protocol.environment import ENV_CRIU
+
+    asked, taken = tmp_path / "take-the-port", tmp_path / "port-taken"
+    criu = tmp_path / "criu"  # before its first restore, has the port taken
+    criu.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = restore ] && [ ! -e {asked} ]; then\n'
+        f"  touch {asked}; while [ ! -e {taken} ]; do sleep 0.05; done\n"
+        "fi\n"
+        f'exec {Criu.locate().path} "$@"\n'
+    )
+    criu.chmod(0o755)
+    kernel = kernel_factory(env={ENV_CRIU: str(criu)})
+    kernel.execute(KERNEL, timeout=300)
+    manifest = kernel.snapshot(tmp_path / "snap")
+    (port,) = {p["port"] for p in manifest["bound_ports"]}
+    holder = socket.socket()
+
+    def take() -> None:
+        wait_until(asked.exists, timeout=300, what="the restore to begin")
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        taken.touch()
+
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    try:
+        kernel.restore(tmp_path / "snap")
+        thread.join()
+        assert taken.exists()
+        assert kernel.status()["own_network"]
+        assert "taken during its restore" in kernel.log()
+        assert check(kernel, "restored") == {"seen": "original", "who": "restored"}
+    finally:
+        holder.close()
+
+
 def test_only_addresses_a_fresh_namespace_lacks_are_added() -> None:
     bound = ["0.0.0.0", "::", "127.0.0.1", "::1", "10.0.2.100", "fe80::1", "192.0.2.7"]
     bound += ["::ffff:192.0.2.7", "2001:db8::5", "192.0.2.7"]

@@ -740,7 +740,8 @@ def ray_logs(session: Path, lines: int = 25) -> str:
     """The ends of the logs of Ray's session: what a failure after a restore is read with."""
     parts = []
     for log in sorted((session / "logs").glob("*")):
-        if log.is_file() and log.suffix in (".out", ".err") and log.stat().st_size:
+        wanted = log.suffix in (".out", ".err") or log.name.startswith("python-core-driver")
+        if wanted and log.is_file() and log.stat().st_size:
             tail = log.read_text(errors="replace").splitlines()[-lines:]
             parts.append(f"--- {log.name}\n" + "\n".join(tail))
     return "\n".join(parts)
@@ -789,8 +790,15 @@ def test_ray_local_cluster_keeps_working(kernel_factory: Factory, tmp_path: Path
         out = restored.execute(check, timeout=300)
     except (AssertionError, TimeoutError) as failed:
         session = Path(logs["raylet.out"]["path"]).parents[1]
-        driver = describe_threads([restored.status()["inner_pid"]])
-        raise AssertionError(f"{failed}\n{ray_logs(session)}\n--- the driver\n{driver}") from None
+        status = restored.status()
+        driver = describe_threads([status["inner_pid"]]) if status["inner_pid"] else ""
+        wrapper = "\n".join(restored.log().splitlines()[-40:])
+        # First what CI's excerpt of a long failure must keep: the kernel's state and the
+        # wrapper's log (a death and its cause), then the driver's stacks and Ray's logs.
+        raise AssertionError(
+            f"{failed}\n--- the kernel is {status['state']}; the wrapper's log\n{wrapper}"
+            f"\n--- the driver\n{driver}\n{ray_logs(session)}"
+        ) from None
     assert out.strip() == "True"
     for log in logs.values():  # what Ray wrote since is after the snapshot's part
         carried = (tmp_path / "snap" / log["content"]).read_bytes()

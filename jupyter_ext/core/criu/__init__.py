@@ -10,7 +10,7 @@ The names the rest of the product uses are handed on here, as ``gpu/`` and
 from .engine import REQUIRED_FEATURES, Criu, parse_version
 from .frozen import FrozenCopy, FrozenStep
 from .lazy import UNPRIVILEGED_NO_LAZY, LazyTransfer, check_asked
-from .log import UNPRIVILEGED_CAPS, frozen_seconds
+from .log import UNPRIVILEGED_CAPS, frozen_seconds, port_taken
 from .options import DEFAULT_GHOST_LIMIT, TCP_DUMP_OPTIONS, external_file_key, unprivileged
 
 __all__ = [
@@ -27,5 +27,6 @@ __all__ = [
     "external_file_key",
     "frozen_seconds",
     "parse_version",
+    "port_taken",
     "unprivileged",
 ]

@@ -7,6 +7,7 @@ import os
 import re
 from pathlib import Path
 
+from ..errors import SnapshotError
 from ..humanize import human_bytes
 from ..isolation.confinement import explain_denied
 
@@ -178,6 +179,15 @@ _KNOWN_FAILURES: list[tuple[str, str, str]] = [
         "and a snapshot taken by root (in a PID namespace) restores only as root.",
     ),
 ]
+
+
+#: CRIU's log line of a restore that could not bind a socket: its port is another's.
+_PORT_TAKEN = re.compile(r"Can't bind .*socket.*Address already in use")
+
+
+def port_taken(error: SnapshotError) -> bool:
+    """Whether a restore failed because a port the snapshot binds is taken here."""
+    return bool(_PORT_TAKEN.search(error.log_excerpt))
 
 
 #: CRIU's refusal of a deleted file larger than ``--ghost-limit``: its path and size.
