@@ -8,6 +8,8 @@ A snapshot with kept connections (between its own processes) whose ports (listen
 of those connections) another process holds here (a copy beside a running kernel of the
 same snapshot) is restored, as root, into a network namespace of its own
 (:mod:`jupyter_ext.core.isolation.netns`); other snapshots whose ports are taken are refused.
+A port taken after that check (CRIU cannot bind it, or binds it beside another process's
+``SO_REUSEPORT`` listener) sends such a restore into a namespace of its own as well.
 
 With lazy restore (:mod:`kernel_wrapper.lazyrestore`) the kernel runs as soon as CRIU has
 rebuilt it, its memory served page by page: from ``pages_from`` when given (an images
@@ -46,7 +48,7 @@ from jupyter_ext.core.carried import (
 )
 from jupyter_ext.core.compat import check_compatible
 from jupyter_ext.core.criu import Criu, port_taken, unprivileged
-from jupyter_ext.core.errors import IncompatibleSnapshotError, RestoreError
+from jupyter_ext.core.errors import IncompatibleSnapshotError, PortTakenError, RestoreError
 from jupyter_ext.core.isolation import netns, privatetmp
 from jupyter_ext.core.isolation.privatetmp import PrivateTemp
 from jupyter_ext.core.lazypages import DirectoryPages, PageSource, page_source, stage_pages_files
@@ -284,6 +286,10 @@ class Restorer:
                     "a port of the snapshot was taken during its restore: restoring it into "
                     "a network namespace of its own"
                 )
+                # A tree CRIU restored may have run (a shared port is found after): its
+                # channels go with it, and the next one gets fresh ones.
+                await self.kernel.relay.close_inner()
+                self.kernel.relay.connect_inner(InnerChannels(self.kernel.runtime.path))
                 pid, own = await self._criu_tree(
                     source, manifest, criu, lazy, pages_from, apart=True
                 )
@@ -416,6 +422,8 @@ class Restorer:
                         mount_sources=mount_sources,
                         netns=network,
                     )
+            if network is None:
+                await asyncio.to_thread(_check_ports_alone, manifest, pid)
             if private_temp is not None:
                 private_temp.detach()  # the copy's mount namespace holds it now
             self.private_shm = shm.private
@@ -428,12 +436,33 @@ class Restorer:
             Supervisor.kill_children_except(before)
             own.close()  # after the tree: no process of it may see its network go
             if lazy:
+                if self.kernel.lazy.transfer is not None:  # its kernel was found wanting
+                    self.kernel.lazy.drop(self.kernel.lazy.transfer)
                 self.kernel.lazy.failed(exc)
             raise
         finally:
             shm.close_fds()
             if self.kernel.lazy.transfer is None:
                 shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _check_ports_alone(manifest: Manifest, pid: int) -> None:
+    """Raise PortTakenError if another process listens on a port the restored tree ``pid``
+    does. CRIU binds every socket it restores with ``SO_REUSEPORT`` (several of the tree's
+    may share a port), so a port another process took with it since the check before the
+    restore (gRPC servers set it) is shared, each getting some of the other's connections,
+    and CRIU does not fail."""
+    ports = [netports.BoundPort.from_dict(p) for p in manifest.bound_ports]
+    if not ports:
+        return
+    own = sockdiag.tree_socket_inodes(proctree.descendants(pid))
+    taken = netports.taken_ports(ports, ignore=own)
+    if taken:
+        raise PortTakenError(
+            "The snapshot's kernel listens on network ports another process took here "
+            f"during the restore: {'; '.join(taken)}.",
+            hint="Stop the process that holds them and restore again.",
+        )
 
 
 def _may_go_apart(manifest: Manifest) -> bool:

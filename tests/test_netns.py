@@ -280,12 +280,17 @@ def test_a_copy_keeps_its_connections_on_the_servers_own_address(
     assert check(kernel, "original") == {"seen": "original", "who": "original"}
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["taken", "shared"])
 def test_a_port_taken_during_the_restore_sends_it_into_its_own_namespace(
-    kernel_factory: Factory, tmp_path: Path
+    kernel_factory: Factory, tmp_path: Path, shared: bool
 ) -> None:
     """The replaced kernel's port was free when the restore checked, and another process
     took it before CRIU bound it (seen on CI: a Ray port given to another process's
-    connection): the restore goes into a namespace of its own, not fails."""
+    connection): the restore goes into a namespace of its own, not fails. Where that
+    process listens with ``SO_REUSEPORT`` (as gRPC servers do), CRIU's bind succeeds (it
+    sets ``SO_REUSEPORT`` on every socket it restores), and the two would share the port,
+    each getting some of the other's connections: found after CRIU, and restored apart
+    all the same."""
     from jupyter_ext.core.criu import Criu
     from jupyter_ext.core.protocol.environment import ENV_CRIU
 
@@ -307,6 +312,8 @@ def test_a_port_taken_during_the_restore_sends_it_into_its_own_namespace(
 
     def take() -> None:
         wait_until(asked.exists, timeout=300, what="the restore to begin")
+        if shared:
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         holder.bind(("127.0.0.1", port))
         holder.listen()
         taken.touch()

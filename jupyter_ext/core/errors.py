@@ -99,6 +99,10 @@ class IncompatibleSnapshotError(SnapshotError):
     code = "snapshot-incompatible"
 
 
+class PortTakenError(IncompatibleSnapshotError):
+    """A port the snapshot binds is another process's here (found before or after CRIU)."""
+
+
 class SnapshotBusyError(SnapshotError):
     code = "kernel-busy"
 

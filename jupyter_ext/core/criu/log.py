@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import SnapshotError
+from ..errors import PortTakenError, SnapshotError
 from ..humanize import human_bytes
 from ..isolation.confinement import explain_denied
 
@@ -187,7 +187,7 @@ _PORT_TAKEN = re.compile(r"Can't bind .*socket.*Address already in use")
 
 def port_taken(error: SnapshotError) -> bool:
     """Whether a restore failed because a port the snapshot binds is taken here."""
-    return bool(_PORT_TAKEN.search(error.log_excerpt))
+    return isinstance(error, PortTakenError) or bool(_PORT_TAKEN.search(error.log_excerpt))
 
 
 #: CRIU's refusal of a deleted file larger than ``--ghost-limit``: its path and size.
