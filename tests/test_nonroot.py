@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from jupyter_ext.core import proctree
 from jupyter_ext.core.criu import UNPRIVILEGED_CAPS, Criu, unprivileged
 from jupyter_ext.core.doctor import check_criu_capabilities, file_capabilities, run_checks
 from jupyter_ext.core.errors import DumpError
-from testkit.processes import KernelProcess
+from testkit.processes import KernelProcess, wait_until
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() == 0, reason="needs an ordinary user: run scripts/nonroot-tests.sh as root"
@@ -143,3 +145,55 @@ def test_copy_beside_the_running_kernel_is_a_clear_error(
     assert "side by side" in message
     assert "run Jupyter as root" in message
     assert original.execute("print(v)").strip() == "original"
+
+
+def test_a_port_shared_during_the_restore_is_refused_and_the_kernel_kept(
+    kernel_factory: Factory, tmp_path: Path, criu: Criu
+) -> None:
+    """Another process listens with ``SO_REUSEPORT`` on the kernel's port from between the
+    restore's check and CRIU (which binds with it too, so CRIU does not fail): without root
+    there is no namespace of its own to go to, so the restore is refused naming that
+    process. The kernel saved before it cannot come back while that process holds its
+    port either: it stays suspended, and the first cell after the port is free again
+    brings it back as it was."""
+    from jupyter_ext.core.errors import SnapshotError
+    from jupyter_ext.core.protocol.environment import ENV_CRIU
+
+    asked, taken = tmp_path / "take-the-port", tmp_path / "port-taken"
+    wrapper = tmp_path / "criu"  # before its first restore, has the port taken
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = restore ] && [ ! -e {asked} ]; then\n'
+        f"  touch {asked}; while [ ! -e {taken} ]; do sleep 0.05; done\n"
+        "fi\n"
+        f'exec {criu.path} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    kernel = kernel_factory(env={ENV_CRIU: str(wrapper)})
+    kernel.execute("import socket; server = socket.create_server(('127.0.0.1', 0)); v = 1")
+    manifest = kernel.snapshot(tmp_path / "s")
+    (port,) = {p["port"] for p in manifest["bound_ports"]}
+    kernel.execute("v = 2")
+    holder = socket.socket()
+    try:
+
+        def take() -> None:
+            wait_until(asked.exists, timeout=300, what="the restore to begin")
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            holder.bind(("127.0.0.1", port))
+            holder.listen()
+            taken.touch()
+
+        thread = threading.Thread(target=take, daemon=True)
+        thread.start()
+        with pytest.raises(SnapshotError) as caught:
+            kernel.restore(tmp_path / "s")
+        thread.join()
+        message = str(caught.value)
+        assert "another process took here during the restore" in message, message
+        assert f"process {os.getpid()}" in message
+        assert "back failed too" in message
+        assert kernel.status()["state"] == "suspended"
+    finally:
+        holder.close()
+    assert kernel.execute("print(v)").strip() == "2"
