@@ -402,7 +402,7 @@ class Dumper:
         logs = appended.AppendedCopy(
             tree.appended_files,
             staging / appended.SNAPSHOT_DIR_NAME,
-            appended.LookedAt(tree.root, frozenset(tree.pids), frozenset(tree.held.paths)),
+            appended.LookedAt(tree.root, frozenset(tree.held.paths)),
         )
         # A tree of one process that appends to nothing is not looked at again while
         # frozen (it saves the freeze CRIU's action script): a child it starts meanwhile

@@ -171,12 +171,15 @@ def _killed(status: Path) -> bool:
     return False
 
 
-def needed_files(pids: list[int], mapped: bool = True) -> list[dict[str, object]]:
+def needed_files(
+    pids: list[int], mapped: bool = True, known: Collection[str] = ()
+) -> list[dict[str, object]]:
     """Regular files a restore of these processes needs at the same path and size.
 
     Open file descriptors, file-backed memory mappings (the interpreter, its libraries)
     and working directories (``mapped=False``: open file descriptors only, quicker).
-    Deleted files are left out: CRIU carries them in the image.
+    Deleted files are left out: CRIU carries them in the image, and so are the ``known``
+    paths (not even looked at: a second look, while the tree is frozen, stays short).
     An open file that one of the processes appends to (``O_APPEND``, for writing: a log)
     is marked ``appended``, with its ``openers`` (``/proc/PID/fd/N`` of each descriptor that
     appends to it) to read it through during the dump: the snapshot carries it as it was
@@ -189,6 +192,8 @@ def needed_files(pids: list[int], mapped: bool = True) -> list[dict[str, object]
     openers: dict[str, list[str]] = {}  # path -> each descriptor that appends to it
 
     def add(path: str, kind: str, opener: str = "") -> None:
+        if path in known:
+            return
         if path in seen:
             held = flags.setdefault(path, [])
             if opener:

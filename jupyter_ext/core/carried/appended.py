@@ -9,14 +9,15 @@ kernel never wrote that changed is another matter: that refusal stays (core/comp
 
 So a file that a process of the tree holds open for appending is carried in the snapshot:
 
-- **At the dump** the tree is looked at before CRIU freezes it; a process started since
-  (Ray starts workers as it likes) is looked at again while it is frozen, and the files
-  it appends to are carried too. A file's size is recorded while CRIU holds the tree
-  frozen (the size CRIU records), and its bytes up to that size are copied once the tree
-  runs again: appends only add past it, so the freeze does not grow with the file. A
-  file that a process of the tree also writes in place (without ``O_APPEND``) is copied
-  while frozen, its start may change. A file larger than :data:`CARRY_MAX` is not carried
-  (said in the wrapper's log): it must then be here at restore, as any other open file.
+- **At the dump** the tree is looked at before CRIU freezes it, and its descriptors again
+  while it is frozen: a file opened for appending since (Ray starts workers as it likes,
+  and a worker opens its log once it runs) is carried too. A file's size is recorded
+  while CRIU holds the tree frozen (the size CRIU records), and its bytes up to that size
+  are copied once the tree runs again: appends only add past it, so the freeze does not
+  grow with the file. A file that a process of the tree also writes in place (without
+  ``O_APPEND``) is copied while frozen, its start may change. A file larger than
+  :data:`CARRY_MAX` is not carried (said in the wrapper's log): it must then be here at
+  restore, as any other open file.
 - **At a restore** a file that is missing (another node) is made again from the copy, with
   its directories. A file that is here stays as it is where CRIU records no size for it
   (every descriptor write-only with ``O_APPEND``: a logger's): what was written since the
@@ -67,7 +68,6 @@ class LookedAt:
     """The tree as the dump looked at it, before the freeze."""
 
     root: int
-    pids: frozenset[int]
     elsewhere: frozenset[str]
     """Paths the snapshot carries another way (the /dev/shm files the tree holds)."""
 
@@ -80,9 +80,10 @@ class AppendedCopy:
 
     A file whose every descriptor was closed since the tree was looked at (a Ray worker
     that ended, a handler closed) is no longer one the tree appends to: CRIU will not find
-    it open, so it is left out. With ``looked_at``, a process of the tree started since
-    (a Ray worker) is looked at while the tree is frozen, and the files it appends to are
-    added: else a restore where they are missing (another node) fails."""
+    it open, so it is left out. With ``looked_at``, the tree's descriptors are looked at
+    again while it is frozen, and the files opened for appending since (by a Ray worker
+    started since, or one that was starting) are added: else a restore where they are
+    missing (another node) fails."""
 
     def __init__(
         self, files: list[dict[str, Any]], dest: Path, looked_at: LookedAt | None = None
@@ -111,7 +112,7 @@ class AppendedCopy:
     def copy(self) -> None:
         """While CRIU holds the tree frozen: each file's size, and the bytes of those a
         process of the tree writes in place."""
-        self._add_files_of_new_processes()
+        self._add_files_opened_since()
         self.dest.mkdir(parents=True, exist_ok=True)
         for index, (entry, fd) in enumerate(zip(self.files, self._fds, strict=True)):
             st = os.fstat(fd)
@@ -148,22 +149,20 @@ class AppendedCopy:
                         hint="Take the snapshot again.",
                     )
 
-    def _add_files_of_new_processes(self) -> None:
-        """While frozen: the files appended to by processes started since the tree was
-        looked at (their descriptors only; the flags of every descriptor of the tree on
-        them, a reader such as Ray's log monitor included)."""
+    def _add_files_opened_since(self) -> None:
+        """While frozen: the files the tree appends to that it did not when it was looked
+        at, each with the flags of every descriptor of the tree on it (a reader such as
+        Ray's log monitor included). Only the descriptors are read again, and only a path
+        not known then is looked at further: the freeze grows by a listing of each
+        process's descriptors."""
         if self.looked_at is None:
             return
-        pids = proctree.descendants(self.looked_at.root)
-        if set(pids) <= self.looked_at.pids:
-            return
         known = {entry["path"] for entry in self.files} | self.looked_at.elsewhere
-        for entry in appended(proctree.needed_files(pids, mapped=False)):
-            if entry["path"] in known:
-                continue
+        pids = proctree.descendants(self.looked_at.root)
+        for entry in appended(proctree.needed_files(pids, mapped=False, known=known)):
             fd = _open_any(entry)
             if fd is not None:
-                log.info("%s: appended to by a process started since: carried", entry["path"])
+                log.info("%s: opened for appending since the look: carried", entry["path"])
                 self.files.append(entry)
                 self._fds.append(fd)
 
