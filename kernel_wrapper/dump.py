@@ -65,7 +65,7 @@ from jupyter_ext.core.protocol.progress import ProgressCallback
 from .channels import InnerChannels
 from .dumptree import KernelTree
 from .lifecycle import State
-from .memory import PROTECTED, Level, MemoryCopy, Parent
+from .memory import PROTECTED, Level, MemoryCopy, Parent, PrecopyFailed
 from .parts import KernelParts
 from .runtime import RuntimeDir
 
@@ -361,15 +361,19 @@ class Dumper:
         levels: list[Level] = []
         stopped = ""
         if plan.precopy:
-            levels, stopped = await self.kernel.memory.copy_ahead(
-                criu,
-                inner_pid,
-                staging,
-                work_dir,
-                prev,
-                ChunkParams.of_kib(self._chunk_kib(args, proctree.descendants(inner_pid))),
-                progress,
-            )
+            try:
+                levels, stopped = await self.kernel.memory.copy_ahead(
+                    criu,
+                    inner_pid,
+                    staging,
+                    work_dir,
+                    prev,
+                    ChunkParams.of_kib(self._chunk_kib(args, proctree.descendants(inner_pid))),
+                    progress,
+                )
+            except PrecopyFailed as failed:  # everything is copied, frozen
+                plan = DumpPlan(None, failed.reason, track=True, precopy=False)
+                prev, levels, stopped = None, [], failed.reason
         self.kernel.memory.register()
         return plan, (levels[-1].directory if levels else prev), levels, stopped
 

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,21 @@ HEAL_SECONDS = 1.0
 #: Why a dump copies everything after a tracked CRIU run whose dump was not sealed: that
 #: run protected pages no image holds.
 PROTECTED = "its previous snapshot failed"
+
+
+#: Why a dump copied everything, frozen, after a pre-copy round failed.
+PRECOPY_FAILED = (
+    "a pre-copy round failed (later snapshots of this kernel are not pre-copied): {error}"
+)
+
+
+class PrecopyFailed(Exception):
+    """A pre-copy round failed (:meth:`KernelMemory.copy_ahead`): the dump copies
+    everything, for the reason this carries."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass
@@ -209,6 +225,9 @@ class KernelMemory:
     relay: Relay
     tracker: MemoryTracker | None = None
     untracked_reason: str = FIRST
+    precopy_failed: str = ""
+    """Why a pre-copy round of this wrapper failed (its snapshot was then copied whole,
+    frozen): later ones are not tried."""
     _tracked: _Tracked | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ planning
@@ -247,7 +266,12 @@ class KernelMemory:
             gpu=bool(cuda),
             pinned_bytes=sum(pinned_bytes(pid) for pid in pids),
             keeps_running=keeps_running,
-            precopy_possible=os.geteuid() == 0 or bool(os.environ.get(ENV_AGENT_SOCKET)),
+            precopy_possible=not self.precopy_failed
+            and (
+                os.geteuid() == 0
+                or bool(os.environ.get(ENV_AGENT_SOCKET))
+                or await asyncio.to_thread(criu.precopies_unprivileged)
+            ),
         )
         return plan_dump(situation)
 
@@ -312,7 +336,11 @@ class KernelMemory:
         ``criu pre-dump`` into a new level under ``staging``, on ``prev`` (the last
         round's, or the parent's stub). The levels, oldest first (their files are synced
         before the freeze that follows, so that the freeze writes only what is left), and
-        why the rounds stopped."""
+        why the rounds stopped.
+
+        A round that fails raises :class:`PrecopyFailed`, its levels removed: it may have
+        protected pages it did not save, so the dump must copy everything (and later
+        snapshots of this wrapper are not pre-copied)."""
         levels: list[Level] = []
         previous: int | None = None
         while True:
@@ -334,6 +362,13 @@ class KernelMemory:
             started = time.monotonic()
             try:
                 frozen = await criu.pre_dump(inner_pid, level_dir, round_work, prev_images=prev)
+            except SnapshotError as exc:
+                hasher.cancel()
+                for directory in [*(level.directory for level in levels), level_dir]:
+                    await asyncio.to_thread(shutil.rmtree, directory, True)
+                self.precopy_failed = exc.message
+                log.warning("a pre-copy round failed; copying the memory frozen: %s", exc)
+                raise PrecopyFailed(PRECOPY_FAILED.format(error=exc.message)) from exc
             except BaseException:
                 hasher.cancel()
                 raise

@@ -9,7 +9,9 @@
 # kernel's second snapshot cost what changed (docs/storage.md, "Snapshots cost what
 # changed"). The patch 0002 lets CRIU keep what it probes of the kernel between runs where
 # /run is no tmpfs (~30 ms each run here): used without root (see RUNDIR below). The
-# patches are small and written to go upstream.
+# patch 0003 makes a dump with nothing written cost the same at any size, and 0004 lets an
+# ordinary user pre-copy a big kernel (one pipe, not one per run of pages). The patches
+# are small and written to go upstream (scripts/criu-patches/README.md).
 #
 # Steps (idempotent; nothing is done when PREFIX already holds this build):
 #   - Debian's build dependencies with apt (bookworm's; the binary links them);

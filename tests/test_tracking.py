@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -211,10 +212,7 @@ def test_no_write_is_missed(kernel_factory: Factory, tmp_path: Path) -> None:
     first = snapshot(kernel, tmp_path / "s1")
     assert first["memory"]["mode"] == "full"
     assert first["memory"]["reason"] == memplan.FIRST
-    # (Without root CRIU's pre-dump cannot hold a big kernel's pages: no pre-copy there.)
-    assert bool(first["memory"]["precopy"]) == (os.geteuid() == 0), (
-        "a 100 MiB kernel is pre-copied as root"
-    )
+    assert first["memory"]["precopy"], "a 100 MiB kernel is pre-copied, with root or without"
     kernel.execute(CHANGE)
     pid = kernel.status()["inner_pid"]
     address, size = kernel.execute("print(*W['remote'])").split()
@@ -224,9 +222,8 @@ def test_no_write_is_missed(kernel_factory: Factory, tmp_path: Path) -> None:
     second = snapshot(kernel, tmp_path / "s2", parent=tmp_path / "s1")
     assert second["memory"]["mode"] == "incremental", second["memory"]
     assert second["memory"]["parent"] == first["id"]
-    # Less than the full copy; as root (pre-copied while it runs) less than half of it.
-    share = 2 if os.geteuid() == 0 else 1
-    assert second["memory"]["frozen_bytes"] < first["memory"]["copied_bytes"] // share
+    # Pre-copied while it runs: frozen for less than half of the full copy.
+    assert second["memory"]["frozen_bytes"] < first["memory"]["copied_bytes"] // 2
     expected = kernel.execute(CHECK)
     assert "writer True" in expected, expected
     kernel.kill_all()
@@ -311,6 +308,67 @@ def test_a_failed_dump_makes_the_next_one_full(
     expected = kernel.execute("print(hashlib.sha256(a.tobytes()).hexdigest())")
     kernel.kill_all()
     restored = kernel_factory(restore_from=tmp_path / "s3")
+    assert restored.execute("print(hashlib.sha256(a.tobytes()).hexdigest())") == expected
+
+
+def test_a_big_kernel_is_pre_copied_within_an_ordinary_users_limits(
+    kernel_factory: Factory, tmp_path: Path
+) -> None:
+    """CRIU 4.2's read-mode pre-dump held a pipe per run of pages, and past the user's
+    pipe pages (fs.pipe-user-pages-soft: 64 MiB) each new pipe holds two: a 384 MiB kernel
+    needed ~45,000 descriptors, and an ordinary user's pre-copy failed ("Too many open
+    files"). The project's CRIU (scripts/criu-patches/0004) holds one pipe: the kernel,
+    started with a limit of 1,024 descriptors, is pre-copied as root and without, its
+    second snapshot builds on the first, and the restore has every byte."""
+
+    def few_descriptors() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    kernel = kernel_factory(preexec_fn=few_descriptors)
+    kernel.execute(
+        "import numpy as np, hashlib\nrng = np.random.default_rng(5)\n"
+        "a = rng.random(48 << 20)  # 384 MiB"
+    )
+    first = snapshot(kernel, tmp_path / "s1")
+    assert first["memory"]["precopy"], first["memory"]
+    assert first["memory"]["frozen_bytes"] < first["memory"]["copied_bytes"] // 4
+    kernel.execute("a[: 1 << 20] = rng.random(1 << 20)")
+    second = snapshot(kernel, tmp_path / "s2", parent=tmp_path / "s1")
+    assert second["memory"]["mode"] == "incremental", second["memory"]
+    expected = kernel.execute("print(hashlib.sha256(a.tobytes()).hexdigest())")
+    kernel.kill_all()
+    shutil.rmtree(tmp_path / "s1")
+    restored = kernel_factory(restore_from=tmp_path / "s2")
+    assert restored.execute("print(hashlib.sha256(a.tobytes()).hexdigest())") == expected
+
+
+def test_a_failed_pre_copy_copies_everything_frozen(
+    kernel_factory: Factory, tmp_path: Path, criu: Criu
+) -> None:
+    """A pre-copy round that fails may have protected pages it did not save: the snapshot
+    is not lost, it copies everything while the kernel is frozen and says why; later
+    snapshots of the kernel are not pre-copied (and build on it); the restore is exact."""
+    fake = tmp_path / "criu"
+    fake.write_text(
+        f'#!/bin/sh\n[ "$1" = pre-dump ] && {{ "{criu.path}" "$@"; exit 1; }}\n'
+        f'exec "{criu.path}" "$@"\n'
+    )
+    fake.chmod(0o755)
+    kernel = kernel_factory(extra_args=["--criu", str(fake)])
+    kernel.execute(
+        "import numpy as np, hashlib\nrng = np.random.default_rng(7)\na = rng.random(12 << 20)"
+    )
+    first = snapshot(kernel, tmp_path / "s1")
+    memory = first["memory"]
+    assert (memory["mode"], memory["precopy"]) == ("full", []), memory
+    assert memory["reason"].startswith("a pre-copy round failed"), memory
+    assert not [p for p in (tmp_path / "s1").rglob("*") if "precopy" in p.name]
+    kernel.execute("a[:1000] = 1")
+    second = snapshot(kernel, tmp_path / "s2", parent=tmp_path / "s1")
+    assert (second["memory"]["mode"], second["memory"]["precopy"]) == ("incremental", [])
+    expected = kernel.execute("print(hashlib.sha256(a.tobytes()).hexdigest())")
+    kernel.kill_all()
+    restored = kernel_factory(restore_from=tmp_path / "s2")
     assert restored.execute("print(hashlib.sha256(a.tobytes()).hexdigest())") == expected
 
 

@@ -48,7 +48,7 @@ from .options import (
     mode_args,
     unprivileged,
 )
-from .tracking import dirty_tracking, tracking_args
+from .tracking import dirty_tracking, precopies_unprivileged, tracking_args
 from .workdirs import working_directories_locked
 
 if TYPE_CHECKING:
@@ -237,6 +237,10 @@ class Criu:
     def dirty_tracking(self) -> tuple[str | None, str]:
         """How this CRIU tracks a process's memory between dumps here (.tracking)."""
         return dirty_tracking(self.path)
+
+    def precopies_unprivileged(self) -> bool:
+        """Whether this CRIU pre-copies a big kernel without root (.tracking)."""
+        return precopies_unprivileged(self.path)
 
     def copied_bytes(self, work_dir: Path) -> int:
         """The memory the dump or pre-dump whose work directory is ``work_dir`` copied

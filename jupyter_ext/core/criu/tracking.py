@@ -1,10 +1,12 @@
 """Whether this CRIU tracks a process's memory between dumps here, and how: the kernel's
 soft-dirty bits, or the write-protect bits of an asynchronous userfaultfd (the project's
-patch, scripts/criu-patches/0001; Linux >= 6.7). Asked of ``criu check`` once per binary.
+patch, scripts/criu-patches/0001; Linux >= 6.7). Asked of ``criu check`` once per binary;
+and whether it can pre-copy a big kernel without root (:func:`precopies_unprivileged`).
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -12,6 +14,10 @@ from .. import proctree
 from .options import mode_args
 
 _KNOWN: dict[str, tuple[str | None, str]] = {}
+_BUILDS: dict[str, bool] = {}
+
+#: How ``criu --version`` names a build of scripts/install-criu.sh (``GitID: jks-...``).
+PROJECT_BUILD = re.compile(r"^GitID:\s*jks-", re.MULTILINE)
 
 
 def dirty_tracking(criu: Path) -> tuple[str | None, str]:
@@ -45,6 +51,28 @@ def dirty_tracking_said(returncode: int, output: str) -> tuple[str | None, str]:
     if "write-protect bits" in output:
         return "userfaultfd", "write-protect bits of an asynchronous userfaultfd"
     return "soft-dirty", "the kernel's soft-dirty bits"
+
+
+def precopies_unprivileged(criu: Path) -> bool:
+    """Whether the CRIU at ``criu`` pre-copies a big kernel for an ordinary user: the
+    project's build (cached). Its patch 0004 has a read-mode ``pre-dump`` hold one pipe;
+    CRIU 4.2 holds one per run of pages, and past the user's pipe pages
+    (``fs.pipe-user-pages-soft``) each new pipe holds two: a kernel of a few hundred MiB
+    then needs more descriptors than an ordinary user may open ("Too many open files")."""
+    key = str(criu)
+    if key not in _BUILDS:
+        try:
+            out = subprocess.run(
+                [key, "--version"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                preexec_fn=proctree.die_with_parent,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        _BUILDS[key] = out.returncode == 0 and bool(PROJECT_BUILD.search(out.stdout))
+    return _BUILDS[key]
 
 
 def tracking_args(track_mem: bool, prev_images: Path | None) -> list[str]:

@@ -73,9 +73,10 @@ class Situation:
     """The kernel runs on after the dump (not a suspend): only then is a pre-copy worth
     its second pass, and tracking worth keeping."""
     precopy_possible: bool = True
-    """Whether CRIU can pre-copy here: without root (and no node agent) its pre-dump holds
-    the pages in pipes, which an ordinary user's pipe limits (fs.pipe-user-pages-soft,
-    RLIMIT_NOFILE) cut short on a big kernel ("Too many open files")."""
+    """Whether CRIU can pre-copy here: as root, through the node agent, or with the
+    project's CRIU (CRIU 4.2's pre-dump holds a pipe per run of pages, which an ordinary
+    user's limits cut short on a big kernel: core/criu/tracking.py); and no pre-copy round
+    of this kernel failed."""
 
 
 @dataclass(frozen=True)
