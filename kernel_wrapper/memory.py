@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -366,9 +367,9 @@ class KernelMemory:
                 hasher.cancel()
                 for directory in [*(level.directory for level in levels), level_dir]:
                     await asyncio.to_thread(shutil.rmtree, directory, True)
-                self.precopy_failed = exc.message
+                self.precopy_failed = _first_error(exc)
                 log.warning("a pre-copy round failed; copying the memory frozen: %s", exc)
-                raise PrecopyFailed(PRECOPY_FAILED.format(error=exc.message)) from exc
+                raise PrecopyFailed(PRECOPY_FAILED.format(error=self.precopy_failed)) from exc
             except BaseException:
                 hasher.cancel()
                 raise
@@ -438,6 +439,16 @@ class KernelMemory:
             "tracked_since": self._tracked.snapshot_id if self._tracked else None,
             "untracked_reason": "" if self._tracked else self.untracked_reason,
         }
+
+
+def _first_error(exc: SnapshotError) -> str:
+    """The error, with CRIU's first error line where its log has one (the generic
+    message alone does not say why)."""
+    for line in exc.log_excerpt.splitlines():
+        said = re.search(r"Error \([^)]*\):\s*(.+)", line)
+        if said:
+            return f"{exc.message} ({said.group(1).strip()})"
+    return exc.message
 
 
 def _sync_files(directory: Path) -> None:
