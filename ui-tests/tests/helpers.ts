@@ -123,6 +123,37 @@ export async function dismissKernelDialogs(
   }
 }
 
+/**
+ * After a save that renamed a file: wait until the file browser lists it, and close
+ * the "Directory not found" dialog a listing may have opened meanwhile. jupyter_server
+ * answers a directory listing with 404 when a file in it is renamed while it lists (its
+ * ``_dir_model`` gets each entry after listing the directory), and the save's refresh
+ * of the file browser races the rename that way (seen once on a loaded machine: the
+ * dialog then covered the page).
+ */
+export async function waitForRenamedListing(
+  page: LabPage,
+  name: string
+): Promise<void> {
+  await expect(
+    page.locator('.jp-DirListing-item', { hasText: name }).first()
+  ).toBeAttached();
+  const raced = page
+    .getByRole('dialog')
+    .filter({ hasText: 'Directory not found' });
+  // The raced listing began before the rename: its answer is in by now, or nearly.
+  await raced
+    .waitFor({ state: 'visible', timeout: 2_000 })
+    .catch(() => undefined);
+  if (await raced.isVisible()) {
+    console.log(
+      'closing the "Directory not found" dialog of a listing raced by the rename'
+    );
+    await raced.locator('.jp-mod-accept').first().click();
+    await expect(raced).toBeHidden();
+  }
+}
+
 /** The text output of a cell, joined. */
 export async function cellOutput(
   page: IJupyterLabPageFixture,

@@ -22,6 +22,7 @@ import * as path from 'path';
 import {
   openSnapshotsPanel,
   SCREENSHOTS,
+  waitForRenamedListing,
   waitForToasts,
   snapshotCards
 } from './helpers';
@@ -169,6 +170,7 @@ test.describe('JupyterHub', () => {
     await rename.getByRole('textbox', { name: 'File name' }).fill(NOTEBOOK);
     await rename.getByRole('button', { name: 'Rename and Save' }).click();
     await expect(page.getByRole('tab', { name: NOTEBOOK })).toBeVisible();
+    await waitForRenamedListing(page, NOTEBOOK);
 
     // A snapshot from the notebook toolbar, listed in the panel.
     const panel = await openSnapshotsPanel(page);
