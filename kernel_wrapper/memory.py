@@ -52,6 +52,7 @@ from jupyter_ext.core.memtrack.plan import (
     precopy_stop,
 )
 from jupyter_ext.core.memtrack.tracker import pinned_bytes
+from jupyter_ext.core.memtrack.writeback import unthrottled_bytes
 from jupyter_ext.core.protocol.environment import ENV_AGENT_SOCKET
 from jupyter_ext.core.protocol.progress import ProgressCallback
 
@@ -119,6 +120,8 @@ class Level:
     frozen_seconds: float
     copied_bytes: int
     seconds: float
+    synced: bool = False
+    """Its files are on disk (:func:`_make_room`)."""
 
     def record(self) -> dict[str, Any]:
         return {
@@ -335,9 +338,10 @@ class KernelMemory:
     ) -> tuple[list[Level], str]:
         """Pre-copy rounds while the kernel runs (plan.precopy_stop decides): each a
         ``criu pre-dump`` into a new level under ``staging``, on ``prev`` (the last
-        round's, or the parent's stub). The levels, oldest first (their files are synced
-        before the freeze that follows, so that the freeze writes only what is left), and
-        why the rounds stopped.
+        round's, or the parent's stub). The levels, oldest first, and why the rounds
+        stopped. Before each round and before the freeze, the levels' files are written
+        to disk where what they left dirty would make Linux throttle the next writes
+        (:func:`_make_room`): the freeze then never waits on the disk.
 
         A round that fails raises :class:`PrecopyFailed`, its levels removed: it may have
         protected pages it did not save, so the dump must copy everything (and later
@@ -349,6 +353,7 @@ class KernelMemory:
             pending = self.pending_bytes(inner_pid)
             if pending is None:
                 return levels, "what is left to copy cannot be counted here"
+            await asyncio.to_thread(_make_room, levels, pending)
             stop = precopy_stop(len(levels), pending, previous)
             if stop:
                 return levels, stop
@@ -374,7 +379,6 @@ class KernelMemory:
                 hasher.cancel()
                 raise
             entries = await asyncio.to_thread(hasher.finish)
-            await asyncio.to_thread(_sync_files, level_dir)
             levels.append(
                 Level(
                     level_dir,
@@ -451,13 +455,21 @@ def _first_error(exc: SnapshotError) -> str:
     return exc.message
 
 
-def _sync_files(directory: Path) -> None:
-    """Write a level's files to disk before the freeze: the dump that follows then finds
-    no backlog of dirty pages to wait behind (the kernel's dirty limit)."""
-    for path in directory.iterdir():
-        if path.is_file() and not path.is_symlink():
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fdatasync(fd)
-            finally:
-                os.close(fd)
+def _make_room(levels: list[Level], upcoming: int) -> None:
+    """Before a pre-copy round or the freeze that write about ``upcoming`` bytes: where
+    that would bring the page cache's dirty pages past what Linux lets a writer dirty
+    without waiting (core/memtrack/writeback.py), write the levels' files to disk first. Syncing
+    unconditionally made every round longer (a third of a 1 GiB kernel's round), and the
+    kernel wrote more meanwhile, which the freeze then copied."""
+    unsynced = [level for level in levels if not level.synced]
+    if not unsynced or unthrottled_bytes() >= upcoming:
+        return
+    for level in unsynced:
+        for path in level.directory.iterdir():
+            if path.is_file() and not path.is_symlink():
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+        level.synced = True

@@ -98,6 +98,8 @@ setup_machine() {
   "$VENV/bin/pip" install -q -e ".[$extras]"
   if [[ ",$extras," == *",test,"* ]]; then
     apt_install_lean "${R_KERNEL_PACKAGES[@]}"
+    # strace: tests/test_tracking.py counts the syscalls CRIU makes (its patch 0005).
+    apt_install strace
     log "configurable-http-proxy for the JupyterHub tests (npm ci in tests/chp)"
     npm ci --prefix "$ROOT/tests/chp" --no-audit --no-fund --loglevel=error
   fi

@@ -3,6 +3,7 @@ bookkeeping (core/criu/chain.py, core/lazypages/chain.py), without processes."""
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from jupyter_ext.core.lazypages.sources import DirectoryPages
 from jupyter_ext.core.manifest import FileEntry, Manifest
 from jupyter_ext.core.memtrack import plan
 from jupyter_ext.core.memtrack.plan import Situation, another_round, plan_dump
+from jupyter_ext.core.memtrack.writeback import SLACK_BYTES, unthrottled_bytes
 
 MIB = 1 << 20
 CHAIN = ChainStats(levels=3, pages_bytes=300 * MIB, top_bytes=10 * MIB)
@@ -289,3 +291,57 @@ def test_precopy_says_why_it_stopped() -> None:
     assert "left to copy while frozen" in plan.precopy_stop(1, MIB, big)
     assert "writes faster than 3 rounds copy" in plan.precopy_stop(3, big // 8, big // 4)
     assert "about as fast as a round copies" in plan.precopy_stop(1, big, big)
+
+
+# --------------------------------------------------------------- the dirty-page room
+
+
+def test_the_room_before_throttling_shrinks_by_what_is_written(tmp_path: Path) -> None:
+    """core/memtrack/writeback.py on this machine: dirtying 256 MiB of page cache takes about as
+    much from the room Linux leaves a writer before it throttles (the machine's other
+    writers move it a little meanwhile); syncing gives it back."""
+    before = unthrottled_bytes()
+    data = tmp_path / "dirty.bin"
+    chunk = os.urandom(MIB)
+    with data.open("wb") as out:
+        for _ in range(256):
+            out.write(chunk)
+        out.flush()
+        during = unthrottled_bytes()
+        os.fsync(out.fileno())
+    after = unthrottled_bytes()
+    assert 192 * MIB < before - during < 320 * MIB, (before, during)
+    assert after - during > 192 * MIB, (during, after)
+
+
+def test_a_cgroups_memory_limit_bounds_the_room(tmp_path: Path) -> None:
+    """cgroup v2 (a pod with a memory limit): the room is the cgroup's, from its file
+    pages plus its headroom under the tightest ``memory.max`` of it and its ancestors,
+    less its own dirty and writeback pages, when that is less than the machine's. (A
+    tree of the kernel's files as Linux writes them: this machine mounts cgroup v1.)"""
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "sys" / "vm").mkdir(parents=True)
+    (proc / "meminfo").write_text(
+        "MemTotal: 24000000 kB\nMemFree: 16000000 kB\nActive(file): 2000000 kB\n"
+        "Inactive(file): 2000000 kB\nDirty: 1000 kB\nWriteback: 0 kB\n"
+    )
+    for name, value in [("dirty_ratio", 20), ("dirty_background_ratio", 10)]:
+        (proc / "sys" / "vm" / name).write_text(f"{value}\n")
+    for name in ("dirty_bytes", "dirty_background_bytes"):
+        (proc / "sys" / "vm" / name).write_text("0\n")
+    (proc / "self" / "cgroup").write_text("0::/kubepods/pod1/ctr\n")
+    pod, ctr = cgroups / "kubepods" / "pod1", cgroups / "kubepods" / "pod1" / "ctr"
+    ctr.mkdir(parents=True)
+    (pod / "memory.max").write_text(f"{8 << 30}\n")
+    (pod / "memory.current").write_text(f"{6 << 30}\n")
+    (ctr / "memory.max").write_text("max\n")
+    (ctr / "memory.stat").write_text(
+        f"anon {5 << 30}\nfile {1 << 30}\nfile_dirty {100 * MIB}\nfile_writeback 0\n"
+    )
+    machine = (16000000 + 4000000) * 1024 * 15 // 100 - 1000 * 1024 - SLACK_BYTES
+    # The pod: 1 GiB of file pages + 2 GiB under its limit; free run at 15 % of that.
+    pod_room = (3 << 30) * 15 // 100 - 100 * MIB - SLACK_BYTES
+    assert unthrottled_bytes(proc, cgroups) == pod_room < machine
+    (pod / "memory.max").write_text("max\n")
+    assert unthrottled_bytes(proc, cgroups) == machine

@@ -24,6 +24,7 @@ import socket
 from collections.abc import Callable
 
 from jupyter_ext.core.criu.images import Field, decode, encode, ints, sub_message
+from jupyter_ext.core.criu.log import DUMP_LOG_LEVEL
 
 #: criu_req_type (rpc.proto).
 REQ_DUMP, REQ_NOTIFY, REQ_SINGLE_PRE_DUMP = 1, 6, 13
@@ -47,12 +48,12 @@ def _varint_field(number: int, value: int) -> Field:
 
 def dump_request(pid: int, images_dir: str, log_file: str, *, pre_dump: bool = False) -> bytes:
     """criu_req DUMP of ``pid`` into ``images_dir`` (a path CRIU opens itself), logging
-    at level 4 into ``log_file`` in its work directory, asking at each step; with
+    at :data:`DUMP_LOG_LEVEL` into ``log_file`` in its work directory, asking at each step; with
     ``pre_dump``, SINGLE_PRE_DUMP (one ``criu pre-dump``, which asks nothing)."""
     opts: list[Field] = [
         _varint_field(_OPT_IMAGES_DIR_FD, -1),  # required; -1: images_dir names it
         _varint_field(_OPT_PID, pid),
-        _varint_field(_OPT_LOG_LEVEL, 4),
+        _varint_field(_OPT_LOG_LEVEL, DUMP_LOG_LEVEL),
         (_OPT_LOG_FILE, 2, log_file.encode()),
         *([] if pre_dump else [_varint_field(_OPT_NOTIFY_SCRIPTS, 1)]),
         (_OPT_IMAGES_DIR, 2, images_dir.encode()),

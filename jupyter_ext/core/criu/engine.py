@@ -39,7 +39,7 @@ from ..isolation.confinement import Confinement
 from ..protocol.environment import DEFAULT_RUNTIME_ROOT, ENV_CRIU, ENV_CRIU_PREFIX
 from .frozen import FrozenCopy
 from .lazy import UNPRIVILEGED_NO_LAZY, LazyTransfer
-from .log import copied_bytes, explain_failure, frozen_seconds, log_excerpt
+from .log import DUMP_LOG_LEVEL, copied_bytes, explain_failure, frozen_seconds, log_excerpt
 from .options import (
     DEFAULT_GHOST_LIMIT,
     TCP_DUMP_OPTIONS,
@@ -178,7 +178,7 @@ class Criu:
         """
         tcp = TCP_KEEP_DUMP_OPTIONS if keep_tcp else TCP_DUMP_OPTIONS
         args = ["dump", "-t", str(pid), "-D", str(images_dir), "-W", str(work_dir)]
-        args += ["-o", "dump.log", "-v4", "--file-locks", *tcp, *mode_args()]
+        args += ["-o", "dump.log", f"-v{DUMP_LOG_LEVEL}", "--file-locks", *tcp, *mode_args()]
         args += ["--ghost-limit", str(max(ghost_limit, DEFAULT_GHOST_LIMIT))]
         for key in externals:
             args += ["--external", key]
@@ -210,7 +210,7 @@ class Criu:
         ``prev_images=images_dir`` copies what was written meanwhile. ``prev_images`` as
         for :meth:`dump`. Returns how long the tree was frozen."""
         args = ["pre-dump", "-t", str(pid), "-D", str(images_dir), "-W", str(work_dir)]
-        args += ["-o", "dump.log", "-v4", "--pre-dump-mode", "read", *mode_args()]
+        args += ["-o", "dump.log", f"-v{DUMP_LOG_LEVEL}", "--pre-dump-mode", "read", *mode_args()]
         args += tracking_args(True, prev_images)
         await self._dump_run(pid, args, work_dir, netns)
         return frozen_seconds(work_dir / "dump.log")

@@ -17,6 +17,12 @@ from ..isolation.confinement import explain_denied
 #: the image's. No CAP_SYS_PTRACE: the kernels are the user's own, ptrace needs none.
 UNPRIVILEGED_CAPS = "cap_checkpoint_restore,cap_setpcap+ep"
 
+#: CRIU's log level for dumps and pre-dumps: 3 (info) has every line this module reads
+#: and every error. Level 4 adds lines for each run of pages, each one write(2) of its
+#: own: a dump of a kernel whose writes were scattered logged 92,000 lines while frozen,
+#: and the freeze fell from 295 to 169 ms without them (1 GiB kernel writing 100 MB/s).
+DUMP_LOG_LEVEL = 3
+
 _LOG_LINE = re.compile(rb"^\((\d+\.\d+)\) (.*)$")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
