@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 from jupyter_ext.core.errors import SnapshotError
-from jupyter_ext.core.protocol.control import take_await_marker
+from jupyter_ext.core.protocol.control import EXIT_PORT_IN_USE, take_await_marker
 from jupyter_ext.core.protocol.environment import DEFAULT_RUNTIME_ROOT
 
-from .channels import EXIT_PORT_IN_USE, PortInUseError
+from .channels import PortInUseError
 from .wrapper import KernelWrapper
 
 

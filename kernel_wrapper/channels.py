@@ -87,11 +87,6 @@ async def receive_ready(sock: zmq.asyncio.Socket) -> list[list[bytes]]:
     return take_all(sock)
 
 
-#: The wrapper's exit status when a port of the connection file is taken (EADDRINUSE's
-#: number): jupyter_client's restarter starts the kernel again on new ports.
-EXIT_PORT_IN_USE = 98
-
-
 class PortInUseError(SnapshotError):
     """A port of the connection file is taken: jupyter_client picks free ports and closes
     them, and another process may take one (an outgoing connection's local port) before

@@ -33,20 +33,23 @@ from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.lazypages import Into, LazySettings, lazy_plan
 from jupyter_ext.core.manifest import Manifest
-from jupyter_ext.core.protocol.control import RestoreRequest, WrapperClient, WrapperInfo
+from jupyter_ext.core.protocol.control import (
+    EXIT_PORT_IN_USE,
+    PORT_ATTEMPTS,
+    RestoreRequest,
+    WrapperClient,
+    WrapperInfo,
+)
 from jupyter_ext.core.protocol.environment import ENV_AWAIT_RESTORE, ENV_KEY
 from jupyter_ext.core.protocol.progress import ProgressCallback
 from jupyter_ext.core.store.keys import EnvKeySource
 from jupyter_ext.serverclient import ServerClient
-from kernel_wrapper.channels import EXIT_PORT_IN_USE
 
 if TYPE_CHECKING:
     from tornado.websocket import WebSocketClientConnection
 
 #: Seconds without a heartbeat echo before the test client calls the kernel dead.
 HEARTBEAT_GRACE = 10.0
-#: Starts tried when the ports chosen for a kernel were taken meanwhile.
-PORT_ATTEMPTS = 3
 
 
 @functools.cache

@@ -16,6 +16,7 @@ import pytest
 from tornado.httpclient import HTTPClientError
 
 from jupyter_ext.core import proctree
+from jupyter_ext.core.protocol.control import EXIT_PORT_IN_USE
 
 from .support.jupyter_api import (
     Fetch,
@@ -112,6 +113,37 @@ async def test_restore_into_new_kernel_attached_to_notebook(
     await jp_fetch("api", "kernels", new_kernel_id, "restart", method="POST", body="{}")
     restarted = await start_kernel(new_kernel_id)
     assert (await restarted.run("print('value' in globals())")).strip() == "False"
+
+
+async def test_a_restore_whose_new_kernel_found_a_port_taken_starts_another(
+    jp_fetch: Fetch, start_kernel: Any, jp_serverapp: Any, snapshot_kernelspec: str, tmp_path: Path
+) -> None:
+    """jupyter_client picks free ports and closes them; another process may take one
+    before the new wrapper binds it, and the wrapper exits with EXIT_PORT_IN_USE (CI:
+    another test's kernel connected from it). A restore into a new kernel then starts
+    another on new ports, as jupyter_client's restarter does for any kernel, instead of
+    failing with "the new kernel's wrapper exited". Here the kernelspec's command exits
+    so once, as the wrapper does, when the test arms it."""
+    kernel = await start_kernel()
+    await kernel.run("value = 'kept'")
+    job = await snapshot(jp_fetch, kernel.id)
+    assert job["status"] == "done", job
+    spec_file = Path(snapshot_kernelspec) / "kernel.json"  # installed for this test
+    spec = json.loads(spec_file.read_text())
+    armed = tmp_path / "port-taken-once"
+    armed.touch()
+    shim = f'if rm "$0" 2>/dev/null; then exit {EXIT_PORT_IN_USE}; fi; exec "$@"'
+    spec["argv"] = ["sh", "-c", shim, str(armed), *spec["argv"]]
+    spec_file.write_text(json.dumps(spec))
+    before = set(jp_serverapp.kernel_manager.list_kernel_ids())
+
+    job = await restore(jp_fetch, job["result"]["id"])
+    assert job["status"] == "done", job
+    assert not armed.exists(), "the first new kernel did not find its port taken"
+    new_kernel_id = job["result"]["kernel_id"]
+    assert set(jp_serverapp.kernel_manager.list_kernel_ids()) - before == {new_kernel_id}
+    restored = await start_kernel(new_kernel_id)
+    assert (await restored.run("print(value)")).strip() == "kept"
 
 
 async def test_a_restore_says_which_shared_memory_names_another_process_holds(

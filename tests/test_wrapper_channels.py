@@ -13,7 +13,8 @@ import zmq
 import zmq.asyncio
 from jupyter_client.connect import write_connection_file
 
-from kernel_wrapper.channels import EXIT_PORT_IN_USE, receive_ready, send_now
+from jupyter_ext.core.protocol.control import EXIT_PORT_IN_USE
+from kernel_wrapper.channels import receive_ready, send_now
 
 
 def test_a_send_never_hides_a_message_waiting_to_be_received() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 from collections.abc import Awaitable, Callable
@@ -14,10 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from ..core import private
-from ..core.errors import KernelNotFoundError, SnapshotError, WrapperUnavailableError
+from ..core.errors import (
+    KernelNotFoundError,
+    KernelNotRunningError,
+    SnapshotError,
+    WrapperUnavailableError,
+)
 from ..core.leftovers import DumpLock, after_failed_dump
 from ..core.manifest import Manifest
 from ..core.protocol.control import (
+    EXIT_PORT_IN_USE,
+    PORT_ATTEMPTS,
     KernelStatus,
     Restored,
     RestoreRequest,
@@ -29,6 +37,8 @@ from ..core.protocol.environment import ENV_AWAIT_RESTORE
 from ..core.protocol.progress import ProgressCallback
 from .reaping import Reaper
 from .shared import check_kernel_id
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -158,23 +168,33 @@ class Kernels:
         into it over its control socket, like any other operation: its id and the
         wrapper's reply."""
         self.reaper.start()
-        marker = self.work_dir / f"await-restore-{secrets.token_hex(8)}"
-        private.write_file(marker, b"")
         notebook_dir = str(Path(notebook_path).parent) if notebook_path else None
-        env = {**os.environ, ENV_AWAIT_RESTORE: str(marker)}
-        try:
-            kernel_id: str = await self.kernel_manager.start_kernel(
-                kernel_name=kernel_name, path=notebook_dir, env=env
-            )
-            km = self.kernel(kernel_id)
+        attempt = 1
+        while True:
+            marker = self.work_dir / f"await-restore-{secrets.token_hex(8)}"
+            private.write_file(marker, b"")
+            env = {**os.environ, ENV_AWAIT_RESTORE: str(marker)}
             try:
-                wrapper = await WrapperClient.when_up(Path(km.connection_file), km.is_alive)
-                restored = await wrapper.restore(request, progress)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await self.kernel_manager.shutdown_kernel(kernel_id, now=True)
-                raise
-        finally:
-            marker.unlink(missing_ok=True)  # the wrapper took it, unless it never came up
-        self.wrapper(kernel_id)  # the server reaps the restored kernel once orphaned
-        return kernel_id, restored
+                kernel_id: str = await self.kernel_manager.start_kernel(
+                    kernel_name=kernel_name, path=notebook_dir, env=env
+                )
+                km = self.kernel(kernel_id)
+                try:
+                    wrapper = await WrapperClient.when_up(Path(km.connection_file), km.is_alive)
+                    restored = await wrapper.restore(request, progress)
+                except BaseException as exc:
+                    exited = isinstance(exc, KernelNotRunningError) and km.provisioner
+                    status = await km.provisioner.poll() if exited else None
+                    with contextlib.suppress(Exception):
+                        await self.kernel_manager.shutdown_kernel(kernel_id, now=True)
+                    if status == EXIT_PORT_IN_USE and attempt < PORT_ATTEMPTS:
+                        # A port jupyter_client picked was taken before the wrapper bound
+                        # it: start another kernel, on new ports (its restarter would).
+                        logger.info("a port of the kernel to restore into was taken: again")
+                        attempt += 1
+                        continue
+                    raise
+            finally:
+                marker.unlink(missing_ok=True)  # the wrapper took it, unless it never came up
+            self.wrapper(kernel_id)  # the server reaps the restored kernel once orphaned
+            return kernel_id, restored

@@ -15,11 +15,10 @@ import pytest
 from jupyter_client.asynchronous import AsyncKernelClient
 from tornado.httpclient import HTTPClientError
 
+from jupyter_ext.core.protocol.control import EXIT_PORT_IN_USE, PORT_ATTEMPTS
 from jupyter_ext.core.store import LocalStore
 from jupyter_ext.kernelspecs import install_kernelspec
 from jupyter_ext.manager import SnapshotManager
-from kernel_wrapper.channels import EXIT_PORT_IN_USE
-from testkit.processes import PORT_ATTEMPTS
 
 Fetch = Callable[..., Awaitable[Any]]
 

@@ -32,6 +32,14 @@ JOURNAL_PREFIX = "snapshot-journal-"
 AWAIT_RESTORE_SECONDS = 120.0
 #: How long a new wrapper gets to come up (bind its channels, open its control socket).
 WRAPPER_START_SECONDS = 60.0
+#: The wrapper's exit status when a port of its connection file is taken (EADDRINUSE's
+#: number): jupyter_client picks free ports and closes them, and another process may take
+#: one before the wrapper binds it. Its restarter then starts the kernel again on new
+#: ports; a kernel started to restore into is started again by the server.
+EXIT_PORT_IN_USE = 98
+#: How many kernels a restore into a new kernel starts at most, each whose wrapper found
+#: a port taken (EXIT_PORT_IN_USE) started again on new ports.
+PORT_ATTEMPTS = 3
 
 
 @contextlib.contextmanager
