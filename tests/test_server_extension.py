@@ -135,6 +135,8 @@ async def test_a_restore_whose_new_kernel_found_a_port_taken_starts_another(
     shim = f'if rm "$0" 2>/dev/null; then exit {EXIT_PORT_IN_USE}; fi; exec "$@"'
     spec["argv"] = ["sh", "-c", shim, str(armed), *spec["argv"]]
     spec_file.write_text(json.dumps(spec))
+    # Without root a restored kernel keeps its process ids: the original must end first.
+    await jp_serverapp.kernel_manager.shutdown_kernel(kernel.id, now=True)
     before = set(jp_serverapp.kernel_manager.list_kernel_ids())
 
     job = await restore(jp_fetch, job["result"]["id"])
