@@ -10,8 +10,11 @@ a longer round, during which it writes more that the freeze must copy).
 
 Two domains limit a writer (``mm/page-writeback.c``): the whole machine's, and its
 memory cgroup's (cgroup v2 with a ``memory.max``: the cgroup's file pages plus its
-headroom are what may be dirtied). The smaller room counts. Read from ``/proc`` and
-``/sys/fs/cgroup`` (a few small files: cheap enough to ask before every freeze).
+headroom are what may be dirtied). The smaller room counts. The machine's limits are the
+kernel's own, as ``/proc/vmstat`` reports them (``global_dirty_limits``, worked out when
+the file is read); a cgroup's are not published, so they are worked out here the way
+``domain_dirty_limits`` does. Read from ``/proc`` and ``/sys/fs/cgroup`` (a few small
+files: cheap enough to ask before every freeze).
 """
 
 from __future__ import annotations
@@ -33,6 +36,16 @@ def _meminfo(proc: Path) -> dict[str, int]:
         fields = rest.split()
         if fields and fields[0].isdigit():
             values[name] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    return values
+
+
+def _vmstat(proc: Path) -> dict[str, int]:
+    """/proc/vmstat (counts of pages)."""
+    values: dict[str, int] = {}
+    for line in (proc / "vmstat").read_text().splitlines():
+        name, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            values[name] = int(value)
     return values
 
 
@@ -98,10 +111,11 @@ def unthrottled_bytes(
 ) -> int:
     """How many more bytes this process may dirty before Linux throttles its writes
     (negative when it already would), less :data:`SLACK_BYTES`."""
+    vmstat = _vmstat(proc)
+    ceiling = (vmstat["nr_dirty_threshold"] + vmstat["nr_dirty_background_threshold"]) // 2
+    room = (ceiling - vmstat["nr_dirty"] - vmstat["nr_writeback"]) * PAGE
     info = _meminfo(proc)
     dirtyable = info.get("MemFree", 0) + info.get("Active(file)", 0) + info.get("Inactive(file)", 0)
-    dirty = info.get("Dirty", 0) + info.get("Writeback", 0)
-    room = _free_run_ceiling(proc, dirtyable, dirtyable) - dirty
     cgroup = _cgroup_room(proc, cgroup_root, dirtyable)
     if cgroup is not None:
         room = min(room, cgroup)
