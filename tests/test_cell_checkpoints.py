@@ -586,13 +586,16 @@ def test_one_cut_short_by_a_request_that_is_no_cell_comes_at_the_next_idle(
     settled(kernel, 2)
     client = kernel.client
     for attempt in range(5):
-        # A cell, and at once an inspection that keeps the kernel busy 3 s (its repr): the
-        # cell's checkpoint freezes either before the kernel takes the inspection (then
-        # again) or finds it busy.
+        # A cell, and at once an inspection that keeps the kernel busy 3 s (its repr). The
+        # cell lasts 0.3 s, so the inspection waits in the kernel's queue and is taken as
+        # the cell ends (sent after a cell that ends at once, it came after the cell's
+        # checkpoint in 5 tries of 5 on a loaded machine). The checkpoint, planned first,
+        # then finds the kernel busy; seldom it freezes before the kernel takes the
+        # inspection (then again).
         taken = len(listing(kernel)["checkpoints"])
         cell = client.session.msg(
             "execute_request",
-            {"code": f"x = {attempt}", "silent": False, "store_history": True},
+            {"code": f"time.sleep(0.3); x = {attempt}", "silent": False, "store_history": True},
             metadata={"cellId": f"c{attempt}"},
         )
         client.shell_channel.send(cell)
