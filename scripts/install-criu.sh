@@ -10,8 +10,9 @@
 # changed"). The patch 0002 lets CRIU keep what it probes of the kernel between runs where
 # /run is no tmpfs (~30 ms each run here): used without root (see RUNDIR below). The
 # patch 0003 makes a dump with nothing written cost the same at any size, and 0004 lets an
-# ordinary user pre-copy a big kernel (one pipe, not one per run of pages), and 0005 writes
-# a buf of scattered pages to the image in one splice (not one per page, while frozen).
+# ordinary user pre-copy a big kernel (one pipe, not one per run of pages), 0005 writes a
+# buf of scattered pages to the image in one splice (not one per page, while frozen), and
+# 0006 keeps a lazy restore going when the process unmaps memory it just threw away.
 # The patches are small and written to go upstream (scripts/criu-patches/README.md).
 #
 # Steps (idempotent; nothing is done when PREFIX already holds this build):

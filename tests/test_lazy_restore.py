@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -372,6 +373,96 @@ def test_a_page_that_cannot_be_read_is_retried_then_the_tree_stops(
     assert f"{pagemap.pages_file}" in message
     assert rc != 0
     assert not Path(f"/proc/{pid}").exists()
+
+
+CHURNER = """
+import ctypes, hashlib, os, sys, time
+os.setsid()
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+CHUNK, CHUNKS = 64 << 10, 1024
+# 64 MiB of private anonymous memory (lazy once restored), every page written.
+base = libc.mmap(None, CHUNK * CHUNKS, 3, 0x22, -1, 0)
+ctypes.memset(base, 0x5A, CHUNK * CHUNKS)
+kept = bytearray(os.urandom(8 << 20))
+digest = hashlib.sha256(kept).hexdigest()
+go = sys.argv[1] + ".go"
+with open(sys.argv[1] + ".ready", "w") as out:
+    out.write("ready")
+while not os.path.exists(go):
+    time.sleep(0.01)
+# Restored: as glibc does with a dead thread's stack, throw each chunk's pages away
+# (MADV_DONTNEED: CRIU's daemon gets a REMOVE event) and unmap it at once.
+for i in range(CHUNKS):
+    chunk = base + i * CHUNK
+    if libc.madvise(chunk, CHUNK, 4) or libc.munmap(chunk, CHUNK):
+        raise OSError(ctypes.get_errno(), "madvise/munmap")
+with open(sys.argv[1] + ".done", "w") as out:
+    out.write("ok" if hashlib.sha256(kept).hexdigest() == digest else "damaged")
+while True:
+    time.sleep(0.1)
+"""
+
+
+class SlowPages:
+    """A page source that takes a while for each read: the daemon is still at work
+    while the restored process runs."""
+
+    def __init__(self, inner: PageSource, seconds: float) -> None:
+        self.inner = inner
+        self.seconds = seconds
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        time.sleep(self.seconds)
+        return self.inner.read(path, offset, length)
+
+
+def test_memory_thrown_away_and_unmapped_at_once_while_pages_come(
+    criu: Criu, tmp_path: Path
+) -> None:
+    """A restored process that throws memory away and unmaps it at once (glibc does
+    with the stacks of ended threads; a Ray kernel died of it): CRIU's lazy-pages
+    daemon, told of the first, found the range gone when it came to unregister it and
+    failed, leaving the process without its pages. The CRIU the product builds takes
+    the range as gone (scripts/criu-patches/0006): every page the process kept is
+    intact."""
+    marker = tmp_path / "churner"
+    launcher = subprocess.Popen(
+        ["unshare", "--pid", "--fork", sys.executable, "-c", CHURNER, str(marker)],
+        stdin=subprocess.DEVNULL,
+    )
+    ready = Path(f"{marker}.ready")
+    wait_until(ready.exists, 60, "the process to hold its memory")
+    (churner,) = proctree.children(launcher.pid)
+    images, work = tmp_path / "images", tmp_path / "work"
+    images.mkdir()
+    work.mkdir()
+    asyncio.run(criu.dump(churner, images, work, leave_running=False))
+    launcher.wait(30)
+    Path(f"{marker}.go").write_text("go")
+    done = Path(f"{marker}.done")
+
+    async def run() -> None:
+        pid, transfer = await criu.restore_lazy(
+            images,
+            work,
+            SlowPages(DirectoryPages(images), 0.002),
+            write_through=False,
+            kill_tree=lambda _pid: None,
+        )
+        try:
+            await transfer.wait()
+            await asyncio.to_thread(wait_until, done.exists, 120, "the process to churn")
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            transfer.close()
+
+    asyncio.run(run())
+    assert done.read_text() == "ok"
 
 
 def test_store_gone_while_the_kernel_runs_puts_the_kernel_back(
