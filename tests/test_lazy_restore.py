@@ -313,11 +313,30 @@ class FailingPages:
         return self.inner.read(path, offset, length)
 
 
+def dumped(criu: Criu, program: str, tmp_path: Path) -> tuple[Path, Path]:
+    """``program`` run as the first process of a PID namespace, in ``tmp_path``; once it
+    has written ``ready`` there, dumped (and gone). The images and CRIU's work directory."""
+    launcher = subprocess.Popen(
+        ["unshare", "--pid", "--fork", sys.executable, "-c", program],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    wait_until((tmp_path / "ready").exists, 60, "the process to hold its memory")
+    (process,) = proctree.children(launcher.pid)
+    images, work = tmp_path / "images", tmp_path / "work"
+    images.mkdir()
+    work.mkdir()
+    asyncio.run(criu.dump(process, images, work, leave_running=False))
+    launcher.wait(30)
+    return images, work
+
+
 HOLDER = """
-import os, sys, time
+import os, time
 os.setsid()
 held = bytearray(os.urandom(32 << 20))
-with open(sys.argv[1], "w") as out:
+with open("ready", "w") as out:
     out.write("ready")
 while True:
     time.sleep(0.01)
@@ -331,19 +350,7 @@ def test_a_page_that_cannot_be_read_is_retried_then_the_tree_stops(
     """Once the restored process runs: reads of the missing range are retried, then the
     transfer fails with an error that names the file and range; the tree, frozen at the
     missing page, is killed before the daemon goes (never running on with zeros)."""
-    ready = tmp_path / "ready"
-    launcher = subprocess.Popen(
-        ["unshare", "--pid", "--fork", sys.executable, "-c", HOLDER, str(ready)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
-    wait_until(ready.exists, 60, "the process to hold its memory")
-    (holder,) = proctree.children(launcher.pid)
-    images, work = tmp_path / "images", tmp_path / "work"
-    images.mkdir()
-    work.mkdir()
-    asyncio.run(criu.dump(holder, images, work, leave_running=False))
-    launcher.wait(30)
+    images, work = dumped(criu, HOLDER, tmp_path)
     pagemap = read_pagemaps(images)[1]
     held = max(pagemap.entries, key=lambda e: e.nr_pages)
     assert held.lazy
@@ -376,7 +383,7 @@ def test_a_page_that_cannot_be_read_is_retried_then_the_tree_stops(
 
 
 CHURNER = """
-import ctypes, hashlib, os, sys, time
+import ctypes, hashlib, os, time
 os.setsid()
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
@@ -390,10 +397,9 @@ base = libc.mmap(None, CHUNK * CHUNKS, 3, 0x22, -1, 0)
 ctypes.memset(base, 0x5A, CHUNK * CHUNKS)
 kept = bytearray(os.urandom(8 << 20))
 digest = hashlib.sha256(kept).hexdigest()
-go = sys.argv[1] + ".go"
-with open(sys.argv[1] + ".ready", "w") as out:
+with open("ready", "w") as out:
     out.write("ready")
-while not os.path.exists(go):
+while not os.path.exists("go"):
     time.sleep(0.01)
 # Restored: as glibc does with a dead thread's stack, throw each chunk's pages away
 # (MADV_DONTNEED: CRIU's daemon gets a REMOVE event) and unmap it at once.
@@ -401,7 +407,7 @@ for i in range(CHUNKS):
     chunk = base + i * CHUNK
     if libc.madvise(chunk, CHUNK, 4) or libc.munmap(chunk, CHUNK):
         raise OSError(ctypes.get_errno(), "madvise/munmap")
-with open(sys.argv[1] + ".done", "w") as out:
+with open("done", "w") as out:
     out.write("ok" if hashlib.sha256(kept).hexdigest() == digest else "damaged")
 while True:
     time.sleep(0.1)
@@ -430,21 +436,9 @@ def test_memory_thrown_away_and_unmapped_at_once_while_pages_come(
     failed, leaving the process without its pages. The CRIU the product builds takes
     the range as gone (scripts/criu-patches/0006): every page the process kept is
     intact."""
-    marker = tmp_path / "churner"
-    launcher = subprocess.Popen(
-        ["unshare", "--pid", "--fork", sys.executable, "-c", CHURNER, str(marker)],
-        stdin=subprocess.DEVNULL,
-    )
-    ready = Path(f"{marker}.ready")
-    wait_until(ready.exists, 60, "the process to hold its memory")
-    (churner,) = proctree.children(launcher.pid)
-    images, work = tmp_path / "images", tmp_path / "work"
-    images.mkdir()
-    work.mkdir()
-    asyncio.run(criu.dump(churner, images, work, leave_running=False))
-    launcher.wait(30)
-    Path(f"{marker}.go").write_text("go")
-    done = Path(f"{marker}.done")
+    images, work = dumped(criu, CHURNER, tmp_path)
+    (tmp_path / "go").write_text("go")
+    done = tmp_path / "done"
 
     async def run() -> None:
         pid, transfer = await criu.restore_lazy(
