@@ -11,7 +11,8 @@ a bare ipykernel (no server, no wrapper), dumped with a plain ``criu dump
 --leave-running`` (the ceiling: what CRIU alone costs), frozen as its own ticker sees it.
 
 Tracking's cost to the running kernel: two cells, timed inside the kernel right after a
-snapshot (every page protected) in a tracked kernel and in one whose server has
+snapshot in a tracked kernel (nothing is protected between snapshots: what changed is
+found by content at the next one) and in one whose server has
 ``track_memory = False``: one rewrites all of its memory once, one a random 1 % a
 thousand times.
 

@@ -285,13 +285,13 @@ class SnapshotSettings(CellCheckpointTraits):
         stop (snapshot_before_shutdown) copies only what the kernel wrote since its last
         one (track_memory): measured from SIGTERM until durable in S3 (moto on the same 2
         CPUs, bench/RESULTS.md), a 4 GiB kernel with 2 % changed took 2.7 s (22 s untracked)
-        and with 20 % changed 8.3 s (14.8 s): about 2 s plus 7.5 s per GB changed. So
+        and with 20 % changed 8.3 s (14.8 s): about 2 s, plus 0.25 s per GiB of the
+        kernel (finding what changed, docs/storage.md), plus 7.5 s per GB changed. So
         choose the interval such that what a kernel writes in it stays below about 3.5 GB
         for a 30-second notice and 15 GB for a 2-minute one (at this S3 throughput,
-        130 MB/s; scale with yours): any kernel that rewrites at most that much of its
-        memory between snapshots fits; for one of N GiB that rewrites all of it every few
-        minutes, an interval of a few minutes keeps it within the notice only if N is
-        below those sizes.""",
+        130 MB/s; scale with yours), less 1 GB per 30 GiB of the kernel: a kernel that
+        rewrites at most that much between snapshots fits; one of N GiB that rewrites
+        all of it every few minutes fits only if N is below those sizes.""",
     )
     long_cell_seconds = Float(
         60.0,

@@ -40,6 +40,7 @@ from jupyter_ext.core.checkpoints.settings import skip_reason
 from jupyter_ext.core.checkpoints.timeline import Point
 from jupyter_ext.core.errors import NothingToUndoError, SnapshotBusyError, SnapshotError
 from jupyter_ext.core.manifest import MANIFEST_NAME, Manifest, utc_now
+from jupyter_ext.core.memtrack import TrackingUnavailable
 from jupyter_ext.core.memtrack.plan import DumpPlan
 from jupyter_ext.core.phases import Phases
 from jupyter_ext.core.protocol.control import RestoreRequest, SnapshotArgs, UndoArgs
@@ -47,7 +48,7 @@ from jupyter_ext.core.protocol.progress import ProgressCallback
 
 from .dump import CellCheckpoint, CheckpointInterrupted
 from .lifecycle import State
-from .memory import Parent
+from .memory import KernelMemory, Parent
 from .rollback import SavedKernel
 
 if TYPE_CHECKING:
@@ -239,21 +240,32 @@ class CellCheckpoints:
         self.off = off_reason(settings, plan)
         if self.off:
             return
-        pending = await asyncio.to_thread(self._pending, pid, plan)
-        area = await asyncio.to_thread(self.store.open_area)
-        usage = await asyncio.to_thread(shutil.disk_usage, area.path)
-        why = skip_reason(settings, pending, usage.free, usage.total, settings.budget(usage.total))
-        if why:
-            self._skip(why)
-            return
-        loop = asyncio.get_running_loop()
-        not_before = self._pacing.not_before(pending)
-        if loop.time() < not_before:
-            # It would stall the kernel longer than the last one did (a cell made much new
-            # memory): it waits for a budget of its own size (the next idle arms the timer).
-            self._not_before = not_before
-            self._tried = None
-            return
+        dumping = False
+        try:
+            if plan.parent_id:  # what changed is found by content (the dump keeps it)
+                with contextlib.suppress(TrackingUnavailable, OSError):
+                    await kernel.memory.protect()
+            pending = await asyncio.to_thread(_pending, kernel.memory, pid, plan)
+            area = await asyncio.to_thread(self.store.open_area)
+            usage = await asyncio.to_thread(shutil.disk_usage, area.path)
+            budget = settings.budget(usage.total)
+            why = skip_reason(settings, pending, usage.free, usage.total, budget)
+            if why:
+                self._skip(why)
+                return
+            loop = asyncio.get_running_loop()
+            not_before = self._pacing.not_before(pending)
+            if loop.time() < not_before:
+                # It would stall the kernel longer than the last one did (a cell made much
+                # new memory): it waits for a budget of its own size (the next idle arms
+                # the timer).
+                self._not_before = not_before
+                self._tried = None
+                return
+            dumping = True
+        finally:
+            if not dumping:  # the dump releases the memory itself
+                await kernel.memory.release()
         dest = area.new_dir()
         frozen_at: list[Point] = []
 
@@ -290,16 +302,6 @@ class CellCheckpoints:
         )
         self.skipped = None
         await self._prune(record)
-
-    def _pending(self, pid: int, plan: DumpPlan) -> int:
-        """What the checkpoint would copy: the kernel's memory written since the previous
-        one (all of it for a full copy), and its children's whole (never tracked)."""
-        pids = proctree.descendants(pid)
-        children = proctree.private_memory_bytes([p for p in pids if p != pid])
-        written = self.kernel.memory.pending_bytes(pid) if plan.parent_id else None
-        if written is None:
-            return proctree.private_memory_bytes(pids)
-        return written + children
 
     def _record(self, manifest: Manifest, kind: str, directory: Path) -> Checkpoint:
         self.store.added(manifest.id, directory)
@@ -518,3 +520,15 @@ class CellCheckpoints:
         if self._paced is not None:
             self._paced.cancel()
         self.store.close()
+
+
+def _pending(memory: KernelMemory, pid: int, plan: DumpPlan) -> int:
+    """What a checkpoint would copy: the kernel's memory changed since the previous one
+    (found by content: KernelMemory.protect; all of it for a full copy), and its
+    children's whole (never tracked)."""
+    pids = proctree.descendants(pid)
+    children = proctree.private_memory_bytes([p for p in pids if p != pid])
+    written = memory.pending_bytes(pid) if plan.parent_id else None
+    if written is None:
+        return proctree.private_memory_bytes(pids)
+    return written + children

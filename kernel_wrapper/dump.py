@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import secrets
 import tempfile
 import time
@@ -58,16 +59,19 @@ from jupyter_ext.core.manifest import (
     seal,
     utc_now,
 )
-from jupyter_ext.core.memtrack.plan import DumpPlan
+from jupyter_ext.core.memtrack import TrackingUnavailable
+from jupyter_ext.core.memtrack.plan import CHANGES_UNKNOWN, DumpPlan
 from jupyter_ext.core.protocol.control import SnapshotArgs
 from jupyter_ext.core.protocol.progress import ProgressCallback
 
 from .channels import InnerChannels
 from .dumptree import KernelTree
 from .lifecycle import State
-from .memory import PROTECTED, Level, MemoryCopy, Parent, PrecopyFailed
+from .memory import Level, MemoryCopy, Parent, PrecopyFailed
 from .parts import KernelParts
 from .runtime import RuntimeDir
+
+log = logging.getLogger("kernel_wrapper")
 
 
 def with_fate(exc: SnapshotError, inner_pid: int) -> SnapshotError:
@@ -169,7 +173,11 @@ class Dumper:
         ``args.leave_running``); the sealed manifest. ``checkpoint``: as a cell
         checkpoint (see the module)."""
         dest = Path(args.dest)
-        await self._prepare(dest)
+        try:
+            await self._prepare(dest)
+        except BaseException:
+            await self.kernel.memory.release()  # a checkpoint may have protected it
+            raise
         criu = self.kernel.criu()
         inner_pid = self.kernel.process.pid
         assert inner_pid is not None  # checked by _prepare
@@ -178,9 +186,15 @@ class Dumper:
         with checkpoints.anchor() as anchor:  # removed unless the snapshot is sealed
             with _staging(dest) as staging:
                 with _work_dir(self.kernel.runtime) as work_dir:
-                    dumped, hasher = await self._freeze_and_dump(
-                        criu, staging, work_dir, args, progress, parent, cell=checkpoint
-                    )
+                    try:
+                        dumped, hasher = await self._freeze_and_dump(
+                            criu, staging, work_dir, args, progress, parent, cell=checkpoint
+                        )
+                    finally:
+                        await self.kernel.memory.release()
+                digests = None
+                if dumped.copy is not None and args.leave_running:
+                    digests = await self.kernel.memory.digests_after(staging, dumped.copy)
                 await self._copy_appended(dumped, hasher)
                 if dumped.copy is not None:
                     await asyncio.to_thread(dumped.copy.link_chain, staging, parent)
@@ -200,6 +214,7 @@ class Dumper:
             inner_pid,
             tracked=dumped.copy is not None and dumped.copy.plan.track,
             ended=not args.leave_running,
+            digests=digests,
         )
         progress({"phase": "done", "bytes": manifest.total_bytes})
         return manifest
@@ -254,7 +269,7 @@ class Dumper:
         mounts = mountns.external_mounts(inner_pid)
         contents = await self._contents(cell.since if cell else self.kernel.record.cells_through)
         chunk_kib = self._chunk_kib(args, proctree.descendants(inner_pid))
-        plan, prev, levels, stopped = await self._copy_ahead(
+        plan, prev, levels, stopped, compared = await self._copy_ahead(
             criu, inner_pid, staging, work_dir, parent, args, progress
         )
         self.kernel.lifecycle.enter(State.SNAPSHOTTING)
@@ -279,7 +294,7 @@ class Dumper:
                 chunk_kib=chunk_kib,
                 gpu=gpu_info,
                 disconnect_seconds=disconnect_seconds,
-                copy=MemoryCopy(plan, levels, stopped),
+                copy=MemoryCopy(plan, levels, stopped, compared),
             )
             hasher = await self._criu_dump(criu, staging, work_dir, args, dumped, prev)
             dumped.running_request = self.kernel.tracker.running_request()
@@ -337,14 +352,12 @@ class Dumper:
         parent: Parent | None,
         args: SnapshotArgs,
         progress: ProgressCallback,
-    ) -> tuple[DumpPlan, Path | None, list[Level], str]:
+    ) -> tuple[DumpPlan, Path | None, list[Level], str, dict[str, Any]]:
         """Step 0, the kernel running and connected: the memory's plan, the parent's stub
         for CRIU, and the pre-copy rounds. Returns the plan, the images the dump builds on
-        (the last round's, or the parent's stub) and the rounds' levels. A tracked CRIU run
-        protects what it copied: from the first one on (a pre-copy round's, or the dump's),
-        the kernel's memory counts as untracked until this dump is sealed (what it wrote
-        would be in no image else); a dump that fails or is cut short before any (a cell
-        checkpoint a cell came before) leaves the tracking as it was."""
+        (the last round's, or the parent's stub), the rounds' levels, why they stopped and
+        what the comparison with the parent's pages found (KernelMemory.protect: where it
+        fails, the dump copies everything)."""
         plan = await self.kernel.memory.plan(
             criu,
             inner_pid,
@@ -357,7 +370,17 @@ class Dumper:
             prev = work_dir / "parent-stub"
             await asyncio.to_thread(make_stub, parent.directory / IMAGES_DIR, prev)
         if not plan.track:
-            return plan, None, [], ""
+            return plan, None, [], "", {}
+        compared: dict[str, Any] = {}
+        if plan.parent_id:
+            progress({"phase": "comparing"})
+            try:
+                compared = await self.kernel.memory.protect()
+            except (TrackingUnavailable, OSError) as exc:  # everything is copied
+                log.warning("finding what changed since %s failed: %s", plan.parent_id, exc)
+                reason = CHANGES_UNKNOWN.format(error=exc)
+                plan = DumpPlan(None, reason, track=True, precopy=plan.precopy)
+                prev = None
         levels: list[Level] = []
         stopped = ""
         if plan.precopy:
@@ -375,7 +398,7 @@ class Dumper:
                 plan = DumpPlan(None, failed.reason, track=True, precopy=False)
                 prev, levels, stopped = None, [], failed.reason
         self.kernel.memory.register()
-        return plan, (levels[-1].directory if levels else prev), levels, stopped
+        return plan, (levels[-1].directory if levels else prev), levels, stopped, compared
 
     async def _gpu_checkpoint(
         self, inner_pid: int, args: SnapshotArgs, progress: ProgressCallback
@@ -423,7 +446,7 @@ class Dumper:
             staging, staging / IMAGES_DIR, params, write_back=args.write_back
         )
         if dumped.copy is not None and dumped.copy.plan.track:
-            self.kernel.memory.invalidate(PROTECTED)
+            self.kernel.memory.tracked_run()
         # Without --leave-running CRIU ends the kernel: no death, and it is reaped here.
         async with contextlib.nullcontext() if args.leave_running else self.kernel.process.ending():
             try:

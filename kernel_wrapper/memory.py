@@ -42,9 +42,11 @@ from jupyter_ext.core.gpu import find_cuda_processes
 from jupyter_ext.core.growinghash import GrowingFileChunker
 from jupyter_ext.core.manifest import IMAGES_DIR, FileEntry, Manifest
 from jupyter_ext.core.memtrack import MemoryTracker, TrackingUnavailable, start_time
+from jupyter_ext.core.memtrack.digests import PageDigests, digests_of_dump, root_pid
 from jupyter_ext.core.memtrack.plan import (
     AFTER_RESTORE,
     FIRST,
+    NO_DIGESTS,
     OFF,
     DumpPlan,
     Situation,
@@ -67,10 +69,8 @@ AGENT_TIMEOUT = 2.0
 #: 512 pages into a huge page: ~0.2 ms a block here).
 COLLAPSE_BATCH = 256
 COLLAPSE_TIMEOUT = 10.0
-#: How often a running kernel's split huge pages are healed (MemoryTracker.heal).
-HEAL_SECONDS = 1.0
-#: Why a dump copies everything after a tracked CRIU run whose dump was not sealed: that
-#: run protected pages no image holds.
+#: Why a dump copies everything after a CRIU run on soft-dirty bits whose dump was not
+#: sealed: that run cleared the bits of pages no image holds.
 PROTECTED = "its previous snapshot failed"
 
 
@@ -140,6 +140,9 @@ class MemoryCopy:
     plan: DumpPlan
     levels: list[Level]
     precopy_stopped: str = ""
+    compared: dict[str, Any] = field(default_factory=dict)
+    """What the comparison with the parent's pages read, found changed and took
+    (:meth:`KernelMemory.protect`)."""
     frozen_bytes: int = 0
     """The memory CRIU copied while the kernel was frozen."""
     entries: dict[str, FileEntry] = field(default_factory=dict)
@@ -183,6 +186,7 @@ class MemoryCopy:
             "parent": plan.parent_id,
             "precopy": [level.record() for level in self.levels],
             "precopy_stopped": self.precopy_stopped,
+            "compared": self.compared,
             "frozen_bytes": self.frozen_bytes,
             "copied_bytes": self.frozen_bytes + sum(lvl.copied_bytes for lvl in self.levels),
             "frozen_total_seconds": round(
@@ -215,11 +219,14 @@ def _untracked_processes(tree: KernelTree) -> list[dict[str, Any]]:
 
 @dataclass
 class _Tracked:
-    """Since which snapshot the kernel process's memory has been tracked."""
+    """Since which snapshot the kernel process's memory has been tracked, and what each
+    page of that snapshot holds (core/memtrack/digests.py; None where CRIU's soft-dirty
+    bits track it)."""
 
     pid: int
     started: int
     snapshot_id: str
+    digests: PageDigests | None
 
 
 @dataclass
@@ -233,6 +240,9 @@ class KernelMemory:
     """Why a pre-copy round of this wrapper failed (its snapshot was then copied whole,
     frozen): later ones are not tried."""
     _tracked: _Tracked | None = field(default=None, repr=False)
+    _compared: tuple[str, dict[str, Any]] | None = field(default=None, repr=False)
+    """The snapshot the memory was compared with since it was protected, and what that
+    found (:meth:`protect`, until :meth:`release`)."""
 
     # ------------------------------------------------------------------ planning
 
@@ -314,7 +324,72 @@ class KernelMemory:
         from now on (with soft-dirty bits, CRIU tracks everything itself)."""
         if self.tracker is not None:
             self.tracker.register_new()
-            self.tracker.dumped()  # the run protects healed blocks again
+
+    async def protect(self) -> dict[str, Any]:
+        """At the start of an incremental dump: protect the kernel's memory and unprotect
+        what differs from the parent snapshot (MemoryTracker.protect). Returns what it
+        read, found changed and took, for the snapshot's record ({} with soft-dirty bits:
+        CRIU knows what was written). Raises TrackingUnavailable or OSError where that
+        fails: the dump then copies everything."""
+        tracked, tracker = self._tracked, self.tracker
+        if tracker is None:
+            return {}
+        if tracked is None or tracked.digests is None:
+            raise TrackingUnavailable(0, "no digests of the previous snapshot's pages")
+        if self._compared is not None and self._compared[0] == tracked.snapshot_id:
+            return self._compared[1]  # a checkpoint compared before deciding on itself
+        self.register()
+        started = time.monotonic()
+        self._compared = None
+        changed, read = await asyncio.to_thread(tracker.protect, tracked.digests)
+        compared = {
+            "read_bytes": read,
+            "changed_bytes": changed,
+            "seconds": round(time.monotonic() - started, 4),
+        }
+        self._compared = (tracked.snapshot_id, compared)
+        return compared
+
+    async def release(self) -> None:
+        """A dump over (sealed or not), the kernel running again: its memory unprotected
+        until the next one, and the huge pages its writes made Linux split meanwhile
+        collapsed again by its agent."""
+        self._compared = None
+        tracker = self.tracker
+        if tracker is None or not tracker.same_process():
+            return
+        try:
+            blocks = await asyncio.to_thread(tracker.release)
+        except (TrackingUnavailable, OSError) as exc:
+            log.debug("releasing the kernel's memory: %s", exc)
+            return
+        for start in range(0, len(blocks), COLLAPSE_BATCH):
+            if self.relay.inner is None:
+                return
+            await self.relay.inner.ask_agent(
+                "collapse", COLLAPSE_TIMEOUT, blocks=blocks[start : start + COLLAPSE_BATCH]
+            )
+
+    async def digests_after(self, staging: Path, copy: MemoryCopy) -> PageDigests | None:
+        """What each page of the kernel's memory holds in the tracked dump ``copy`` just
+        made into ``staging``, for the next one to compare the memory with: taken from
+        the images (the kernel ran on meanwhile), what they leave to the parent snapshot
+        from its digests. None without a tracker (soft-dirty bits), or where the images
+        cannot be read (the next dump then copies everything)."""
+        if self.tracker is None or not copy.plan.track:
+            return None
+        tracked = self._tracked if copy.plan.parent_id else None
+        images = staging / IMAGES_DIR
+        try:
+            return await asyncio.to_thread(
+                digests_of_dump,
+                [images, *(level.directory for level in reversed(copy.levels))],
+                root_pid(images),
+                tracked.digests if tracked is not None else None,
+            )
+        except (OSError, SnapshotError, IndexError) as exc:
+            log.warning("the digests of the snapshot's pages cannot be taken: %s", exc)
+            return None
 
     def pending_bytes(self, inner_pid: int) -> int | None:
         """What a tracked dump would copy now (None where the count cannot be had: CRIU
@@ -363,7 +438,7 @@ class KernelMemory:
             round_work = work_dir / level_dir.name
             round_work.mkdir(mode=0o700)
             progress({"phase": "dumping", "total_bytes": pending})
-            self.invalidate(PROTECTED)  # this round protects what it copies
+            self.tracked_run()
             hasher = GrowingFileChunker(staging, level_dir, params)
             started = time.monotonic()
             try:
@@ -390,34 +465,36 @@ class KernelMemory:
             )
             prev = level_dir
 
-    async def heal(self) -> int:
-        """Between snapshots: give back to the kernel the huge pages its writes made
-        Linux split (MemoryTracker.heal), collapsed again by its agent. Returns how many
-        2 MiB blocks were healed."""
-        tracker = self.tracker
-        if tracker is None or self.relay.inner is None or not tracker.same_process():
-            return 0
-        try:
-            blocks = await asyncio.to_thread(tracker.heal)
-        except (TrackingUnavailable, OSError) as exc:
-            log.debug("healing the kernel's huge pages: %s", exc)
-            return 0
-        for start in range(0, len(blocks), COLLAPSE_BATCH):
-            await self.relay.inner.ask_agent(
-                "collapse", COLLAPSE_TIMEOUT, blocks=blocks[start : start + COLLAPSE_BATCH]
-            )
-        return len(blocks)
-
     # ------------------------------------------------------------------ after a dump
 
-    def dumped(self, snapshot_id: str, inner_pid: int, *, tracked: bool, ended: bool) -> None:
+    def dumped(
+        self,
+        snapshot_id: str,
+        inner_pid: int,
+        *,
+        tracked: bool,
+        ended: bool,
+        digests: PageDigests | None = None,
+    ) -> None:
         """A dump of ``inner_pid`` was sealed as ``snapshot_id``: with ``tracked``, the
-        kernel's memory is tracked since then (unless its process ``ended``)."""
+        kernel's memory is tracked since then (unless its process ``ended``), its pages'
+        ``digests`` those of the dump (:meth:`digests_after`)."""
         if ended or not tracked:
             self.forget(AFTER_RESTORE if ended else FIRST)
             return
+        if self.tracker is not None and digests is None:
+            self.invalidate(NO_DIGESTS)
+            return
         with contextlib.suppress(OSError, ValueError, IndexError):
-            self._tracked = _Tracked(inner_pid, start_time(inner_pid), snapshot_id)
+            self._tracked = _Tracked(inner_pid, start_time(inner_pid), snapshot_id, digests)
+
+    def tracked_run(self) -> None:
+        """A tracked CRIU run starts. With soft-dirty bits it clears the bits of what it
+        copies: until this dump is sealed, what the kernel wrote is in no sealed image, so
+        its next dump copies everything. With a tracker nothing is lost: each dump
+        compares the memory with its parent's digests (:meth:`protect`)."""
+        if self.tracker is None:
+            self.invalidate(PROTECTED)
 
     def invalidate(self, reason: str) -> None:
         """What the kernel wrote is no longer known since any snapshot on this machine (a

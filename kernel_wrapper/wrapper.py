@@ -71,7 +71,6 @@ from .checkpointarea import KernelCheckpoints, area_name
 from .checkpoints import CellCheckpoints
 from .control import ControlServer
 from .lifecycle import Lifecycle, State
-from .memory import HEAL_SECONDS
 from .relay import Relay
 from .runtime import RuntimeDir
 from .snapshotter import Snapshotter
@@ -218,7 +217,6 @@ class KernelWrapper:
         self._announced = True
         self._announce()
         self._background(self.relay.forward_subscriptions())
-        self._background(self._heal_huge_pages())
         self._watch_parent()
         try:
             if self.await_restore:
@@ -251,18 +249,6 @@ class KernelWrapper:
         await self.process.launch(self._inner_argv(), env, pass_fds=(self.runtime.fd,))
         self.lifecycle.enter(State.RUNNING)
         self._write_journal()
-
-    async def _heal_huge_pages(self) -> None:
-        """While the kernel runs between snapshots, give it back the huge pages its
-        writes made Linux split (kernel_wrapper/memory.py, ``heal``)."""
-        memory = self.snapshotter.kernel.memory
-        while not self.lifecycle.done.is_set():
-            await asyncio.sleep(HEAL_SECONDS)
-            if self.lifecycle.is_(State.RUNNING) and not self.snapshotter.busy:
-                try:
-                    await memory.heal()
-                except (SnapshotError, OSError) as exc:  # a kernel going away: again later
-                    log.debug("healing huge pages: %s", exc)
 
     def _inner_argv(self) -> list[str]:
         """Our ipykernel, or the bridge with another kernel behind it, whose command line

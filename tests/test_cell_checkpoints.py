@@ -574,6 +574,24 @@ def test_a_large_change_is_skipped_and_said(checkpointed: Callable[..., KernelPr
     assert run(kernel, "print(x, 'big' in dir())")[0].split() == ["0", "False"]
 
 
+def test_memory_that_did_not_change_does_not_count_against_the_limit(
+    checkpointed: Callable[..., KernelProcess],
+) -> None:
+    """Between snapshots nothing is protected (every page reads as written): what a
+    checkpoint would copy is found by comparing the memory with the last one's pages
+    (core/memtrack/digests.py), so an 80 MiB array made before does not count again."""
+    kernel = checkpointed(max_change_bytes=96 * MB)
+    run(kernel, STATE + "x = 0", "c0")
+    settled(kernel, 2)
+    run(kernel, "keep = np.ones(10 * 2**20); x = 1", "keep")  # 80 MiB written
+    assert settled(kernel, 3)["skipped"] is None
+    run(kernel, "x = 2", "small")
+    taken = settled(kernel, 4)
+    assert taken["skipped"] is None, taken["skipped"]
+    assert len(taken["checkpoints"]) == 4
+    assert taken["checkpoints"][-1]["memory"]["copied_bytes"] < 32 * MB
+
+
 def test_one_cut_short_by_a_request_that_is_no_cell_comes_at_the_next_idle(
     checkpointed: Callable[..., KernelProcess],
 ) -> None:

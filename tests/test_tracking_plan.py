@@ -23,6 +23,7 @@ from jupyter_ext.core.lazypages.pagemap import (
 from jupyter_ext.core.lazypages.sources import DirectoryPages
 from jupyter_ext.core.manifest import FileEntry, Manifest
 from jupyter_ext.core.memtrack import plan, writeback
+from jupyter_ext.core.memtrack.digests import PageDigests, digests_of_dump, page_digests
 from jupyter_ext.core.memtrack.plan import Situation, another_round, plan_dump
 from jupyter_ext.core.memtrack.writeback import SLACK_BYTES, unthrottled_bytes
 
@@ -376,3 +377,49 @@ def test_a_cgroups_memory_limit_bounds_the_room(tmp_path: Path) -> None:
         "nr_dirty_background_threshold 500000\n"
     )
     assert unthrottled_bytes(proc, cgroups) == machine - (256 << 20)
+
+
+def test_a_dumps_digests_take_each_page_from_the_newest_level_that_holds_it(
+    tmp_path: Path,
+) -> None:
+    """What the next dump compares the kernel's memory with (core/memtrack/digests.py):
+    each page's digest from the newest of the dump's levels whose pages file holds it, a
+    page left to the parent snapshot from the parent's digests; where the parent has no
+    digest for such a page there are none at all (the next dump copies everything)."""
+    v = 0x10000 * PAGE_SIZE
+    top, rounds = tmp_path / "images", tmp_path / "precopy-1"
+    level(rounds, [(v, 2, PE_PARENT), (v + 2 * PAGE_SIZE, 6, PE_PRESENT)], fill=2)
+    level(
+        top,
+        [(v, 3, PE_PARENT), (v + 3 * PAGE_SIZE, 1, PE_PRESENT), (v + 4 * PAGE_SIZE, 4, PE_PARENT)],
+        fill=3,
+    )
+    parent_pages = [bytes([1]) * PAGE_SIZE, bytes([9]) * PAGE_SIZE]
+    before = PageDigests.of([(v, page_digests(memoryview(b"".join(parent_pages))))])
+    got = digests_of_dump([top, rounds], 1, before)
+    assert got is not None
+    assert got.starts == [v]
+    assert got.pages == 8
+
+    def page(fill: int, n: int) -> bytes:
+        return (bytes([fill]) + (v // PAGE_SIZE + n).to_bytes(4, "little")).ljust(PAGE_SIZE, b"\0")
+
+    truth = [*parent_pages, page(2, 2), page(3, 3), *(page(2, n) for n in range(4, 8))]
+    assert (got.runs[0] == page_digests(memoryview(b"".join(truth)))).all()
+    assert digests_of_dump([top, rounds], 1, None) is None
+    assert digests_of_dump([top, rounds], 1, PageDigests.of([(v, before.runs[0][:1])])) is None
+
+
+def test_pages_are_unchanged_only_where_the_snapshot_held_the_same() -> None:
+    """Across the runs' edges, a page the snapshot lacks counts as changed."""
+    pages = [bytes([n]) * PAGE_SIZE for n in range(10)]
+    digests = page_digests(memoryview(b"".join(pages)))
+    v = 0x20000 * PAGE_SIZE
+    snapshot = PageDigests.of(
+        [(v + 5 * PAGE_SIZE, digests[5:8]), (v, digests[:3]), (v + 3 * PAGE_SIZE, digests[3:4])]
+    )
+    assert snapshot.starts == [v, v + 5 * PAGE_SIZE]  # the touching runs joined
+    now = pages.copy()
+    now[6] = b"x" * PAGE_SIZE
+    same = snapshot.unchanged(v + PAGE_SIZE, page_digests(memoryview(b"".join(now[1:9]))))
+    assert same.tolist() == [True, True, True, False, True, False, True, False]

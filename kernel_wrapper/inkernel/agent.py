@@ -65,7 +65,7 @@ MAX_COLLAPSE = 1024
 
 def collapse(request: dict[str, Any]) -> dict[str, Any]:
     """Make the 2 MiB blocks the wrapper unprotected huge pages again
-    (``MADV_COLLAPSE``; jupyter_ext/core/memtrack/tracker.py, ``heal``). Blocks that cannot
+    (``MADV_COLLAPSE``; jupyter_ext/core/memtrack/tracker.py, ``release``). Blocks that cannot
     be (no memory for a huge page, a mapping's edge) are left as they are."""
     blocks = request.get("blocks")
     if not isinstance(blocks, list) or len(blocks) > MAX_COLLAPSE:

@@ -196,6 +196,7 @@ const PHASES: Record<Phase, string> = {
   queued: 'Waiting',
   'releasing-gpu-caches': 'Releasing GPU caches',
   'gpu-checkpoint': 'Checkpointing GPU memory',
+  comparing: 'Finding what memory changed',
   dumping: 'Dumping memory',
   hashing: 'Hashing',
   uploading: 'Uploading',

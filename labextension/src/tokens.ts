@@ -179,6 +179,7 @@ export const PHASES = [
   'queued',
   'releasing-gpu-caches',
   'gpu-checkpoint',
+  'comparing',
   'dumping',
   'hashing',
   'uploading',

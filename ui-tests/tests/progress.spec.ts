@@ -28,6 +28,7 @@ const PHASES: [string, string][] = [
   ['queued', 'waiting'],
   ['releasing-gpu-caches', 'releasing gpu caches'],
   ['gpu-checkpoint', 'checkpointing gpu memory'],
+  ['comparing', 'finding what memory changed'],
   ['dumping', 'dumping memory'],
   ['hashing', 'hashing'],
   ['uploading', 'uploading'],

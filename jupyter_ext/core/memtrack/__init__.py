@@ -7,8 +7,10 @@ these machines' VM kernels). Linux 6.7 has the replacement: an asynchronous writ
 userfaultfd and ``PAGEMAP_SCAN`` (:mod:`.uffd`). The kernel process opens the descriptor
 (its in-kernel agent, on the wrapper's request), the wrapper takes it and holds it
 (:mod:`.tracker`), and the CRIU the product builds (scripts/criu-patches/0001) takes
-its dirty bits from it. Where the kernel has soft-dirty bits, CRIU uses those and no
-descriptor is needed.
+its dirty bits from it. The memory is protected only during a snapshot: between
+snapshots the wrapper keeps a digest of each page the last one holds, and what changed
+is found by content when the next one starts (:mod:`.digests`). Where the kernel has
+soft-dirty bits, CRIU uses those and no descriptor is needed.
 
 How a kernel's dumps use it, and when they copy everything instead (and say why), is
 :mod:`.plan`; the chain of images a tracked dump leaves is :mod:`..criu.chain`.

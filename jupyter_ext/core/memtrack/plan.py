@@ -39,6 +39,8 @@ OFF = "memory tracking is off (track_memory = False)"
 FIRST = "the kernel's first snapshot (a new kernel process, or one started again)"
 AFTER_RESTORE = "the first snapshot since the kernel was restored (a new process)"
 PARENT_GONE = "its previous snapshot is no longer on this machine"
+NO_DIGESTS = "what its previous snapshot holds could not be read back from its images"
+CHANGES_UNKNOWN = "what changed since its previous snapshot could not be found: {error}"
 GPU = (
     "the kernel uses the GPU: the device may write its host memory without the "
     "processor's page tables knowing (and GPU memory is copied whole anyway)"

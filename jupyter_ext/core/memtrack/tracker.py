@@ -5,8 +5,10 @@ each dump, registers the private anonymous mappings the kernel made since the la
 (a new mapping is not protected yet: it counts as written, so it is dumped whole). What
 it does not register (file mappings, shared memory, device memory, mappings another
 userfaultfd holds) is always reported written: nothing untracked is ever taken from a
-parent snapshot. CRIU reads the written bits and protects the pages again at each dump
-(scripts/criu-patches/0001).
+parent snapshot. The memory is protected only while a snapshot runs (:meth:`protect`,
+then what differs from the parent snapshot by content is unprotected: :mod:`.digests`);
+CRIU reads the written bits and protects the pages again at each of its runs
+(scripts/criu-patches/0001); :meth:`release` unprotects everything after.
 """
 
 from __future__ import annotations
@@ -17,14 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import uffd
+from .digests import DENSE_PAGES, HUGE_PAGE, PageDigests, changed_runs
 
 #: Mapping names that are anonymous memory (glibc and the kernel name some of theirs).
 _ANONYMOUS_NAMES = ("[heap]", "[stack]", "[anon:")
-#: A transparent huge page: the block healing works on.
-HUGE_PAGE = 2 << 20
-#: Written pages (of 512) that make a huge-page block worth healing: then it counts as
-#: written whole (a dump copies at most 8 times what was written there).
-HEAL_MIN_PAGES = 64
 
 
 @dataclass(frozen=True)
@@ -59,18 +57,24 @@ def start_time(pid: int) -> int:
 
 class MemoryTracker:
     """Write tracking of process ``pid``'s memory through ``fd``, its userfaultfd (this
-    process's copy). Close it when the process is gone or will no longer be dumped."""
+    process's copy), during each of its snapshots (:mod:`.digests`: between them nothing
+    is protected). Close it when the process is gone or will no longer be dumped."""
 
     def __init__(self, pid: int, fd: int) -> None:
         self.pid = pid
         self.fd = fd
         self.started = start_time(pid)
+        self.ranges: list[tuple[int, int]] = []
+        """The mappings registered at the last :meth:`register_new`."""
         self.registered = 0
         """Bytes of the process's memory registered at the last :meth:`register_new`."""
         self.untracked = 0
         """Bytes of private anonymous memory the kernel refused to register."""
-        self.healed: set[int] = set()
-        """Huge-page blocks unprotected since the last dump (:meth:`heal`)."""
+        self.split: set[int] = set()
+        """Huge-page blocks split in this snapshot: where the process wrote while they
+        were protected, or :meth:`protect` unprotected a few of their pages."""
+        self.whole: set[int] = set()
+        """Huge-page blocks :meth:`protect` unprotected whole (never split)."""
 
     @classmethod
     def take(cls, pid: int, fd_in_process: int) -> MemoryTracker:
@@ -88,54 +92,67 @@ class MemoryTracker:
     def register_new(self) -> None:
         """Register every private anonymous mapping of the process (those registered
         before are skipped by the kernel). Call it before each dump."""
-        registered = untracked = 0
+        ranges, untracked = [], 0
         for mapping in read_maps(self.pid):
             if not mapping.private_anonymous:
                 continue
             size = mapping.end - mapping.start
             if uffd.register(self.fd, mapping.start, size):
-                registered += size
+                ranges.append((mapping.start, mapping.end))
             else:
                 untracked += size
-        self.registered, self.untracked = registered, untracked
+        self.ranges = ranges
+        self.registered = sum(end - start for start, end in ranges)
+        self.untracked = untracked
 
-    def heal(self) -> list[int]:
-        """Undo what protection costs the kernel where it writes much: a write to a
-        protected transparent huge page makes Linux split it into 512 small pages, each
-        protected (one fault each, and the processor's TLB then covers 1/512 as much
-        memory: random access over such memory ran 1.7-2.7x slower here). Each 2 MiB
-        block of which at least :data:`HEAL_MIN_PAGES` pages were written since the last
-        dump is unprotected whole (it counts as written: always safe) so that it can be
-        collapsed back into a huge page. Returns the blocks unprotected (once each until
-        the next dump); the kernel process collapses them (``MADV_COLLAPSE``)."""
+    def protect(self, digests: PageDigests) -> tuple[int, int]:
+        """At the start of a snapshot built on the one ``digests`` describes: protect all
+        registered memory, then unprotect what holds something else than that snapshot
+        (a dump copies it). Returns the bytes unprotected and the bytes read. A range that
+        cannot be protected (the process unmapped it meanwhile) stays written: copied."""
+        self.split.clear()
+        self.whole.clear()
+        for start, end in self.ranges:
+            with contextlib.suppress(uffd.TrackingUnavailable):
+                uffd.protect(self.fd, start, end - start)
+        changes = changed_runs(self.pid, digests)
+        for start, end in changes.runs:
+            uffd.unprotect(self.fd, start, end - start)  # fails loudly: else a page is lost
+        self.split.update(changes.split)
+        self.whole = changes.whole
+        return sum(end - start for start, end in changes.runs), changes.read
+
+    def release(self) -> list[int]:
+        """The snapshot over (sealed or not): unprotect everything, so that the process
+        writes without faults until the next one. Returns the huge-page blocks it wrote
+        densely while protected (Linux split them to take the faults): its agent
+        collapses them again (``MADV_COLLAPSE``)."""
+        with contextlib.suppress(uffd.TrackingUnavailable, OSError):
+            self._note_split(uffd.written_ranges(self.pid))
+        for start, end in self.ranges:
+            with contextlib.suppress(uffd.TrackingUnavailable):
+                uffd.unprotect(self.fd, start, end - start)
+        split = sorted(self.split - self.whole)
+        self.split.clear()
+        return split
+
+    def pending_bytes(self) -> int:
+        """Bytes a dump would copy now: private memory written since the last protection
+        (or never tracked)."""
+        written = uffd.written_ranges(self.pid)
+        self._note_split(written)
+        return sum(end - start for start, end in written)
+
+    def _note_split(self, written: list[tuple[int, int]]) -> None:
         counts: dict[int, int] = {}
-        for start, end in uffd.written_ranges(self.pid):
+        for start, end in written:
             at = start
             while at < end:
                 block = at - at % HUGE_PAGE
                 step = min(end, block + HUGE_PAGE)
                 counts[block] = counts.get(block, 0) + (step - at) // uffd.PAGE_SIZE
                 at = step
-        healed = []
-        for block, pages in sorted(counts.items()):
-            if pages < HEAL_MIN_PAGES or block in self.healed:
-                continue
-            try:
-                uffd.unprotect(self.fd, block, HUGE_PAGE)
-            except uffd.TrackingUnavailable:
-                continue  # not all of it tracked (a mapping's edge, untracked memory)
-            self.healed.add(block)
-            healed.append(block)
-        return healed
-
-    def dumped(self) -> None:
-        """A tracked CRIU run protects the written pages again, healed blocks too."""
-        self.healed.clear()
-
-    def pending_bytes(self) -> int:
-        """Bytes a dump would copy now: private memory written since the last dump (or
-        never tracked)."""
-        return sum(end - start for start, end in uffd.written_ranges(self.pid))
+        self.split.update(block for block, pages in counts.items() if pages >= DENSE_PAGES)
 
     def close(self) -> None:
         if self.fd >= 0:

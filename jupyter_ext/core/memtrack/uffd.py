@@ -30,6 +30,7 @@ UFFDIO_API = 0xC018AA3F
 UFFDIO_REGISTER = 0xC020AA00
 UFFDIO_WRITEPROTECT = 0xC018AA06
 UFFDIO_REGISTER_MODE_WP = 1 << 1
+UFFDIO_WRITEPROTECT_MODE_WP = 1 << 0
 UFFD_FEATURE_WP_UNPOPULATED = 1 << 13
 UFFD_FEATURE_WP_ASYNC = 1 << 15
 #: What a tracking descriptor asks for: writes resolved by the kernel itself, and
@@ -38,11 +39,13 @@ TRACKING_FEATURES = UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED
 
 PAGEMAP_SCAN = 0xC0606610
 PM_SCAN_WP_MATCHING = 1 << 0
+PAGE_IS_WPALLOWED = 1 << 0
 PAGE_IS_WRITTEN = 1 << 1
 PAGE_IS_FILE = 1 << 2
 PAGE_IS_PRESENT = 1 << 3
 PAGE_IS_SWAPPED = 1 << 4
 PAGE_IS_PFNZERO = 1 << 5
+PAGE_IS_HUGE = 1 << 6
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 #: The top of a 64-bit x86/arm64 process's user address space (scans stop there; memory
 #: above it exists only where a process asked for it on 5-level page tables).
@@ -144,6 +147,13 @@ def unprotect(fd: int, start: int, length: int) -> None:
     _ioctl(fd, UFFDIO_WRITEPROTECT, wp)
 
 
+def protect(fd: int, start: int, length: int) -> None:
+    """Write-protect a registered range: its pages count as not written from now on,
+    until the process writes them (or :func:`unprotect`)."""
+    wp = (ctypes.c_uint64 * 3)(start, length, UFFDIO_WRITEPROTECT_MODE_WP)
+    _ioctl(fd, UFFDIO_WRITEPROTECT, wp)
+
+
 class ScanArg(ctypes.Structure):
     """struct pm_scan_arg (include/uapi/linux/fs.h)."""
 
@@ -166,14 +176,23 @@ class ScanArg(ctypes.Structure):
     ]
 
 
-def written_ranges(pid: int, start: int = 0, end: int = TASK_SIZE) -> list[tuple[int, int]]:
-    """The (start, end) ranges of ``pid``'s private memory, present or swapped, that a
-    tracked dump would copy now: written since they were last protected, or not tracked
-    at all (zero pages and file pages that were never written are left out, as CRIU does).
-    Protects nothing. Raises TrackingUnavailable without PAGEMAP_SCAN."""
+def scan(
+    pid: int,
+    *,
+    inverted: int,
+    mask: int,
+    anyof: int,
+    returned: int,
+    start: int = 0,
+    end: int = TASK_SIZE,
+) -> list[tuple[int, int, int]]:
+    """``PAGEMAP_SCAN`` of ``pid``'s pages from outside: the (start, end, categories)
+    runs whose categories in ``mask`` (less those ``inverted``) are all set and that have
+    one of ``anyof``, with their categories in ``returned``. Protects nothing. Raises
+    TrackingUnavailable without PAGEMAP_SCAN."""
     slots = 1024
     vec = (ctypes.c_uint64 * (3 * slots))()
-    found: list[tuple[int, int]] = []
+    found: list[tuple[int, int, int]] = []
     fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
     try:
         while start < end:
@@ -186,16 +205,62 @@ def written_ranges(pid: int, start: int = 0, end: int = TASK_SIZE) -> list[tuple
                 ctypes.addressof(vec),
                 slots,
                 0,
-                PAGE_IS_PFNZERO | PAGE_IS_FILE,
-                PAGE_IS_PFNZERO | PAGE_IS_FILE | PAGE_IS_WRITTEN,
-                PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
-                PAGE_IS_WRITTEN,
+                inverted,
+                mask,
+                anyof,
+                returned,
             )
             count = _ioctl(fd, PAGEMAP_SCAN, ctypes.pointer(arg))
-            found.extend((vec[3 * i], vec[3 * i + 1]) for i in range(count))
+            found.extend((vec[3 * i], vec[3 * i + 1], vec[3 * i + 2]) for i in range(count))
             if arg.walk_end <= start:
                 break
             start = arg.walk_end
     finally:
         os.close(fd)
     return found
+
+
+def written_ranges(pid: int, start: int = 0, end: int = TASK_SIZE) -> list[tuple[int, int]]:
+    """The (start, end) ranges of ``pid``'s private memory, present or swapped, that a
+    tracked dump would copy now: written since they were last protected, or not tracked
+    at all (zero pages and file pages that were never written are left out, as CRIU does).
+    """
+    runs = scan(
+        pid,
+        inverted=PAGE_IS_PFNZERO | PAGE_IS_FILE,
+        mask=PAGE_IS_PFNZERO | PAGE_IS_FILE | PAGE_IS_WRITTEN,
+        anyof=PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+        returned=PAGE_IS_WRITTEN,
+        start=start,
+        end=end,
+    )
+    return [(run_start, run_end) for run_start, run_end, _ in runs]
+
+
+def protected_ranges(pid: int) -> list[tuple[int, int, bool]]:
+    """The (start, end, huge) runs of ``pid``'s private memory, present or swapped, that
+    are protected (tracked, and not written since): those a dump would take from the
+    parent snapshot. ``huge``: mapped by a transparent huge page."""
+    runs = scan(
+        pid,
+        inverted=PAGE_IS_PFNZERO | PAGE_IS_FILE | PAGE_IS_WRITTEN,
+        mask=PAGE_IS_PFNZERO | PAGE_IS_FILE | PAGE_IS_WRITTEN | PAGE_IS_WPALLOWED,
+        anyof=PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+        returned=PAGE_IS_HUGE,
+    )
+    return [(run_start, run_end, bool(flags & PAGE_IS_HUGE)) for run_start, run_end, flags in runs]
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def read_memory(pid: int, address: int, into: memoryview) -> int:
+    """Copy ``pid``'s memory at ``address`` into ``into`` (``process_vm_readv``: the
+    caller may ptrace ``pid``); the bytes read, fewer where a page cannot be read (gone,
+    or ``PROT_NONE``)."""
+    buffer = (ctypes.c_char * len(into)).from_buffer(into)
+    local = _IoVec(ctypes.addressof(buffer), len(into))
+    remote = _IoVec(address, len(into))
+    got = int(_libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0))
+    return max(got, 0)

@@ -11,11 +11,13 @@ from typing import Literal, Required, TypedDict
 #: the REST API and the panel show it (labextension/src/tokens.ts spells the same list),
 #: in the order a job goes through them: a job's phase only moves forward in this list, and
 #: is "done" once, when the job has ended (jupyter_ext/manager/jobs.py). "uploading" puts
-#: a snapshot into an S3 store, "storing" into a local one.
+#: a snapshot into an S3 store, "storing" into a local one; "comparing" finds what the
+#: kernel's memory changed since its last snapshot (core/memtrack/digests.py).
 Phase = Literal[
     "queued",
     "releasing-gpu-caches",
     "gpu-checkpoint",
+    "comparing",
     "dumping",
     "hashing",
     "uploading",

@@ -1,0 +1,261 @@
+"""Which pages changed since the last snapshot, found by their content.
+
+Write-protecting a kernel's memory between snapshots makes it pay a fault on each
+page's first write, and Linux splits its transparent huge pages to take those faults
+(a cell that rewrote all of a 1 GiB array ran 6.5x as long: bench/RESULTS.md). So the
+memory is protected only while a snapshot runs. Between snapshots the wrapper keeps
+a 16-byte digest (xxh3-128) of each page the last snapshot holds (:class:`PageDigests`,
+4 MiB per GiB, taken from the snapshot's own images: :func:`digests_of_dump`). At the next
+snapshot the tracker write-protects everything first, then reads the kernel's memory from
+outside and unprotects each page whose digest differs (:func:`changed_runs`): CRIU copies
+those, and whatever the kernel writes from the protection on. A page is taken from the
+parent snapshot only if it was not written since the protection and holds what the
+parent holds, however it was written before (the kernel's code, a syscall, a device).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from ..criu.images import decode, ints, read_entries
+from ..lazypages.pagemap import PE_PARENT, Pagemap, parse_pagemap
+from . import uffd
+
+PAGE_SIZE = uffd.PAGE_SIZE
+DIGEST_SIZE = 16
+#: A transparent huge page (unprotecting part of one makes Linux split it).
+HUGE_PAGE = 2 << 20
+#: Changed pages (of 512) that make a huge-page block copied whole: a dump then copies at
+#: most 8 times what changed there, and the kernel keeps its huge page.
+DENSE_PAGES = 64
+#: How much of the kernel's memory one read copies.
+READ_BYTES = 32 << 20
+
+_hash = xxhash.xxh3_128_digest
+
+
+def page_digests(data: memoryview) -> np.ndarray:
+    """The digest of each page of ``data`` (whole pages), as a (pages, 16) uint8 array."""
+    joined = b"".join([_hash(data[at : at + PAGE_SIZE]) for at in range(0, len(data), PAGE_SIZE)])
+    return np.frombuffer(joined, np.uint8).reshape(-1, DIGEST_SIZE)
+
+
+@dataclass
+class PageDigests:
+    """The digest of each page of a snapshot's memory, as runs of consecutive pages."""
+
+    starts: list[int] = field(default_factory=list)
+    """Each run's first address, ascending."""
+    runs: list[np.ndarray] = field(default_factory=list)
+    """Each run's digests, a (pages, 16) uint8 array."""
+
+    @classmethod
+    def of(cls, pieces: Iterable[tuple[int, np.ndarray]]) -> PageDigests:
+        """From (address, digests) pieces that do not overlap, in any order; touching
+        ones are joined."""
+        digests = cls()
+        group: list[np.ndarray] = []
+        end = -1
+        for start, run in sorted(pieces, key=lambda piece: piece[0]):
+            if not len(run):
+                continue
+            if start != end and group:
+                digests.runs.append(np.concatenate(group))
+                group = []
+            if not group:
+                digests.starts.append(start)
+            group.append(run)
+            end = start + len(run) * PAGE_SIZE
+        if group:
+            digests.runs.append(np.concatenate(group))
+        return digests
+
+    def end_of(self, index: int) -> int:
+        return self.starts[index] + len(self.runs[index]) * PAGE_SIZE
+
+    @property
+    def pages(self) -> int:
+        return sum(len(run) for run in self.runs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages * DIGEST_SIZE
+
+    def pieces(self, start: int, end: int) -> Iterator[tuple[int, np.ndarray]]:
+        """The (address, digests) pieces of the runs within [start, end)."""
+        index = max(bisect.bisect_right(self.starts, start) - 1, 0)
+        while index < len(self.starts) and self.starts[index] < end:
+            run_start, run_end = self.starts[index], self.end_of(index)
+            low, high = max(start, run_start), min(end, run_end)
+            if low < high:
+                first = (low - run_start) // PAGE_SIZE
+                yield low, self.runs[index][first : first + (high - low) // PAGE_SIZE]
+            index += 1
+
+    def unchanged(self, start: int, digests: np.ndarray) -> np.ndarray:
+        """Which of the pages from ``start`` on, whose digests now are ``digests``, hold
+        what they held in the snapshot (a page the snapshot lacks changed)."""
+        same = np.zeros(len(digests), bool)
+        for at, old in self.pieces(start, start + len(digests) * PAGE_SIZE):
+            first = (at - start) // PAGE_SIZE
+            now = digests[first : first + len(old)]
+            same[first : first + len(old)] = (now == old).all(axis=1)
+        return same
+
+
+@dataclass
+class Changes:
+    """What :func:`changed_runs` found."""
+
+    runs: list[tuple[int, int]] = field(default_factory=list)
+    """The (start, end) runs of pages to unprotect: copied by the dump."""
+    split: set[int] = field(default_factory=set)
+    """Huge-page blocks that held a few changed pages: unprotecting those splits the huge
+    page (collapsed again after the snapshot)."""
+    whole: set[int] = field(default_factory=set)
+    """Huge-page blocks unprotected whole (they stay huge pages)."""
+    read: int = 0
+    """Bytes read from the process."""
+
+
+def changed_runs(pid: int, digests: PageDigests) -> Changes:
+    """After the tracker protected ``pid``'s memory: the protected pages whose content is
+    not what ``digests`` says (or that could not be read). Where a huge page maps a block
+    of which at least :data:`DENSE_PAGES` pages changed, the block is unprotected whole
+    (copied whole, the huge page kept); with fewer, only those pages (the dump copies
+    little; Linux splits the huge page to protect the rest). The process runs meanwhile:
+    what it writes now is no longer protected, so it is copied whatever this finds."""
+    changes = Changes()
+    buffer = bytearray(READ_BYTES)
+    view = memoryview(buffer)
+    for start, end, huge in uffd.protected_ranges(pid):
+        at = start
+        while at < end:
+            length = min(end - at, READ_BYTES)
+            got = uffd.read_memory(pid, at, view[:length]) // PAGE_SIZE * PAGE_SIZE
+            changes.read += got
+            same = np.zeros(length // PAGE_SIZE, bool)
+            if got:
+                same[: got // PAGE_SIZE] = digests.unchanged(at, page_digests(view[:got]))
+            if huge:
+                _add_huge(changes, at, ~same)
+            else:
+                changes.runs.extend(_runs_of(at, ~same))
+            at += length
+    changes.runs = _joined(changes.runs)
+    return changes
+
+
+def _add_huge(changes: Changes, start: int, flags: np.ndarray) -> None:
+    """The changed pages of huge-page blocks from ``start`` (a block's first page on)."""
+    per_block = HUGE_PAGE // PAGE_SIZE
+    for first in range(0, len(flags), per_block):
+        block = flags[first : first + per_block]
+        count = int(block.sum())
+        address = start + first * PAGE_SIZE
+        if count >= DENSE_PAGES:
+            changes.runs.append((address, address + len(block) * PAGE_SIZE))
+            changes.whole.add(address)
+        elif count:
+            changes.runs.extend(_runs_of(address, block))
+            changes.split.add(address - address % HUGE_PAGE)
+
+
+def _runs_of(start: int, flags: np.ndarray) -> Iterator[tuple[int, int]]:
+    """The runs of pages set in ``flags`` from ``start`` on."""
+    if not flags.any():
+        return
+    edges = np.flatnonzero(np.diff(np.concatenate([[False], flags, [False]]).astype(np.int8)))
+    for first, last in zip(edges[::2], edges[1::2], strict=True):
+        yield start + int(first) * PAGE_SIZE, start + int(last) * PAGE_SIZE
+
+
+def _joined(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    joined: list[tuple[int, int]] = []
+    for start, end in sorted(runs):
+        if joined and start <= joined[-1][1]:
+            joined[-1] = (joined[-1][0], max(joined[-1][1], end))
+        else:
+            joined.append((start, end))
+    return joined
+
+
+# ---------------------------------------------------------------------- from the images
+
+
+def root_pid(images: Path) -> int:
+    """The pid the dumped tree's root has in ``images`` (pstree.img's first entry)."""
+    _, entries = read_entries(images / "pstree.img")
+    return ints(decode(entries[0]), 1)[0]
+
+
+def digests_of_dump(levels: list[Path], pid: int, before: PageDigests | None) -> PageDigests | None:
+    """The digests of the memory of process ``pid`` (its pid in the images) that a dump
+    left in ``levels`` (its images directories, the dump's own first, then its pre-copy
+    rounds', newest first): each page from the newest level whose pages file holds it,
+    pages left to the parent snapshot from ``before`` (its digests). None where a page
+    left to the parent has no digest there (the next dump then copies everything)."""
+    maps = []
+    for level in levels:
+        path = level / f"pagemap-{pid}.img"
+        pagemap = parse_pagemap(path.read_bytes(), path.name)
+        pagemap.entries.sort(key=lambda entry: entry.vaddr)
+        maps.append((level, pagemap))
+    return _digests_of(maps, 0, 0, uffd.TASK_SIZE + PAGE_SIZE, before)
+
+
+def _digests_of(
+    maps: list[tuple[Path, Pagemap]],
+    depth: int,
+    start: int,
+    end: int,
+    before: PageDigests | None,
+) -> PageDigests | None:
+    """The digests of what level ``depth`` holds of [start, end): each page from the
+    newest level whose pages file holds it (from ``before`` below the last level)."""
+    if depth == len(maps):
+        if before is None:
+            return None
+        pieces = list(before.pieces(start, end))
+        if sum(len(run) for _, run in pieces) != (end - start) // PAGE_SIZE:
+            return None
+        return PageDigests.of(pieces)
+    directory, pagemap = maps[depth]
+    found: list[tuple[int, np.ndarray]] = []
+    first = max(bisect.bisect_right(pagemap.entries, start, key=lambda e: e.vaddr) - 1, 0)
+    for entry in itertools.islice(pagemap.entries, first, None):
+        if entry.vaddr >= end:
+            break
+        low, high = max(start, entry.vaddr), min(end, entry.end)
+        if low >= high:
+            continue
+        if entry.offset >= 0:  # in this level's pages file
+            offset = entry.offset + (low - entry.vaddr)
+            found.append((low, _file_digests(directory / pagemap.pages_file, offset, high - low)))
+        elif entry.flags & PE_PARENT:
+            below = _digests_of(maps, depth + 1, low, high, before)
+            if below is None:
+                return None
+            found.extend(zip(below.starts, below.runs, strict=True))
+    return PageDigests.of(found)
+
+
+def _file_digests(path: Path, offset: int, length: int) -> np.ndarray:
+    """The digests of the pages at ``offset`` of an image's pages file."""
+    parts = []
+    with open(path, "rb") as pages_file:
+        pages_file.seek(offset)
+        while length > 0:
+            data = pages_file.read(min(length, READ_BYTES))
+            if not data or len(data) % PAGE_SIZE:
+                raise OSError(f"{path} is shorter than its pagemap says")
+            parts.append(page_digests(memoryview(data)))
+            length -= len(data)
+    return np.concatenate(parts) if parts else np.zeros((0, DIGEST_SIZE), np.uint8)
