@@ -42,7 +42,7 @@ from jupyter_ext.core.gpu import find_cuda_processes
 from jupyter_ext.core.growinghash import GrowingFileChunker
 from jupyter_ext.core.manifest import IMAGES_DIR, FileEntry, Manifest
 from jupyter_ext.core.memtrack import MemoryTracker, TrackingUnavailable, start_time
-from jupyter_ext.core.memtrack.digests import PageDigests, digests_of_dump, root_pid
+from jupyter_ext.core.memtrack.digests import HUGE_PAGE, PageDigests, digests_of_dump, root_pid
 from jupyter_ext.core.memtrack.plan import (
     AFTER_RESTORE,
     FIRST,
@@ -243,6 +243,9 @@ class KernelMemory:
     _compared: tuple[str, dict[str, Any]] | None = field(default=None, repr=False)
     """The snapshot the memory was compared with since it was protected, and what that
     found (:meth:`protect`, until :meth:`release`)."""
+    _unchanged: tuple[str, dict[int, bytes]] | None = field(default=None, repr=False)
+    """The snapshot the last comparison was with, and the digests of the 2 MiB blocks it
+    found unchanged whole (for :meth:`digests_after`)."""
 
     # ------------------------------------------------------------------ planning
 
@@ -341,13 +344,16 @@ class KernelMemory:
         self.register()
         started = time.monotonic()
         self._compared = None
-        changed, read = await asyncio.to_thread(tracker.protect, tracked.digests)
+        changes = await asyncio.to_thread(tracker.protect, tracked.digests)
         compared = {
-            "read_bytes": read,
-            "changed_bytes": changed,
+            "read_bytes": changes.read,
+            "changed_bytes": changes.changed,
+            "whole_block_bytes": HUGE_PAGE
+            * sum(tracked.digests.blocks.get(block) == d for block, d in changes.blocks.items()),
             "seconds": round(time.monotonic() - started, 4),
         }
         self._compared = (tracked.snapshot_id, compared)
+        self._unchanged = (tracked.snapshot_id, changes.blocks)
         return compared
 
     async def release(self) -> None:
@@ -379,6 +385,7 @@ class KernelMemory:
         if self.tracker is None or not copy.plan.track:
             return None
         tracked = self._tracked if copy.plan.parent_id else None
+        unchanged, self._unchanged = self._unchanged, None
         images = staging / IMAGES_DIR
         try:
             return await asyncio.to_thread(
@@ -386,6 +393,7 @@ class KernelMemory:
                 [images, *(level.directory for level in reversed(copy.levels))],
                 root_pid(images),
                 tracked.digests if tracked is not None else None,
+                unchanged[1] if unchanged and unchanged[0] == copy.plan.parent_id else None,
             )
         except (OSError, SnapshotError, IndexError) as exc:
             log.warning("the digests of the snapshot's pages cannot be taken: %s", exc)

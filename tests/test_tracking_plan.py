@@ -3,10 +3,13 @@ bookkeeping (core/criu/chain.py, core/lazypages/chain.py), without processes."""
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
+import xxhash
 
 from jupyter_ext.core.criu.chain import ChainStats, chain_stats, level_files_of, parent_entries
 from jupyter_ext.core.errors import SnapshotCorruptError
@@ -23,7 +26,13 @@ from jupyter_ext.core.lazypages.pagemap import (
 from jupyter_ext.core.lazypages.sources import DirectoryPages
 from jupyter_ext.core.manifest import FileEntry, Manifest
 from jupyter_ext.core.memtrack import plan, writeback
-from jupyter_ext.core.memtrack.digests import PageDigests, digests_of_dump, page_digests
+from jupyter_ext.core.memtrack.digests import (
+    HUGE_PAGE,
+    PageDigests,
+    compare,
+    digests_of_dump,
+    page_digests,
+)
 from jupyter_ext.core.memtrack.plan import Situation, another_round, plan_dump
 from jupyter_ext.core.memtrack.writeback import SLACK_BYTES, unthrottled_bytes
 
@@ -423,3 +432,62 @@ def test_pages_are_unchanged_only_where_the_snapshot_held_the_same() -> None:
     now[6] = b"x" * PAGE_SIZE
     same = snapshot.unchanged(v + PAGE_SIZE, page_digests(memoryview(b"".join(now[1:9]))))
     assert same.tolist() == [True, True, True, False, True, False, True, False]
+
+
+def test_a_block_that_still_holds_what_the_snapshot_held_is_compared_in_one_hash() -> None:
+    """The comparison hashes each whole 2 MiB block once against the snapshot's block
+    digest and trusts it (here the page digests say otherwise, so only the block's digest
+    can have said "unchanged"); a block that differs is compared page by page, and a part
+    of a block (the read starts mid-block) always is."""
+    per_block = HUGE_PAGE // PAGE_SIZE
+    v = 0x40000000
+    memory = bytearray(os.urandom(3 * HUGE_PAGE))
+    pages = page_digests(memoryview(bytes(memory)))
+    wrong = pages.copy()
+    wrong[:per_block] ^= 0xFF  # the first block's page digests disagree
+    snapshot = PageDigests.of([(v, wrong)], {v: xxhash.xxh3_128_digest(bytes(memory[:HUGE_PAGE]))})
+    memory[HUGE_PAGE + 5 * PAGE_SIZE] ^= 1  # one page of the second block changed
+    found: dict[int, bytes] = {}
+    start = v + 3 * PAGE_SIZE  # a read from the third page on
+    same = compare(snapshot, start, memoryview(bytes(memory))[3 * PAGE_SIZE :], found)
+    assert not same[: per_block - 3].any()  # the first block's tail: its page digests
+    assert same[per_block - 3 :].sum() == 2 * per_block - 1
+    assert not same[per_block - 3 + 5]
+    assert set(found) == {v + 2 * HUGE_PAGE}  # the third, unchanged whole
+    same = compare(snapshot, v, memoryview(bytes(memory)), found)
+    assert same[:per_block].all()  # the block digest said so
+    assert v in found
+
+
+def test_a_dumps_block_digests_are_those_of_whole_blocks_it_holds_or_found_unchanged(
+    tmp_path: Path,
+) -> None:
+    """Block digests of a dump: each block one pages file holds whole; a block the
+    comparison found unchanged whole, unless the dump copied one of its pages; none for a
+    block whose pages come from two levels."""
+    per_block = HUGE_PAGE // PAGE_SIZE
+    v = 0x40000000
+    top, rounds = tmp_path / "images", tmp_path / "precopy-1"
+    level(
+        rounds,
+        [
+            (v, per_block, PE_PARENT),
+            (v + HUGE_PAGE, per_block // 2, PE_PRESENT),
+            (v + HUGE_PAGE + HUGE_PAGE // 2, per_block // 2 + per_block, PE_PARENT),
+        ],
+        fill=2,
+    )
+    level(
+        top,
+        [(v, per_block, PE_PRESENT), (v + HUGE_PAGE, 2 * per_block, PE_PARENT)],
+        fill=3,
+    )
+    before = PageDigests.of([(v, np.zeros((3 * per_block, 16), np.uint8))])
+    claimed = {block: b"x" * 16 for block in (v, v + HUGE_PAGE, v + 2 * HUGE_PAGE)}
+    got = digests_of_dump([top, rounds], 1, before, claimed)
+    assert got is not None
+    first = b"".join(
+        (bytes([3]) + (v // PAGE_SIZE + n).to_bytes(4, "little")).ljust(PAGE_SIZE, b"\0")
+        for n in range(per_block)
+    )
+    assert got.blocks == {v: xxhash.xxh3_128_digest(first), v + 2 * HUGE_PAGE: b"x" * 16}

@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 
 from ..criu.images import decode, ints, read_entries
-from ..lazypages.pagemap import PE_PARENT, Pagemap, parse_pagemap
+from ..lazypages.pagemap import PE_PARENT, Pagemap, PagemapEntry, parse_pagemap
 from . import uffd
 
 PAGE_SIZE = uffd.PAGE_SIZE
@@ -55,12 +55,17 @@ class PageDigests:
     """Each run's first address, ascending."""
     runs: list[np.ndarray] = field(default_factory=list)
     """Each run's digests, a (pages, 16) uint8 array."""
+    blocks: dict[int, bytes] = field(default_factory=dict)
+    """The digest of each 2 MiB block (aligned) whose whole content is known: a block that
+    still has it is compared in one hash, not 512."""
 
     @classmethod
-    def of(cls, pieces: Iterable[tuple[int, np.ndarray]]) -> PageDigests:
-        """From (address, digests) pieces that do not overlap, in any order; touching
-        ones are joined."""
-        digests = cls()
+    def of(
+        cls, pieces: Iterable[tuple[int, np.ndarray]], blocks: dict[int, bytes] | None = None
+    ) -> PageDigests:
+        """From (address, digests) pieces that do not overlap, in any order (touching
+        ones are joined), and the digests of whole blocks."""
+        digests = cls(blocks=dict(blocks or {}))
         group: list[np.ndarray] = []
         end = -1
         for start, run in sorted(pieces, key=lambda piece: piece[0]):
@@ -121,8 +126,18 @@ class Changes:
     page (collapsed again after the snapshot)."""
     whole: set[int] = field(default_factory=set)
     """Huge-page blocks unprotected whole (they stay huge pages)."""
+    blocks: dict[int, bytes] = field(default_factory=dict)
+    """The digests of the 2 MiB blocks found unchanged whole, as read: the snapshot holds
+    the same where its dump copies none of their pages (:func:`digests_of_dump`)."""
     read: int = 0
     """Bytes read from the process."""
+    unread: int = 0
+    """Bytes unprotected without reading: swapped out, or not populated."""
+
+    @property
+    def changed(self) -> int:
+        """Bytes of populated memory found changed (or that could not be read)."""
+        return sum(end - start for start, end in self.runs) - self.unread
 
 
 def changed_runs(pid: int, digests: PageDigests) -> Changes:
@@ -130,20 +145,27 @@ def changed_runs(pid: int, digests: PageDigests) -> Changes:
     not what ``digests`` says (or that could not be read). Where a huge page maps a block
     of which at least :data:`DENSE_PAGES` pages changed, the block is unprotected whole
     (copied whole, the huge page kept); with fewer, only those pages (the dump copies
-    little; Linux splits the huge page to protect the rest). The process runs meanwhile:
-    what it writes now is no longer protected, so it is copied whatever this finds."""
+    little; Linux splits the huge page to protect the rest). Swapped pages count as
+    changed. The process runs meanwhile: what it writes now is no longer protected, so it
+    is copied whatever this finds."""
     changes = Changes()
     buffer = bytearray(READ_BYTES)
     view = memoryview(buffer)
-    for start, end, huge in uffd.protected_ranges(pid):
+    for start, end, categories in uffd.protected_ranges(pid):
+        if categories & uffd.PAGE_IS_SWAPPED:
+            # Not read (that would bring it in, or map zero pages where none are): a page
+            # not populated is not dumped either way, a swapped one is copied again.
+            changes.runs.append((start, end))
+            changes.unread += end - start
+            continue
+        huge = bool(categories & uffd.PAGE_IS_HUGE)
         at = start
         while at < end:
             length = min(end - at, READ_BYTES)
             got = uffd.read_memory(pid, at, view[:length]) // PAGE_SIZE * PAGE_SIZE
             changes.read += got
             same = np.zeros(length // PAGE_SIZE, bool)
-            if got:
-                same[: got // PAGE_SIZE] = digests.unchanged(at, page_digests(view[:got]))
+            same[: got // PAGE_SIZE] = compare(digests, at, view[:got], changes.blocks)
             if huge:
                 _add_huge(changes, at, ~same)
             else:
@@ -151,6 +173,39 @@ def changed_runs(pid: int, digests: PageDigests) -> Changes:
             at += length
     changes.runs = _joined(changes.runs)
     return changes
+
+
+def compare(
+    digests: PageDigests, start: int, data: memoryview, unchanged: dict[int, bytes]
+) -> np.ndarray:
+    """Which pages of ``data`` (read from ``start``) hold what the snapshot holds: each
+    whole 2 MiB block first in one hash against the snapshot's block digest, the pages of
+    the others one by one. Blocks found unchanged whole go into ``unchanged``."""
+    same = np.zeros(len(data) // PAGE_SIZE, bool)
+    end = start + len(data)
+    at = start
+    while at < end:
+        block = at + -at % HUGE_PAGE if at % HUGE_PAGE else at
+        if block > at or block + HUGE_PAGE > end:  # a part of a block: page by page
+            stop = min(end, block) if block > at else end
+            first = (at - start) // PAGE_SIZE
+            part = data[at - start : stop - start]
+            same[first : first + len(part) // PAGE_SIZE] = digests.unchanged(at, page_digests(part))
+            at = stop
+            continue
+        first = (block - start) // PAGE_SIZE
+        part = data[block - start : block - start + HUGE_PAGE]
+        whole = _hash(part)
+        if digests.blocks.get(block) == whole:
+            same[first : first + HUGE_PAGE // PAGE_SIZE] = True
+        else:
+            same[first : first + HUGE_PAGE // PAGE_SIZE] = digests.unchanged(
+                block, page_digests(part)
+            )
+        if same[first : first + HUGE_PAGE // PAGE_SIZE].all():
+            unchanged[block] = whole
+        at = block + HUGE_PAGE
+    return same
 
 
 def _add_huge(changes: Changes, start: int, flags: np.ndarray) -> None:
@@ -196,19 +251,69 @@ def root_pid(images: Path) -> int:
     return ints(decode(entries[0]), 1)[0]
 
 
-def digests_of_dump(levels: list[Path], pid: int, before: PageDigests | None) -> PageDigests | None:
+def digests_of_dump(
+    levels: list[Path],
+    pid: int,
+    before: PageDigests | None,
+    unchanged: dict[int, bytes] | None = None,
+) -> PageDigests | None:
     """The digests of the memory of process ``pid`` (its pid in the images) that a dump
     left in ``levels`` (its images directories, the dump's own first, then its pre-copy
     rounds', newest first): each page from the newest level whose pages file holds it,
     pages left to the parent snapshot from ``before`` (its digests). None where a page
-    left to the parent has no digest there (the next dump then copies everything)."""
+    left to the parent has no digest there (the next dump then copies everything).
+    Block digests: those of the blocks read whole from one pages file, and of the blocks
+    the comparison found ``unchanged`` of which the dump copied no page."""
     maps = []
     for level in levels:
         path = level / f"pagemap-{pid}.img"
         pagemap = parse_pagemap(path.read_bytes(), path.name)
-        pagemap.entries.sort(key=lambda entry: entry.vaddr)
+        pagemap.entries = _merged(sorted(pagemap.entries, key=lambda entry: entry.vaddr))
         maps.append((level, pagemap))
-    return _digests_of(maps, 0, 0, uffd.TASK_SIZE + PAGE_SIZE, before)
+    taken = _Taken()
+    if not _digests_of(maps, 0, 0, uffd.TASK_SIZE + PAGE_SIZE, before, taken):
+        return None
+    digests = PageDigests.of(taken.pieces, taken.blocks)
+    copied = sorted(taken.copied)
+    for block, digest in (unchanged or {}).items():
+        index = bisect.bisect_right(copied, (block + HUGE_PAGE,))
+        if index and copied[index - 1][1] > block:
+            continue  # the dump copied one of its pages: what it holds is in the images
+        pieces = digests.pieces(block, block + HUGE_PAGE)
+        if sum(len(run) for _, run in pieces) == HUGE_PAGE // PAGE_SIZE:
+            digests.blocks.setdefault(block, digest)
+    return digests
+
+
+def _merged(entries: list[PagemapEntry]) -> list[PagemapEntry]:
+    """Neighbouring entries of the same kind as one (CRIU writes at most 1 MiB in each):
+    a 2 MiB block is then hashed from one read."""
+    merged: list[PagemapEntry] = []
+    for entry in entries:
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and last.end == entry.vaddr
+            and (last.offset >= 0) == (entry.offset >= 0)
+            and (last.offset < 0 or last.offset + last.nr_pages * PAGE_SIZE == entry.offset)
+            and (last.offset >= 0 or last.flags & PE_PARENT == entry.flags & PE_PARENT)
+        ):
+            merged[-1] = PagemapEntry(
+                last.vaddr, last.nr_pages + entry.nr_pages, last.flags, last.offset
+            )
+        else:
+            merged.append(entry)
+    return merged
+
+
+@dataclass
+class _Taken:
+    """What :func:`_digests_of` gathers."""
+
+    pieces: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    blocks: dict[int, bytes] = field(default_factory=dict)
+    copied: list[tuple[int, int]] = field(default_factory=list)
+    """The (start, end) runs the dump's own levels hold."""
 
 
 def _digests_of(
@@ -217,18 +322,20 @@ def _digests_of(
     start: int,
     end: int,
     before: PageDigests | None,
-) -> PageDigests | None:
-    """The digests of what level ``depth`` holds of [start, end): each page from the
-    newest level whose pages file holds it (from ``before`` below the last level)."""
+    taken: _Taken,
+) -> bool:
+    """Gather the digests of what level ``depth`` holds of [start, end) into ``taken``:
+    each page from the newest level whose pages file holds it (from ``before`` below the
+    last level). False where a page has no digest."""
     if depth == len(maps):
         if before is None:
-            return None
+            return False
         pieces = list(before.pieces(start, end))
         if sum(len(run) for _, run in pieces) != (end - start) // PAGE_SIZE:
-            return None
-        return PageDigests.of(pieces)
+            return False
+        taken.pieces.extend(pieces)
+        return True
     directory, pagemap = maps[depth]
-    found: list[tuple[int, np.ndarray]] = []
     first = max(bisect.bisect_right(pagemap.entries, start, key=lambda e: e.vaddr) - 1, 0)
     for entry in itertools.islice(pagemap.entries, first, None):
         if entry.vaddr >= end:
@@ -238,24 +345,34 @@ def _digests_of(
             continue
         if entry.offset >= 0:  # in this level's pages file
             offset = entry.offset + (low - entry.vaddr)
-            found.append((low, _file_digests(directory / pagemap.pages_file, offset, high - low)))
-        elif entry.flags & PE_PARENT:
-            below = _digests_of(maps, depth + 1, low, high, before)
-            if below is None:
-                return None
-            found.extend(zip(below.starts, below.runs, strict=True))
-    return PageDigests.of(found)
+            path = directory / pagemap.pages_file
+            taken.pieces.append((low, _file_digests(path, offset, low, high, taken.blocks)))
+            taken.copied.append((low, high))
+        elif entry.flags & PE_PARENT and not _digests_of(maps, depth + 1, low, high, before, taken):
+            return False
+    return True
 
 
-def _file_digests(path: Path, offset: int, length: int) -> np.ndarray:
-    """The digests of the pages at ``offset`` of an image's pages file."""
+def _file_digests(
+    path: Path, offset: int, start: int, end: int, blocks: dict[int, bytes]
+) -> np.ndarray:
+    """The digests of the pages of [start, end), at ``offset`` of an image's pages file;
+    the digests of the whole blocks among them go into ``blocks``."""
     parts = []
     with open(path, "rb") as pages_file:
         pages_file.seek(offset)
-        while length > 0:
-            data = pages_file.read(min(length, READ_BYTES))
-            if not data or len(data) % PAGE_SIZE:
+        at = start
+        while at < end:
+            # Reads end at block boundaries, so that every whole block is in one read.
+            size = min(end - at, READ_BYTES - at % HUGE_PAGE)
+            data = pages_file.read(size)
+            if len(data) != size:
                 raise OSError(f"{path} is shorter than its pagemap says")
-            parts.append(page_digests(memoryview(data)))
-            length -= len(data)
+            view = memoryview(data)
+            parts.append(page_digests(view))
+            block = at + -at % HUGE_PAGE
+            while block + HUGE_PAGE <= at + size:
+                blocks[block] = _hash(view[block - at : block - at + HUGE_PAGE])
+                block += HUGE_PAGE
+            at += size
     return np.concatenate(parts) if parts else np.zeros((0, DIGEST_SIZE), np.uint8)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import uffd
-from .digests import DENSE_PAGES, HUGE_PAGE, PageDigests, changed_runs
+from .digests import DENSE_PAGES, HUGE_PAGE, Changes, PageDigests, changed_runs
 
 #: Mapping names that are anonymous memory (glibc and the kernel name some of theirs).
 _ANONYMOUS_NAMES = ("[heap]", "[stack]", "[anon:")
@@ -105,11 +105,11 @@ class MemoryTracker:
         self.registered = sum(end - start for start, end in ranges)
         self.untracked = untracked
 
-    def protect(self, digests: PageDigests) -> tuple[int, int]:
+    def protect(self, digests: PageDigests) -> Changes:
         """At the start of a snapshot built on the one ``digests`` describes: protect all
         registered memory, then unprotect what holds something else than that snapshot
-        (a dump copies it). Returns the bytes unprotected and the bytes read. A range that
-        cannot be protected (the process unmapped it meanwhile) stays written: copied."""
+        (a dump copies it). Returns what the comparison found. A range that cannot be
+        protected (the process unmapped it meanwhile) stays written: copied."""
         self.split.clear()
         self.whole.clear()
         for start, end in self.ranges:
@@ -120,7 +120,7 @@ class MemoryTracker:
             uffd.unprotect(self.fd, start, end - start)  # fails loudly: else a page is lost
         self.split.update(changes.split)
         self.whole = changes.whole
-        return sum(end - start for start, end in changes.runs), changes.read
+        return changes
 
     def release(self) -> list[int]:
         """The snapshot over (sealed or not): unprotect everything, so that the process

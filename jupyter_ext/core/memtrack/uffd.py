@@ -237,18 +237,19 @@ def written_ranges(pid: int, start: int = 0, end: int = TASK_SIZE) -> list[tuple
     return [(run_start, run_end) for run_start, run_end, _ in runs]
 
 
-def protected_ranges(pid: int) -> list[tuple[int, int, bool]]:
-    """The (start, end, huge) runs of ``pid``'s private memory, present or swapped, that
-    are protected (tracked, and not written since): those a dump would take from the
-    parent snapshot. ``huge``: mapped by a transparent huge page."""
-    runs = scan(
+def protected_ranges(pid: int) -> list[tuple[int, int, int]]:
+    """The (start, end, categories) runs of ``pid``'s private memory, present or swapped,
+    that are protected (tracked, and not written since): those a dump would take from the
+    parent snapshot. ``categories``: :data:`PAGE_IS_HUGE` (a transparent huge page maps
+    it) and :data:`PAGE_IS_SWAPPED` (swapped out, or not populated at all: Linux reports
+    the marker of a protected unpopulated page as swapped)."""
+    return scan(
         pid,
         inverted=PAGE_IS_PFNZERO | PAGE_IS_FILE | PAGE_IS_WRITTEN,
         mask=PAGE_IS_PFNZERO | PAGE_IS_FILE | PAGE_IS_WRITTEN | PAGE_IS_WPALLOWED,
         anyof=PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
-        returned=PAGE_IS_HUGE,
+        returned=PAGE_IS_HUGE | PAGE_IS_SWAPPED,
     )
-    return [(run_start, run_end, bool(flags & PAGE_IS_HUGE)) for run_start, run_end, flags in runs]
 
 
 class _IoVec(ctypes.Structure):
