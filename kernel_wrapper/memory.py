@@ -243,6 +243,8 @@ class KernelMemory:
     _compared: tuple[str, dict[str, Any]] | None = field(default=None, repr=False)
     """The snapshot the memory was compared with since it was protected, and what that
     found (:meth:`protect`, until :meth:`release`)."""
+    _collapsing: asyncio.Future[None] | None = field(default=None, repr=False)
+    """The kernel's agent collapsing the huge pages split in the last snapshot."""
     _unchanged: tuple[str, dict[int, bytes]] | None = field(default=None, repr=False)
     """The snapshot the last comparison was with, and the digests of the 2 MiB blocks it
     found unchanged whole (for :meth:`digests_after`)."""
@@ -369,6 +371,11 @@ class KernelMemory:
         except (TrackingUnavailable, OSError) as exc:
             log.debug("releasing the kernel's memory: %s", exc)
             return
+        if blocks and (self._collapsing is None or self._collapsing.done()):
+            # After the snapshot, not in it: the job does not wait for the kernel's agent.
+            self._collapsing = asyncio.ensure_future(self._collapse(blocks))
+
+    async def _collapse(self, blocks: list[int]) -> None:
         for start in range(0, len(blocks), COLLAPSE_BATCH):
             if self.relay.inner is None:
                 return
@@ -503,6 +510,8 @@ class KernelMemory:
         compares the memory with its parent's digests (:meth:`protect`)."""
         if self.tracker is None:
             self.invalidate(PROTECTED)
+        else:
+            self.tracker.criu_runs()
 
     def invalidate(self, reason: str) -> None:
         """What the kernel wrote is no longer known since any snapshot on this machine (a

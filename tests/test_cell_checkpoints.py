@@ -773,8 +773,8 @@ def test_snapshots_and_checkpoints_build_on_each_other(
     run(kernel, "big[:10] = 5; keep = digest(big); x = 2", "c2")
     after = settled(kernel, 3)["checkpoints"][-1]
     assert after["memory"]["mode"] == "incremental"
-    # Not the 32 MiB array: the 2 MiB blocks the cell (and the interpreter) wrote, healed
-    # into huge pages whole; 9 MiB mostly, 18.5 MiB seen once after other tests.
+    # Not the 32 MiB array: the pages the cell (and the interpreter) changed, a huge-page
+    # block whole where an eighth of it changed (core/memtrack/digests.py).
     assert after["memory"]["copied_bytes"] < 24 * MB
     kernel.restore(tmp_path / "moved")
     assert run(kernel, "print(x)")[0].strip() == "1"

@@ -75,6 +75,9 @@ class MemoryTracker:
         were protected, or :meth:`protect` unprotected a few of their pages."""
         self.whole: set[int] = set()
         """Huge-page blocks :meth:`protect` unprotected whole (never split)."""
+        self.protected = False
+        """Whether the memory was protected since the last :meth:`release` (by
+        :meth:`protect`, or by a CRIU run: :meth:`criu_runs`)."""
 
     @classmethod
     def take(cls, pid: int, fd_in_process: int) -> MemoryTracker:
@@ -120,15 +123,22 @@ class MemoryTracker:
             uffd.unprotect(self.fd, start, end - start)  # fails loudly: else a page is lost
         self.split.update(changes.split)
         self.whole = changes.whole
+        self.protected = True
         return changes
+
+    def criu_runs(self) -> None:
+        """A tracked CRIU run starts: it protects what it copies (writes after it split
+        huge pages); what was written while protected before it is noted first."""
+        self._note_split()
+        self.protected = True
 
     def release(self) -> list[int]:
         """The snapshot over (sealed or not): unprotect everything, so that the process
         writes without faults until the next one. Returns the huge-page blocks it wrote
         densely while protected (Linux split them to take the faults): its agent
         collapses them again (``MADV_COLLAPSE``)."""
-        with contextlib.suppress(uffd.TrackingUnavailable, OSError):
-            self._note_split(uffd.written_ranges(self.pid))
+        self._note_split()
+        self.protected = False
         for start, end in self.ranges:
             with contextlib.suppress(uffd.TrackingUnavailable):
                 uffd.unprotect(self.fd, start, end - start)
@@ -139,11 +149,17 @@ class MemoryTracker:
     def pending_bytes(self) -> int:
         """Bytes a dump would copy now: private memory written since the last protection
         (or never tracked)."""
-        written = uffd.written_ranges(self.pid)
-        self._note_split(written)
-        return sum(end - start for start, end in written)
+        return sum(end - start for start, end in uffd.written_ranges(self.pid))
 
-    def _note_split(self, written: list[tuple[int, int]]) -> None:
+    def _note_split(self) -> None:
+        """Note the blocks the process wrote densely while protected (since the last
+        protection): Linux split their huge pages to take the faults."""
+        if not self.protected:
+            return
+        try:
+            written = uffd.written_tracked_ranges(self.pid)
+        except (uffd.TrackingUnavailable, OSError):
+            return
         counts: dict[int, int] = {}
         for start, end in written:
             at = start

@@ -237,6 +237,19 @@ def written_ranges(pid: int, start: int = 0, end: int = TASK_SIZE) -> list[tuple
     return [(run_start, run_end) for run_start, run_end, _ in runs]
 
 
+def written_tracked_ranges(pid: int) -> list[tuple[int, int]]:
+    """As :func:`written_ranges`, of the registered (tracked) memory only: what ``pid``
+    wrote since it was last protected."""
+    runs = scan(
+        pid,
+        inverted=PAGE_IS_PFNZERO | PAGE_IS_FILE,
+        mask=PAGE_IS_PFNZERO | PAGE_IS_FILE | PAGE_IS_WRITTEN | PAGE_IS_WPALLOWED,
+        anyof=PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+        returned=PAGE_IS_WRITTEN,
+    )
+    return [(run_start, run_end) for run_start, run_end, _ in runs]
+
+
 def protected_ranges(pid: int) -> list[tuple[int, int, int]]:
     """The (start, end, categories) runs of ``pid``'s private memory, present or swapped,
     that are protected (tracked, and not written since): those a dump would take from the
