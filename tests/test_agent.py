@@ -1409,7 +1409,7 @@ def test_agent_snapshots_cost_what_changed(
     assert first["memory"]["frozen_bytes"] < first["memory"]["copied_bytes"] // 4
     kernel.execute("a[:50_000] = 1.0")  # 400 kB of 96 MiB
     second = kernel.snapshot(work / "s2", parent=str(work / "s1"))
-    assert second["memory"]["mode"] == "incremental", second["memory"]
+    assert second["memory"]["mode"] == "incremental", second["memory"]["reason"]
     assert second["memory"]["frozen_bytes"] < first["memory"]["copied_bytes"] // 5, second
     assert second["memory"]["chain"]["levels"] >= 2, second["memory"]
     expected = kernel.execute(DIGEST)

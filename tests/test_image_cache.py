@@ -280,7 +280,7 @@ async def test_an_incremental_snapshot_links_its_parents_memory_and_stays_fresh(
     inode = big.stat().st_ino
     await kernel.run("st[:1000] = 1; st_sum = int(st.sum())")
     second = (await snapshot(jp_fetch, kernel.id))["result"]
-    assert second["memory"]["mode"] == "incremental", second["memory"]
+    assert second["memory"]["mode"] == "incremental", second["memory"]["reason"]
     assert cached_ids(manager) == [second["id"]]
     entry = manager.image_cache_dir / second["id"]
     linked = [p for p in (entry / "images" / "parent").rglob("*") if p.stat().st_ino == inode]

@@ -112,7 +112,7 @@ def test_an_incremental_snapshot_restores_on_another_node(
     ws_execute(node_a, kernel_a, "a[:1 << 19] = 0.5\nb = 'after the first'")
     second = follow(node_a, node_a.client.call("POST", "", body={"kernel_id": kernel_a})["job"])
     result = second["result"]
-    assert result["memory"]["mode"] == "incremental", result["memory"]
+    assert result["memory"]["mode"] == "incremental", result["memory"]["reason"]
     assert result["memory"]["parent"] == first["result"]["id"]
     assert result["new_bytes"] < first["result"]["new_bytes"] // 4
     expected = ws_execute(node_a, kernel_a, "print(hashlib.sha256(a.tobytes()).hexdigest(), b)")

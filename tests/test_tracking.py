@@ -13,11 +13,13 @@ snapshots (and the first one's pre-copy) and checks its own pages against its jo
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import re
 import resource
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +29,7 @@ import pytest
 
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import DumpError
+from jupyter_ext.core.memtrack import MemoryTracker, uffd
 from jupyter_ext.core.memtrack import plan as memplan
 from testkit.processes import KernelProcess
 
@@ -219,7 +222,7 @@ def test_no_write_is_missed(kernel_factory: Factory, tmp_path: Path) -> None:
     assert process_vm_writev(pid, int(address) + 4096, remote) == len(remote)
 
     second = snapshot(kernel, tmp_path / "s2", parent=tmp_path / "s1")
-    assert second["memory"]["mode"] == "incremental", second["memory"]
+    assert second["memory"]["mode"] == "incremental", second["memory"]["reason"]
     assert second["memory"]["parent"] == first["id"]
     # Pre-copied while it runs: frozen for less than half of the full copy.
     assert second["memory"]["frozen_bytes"] < first["memory"]["copied_bytes"] // 2
@@ -236,6 +239,69 @@ def test_no_write_is_missed(kernel_factory: Factory, tmp_path: Path) -> None:
     )
 
 
+#: Run in a child: memory it wrote, and its tracking descriptor for the parent to take;
+#: on a line from the parent, a new mapping over the first half of that memory.
+REMAPPER = r"""
+import ctypes, mmap, sys
+from jupyter_ext.core.memtrack import uffd
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+]
+SIZE = 64 * mmap.PAGESIZE
+addr = libc.mmap(None, SIZE, 3, 0x22, -1, 0)  # PROT_RW, MAP_PRIVATE|MAP_ANONYMOUS
+ctypes.memset(addr, 1, SIZE)
+print(addr, SIZE, uffd.open_tracking_fd(), flush=True)
+sys.stdin.readline()
+assert libc.mmap(addr, SIZE // 2, 3, 0x32, -1, 0) == addr  # ... | MAP_FIXED
+ctypes.memset(addr, 2, SIZE // 2)
+print("remapped", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_change_the_kernel_remaps_while_compared_is_still_copied() -> None:
+    """The kernel runs while its memory is compared: where it replaced a part of a changed
+    run with a new mapping (not registered: Linux refuses the whole range), the rest of
+    the run is still unprotected, so a dump copies it; never left protected (a lost
+    write)."""
+    with subprocess.Popen(
+        [sys.executable, "-c", REMAPPER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    ) as child:
+        assert child.stdin is not None
+        assert child.stdout is not None
+        addr, size, fd = map(int, child.stdout.readline().split())
+        tracker = MemoryTracker.take(child.pid, fd)
+        tracker.register_new()
+        for start, end in tracker.ranges:
+            uffd.protect(tracker.fd, start, end - start)
+        assert [r[:2] for r in uffd.protected_ranges(child.pid, addr, addr + size)] == [
+            (addr, addr + size)
+        ]
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "remapped"
+        with pytest.raises(uffd.TrackingUnavailable) as refused:
+            uffd.unprotect(tracker.fd, addr, size)  # the case: the whole run is refused
+        assert refused.value.errno == errno.ENOENT
+        assert [r[:2] for r in uffd.protected_ranges(child.pid, addr, addr + size)] == [
+            (addr + size // 2, addr + size)
+        ]
+        tracker.unprotect(addr, addr + size)
+        assert uffd.protected_ranges(child.pid, addr, addr + size) == []
+        assert uffd.written_ranges(child.pid, addr, addr + size) == [(addr, addr + size)]
+        tracker.close()
+        child.kill()
+    with pytest.raises(uffd.TrackingUnavailable) as gone:  # a comparison cannot be made
+        uffd.read_memory(child.pid, addr, memoryview(bytearray(uffd.PAGE_SIZE)))
+    assert gone.value.errno == errno.ESRCH
+
+
 def test_memory_written_back_as_it_was_is_not_copied(
     kernel_factory: Factory, tmp_path: Path
 ) -> None:
@@ -247,7 +313,7 @@ def test_memory_written_back_as_it_was_is_not_copied(
     snapshot(kernel, tmp_path / "s1")
     kernel.execute("a *= 2.0\na /= 2.0\na[300_000] = np.nextafter(a[300_000], 2.0)")
     second = snapshot(kernel, tmp_path / "s2", parent=tmp_path / "s1")
-    assert second["memory"]["mode"] == "incremental", second["memory"]
+    assert second["memory"]["mode"] == "incremental", second["memory"]["reason"]
     assert second["memory"]["copied_bytes"] < 12 << 20, second["memory"]
     # Most of the array's blocks were found unchanged by one digest each (the first
     # snapshot's images gave them), the one holding the moved value page by page.
@@ -326,7 +392,7 @@ def test_a_failed_dump_costs_the_next_one_nothing(
     fail.unlink()
     kernel.execute("a[5000:6000] = 2")
     third = snapshot(kernel, tmp_path / "s3", parent=tmp_path / "s1")
-    assert third["memory"]["mode"] == "incremental", third["memory"]
+    assert third["memory"]["mode"] == "incremental", third["memory"]["reason"]
     expected = kernel.execute("print(hashlib.sha256(a.tobytes()).hexdigest())")
     kernel.kill_all()
     shutil.rmtree(tmp_path / "s1")  # as the store keeps it: whole on its own
@@ -357,7 +423,7 @@ def test_a_big_kernel_is_pre_copied_within_an_ordinary_users_limits(
     assert first["memory"]["frozen_bytes"] < first["memory"]["copied_bytes"] // 4
     kernel.execute("a[: 1 << 20] = rng.random(1 << 20)")
     second = snapshot(kernel, tmp_path / "s2", parent=tmp_path / "s1")
-    assert second["memory"]["mode"] == "incremental", second["memory"]
+    assert second["memory"]["mode"] == "incremental", second["memory"]["reason"]
     expected = kernel.execute("print(hashlib.sha256(a.tobytes()).hexdigest())")
     kernel.kill_all()
     shutil.rmtree(tmp_path / "s1")
@@ -423,7 +489,7 @@ def test_scattered_pages_are_written_a_buf_at_a_time(
     snapshot(kernel, tmp_path / "s1")
     kernel.execute("a.reshape(-1, 512)[::16, 0] += 1.0  # every 16th page: 1,024")
     second = snapshot(kernel, tmp_path / "s2", parent=tmp_path / "s1")
-    assert second["memory"]["mode"] == "incremental", second["memory"]
+    assert second["memory"]["mode"] == "incremental", second["memory"]["reason"]
     assert second["memory"]["precopy"] == [], "4 MiB is copied frozen, no pre-copy"
     splices = [line for line in calls.read_text().splitlines() if "splice(" in line]
     assert 0 < len(splices) < 100, f"{len(splices)} splices for 1,024 scattered pages"

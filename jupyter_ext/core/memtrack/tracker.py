@@ -14,6 +14,7 @@ CRIU reads the written bits and protects the pages again at each of its runs
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,9 @@ from .digests import DENSE_PAGES, HUGE_PAGE, Changes, PageDigests, changed_runs
 
 #: Mapping names that are anonymous memory (glibc and the kernel name some of theirs).
 _ANONYMOUS_NAMES = ("[heap]", "[stack]", "[anon:")
+
+#: How often a changed run the process remaps meanwhile is tried (:meth:`unprotect`).
+_UNPROTECT_TRIES = 4
 
 
 @dataclass(frozen=True)
@@ -120,11 +124,34 @@ class MemoryTracker:
                 uffd.protect(self.fd, start, end - start)
         changes = changed_runs(self.pid, digests)
         for start, end in changes.runs:
-            uffd.unprotect(self.fd, start, end - start)  # fails loudly: else a page is lost
+            self.unprotect(start, end)
         self.split.update(changes.split)
         self.whole = changes.whole
         self.protected = True
         return changes
+
+    def unprotect(self, start: int, end: int) -> None:
+        """Unprotect a changed run. The process runs meanwhile: where it unmapped a part
+        and mapped something else there (a new mapping is not registered, so Linux refuses
+        the range: ENOENT), what is still protected in the run is unprotected piece by
+        piece. Fails loudly where that does not settle: else a changed page is lost."""
+        for _ in range(_UNPROTECT_TRIES):
+            try:
+                uffd.unprotect(self.fd, start, end - start)
+                return
+            except uffd.TrackingUnavailable as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+            try:
+                for piece_start, piece_end, _ in uffd.protected_ranges(self.pid, start, end):
+                    uffd.unprotect(self.fd, piece_start, piece_end - piece_start)
+                return
+            except uffd.TrackingUnavailable as exc:
+                if exc.errno != errno.ENOENT:
+                    raise
+        raise uffd.TrackingUnavailable(
+            errno.ENOENT, f"the process keeps remapping {start:#x}-{end:#x} while compared"
+        )
 
     def criu_runs(self) -> None:
         """A tracked CRIU run starts: it protects what it copies (writes after it split

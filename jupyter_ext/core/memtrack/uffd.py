@@ -250,7 +250,7 @@ def written_tracked_ranges(pid: int) -> list[tuple[int, int]]:
     return [(run_start, run_end) for run_start, run_end, _ in runs]
 
 
-def protected_ranges(pid: int) -> list[tuple[int, int, int]]:
+def protected_ranges(pid: int, start: int = 0, end: int = TASK_SIZE) -> list[tuple[int, int, int]]:
     """The (start, end, categories) runs of ``pid``'s private memory, present or swapped,
     that are protected (tracked, and not written since): those a dump would take from the
     parent snapshot. ``categories``: :data:`PAGE_IS_HUGE` (a transparent huge page maps
@@ -262,6 +262,8 @@ def protected_ranges(pid: int) -> list[tuple[int, int, int]]:
         mask=PAGE_IS_PFNZERO | PAGE_IS_FILE | PAGE_IS_WRITTEN | PAGE_IS_WPALLOWED,
         anyof=PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
         returned=PAGE_IS_HUGE | PAGE_IS_SWAPPED,
+        start=start,
+        end=end,
     )
 
 
@@ -269,12 +271,23 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
+#: What ``process_vm_readv`` fails with where no page of the process can be read (not a
+#: page's fault): the comparison cannot be made at all.
+_UNREADABLE = (errno.EPERM, errno.EACCES, errno.ESRCH, errno.ENOSYS)
+
+
 def read_memory(pid: int, address: int, into: memoryview) -> int:
     """Copy ``pid``'s memory at ``address`` into ``into`` (``process_vm_readv``: the
     caller may ptrace ``pid``); the bytes read, fewer where a page cannot be read (gone,
-    or ``PROT_NONE``)."""
+    or ``PROT_NONE``). Raises TrackingUnavailable where the process cannot be read at
+    all (gone, or a security module or seccomp filter refuses it)."""
     buffer = (ctypes.c_char * len(into)).from_buffer(into)
     local = _IoVec(ctypes.addressof(buffer), len(into))
     remote = _IoVec(address, len(into))
     got = int(_libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0))
-    return max(got, 0)
+    if got < 0:
+        code = ctypes.get_errno()
+        if code in _UNREADABLE:
+            raise TrackingUnavailable(code, f"process_vm_readv of {pid}: {os.strerror(code)}")
+        return 0
+    return got
