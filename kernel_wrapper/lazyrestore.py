@@ -151,4 +151,9 @@ class LazyRestore:
         }
         if local_copy_error:  # the kernel has all of its memory; the local images do not
             self.status["local_copy_error"] = local_copy_error
-        log.info("lazy restore complete: %s", self.status)
+        log.info(
+            "lazy restore complete: %s (%d pages asked for, %d bytes were to come lazily)",
+            self.status,
+            transfer.server.pages_served,
+            transfer.server.lazy_bytes,
+        )

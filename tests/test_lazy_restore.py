@@ -252,7 +252,9 @@ def test_store_gone_mid_restore_puts_the_kernel_back(
     else:  # or, were the first pages in the first half, once the kernel runs
         restored_pid = kernel.status()["inner_pid"]
         outcome = settled(kernel)
-        assert outcome["state"] == "failed"
+        assert outcome["state"] == "failed", (
+            f"{outcome}; the wrapper's log:\n{kernel.log()[-6000:]}"
+        )
         error = outcome["error"]
     message = error["message"]
     assert "could not be read" in message

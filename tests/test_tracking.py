@@ -12,6 +12,7 @@ snapshots (and the first one's pre-copy) and checks its own pages against its jo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -21,7 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import DumpError
 from jupyter_ext.core.memtrack import MemoryTracker, uffd
 from jupyter_ext.core.memtrack import plan as memplan
+from jupyter_ext.core.memtrack.digests import READ_BYTES, PageDigests, page_digests
 from testkit.processes import KernelProcess
 
 Factory = Callable[..., KernelProcess]
@@ -261,45 +263,114 @@ sys.stdin.readline()
 """
 
 
-def test_a_change_the_kernel_remaps_while_compared_is_still_copied() -> None:
-    """The kernel runs while its memory is compared: where it replaced a part of a changed
-    run with a new mapping (not registered: Linux refuses the whole range), the rest of
-    the run is still unprotected, so a dump copies it; never left protected (a lost
-    write)."""
+@contextlib.contextmanager
+def tracked_child(
+    script: str,
+) -> Iterator[tuple[int, int, int, MemoryTracker, Callable[[str], str]]]:
+    """A child running ``script``, which prints the address and size of its memory and
+    its tracking descriptor: its pid, that memory, its tracker (taken, registered), and
+    ``say`` (a line to it; its answer)."""
     with subprocess.Popen(
-        [sys.executable, "-c", REMAPPER],
+        [sys.executable, "-c", script],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
     ) as child:
-        assert child.stdin is not None
-        assert child.stdout is not None
-        addr, size, fd = map(int, child.stdout.readline().split())
+        stdin, stdout = child.stdin, child.stdout
+        assert stdin is not None
+        assert stdout is not None
+
+        def say(line: str) -> str:
+            stdin.write(line + "\n")
+            stdin.flush()
+            return stdout.readline().strip()
+
+        addr, size, fd = map(int, stdout.readline().split())
         tracker = MemoryTracker.take(child.pid, fd)
-        tracker.register_new()
+        try:
+            tracker.register_new()
+            yield child.pid, addr, size, tracker, say
+        finally:
+            tracker.close()
+            child.kill()
+
+
+def test_a_change_the_kernel_remaps_while_compared_is_still_copied() -> None:
+    """The kernel runs while its memory is compared: where it replaced a part of a changed
+    run with a new mapping (not registered: Linux refuses the whole range), the rest of
+    the run is still unprotected, so a dump copies it; never left protected (a lost
+    write)."""
+    with tracked_child(REMAPPER) as (pid, addr, size, tracker, say):
         for start, end in tracker.ranges:
             uffd.protect(tracker.fd, start, end - start)
-        assert [r[:2] for r in uffd.protected_ranges(child.pid, addr, addr + size)] == [
+        assert [r[:2] for r in uffd.protected_ranges(pid, addr, addr + size)] == [
             (addr, addr + size)
         ]
-        child.stdin.write("\n")
-        child.stdin.flush()
-        assert child.stdout.readline().strip() == "remapped"
+        assert say("") == "remapped"
         with pytest.raises(uffd.TrackingUnavailable) as refused:
             uffd.unprotect(tracker.fd, addr, size)  # the case: the whole run is refused
         assert refused.value.errno == errno.ENOENT
-        assert [r[:2] for r in uffd.protected_ranges(child.pid, addr, addr + size)] == [
+        assert [r[:2] for r in uffd.protected_ranges(pid, addr, addr + size)] == [
             (addr + size // 2, addr + size)
         ]
         tracker.unprotect(addr, addr + size)
-        assert uffd.protected_ranges(child.pid, addr, addr + size) == []
-        assert uffd.written_ranges(child.pid, addr, addr + size) == [(addr, addr + size)]
-        tracker.close()
-        child.kill()
+        assert uffd.protected_ranges(pid, addr, addr + size) == []
+        assert uffd.written_ranges(pid, addr, addr + size) == [(addr, addr + size)]
     with pytest.raises(uffd.TrackingUnavailable) as gone:  # a comparison cannot be made
-        uffd.read_memory(child.pid, addr, memoryview(bytearray(uffd.PAGE_SIZE)))
+        uffd.read_memory(pid, addr, memoryview(bytearray(uffd.PAGE_SIZE)))
     assert gone.value.errno == errno.ESRCH
+
+
+#: Run in a child: 100 MiB in small pages, written, and its tracking descriptor; on a
+#: line of page numbers from the parent, those pages rewritten.
+REWRITER = r"""
+import ctypes, mmap, sys
+from jupyter_ext.core.memtrack import uffd
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [
+    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+SIZE = 100 << 20
+addr = libc.mmap(None, SIZE, 3, 0x22, -1, 0)
+libc.madvise(addr, SIZE, 15)  # MADV_NOHUGEPAGE: pages change one by one
+for page in range(SIZE // mmap.PAGESIZE):
+    ctypes.memset(addr + page * mmap.PAGESIZE, page % 251 + 1, mmap.PAGESIZE)
+print(addr, SIZE, uffd.open_tracking_fd(), flush=True)
+for page in map(int, sys.stdin.readline().split()):
+    ctypes.memset(addr + page * mmap.PAGESIZE + 100, 0, 1)
+print("written", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_comparison_finds_exactly_the_pages_that_changed() -> None:
+    """The comparison reads the memory in pieces, several at once
+    (digests.changed_runs): the pages it finds changed are exactly those rewritten, in
+    every piece, at their edges and across them; the others stay protected."""
+    with tracked_child(REWRITER) as (pid, addr, size, tracker, say):
+        data = memoryview(bytearray(size))
+        assert uffd.read_memory(pid, addr, data) == size
+        digests = PageDigests.of([(addr, page_digests(data))])
+        per_piece = READ_BYTES // uffd.PAGE_SIZE
+        rewritten = {0, 1, 2, 700, per_piece - 1, per_piece, 2 * per_piece + 5}
+        rewritten |= {size // uffd.PAGE_SIZE - 1, *range(10_000, 10_040)}
+        assert say(" ".join(map(str, sorted(rewritten)))) == "written"
+        changes = tracker.protect(digests)
+        found = {
+            (at - addr) // uffd.PAGE_SIZE
+            for start, end in changes.runs
+            for at in range(max(start, addr), min(end, addr + size), uffd.PAGE_SIZE)
+        }
+        assert found == rewritten
+        protected = sum(
+            min(end, addr + size) - max(start, addr)
+            for start, end, _ in uffd.protected_ranges(pid, addr, addr + size)
+        )
+        assert protected == size - len(rewritten) * uffd.PAGE_SIZE
+        tracker.release()
 
 
 def test_memory_written_back_as_it_was_is_not_copied(

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import os
+import queue
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +40,9 @@ HUGE_PAGE = 2 << 20
 DENSE_PAGES = 64
 #: How much of the kernel's memory one read copies.
 READ_BYTES = 32 << 20
+#: Threads reading the kernel's memory at once (each with a buffer of READ_BYTES): half
+#: the CPUs this process may use, 2 to 4.
+READERS = min(4, max(2, len(os.sched_getaffinity(0)) // 2))
 
 _hash = xxhash.xxh3_128_digest
 
@@ -147,10 +153,13 @@ def changed_runs(pid: int, digests: PageDigests) -> Changes:
     (copied whole, the huge page kept); with fewer, only those pages (the dump copies
     little; Linux splits the huge page to protect the rest). Swapped pages count as
     changed. The process runs meanwhile: what it writes now is no longer protected, so it
-    is copied whatever this finds."""
+    is copied whatever this finds.
+
+    Reading is what costs (``process_vm_readv`` pins and copies page by page, ~2 GB/s
+    on one core, against ~12 GB/s for hashing): :data:`READERS` threads read and compare
+    pieces of :data:`READ_BYTES` at once (the reads leave Python's lock)."""
     changes = Changes()
-    buffer = bytearray(READ_BYTES)
-    view = memoryview(buffer)
+    pieces: list[tuple[int, int, bool]] = []
     for start, end, categories in uffd.protected_ranges(pid):
         if categories & uffd.PAGE_IS_SWAPPED:
             # Not read (that would bring it in, or map zero pages where none are): a page
@@ -159,18 +168,32 @@ def changed_runs(pid: int, digests: PageDigests) -> Changes:
             changes.unread += end - start
             continue
         huge = bool(categories & uffd.PAGE_IS_HUGE)
-        at = start
-        while at < end:
-            length = min(end - at, READ_BYTES)
+        pieces.extend((at, min(end - at, READ_BYTES), huge) for at in range(start, end, READ_BYTES))
+    buffers: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+    for _ in range(min(READERS, len(pieces))):
+        buffers.put(memoryview(bytearray(READ_BYTES)))
+
+    def compared(piece: tuple[int, int, bool]) -> tuple[int, np.ndarray, dict[int, bytes]]:
+        at, length, _ = piece
+        view = buffers.get()
+        try:
             got = uffd.read_memory(pid, at, view[:length]) // PAGE_SIZE * PAGE_SIZE
-            changes.read += got
             same = np.zeros(length // PAGE_SIZE, bool)
-            same[: got // PAGE_SIZE] = compare(digests, at, view[:got], changes.blocks)
+            blocks: dict[int, bytes] = {}
+            same[: got // PAGE_SIZE] = compare(digests, at, view[:got], blocks)
+            return got, same, blocks
+        finally:
+            buffers.put(view)
+
+    with ThreadPoolExecutor(READERS, thread_name_prefix="compare") as pool:
+        results = pool.map(compared, pieces)
+        for (at, _, huge), (got, same, blocks) in zip(pieces, results, strict=True):
+            changes.read += got
+            changes.blocks.update(blocks)
             if huge:
                 _add_huge(changes, at, ~same)
             else:
                 changes.runs.extend(_runs_of(at, ~same))
-            at += length
     changes.runs = _joined(changes.runs)
     return changes
 
