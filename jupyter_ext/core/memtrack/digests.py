@@ -185,7 +185,8 @@ def changed_runs(pid: int, digests: PageDigests) -> Changes:
         finally:
             buffers.put(view)
 
-    with ThreadPoolExecutor(READERS, thread_name_prefix="compare") as pool:
+    pool = ThreadPoolExecutor(READERS, thread_name_prefix="compare")
+    try:
         results = pool.map(compared, pieces)
         for (at, _, huge), (got, same, blocks) in zip(pieces, results, strict=True):
             changes.read += got
@@ -194,6 +195,8 @@ def changed_runs(pid: int, digests: PageDigests) -> Changes:
                 _add_huge(changes, at, ~same)
             else:
                 changes.runs.extend(_runs_of(at, ~same))
+    finally:  # where a read failed, the pieces not read yet are not
+        pool.shutdown(cancel_futures=True)
     changes.runs = _joined(changes.runs)
     return changes
 
