@@ -66,30 +66,27 @@ case "${1:-}" in
     wait "$preparing" || { cat "$prepared"; log "preparing the UI or container stage failed"; exit 1; }
     cat "$prepared"
     export UI_TESTS_PREPARED=1 JKS_CONTAINER_PREPARED=1
-    # Beside the UI tests, one after the other: non-root mode (kernel, server, policy,
-    # JupyterHub and other-node tests again, as an ordinary user: docs/nonroot.md), then
-    # deploy/Dockerfile built and its Zero to JupyterHub user pod run in podman
-    # (docs/jupyterhub.md, "What is tested"). The UI tests and these mostly wait on
-    # processes, and neither uses the other's ports, users, bridges or directories (the
-    # container stage's Playwright writes its results elsewhere). Their logs after.
-    beside_log="$ROOT/.beside-ui-stages.log"
-    log "non-root and container stages beside the UI tests (${SECONDS} s since the start; $beside_log)"
-    (
-      scripts/nonroot-tests.sh || { echo "== the non-root stage failed (exit $?)"; exit 1; }
-      echo "== non-root stage done (${SECONDS} s since the start); container stage"
-      scripts/container-tests.sh || { echo "== the container stage failed (exit $?)"; exit 1; }
-    ) >"$beside_log" 2>&1 &
-    beside=$!
+    # Non-root mode (kernel, server, policy, JupyterHub and other-node tests again, as an
+    # ordinary user: docs/nonroot.md) beside the UI tests: both mostly wait on processes,
+    # and neither uses the other's ports, users, bridges or directories. Its log after.
+    nonroot_log="$ROOT/.nonroot-stage.log"
+    log "non-root stage beside the UI tests (${SECONDS} s since the start; $nonroot_log)"
+    scripts/nonroot-tests.sh >"$nonroot_log" 2>&1 &
+    nonroot=$!
     log "UI tests (${SECONDS} s since the start)"
     ui_status=0
     scripts/ui-tests.sh || ui_status=$?
-    log "UI tests done; waiting for the non-root and container stages (${SECONDS} s since the start)"
-    beside_status=0
-    wait "$beside" || beside_status=$?
-    cat "$beside_log"
-    log "non-root and container stages done (${SECONDS} s since the start)"
+    log "UI tests done; the non-root stage's end (${SECONDS} s since the start)"
+    nonroot_status=0
+    wait "$nonroot" || nonroot_status=$?
+    cat "$nonroot_log"
+    log "non-root stage done (${SECONDS} s since the start)"
     [ "$ui_status" = 0 ] || { log "the UI tests failed (exit $ui_status)"; exit 1; }
-    [ "$beside_status" = 0 ] || { log "the non-root or container stage failed"; exit 1; }
+    [ "$nonroot_status" = 0 ] || { log "the non-root stage failed (exit $nonroot_status)"; exit 1; }
+    # deploy/Dockerfile built and its Zero to JupyterHub user pod run in podman
+    # (docs/jupyterhub.md, "What is tested").
+    log "container stage (${SECONDS} s since the start)"
+    exec scripts/container-tests.sh
     ;;
   *)
     echo "usage: $0 lab|test|setup [args...]" >&2

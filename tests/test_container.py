@@ -647,14 +647,13 @@ c.LabApp.expose_app_in_browser = True
 
 
 def test_baseline_panel_in_a_browser_through_the_agent(
-    make_pod: MakePod, agent: AgentPod, moto: Moto, home: Path, tmp_path: Path
+    make_pod: MakePod, agent: AgentPod, moto: Moto, home: Path
 ) -> None:
     """The panel's states in agent mode, in Chromium: ui-tests/tests/agent.spec.ts against
     JupyterLab served from a pod at baseline, with the node agent (a snapshot seen while
     it runs and then listed, a suspend shown in the panel and the indicator, the next cell
     resuming the kernel, a restore in place from the panel). Its packages and Chromium:
-    scripts/container-tests.sh. Its results go to a directory of its own: the UI stage's
-    Playwright may run beside it (scripts/dev.sh), and it clears its own at the start."""
+    scripts/container-tests.sh."""
     assert (UI_TESTS / "node_modules" / "@playwright" / "test").is_dir(), (
         "ui-tests' packages are missing: scripts/container-tests.sh installs them (npm ci)"
     )
@@ -672,10 +671,7 @@ def test_baseline_panel_in_a_browser_through_the_agent(
     }
     try:
         out = subprocess.run(
-            [
-                *("npx", "playwright", "test", "tests/agent.spec.ts", "--reporter=list"),
-                *("--output", str(tmp_path / "playwright-results")),
-            ],
+            ["npx", "playwright", "test", "tests/agent.spec.ts", "--reporter=list"],
             cwd=UI_TESTS,
             env=env,
             capture_output=True,
