@@ -26,6 +26,7 @@ these VMs back memory on first touch (DESIGN.md), which would otherwise be measu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -98,8 +99,19 @@ def warm(mib: int) -> None:
     )
 
 
+def huge_page_bytes() -> int:
+    """The notebook kernel's memory in transparent huge pages (a snapshot's protection
+    makes Linux split those the kernel writes meanwhile; its agent collapses them after)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{kernel_pid()}/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def snapshot(server: Server, kernel: str) -> dict[str, Any]:
     server.execute(kernel, GAP)
+    huge = huge_page_bytes()
     run = server.run_job("api/snapshots", {"kernel_id": kernel})
     gap = float(server.execute(kernel, GAP)["out"])
     memory = run.result.get("memory") or {}
@@ -113,6 +125,10 @@ def snapshot(server: Server, kernel: str) -> dict[str, Any]:
         "new_bytes": run.result.get("new_bytes"),
         "mode": memory.get("mode"),
         "precopy_rounds": len(memory.get("precopy") or []),
+        "precopy": memory.get("precopy") or [],
+        "precopy_stopped": memory.get("precopy_stopped", ""),
+        "compared": memory.get("compared") or {},
+        "huge_page_bytes_before": huge,
         "phases": run.phases,
         "id": run.result["id"],
     }

@@ -419,6 +419,38 @@ def test_a_dumps_digests_take_each_page_from_the_newest_level_that_holds_it(
     assert digests_of_dump([top, rounds], 1, PageDigests.of([(v, before.runs[0][:1])])) is None
 
 
+def test_a_dumps_digests_over_scattered_levels_are_each_pages_newest(tmp_path: Path) -> None:
+    """A kernel that writes all the time leaves pre-copy levels of scattered runs (tens of
+    thousands; the walk opens each pages file once and finds each run by bisection, not
+    by a scan from the start): three levels over 900 pages, each holding a random
+    scattering, the rest left to the parent snapshot. Every page's digest is that of the
+    newest level holding it, or the parent's."""
+    import random
+
+    rng = random.Random(36)
+    count = 900
+    v = 0x40000 * PAGE_SIZE  # where _runs puts page 0
+    holders = [0] * count  # the newest level holding each page (0: the parent snapshot)
+    directories = []
+    for depth in range(1, 4):  # the oldest first
+        owned = [rng.random() < 0.4 for _ in range(count)]
+        holders = [depth if own else held for own, held in zip(owned, holders, strict=True)]
+        directory = tmp_path / f"level-{depth}"
+        level(directory, _runs(owned, PE_PRESENT), fill=depth)
+        directories.insert(0, directory)  # the dump's own first
+
+    def page(fill: int, n: int) -> bytes:
+        return (bytes([fill]) + (v // PAGE_SIZE + n).to_bytes(4, "little")).ljust(PAGE_SIZE, b"\0")
+
+    parent = page_digests(memoryview(b"".join(page(99, n) for n in range(count))))
+    assert len(parse_pagemap((directories[0] / "pagemap-1.img").read_bytes()).entries) > 200
+    got = digests_of_dump(directories, 1, PageDigests.of([(v, parent)]))
+    assert got is not None
+    assert got.starts == [v]
+    truth = b"".join(page(held or 99, n) for n, held in enumerate(holders))
+    assert (got.runs[0] == page_digests(memoryview(truth))).all()
+
+
 def test_pages_are_unchanged_only_where_the_snapshot_held_the_same() -> None:
     """Across the runs' edges, a page the snapshot lacks counts as changed."""
     pages = [bytes([n]) * PAGE_SIZE for n in range(10)]

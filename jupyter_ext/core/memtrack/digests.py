@@ -16,7 +16,6 @@ parent holds, however it was written before (the kernel's code, a syscall, a dev
 from __future__ import annotations
 
 import bisect
-import itertools
 import os
 import queue
 from collections.abc import Iterable, Iterator
@@ -28,7 +27,7 @@ import numpy as np
 import xxhash
 
 from ..criu.images import decode, ints, read_entries
-from ..lazypages.pagemap import PE_PARENT, Pagemap, PagemapEntry, parse_pagemap
+from ..lazypages.pagemap import PE_PARENT, PagemapEntry, parse_pagemap
 from . import uffd
 
 PAGE_SIZE = uffd.PAGE_SIZE
@@ -295,10 +294,14 @@ def digests_of_dump(
         path = level / f"pagemap-{pid}.img"
         pagemap = parse_pagemap(path.read_bytes(), path.name)
         pagemap.entries = _merged(sorted(pagemap.entries, key=lambda entry: entry.vaddr))
-        maps.append((level, pagemap))
+        maps.append(_Level(level / pagemap.pages_file, pagemap.entries))
     taken = _Taken()
-    if not _digests_of(maps, 0, 0, uffd.TASK_SIZE + PAGE_SIZE, before, taken):
-        return None
+    try:
+        if not _digests_of(maps, 0, 0, uffd.TASK_SIZE + PAGE_SIZE, before, taken):
+            return None
+    finally:
+        for opened in maps:
+            opened.close()
     digests = PageDigests.of(taken.pieces, taken.blocks)
     copied = sorted(taken.copied)
     for block, digest in (unchanged or {}).items():
@@ -333,6 +336,31 @@ def _merged(entries: list[PagemapEntry]) -> list[PagemapEntry]:
 
 
 @dataclass
+class _Level:
+    """One level of a dump: its pagemap's entries (by address) and its pages file, opened
+    once on first use (a pre-copy level of a kernel that writes all the time has tens of
+    thousands of scattered entries)."""
+
+    pages_path: Path
+    entries: list[PagemapEntry]
+    starts: list[int] = field(init=False)
+    fd: int = -1
+
+    def __post_init__(self) -> None:
+        self.starts = [entry.vaddr for entry in self.entries]
+
+    def pages_fd(self) -> int:
+        if self.fd < 0:
+            self.fd = os.open(self.pages_path, os.O_RDONLY | os.O_CLOEXEC)
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclass
 class _Taken:
     """What :func:`_digests_of` gathers."""
 
@@ -343,7 +371,7 @@ class _Taken:
 
 
 def _digests_of(
-    maps: list[tuple[Path, Pagemap]],
+    maps: list[_Level],
     depth: int,
     start: int,
     end: int,
@@ -361,9 +389,12 @@ def _digests_of(
             return False
         taken.pieces.extend(pieces)
         return True
-    directory, pagemap = maps[depth]
-    first = max(bisect.bisect_right(pagemap.entries, start, key=lambda e: e.vaddr) - 1, 0)
-    for entry in itertools.islice(pagemap.entries, first, None):
+    level = maps[depth]
+    entries = level.entries
+    # By index from the entry that holds ``start``: called once per hole of the level
+    # above, so a scan from the first entry would make the walk quadratic.
+    for index in range(max(bisect.bisect_right(level.starts, start) - 1, 0), len(entries)):
+        entry = entries[index]
         if entry.vaddr >= end:
             break
         low, high = max(start, entry.vaddr), min(end, entry.end)
@@ -371,8 +402,8 @@ def _digests_of(
             continue
         if entry.offset >= 0:  # in this level's pages file
             offset = entry.offset + (low - entry.vaddr)
-            path = directory / pagemap.pages_file
-            taken.pieces.append((low, _file_digests(path, offset, low, high, taken.blocks)))
+            digests = _file_digests(level, offset, low, high, taken.blocks)
+            taken.pieces.append((low, digests))
             taken.copied.append((low, high))
         elif entry.flags & PE_PARENT and not _digests_of(maps, depth + 1, low, high, before, taken):
             return False
@@ -380,25 +411,24 @@ def _digests_of(
 
 
 def _file_digests(
-    path: Path, offset: int, start: int, end: int, blocks: dict[int, bytes]
+    level: _Level, offset: int, start: int, end: int, blocks: dict[int, bytes]
 ) -> np.ndarray:
-    """The digests of the pages of [start, end), at ``offset`` of an image's pages file;
+    """The digests of the pages of [start, end), at ``offset`` of the level's pages file;
     the digests of the whole blocks among them go into ``blocks``."""
     parts = []
-    with open(path, "rb") as pages_file:
-        pages_file.seek(offset)
-        at = start
-        while at < end:
-            # Reads end at block boundaries, so that every whole block is in one read.
-            size = min(end - at, READ_BYTES - at % HUGE_PAGE)
-            data = pages_file.read(size)
-            if len(data) != size:
-                raise OSError(f"{path} is shorter than its pagemap says")
-            view = memoryview(data)
-            parts.append(page_digests(view))
-            block = at + -at % HUGE_PAGE
-            while block + HUGE_PAGE <= at + size:
-                blocks[block] = _hash(view[block - at : block - at + HUGE_PAGE])
-                block += HUGE_PAGE
-            at += size
-    return np.concatenate(parts) if parts else np.zeros((0, DIGEST_SIZE), np.uint8)
+    fd = level.pages_fd()
+    at = start
+    while at < end:
+        # Reads end at block boundaries, so that every whole block is in one read.
+        size = min(end - at, READ_BYTES - at % HUGE_PAGE)
+        data = os.pread(fd, size, offset + (at - start))
+        if len(data) != size:
+            raise OSError(f"{level.pages_path} is shorter than its pagemap says")
+        view = memoryview(data)
+        parts.append(page_digests(view))
+        block = at + -at % HUGE_PAGE
+        while block + HUGE_PAGE <= at + size:
+            blocks[block] = _hash(view[block - at : block - at + HUGE_PAGE])
+            block += HUGE_PAGE
+        at += size
+    return np.concatenate(parts)
