@@ -238,7 +238,7 @@ class Lab:
         downloads, restore requests, the checkpoints of a kernel that is gone."""
         left = []
         live = live_checkpoint_areas(self.work_dir / "checkpoints")
-        for path in sorted(self.work_dir.rglob("*")):
+        for path in sorted(entries_now(self.work_dir)):
             rel = path.relative_to(self.work_dir)
             parts = rel.parts
             if parts in (("staging",), ("cache",), ("suspended",), ("image-cache",)):
@@ -267,11 +267,24 @@ class Lab:
         return left
 
 
+def entries_now(root: Path) -> list[Path]:
+    """Every file and directory under ``root``, read while the server may be removing
+    some (a failed checkpoint's partial directory): one removed meanwhile is not listed
+    (``Path.rglob`` raised FileNotFoundError on it, failing a full run's fault test)."""
+    found = []
+    for directory, dirs, files in os.walk(root):  # errors (a directory gone) are skipped
+        found.extend(Path(directory, name) for name in (*dirs, *files))
+    return found
+
+
 def live_checkpoint_areas(root: Path) -> set[str]:
     """The cell checkpoint areas whose wrapper lives (holds its lock file)."""
     live = set()
     for lock in root.glob("*.lock") if root.is_dir() else []:
-        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue  # its kernel's area removed meanwhile
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
