@@ -22,7 +22,9 @@
 #
 # Environment: UI_TESTS_PORT (JupyterLab; default: 8888, or a free port if that one is
 # taken), UI_TESTS_HUB_PORT (JupyterHub; default: 8000, or a free port if taken),
-# CHROMIUM_PATH (default /usr/bin/chromium), PYTHON (to create the venv, default python3).
+# CHROMIUM_PATH (default /usr/bin/chromium), PYTHON (to create the venv, default python3),
+# UI_TESTS_TRACE (Playwright's trace mode, default off: retain-on-failure keeps a failing
+# test's trace in ui-tests/test-results/, to open with `npx playwright show-trace`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/common.sh
