@@ -13,7 +13,7 @@ from typing import Any
 from jupyter_core.application import JupyterApp
 from traitlets import Bool, TraitError, Unicode, default
 
-from . import __version__
+from . import __version__, _quickstart  # noqa: F401  (_quickstart before .app)
 from .app import SnapshotExtensionApp
 from .core.contents import (
     compare_contents,

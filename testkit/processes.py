@@ -503,6 +503,19 @@ def run_keys() -> EnvKeySource:
     return EnvKeySource({ENV_KEY: RUN_KEY})
 
 
+# The server extensions a test server loads without ``lab``: ours alone (those installed
+# beside it are turned off by name; one missing here is just not loaded).
+OURS_ALONE = {
+    "jpserver_extensions": {
+        "jupyter_ext": True,
+        "jupyterlab": False,
+        "jupyter_lsp": False,
+        "notebook_shim": False,
+        "jupyter_server_terminals": False,
+    }
+}
+
+
 class ServerProcess(Endpoint):
     """``jupyter server`` with the snapshot extension, in its own data and runtime dirs."""
 
@@ -521,13 +534,18 @@ class ServerProcess(Endpoint):
         cgroup: Path | None = None,
         port: int | None = None,
         token: str | None = None,
+        lab: bool = False,
     ) -> None:
         """``user``: run the server (and so its kernels and CRIU) as this ordinary user,
         from a root test run (non-root mode on other nodes, docs/nonroot.md). ``pod``: in
         a PID namespace of its own, with its own /proc, as in a container: process ids
         start at 1 and everything in it dies with its first process. ``cgroup``: in this
         cgroup (a memory limit, as a container's), with everything it starts. ``port``,
-        ``token``: those of a server started again in its place (default: new ones)."""
+        ``token``: those of a server started again in its place (default: new ones).
+        ``lab``: with the other server extensions installed here (JupyterLab's, for a
+        browser); without, the server loads ours alone: JupyterLab's runs ``npm`` at each
+        start, a second and a half of CPU that hundreds of server starts paid for nothing
+        (no test here but a browser's uses its endpoints)."""
         home.mkdir(parents=True, exist_ok=True)
         self.home = home
         self.port = port or free_port()
@@ -547,6 +565,8 @@ class ServerProcess(Endpoint):
                     "cell_checkpoints": "off",
                 },
             }
+        if not lab:
+            config = {**config, "ServerApp": {**config.get("ServerApp", {}), **OURS_ALONE}}
         config_file = home / "config.json"
         config_file.write_text(json.dumps(config))
         self.env = {

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_ext.core import proctree
-from testkit.processes import Endpoint, free_port
+from testkit.processes import OURS_ALONE, Endpoint, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CHP = ROOT / "tests" / "chp" / "node_modules" / ".bin" / "configurable-http-proxy"
@@ -40,7 +40,8 @@ class Hub:
     (``labconfig/default_setting_overrides.json`` in the same directory). ``port`` is the
     hub's (the proxy's public port; default: a free one); ``default_url`` is where a user's
     server sends a browser that opens it (``Spawner.default_url``, e.g. ``/lab``; default:
-    the server's own).
+    the server's own). ``lab``: the servers load the other server extensions installed
+    here too (JupyterLab's, for a browser); without, ours alone (``OURS_ALONE``).
     """
 
     def __init__(
@@ -54,6 +55,7 @@ class Hub:
         lab_settings: dict[str, Any] | None = None,
         port: int | None = None,
         default_url: str | None = None,
+        lab: bool = False,
     ) -> None:
         if not os.access(CHP, os.X_OK):
             raise RuntimeError(
@@ -68,6 +70,11 @@ class Hub:
         self.url = f"http://127.0.0.1:{self.port}/"
         server_config_dir = home / "singleuser-config"
         server_config_dir.mkdir()
+        if not lab:
+            server_config = {
+                **server_config,
+                "ServerApp": {**server_config.get("ServerApp", {}), **OURS_ALONE},
+            }
         (server_config_dir / "jupyter_server_config.json").write_text(json.dumps(server_config))
         if lab_settings:
             (server_config_dir / "labconfig").mkdir()

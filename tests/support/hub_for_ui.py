@@ -69,6 +69,7 @@ def main() -> None:
             lab_settings=lab_settings,
             port=args.port,
             default_url="/lab",
+            lab=True,
         )
         print(f"UI test hub ready at {hub.url} admin token {hub.admin_token}", flush=True)
         while True:

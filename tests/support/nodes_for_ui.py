@@ -81,9 +81,9 @@ def _server(
     }
     if again is not None:
         return ServerProcess(
-            home, notebooks, config, env=S3_ENV, port=again.port, token=again.token
+            home, notebooks, config, env=S3_ENV, port=again.port, token=again.token, lab=True
         )
-    return ServerProcess(home, notebooks, config, env=S3_ENV)
+    return ServerProcess(home, notebooks, config, env=S3_ENV, lab=True)
 
 
 def main() -> None:

@@ -53,12 +53,16 @@ export interface IKernelStatus {
 export async function currentKernelId(
   page: IJupyterLabPageFixture
 ): Promise<string> {
-  const id = await page.evaluate(() => {
-    const widget = (window as any).galata.app.shell.currentWidget;
-    return widget?.sessionContext?.session?.kernel?.id ?? null;
-  });
-  expect(id, 'the current notebook has a kernel').toBeTruthy();
-  return id as string;
+  // A notebook just opened connects to its session's kernel a moment later.
+  const id = () =>
+    page.evaluate(() => {
+      const widget = (window as any).galata.app.shell.currentWidget;
+      return widget?.sessionContext?.session?.kernel?.id ?? null;
+    });
+  await expect
+    .poll(id, { message: 'the current notebook has a kernel' })
+    .toBeTruthy();
+  return (await id()) as string;
 }
 
 /** GET /api/snapshots/kernels/{id}. */

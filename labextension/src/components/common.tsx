@@ -22,6 +22,7 @@ const clock = {
 function subscribe(listener: (now: number) => void): () => void {
   clock.listeners.add(listener);
   if (clock.timer === 0) {
+    clock.now = Date.now();
     clock.timer = window.setInterval(() => {
       clock.now = Date.now();
       clock.listeners.forEach(l => l(clock.now));
@@ -36,10 +37,18 @@ function subscribe(listener: (now: number) => void): () => void {
   };
 }
 
-/** The page's clock (see above), in ms. */
+/**
+ * The page's clock (see above), in ms. Subscribed as the view is committed, then set to
+ * the clock's time: a tick between its render and its subscription would otherwise leave
+ * it a second behind the views already there (a dialog opened beside the panel).
+ */
 export function useNow(): number {
   const [now, setNow] = React.useState(clock.timer ? clock.now : Date.now());
-  React.useEffect(() => subscribe(setNow), []);
+  React.useLayoutEffect(() => {
+    const unsubscribe = subscribe(setNow);
+    setNow(clock.now);
+    return unsubscribe;
+  }, []);
   return now;
 }
 
