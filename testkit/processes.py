@@ -515,6 +515,12 @@ OURS_ALONE = {
     }
 }
 
+# How a test server is started: as installed with ``lab``, else by testkit/quickserver.py.
+SERVER_MAIN = {
+    True: ["-m", "jupyter_server"],
+    False: [str(Path(__file__).with_name("quickserver.py"))],
+}
+
 
 class ServerProcess(Endpoint):
     """``jupyter server`` with the snapshot extension, in its own data and runtime dirs."""
@@ -545,7 +551,8 @@ class ServerProcess(Endpoint):
         ``lab``: with the other server extensions installed here (JupyterLab's, for a
         browser); without, the server loads ours alone: JupyterLab's runs ``npm`` at each
         start, a second and a half of CPU that hundreds of server starts paid for nothing
-        (no test here but a browser's uses its endpoints)."""
+        (no test here but a browser's uses its endpoints), and it starts from
+        testkit.quickserver."""
         home.mkdir(parents=True, exist_ok=True)
         self.home = home
         self.port = port or free_port()
@@ -579,8 +586,7 @@ class ServerProcess(Endpoint):
         }
         argv = [
             sys.executable,
-            "-m",
-            "jupyter_server",
+            *SERVER_MAIN[lab],
             "--allow-root",
             "--no-browser",
             f"--ServerApp.ip={address}",
@@ -634,7 +640,10 @@ class ServerProcess(Endpoint):
         for pid in proctree.descendants(self.process.pid):  # parents first
             with contextlib.suppress(OSError):
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                if argv[:3] == [sys.executable.encode(), b"-m", b"jupyter_server"]:
+                if any(
+                    argv[: len(main) + 1] == [sys.executable.encode(), *map(os.fsencode, main)]
+                    for main in SERVER_MAIN.values()
+                ):
                     return pid
         return self.process.pid
 
