@@ -7,6 +7,10 @@ knows since which snapshot the memory has been tracked, gathers what the plan
 (core/memtrack/plan.py) decides on, and runs the pre-copy rounds. The dump
 (kernel_wrapper/dump.py) then freezes the kernel for what is left and assembles the
 chain of levels (core/criu/chain.py).
+
+The tracker and the page digests need numpy: they are imported at a kernel's first
+snapshot, not when each wrapper starts (0.1-0.2 s of CPU that most kernels' starts
+would pay for nothing).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jupyter_ext.core import proctree
 from jupyter_ext.core.chunking import ChunkParams
@@ -41,8 +45,7 @@ from jupyter_ext.core.errors import SnapshotError
 from jupyter_ext.core.gpu import find_cuda_processes
 from jupyter_ext.core.growinghash import GrowingFileChunker
 from jupyter_ext.core.manifest import IMAGES_DIR, FileEntry, Manifest
-from jupyter_ext.core.memtrack import MemoryTracker, TrackingUnavailable, start_time
-from jupyter_ext.core.memtrack.digests import HUGE_PAGE, PageDigests, digests_of_dump, root_pid
+from jupyter_ext.core.memtrack import TrackingUnavailable
 from jupyter_ext.core.memtrack.plan import (
     AFTER_RESTORE,
     FIRST,
@@ -53,13 +56,16 @@ from jupyter_ext.core.memtrack.plan import (
     plan_dump,
     precopy_stop,
 )
-from jupyter_ext.core.memtrack.tracker import pinned_bytes
 from jupyter_ext.core.memtrack.writeback import unthrottled_bytes
 from jupyter_ext.core.protocol.environment import ENV_AGENT_SOCKET
 from jupyter_ext.core.protocol.progress import ProgressCallback
 
 from .dumptree import KernelTree
 from .relay import Relay
+
+if TYPE_CHECKING:
+    from jupyter_ext.core.memtrack.digests import PageDigests
+    from jupyter_ext.core.memtrack.tracker import MemoryTracker
 
 log = logging.getLogger("kernel_wrapper")
 
@@ -224,7 +230,7 @@ class _Tracked:
     bits track it)."""
 
     pid: int
-    started: int
+    started: str
     snapshot_id: str
     digests: PageDigests | None
 
@@ -283,7 +289,7 @@ class KernelMemory:
             parent_chain=parent.chain if parent else None,
             memory_bytes=proctree.private_memory_bytes(pids),
             gpu=bool(cuda),
-            pinned_bytes=sum(pinned_bytes(pid) for pid in pids),
+            pinned_bytes=proctree.pinned_memory_bytes(pids),
             keeps_running=keeps_running,
             precopy_possible=not self.precopy_failed
             and (
@@ -298,10 +304,7 @@ class KernelMemory:
         tracked = self._tracked
         if tracked is None or tracked.pid != pid:
             return False
-        try:
-            return start_time(pid) == tracked.started
-        except (OSError, ValueError, IndexError):
-            return False
+        return bool(tracked.started) and proctree.start_time(pid) == tracked.started
 
     async def _ensure_tracker(self, inner_pid: int) -> str:
         """A tracker of ``inner_pid`` held here (asked of its agent if there is none);
@@ -316,6 +319,8 @@ class KernelMemory:
         fd = answer.get("fd")
         if type(fd) is not int:
             return str(answer.get("error") or "the kernel's agent opened no memory tracker")
+        from jupyter_ext.core.memtrack.tracker import MemoryTracker  # numpy
+
         try:
             self.tracker = await asyncio.to_thread(MemoryTracker.take, inner_pid, fd)
         except (TrackingUnavailable, OSError) as exc:
@@ -343,6 +348,8 @@ class KernelMemory:
             raise TrackingUnavailable(0, "no digests of the previous snapshot's pages")
         if self._compared is not None and self._compared[0] == tracked.snapshot_id:
             return self._compared[1]  # a checkpoint compared before deciding on itself
+        from jupyter_ext.core.memtrack.digests import HUGE_PAGE  # numpy
+
         self.register()
         started = time.monotonic()
         self._compared = None
@@ -391,6 +398,8 @@ class KernelMemory:
         cannot be read (the next dump then copies everything)."""
         if self.tracker is None or not copy.plan.track:
             return None
+        from jupyter_ext.core.memtrack.digests import digests_of_dump, root_pid  # numpy
+
         tracked = self._tracked if copy.plan.parent_id else None
         unchanged, self._unchanged = self._unchanged, None
         images = staging / IMAGES_DIR
@@ -500,8 +509,9 @@ class KernelMemory:
         if self.tracker is not None and digests is None:
             self.invalidate(NO_DIGESTS)
             return
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            self._tracked = _Tracked(inner_pid, start_time(inner_pid), snapshot_id, digests)
+        started = proctree.start_time(inner_pid)
+        if started:
+            self._tracked = _Tracked(inner_pid, started, snapshot_id, digests)
 
     def tracked_run(self) -> None:
         """A tracked CRIU run starts. With soft-dirty bits it clears the bits of what it

@@ -30,9 +30,10 @@ import pytest
 
 from jupyter_ext.core.criu import Criu
 from jupyter_ext.core.errors import DumpError
-from jupyter_ext.core.memtrack import MemoryTracker, uffd
 from jupyter_ext.core.memtrack import plan as memplan
+from jupyter_ext.core.memtrack import uffd
 from jupyter_ext.core.memtrack.digests import READ_BYTES, PageDigests, page_digests
+from jupyter_ext.core.memtrack.tracker import MemoryTracker
 from testkit.processes import KernelProcess
 
 Factory = Callable[..., KernelProcess]

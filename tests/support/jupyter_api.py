@@ -203,20 +203,41 @@ def start_kernel(jp_fetch: Fetch, jp_serverapp: Any, jp_asyncio_loop: Any) -> An
 def shut_down_kernels(app: Any, loop: Any) -> None:
     """Shut the server's kernels down and reap their processes. jupyter_client stops
     waiting for a killed kernel after 5 s and drops its process unreaped (a wrapper whose
-    thread is syncing a snapshot's images to a busy disk dies later): the process's
-    ``ResourceWarning`` then came out in whichever test ran when it was collected (once:
-    inside the AST that Hypothesis was building, a CPython ``SystemError`` besides)."""
+    thread is syncing a snapshot's images to a busy disk dies later), and a restart its
+    restarter began (the test killed a wrapper) launches a new process after a shutdown
+    that came meanwhile: the process's ``ResourceWarning`` then came out in whichever test
+    ran when it was collected (once: inside the AST that Hypothesis was building, a
+    CPython ``SystemError`` besides). So no restart begins from now, one under way ends
+    first, and every process seen is reaped (killed if it still runs)."""
     manager = getattr(app, "kernel_manager", None)
     if manager is None:
         return
-    processes = [
-        km.provisioner.process
-        for km in (manager.get_kernel(kernel_id) for kernel_id in manager.list_kernel_ids())
-        if km.provisioner is not None and km.provisioner.process is not None
-    ]
+    kernels = [manager.get_kernel(kernel_id) for kernel_id in manager.list_kernel_ids()]
+    for km in kernels:
+        km.stop_restarter()
+    loop.run_until_complete(_restarts_ended(kernels))
+    processes = _processes(kernels)
     loop.run_until_complete(manager.shutdown_all(now=True))
-    for process in processes:
+    for process in processes | _processes(kernels):
+        if process.poll() is None:
+            process.kill()
         process.wait(60)
+
+
+def _processes(kernels: list[Any]) -> set[Any]:
+    return {
+        km.provisioner.process
+        for km in kernels
+        if km.provisioner is not None and km.provisioner.process is not None
+    }
+
+
+async def _restarts_ended(kernels: list[Any], timeout: float = 60) -> None:
+    """Until no kernel is starting, restarting or shutting down (``ready`` is pending
+    meanwhile, and a restart's start follows its shutdown without a gap)."""
+    deadline = time.monotonic() + timeout
+    while any(not km.ready.done() for km in kernels) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
 
 
 async def _started_again(km: Any, dead: Any) -> bool:

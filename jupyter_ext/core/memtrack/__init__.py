@@ -16,14 +16,8 @@ How a kernel's dumps use it, and when they copy everything instead (and say why)
 :mod:`.plan`; the chain of images a tracked dump leaves is :mod:`..criu.chain`.
 """
 
-from .tracker import MemoryTracker, read_maps, start_time
+# Not the tracker here: it needs numpy (the digests), which the kernel's agent, which
+# imports this package, must not load into every kernel, and the wrapper not at its start.
 from .uffd import TrackingUnavailable, open_tracking_fd, why_unavailable
 
-__all__ = [
-    "MemoryTracker",
-    "TrackingUnavailable",
-    "open_tracking_fd",
-    "read_maps",
-    "start_time",
-    "why_unavailable",
-]
+__all__ = ["TrackingUnavailable", "open_tracking_fd", "why_unavailable"]

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import proctree
 from . import uffd
 from .digests import DENSE_PAGES, HUGE_PAGE, Changes, PageDigests, changed_runs
 
@@ -52,13 +53,6 @@ def read_maps(pid: int) -> list[Mapping]:
     return maps
 
 
-def start_time(pid: int) -> int:
-    """The process's start time (clock ticks since boot): a pid with another start time
-    is another process."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2 :].split()[19])
-
-
 class MemoryTracker:
     """Write tracking of process ``pid``'s memory through ``fd``, its userfaultfd (this
     process's copy), during each of its snapshots (:mod:`.digests`: between them nothing
@@ -67,7 +61,7 @@ class MemoryTracker:
     def __init__(self, pid: int, fd: int) -> None:
         self.pid = pid
         self.fd = fd
-        self.started = start_time(pid)
+        self.started = proctree.start_time(pid)
         self.ranges: list[tuple[int, int]] = []
         """The mappings registered at the last :meth:`register_new`."""
         self.registered = 0
@@ -91,10 +85,7 @@ class MemoryTracker:
 
     def same_process(self) -> bool:
         """Whether ``pid`` is still the process this tracker was made for."""
-        try:
-            return start_time(self.pid) == self.started
-        except (OSError, ValueError, IndexError):
-            return False
+        return bool(self.started) and proctree.start_time(self.pid) == self.started
 
     def register_new(self) -> None:
         """Register every private anonymous mapping of the process (those registered
@@ -202,13 +193,3 @@ class MemoryTracker:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
             self.fd = -1
-
-
-def pinned_bytes(pid: int) -> int:
-    """The process's memory pinned for devices or io_uring (``VmPin``): written by them
-    without the page tables knowing, so it cannot be tracked. 0 when it cannot be read."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmPin:"):
-                return int(line.split()[1]) * 1024
-    return 0
