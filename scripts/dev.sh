@@ -36,8 +36,14 @@ case "${1:-}" in
     ;;
   test)
     shift
+    # Where the time went, said last (also when a stage fails): each stage's end, in seconds
+    # since the start (CI shows the end of this output). stage_done NAME [END].
+    stage_ends=()
+    stage_done() { stage_ends+=("$1 ${2:-$SECONDS} s,"); }
+    trap 'log "stage ends, since the start: ${stage_ends[*]} now $SECONDS s"' EXIT
     # postgresql: a real database server for tests/test_network.py (psycopg is its client).
     setup_machine test,dev postgresql
+    stage_done set-up
     log "lint and types"
     "$VENV/bin/ruff" check .
     "$VENV/bin/ruff" format --check .
@@ -47,7 +53,8 @@ case "${1:-}" in
     # Neither starts a kernel or a server, nor makes a mount the kernels would see.
     prepared="$ROOT/.prepare-stages.log"
     log "preparing the UI and container stages beside the tests ($prepared)"
-    (scripts/ui-tests.sh --prepare && scripts/container-tests.sh --prepare) >"$prepared" 2>&1 &
+    (scripts/ui-tests.sh --prepare && scripts/container-tests.sh --prepare \
+      && echo "prepared at $SECONDS") >"$prepared" 2>&1 &
     preparing=$!
     # pytest twice, the whole suite between them: the quick tests first, where a test that
     # starts a process without the "system" marker fails (tests/conftest.py), then the rest.
@@ -55,6 +62,7 @@ case "${1:-}" in
     pytest_part() { "$VENV/bin/python" -m pytest "$@" || [ $? = 5 ]; }
     log "quick tests (set-up took ${SECONDS} s)"
     pytest_part -m "not system" "$@"
+    stage_done quick
     log "system tests (${SECONDS} s since the start)"
     # On two workers (pytest-xdist), a test file whole on one: much of a system test's time
     # is spent waiting on processes. A short base directory: the kernels' unix sockets
@@ -62,23 +70,28 @@ case "${1:-}" in
     # (issue 47 item 6).
     pytest_part -m system -n 2 --dist loadfile --basetemp "$(mktemp -d /tmp/jks-XXXX)" \
       --durations=25 "$@"
+    stage_done system
     log "UI and container stages prepared? (${SECONDS} s since the start)"
     wait "$preparing" || { cat "$prepared"; log "preparing the UI or container stage failed"; exit 1; }
     cat "$prepared"
+    stage_done prepared "$(sed -n 's/^prepared at //p' "$prepared")"
     export UI_TESTS_PREPARED=1 JKS_CONTAINER_PREPARED=1
     # Non-root mode (kernel, server, policy, JupyterHub and other-node tests again, as an
     # ordinary user: docs/nonroot.md) beside the UI tests: both mostly wait on processes,
     # and neither uses the other's ports, users, bridges or directories. Its log after.
     nonroot_log="$ROOT/.nonroot-stage.log"
     log "non-root stage beside the UI tests (${SECONDS} s since the start; $nonroot_log)"
-    scripts/nonroot-tests.sh >"$nonroot_log" 2>&1 &
+    (status=0; scripts/nonroot-tests.sh || status=$?; echo "non-root ended at $SECONDS"; exit "$status") \
+      >"$nonroot_log" 2>&1 &
     nonroot=$!
     log "UI tests (${SECONDS} s since the start)"
     ui_status=0
     scripts/ui-tests.sh || ui_status=$?
+    stage_done UI
     log "UI tests done; the non-root stage's end (${SECONDS} s since the start)"
     nonroot_status=0
     wait "$nonroot" || nonroot_status=$?
+    stage_done non-root "$(sed -n 's/^non-root ended at //p' "$nonroot_log")"
     cat "$nonroot_log"
     log "non-root stage done (${SECONDS} s since the start)"
     [ "$ui_status" = 0 ] || { log "the UI tests failed (exit $ui_status)"; exit 1; }
@@ -86,7 +99,8 @@ case "${1:-}" in
     # deploy/Dockerfile built and its Zero to JupyterHub user pod run in podman
     # (docs/jupyterhub.md, "What is tested").
     log "container stage (${SECONDS} s since the start)"
-    exec scripts/container-tests.sh
+    scripts/container-tests.sh
+    stage_done container
     ;;
   *)
     echo "usage: $0 lab|test|setup [args...]" >&2
