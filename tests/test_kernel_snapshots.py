@@ -160,6 +160,8 @@ def test_state_survives_kill_and_restore_into_new_wrapper(
 
 
 def test_snapshot_keeps_kernel_running_undisturbed(kernel_factory: Factory, tmp_path: Path) -> None:
+    """The kernel runs on as it was, with only the modules its cells imported: our agent
+    in it loads no numpy (the wrapper's tracker needs it, 12 MB in every snapshot)."""
     kernel = kernel_factory()
     kernel.execute("import os; x = [1, 2, 3]; pid = os.getpid()")
     kernel.snapshot(tmp_path / "s1")
@@ -167,6 +169,8 @@ def test_snapshot_keeps_kernel_running_undisturbed(kernel_factory: Factory, tmp_
     pid = 1 if os.geteuid() == 0 else kernel.status()["inner_pid"]
     assert kernel.execute("x.append(4); print(x, pid)").strip() == f"[1, 2, 3, 4] {pid}"
     assert kernel.status()["state"] == "running"
+    loaded = "import sys; print(sorted({'numpy', 'xxhash'} & set(sys.modules)))"
+    assert kernel.execute(loaded).strip() == "[]"
 
 
 def test_busy_cell_continues_after_restore(kernel_factory: Factory, tmp_path: Path) -> None:
