@@ -127,6 +127,7 @@ prepare() {
   podman build --pull=never --network=host --build-arg "WHEEL=$WHEEL" -f deploy/Dockerfile \
     -t "$IMAGE" . >"$STATE/build.log" 2>&1 \
     || { tail -40 "$STATE/build.log" >&2; echo "container-tests: the image build failed" >&2; exit 1; }
+  rm -rf "$WHEEL_DIR"
   log "image built in $((SECONDS - start)) s ($STATE/build.log)"
   # Layers of earlier builds that no tag names any more.
   podman image prune --force >/dev/null
