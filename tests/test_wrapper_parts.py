@@ -422,3 +422,41 @@ def test_a_dump_reads_only_the_proc_net_tables_that_list_the_kernels_sockets(
             assert tcpconns.tree_connections([child.pid], sockets) == none
         finally:
             child.kill()
+
+
+#: Files opened while :data:`_OPENS_WATCHED` is set (sys.addaudithook cannot be undone:
+#: it is added once, and records only then).
+_OPENED: list[str] = []
+_OPENS_WATCHED = False
+
+
+def _record_open(event: str, args: tuple[Any, ...]) -> None:
+    if _OPENS_WATCHED and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENED.append(os.fsdecode(args[0]))
+
+
+def test_the_wrapper_watch_opens_no_file_of_the_runtime_directory(tmp_path: Path) -> None:
+    """The kernel's thread that watches for a restore (every 0.5 s, without root) opens no
+    file: a dump that froze it with one open needed that file at restore, and a restore
+    into a new wrapper failed ("Can't open file ... wrapper.pid on restore") once the old
+    wrapper's runtime directory was gone. A new pid file (a restore) still changes the
+    marker, and so does a new restore record."""
+    global _OPENS_WATCHED
+    import kernel_snapshots
+    from kernel_wrapper.inkernel import lifeline
+
+    (tmp_path / "wrapper.pid").write_text("123 4")
+    sys.addaudithook(_record_open)
+    _OPENS_WATCHED = True
+    try:
+        before = lifeline._restore_marker(tmp_path)
+    finally:
+        _OPENS_WATCHED = False
+    assert [path for path in _OPENED if path.startswith(str(tmp_path))] == []
+    replaced = tmp_path / "wrapper.pid.tmp"
+    replaced.write_text("456 4")
+    os.replace(replaced, tmp_path / "wrapper.pid")
+    after_new_wrapper = lifeline._restore_marker(tmp_path)
+    assert after_new_wrapper != before
+    (tmp_path / kernel_snapshots.RESTORE_FILE).write_text("{}")
+    assert lifeline._restore_marker(tmp_path) != after_new_wrapper

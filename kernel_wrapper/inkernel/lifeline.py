@@ -51,18 +51,22 @@ def declare_wrapper_as_tracer(runtime_dir: Path) -> None:
     confinement.declare_ptracer(wrapper)
 
 
-def _restore_marker(runtime_dir: Path) -> tuple[str, int]:
-    """What changes with every restore: the wrapper's pid file and the restore record the
-    wrapper rewrites before each restore (also a restore in place by the same wrapper)."""
-    try:
-        pid_text = (runtime_dir / "wrapper.pid").read_text()
-    except OSError:
-        pid_text = ""
-    try:
-        restored = os.stat(runtime_dir / kernel_snapshots.RESTORE_FILE).st_mtime_ns
-    except OSError:
-        restored = 0
-    return pid_text, restored
+def _restore_marker(runtime_dir: Path) -> tuple[int, ...]:
+    """What changes with every restore: the wrapper's pid file (written anew, a new inode)
+    and the restore record the wrapper rewrites before each restore (also a restore in
+    place by the same wrapper). Looked at without opening either: a dump that froze this
+    thread with one open would need that file at its restore, and in a new wrapper the
+    old wrapper's runtime directory is gone ("Can't open file ... wrapper.pid on
+    restore")."""
+    marker: list[int] = []
+    for name in ("wrapper.pid", kernel_snapshots.RESTORE_FILE):
+        try:
+            stat = os.stat(runtime_dir / name)
+        except OSError:
+            marker += [0, 0]
+        else:
+            marker += [stat.st_ino, stat.st_mtime_ns]
+    return tuple(marker)
 
 
 def _watch_wrapper(runtime_dir: Path, lifeline: int) -> None:
