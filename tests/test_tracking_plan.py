@@ -95,6 +95,10 @@ def test_precopy_rounds_stop_when_little_is_left_or_they_do_not_converge() -> No
     assert another_round(1, big // 2, big)
     assert not another_round(1, big // 2 + 1, big)  # writes faster than it copies
     assert not another_round(plan.MAX_PRECOPY_ROUNDS, big, big * 4)
+    # After a round, less is worth another: scattered pages cost the freeze most.
+    left = plan.PRECOPY_MIN_BYTES
+    assert another_round(1, left, 4 * left)
+    assert not another_round(1, plan.PRECOPY_AGAIN_BYTES, 4 * left)
 
 
 def entry(path: str, size: int, chunks: bool = True) -> FileEntry:
