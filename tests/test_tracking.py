@@ -527,9 +527,13 @@ def test_a_failed_pre_copy_copies_everything_frozen(
     assert_array_restored(kernel, kernel_factory, tmp_path / "s2")
 
 
-@pytest.mark.skipif(
+#: Tests that trace CRIU run as root only (they run as root in the system stage).
+strace_of_criu = pytest.mark.skipif(
     os.geteuid() != 0, reason="strace drops the file capabilities an ordinary user's CRIU runs with"
 )
+
+
+@strace_of_criu
 def test_scattered_pages_are_written_a_buf_at_a_time(
     kernel_factory: Factory, tmp_path: Path, criu: Criu
 ) -> None:
@@ -550,6 +554,7 @@ def test_scattered_pages_are_written_a_buf_at_a_time(
     assert_array_restored(kernel, kernel_factory, tmp_path / "s2")
 
 
+@strace_of_criu
 def test_a_dump_reads_only_its_parents_pagemap(
     kernel_factory: Factory, tmp_path: Path, criu: Criu
 ) -> None:
