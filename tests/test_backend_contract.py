@@ -344,6 +344,33 @@ def test_concurrent_saves_each_land_whole(backend: Backend) -> None:
     assert listed(backend)[Kind.PUT] == ["shared.json"]
 
 
+def test_saves_beside_removals_in_one_directory_all_land(backend: Backend) -> None:
+    """Writers saving and removing files of one directory at once (servers' lock objects,
+    a put beside a retention pass) never fail: a gateway that keeps objects as files (the
+    juicefs gateway) removes a directory with its last object and answers a PUT into it
+    at that moment NoSuchKey, about once in 600 (seen in CI); the backend sends it again."""
+    rounds, writers = 300, 4
+    start = threading.Barrier(writers)
+
+    def churn(writer: int) -> list[Handle]:
+        start.wait()
+        kept = []
+        for i in range(rounds):
+            handle = Handle(Kind.PACK, f"packs/00/00{uuid.uuid4().hex}{uuid.uuid4().hex[2:]}")
+            backend.save(handle, f"{writer} {i}".encode())
+            if i % 100 == 99:
+                kept.append(handle)
+            else:
+                backend.remove(handle)
+        return kept
+
+    with ThreadPoolExecutor(max_workers=writers) as pool:
+        kept = [h for handles in pool.map(churn, range(writers)) for h in handles]
+    backend.sync()
+
+    assert listed(backend)[Kind.PACK] == sorted(h.name for h in kept)
+
+
 # -- adopting ------------------------------------------------------------------------------
 
 

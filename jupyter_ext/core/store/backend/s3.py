@@ -136,6 +136,10 @@ def connect(endpoint_url: str | None, region: str | None, max_workers: int) -> A
     )
 
 
+PUT_ATTEMPTS = 5
+"""Sends of a PUT answered NoSuchKey (its parent directory removed meanwhile, see _call)."""
+
+
 class S3Backend:
     """Files in an S3 bucket under a prefix (one prefix per user keeps users apart).
 
@@ -168,23 +172,34 @@ class S3Backend:
     def _call(
         self, op: str, key: str, *, missing_ok: bool = False, exists_ok: bool = False, **kw: Any
     ) -> Any:
-        """One S3 request; None for an expected 404 (missing_ok) or 412 (exists_ok)."""
+        """One S3 request; None for an expected 404 (missing_ok) or 412 (exists_ok).
+
+        A PUT answered NoSuchKey is sent again: gateways that keep objects as files (the
+        juicefs gateway, MinIO's file mode) remove a directory with its last object, and a
+        PUT into it at that moment finds no parent (two servers' lock objects, a pack beside
+        a retention pass)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        try:
-            return getattr(self.client, op)(Bucket=self.bucket, Key=key, **kw)
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "")
-            if missing_ok and code in ("404", "NoSuchKey", "NotFound"):
-                return None
-            if exists_ok and code in ("412", "PreconditionFailed"):
-                return None
-            if code == "InvalidRange":
-                start = int(str(kw.get("Range", "bytes=0-")).split("=")[1].split("-")[0])
-                raise beyond_end(f"s3://{self.bucket}/{key}", start) from exc
-            self._raise(op, key, exc)
-        except BotoCoreError as exc:
-            self._raise(op, key, exc)
+        attempt = 1
+        while True:
+            try:
+                return getattr(self.client, op)(Bucket=self.bucket, Key=key, **kw)
+            except ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code", "")
+                if op == "put_object" and code == "NoSuchKey" and attempt < PUT_ATTEMPTS:
+                    time.sleep(0.01 * 2**attempt)
+                    attempt += 1
+                    continue
+                if missing_ok and code in ("404", "NoSuchKey", "NotFound"):
+                    return None
+                if exists_ok and code in ("412", "PreconditionFailed"):
+                    return None
+                if code == "InvalidRange":
+                    start = int(str(kw.get("Range", "bytes=0-")).split("=")[1].split("-")[0])
+                    raise beyond_end(f"s3://{self.bucket}/{key}", start) from exc
+                self._raise(op, key, exc)
+            except BotoCoreError as exc:
+                self._raise(op, key, exc)
 
     def _put(self, key: str, body: bytes, *, exists_ok: bool = False, **kw: Any) -> Any:
         """Every write: encrypted as configured, and private: no ACL is sent, so the object
