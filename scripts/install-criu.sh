@@ -12,7 +12,9 @@
 # patch 0003 makes a dump with nothing written cost the same at any size, and 0004 lets an
 # ordinary user pre-copy a big kernel (one pipe, not one per run of pages), 0005 writes a
 # buf of scattered pages to the image in one splice (not one per page, while frozen), and
-# 0006 keeps a lazy restore going when the process unmaps memory it just threw away.
+# 0006 keeps a lazy restore going when the process unmaps memory it just threw away,
+# 0007 reads only the parent's pagemap in a dump, and 0008 saves no probes of the kernel
+# that this CRIU's own limits refused.
 # The patches are small and written to go upstream (scripts/criu-patches/README.md).
 #
 # Steps (idempotent; nothing is done when PREFIX already holds this build):
@@ -52,10 +54,10 @@ die() { log "error: $*"; exit 1; }
 command -v apt-get >/dev/null || die "this script supports Debian/Ubuntu (apt-get not found)"
 [ -d "$PATCH_DIR" ] || die "no patches at $PATCH_DIR (run the script from the source tree)"
 
-# Where this build's CRIU would keep its probes of the kernel (criu.kdat) as root: left
-# absent, so root's CRIU keeps none. In one full test run a cached copy said that lazy pages
-# were unsupported (two lazy restores went in full); until that is understood, root's CRIU
-# probes at every run. An ordinary user's CRIU keeps them (patch 0002, engine.py).
+# Where this build's CRIU keeps its probes of the kernel (criu.kdat) as root, made with
+# the prefix (patch 0002 keeps it off tmpfs with the boot's id; patch 0008 keeps a root
+# CRIU that was refused userfaultfd from saving a cache that says lazy pages are missing).
+# An ordinary user's CRIU keeps its own in $XDG_RUNTIME_DIR (engine.py).
 RUNDIR="$PREFIX/run"
 # BUILD_ID: the version, the build's options and the patches; a prefix holding another
 # build is rebuilt.
@@ -121,7 +123,7 @@ make -C "$src" -j"$(nproc)" criu GITID="$BUILD_ID" RUNDIR="$RUNDIR" >"$work/buil
 
 stage="$PREFIX.new"
 rm -rf "$stage"
-mkdir -p "$stage/bin"
+mkdir -p "$stage/bin" "$stage/run"
 cp "$src/criu/criu" "$stage/bin/criu"
 echo "$BUILD_ID" >"$stage/BUILD_ID"
 "$stage/bin/criu" --version >/dev/null || die "the built criu does not start"
