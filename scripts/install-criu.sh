@@ -133,3 +133,6 @@ log "CRIU $CRIU_VERSION ($BUILD_ID) installed at $PREFIX/bin/criu"
 grant_user_caps
 "$PREFIX/bin/criu" check >/dev/null 2>&1 && log "criu check: looks good" \
   || log "warning: 'criu check' reports problems; run '$PREFIX/bin/criu check' to see them"
+# What that check probed is this machine's and this sandbox's (an image build's container
+# lacks capabilities the image's runs may have): the first real run probes for itself.
+rm -f "$RUNDIR/criu.kdat"
