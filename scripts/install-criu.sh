@@ -13,8 +13,9 @@
 # ordinary user pre-copy a big kernel (one pipe, not one per run of pages), 0005 writes a
 # buf of scattered pages to the image in one splice (not one per page, while frozen), and
 # 0006 keeps a lazy restore going when the process unmaps memory it just threw away,
-# 0007 reads only the parent's pagemap in a dump, and 0008 saves no probes of the kernel
-# that this CRIU's own limits refused.
+# 0007 reads only the parent's pagemap in a dump, 0008 saves no probes of the kernel
+# that this CRIU's own limits refused, and 0009 keeps a dump's memory lazy when a thread's
+# stack pointer is at the start of a page.
 # The patches are small and written to go upstream (scripts/criu-patches/README.md).
 #
 # Steps (idempotent; nothing is done when PREFIX already holds this build):

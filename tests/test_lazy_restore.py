@@ -584,3 +584,61 @@ def test_doctor_says_whether_lazy_restore_works(criu: Criu) -> None:
     assert "uffd-noncoop is supported" in check.detail
     assert not check.required
     assert os.geteuid() == 0  # the fixture skipped the module otherwise
+
+
+#: A process whose only thread waits with its stack pointer at the start of a page (the
+#: top of a stack of its own), holding 64 MiB of anonymous memory.
+STACK_AT_A_PAGE_START = r"""
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+
+int main(void)
+{
+    size_t size = 64 << 20, stack = 1 << 20;
+    char *memory = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    char *top = mmap(NULL, stack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+
+    if (memory == MAP_FAILED || top == MAP_FAILED)
+        return 1;
+    memset(memory, 1, size);
+    memset(top, 1, stack);
+    printf("ready\n");
+    fflush(stdout);
+    top += stack;
+    __asm__ volatile("mov %0, %%rsp\n1:\tmov %1, %%eax\n\tsyscall\n\tjmp 1b"
+             : : "r"(top), "i"(SYS_pause) : "memory");
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the program sets rsp (x86-64)")
+def test_a_stack_pointer_at_a_page_start_leaves_the_memory_lazy(criu: Criu, tmp_path: Path) -> None:
+    """CRIU patch 0009: the page a thread's stack pointer is in is restored before the
+    process runs, the rest of its anonymous memory lazily. CRIU compared the pointer's
+    offset within its page instead of its page, so a thread waiting with a page-aligned
+    stack pointer (one dump in 256, at random) made every page of the process not lazy,
+    and a lazy restore read all of its memory first (seen as a lazy restore from the store
+    that waited, in a full test run)."""
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    assert gcc, "gcc is needed (scripts/install-criu.sh installs build-essential)"
+    source, program = tmp_path / "stack.c", tmp_path / "stack"
+    source.write_text(STACK_AT_A_PAGE_START)
+    subprocess.run([gcc, "-O1", "-o", str(program), str(source)], check=True)
+    with subprocess.Popen(
+        [str(program)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    ) as waiting:
+        try:
+            assert waiting.stdout is not None
+            assert waiting.stdout.readline() == "ready\n"
+            images, work = tmp_path / "images", tmp_path / "work"
+            images.mkdir()
+            work.mkdir()
+            asyncio.run(criu.dump(waiting.pid, images, work, leave_running=True))
+        finally:
+            waiting.kill()
+    (pagemap,) = read_pagemaps(images).values()
+    lazy = sum(e.nr_pages for e in pagemap.entries if e.lazy) * PAGE_SIZE
+    assert lazy >= 64 << 20, pagemap.entries
