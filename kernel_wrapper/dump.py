@@ -50,6 +50,7 @@ from jupyter_ext.core.errors import KernelNotRunningError, SnapshotError
 from jupyter_ext.core.gpu import GpuCheckpoint
 from jupyter_ext.core.growinghash import GrowingFileChunker
 from jupyter_ext.core.isolation import mountns, privatetmp
+from jupyter_ext.core.leftovers import remove_now
 from jupyter_ext.core.manifest import (
     IMAGES_DIR,
     FileEntry,
@@ -89,14 +90,16 @@ def with_fate(exc: SnapshotError, inner_pid: int) -> SnapshotError:
 @contextlib.contextmanager
 def _staging(dest: Path) -> Iterator[Path]:
     """A new staging directory beside ``dest`` (with its images directory), removed if the
-    dump fails; sealing renames it to ``dest``."""
+    dump fails; sealing renames it to ``dest``. A dump cancelled while its CRIU still runs
+    (its kernel died) may still be writing there: removed until it is gone, or the files
+    CRIU writes last (files.img, seccomp.img) stayed behind in a fault test."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = dest.parent / f".{dest.name}.partial-{secrets.token_hex(4)}"
     (staging / IMAGES_DIR).mkdir(parents=True)
     try:
         yield staging
     except BaseException:
-        remove_tree(staging)
+        remove_now(staging)
         raise
 
 

@@ -619,9 +619,9 @@ def test_a_stack_pointer_at_a_page_start_leaves_the_memory_lazy(criu: Criu, tmp_
     """CRIU patch 0009: the page a thread's stack pointer is in is restored before the
     process runs, the rest of its anonymous memory lazily. CRIU compared the pointer's
     offset within its page instead of its page, so a thread waiting with a page-aligned
-    stack pointer (one dump in 256, at random) made every page of the process not lazy,
-    and a lazy restore read all of its memory first (seen as a lazy restore from the store
-    that waited, in a full test run)."""
+    stack pointer (about one kernel in 256, as Linux places its stack) made every page of
+    the process not lazy, and a lazy restore read all of its memory first (seen as a lazy
+    restore from the store that waited, in a full test run)."""
     gcc = shutil.which("gcc") or shutil.which("cc")
     assert gcc, "gcc is needed (scripts/install-criu.sh installs build-essential)"
     source, program = tmp_path / "stack.c", tmp_path / "stack"
