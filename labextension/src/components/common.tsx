@@ -1,4 +1,5 @@
 import * as React from 'react';
+import { flushSync } from 'react-dom';
 
 import {
   describeJob,
@@ -11,7 +12,10 @@ import type { IJob } from '../tokens';
 
 /**
  * One clock for every relative time on the page ("42 s ago"), ticking each second while
- * something shows one: the panel, a dialog and a notice beside it never disagree.
+ * something shows one: the panel, a dialog and a notice beside it never disagree. They are
+ * separate React roots, each rendered in a task of its own, so a tick renders them all at
+ * once (`flushSync`): otherwise a busy page shows the panel a second ahead of the dialog
+ * until the next task.
  */
 const clock = {
   now: Date.now(),
@@ -25,7 +29,7 @@ function subscribe(listener: (now: number) => void): () => void {
     clock.now = Date.now();
     clock.timer = window.setInterval(() => {
       clock.now = Date.now();
-      clock.listeners.forEach(l => l(clock.now));
+      flushSync(() => clock.listeners.forEach(l => l(clock.now)));
     }, 1000);
   }
   return () => {
