@@ -90,9 +90,9 @@ def with_fate(exc: SnapshotError, inner_pid: int) -> SnapshotError:
 @contextlib.contextmanager
 def _staging(dest: Path) -> Iterator[Path]:
     """A new staging directory beside ``dest`` (with its images directory), removed if the
-    dump fails; sealing renames it to ``dest``. A dump cancelled while its CRIU still runs
-    (its kernel died) may still be writing there: removed until it is gone, or the files
-    CRIU writes last (files.img, seccomp.img) stayed behind in a fault test."""
+    dump fails; sealing renames it to ``dest``. A cancelled dump (its kernel died) comes
+    here once its CRIU has ended (``Criu._run``); the folder is removed until it is gone
+    all the same (a fault test once found the files CRIU writes last in it)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = dest.parent / f".{dest.name}.partial-{secrets.token_hex(4)}"
     (staging / IMAGES_DIR).mkdir(parents=True)

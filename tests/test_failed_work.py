@@ -1,6 +1,7 @@
 """Failed work cleans up after itself at once (issue 9): a dump whose wrapper was killed,
-and a dump into a full work directory, through a real jupyter_server, real kernels and
-real CRIU. (Failed puts and downloads of the stores: tests/test_store.py.)"""
+a dump cancelled while CRIU writes, and a dump into a full work directory, through a real
+jupyter_server, real kernels and real CRIU. (Failed puts and downloads of the stores:
+tests/test_store.py.)"""
 
 from __future__ import annotations
 
@@ -8,14 +9,19 @@ import asyncio
 import fcntl
 import os
 import re
+import shutil
 import signal
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from jupyter_ext.core import proctree
+from jupyter_ext.core.criu.engine import Criu
 from jupyter_ext.core.leftovers import lock_path, remove_orphaned_dumps, remove_unlocked
 
 from .support.jupyter_api import Fetch, call, server_config, wait_job
@@ -75,6 +81,50 @@ async def test_a_killed_wrapper_leaves_no_partial_dump(
     assert list(where.iterdir()) == []
     assert list((tmp_path / "work" / "staging").iterdir()) == []
     assert (await call(jp_fetch, "GET"))["snapshots"] == []
+
+
+def test_a_cancelled_dump_returns_once_its_criu_has_ended(criu: Criu, tmp_path: Path) -> None:
+    """A dump cancelled while CRIU writes the images (its kernel died, its wrapper ends)
+    returns once CRIU has ended, not killed: the folder its caller then removes stays
+    gone (a fault test found CRIU's last files in one), and the process dumped runs on,
+    neither stopped nor traced."""
+    images, work = tmp_path / "images", tmp_path / "work"
+    images.mkdir()
+    work.mkdir()
+
+    async def cancel_while_writing(pid: int) -> list[int]:
+        dump = asyncio.create_task(criu.dump(pid, images, work, leave_running=True))
+        while not list(images.glob("pages-*.img")):
+            assert not dump.done(), "the dump ended before it wrote pages"
+            await asyncio.sleep(0.002)
+        dump.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await dump
+        return [
+            pid for pid in proctree.descendants(os.getpid()) if proctree.process_name(pid) == "criu"
+        ]
+
+    with subprocess.Popen(
+        [sys.executable, "-c", BIG_STATE.format(mib=300) + "; print(marker, flush=True); input()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as holder:
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline() == "kept\n"
+            running = asyncio.run(cancel_while_writing(holder.pid))
+            assert not running, f"CRIU still runs after its dump was cancelled: {running}"
+            shutil.rmtree(images)
+            time.sleep(0.5)
+            assert not images.exists()
+            status = Path(f"/proc/{holder.pid}/status").read_text()
+            assert re.search(r"^State:\s+S", status, re.M), status
+            assert re.search(r"^TracerPid:\s+0$", status, re.M), status
+            assert holder.poll() is None
+        finally:
+            holder.kill()
 
 
 @pytest.mark.usefixtures("small_work_disk")

@@ -16,6 +16,7 @@ import random
 import re
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -490,8 +491,36 @@ class Criu:
         self, args: list[str], pass_fds: Sequence[int] = (), netns: OwnNetwork | None = None
     ) -> tuple[int, str]:
         proc = await self._start(args, pass_fds, netns)
-        out, _ = await proc.communicate()
+        run = asyncio.ensure_future(proc.communicate())
+        try:
+            out, _ = await asyncio.shield(run)
+        except asyncio.CancelledError:
+            await _outlive(proc, run)
+            raise
         return proc.returncode or 0, out.decode(errors="replace")
+
+
+#: How long a cancelled caller waits for its CRIU to end by itself before killing it.
+CANCELLED_CRIU_SECONDS = 60.0
+
+
+async def _outlive(proc: asyncio.subprocess.Process, run: asyncio.Future[Any]) -> None:
+    """Wait for the CRIU of a cancelled caller (a dump whose kernel died, a wrapper
+    ending) to end. Killed, it could leave its parasite in a kernel that runs on; left
+    running, it would write into folders its caller removes as it unwinds. Another
+    cancellation does not cut this short; a CRIU that outlasts
+    :data:`CANCELLED_CRIU_SECONDS` is killed."""
+    deadline = time.monotonic() + CANCELLED_CRIU_SECONDS
+    while not run.done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            left = 5.0
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(asyncio.shield(run), left)
+    if not run.cancelled():
+        run.exception()  # retrieved: the caller's cancellation is what it hears
 
 
 def kdat_environment() -> dict[str, str] | None:
