@@ -59,16 +59,18 @@ case "${1:-}" in
     # pytest twice, the whole suite between them: the quick tests first, where a test that
     # starts a process without the "system" marker fails (tests/conftest.py), then the rest.
     # Exit status 5 (nothing selected: PYTEST ARGS named tests of one kind only) is fine.
+    # The quick tests on two workers too: in CI's queue for a whole minute before the rest.
     pytest_part() { "$VENV/bin/python" -m pytest "$@" || [ $? = 5 ]; }
     log "quick tests (set-up took ${SECONDS} s)"
-    pytest_part -m "not system" "$@"
+    pytest_part -m "not system" -n 2 "$@"
     stage_done quick
     log "system tests (${SECONDS} s since the start)"
-    # On two workers (pytest-xdist), a test file whole on one: much of a system test's time
-    # is spent waiting on processes. A short base directory: the kernels' unix sockets
+    # On two workers (pytest-xdist), a test file whole on one, the costliest files first
+    # (tests/conftest.py, tests/system-seconds.json; xdist would send the files with the
+    # most tests first): much of a system test's time is spent waiting on processes. A short base directory: the kernels' unix sockets
     # live below it (108 bytes at most). The 25 slowest in the log: where CI's time goes
     # (issue 47 item 6).
-    pytest_part -m system -n 2 --dist loadfile --basetemp "$(mktemp -d /tmp/jks-XXXX)" \
+    pytest_part -m system -n 2 --dist loadfile --no-loadscope-reorder --basetemp "$(mktemp -d /tmp/jks-XXXX)" \
       --durations=25 "$@"
     stage_done system
     log "UI and container stages prepared? (${SECONDS} s since the start)"

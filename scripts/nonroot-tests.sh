@@ -53,7 +53,7 @@ cd "$ROOT"
 SKIP=(--deselect tests/test_jupyterhub.py::test_idle_culler_stops_a_server_whose_kernel_comes_back
   --deselect tests/test_jupyterhub.py::test_shared_secret_mode_lets_alice_reach_bobs_snapshots)
 # Two workers, a file whole on one, a short base directory (scripts/dev.sh says why).
-as_user "$VENV/bin/python" -m pytest -p no:cacheprovider -n 2 --dist loadfile \
+as_user "$VENV/bin/python" -m pytest -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder \
   --basetemp "$home/t" "${FILES[@]}" "${SKIP[@]}" "$@"
 
 log "the other-node test: nodes' servers as $TEST_USER"

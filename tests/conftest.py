@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import _posixsubprocess
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -117,13 +118,33 @@ def _starts_processes(item: pytest.Item) -> bool:
     return SYSTEM_CODE.search(_code_reached(function)) is not None
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+#: Each system test file's seconds in a whole run, from its JUnit report
+#: (scripts/system-seconds.py). The two workers of the system stage take the costliest
+#: files first (``--dist loadfile --no-loadscope-reorder`` keeps this order): sent in order
+#: of their number of tests, the one-test files (a 2-minute benchmark check) came last,
+#: each running alone on one worker while the other had nothing left.
+SYSTEM_SECONDS = Path(__file__).with_name("system-seconds.json")
+
+
+def _costliest_files_first(items: list[pytest.Item]) -> None:
+    """Sort the tests by their file's seconds (a file not measured last), a file's tests
+    in their own order."""
+    try:
+        seconds: dict[str, float] = json.loads(SYSTEM_SECONDS.read_text())
+    except (OSError, ValueError):
+        return
+    items.sort(key=lambda item: -seconds.get(item.path.name, 0.0))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that start real processes are marked ``system`` (``pytest -m "not system"``
-    is the quick loop); as an ordinary user, tests marked ``needs_root`` are skipped,
-    saying why."""
+    is the quick loop); on xdist's workers the costliest files come first; as an ordinary
+    user, tests marked ``needs_root`` are skipped, saying why."""
     for item in items:
         if _starts_processes(item):
             item.add_marker(pytest.mark.system)
+    if hasattr(config, "workerinput"):
+        _costliest_files_first(items)
     if os.geteuid() == 0:
         return
     for item in items:

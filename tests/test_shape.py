@@ -12,6 +12,7 @@ on PATH and is skipped elsewhere; check it by hand before committing a change th
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shutil
 import subprocess
@@ -133,6 +134,15 @@ def test_no_test_file_imports_another() -> None:
         if re.fullmatch(r"tests\.test_\w+", name)
     }
     assert reached == set()
+
+
+def test_the_system_stage_order_names_only_test_files_costliest_first() -> None:
+    """tests/system-seconds.json (scripts/system-seconds.py) orders the system stage's
+    files: a file renamed or removed must leave it, and it lists the costliest first."""
+    seconds = json.loads((ROOT / "tests" / "system-seconds.json").read_text())
+    assert [name for name in seconds if not (ROOT / "tests" / name).is_file()] == []
+    assert list(seconds.values()) == sorted(seconds.values(), reverse=True)
+    assert seconds, "no file measured"
 
 
 def test_the_benchmarks_import_nothing_from_the_tests() -> None:
