@@ -93,7 +93,9 @@ def test_precopy_rounds_stop_when_little_is_left_or_they_do_not_converge() -> No
     assert another_round(0, big, None)
     assert not another_round(0, plan.PRECOPY_MIN_BYTES, None)
     assert another_round(1, big // 2, big)
-    assert not another_round(1, big // 2 + 1, big)  # writes faster than it copies
+    assert another_round(1, int(big * plan.PRECOPY_CONVERGING), big)
+    assert not another_round(1, int(big * plan.PRECOPY_CONVERGING) + 1, big)  # writes too fast
+    assert another_round(plan.MAX_PRECOPY_ROUNDS - 1, big // 2, big)
     assert not another_round(plan.MAX_PRECOPY_ROUNDS, big, big * 4)
     # After a round, less is worth another: scattered pages cost the freeze most.
     left = plan.PRECOPY_MIN_BYTES
@@ -302,7 +304,8 @@ def test_precopy_says_why_it_stopped() -> None:
     big = 10 * plan.PRECOPY_MIN_BYTES
     assert plan.precopy_stop(0, big, None) == ""
     assert "left to copy while frozen" in plan.precopy_stop(1, MIB, big)
-    assert "writes faster than 3 rounds copy" in plan.precopy_stop(3, big // 8, big // 4)
+    rounds = plan.MAX_PRECOPY_ROUNDS
+    assert f"writes faster than {rounds} rounds copy" in plan.precopy_stop(rounds, big, big * 4)
     assert "about as fast as a round copies" in plan.precopy_stop(1, big, big)
 
 

@@ -13,7 +13,8 @@ processes; kernel_wrapper/memory.py gathers the facts and carries the plan out.
   :data:`PRECOPY_MIN_BYTES` would be copied (after a round: :data:`PRECOPY_AGAIN_BYTES`),
   ``criu pre-dump`` copies it while the kernel runs (frozen only to read and protect its
   page tables), at most :data:`MAX_PRECOPY_ROUNDS` times and only while each round leaves
-  at most half as much; then the dump copies, frozen, only what was written meanwhile.
+  at most :data:`PRECOPY_CONVERGING` of what it started from; then the dump copies,
+  frozen, only what was written meanwhile.
 """
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ from ..humanize import human_bytes
 
 #: Below this many bytes to copy, a freeze copies them at once (about 30 ms here).
 PRECOPY_MIN_BYTES = 64 << 20
-#: After a round, another one while more than this is left (and it halves): what a
-#: kernel writes during a round is scattered pages, which cost a freeze several times
-#: more per byte than a contiguous run (a writing 1 GiB kernel, 50 MiB: ~100 ms).
+#: After a round, another one while more than this is left (and the rounds converge):
+#: what a kernel writes during a round is scattered pages, which cost a freeze several
+#: times more per byte than a contiguous run (a writing 1 GiB kernel, 50 MiB: ~100 ms).
 PRECOPY_AGAIN_BYTES = 16 << 20
+#: Another round only while the last one left at most this share of what it started
+#: from. A kernel writing 100 MB/s at random leaves each round about half to three
+#: quarters of the one before (scattered pages copy at ~10 us each here, and every
+#: round costs ~0.2 s besides); rounds stopped at "halves" left the freeze 2-3 times
+#: what two more rounds leave (bench/RESULTS.md, forty-second session).
+PRECOPY_CONVERGING = 0.75
 #: Rounds of pre-copy at most; a kernel that writes faster than they copy is then frozen
 #: for what is left (the snapshot's ``memory`` record says so).
-MAX_PRECOPY_ROUNDS = 3
+MAX_PRECOPY_ROUNDS = 5
 #: A chain longer than this starts anew (each level is a file a restore reads).
 MAX_CHAIN_LEVELS = 16
 #: A chain whose levels hold more than this many times the kernel's memory (pages later
@@ -153,7 +160,7 @@ def precopy_stop(done: int, pending: int, previous: int | None) -> str:
             f"the kernel writes faster than {MAX_PRECOPY_ROUNDS} rounds copy: "
             f"{human_bytes(pending)} left to copy while frozen"
         )
-    if previous is not None and pending > previous // 2:
+    if previous is not None and pending > previous * PRECOPY_CONVERGING:
         return (
             f"the kernel writes about as fast as a round copies: {human_bytes(pending)} "
             "left to copy while frozen"
