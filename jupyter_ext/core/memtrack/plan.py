@@ -31,10 +31,10 @@ PRECOPY_MIN_BYTES = 64 << 20
 #: times more per byte than a contiguous run (a writing 1 GiB kernel, 50 MiB: ~100 ms).
 PRECOPY_AGAIN_BYTES = 16 << 20
 #: Another round only while the last one left at most this share of what it started
-#: from. A kernel writing 100 MB/s at random leaves each round about half to three
-#: quarters of the one before (scattered pages copy at ~10 us each here, and every
-#: round costs ~0.2 s besides); rounds stopped at "halves" left the freeze 2-3 times
-#: what two more rounds leave (bench/RESULTS.md, forty-second session).
+#: from. A kernel writing 100 MB/s at random leaves each round a quarter to a half of
+#: what it copied, and less once rounds are short (scattered pages copy at ~10 us each
+#: here, and every round costs ~0.2 s besides): three rounds that had to halve often
+#: left its freeze 40-49 MiB, up to five 21-25 MiB (bench/RESULTS.md, 2026-12-07).
 PRECOPY_CONVERGING = 0.75
 #: Rounds of pre-copy at most; a kernel that writes faster than they copy is then frozen
 #: for what is left (the snapshot's ``memory`` record says so).
