@@ -447,13 +447,15 @@ class KernelMemory:
         snapshots of this wrapper are not pre-copied)."""
         levels: list[Level] = []
         previous: int | None = None
+        memory = proctree.private_memory_bytes([inner_pid])
         while True:
             self.register()
             pending = self.pending_bytes(inner_pid)
             if pending is None:
                 return levels, "what is left to copy cannot be counted here"
             await asyncio.to_thread(_make_room, levels, pending)
-            stop = precopy_stop(len(levels), pending, previous)
+            again = sum(level.copied_bytes for level in levels[1:])
+            stop = precopy_stop(len(levels), pending, previous, again, memory)
             if stop:
                 return levels, stop
             previous = pending

@@ -300,6 +300,19 @@ def test_encode_pagemap_merges_neighbours_of_the_same_kind() -> None:
     ]
 
 
+def test_precopy_rounds_copy_at_most_half_the_memory_again() -> None:
+    memory = 40 * plan.PRECOPY_MIN_BYTES
+    budget = int(memory * plan.PRECOPY_AGAIN_SHARE)
+    pending = memory // 8  # converging, more than a freeze should copy
+    assert another_round(1, pending, 4 * pending, 0, memory)
+    assert another_round(2, pending, 4 * pending, budget - pending, memory)
+    stop = plan.precopy_stop(2, pending, 4 * pending, budget - pending + 1, memory)
+    assert stop.startswith("another round would copy more than 50% of the kernel's")
+    # The first round copies what changed however much it is; an unknown size stops none.
+    assert another_round(0, memory, None, 0, memory)
+    assert another_round(2, pending, 4 * pending, 2 * memory, 0)
+
+
 def test_precopy_says_why_it_stopped() -> None:
     big = 10 * plan.PRECOPY_MIN_BYTES
     assert plan.precopy_stop(0, big, None) == ""

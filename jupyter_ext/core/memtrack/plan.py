@@ -36,6 +36,12 @@ PRECOPY_AGAIN_BYTES = 16 << 20
 #: here, and every round costs ~0.2 s besides): three rounds that had to halve often
 #: left its freeze 40-49 MiB, up to five 21-25 MiB (bench/RESULTS.md, 2026-12-07).
 PRECOPY_CONVERGING = 0.75
+#: Rounds after the first copy at most this share of the kernel's memory again, in all:
+#: they re-copy what the kernel wrote meanwhile, and the snapshot's chain keeps every
+#: copy (a restore downloads them). Without it, a kernel rewriting much of its memory
+#: fast made one snapshot's chain pass :data:`MAX_CHAIN_GROWTH`, so that its next
+#: snapshot copied everything again.
+PRECOPY_AGAIN_SHARE = 0.5
 #: Rounds of pre-copy at most; a kernel that writes faster than they copy is then frozen
 #: for what is left (the snapshot's ``memory`` record says so).
 MAX_PRECOPY_ROUNDS = 5
@@ -143,16 +149,22 @@ def plan_dump(s: Situation) -> DumpPlan:
     return DumpPlan(s.parent_id, "", track=True, precopy=precopy)
 
 
-def another_round(done: int, pending: int, previous: int | None) -> bool:
-    """Whether to pre-copy once more: ``done`` rounds made, ``pending`` bytes to copy now,
-    ``previous`` what the last round started from (None before the first)."""
-    return not precopy_stop(done, pending, previous)
+def another_round(
+    done: int, pending: int, previous: int | None, again: int = 0, memory: int = 0
+) -> bool:
+    """Whether to pre-copy once more (:func:`precopy_stop`)."""
+    return not precopy_stop(done, pending, previous, again, memory)
 
 
-def precopy_stop(done: int, pending: int, previous: int | None) -> str:
+def precopy_stop(
+    done: int, pending: int, previous: int | None, again: int = 0, memory: int = 0
+) -> str:
     """Why pre-copy stops here ("" while it goes on), for the snapshot's record: little
-    is left, or the kernel writes faster than the rounds copy (it is then frozen for what
-    is left)."""
+    is left, the kernel writes faster than the rounds copy (it is then frozen for what
+    is left), or the rounds would copy too much again. ``done`` rounds made, ``pending``
+    bytes to copy now, ``previous`` what the last round started from (None before the
+    first), ``again`` what the rounds after the first copied, ``memory`` the kernel's
+    (0: unknown)."""
     if pending <= (PRECOPY_MIN_BYTES if not done else PRECOPY_AGAIN_BYTES):
         return f"{human_bytes(pending)} left to copy while frozen"
     if done >= MAX_PRECOPY_ROUNDS:
@@ -164,5 +176,10 @@ def precopy_stop(done: int, pending: int, previous: int | None) -> str:
         return (
             f"the kernel writes about as fast as a round copies: {human_bytes(pending)} "
             "left to copy while frozen"
+        )
+    if done and memory and again + pending > PRECOPY_AGAIN_SHARE * memory:
+        return (
+            f"another round would copy more than {PRECOPY_AGAIN_SHARE:.0%} of the kernel's "
+            f"{human_bytes(memory)} again: {human_bytes(pending)} left to copy while frozen"
         )
     return ""

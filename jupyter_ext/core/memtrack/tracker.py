@@ -167,7 +167,8 @@ class MemoryTracker:
     def pending_bytes(self) -> int:
         """Bytes a dump would copy now: private memory written since the last protection
         (or never tracked)."""
-        return sum(end - start for start, end in uffd.written_ranges(self.pid))
+        runs = uffd.written_ranges(self.pid)
+        return sum(end for _, end in runs) - sum(start for start, _ in runs)
 
     def _note_split(self) -> None:
         """Note the blocks the process wrote densely while protected (since the last
@@ -178,15 +179,20 @@ class MemoryTracker:
             written = uffd.written_tracked_ranges(self.pid)
         except (uffd.TrackingUnavailable, OSError):
             return
-        counts: dict[int, int] = {}
+        counts: dict[int, int] = {}  # bytes written, by block
         for start, end in written:
+            block = start - start % HUGE_PAGE
+            if end <= block + HUGE_PAGE:  # most runs: a writing kernel's are single pages
+                counts[block] = counts.get(block, 0) + end - start
+                continue
             at = start
             while at < end:
                 block = at - at % HUGE_PAGE
                 step = min(end, block + HUGE_PAGE)
-                counts[block] = counts.get(block, 0) + (step - at) // uffd.PAGE_SIZE
+                counts[block] = counts.get(block, 0) + step - at
                 at = step
-        self.split.update(block for block, pages in counts.items() if pages >= DENSE_PAGES)
+        dense = DENSE_PAGES * uffd.PAGE_SIZE
+        self.split.update(block for block, done in counts.items() if done >= dense)
 
     def close(self) -> None:
         if self.fd >= 0:
