@@ -660,7 +660,7 @@ def test_a_kernels_inet_sockets_are_dumped_and_restored(
     asked = sock_diag_requests(calls)
     assert [family for family in asked if family.startswith("AF_INET")] == ["AF_INET"] * 2, asked
     kernel.restore(tmp_path / "s1")
-    assert kernel.execute(USE_SOCKETS) == "tcp udp"
+    assert kernel.execute(USE_SOCKETS).split() == ["tcp", "udp"]
 
 
 def kernel_with_dumps_traced(
