@@ -45,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     # memory) is the user's alone whatever their umask; the kernel keeps the user's.
     kernel_umask = os.umask(0o077)
     logging.basicConfig(
-        level=logging.INFO, format="[kernel_wrapper %(levelname)s] %(message)s", stream=sys.stderr
+        level=logging.INFO,
+        format="[kernel_wrapper %(levelname)s %(asctime)s.%(msecs)03d] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        stream=sys.stderr,
     )
     try:
         wrapper = KernelWrapper(

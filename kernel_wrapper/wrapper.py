@@ -350,6 +350,8 @@ class KernelWrapper:
             self.relay.tracker.execution_state,
             self.relay.describe(),
         )
+        for task in asyncio.all_tasks():
+            log.warning("task %s waits at %s", task.get_name(), _awaiting(task.get_coro()))
 
     def _interrupt(self) -> None:
         """SIGINT from the server: interrupt the inner kernel's process group."""
@@ -439,3 +441,16 @@ class KernelWrapper:
             "death": death.to_dict() if (death := self._journal_death()) else None,
             "checkpoints": self.checkpoints.status(),
         }
+
+
+def _awaiting(coro: Any) -> str:
+    """Where a suspended coroutine waits: each frame of its await chain, outermost first."""
+    where = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            where.append(
+                f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
+            )
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return " > ".join(where) or "(running or done)"

@@ -5,18 +5,31 @@ cgroup; the offer in the REST API until it is taken or dismissed, and restore_on
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from jupyter_ext.core import proctree
+from jupyter_ext.core.criu import Criu
+from jupyter_ext.core.criu.deathwatch import (
+    DEATH_GRACE_SECONDS,
+    INVENTORY,
+    WATCH_SECONDS,
+    TreeDeathWatch,
+)
 from jupyter_ext.core.death import Death, MemoryCgroup, Witness
+from jupyter_ext.core.errors import DumpError
 from jupyter_ext.core.protocol.control import journal_path
 from testkit.processes import KernelProcess, ServerProcess, wait_until
 
@@ -309,3 +322,107 @@ def test_death_reasons_in_words() -> None:
     assert Death(None).reason == "ended; how is not known on this machine"
     death = Death(-9, oom=True, memory_bytes=1 << 30, wrapper=True)
     assert Death.from_dict(death.to_dict()) == death
+
+
+# ---------------------------------------------------------------- during a dump
+
+#: A kernel-like tree for CRIU to seize: the init of its own PID namespace (as a kernel
+#: is, kernel_wrapper/supervisor.py), with enough threads that seizing them takes a while.
+SEIZED_TREE = """
+import os, sys, threading
+os.setsid()
+stop = threading.Event()
+for _ in range(200):
+    threading.Thread(target=stop.wait, daemon=True).start()
+print("ready", flush=True)
+stop.wait()
+"""
+
+
+def test_a_dump_ends_when_its_kernel_dies_while_criu_seizes_it(criu: Criu, tmp_path: Path) -> None:
+    """Killed while CRIU seizes its threads, a kernel (the init of its PID namespace)
+    cannot finish dying until CRIU reaps the threads it traces, while CRIU waits for
+    another of them to stop: without core/criu/deathwatch.py both wait for ever (a cell
+    checkpoint's dump hung so in a fault test, and every dump behind it). The dump must
+    end with an error that says why, CRIU gone, the kernel reaped. The kill is sent when
+    CRIU's log says it seizes threads; a few tries, until one lands there (CRIU fails by
+    itself on a kill that lands elsewhere)."""
+    stopped = []
+    for attempt in range(8):
+        top = tmp_path / str(attempt)
+        images, work = top / "images", top / "work"
+        for path in (images, work):
+            path.mkdir(parents=True)
+        launcher = subprocess.Popen(
+            ["unshare", "--pid", "--fork", sys.executable, "-c", SEIZED_TREE],
+            cwd=top,  # where CRIU's parasite mounts its /proc
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert launcher.stdout is not None
+            assert launcher.stdout.readline() == "ready\n"
+            (root,) = proctree.children(launcher.pid)
+            log = work / "dump.log"
+
+            def kill_at_seize(root: int = root, log: Path = log) -> None:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    with contextlib.suppress(OSError):
+                        if b"Seizing" in log.read_bytes():
+                            break
+                    time.sleep(0.0005)
+                os.kill(root, signal.SIGKILL)
+
+            killer = threading.Thread(target=kill_at_seize, daemon=True)
+            killer.start()
+            with pytest.raises(DumpError) as failed:
+                # A bound for the test alone: the dump ends in about two seconds.
+                asyncio.run(
+                    asyncio.wait_for(criu.dump(root, images, work, leave_running=True), 120)
+                )
+            killer.join()
+            launcher.wait(timeout=60)  # the kernel is reaped: the namespace emptied
+            assert not [p for p in proctree.all_pids() if _dumps_into(p, images)]
+            if "CRIU was stopped" in failed.value.message:
+                stopped.append(attempt)
+                break
+        finally:
+            launcher.kill()
+            launcher.wait()
+            launcher.stdout.close()
+    assert stopped, "no kill landed while CRIU seized the threads in 8 tries"
+
+
+def test_the_death_watch_kills_only_a_dump_whose_tree_ended(tmp_path: Path) -> None:
+    """The watch of core/criu/deathwatch.py on real processes (a stand-in for CRIU):
+    nothing while the tree lives; once its root ended, the stand-in killed, and said; not
+    once CRIU has written the inventory (a suspend's CRIU ends the tree itself after it)."""
+    for written in (False, True):
+        images = tmp_path / str(written)
+        images.mkdir()
+        root = subprocess.Popen(["sleep", "600"])
+        stand_in = subprocess.Popen(["sleep", "600"])
+        try:
+            with TreeDeathWatch(root.pid, images, stand_in.kill) as watch:
+                time.sleep(10 * WATCH_SECONDS)
+                assert stand_in.poll() is None  # the tree lives
+                if written:
+                    (images / INVENTORY).write_bytes(b"")
+                root.kill()
+                root.wait()
+                # Killed after the grace (waited for long); else not within it and more.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    stand_in.wait(timeout=DEATH_GRACE_SECONDS + (1 if written else 60))
+            assert watch.killed is (not written)
+            assert (stand_in.poll() is not None) is (not written)
+        finally:
+            for process in (root, stand_in):
+                process.kill()
+                process.wait()
+
+
+def _dumps_into(pid: int, images: Path) -> bool:
+    with contextlib.suppress(OSError):
+        return str(images).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    return False

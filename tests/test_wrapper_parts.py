@@ -324,9 +324,12 @@ def test_a_wrapper_says_what_its_relay_holds_on_sigusr1(kernel_factory: Any) -> 
     kernel.process.send_signal(signal.SIGUSR1)
     wait_until(lambda: "relay: open=True" in kernel.log(), what="the relay's state in the log")
     line = next(x for x in kernel.log().splitlines() if "relay:" in x)
-    assert line.startswith("[kernel_wrapper WARNING] state running, snapshot job none"), line
+    assert "] state running, snapshot job none" in line, line
+    assert line.startswith("[kernel_wrapper WARNING "), line
     assert "'shell-in'" in line
     assert "server.iopub=" in line
+    # And where each of its tasks waits (a stuck snapshot shows its step).
+    wait_until(lambda: "waits at wrapper.py:" in kernel.log(), what="the tasks in the log")
     assert kernel.execute("print(6 * 7)") == "42\n"
 
 

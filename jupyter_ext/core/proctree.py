@@ -176,6 +176,18 @@ def is_alive(pid: int) -> bool:
     return False
 
 
+def has_ended(pid: int) -> bool:
+    """Whether ``pid`` is gone or ending (:func:`is_alive` false), looked at cheaply
+    first: only a main thread that is a zombie, dead or ending makes it look further."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return True
+    if fields[0] not in ("Z", "X") and not int(fields[6]) & _PF_EXITING:
+        return False
+    return not is_alive(pid)
+
+
 def _killed(status: Path) -> bool:
     """Whether SIGKILL is pending for the thread (its own or its process's)."""
     for line in status.read_text().splitlines():

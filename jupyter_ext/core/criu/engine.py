@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -38,6 +39,7 @@ from ..errors import (
 from ..isolation import mountns
 from ..isolation.confinement import Confinement
 from ..protocol.environment import DEFAULT_RUNTIME_ROOT, ENV_CRIU, ENV_CRIU_PREFIX
+from .deathwatch import TreeDeathWatch, stopped_error
 from .frozen import FrozenCopy
 from .lazy import UNPRIVILEGED_NO_LAZY, LazyTransfer
 from .log import DUMP_LOG_LEVEL, copied_bytes, explain_failure, frozen_seconds, log_excerpt
@@ -219,11 +221,15 @@ class Criu:
     async def _dump_run(
         self, pid: int, args: list[str], work_dir: Path, netns: OwnNetwork | None
     ) -> None:
-        """Run a dump or pre-dump of ``pid`` (its log in ``work_dir``); DumpError with
-        CRIU's words if it failed."""
+        """Run a dump or pre-dump of ``pid`` (its log in ``work_dir``), watched
+        (:mod:`.deathwatch`); DumpError with CRIU's words if it failed."""
+        images_dir = Path(args[args.index("-D") + 1])
         for attempt in range(KERNDAT_ATTEMPTS):
             async with working_directories_locked(pid):
-                rc, output = await self._run(args, netns=netns)
+                proc = await self._start(args, netns=netns)
+                rc, output, stopped = await _watched(proc, pid, images_dir)
+            if stopped:
+                raise stopped_error(log_excerpt(work_dir / "dump.log", output))
             if rc == 0 or not _kerndat_failed(work_dir / "dump.log", output):
                 break
             # CRIU failed in its start-up probes, before it touched the kernel: without a
@@ -490,14 +496,35 @@ class Criu:
     async def _run(
         self, args: list[str], pass_fds: Sequence[int] = (), netns: OwnNetwork | None = None
     ) -> tuple[int, str]:
-        proc = await self._start(args, pass_fds, netns)
-        run = asyncio.ensure_future(proc.communicate())
-        try:
-            out, _ = await asyncio.shield(run)
-        except asyncio.CancelledError:
-            await _outlive(proc, run)
-            raise
-        return proc.returncode or 0, out.decode(errors="replace")
+        return await _finished(await self._start(args, pass_fds, netns))
+
+
+async def _finished(proc: asyncio.subprocess.Process) -> tuple[int, str]:
+    """The exit status and output of a CRIU :meth:`Criu._start` started, once it ended
+    (a cancelled caller waits: :func:`_outlive`)."""
+    run = asyncio.ensure_future(proc.communicate())
+    try:
+        out, _ = await asyncio.shield(run)
+    except asyncio.CancelledError:
+        await _outlive(proc, run)
+        raise
+    return proc.returncode or 0, out.decode(errors="replace")
+
+
+async def _watched(
+    proc: asyncio.subprocess.Process, root: int, images_dir: Path
+) -> tuple[int, str, bool]:
+    """:func:`_finished` of a dump's CRIU, which is killed if the tree at ``root`` died
+    under it (:mod:`.deathwatch`); and whether it was."""
+    with TreeDeathWatch(root, images_dir, functools.partial(_kill_group, proc.pid)) as watch:
+        rc, output = await _finished(proc)
+    return rc, output, watch.killed
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the process group of a CRIU :meth:`Criu._start` started."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 #: How long a cancelled caller waits for its CRIU to end by itself before killing it.
@@ -514,8 +541,7 @@ async def _outlive(proc: asyncio.subprocess.Process, run: asyncio.Future[Any]) -
     while not run.done():
         left = deadline - time.monotonic()
         if left <= 0:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            _kill_group(proc.pid)
             left = 5.0
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(asyncio.shield(run), left)
