@@ -581,6 +581,88 @@ def test_a_dump_reads_only_its_parents_pagemap(
     assert_array_restored(kernel, kernel_factory, tmp_path / "s2")
 
 
+#: Address families by number (linux/socket.h), for an strace that leaves sock diag raw.
+_FAMILIES = {1: "AF_UNIX", 2: "AF_INET", 10: "AF_INET6", 16: "AF_NETLINK", 17: "AF_PACKET"}
+
+
+def sock_diag_requests(calls: Path) -> list[str]:
+    """The address family of each sock diag request (``SOCK_DIAG_BY_FAMILY``) in an strace
+    of a dump's ``sendmsg`` calls, decoded by strace or read from its first byte."""
+    families = []
+    for line in calls.read_text().splitlines():
+        if not re.search(r"nlmsg_type=(SOCK_DIAG_BY_FAMILY|0x14)\b", line):
+            continue
+        decoded = re.search(r"sdiag_family=(AF_\w+)", line)
+        if decoded:
+            families.append(decoded.group(1))
+            continue
+        raw = re.search(r'\}, "(\\x[0-9a-f]{2}|\\[0-7]{1,3}|\\[a-z]|[^\\])', line)
+        assert raw, line
+        families.append(_FAMILIES[_c_byte(raw.group(1))])
+    return families
+
+
+def _c_byte(escaped: str) -> int:
+    """One byte as strace prints it in a string: ``\\x02``, ``\\2``, ``\\n`` or itself."""
+    if escaped.startswith("\\x"):
+        return int(escaped[2:], 16)
+    if escaped[1:].isdigit():
+        return int(escaped[1:], 8)
+    if escaped.startswith("\\"):
+        return {"n": 10, "t": 9, "v": 11, "f": 12, "r": 13}[escaped[1]]
+    return ord(escaped)
+
+
+@strace_of_criu
+def test_a_dump_asks_for_no_inet_sockets_a_kernel_does_not_hold(
+    kernel_factory: Factory, tmp_path: Path, criu: Criu
+) -> None:
+    """Patch 0010: each inet sock diag request (eight of them) walks the whole machine's
+    table of its protocol while the kernel is frozen, although a kernel holds unix sockets
+    only. Its dump now asks for unix sockets and none of the inet ones."""
+    kernel, calls = kernel_with_dumps_traced(kernel_factory, tmp_path, criu, "sendmsg")
+    kernel.execute("x = 1")
+    snapshot(kernel, tmp_path / "s1")
+    asked = sock_diag_requests(calls)
+    assert asked.count("AF_UNIX") == 1, asked
+    assert [family for family in asked if family.startswith("AF_INET")] == [], asked
+
+
+SOCKETS = """
+import socket
+srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+srv.bind(("127.0.0.1", 0))
+srv.listen()
+udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+udp.bind(("127.0.0.1", 0))
+"""
+USE_SOCKETS = """
+c = socket.create_connection(srv.getsockname(), timeout=10)
+conn, _ = srv.accept()
+c.sendall(b"tcp")
+udp.sendto(b"udp", udp.getsockname())
+udp.settimeout(10)
+print(conn.recv(3).decode(), udp.recv(3).decode())
+c.close(); conn.close()
+"""
+
+
+@strace_of_criu
+def test_a_kernels_inet_sockets_are_dumped_and_restored(
+    kernel_factory: Factory, tmp_path: Path, criu: Criu
+) -> None:
+    """Patch 0010: a kernel holding a listening TCP socket and a UDP socket has them
+    collected when the dump finds them (one request each, none for the protocols it does
+    not use), and the restored kernel accepts a connection and gets a datagram on them."""
+    kernel, calls = kernel_with_dumps_traced(kernel_factory, tmp_path, criu, "sendmsg")
+    kernel.execute(SOCKETS)
+    snapshot(kernel, tmp_path / "s1")
+    asked = sock_diag_requests(calls)
+    assert [family for family in asked if family.startswith("AF_INET")] == ["AF_INET"] * 2, asked
+    kernel.restore(tmp_path / "s1")
+    assert kernel.execute(USE_SOCKETS).split() == ["tcp", "udp"]
+
+
 def kernel_with_dumps_traced(
     kernel_factory: Factory, tmp_path: Path, criu: Criu, syscall: str
 ) -> tuple[KernelProcess, Path]:
