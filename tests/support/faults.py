@@ -529,6 +529,36 @@ def settled_leftovers(lab: Lab, pending: set[str], timeout: float = 30) -> list[
     return left
 
 
+def wrappers_waiting(lab: Lab) -> str:
+    """Where each task of the server's kernel wrappers waits (SIGUSR1: their log says it,
+    kernel_wrapper/wrapper.py), for a failure to show what held a leftover (one line: a
+    :class:`Survey` keeps a violation's first line)."""
+    server = lab.up
+    wrappers = [
+        pid
+        for pid in proctree.descendants(server.process.pid)[1:]
+        if b"kernel_wrapper\0-f" in _cmdline(pid)
+    ]
+    before = len(server.log())
+    for pid in wrappers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(1)
+    said = [
+        line
+        for line in server.log()[before:].splitlines()
+        if " waits at " in line and not line.endswith("receive_ready")  # an idle relay
+    ]
+    return "".join(f" | {line}" for line in said)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def check_invariants(
     lab: Lab,
     alive: dict[str, ZdtmState],
@@ -589,7 +619,7 @@ def check_invariants(
         checked.kernels += 1
     wait_quiet(lab, allow_pending=allow_pending)
     left = settled_leftovers(lab, pending)
-    assert not left, f"left in the work directory {lab.work_dir}: {left}"
+    assert not left, f"left in the work directory {lab.work_dir}: {left}{wrappers_waiting(lab)}"
     orphans = lab.orphan_objects()
     assert not orphans, f"{len(orphans)} packs in the store that no snapshot references"
     return checked
