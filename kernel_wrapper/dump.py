@@ -76,15 +76,18 @@ log = logging.getLogger("kernel_wrapper")
 
 
 def with_fate(exc: SnapshotError, inner_pid: int) -> SnapshotError:
-    """A failed dump's error, saying what became of the kernel: only what is true."""
+    """A failed dump's error, saying what became of the kernel: only what is true. A kernel
+    that died is the news, and CRIU's failure its consequence: CRIU's hint (a privilege it
+    lacked, say, for a task that could no longer be stopped) would send the user astray."""
     if proctree.is_alive(inner_pid):
         fate = "The kernel keeps running unharmed."
-    else:
-        fate = (
-            "The kernel's process ended during the snapshot: what it held since its last "
-            "snapshot is gone; restore that snapshot, or restart the kernel."
-        )
-    return type(exc)(f"{exc.message} {fate}", hint=exc.hint, log_excerpt=exc.log_excerpt)
+        return type(exc)(f"{exc.message} {fate}", hint=exc.hint, log_excerpt=exc.log_excerpt)
+    return type(exc)(
+        "The kernel's process ended during the snapshot: what it held since its last "
+        f"snapshot is gone. (CRIU then said: {exc.message})",
+        hint="Restore the kernel's last snapshot, or restart it; its status says how it ended.",
+        log_excerpt=exc.log_excerpt,
+    )
 
 
 @contextlib.contextmanager
